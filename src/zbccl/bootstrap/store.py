@@ -1,0 +1,85 @@
+"""Rendezvous through a torch ``Store`` (TCPStore, FileStore, HashStore...).
+
+zbccl never opens its own rendezvous socket: torch's store is the engine.
+Keys live under ``zbccl/<generation>/`` where the generation counts how many
+times this rank initialised zbccl on this store, so a re-``init`` after
+``finalize`` on the same store never reads stale keys.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..errors import ZbcclTimeoutError
+from .base import Bootstrap
+
+__all__ = ["StoreBootstrap"]
+
+# How long one store.wait blocks before we look again at which ranks arrived.
+_WAIT_SLICE_S = 1.0
+
+
+class StoreBootstrap(Bootstrap):
+    """A :class:`Bootstrap` over a torch store for ranks ``0..world_size-1``.
+
+    ``members`` maps this bootstrap's ranks to the rank numbers used in error
+    messages (global ranks for a sub-group).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, prefix: str,
+                 members: tuple[int, ...] | None = None) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.prefix = prefix
+        self.members = members if members is not None else tuple(range(world_size))
+        self._seq: dict[str, int] = {}
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(self._key(key), value)
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self.store.add(self._key(key), delta))
+
+    def get(self, key: str, *, timeout: float, owner: int | None = None) -> bytes:
+        full = self._key(key)
+        self._wait_keys([full], timeout=timeout, owners=[owner if owner is not None else -1], op="get")
+        return self.store.get(full)
+
+    def _wait_keys(self, keys: list[str], *, timeout: float, owners: list[int], op: str) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(zip(keys, owners))
+        while True:
+            # check() is one round trip for all keys and never blocks.
+            pending = [(k, o) for k, o in pending if not self.store.check([k])]
+            if not pending:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = tuple(o for _, o in pending if o >= 0)
+                raise ZbcclTimeoutError(
+                    f"bootstrap {op}: timed out after {timeout:.1f}s waiting for ranks "
+                    f"{list(missing)} (of {self.world_size}); they never arrived",
+                    ranks=missing,
+                )
+            try:
+                self.store.wait([pending[0][0]], timedelta(seconds=min(_WAIT_SLICE_S, left)))
+            except Exception:  # noqa: BLE001 - the store raises its own timeout types
+                pass
+
+    def all_gather(self, value: bytes, *, timeout: float, tag: str = "ag") -> list[bytes]:
+        seq = self._seq.get(tag, 0)
+        self._seq[tag] = seq + 1
+        base = f"{tag}/{seq}"
+        self.set(f"{base}/{self.rank}", value)
+        keys = [self._key(f"{base}/{r}") for r in range(self.world_size)]
+        self._wait_keys(keys, timeout=timeout, owners=list(self.members), op=tag)
+        if hasattr(self.store, "multi_get"):
+            return list(self.store.multi_get(keys))
+        return [self.store.get(k) for k in keys]  # pragma: no cover - old torch

@@ -1,0 +1,125 @@
+"""Host identity and the rank-to-host map.
+
+Two ranks are on the same "host" when they can share memory *and* reach each
+other's abstract Unix sockets: the same running kernel (``boot_id``) and the
+same network namespace. The hostname alone is not enough: containers often
+share or fake it, and two containers on one machine may not share /dev/shm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from dataclasses import dataclass, field
+
+__all__ = ["HostInfo", "Topology", "local_host_info"]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _ns_inode(kind: str) -> str:
+    try:
+        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+    except OSError:
+        return ""
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity mask, not the machine total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """What a rank says about where it runs, exchanged at rendezvous."""
+
+    host_id: str
+    hostname: str
+    pid: int
+    cores: int
+
+    def to_dict(self) -> dict:
+        return {"host_id": self.host_id, "hostname": self.hostname, "pid": self.pid, "cores": self.cores}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HostInfo:
+        return cls(d["host_id"], d["hostname"], int(d["pid"]), int(d["cores"]))
+
+
+def local_host_info() -> HostInfo:
+    """This process's :class:`HostInfo`; ``host_id`` hashes boot id, net and IPC namespaces."""
+    hostname = socket.gethostname()
+    parts = [hostname, _read("/proc/sys/kernel/random/boot_id"), _ns_inode("net"), _ns_inode("ipc")]
+    host_id = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+    return HostInfo(host_id=host_id, hostname=hostname, pid=os.getpid(), cores=usable_cores())
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks grouped by host, in the numbering of one communicator.
+
+    ``hosts[i]`` lists the ranks of host ``i`` in increasing order; hosts are
+    ordered by their lowest rank so every rank derives the same numbering.
+    """
+
+    rank: int
+    infos: tuple[HostInfo, ...]
+    hosts: tuple[tuple[int, ...], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        groups: dict[str, list[int]] = {}
+        for r, info in enumerate(self.infos):
+            groups.setdefault(info.host_id, []).append(r)
+        object.__setattr__(self, "hosts", tuple(tuple(g) for g in sorted(groups.values())))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.infos)
+
+    @property
+    def host_index(self) -> int:
+        return self.host_of(self.rank)
+
+    def host_of(self, rank: int) -> int:
+        for i, ranks in enumerate(self.hosts):
+            if rank in ranks:
+                return i
+        raise KeyError(rank)
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """Ranks sharing this rank's host (including itself)."""
+        return self.hosts[self.host_index]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.local_ranks)
+
+    def is_local(self, rank: int) -> bool:
+        return self.infos[rank].host_id == self.infos[self.rank].host_id
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More ranks on this host than cores they may use: waits must yield at once."""
+        return self.local_world_size > self.infos[self.rank].cores
+
+    def describe(self) -> list[dict]:
+        return [
+            {"host": i, "hostname": self.infos[rs[0]].hostname, "host_id": self.infos[rs[0]].host_id,
+             "ranks": list(rs), "cores": self.infos[rs[0]].cores}
+            for i, rs in enumerate(self.hosts)
+        ]

@@ -1,0 +1,151 @@
+"""Every ``ZBCCL_*`` environment variable, declared once, typed and documented.
+
+Variables are read when a value is needed (never at import time) so that a
+launcher may set them after ``import zbccl``. ``zbccl info`` prints the values
+in effect, and the README table is checked against :data:`VARIABLES` by a test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Generic, TypeVar
+
+__all__ = [
+    "VARIABLES",
+    "EnvVar",
+    "parse_size",
+    "format_size",
+    "HEAP_SIZE",
+    "TIMEOUT",
+    "CACHE_DIR",
+    "PREFAULT",
+    "WAIT_SPIN",
+    "LIVENESS_INTERVAL",
+    "SMA_CACHE_LIMIT",
+    "SKIP_SHM_CHECK",
+    "CXX",
+    "LOG_LEVEL",
+]
+
+T = TypeVar("T")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"256M"``, ``"1GiB"``, ``"4096"`` or an int into bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"parse_size: not a size, expected e.g. '256M' or '1GiB', got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(nbytes: int) -> str:
+    """Human form of a byte count, e.g. ``64.0 MiB``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {text!r}")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One declared variable: its name, parser, default and one-line doc."""
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        """The value in effect now: the environment's, parsed, or the default."""
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            from .errors import ZbcclInvalidUsageError
+
+            raise ZbcclInvalidUsageError(f"env: bad value for {self.name}: {exc}") from None
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "zbccl"
+
+
+HEAP_SIZE: EnvVar[int] = EnvVar(
+    "ZBCCL_HEAP_SIZE", parse_size, 256 << 20,
+    "Default heap bytes per rank when init() gets no heap_size (e.g. 512M, 2G).",
+)
+TIMEOUT: EnvVar[float] = EnvVar(
+    "ZBCCL_TIMEOUT", float, 300.0,
+    "Default timeout in seconds of every blocking call (rendezvous, barrier, collective).",
+)
+CACHE_DIR: EnvVar[Path] = EnvVar(
+    "ZBCCL_CACHE_DIR", Path, _default_cache_dir(),
+    "Where compiled native code (and tuning tables) are cached. Default ~/.cache/zbccl.",
+)
+PREFAULT: EnvVar[bool] = EnvVar(
+    "ZBCCL_PREFAULT", _parse_bool, True,
+    "Populate heap pages at init (MAP_POPULATE) so no page fault lands on a hot path.",
+)
+WAIT_SPIN: EnvVar[int] = EnvVar(
+    "ZBCCL_WAIT_SPIN", int, -1,
+    "Polls a wait spins before it yields; -1 picks by load (0 when ranks outnumber cores).",
+)
+LIVENESS_INTERVAL: EnvVar[float] = EnvVar(
+    "ZBCCL_LIVENESS_INTERVAL", float, 0.05,
+    "Seconds between checks for dead peers while a rank waits.",
+)
+SMA_CACHE_LIMIT: EnvVar[int] = EnvVar(
+    "ZBCCL_SMA_CACHE_LIMIT", parse_size, 1 << 62,
+    "Most bytes the SMA keeps in its free-block cache before returning blocks to the heap.",
+)
+SKIP_SHM_CHECK: EnvVar[bool] = EnvVar(
+    "ZBCCL_SKIP_SHM_CHECK", _parse_bool, False,
+    "Skip the /dev/shm and memory capacity check made before the heap is created.",
+)
+CXX: EnvVar[str] = EnvVar(
+    "ZBCCL_CXX", str, "",
+    "C/C++ compiler for the native core; default: $CXX/$CC, then g++/gcc, then c++/cc.",
+)
+LOG_LEVEL: EnvVar[str] = EnvVar(
+    "ZBCCL_LOG_LEVEL", str, "WARNING",
+    "Level of the 'zbccl' logger (DEBUG, INFO, WARNING, ERROR).",
+)
+
+#: Every declared variable, in README order.
+VARIABLES: tuple[EnvVar, ...] = (
+    HEAP_SIZE,
+    TIMEOUT,
+    CACHE_DIR,
+    PREFAULT,
+    WAIT_SPIN,
+    LIVENESS_INTERVAL,
+    SMA_CACHE_LIMIT,
+    SKIP_SHM_CHECK,
+    CXX,
+    LOG_LEVEL,
+)

@@ -1,0 +1,56 @@
+"""What a heap transport must provide, so that a CUDA backend can plug in later.
+
+A transport creates this rank's segment, maps the segments of the peers it can
+reach, and tells which peers died. Everything above it (the SMA, handles,
+bounds checks, the collectives' Python layer) sees only :class:`Segment`
+objects: a rank, a base address in this process, a size and a device. A CUDA
+transport would return device addresses from CUDA IPC or VMM mappings of the
+same sizes; the control area could stay in host shared memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from ..bootstrap.base import Bootstrap
+from ..bootstrap.topology import Topology
+
+__all__ = ["Segment", "Transport"]
+
+
+@dataclass
+class Segment:
+    """One rank's segment as mapped in this process."""
+
+    rank: int
+    addr: int
+    nbytes: int
+    device: str = "cpu"
+    owner: bool = False
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
+
+
+class Transport(ABC):
+    """Creates, exchanges and maps segments among the ranks of one host."""
+
+    device: str = "cpu"
+
+    @abstractmethod
+    def establish(self, bootstrap: Bootstrap, topology: Topology, *, segment_bytes: list[int],
+                  job_id: str, timeout: float) -> dict[int, Segment]:
+        """Collective: create this rank's segment and map every reachable peer's.
+
+        ``segment_bytes`` is indexed by rank. Returns segments keyed by rank,
+        this rank's included. Ranks on other hosts are absent.
+        """
+
+    @abstractmethod
+    def dead_peers(self) -> list[int]:
+        """Ranks whose process is gone (their connection closed). Cheap; never blocks."""
+
+    @abstractmethod
+    def close(self, *, unmap: bool) -> None:
+        """Drop connections; unmap the segments only when ``unmap`` (no tensor still uses them)."""

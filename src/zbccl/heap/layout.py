@@ -1,0 +1,78 @@
+"""Layout of one rank's segment: a control area, then the SMA heap.
+
+Pure arithmetic, no I/O. Every flag occupies its own 64-byte cache line,
+``[int64 value][int32 waiters][padding]``, the contract of the native wait
+primitives (``waiters`` lets a writer skip the futex wake when nobody sleeps).
+
+::
+
+    offset 0                      64 KiB                          CTRL_BYTES
+    | header (one line per field) | comm slot 0 | slot 1 | ...    | heap ...
+                                  ^ 8 KiB each, MAX_COMMS of them
+
+Header lines are written only by the owner and read by peers:
+
+* ``MAGIC``, ``VERSION``, ``RANK``, ``HEAP_BYTES``, ``PID``: set once at creation;
+* ``STATE``: ``STATE_INIT`` -> ``STATE_READY`` -> ``STATE_FINALIZED`` (clean exit)
+  or ``STATE_FAILED`` (the owner hit an error it wants peers to see);
+* ``ERROR``: the :class:`~zbccl.errors.ErrorCode` behind ``STATE_FAILED``.
+
+A comm slot belongs to one communicator (the world is slot 0). Line 0 of the
+slot holds the owner's barrier epoch; the other lines are reserved for the
+collectives' per-op headers and flags.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LINE", "MAGIC_VALUE", "LAYOUT_VERSION", "HEADER_BYTES", "SLOT_BYTES", "MAX_COMMS", "CTRL_BYTES",
+    "STATE_INIT", "STATE_READY", "STATE_FINALIZED", "STATE_FAILED",
+    "H_MAGIC", "H_VERSION", "H_RANK", "H_HEAP_BYTES", "H_PID", "H_STATE", "H_ERROR",
+    "slot_offset", "slot_line", "segment_bytes", "SLOT_BARRIER",
+]
+
+LINE = 64
+MAGIC_VALUE = 0x7A6263636C000001  # "zbccl" + 1
+LAYOUT_VERSION = 1
+
+HEADER_BYTES = 64 << 10
+SLOT_BYTES = 8 << 10
+CTRL_BYTES = 1 << 20
+MAX_COMMS = (CTRL_BYTES - HEADER_BYTES) // SLOT_BYTES
+PAGE = 4096
+
+# Header fields: byte offsets of their lines.
+H_MAGIC = 0 * LINE
+H_VERSION = 1 * LINE
+H_RANK = 2 * LINE
+H_HEAP_BYTES = 3 * LINE
+H_PID = 4 * LINE
+H_STATE = 5 * LINE
+H_ERROR = 6 * LINE
+
+STATE_INIT = 0
+STATE_READY = 1
+STATE_FINALIZED = 2
+STATE_FAILED = 3
+
+# Lines inside a comm slot.
+SLOT_BARRIER = 0
+
+
+def slot_offset(slot: int) -> int:
+    """Byte offset of comm slot ``slot`` inside a segment."""
+    if not 0 <= slot < MAX_COMMS:
+        raise ValueError(f"comm slot {slot} out of range [0, {MAX_COMMS})")
+    return HEADER_BYTES + slot * SLOT_BYTES
+
+
+def slot_line(slot: int, line: int) -> int:
+    """Byte offset of line ``line`` of comm slot ``slot``."""
+    if not 0 <= line < SLOT_BYTES // LINE:
+        raise ValueError(f"slot line {line} out of range [0, {SLOT_BYTES // LINE})")
+    return slot_offset(slot) + line * LINE
+
+
+def segment_bytes(heap_bytes: int) -> int:
+    """Total segment size for a heap of ``heap_bytes``: control area plus heap, page-rounded."""
+    return CTRL_BYTES + (heap_bytes + PAGE - 1) // PAGE * PAGE

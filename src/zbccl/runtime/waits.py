@@ -1,0 +1,85 @@
+"""Bounded waits on peers' flags, with death detection.
+
+Every wait in zbccl goes through :func:`wait_flags`. The native primitive
+spins, yields, then sleeps on a futex, and returns after at most one
+*liveness slice*. Between slices this module asks the transport which peers
+died (their connection closed) and reads their header state, so a killed peer
+is reported as :class:`~zbccl.errors.ZbcclRemoteError` within about one slice,
+and a peer that is merely slow as :class:`~zbccl.errors.ZbcclTimeoutError`
+naming exactly the ranks whose flags never reached the target.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import ZbcclRemoteError, ZbcclTimeoutError
+from ..heap import layout
+
+if TYPE_CHECKING:
+    from .context import Context
+
+__all__ = ["FlagSet", "wait_flags", "check_peers"]
+
+
+class FlagSet:
+    """The addresses of some ranks' flags, precomputed once for the hot path."""
+
+    def __init__(self, ranks: list[int], addrs: list[int]) -> None:
+        self.ranks = list(ranks)
+        self.addrs = np.asarray(addrs, dtype=np.uint64)
+        self.ptr = int(self.addrs.ctypes.data)
+        self.n = len(self.ranks)
+
+
+def check_peers(ctx: Context, ranks: list[int], *, op: str) -> None:
+    """Raise :class:`ZbcclRemoteError` if any of ``ranks`` died, left or failed."""
+    dead = set(ctx.heap.transport.dead_peers()) & set(ranks)
+    gone = []
+    for r in ranks:
+        if r == ctx.rank or not ctx.heap.reachable(r):
+            continue
+        state = ctx.heap.header(r, layout.H_STATE)
+        if state == layout.STATE_FAILED:
+            gone.append((r, "failed"))
+        elif state == layout.STATE_FINALIZED:
+            gone.append((r, "called finalize"))
+        elif r in dead:
+            gone.append((r, "died (its process exited or was killed)"))
+    if gone:
+        ranks_gone = tuple(r for r, _ in gone)
+        what = "; ".join(f"rank {r} {why}" for r, why in gone)
+        raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=ranks_gone)
+
+
+def wait_flags(ctx: Context, flags: FlagSet, target: int, *, timeout: float, op: str,
+               spin: int | None = None) -> None:
+    """Block until every flag in ``flags`` is >= ``target``.
+
+    Raises :class:`ZbcclRemoteError` when one of their owners dies or leaves,
+    :class:`ZbcclTimeoutError` (naming the late ranks) after ``timeout`` seconds.
+    """
+    if flags.n == 0:
+        return
+    prims = ctx.prims
+    spin = ctx.spin if spin is None else spin
+    slice_ns = ctx.liveness_ns
+    if prims.wait_ge(flags.ptr, flags.n, target, spin, slice_ns) < 0:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        check_peers(ctx, flags.ranks, op=op)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            late = tuple(r for r, a in zip(flags.ranks, flags.addrs.tolist())
+                         if prims.load_acquire(a) < target)
+            if not late:
+                return
+            raise ZbcclTimeoutError(
+                f"{op}: timed out after {timeout:.1f}s waiting for ranks {list(late)}; they never arrived",
+                ranks=late)
+        if prims.wait_ge(flags.ptr, flags.n, target, 0, min(slice_ns, int(left * 1e9))) < 0:
+            return

@@ -1,0 +1,76 @@
+"""``zbccl info``: environment, topology, shared-memory capacity, native build, configuration."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+from .. import env
+from .._version import __version__
+
+__all__ = ["collect_info", "print_info"]
+
+
+def _cpu() -> dict:
+    model, flags = platform.processor() or "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ["avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "asimd", "sve"]
+    return {"model": model, "arch": platform.machine(), "features": [f for f in wanted if f in flags]}
+
+
+def collect_info() -> dict:
+    """Everything ``zbccl info`` reports, as a dict (no process group needed)."""
+    import torch
+
+    from ..bootstrap.topology import local_host_info
+    from ..heap.capacity import shm_capacity
+
+    host = local_host_info()
+    try:
+        from .. import native
+
+        native_status = native.status()
+    except Exception as exc:  # noqa: BLE001 - report, don't fail
+        native_status = {"error": str(exc)}
+    return {
+        "zbccl": __version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu(),
+        "topology": {"hostname": host.hostname, "host_id": host.host_id, "usable_cores": host.cores,
+                     "torch_threads": torch.get_num_threads()},
+        "shared_memory": shm_capacity(),
+        "native": native_status,
+        "config": {v.name: {"value": str(v.get()), "set": v.is_set(), "doc": v.doc} for v in env.VARIABLES},
+    }
+
+
+def print_info(*, as_json: bool = False) -> None:
+    info = collect_info()
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+        return
+    print(f"zbccl {info['zbccl']}  python {info['python']}  torch {info['torch']}")
+    print(f"platform   {info['platform']}")
+    cpu = info["cpu"]
+    print(f"cpu        {cpu['model']} ({cpu['arch']}; {' '.join(cpu['features']) or 'no SIMD flags found'})")
+    topo = info["topology"]
+    print(f"host       {topo['hostname']} id={topo['host_id']} usable_cores={topo['usable_cores']} "
+          f"torch_threads={topo['torch_threads']}")
+    shm = info["shared_memory"]
+    print("shared mem " + "  ".join(f"{k}={env.format_size(v) if v is not None else 'n/a'}" for k, v in shm.items()))
+    print("native     " + json.dumps(info["native"], default=str))
+    print("config")
+    for name, c in info["config"].items():
+        print(f"  {name:<24} {c['value']:<28} {'(set)' if c['set'] else '(default)'}")

@@ -1,0 +1,143 @@
+"""Failure paths: missing ranks, killed ranks, departed ranks, two jobs, capacity."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from tests.spawn import run_world
+
+MiB = 1 << 20
+
+
+def processes_mapping(job_id: str) -> list[int]:
+    """PIDs of processes that still map a memfd segment of job ``job_id``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if f"/memfd:zbccl-{job_id}-" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def _never_joins(ctx):
+    import zbccl
+
+    if ctx.rank == 2:
+        return None  # this rank never calls init
+    with pytest.raises(zbccl.ZbcclTimeoutError) as info:
+        ctx.init(heap_size=MiB, timeout=3)
+    assert info.value.ranks == (2,), info.value.ranks
+    assert "[2]" in str(info.value)
+    assert not zbccl.is_initialized()
+    return str(info.value)
+
+
+def test_rank_that_never_joins_is_named():
+    out = run_world(_never_joins, 3)
+    assert "never arrived" in out[0] and "never arrived" in out[1]
+
+
+def _killed(ctx, victim):
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB)
+    job = comm.job_id
+    comm.barrier()
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(zbccl.ZbcclRemoteError) as info:
+        for _ in range(10_000):  # the victim may die before or during any of these
+            comm.barrier(timeout=60)
+    assert victim in info.value.ranks and "died" in str(info.value)
+    zbccl.finalize()
+    return job
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_killed_rank_is_noticed_and_nothing_leaks(world_size):
+    victim = world_size - 1
+    # The world's own timeout (45 s) is below the barrier's (60 s): a pass
+    # proves the death was noticed, not waited out.
+    jobs = run_world(_killed, world_size, victim=victim, expect_exit={victim: -signal.SIGKILL}, timeout=45)
+    job = next(j for j in jobs if j)
+    assert processes_mapping(job) == [], "a segment of the killed job is still mapped"
+
+
+def _leaves(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=MiB)
+    comm.barrier()
+    if ctx.rank == 1:
+        zbccl.finalize()
+        return "left"
+    with pytest.raises(zbccl.ZbcclRemoteError, match="finalize"):
+        comm.barrier(timeout=60)
+    zbccl.finalize()
+    return "saw"
+
+
+def test_peer_that_finalized_is_reported():
+    assert run_world(_leaves, 2, timeout=45) == ["saw", "left"]
+
+
+def _job(ctx, tag):
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB)
+    try:
+        t = zbccl.empty(4096, dtype=torch.int64)
+        t.fill_(tag * 100 + ctx.rank)
+        hs = comm.all_gather_object(zbccl.export(t))
+        for _ in range(20):
+            comm.barrier()
+            for r in range(comm.world_size):
+                v = comm.peer_tensor(r, hs[r])
+                assert bool((v == tag * 100 + r).all()), f"job {tag} read another job's data"
+        return comm.job_id
+    finally:
+        zbccl.finalize()
+
+
+def test_two_jobs_on_one_host():
+    out: dict[int, list] = {}
+    errors = []
+
+    def go(tag):
+        try:
+            out[tag] = run_world(_job, 2, tag=tag)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(t,)) for t in (1, 2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert len(set(out[1])) == 1 and len(set(out[2])) == 1
+    assert out[1][0] != out[2][0], "two jobs got the same job id"
+
+
+def _too_big(ctx):
+    import zbccl
+
+    with pytest.raises(zbccl.ZbcclOutOfMemoryError) as info:
+        ctx.init(heap_size="64T", timeout=20)
+    msg = str(info.value)
+    assert "shm-size" in msg or "free memory" in msg
+    assert "64.0 TiB" in msg or "TiB" in msg or "GiB" in msg
+    return msg
+
+
+def test_capacity_check_fails_clearly_on_every_rank():
+    msgs = run_world(_too_big, 2)
+    assert all("not enough shared memory" in m for m in msgs)
