@@ -17,9 +17,10 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -48,7 +49,7 @@ class RankContext:
     world_size: int
     host: str
     port: int
-    extra: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
 
     def store(self) -> dist.TCPStore:
         return dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
@@ -64,6 +65,7 @@ class RankContext:
 
 def _child(fn: Callable, ctx: RankContext, kwargs: dict, conn) -> None:
     try:
+        os.environ.update(ctx.env)
         result = fn(ctx, **kwargs)
         conn.send(("ok", result))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -80,31 +82,21 @@ def run_world(fn: Callable[..., Any], world_size: int, *, timeout: float = 90.0,
 
     ``expect_exit`` maps ranks to the exit code they must end with (``-9`` for
     a rank that SIGKILLs itself); their results are ``None``. ``env`` entries
-    are set in the children (the forkserver copies the parent's environment
-    at fork time, so they are set around the start of the ranks).
+    are set in each rank before ``fn`` runs.
     """
     expect_exit = expect_exit or {}
     ctx = _mp()
     server = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=timeout))
     procs, conns = [], []
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        for r in range(world_size):
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            rc = RankContext(r, world_size, "127.0.0.1", server.port)
-            p = ctx.Process(target=_child, args=(fn, rc, kwargs, child_conn), name=f"zbccl-test-rank{r}")
-            p.start()
-            child_conn.close()
-            procs.append(p)
-            conns.append(parent_conn)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    for r in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        rc = RankContext(r, world_size, "127.0.0.1", server.port, dict(env or {}))
+        p = ctx.Process(target=_child, args=(fn, rc, kwargs, child_conn), name=f"zbccl-test-rank{r}")
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
     try:
         return _collect(procs, conns, timeout=timeout, expect_exit=expect_exit)
     finally:

@@ -6,63 +6,25 @@ ctypes array is the tensor storage's owner: when the last tensor (or view)
 using the storage dies, the array dies and a ``weakref.finalize`` returns the
 block to the SMA. No explicit free exists.
 
-A :class:`HeapHandle` is the picklable global address of a tensor:
-``(rank, offset, shape, stride, dtype)``. ``Communicator.peer_tensor`` turns
-it back into a view of any reachable rank's heap, bounds-checked.
+A :class:`~zbccl.heap.views.HeapHandle` is the picklable global address of a
+tensor; ``Communicator.peer_tensor`` turns it back into a bounds-checked view.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..heap.heap import GlobalHeap
+from ..heap.views import HeapHandle, wrap_address
 from ..runtime.communicator import Communicator
 from ..runtime.state import get_default, resolve_comm
 
 __all__ = [
-    "HeapHandle", "empty", "zeros", "empty_like", "is_heap_tensor", "export", "view_heap", "live_views",
-    "memory_stats", "memory_snapshot",
+    "HeapHandle", "empty", "zeros", "empty_like", "is_heap_tensor", "export", "memory_stats", "memory_snapshot",
 ]
-
-# Views of heap memory that are still alive, counted per heap: finalize keeps
-# the mappings while any exists, so no view ever points at unmapped memory.
-_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _view_died(heap: GlobalHeap) -> None:
-    _views[heap] = _views.get(heap, 1) - 1
-
-
-@dataclass(frozen=True)
-class HeapHandle:
-    """Global address of a heap tensor: owner rank (global), byte offset in its heap, layout."""
-
-    rank: int
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: str
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ZbcclInvalidUsageError(f"peer_tensor: unknown dtype in handle, got {self.dtype!r}")
-        return dt
-
-    def span_bytes(self) -> int:
-        """Bytes from the first to one past the last element the view can touch."""
-        itemsize = self.torch_dtype.itemsize
-        if any(s == 0 for s in self.shape):
-            return 0
-        return (sum((n - 1) * st for n, st in zip(self.shape, self.stride)) + 1) * itemsize
-
 
 def _shape(size: tuple) -> tuple[int, ...]:
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
@@ -71,10 +33,6 @@ def _shape(size: tuple) -> tuple[int, ...]:
     if any(s < 0 for s in shape):
         raise ZbcclInvalidUsageError(f"empty: negative dimension, got shape {shape}")
     return shape
-
-
-def _wrap(addr: int, nbytes: int) -> ctypes.Array:
-    return (ctypes.c_char * max(nbytes, 1)).from_address(addr)
 
 
 def empty(*size, dtype: torch.dtype | None = None, comm: Communicator | None = None) -> torch.Tensor:
@@ -89,7 +47,7 @@ def empty(*size, dtype: torch.dtype | None = None, comm: Communicator | None = N
     nbytes = math.prod(shape) * dtype.itemsize
     sma = comm.sma
     offset = sma.malloc(max(nbytes, 1), kind="explicit")
-    buf = _wrap(comm.heap_base + offset, nbytes)
+    buf = wrap_address(comm.heap_base + offset, nbytes)
     weakref.finalize(buf, sma.free, offset)
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat[:nbytes].view(dtype).view(shape)
@@ -133,36 +91,10 @@ def export(t: torch.Tensor, comm: Communicator | None = None) -> HeapHandle:
         raise ZbcclInvalidUsageError(
             "export: tensor is not in this rank's heap, expected one from zbccl.empty()/zeros() or "
             f"heap_scope(), got a {t.device.type} tensor at {t.data_ptr():#x}")
-    return HeapHandle(rank=c.global_rank, offset=t.data_ptr() - c.heap_base, shape=tuple(t.shape),
+    # data_ptr() is 0 for a zero-element tensor; the storage address is not.
+    addr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    return HeapHandle(rank=c.global_rank, offset=addr - c.heap_base, shape=tuple(t.shape),
                       stride=tuple(t.stride()), dtype=str(t.dtype).removeprefix("torch."))
-
-
-def view_heap(heap: GlobalHeap, rank: int, handle: HeapHandle) -> torch.Tensor:
-    """Zero-copy view of ``handle`` applied to global rank ``rank``'s heap (bounds-checked)."""
-    if not isinstance(handle, HeapHandle):
-        raise ZbcclInvalidUsageError(f"peer_tensor: expected a HeapHandle, got {type(handle).__name__}")
-    dtype = handle.torch_dtype
-    if len(handle.shape) != len(handle.stride) or any(s < 0 for s in handle.stride + handle.shape):
-        raise ZbcclInvalidUsageError(
-            f"peer_tensor: malformed handle, expected matching non-negative shape/stride, got {handle}")
-    if handle.offset % dtype.itemsize:
-        raise ZbcclInvalidUsageError(
-            f"peer_tensor: offset not aligned to {dtype}, expected a multiple of {dtype.itemsize}, "
-            f"got {handle.offset}")
-    span = handle.span_bytes()
-    addr = heap.addr(rank, handle.offset, span, op="peer_tensor")
-    if span == 0:
-        return torch.empty(handle.shape, dtype=dtype)
-    buf = _wrap(addr, span)
-    _views[heap] = _views.get(heap, 0) + 1
-    weakref.finalize(buf, _view_died, heap)
-    flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
-    return flat.as_strided(handle.shape, handle.stride)
-
-
-def live_views(heap: GlobalHeap) -> int:
-    """How many peer views of ``heap`` are still alive."""
-    return _views.get(heap, 0)
 
 
 def memory_stats(comm: Communicator | None = None) -> dict:

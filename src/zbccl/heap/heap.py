@@ -8,6 +8,8 @@ asymmetric heaps are safe: a bad offset raises and touches nothing.
 
 from __future__ import annotations
 
+import os
+
 from ..errors import ZbcclInvalidUsageError
 from . import layout
 from .base import Segment, Transport
@@ -98,7 +100,7 @@ class GlobalHeap:
         for field, value in ((layout.H_MAGIC, layout.MAGIC_VALUE), (layout.H_VERSION, layout.LAYOUT_VERSION),
                              (layout.H_RANK, self.rank), (layout.H_HEAP_BYTES, self.heap_bytes)):
             self.set_header(field, value)
-        import os
+
 
         self.set_header(layout.H_PID, os.getpid())
         self.set_header(layout.H_STATE, layout.STATE_READY)

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from ..bootstrap.store import StoreBootstrap
 from ..errors import ZbcclInvalidUsageError
 from ..heap import layout
+from ..heap.views import HeapHandle, view_heap
 from .waits import FlagSet, wait_flags
 
 if TYPE_CHECKING:
     import torch
 
-    from ..adapters.tensors import HeapHandle
     from .context import Context
 
 __all__ = ["Communicator"]
@@ -120,8 +120,6 @@ class Communicator:
         :class:`~zbccl.errors.ZbcclInvalidUsageError` and touches nothing.
         Not collective; does not block.
         """
-        from ..adapters.tensors import view_heap
-
         return view_heap(self._ctx.heap, self._global(rank, "peer_tensor"), handle)
 
     # -------------------------------------------------------------------- sync

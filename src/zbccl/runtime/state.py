@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 from .. import env
@@ -19,16 +20,18 @@ from ..heap import layout
 from ..heap.capacity import check_capacity
 from ..heap.heap import GlobalHeap
 from ..heap.shm import ShmTransport
+from ..heap.views import live_views
 from ..sma import CachingAllocator
 from .communicator import Communicator
 from .context import Context
 
-__all__ = ["init", "finalize", "abort", "is_initialized", "get_default", "resolve_comm"]
+__all__ = ["init", "finalize", "abort", "add_finalize_hook", "is_initialized", "get_default", "resolve_comm"]
 
 _log = logging.getLogger("zbccl")
 _lock = threading.Lock()
 _default: Communicator | None = None
 _atexit_registered = False
+_finalize_hooks: list[Callable[[GlobalHeap], None]] = []
 # Spin polls before yielding when every local rank has its own core.
 _DEFAULT_SPIN = 4096
 
@@ -169,23 +172,25 @@ def finalize() -> None:
             heap.set_header(layout.H_STATE, layout.STATE_FINALIZED)
         except Exception:  # noqa: BLE001 - best effort on a broken heap
             pass
-        _unregister_scope(heap.heap_base)
-        from ..adapters.tensors import live_views
-
+        for hook in list(_finalize_hooks):
+            try:
+                hook(heap)
+            except Exception as exc:  # noqa: BLE001 - teardown goes on
+                _log.warning("zbccl: finalize hook %r failed: %s", hook, exc)
         live = ctx.sma.stats()["active_blocks"] > 0 or live_views(heap) > 0
         if live:
             _log.info("zbccl: heap tensors still alive at finalize; keeping their memory mapped")
         heap.close(unmap=not live)
 
 
-def _unregister_scope(base: int) -> None:
-    try:
-        from ..adapters import scope
-    except Exception:  # noqa: BLE001 - native hook never built
-        return
-    unregister = getattr(scope, "unregister_heap", None)
-    if unregister is not None:
-        unregister(base)
+def add_finalize_hook(hook: Callable[[GlobalHeap], None]) -> None:
+    """Call ``hook(heap)`` at every :func:`finalize`, before the heap is unmapped.
+
+    Upper layers (the allocator hook) use it to detach from a heap without the
+    runtime importing them.
+    """
+    if hook not in _finalize_hooks:
+        _finalize_hooks.append(hook)
 
 
 def _register_atexit() -> None:

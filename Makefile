@@ -1,0 +1,32 @@
+# zbccl developer entry points. The first use creates .venv with the local CPU
+# build of torch (pip install torch==2.13.0 takes the machine's CPU wheel; a
+# bare "torch" could pull a CUDA build) and installs zbccl editable into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.zbccl-installed
+
+.PHONY: demo test lint native clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+native: $(STAMP)
+	$(PY) -m zbccl build
+
+demo: native
+	$(PY) -m zbccl demo
+
+test: native
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,87 @@
+"""Global handles and zero-copy views of any reachable rank's heap.
+
+A :class:`HeapHandle` is the picklable global address of a tensor:
+``(rank, offset, shape, stride, dtype)``, the offset counted from the start
+of the owner's heap. :func:`view_heap` applies a handle to a rank's heap and
+returns a tensor aliasing that memory, after checking the whole span against
+that rank's real heap size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError
+from .heap import GlobalHeap
+
+__all__ = ["HeapHandle", "view_heap", "live_views", "wrap_address"]
+
+# Views of heap memory that are still alive, counted per heap: finalize keeps
+# the mappings while any exists, so no view ever points at unmapped memory.
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _view_died(heap: GlobalHeap) -> None:
+    _views[heap] = _views.get(heap, 1) - 1
+
+
+@dataclass(frozen=True)
+class HeapHandle:
+    """Global address of a heap tensor: owner rank (global), byte offset in its heap, layout."""
+
+    rank: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ZbcclInvalidUsageError(f"peer_tensor: unknown dtype in handle, got {self.dtype!r}")
+        return dt
+
+    def span_bytes(self) -> int:
+        """Bytes from the first to one past the last element the view can touch."""
+        itemsize = self.torch_dtype.itemsize
+        if any(s == 0 for s in self.shape):
+            return 0
+        return (sum((n - 1) * st for n, st in zip(self.shape, self.stride)) + 1) * itemsize
+
+
+def wrap_address(addr: int, nbytes: int) -> ctypes.Array:
+    """A ctypes byte array at ``addr``: the buffer object a tensor storage can own."""
+    return (ctypes.c_char * max(nbytes, 1)).from_address(addr)
+
+
+def view_heap(heap: GlobalHeap, rank: int, handle: HeapHandle) -> torch.Tensor:
+    """Zero-copy view of ``handle`` applied to global rank ``rank``'s heap (bounds-checked)."""
+    if not isinstance(handle, HeapHandle):
+        raise ZbcclInvalidUsageError(f"peer_tensor: expected a HeapHandle, got {type(handle).__name__}")
+    dtype = handle.torch_dtype
+    if len(handle.shape) != len(handle.stride) or any(s < 0 for s in handle.stride + handle.shape):
+        raise ZbcclInvalidUsageError(
+            f"peer_tensor: malformed handle, expected matching non-negative shape/stride, got {handle}")
+    if handle.offset % dtype.itemsize:
+        raise ZbcclInvalidUsageError(
+            f"peer_tensor: offset not aligned to {dtype}, expected a multiple of {dtype.itemsize}, "
+            f"got {handle.offset}")
+    span = handle.span_bytes()
+    addr = heap.addr(rank, handle.offset, span, op="peer_tensor")
+    if span == 0:
+        return torch.empty(handle.shape, dtype=dtype)
+    buf = wrap_address(addr, span)
+    _views[heap] = _views.get(heap, 0) + 1
+    weakref.finalize(buf, _view_died, heap)
+    flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+    return flat.as_strided(handle.shape, handle.stride)
+
+
+def live_views(heap: GlobalHeap) -> int:
+    """How many peer views of ``heap`` are still alive."""
+    return _views.get(heap, 0)

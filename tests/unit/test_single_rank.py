@@ -1,0 +1,58 @@
+"""A single-rank world needs no launcher: init() with no environment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zbccl
+
+
+@pytest.fixture
+def no_dist_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_single_rank_world(no_dist_env):
+    comm = zbccl.init(heap_size="2M")
+    try:
+        assert (comm.rank, comm.world_size, comm.local_rank, comm.local_world_size) == (0, 1, 0, 1)
+        comm.barrier()
+        t = zbccl.zeros(10)
+        h = zbccl.export(t)
+        v = comm.peer_tensor(0, h)
+        v[3] = 7.0
+        assert t[3] == 7.0
+        assert zbccl.memory_stats()["heap_bytes"] == 2 << 20
+        sub = comm.new_group([0])
+        sub.barrier()
+        assert sub.world_size == 1
+    finally:
+        zbccl.finalize()
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="not initialized"):
+        zbccl.empty(3)
+    assert not zbccl.is_heap_tensor(torch.ones(2))
+
+
+def test_bad_arguments(no_dist_env):
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="heap_size"):
+        zbccl.init(heap_size=10)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="rendezvous"):
+        zbccl.init(world_size=2)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="rank must be"):
+        zbccl.init(store=torch.distributed.HashStore(), rank=3, world_size=2)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="ZBCCL_HEAP_SIZE"):
+        os.environ["ZBCCL_HEAP_SIZE"] = "lots"
+        try:
+            zbccl.init()
+        finally:
+            del os.environ["ZBCCL_HEAP_SIZE"]
+    assert not zbccl.is_initialized()
+
+
+def test_finalize_without_init_is_a_no_op():
+    zbccl.finalize()
+    zbccl.finalize()
