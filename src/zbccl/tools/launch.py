@@ -12,8 +12,9 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
