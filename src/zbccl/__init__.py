@@ -31,6 +31,17 @@ from .errors import (
     ZbcclSystemError,
     ZbcclTimeoutError,
 )
+from .ops import (
+    all_gather_into_tensor,
+    all_gather_v,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    reduce_scatter_tensor,
+    reduce_scatter_v,
+    strict_heap,
+)
 from .runtime.communicator import Communicator
 from .runtime.state import abort, finalize, get_default, init, is_initialized
 
@@ -51,6 +62,15 @@ __all__ = [
     "heap_scope",
     "memory_stats",
     "memory_snapshot",
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_gather_v",
+    "reduce_scatter_tensor",
+    "reduce_scatter_v",
+    "all_to_all_single",
+    "broadcast",
+    "barrier",
+    "strict_heap",
     "ErrorCode",
     "ZbcclError",
     "ZbcclInvalidUsageError",

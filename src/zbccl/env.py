@@ -27,6 +27,10 @@ __all__ = [
     "LIVENESS_INTERVAL",
     "SMA_CACHE_LIMIT",
     "SKIP_SHM_CHECK",
+    "STRICT_HEAP",
+    "THREADS",
+    "ALGO",
+    "TUNE_FILE",
     "CXX",
     "LOG_LEVEL",
 ]
@@ -128,6 +132,23 @@ SKIP_SHM_CHECK: EnvVar[bool] = EnvVar(
     "ZBCCL_SKIP_SHM_CHECK", _parse_bool, False,
     "Skip the /dev/shm and memory capacity check made before the heap is created.",
 )
+STRICT_HEAP: EnvVar[bool] = EnvVar(
+    "ZBCCL_STRICT_HEAP", _parse_bool, False,
+    "Collectives raise instead of staging a tensor that is not a contiguous heap tensor.",
+)
+THREADS: EnvVar[int] = EnvVar(
+    "ZBCCL_THREADS", int, -1,
+    "Threads per rank for zbccl's copies and reductions, also set as torch's intra-op threads at init; "
+    "-1: usable cores // local ranks; 0: keep torch's setting and use it.",
+)
+ALGO: EnvVar[str] = EnvVar(
+    "ZBCCL_ALGO", str, "",
+    "Force algorithms for debugging, e.g. 'all_reduce=twoshot,all_gather=push' (all ranks must agree).",
+)
+TUNE_FILE: EnvVar[str] = EnvVar(
+    "ZBCCL_TUNE_FILE", str, "",
+    "Tuning table to load instead of the one 'zbccl tune' saved under ZBCCL_CACHE_DIR for this host.",
+)
 CXX: EnvVar[str] = EnvVar(
     "ZBCCL_CXX", str, "",
     "C/C++ compiler for the native core; default: $CXX/$CC, then g++/gcc, then c++/cc.",
@@ -147,6 +168,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     LIVENESS_INTERVAL,
     SMA_CACHE_LIMIT,
     SKIP_SHM_CHECK,
+    STRICT_HEAP,
+    THREADS,
+    ALGO,
+    TUNE_FILE,
     CXX,
     LOG_LEVEL,
 )

@@ -24,6 +24,7 @@ from ..heap.views import live_views
 from ..sma import CachingAllocator
 from .communicator import Communicator
 from .context import Context
+from .threads import set_threads
 
 __all__ = ["init", "finalize", "abort", "add_finalize_hook", "is_initialized", "get_default", "resolve_comm"]
 
@@ -144,6 +145,7 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, time
     spin = env.WAIT_SPIN.get()
     if spin < 0:
         spin = 0 if topo.oversubscribed else _DEFAULT_SPIN
+    set_threads(topo.local_world_size)
     sma = CachingAllocator(nbytes, alignment=64, cache_limit=env.SMA_CACHE_LIMIT.get())
     return Context(rendezvous=rdv, bootstrap=boot, topology=topo, heap=heap, sma=sma, job_id=job_id,
                    generation=generation, timeout=timeout, spin=spin,

@@ -1,0 +1,245 @@
+/* zbccl native reductions: dst[i] = op(src[0][i], src[1][i], ..., src[n-1][i]).
+ *
+ * One pass: every source is read once and dst is written once. Work is cut
+ * into blocks of BLOCK elements; a block's accumulator lives in a small fp32
+ * (or fp64 / native integer) array that stays in L1 while the n sources
+ * stream through it. Sources are always combined in index order (0, 1, ...),
+ * and the caller passes them in rank order, so every rank computes the same
+ * bits (bf16/fp16 accumulate in fp32 and round once, at the store).
+ *
+ * CPU dispatch: on x86-64 the block kernels are compiled three times
+ * (x86-64-v4 = AVX-512, v3 = AVX2+F16C+FMA, baseline) with GCC's
+ * target_clones; the loader picks one per machine (ifunc). Elsewhere the
+ * compiler's own vectorisation for the target is used.
+ *
+ * Threads: blocks are split statically over `nthreads` OpenMP threads; a
+ * block never straddles two threads, so results do not depend on nthreads.
+ */
+#include "reduce.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ZB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ZB_CLONES
+#endif
+
+#define BLOCK 2048
+
+/* ---------------------------------------------------------------- conversions */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    /* round to nearest even; NaN stays a (quiet) NaN */
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__FLT16_MAX__)
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0) {
+        if (man == 0) u = sign;
+        else { float f = ldexpf((float)man, -24); memcpy(&u, &f, 4); u |= sign; }
+    } else if (exp == 31) u = sign | 0x7f800000u | (man << 13);
+    else u = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_f16(float f) {
+#if defined(__FLT16_MAX__)
+    _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+#else
+    /* portable round-to-nearest-even conversion */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* subnormal or zero */
+        float m;
+        uint32_t am = a;
+        memcpy(&m, &am, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(m * 16777216.0f));
+    }
+    uint32_t r = a + 0x0fffu + ((a >> 13) & 1u) - 0x38000000u;
+    return (uint16_t)(sign | (r >> 13));
+#endif
+}
+
+/* ------------------------------------------------------------- block kernels */
+#define COMBINE(op, acc, x)                                  \
+    switch (op) {                                            \
+    case ZB_OP_SUM: case ZB_OP_AVG:                          \
+        for (long i = 0; i < m; i++) acc[i] += (x);          \
+        break;                                               \
+    case ZB_OP_PROD:                                         \
+        for (long i = 0; i < m; i++) acc[i] *= (x);          \
+        break;                                               \
+    case ZB_OP_MAX:                                          \
+        for (long i = 0; i < m; i++) { float _v = (x); acc[i] = _v > acc[i] || _v != _v ? _v : acc[i]; } \
+        break;                                               \
+    default:                                                 \
+        for (long i = 0; i < m; i++) { float _v = (x); acc[i] = _v < acc[i] || _v != _v ? _v : acc[i]; } \
+        break;                                               \
+    }
+
+/* 16-bit floats (bf16 when is_bf16, else fp16), accumulated in fp32. */
+ZB_CLONES static void block_half(uint16_t *dst, const uint16_t *const *srcs, long n, long off, long m,
+                                 int op, float divisor, int is_bf16) {
+    float acc[BLOCK];
+    const uint16_t *s0 = srcs[0] + off;
+    if (is_bf16) for (long i = 0; i < m; i++) acc[i] = bf16_to_f32(s0[i]);
+    else for (long i = 0; i < m; i++) acc[i] = f16_to_f32(s0[i]);
+    for (long k = 1; k < n; k++) {
+        const uint16_t *s = srcs[k] + off;
+        if (is_bf16) { COMBINE(op, acc, bf16_to_f32(s[i])); }
+        else { COMBINE(op, acc, f16_to_f32(s[i])); }
+    }
+    uint16_t *d = dst + off;
+    if (op == ZB_OP_AVG) for (long i = 0; i < m; i++) acc[i] /= divisor;
+    if (is_bf16) for (long i = 0; i < m; i++) d[i] = f32_to_bf16(acc[i]);
+    else for (long i = 0; i < m; i++) d[i] = f32_to_f16(acc[i]);
+}
+
+ZB_CLONES static void block_f32(float *dst, const float *const *srcs, long n, long off, long m, int op,
+                                float divisor) {
+    float acc[BLOCK];
+    memcpy(acc, srcs[0] + off, (size_t)m * sizeof(float));
+    for (long k = 1; k < n; k++) {
+        const float *s = srcs[k] + off;
+        COMBINE(op, acc, s[i]);
+    }
+    if (op == ZB_OP_AVG) for (long i = 0; i < m; i++) acc[i] /= divisor;
+    memcpy(dst + off, acc, (size_t)m * sizeof(float));
+}
+
+#define COMBINE_T(op, acc, x)                                                      \
+    switch (op) {                                                                  \
+    case ZB_OP_SUM: case ZB_OP_AVG: for (long i = 0; i < m; i++) acc[i] += (x); break; \
+    case ZB_OP_PROD: for (long i = 0; i < m; i++) acc[i] *= (x); break;            \
+    case ZB_OP_MAX: for (long i = 0; i < m; i++) acc[i] = (x) > acc[i] ? (x) : acc[i]; break; \
+    default: for (long i = 0; i < m; i++) acc[i] = (x) < acc[i] ? (x) : acc[i]; break; \
+    }
+
+ZB_CLONES static void block_f64(double *dst, const double *const *srcs, long n, long off, long m, int op,
+                                double divisor) {
+    double acc[BLOCK];
+    memcpy(acc, srcs[0] + off, (size_t)m * sizeof(double));
+    for (long k = 1; k < n; k++) {
+        const double *s = srcs[k] + off;
+        if (op == ZB_OP_MAX) { for (long i = 0; i < m; i++) acc[i] = s[i] > acc[i] || s[i] != s[i] ? s[i] : acc[i]; }
+        else if (op == ZB_OP_MIN) { for (long i = 0; i < m; i++) acc[i] = s[i] < acc[i] || s[i] != s[i] ? s[i] : acc[i]; }
+        else { COMBINE_T(op, acc, s[i]); }
+    }
+    if (op == ZB_OP_AVG) for (long i = 0; i < m; i++) acc[i] /= divisor;
+    memcpy(dst + off, acc, (size_t)m * sizeof(double));
+}
+
+/* Integers wrap like torch's integer arithmetic (computed unsigned, so no UB). */
+#define INT_KERNEL(name, T, U)                                                                  \
+    ZB_CLONES static void name(T *dst, const T *const *srcs, long n, long off, long m, int op) {   \
+        T acc[BLOCK];                                                                           \
+        memcpy(acc, srcs[0] + off, (size_t)m * sizeof(T));                                      \
+        for (long k = 1; k < n; k++) {                                                          \
+            const T *s = srcs[k] + off;                                                         \
+            if (op == ZB_OP_SUM) { for (long i = 0; i < m; i++) acc[i] = (T)((U)acc[i] + (U)s[i]); } \
+            else if (op == ZB_OP_PROD) { for (long i = 0; i < m; i++) acc[i] = (T)((U)acc[i] * (U)s[i]); } \
+            else if (op == ZB_OP_MAX) { for (long i = 0; i < m; i++) acc[i] = s[i] > acc[i] ? s[i] : acc[i]; } \
+            else { for (long i = 0; i < m; i++) acc[i] = s[i] < acc[i] ? s[i] : acc[i]; }        \
+        }                                                                                       \
+        memcpy(dst + off, acc, (size_t)m * sizeof(T));                                          \
+    }
+
+INT_KERNEL(block_i8, int8_t, uint8_t)
+INT_KERNEL(block_u8, uint8_t, uint32_t)
+INT_KERNEL(block_i16, int16_t, uint16_t)
+INT_KERNEL(block_i32, int32_t, uint32_t)
+INT_KERNEL(block_i64, int64_t, uint64_t)
+
+/* bool: sum/max are "any", prod/min are "all" (torch's bool semantics). */
+static void block_bool(uint8_t *dst, const uint8_t *const *srcs, long n, long off, long m, int op) {
+    uint8_t acc[BLOCK];
+    for (long i = 0; i < m; i++) acc[i] = srcs[0][off + i] != 0;
+    for (long k = 1; k < n; k++) {
+        const uint8_t *s = srcs[k] + off;
+        if (op == ZB_OP_SUM || op == ZB_OP_MAX) for (long i = 0; i < m; i++) acc[i] |= s[i] != 0;
+        else for (long i = 0; i < m; i++) acc[i] &= s[i] != 0;
+    }
+    memcpy(dst + off, acc, (size_t)m);
+}
+
+static void reduce_block(void *dst, const void *const *srcs, long n, long off, long m, int dtype, int op,
+                         double divisor) {
+    switch (dtype) {
+    case ZB_DT_F32: block_f32(dst, (const float *const *)srcs, n, off, m, op, (float)divisor); break;
+    case ZB_DT_BF16: block_half(dst, (const uint16_t *const *)srcs, n, off, m, op, (float)divisor, 1); break;
+    case ZB_DT_F16: block_half(dst, (const uint16_t *const *)srcs, n, off, m, op, (float)divisor, 0); break;
+    case ZB_DT_F64: block_f64(dst, (const double *const *)srcs, n, off, m, op, divisor); break;
+    case ZB_DT_I8: block_i8(dst, (const int8_t *const *)srcs, n, off, m, op); break;
+    case ZB_DT_U8: block_u8(dst, (const uint8_t *const *)srcs, n, off, m, op); break;
+    case ZB_DT_I16: block_i16(dst, (const int16_t *const *)srcs, n, off, m, op); break;
+    case ZB_DT_I32: block_i32(dst, (const int32_t *const *)srcs, n, off, m, op); break;
+    case ZB_DT_I64: block_i64(dst, (const int64_t *const *)srcs, n, off, m, op); break;
+    default: block_bool(dst, (const uint8_t *const *)srcs, n, off, m, op); break;
+    }
+}
+
+int zb_reduce_valid(int dtype, int op) {
+    if (dtype < 0 || dtype > ZB_DT_BOOL || op < 0 || op > ZB_OP_AVG) return 0;
+    if (op == ZB_OP_AVG && dtype >= ZB_DT_I8) return 0; /* average needs a float type */
+    return 1;
+}
+
+void zb_reduce_n(void *dst, const void *const *srcs, long n, long count, int dtype, int op, double divisor,
+                 int nthreads) {
+    long nblocks = (count + BLOCK - 1) / BLOCK;
+    if (nthreads > 1 && nblocks > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long b = 0; b < nblocks; b++) {
+            long off = b * BLOCK, m = count - off < BLOCK ? count - off : BLOCK;
+            reduce_block(dst, srcs, n, off, m, dtype, op, divisor);
+        }
+        return;
+    }
+    for (long b = 0; b < nblocks; b++) {
+        long off = b * BLOCK, m = count - off < BLOCK ? count - off : BLOCK;
+        reduce_block(dst, srcs, n, off, m, dtype, op, divisor);
+    }
+}
+
+void zb_copy(void *dst, const void *src, long nbytes, int nthreads) {
+    const long piece = 1L << 20;
+    if (nthreads > 1 && nbytes >= 2 * piece) {
+        long np = (nbytes + piece - 1) / piece;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long p = 0; p < np; p++) {
+            long off = p * piece, m = nbytes - off < piece ? nbytes - off : piece;
+            memcpy((char *)dst + off, (const char *)src + off, (size_t)m);
+        }
+        return;
+    }
+    memcpy(dst, src, (size_t)nbytes);
+}

@@ -1,0 +1,232 @@
+"""all_gather (even and per-rank sizes) and all_to_all_single: block exchanges.
+
+Both ops move one block from every rank q to every rank r: all_gather sends
+q's whole input to row offset ``disp[q]`` of every output; all_to_all sends
+rows ``in_disp_q[r]..`` of q's input to rows ``out_disp_r[q]..`` of r's output.
+
+Heap placement and algorithms (decided after ``ARRIVE`` from every rank's
+header, so all ranks decide alike):
+
+* ``pull`` (preferred): every input is in the heap; rank r copies each
+  peer's block into its own output. Writes stay local (lines other cores do
+  not hold), and the output may be private memory.
+* ``push``: every output is in the heap; rank q copies its input blocks into
+  the peers' outputs. Used when inputs are private but outputs are in the heap.
+* neither: ranks whose input is private stage it into a heap block (counted
+  in ``staged_bytes``), publish the offset, ``PHASE``, then ``pull``.
+
+The tuner may prefer ``push`` when both are possible. ``DONE`` ends the op:
+for pull it means nobody reads my input any more; for push, that my output
+is complete.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..runtime.communicator import Communicator
+from ..runtime.state import resolve_comm
+from .channel import Header, OpChannel, channel_of, sizes_digest
+from .dtypes import dtype_code
+from .operands import is_strict
+from .plan import OP_ALL_GATHER, OP_ALL_TO_ALL, PUSH, choose, nthreads, profiled
+
+__all__ = ["all_gather_into_tensor", "all_gather_v", "all_to_all_single"]
+
+
+def _row_elems(t: torch.Tensor) -> int:
+    return int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *,
+                           comm: Communicator | None = None) -> torch.Tensor:
+    """Collective: ``output`` (``world_size * input.numel()`` elements) gets every rank's ``input``
+    in rank order. Pull-based when inputs are heap tensors (the output may be private); an
+    ``input`` that is a view of this rank's slice of ``output`` costs no copy for that slice.
+    Blocks the host until the op is complete on this rank and no peer reads ``input`` any more.
+    """
+    comm = resolve_comm(comm)
+    with profiled("all_gather", input):
+        n = input.numel()
+        return _run(comm, "all_gather", output, input, [n] * comm.world_size, None, row=1)
+
+
+def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
+                 comm: Communicator | None = None) -> torch.Tensor:
+    """Collective: all-gather with per-rank sizes along dim 0.
+
+    ``sizes[r]`` rows come from rank r; ``input`` is ``[sizes[rank], *rest]`` and ``output`` is
+    ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes``.
+    """
+    comm = resolve_comm(comm)
+    with profiled("all_gather_v", input):
+        sizes = [int(s) for s in sizes]
+        row = _row_elems(output)
+        return _run(comm, "all_gather_v", output, input, [s * row for s in sizes], None, row=row)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                      input_split_sizes=None, *, comm: Communicator | None = None) -> torch.Tensor:
+    """Collective: rank q's rows ``input_split_sizes[r]`` go to rank r, landing at rank r's rows
+    ``output_split_sizes[q]``. ``None`` splits mean equal splits of dim 0. Every pair must agree
+    (q's input split for r equals r's output split for q), or every rank raises.
+    """
+    comm = resolve_comm(comm)
+    with profiled("all_to_all", input):
+        W = comm.world_size
+        row = _row_elems(input)
+        ins = _splits(input, input_split_sizes, W)
+        outs = _splits(output, output_split_sizes, W)
+        return _run(comm, "all_to_all", output, input, [s * row for s in ins], [s * row for s in outs], row=row)
+
+
+def _splits(t: torch.Tensor, splits, world: int) -> list[int]:
+    if splits is None:
+        rows = t.shape[0] if t.dim() else 1
+        return [rows // world] * world if rows % world == 0 else [-1] * world
+    return [int(s) for s in splits]
+
+
+class _Args:
+    """Local view of one rank's arguments: element counts, displacements, errors."""
+
+    def __init__(self, op: str, output, input, counts, out_counts, world: int, rank: int) -> None:
+        self.error = None
+        self.counts, self.out_counts = counts, out_counts
+        if input.dtype != output.dtype:
+            self.error = f"{op}: input and output dtypes differ, expected one dtype, got {input.dtype} and {output.dtype}"
+        elif len(counts) != world or (out_counts is not None and len(out_counts) != world):
+            self.error = f"{op}: expected {world} sizes, got {len(counts)}"
+        elif min(counts) < 0 or (out_counts is not None and min(out_counts) < 0):
+            self.error = f"{op}: sizes must be non-negative and dim 0 must divide by {world} for equal splits"
+        elif out_counts is None and (input.numel() != counts[rank] or output.numel() != sum(counts)):
+            self.error = (f"{op}: wrong sizes, expected input {counts[rank]} and output {sum(counts)} elements, "
+                          f"got {input.numel()} and {output.numel()}")
+        elif out_counts is not None and (input.numel() != sum(counts) or output.numel() != sum(out_counts)):
+            self.error = (f"{op}: splits do not cover the tensors, expected input {sum(counts)} and output "
+                          f"{sum(out_counts)} elements, got {input.numel()} and {output.numel()}")
+
+
+def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch.Tensor:
+    ch = channel_of(comm)
+    W, me = comm.world_size, comm.rank
+    args = _Args(op, output, input, counts, out_counts, W, me)
+    dt = dtype_code(input.dtype, op=op)
+    isz = input.element_size()
+    opcode = OP_ALL_TO_ALL if out_counts is not None else OP_ALL_GATHER
+    total = sum(counts) * isz
+    out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+    in_off = ch.offset_of(input) if input.is_contiguous() else -1
+    out_off = ch.offset_of(out_t)
+    error = args.error
+    if error is None and is_strict() and in_off < 0 and out_off < 0:
+        error = f"{op}: neither input nor output is a contiguous heap tensor and strict mode is on"
+    algo = choose(ch, opcode, input.dtype, total)
+    vec = None
+    if out_counts is not None:
+        vec = np.asarray(counts + out_counts, dtype=np.int64)
+    digest = sizes_digest(counts if out_counts is None else [row])
+    hdrs = ch.begin([0, opcode, dt, 0, input.numel(), output.numel(), in_off, out_off, algo, 0, row, digest],
+                    op=op, vectors=vec, error=error)
+    fields = (Header.OP, Header.DTYPE, Header.ROW, Header.DIGEST) + (
+        (Header.OUT_NUMEL,) if out_counts is None else ())
+    ch.agree(hdrs, fields, op=op)
+    blocks = _blocks(ch, hdrs, counts, out_counts, isz, op=op)
+    staged = None
+    try:
+        mode = _mode(hdrs, algo)
+        if mode == "stage":
+            staged = _stage_inputs(ch, hdrs, input, in_off, op=op)
+            mode = "pull"
+        _move(ch, hdrs, blocks, mode, input if in_off < 0 else None, out_t, op=op)
+    finally:
+        if staged is not None:
+            ch.ctx.sma.free(staged)
+    if out_t is not output:
+        output.copy_(out_t)
+        ch.ctx.sma.record_staged(output.numel() * isz)
+    return output
+
+
+def _blocks(ch: OpChannel, hdrs, counts, out_counts, isz: int, *, op: str) -> np.ndarray:
+    """int64 [W, W, 3]: for (src q, dst r): byte offset in q's input, in r's output, length."""
+    W = ch.world_size
+    if out_counts is None:
+        disp = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        b = np.zeros((W, W, 3), dtype=np.int64)
+        b[:, :, 1] = disp[:, None] * isz
+        b[:, :, 2] = np.asarray(counts, dtype=np.int64)[:, None] * isz
+        return b
+    vecs = np.stack([v[: 2 * W] for v in ch.vectors])  # [rank, in(W) + out(W)]
+    ins, outs = vecs[:, :W], vecs[:, W:]
+    if not np.array_equal(ins, outs.T):
+        q, r = map(int, np.argwhere(ins != outs.T)[0])
+        ch.end(op=op)
+        from ..errors import ZbcclInvalidUsageError
+
+        raise ZbcclInvalidUsageError(
+            f"{op}: split sizes disagree, rank {q} sends {ins[q, r] // max(1, hdrs[q][Header.ROW])} rows to rank {r} "
+            f"but rank {r} expects {outs[r, q] // max(1, hdrs[r][Header.ROW])}", ranks=(q, r))
+    in_disp = np.concatenate([np.zeros((W, 1), np.int64), np.cumsum(ins, axis=1)[:, :-1]], axis=1)
+    out_disp = np.concatenate([np.zeros((W, 1), np.int64), np.cumsum(outs, axis=1)[:, :-1]], axis=1)
+    b = np.zeros((W, W, 3), dtype=np.int64)
+    b[:, :, 0] = in_disp * isz
+    b[:, :, 1] = out_disp.T * isz
+    b[:, :, 2] = ins * isz
+    return b
+
+
+def _mode(hdrs, algo: int) -> str:
+    all_in = all(h[Header.IN_OFF] >= 0 for h in hdrs)
+    all_out = all(h[Header.OUT_OFF] >= 0 for h in hdrs)
+    if all_in and all_out:
+        return "push" if algo == PUSH else "pull"
+    if all_in:
+        return "pull"
+    return "push" if all_out else "stage"
+
+
+def _stage_inputs(ch: OpChannel, hdrs, input: torch.Tensor, in_off: int, *, op: str) -> int | None:
+    """Ranks with a private input copy it into the heap and publish the offset (field AUX)."""
+    block = None
+    if in_off < 0:
+        nbytes = input.numel() * input.element_size()
+        block = ch.ctx.sma.malloc(max(nbytes, 1), kind="staging")
+        if nbytes:
+            src = input.contiguous()
+            ch.prims.copy(ch.my_base + block, src.data_ptr(), nbytes, nthreads())
+            ch.ctx.sma.record_staged(nbytes)
+        ch.vectors[ch.rank][-1] = block
+    ch.phase(op=op)
+    staged = [h[Header.IN_OFF] if h[Header.IN_OFF] >= 0 else int(ch.vectors[r][-1]) for r, h in enumerate(hdrs)]
+    for r, h in enumerate(hdrs):
+        hdrs[r] = h[: Header.IN_OFF] + (staged[r],) + h[Header.IN_OFF + 1:]
+    return block
+
+
+def _move(ch: OpChannel, hdrs, blocks: np.ndarray, mode: str, private_in, out_t, *, op: str) -> None:
+    W, me = ch.world_size, ch.rank
+    order = [(me + k) % W for k in range(W)]  # start with a different peer on each rank
+    rows = []
+    if mode == "pull":
+        extent = [int((blocks[q, :, 0] + blocks[q, :, 2]).max(initial=0)) for q in range(W)]
+        ins = ch.check_span(hdrs, Header.IN_OFF, extent, op=op)
+        out = out_t.data_ptr()
+        for q in order:
+            s, d, n = blocks[q, me]
+            if n and not (q == me and ins[q] + s == out + d):
+                rows.append((out + d, ins[q] + s, n))
+    else:
+        outs = ch.check_span(hdrs, Header.OUT_OFF, [hdrs[r][Header.OUT_NUMEL] * out_t.element_size()
+                                                    for r in range(W)], op=op)
+        keep = private_in.contiguous() if private_in is not None else None  # alive until the copies ran
+        src = keep.data_ptr() if keep is not None else ch.my_base + hdrs[me][Header.IN_OFF]
+        for r in order:
+            s, d, n = blocks[me, r]
+            if n:
+                rows.append((outs[r] + d, src + s, n))
+    if rows:
+        table = np.asarray(rows, dtype=np.int64)
+        ch.prims.copy_many(int(table.ctypes.data), len(rows), nthreads())
+    ch.end(op=op)

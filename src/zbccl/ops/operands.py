@@ -1,0 +1,95 @@
+"""Where a collective's tensors live: in the heap (zero-copy) or staged into it.
+
+Zero-buffer contract: a contiguous tensor in this rank's heap is used in
+place; nothing is copied and ``staged_bytes`` does not move. Any other tensor
+(outside the heap, or non-contiguous) is copied through a heap block for the
+op, and the copied bytes are added to ``memory_stats()["staged_bytes"]``; in
+strict mode (``with zbccl.strict_heap():`` or ``ZBCCL_STRICT_HEAP=1``) it is an
+error instead. Staging decisions are per rank and per operand: a peer only
+ever sees an offset in this rank's heap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from .. import env
+from ..heap.views import wrap_address
+from .channel import OpChannel
+
+__all__ = ["Operand", "strict_heap", "is_strict"]
+
+_tls = threading.local()
+
+
+@contextlib.contextmanager
+def strict_heap(enabled: bool = True) -> Iterator[None]:
+    """Inside this block (this thread), collectives refuse tensors outside the heap."""
+    prev = getattr(_tls, "strict", None)
+    _tls.strict = enabled
+    try:
+        yield
+    finally:
+        _tls.strict = prev
+
+
+def is_strict() -> bool:
+    value = getattr(_tls, "strict", None)
+    return env.STRICT_HEAP.get() if value is None else value
+
+
+class Operand:
+    """One tensor argument of a collective, resolved to an offset in this rank's heap.
+
+    ``read``: peers or this rank read its values (stage them in). ``write``:
+    the op writes it (copy back at :meth:`finish`). ``error`` is set instead
+    of raising, so the group can fail together after the handshake.
+    """
+
+    __slots__ = ("t", "nbytes", "offset", "addr", "block", "write", "error", "_ch")
+
+    def __init__(self, ch: OpChannel, t: torch.Tensor, *, op: str, role: str, read: bool, write: bool) -> None:
+        self._ch, self.t, self.write = ch, t, write
+        self.nbytes = t.numel() * t.element_size()
+        self.block = None
+        self.error: str | None = None
+        self.offset = ch.offset_of(t)
+        if self.offset < 0:
+            if is_strict():
+                self.error = (f"{op}: {role} is not a contiguous tensor in this rank's heap and strict mode is on; "
+                              "allocate it with zbccl.empty()/heap_scope()")
+                self.offset = 0
+            else:
+                self._stage(read)
+        self.addr = ch.my_base + self.offset
+
+    def _stage(self, read: bool) -> None:
+        sma = self._ch.ctx.sma
+        self.block = sma.malloc(max(self.nbytes, 1), kind="staging")
+        self.offset = self.block
+        if read and self.nbytes:
+            self.view().copy_(self.t)
+            sma.record_staged(self.nbytes)
+
+    def view(self) -> torch.Tensor:
+        """The heap bytes of this operand as a tensor shaped like the argument."""
+        buf = wrap_address(self._ch.my_base + self.offset, self.nbytes)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)[: self.nbytes]
+        return flat.view(self.t.dtype).view(self.t.shape)
+
+    def finish(self) -> None:
+        """Copy a staged output back to the caller's tensor and release the block."""
+        if self.block is None:
+            return
+        sma = self._ch.ctx.sma
+        try:
+            if self.write and self.nbytes:
+                self.t.copy_(self.view())
+                sma.record_staged(self.nbytes)
+        finally:
+            sma.free(self.block)
+            self.block = None

@@ -1,0 +1,473 @@
+"""The SMA front end: a caching allocator over one rank's heap, safe for threads and finalizers.
+
+Locking protocol. One ``threading.Lock`` guards all state; ``_owner`` holds the id
+of the thread inside a locked operation. The GC may run a tensor finalizer that
+calls ``free`` on a thread already inside ``malloc``; a plain lock would then
+deadlock and an RLock would let the free mutate state mid-operation. So:
+
+* ``free`` tries the lock. If it is busy and owned by this thread, or its owner
+  is not recorded yet (the instant just after acquire or before release), the
+  offset is appended to ``_pending`` (a deque: atomic under the GIL) and ``free``
+  returns. If another thread owns it, ``free`` waits: that thread never waits on us.
+* Every holder drains ``_pending`` before releasing, and after releasing retakes
+  the lock (without blocking) while ``_pending`` is non-empty; a queuing ``free``
+  does the same. Whoever holds the lock when an offset is queued therefore sees
+  it on its way out: a queued free is applied late, never lost.
+* A queued free that turns out invalid (unknown offset, double free) cannot
+  raise in a finalizer: it counts in ``bad_frees`` and is logged.
+* Any other call made from inside a locked operation on the same thread raises
+  ZbcclInvalidUsageError instead of deadlocking.
+* Cache-tier callbacks (``cached``, ``drain``) run with the lock released, so a
+  tier may hold its own lock while calling ``malloc``/``free`` without a
+  lock-order inversion.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from operator import index
+from threading import get_ident
+
+from zbccl.errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
+
+from .arena import Arena
+
+__all__ = ["STAT_KEYS", "CachingAllocator", "format_stats"]
+
+_log = logging.getLogger(__name__)
+
+#: Keys of :meth:`CachingAllocator.stats`, with what each one means.
+STAT_KEYS: dict[str, str] = {
+    "heap_bytes": "usable heap size: the constructor's heap_bytes rounded down to the alignment",
+    "allocated_bytes": "bytes of live blocks at their rounded sizes, minus blocks held by cache tiers",
+    "requested_bytes": "sum of the sizes callers asked for, over live blocks; tier-held blocks are "
+    "subtracted at their rounded size, so this is a lower bound while a tier holds blocks",
+    "peak_allocated_bytes": "highest allocated_bytes since creation or reset_peak() (tier-held blocks "
+    "count as allocated here: the allocator cannot see when a tier takes them)",
+    "cached_bytes": "bytes of freed blocks kept for reuse, in this allocator and in its cache tiers",
+    "cached_blocks": "number of blocks counted by cached_bytes",
+    "active_blocks": "number of live blocks, not counting tier-held ones",
+    "free_bytes": "bytes free in the arena (excludes cached blocks)",
+    "largest_free_block": "largest contiguous free range in the arena, in bytes",
+    "fragmentation": "0.0 when free_bytes is 0, else 1 - largest_free_block / free_bytes",
+    "alloc_count": "successful malloc/try_malloc calls, cache hits included",
+    "free_count": "blocks freed by callers (applied frees, queued ones once drained)",
+    "cache_hits": "allocations served from the cache without touching the arena",
+    "oom_count": "malloc calls that raised ZbcclOutOfMemoryError",
+    "fallback_allocs": "allocations served from ordinary memory because the heap was full (record_fallback)",
+    "fallback_bytes": "bytes of those fallback allocations",
+    "staged_bytes": "bytes collectives copied through the heap for tensors outside it (record_staged)",
+    "bad_frees": "queued frees (from finalizers) of unknown or already freed offsets, dropped and logged",
+}
+
+# Requests up to this size are rounded to a multiple of the alignment only.
+_EXACT_LIMIT = 4096
+# Above it, each octave (2**k, 2**(k+1)] has 2**_CLASS_BITS classes: waste < 1/8.
+_CLASS_BITS = 3
+_STEP_BITS = _CLASS_BITS + 1
+
+
+def format_stats(stats: dict[str, int | float]) -> str:
+    """One-line human summary of a :meth:`CachingAllocator.stats` dict."""
+    return (
+        f"heap_bytes={stats['heap_bytes']}, allocated_bytes={stats['allocated_bytes']}, "
+        f"cached_bytes={stats['cached_bytes']}, free_bytes={stats['free_bytes']}, "
+        f"largest_free_block={stats['largest_free_block']}, "
+        f"fragmentation={stats['fragmentation']:.3f}, active_blocks={stats['active_blocks']}"
+    )
+
+
+def _check_count(op: str, nbytes: int) -> None:
+    if nbytes < 0:
+        raise ZbcclInvalidUsageError(f"{op}: bad size, expected nbytes >= 0, got {nbytes}")
+
+
+_Tier = tuple[Callable[[], tuple[int, int]], Callable[[], None]]  # (cached, drain)
+
+
+class CachingAllocator:
+    """Size-class caching allocator over an :class:`Arena` of ``heap_bytes`` bytes.
+
+    Offsets are relative to the heap start; the allocator never touches memory.
+    Freed blocks are cached per size class (LIFO, so hot blocks are reused) and
+    given back to the arena when the cache exceeds ``cache_limit``, on
+    :meth:`empty_cache`, or when an allocation would otherwise fail.
+
+    Size classes (:meth:`round_size`): up to ``max(4 KiB, 8 * alignment)`` the
+    request rounded up to the alignment; above, 8 classes per octave (a request
+    in ``(2**k, 2**(k+1)]`` rounds up to a multiple of ``2**(k-3)``), so a block
+    exceeds its request by less than 12.5 %.
+
+    Thread-safe, and ``free`` may be called from a finalizer on a thread that is
+    inside another call (see the module docstring).
+
+    Args:
+        heap_bytes: size of the heap the offsets index.
+        alignment: power of two >= 64; every offset and block size is a multiple.
+        cache_limit: most bytes kept cached (oldest blocks released first); None: no limit.
+        small_threshold: blocks of at least this size are placed from the heap's high end.
+    """
+
+    def __init__(
+        self,
+        heap_bytes: int,
+        *,
+        alignment: int = 64,
+        cache_limit: int | None = None,
+        small_threshold: int = 1 << 20,
+    ) -> None:
+        if cache_limit is not None and cache_limit < 0:
+            raise ZbcclInvalidUsageError(
+                f"CachingAllocator: bad cache_limit, expected None or >= 0, got {cache_limit}"
+            )
+        self._arena = Arena(heap_bytes, alignment=alignment, small_threshold=small_threshold)
+        self._mask = alignment - 1
+        self._align_neg = -alignment
+        self._exact_limit = max(_EXACT_LIMIT, alignment << _CLASS_BITS)
+        self._cache_limit = cache_limit
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._pending: deque[int] = deque()
+        # offset -> (size, requested, kind, seq) of live blocks (tier-held included).
+        self._live: dict[int, tuple[int, int, str, int]] = {}
+        self._cache: dict[int, list[int]] = {}  # size class -> cached offsets, newest last
+        # Every cached offset -> its last live record, oldest first (for cache_limit).
+        self._cached: OrderedDict[int, tuple[int, int, str, int]] = OrderedDict()
+        self._tiers: dict[str, _Tier] = {}
+        self._seq = 0
+        self._allocated = self._requested = self._peak = self._cached_bytes = 0
+        self._alloc_count = self._free_count = self._cache_hits = self._oom_count = 0
+        self._fallback_allocs = self._fallback_bytes = self._staged_bytes = self._bad_frees = 0
+
+    # -- locking (see module docstring) -----------------------------------------
+
+    def _acquire(self, op: str) -> None:
+        if not self._lock.acquire(False):
+            if self._owner == get_ident():
+                raise ZbcclInvalidUsageError(
+                    f"{op}: reentrant call, expected no allocator call other than free from "
+                    f"inside an allocator operation, got {op}"
+                )
+            self._lock.acquire()
+        self._owner = get_ident()
+
+    def _release(self) -> None:
+        if self._pending:
+            self._drain_pending()
+        self._owner = None
+        self._lock.release()
+        if self._pending:
+            self._retake()
+
+    def _retake(self) -> None:
+        # A free queued between our last drain and the release: apply it unless
+        # another thread holds the lock now (it will see the queue on its way out).
+        while self._pending and self._lock.acquire(False):
+            self._owner = get_ident()
+            self._drain_pending()
+            self._owner = None
+            self._lock.release()
+
+    def _drain_pending(self) -> None:
+        pending = self._pending
+        while pending:
+            offset = pending.popleft()
+            try:
+                self._free_locked(offset)
+            except ZbcclInvalidUsageError as exc:
+                self._bad_frees += 1
+                _log.warning("zbccl.sma: dropped a queued free: %s", exc)
+
+    # -- sizes --------------------------------------------------------------------
+
+    def round_size(self, nbytes: int) -> int:
+        """Size class of a request: the block size ``malloc(nbytes)`` reserves (see class docstring)."""
+        if nbytes <= self._exact_limit:
+            if nbytes > 0:
+                return (nbytes + self._mask) & self._align_neg
+        elif type(nbytes) is int:
+            # nbytes in (2**k, 2**(k+1)]: step 2**(k-3) >= alignment since nbytes > 8 * alignment.
+            step = 1 << ((nbytes - 1).bit_length() - _STEP_BITS)
+            return (nbytes + step - 1) & -step
+        nbytes = index(nbytes)  # numpy integers and the like; floats raise TypeError
+        if nbytes < 1:
+            raise ZbcclInvalidUsageError(f"round_size: bad size, expected nbytes >= 1, got {nbytes}")
+        return self.round_size(nbytes)
+
+    # -- allocation ------------------------------------------------------------------
+
+    def try_malloc(self, nbytes: int, *, kind: str = "explicit") -> int | None:
+        """Like :meth:`malloc` (cache, arena, then flush and drain tiers), but return None when full."""
+        offset = self._alloc(self.round_size(nbytes), nbytes, kind, False)
+        return offset if offset is not None else self._alloc_hard(nbytes, kind)
+
+    def _alloc_hard(self, nbytes: int, kind: str) -> int | None:
+        size = self.round_size(nbytes)
+        if size > self._arena.size:
+            return None  # flushing cannot help
+        for _, drain in self._tiers.values():
+            drain()
+        return self._alloc(size, nbytes, kind, True)
+
+    def malloc(self, nbytes: int, *, kind: str = "explicit") -> int:
+        """Reserve a block of ``round_size(nbytes)`` bytes and return its heap offset.
+
+        Order: same-class cache hit, arena, then (cache released into the arena
+        and every cache tier drained) the arena again. Raises
+        ZbcclOutOfMemoryError, whose message carries the request and the stats.
+        ``kind`` is a free-form label shown by :meth:`snapshot`.
+        """
+        offset = self._alloc(self.round_size(nbytes), nbytes, kind, False)
+        if offset is None:
+            offset = self._alloc_hard(nbytes, kind)
+        if offset is not None:
+            return offset
+        self._acquire("malloc")
+        self._oom_count += 1
+        self._release()
+        raise ZbcclOutOfMemoryError(
+            f"malloc: out of heap memory, expected room for {self.round_size(nbytes)} bytes "
+            f"(requested {nbytes}), got {format_stats(self.stats())}"
+        )
+
+    def _alloc(self, size: int, requested: int, kind: str, flush: bool) -> int | None:
+        self._acquire("malloc")
+        try:
+            stack = self._cache.get(size)
+            if stack:
+                offset = stack.pop()
+                del self._cached[offset]
+                self._cached_bytes -= size
+                self._cache_hits += 1
+            else:
+                if flush:
+                    self._release_cached(len(self._cached))
+                offset = self._arena.alloc(size)
+                if offset is None:
+                    return None
+            self._seq += 1
+            self._live[offset] = (size, requested, kind, self._seq)
+            self._alloc_count += 1
+            self._requested += requested
+            self._allocated += size
+            if self._allocated > self._peak:
+                self._peak = self._allocated
+            return offset
+        finally:
+            if self._pending:
+                self._drain_pending()
+            self._owner = None
+            self._lock.release()
+            if self._pending:
+                self._retake()
+
+    def free(self, offset: int) -> None:
+        """Return the block at ``offset`` to the cache; never waits on a lock its own thread holds.
+
+        Raises ZbcclInvalidUsageError for an unknown offset or a double free when
+        applied at once; a free queued behind a busy lock counts in ``bad_frees``.
+        """
+        if not self._lock.acquire(False):
+            owner = self._owner
+            if owner is None or owner == get_ident():
+                self._pending.append(offset)  # reentrant (finalizer) or acquire/release instant
+                self._retake()  # the holder may have released before the append
+                return
+            self._lock.acquire()
+        self._owner = get_ident()
+        try:
+            if self._pending:
+                self._drain_pending()
+            self._free_locked(offset)
+        finally:
+            self._owner = None
+            self._lock.release()
+            if self._pending:
+                self._retake()
+
+    def _free_locked(self, offset: int) -> None:
+        rec = self._live.pop(offset, None)
+        if rec is None:
+            what = "double free of" if offset in self._cached else "unknown offset"
+            raise ZbcclInvalidUsageError(
+                f"free: {what} {offset}, expected the offset of a live block, got {offset}"
+            )
+        size = rec[0]
+        self._free_count += 1
+        self._allocated -= size
+        self._requested -= rec[1]
+        stack = self._cache.get(size)
+        if stack is None:
+            stack = self._cache[size] = []
+        stack.append(offset)
+        self._cached[offset] = rec
+        self._cached_bytes += size
+        if self._cache_limit is not None and self._cached_bytes > self._cache_limit:
+            self._release_cached(len(self._cached), until=self._cache_limit)
+
+    def _release_cached(self, count: int, *, until: int = 0) -> None:
+        """Give up to ``count`` oldest cached blocks to the arena, stopping at ``until`` cached bytes."""
+        cached = self._cached
+        while count and cached and self._cached_bytes > until:
+            offset, rec = cached.popitem(last=False)
+            # The globally oldest block is also the oldest of its class: stacks only pop at the end.
+            stack = self._cache[rec[0]]
+            assert stack[0] == offset
+            del stack[0]
+            self._arena.free(offset)
+            self._cached_bytes -= rec[0]
+            count -= 1
+
+    def empty_cache(self) -> None:
+        """Release every cached block to the arena (cache tiers are not drained)."""
+        self._acquire("empty_cache")
+        try:
+            self._release_cached(len(self._cached))
+        finally:
+            self._release()
+
+    # -- queries ----------------------------------------------------------------------
+
+    def owns(self, offset: int) -> bool:
+        """True if a live block (tier-held included) starts at ``offset``."""
+        return offset in self._live
+
+    def _record(self, op: str, offset: int) -> tuple[int, int, str, int]:
+        rec = self._live.get(offset)
+        if rec is None:
+            raise ZbcclInvalidUsageError(
+                f"{op}: unknown offset {offset}, expected the offset of a live block, got {offset}"
+            )
+        return rec
+
+    def block_size(self, offset: int) -> int:
+        """Rounded size in bytes of the live block at ``offset``."""
+        return self._record("block_size", offset)[0]
+
+    def requested_size(self, offset: int) -> int:
+        """Bytes the caller asked for when the live block at ``offset`` was allocated."""
+        return self._record("requested_size", offset)[1]
+
+    # -- counters and cache tiers --------------------------------------------------------
+
+    def record_fallback(self, nbytes: int) -> None:
+        """Count an allocation of ``nbytes`` that fell back to ordinary memory because the heap was full."""
+        _check_count("record_fallback", nbytes)
+        self._acquire("record_fallback")
+        self._fallback_allocs += 1
+        self._fallback_bytes += nbytes
+        self._release()
+
+    def record_staged(self, nbytes: int) -> None:
+        """Count ``nbytes`` a collective copied through the heap because a tensor lay outside it."""
+        _check_count("record_staged", nbytes)
+        self._acquire("record_staged")
+        self._staged_bytes += nbytes
+        self._release()
+
+    def add_cache_tier(
+        self, name: str, *, cached: Callable[[], tuple[int, int]], drain: Callable[[], None]
+    ) -> None:
+        """Register an external cache of blocks obtained from this allocator.
+
+        ``cached()`` returns ``(bytes, blocks)`` the tier holds now (rounded
+        sizes); ``drain()`` hands every held block back through :meth:`free`.
+        Both run without the allocator lock held. Tier-held blocks count as
+        cached, not allocated, in :meth:`stats`; tiers are drained before
+        :meth:`malloc` gives up.
+        """
+        if name in self._tiers:
+            raise ZbcclInvalidUsageError(
+                f"add_cache_tier: duplicate name, expected a name not registered yet, got {name!r}"
+            )
+        self._tiers = {**self._tiers, name: (cached, drain)}  # copy: readers iterate unlocked
+
+    def remove_cache_tier(self, name: str) -> None:
+        """Unregister the tier ``name`` (its blocks stay live until it frees them)."""
+        if name not in self._tiers:
+            raise ZbcclInvalidUsageError(
+                f"remove_cache_tier: unknown tier, expected one of {sorted(self._tiers)}, got {name!r}"
+            )
+        self._tiers = {k: v for k, v in self._tiers.items() if k != name}
+
+    # -- introspection --------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters and gauges, keyed exactly as :data:`STAT_KEYS` documents."""
+        tier_bytes = tier_blocks = 0
+        for cached, _ in self._tiers.values():
+            nbytes, nblocks = cached()
+            tier_bytes, tier_blocks = tier_bytes + nbytes, tier_blocks + nblocks
+        self._acquire("stats")
+        try:
+            arena = self._arena
+            free_bytes = arena.free_bytes
+            largest = arena.largest_free_block
+            return {
+                "heap_bytes": arena.size,
+                "allocated_bytes": self._allocated - tier_bytes,
+                "requested_bytes": max(0, self._requested - tier_bytes),
+                "peak_allocated_bytes": self._peak,
+                "cached_bytes": self._cached_bytes + tier_bytes,
+                "cached_blocks": len(self._cached) + tier_blocks,
+                "active_blocks": len(self._live) - tier_blocks,
+                "free_bytes": free_bytes,
+                "largest_free_block": largest,
+                "fragmentation": 0.0 if free_bytes == 0 else 1.0 - largest / free_bytes,
+                "alloc_count": self._alloc_count,
+                "free_count": self._free_count,
+                "cache_hits": self._cache_hits,
+                "oom_count": self._oom_count,
+                "fallback_allocs": self._fallback_allocs,
+                "fallback_bytes": self._fallback_bytes,
+                "staged_bytes": self._staged_bytes,
+                "bad_frees": self._bad_frees,
+            }
+        finally:
+            self._release()
+
+    def reset_peak(self) -> None:
+        """Set ``peak_allocated_bytes`` to the bytes allocated now."""
+        self._acquire("reset_peak")
+        self._peak = self._allocated
+        self._release()
+
+    def snapshot(self) -> list[dict[str, int | str]]:
+        """Live and cached blocks sorted by offset: ``offset``, ``size``, ``requested``, ``kind``, ``seq``.
+
+        Cached blocks have kind ``"cached"`` and keep the ``requested`` and
+        ``seq`` of their last allocation. Tier-held blocks appear as live blocks.
+        """
+        self._acquire("snapshot")
+        try:
+            rows = [(off, rec, rec[2]) for off, rec in self._live.items()]
+            rows += [(off, rec, "cached") for off, rec in self._cached.items()]
+        finally:
+            self._release()
+        rows.sort(key=lambda row: row[0])
+        return [
+            {"offset": off, "size": rec[0], "requested": rec[1], "kind": kind, "seq": rec[3]}
+            for off, rec, kind in rows
+        ]
+
+    def check(self) -> None:
+        """Verify internal invariants (arena, cache and counters); raise AssertionError if broken."""
+        self._acquire("check")
+        try:
+            self._arena.check()
+            arena_used = dict(self._arena.used_blocks())
+            ours = {off: rec[0] for off, rec in self._live.items()}
+            assert not ours.keys() & self._cached.keys(), "a block is both live and cached"
+            ours.update((off, rec[0]) for off, rec in self._cached.items())
+            assert ours == arena_used, "live + cached blocks differ from the arena's used blocks"
+            by_class = {off: size for size, stack in self._cache.items() for off in stack}
+            assert by_class == {off: rec[0] for off, rec in self._cached.items()}, "class stacks drifted"
+            assert self._cached_bytes == sum(by_class.values()), "cached_bytes drifted"
+            assert self._allocated == sum(rec[0] for rec in self._live.values()), "allocated drifted"
+            assert self._requested == sum(rec[1] for rec in self._live.values()), "requested drifted"
+            assert self._peak >= self._allocated, "peak below allocated"
+        finally:
+            self._release()

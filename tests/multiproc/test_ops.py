@@ -1,0 +1,400 @@
+"""Every collective, dtype and algorithm against the plain-torch reference.
+
+One spawned world per world size runs all sub-cases. Payloads encode their
+source: ``value = f(rank, index)``, so a misplaced row is caught. Results must
+be bit-exact against :mod:`zbccl.ops.reference` and identical on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from tests.spawn import run_world
+
+MiB = 1 << 20
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+INTS = [torch.int32, torch.int64, torch.int8, torch.uint8]
+SIZES = [0, 1, 7, 1000, 4099, 70001]
+
+
+def payload(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """f(rank, index): distinct per source rank and position."""
+    i = torch.arange(n, dtype=torch.float64)
+    if dtype.is_floating_point:
+        return (torch.sin(i * 0.37 + rank * 1.3) * 50 + rank).to(dtype)
+    if dtype == torch.bool:
+        return ((i.long() + rank) % 3 == 0)
+    hi = 100 if dtype in (torch.int8, torch.uint8) else 10_000
+    return ((i.long() * 7 + rank * 13 + 1) % hi).to(dtype)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def force(comm, op: str, algo: str | None) -> None:
+    from zbccl.ops.channel import channel_of
+    from zbccl.ops.tuner import table_for
+
+    ch = channel_of(comm)
+    table = table_for(ch)
+    if algo is None:
+        table.forced.pop(op, None)
+    else:
+        table.forced[op] = algo
+
+
+def _all_reduce_cases(comm):
+    import zbccl
+    from zbccl.ops.dtypes import REDUCE_OPS
+    from zbccl.ops.reference import all_reduce_ref
+
+    W, me = comm.world_size, comm.rank
+    digests = []
+    for algo in ("oneshot", "twoshot"):
+        force(comm, "all_reduce", algo)
+        for dtype in FLOATS + INTS:
+            for opname in ("sum", "avg", "max", "min", "product"):
+                if opname == "avg" and not dtype.is_floating_point:
+                    continue
+                sizes = SIZES if opname == "sum" else [1000]
+                for n in sizes:
+                    t = zbccl.empty(n, dtype=dtype)
+                    t.copy_(payload(me, n, dtype))
+                    zbccl.all_reduce(t, opname)
+                    ref = all_reduce_ref([payload(r, n, dtype) for r in range(W)], REDUCE_OPS[opname])
+                    assert torch.equal(t, ref), f"all_reduce {algo} {dtype} {opname} n={n}"
+                    digests.append(digest(t))
+    # torch's ReduceOp spelling and 2-D tensors.
+    t = zbccl.empty(33, 5, dtype=torch.float32)
+    t.copy_(payload(me, 165, torch.float32).view(33, 5))
+    zbccl.all_reduce(t, torch.distributed.ReduceOp.MAX)
+    assert torch.equal(t, all_reduce_ref([payload(r, 165, torch.float32).view(33, 5) for r in range(W)], 2))
+    force(comm, "all_reduce", None)
+    return digests
+
+
+def _gather_cases(comm):
+    import zbccl
+
+    W, me = comm.world_size, comm.rank
+    st0 = zbccl.memory_stats()["staged_bytes"]
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        for n in (0, 1, 1000, 4099):
+            full = torch.cat([payload(r, n, dtype) for r in range(W)])
+            # pull: heap input, private output
+            x = zbccl.empty(n, dtype=dtype)
+            x.copy_(payload(me, n, dtype))
+            out = torch.empty(W * n, dtype=dtype)
+            zbccl.all_gather_into_tensor(out, x)
+            assert torch.equal(out, full), f"all_gather pull {dtype} n={n}"
+            # push: private input, heap output (2-D output, torch layout [W*n0, ...])
+            out2 = zbccl.empty(W * n, dtype=dtype)
+            zbccl.all_gather_into_tensor(out2, payload(me, n, dtype))
+            assert torch.equal(out2, full), f"all_gather push {dtype} n={n}"
+            # in place: the input is this rank's slice of the heap output
+            out3 = zbccl.empty(W * n, dtype=dtype)
+            out3[me * n:(me + 1) * n].copy_(payload(me, n, dtype))
+            zbccl.all_gather_into_tensor(out3, out3[me * n:(me + 1) * n])
+            assert torch.equal(out3, full), f"all_gather in place {dtype} n={n}"
+    assert zbccl.memory_stats()["staged_bytes"] == st0, "heap operands must not be staged"
+    # forced push with both in the heap
+    force(comm, "all_gather", "push")
+    x = zbccl.empty(100, dtype=torch.float32)
+    x.copy_(payload(me, 100, torch.float32))
+    out = zbccl.empty(W * 100, dtype=torch.float32)
+    zbccl.all_gather_into_tensor(out, x)
+    assert torch.equal(out, torch.cat([payload(r, 100, torch.float32) for r in range(W)]))
+    force(comm, "all_gather", None)
+    # all_gather_v: per-rank row counts, 2-D rows
+    sizes = [(r * 3) % 5 for r in range(W)]
+    rows = lambda r: payload(r, sizes[r] * 4, torch.bfloat16).view(sizes[r], 4)  # noqa: E731
+    x = zbccl.empty(sizes[me], 4, dtype=torch.bfloat16)
+    x.copy_(rows(me))
+    out = torch.empty(sum(sizes), 4, dtype=torch.bfloat16)
+    zbccl.all_gather_v(out, x, sizes)
+    assert torch.equal(out, torch.cat([rows(r) for r in range(W)]))
+    assert zbccl.memory_stats()["staged_bytes"] == st0
+    return True
+
+
+def _reduce_scatter_cases(comm):
+    import zbccl
+    from zbccl.ops.reference import reduce_scatter_ref
+
+    W, me = comm.world_size, comm.rank
+    st0 = zbccl.memory_stats()["staged_bytes"]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
+        for n in (0, 1, 999, 4099):
+            for opname, code in (("sum", 0), ("max", 2)):
+                x = zbccl.empty(W * n, dtype=dtype)
+                x.copy_(payload(me, W * n, dtype))
+                out = torch.empty(n, dtype=dtype)
+                zbccl.reduce_scatter_tensor(out, x, opname)
+                ref = reduce_scatter_ref([payload(r, W * n, dtype) for r in range(W)], code, [n] * W, me)
+                assert torch.equal(out, ref), f"reduce_scatter {dtype} {opname} n={n}"
+    # in place: the output aliases this rank's slice of its own input
+    n = 512
+    x = zbccl.empty(W * n, dtype=torch.float32)
+    x.copy_(payload(me, W * n, torch.float32))
+    zbccl.reduce_scatter_tensor(x[me * n:(me + 1) * n], x)
+    ref = reduce_scatter_ref([payload(r, W * n, torch.float32) for r in range(W)], 0, [n] * W, me)
+    assert torch.equal(x[me * n:(me + 1) * n], ref)
+    # reduce_scatter_v with rows of 3
+    sizes = [r + 1 for r in range(W)]
+    total = sum(sizes) * 3
+    x = zbccl.empty(sum(sizes), 3, dtype=torch.bfloat16)
+    x.copy_(payload(me, total, torch.bfloat16).view(-1, 3))
+    out = torch.empty(sizes[me], 3, dtype=torch.bfloat16)
+    zbccl.reduce_scatter_v(out, x, sizes, "avg")
+    ref = reduce_scatter_ref([payload(r, total, torch.bfloat16) for r in range(W)], 4,
+                             [s * 3 for s in sizes], me)
+    assert torch.equal(out.view(-1), ref)
+    assert zbccl.memory_stats()["staged_bytes"] == st0
+    return True
+
+
+def _all_to_all_cases(comm):
+    import zbccl
+    from zbccl.ops.reference import all_to_all_ref
+
+    W, me = comm.world_size, comm.rank
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        # even
+        x = zbccl.empty(W * 6, 2, dtype=dtype)
+        x.copy_(payload(me, W * 12, dtype).view(-1, 2))
+        out = torch.empty(W * 6, 2, dtype=dtype)
+        zbccl.all_to_all_single(out, x)
+        ref = all_to_all_ref([payload(r, W * 12, dtype).view(-1, 2) for r in range(W)], [[6] * W] * W, me)
+        assert torch.equal(out, ref), f"all_to_all even {dtype}"
+        # uneven, with empty blocks: rank q sends (q + 2r) % 4 rows to rank r
+        splits = [[(q + 2 * r) % 4 for r in range(W)] for q in range(W)]
+        recv = [splits[q][me] for q in range(W)]
+        inputs = [payload(q, sum(splits[q]) * 2, dtype).view(-1, 2) for q in range(W)]
+        x = zbccl.empty(sum(splits[me]), 2, dtype=dtype)
+        x.copy_(inputs[me])
+        for out in (torch.empty(sum(recv), 2, dtype=dtype), zbccl.empty(sum(recv), 2, dtype=dtype)):
+            zbccl.all_to_all_single(out, x, recv, splits[me])
+            assert torch.equal(out, all_to_all_ref(inputs, splits, me)), f"all_to_all uneven {dtype}"
+        # push: private input, heap output
+        force(comm, "all_to_all", "push")
+        out = zbccl.empty(sum(recv), 2, dtype=dtype)
+        zbccl.all_to_all_single(out, inputs[me].clone(), recv, splits[me])
+        assert torch.equal(out, all_to_all_ref(inputs, splits, me))
+        force(comm, "all_to_all", None)
+    return True
+
+
+def _broadcast_cases(comm):
+    import zbccl
+
+    W, me = comm.world_size, comm.rank
+    for src in range(W):
+        for dtype in (torch.float32, torch.bfloat16, torch.int8):
+            t = zbccl.empty(1001, dtype=dtype) if me == src else torch.empty(1001, dtype=dtype)
+            t.copy_(payload(me, 1001, dtype))
+            zbccl.broadcast(t, src)
+            assert torch.equal(t, payload(src, 1001, dtype)), f"broadcast src={src} {dtype}"
+    zbccl.barrier()
+    return True
+
+
+def _suite(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=32 * MiB)
+    try:
+        digests = _all_reduce_cases(comm)
+        assert _gather_cases(comm) and _reduce_scatter_cases(comm)
+        assert _all_to_all_cases(comm) and _broadcast_cases(comm)
+        assert zbccl.memory_stats()["staged_bytes"] == 0
+        every = comm.all_gather_object(digests)
+        assert all(d == every[0] for d in every), "ranks got different bits"
+        return len(digests)
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_op_against_reference(world_size):
+    counts = run_world(_suite, world_size, timeout=240)
+    assert counts[0] > 100
+
+
+def _oversubscribed(ctx):
+    import zbccl
+    from zbccl.ops.reference import all_reduce_ref
+
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        for algo in ("oneshot", "twoshot"):
+            force(comm, "all_reduce", algo)
+            for n in (1, 4099, 70001):
+                t = zbccl.empty(n, dtype=torch.bfloat16)
+                t.copy_(payload(me, n, torch.bfloat16))
+                zbccl.all_reduce(t)
+                assert torch.equal(t, all_reduce_ref([payload(r, n, torch.bfloat16) for r in range(W)], 0))
+        x = zbccl.empty(777, dtype=torch.float32)
+        x.copy_(payload(me, 777, torch.float32))
+        out = torch.empty(W * 777)
+        zbccl.all_gather_into_tensor(out, x)
+        assert torch.equal(out, torch.cat([payload(r, 777, torch.float32) for r in range(W)]))
+        sub = comm.new_group([1, 3])
+        if sub is not None:
+            t = zbccl.empty(100, dtype=torch.float32)
+            t.copy_(payload(me, 100, torch.float32))
+            zbccl.all_reduce(t, comm=sub)
+            assert torch.equal(t, all_reduce_ref([payload(r, 100, torch.float32) for r in (1, 3)], 0))
+        return True
+    finally:
+        zbccl.finalize()
+
+
+def test_world_size_4_oversubscribed():
+    assert run_world(_oversubscribed, 4, timeout=180) == [True] * 4
+
+
+def _staging_and_strict(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        st0 = zbccl.memory_stats()["staged_bytes"]
+        t = payload(me, 1000, torch.float32)  # private memory: staged, still correct
+        zbccl.all_reduce(t)
+        assert torch.equal(t, payload(0, 1000, torch.float32) + payload(1, 1000, torch.float32))
+        assert zbccl.memory_stats()["staged_bytes"] >= st0 + 2 * 4000
+        # non-contiguous heap tensor: works through staging too
+        m = zbccl.empty(10, 20, dtype=torch.float32)
+        m.copy_(payload(me, 200, torch.float32).view(10, 20))
+        col = m[:, 3]
+        zbccl.all_reduce(col)
+        ref = payload(0, 200, torch.float32).view(10, 20)[:, 3] + payload(1, 200, torch.float32).view(10, 20)[:, 3]
+        assert torch.equal(col, ref)
+        # private input and output for all_gather: staged through the heap
+        out = torch.empty(W * 10)
+        zbccl.all_gather_into_tensor(out, payload(me, 10, torch.float32))
+        assert torch.equal(out, torch.cat([payload(r, 10, torch.float32) for r in range(W)]))
+        with zbccl.strict_heap():
+            with pytest.raises(zbccl.ZbcclInvalidUsageError, match="strict"):
+                zbccl.all_reduce(torch.ones(5))
+        # ... on every rank, and the channel stays in step afterwards
+        t = zbccl.ones(5) if hasattr(zbccl, "ones") else zbccl.zeros(5).fill_(1)
+        zbccl.all_reduce(t)
+        assert t.tolist() == [2.0] * 5
+        return True
+    finally:
+        zbccl.finalize()
+
+
+def test_staging_counts_and_strict_mode():
+    assert run_world(_staging_and_strict, 2) == [True, True]
+
+
+def _mismatch(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        me = comm.rank
+        errors = []
+
+        def expect(fn, pattern):
+            with pytest.raises(zbccl.ZbcclInvalidUsageError, match=pattern) as info:
+                fn()
+            errors.append(str(info.value))
+
+        expect(lambda: zbccl.all_reduce(zbccl.zeros(10 + me)), "disagree on input numel")
+        expect(lambda: zbccl.all_reduce(zbccl.zeros(10, dtype=torch.float32 if me else torch.bfloat16)),
+               "disagree on dtype")
+        expect(lambda: zbccl.all_reduce(zbccl.zeros(10), "max" if me else "sum"), "disagree on reduce op")
+        if me == 0:
+            expect(lambda: zbccl.all_reduce(zbccl.zeros(10)), "disagree on op")
+        else:
+            expect(lambda: zbccl.broadcast(zbccl.zeros(10), 0), "disagree on op")
+        out = torch.empty(20 + me)
+        expect(lambda: zbccl.all_gather_into_tensor(out, zbccl.zeros(10)), "invalid arguments|wrong sizes")
+        x = zbccl.zeros(4, 2)
+        expect(lambda: zbccl.all_to_all_single(torch.empty(4, 2), x, [2, 2], [1, 3] if me else [2, 2]),
+               "split sizes disagree")
+        expect(lambda: zbccl.reduce_scatter_tensor(torch.empty(4), zbccl.zeros(8 + 2 * me)),
+               "invalid arguments|disagree")
+        # after all of that, the group is still in step
+        t = zbccl.zeros(3).fill_(me + 1)
+        zbccl.all_reduce(t)
+        assert t.tolist() == [3.0] * 3
+        return errors
+    finally:
+        zbccl.finalize()
+
+
+def test_mismatched_arguments_fail_on_every_rank():
+    a, b = run_world(_mismatch, 2, timeout=60)
+    assert len(a) == len(b) == 7
+
+
+def _against_gloo(ctx):
+    import torch.distributed as dist
+
+    import zbccl
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", ctx.store()), rank=ctx.rank,
+                            world_size=ctx.world_size)
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        for dtype in (torch.int32, torch.int64, torch.float64):
+            a = zbccl.empty(5000, dtype=dtype)
+            a.copy_(payload(me, 5000, dtype))
+            g = a.clone()
+            zbccl.all_reduce(a)
+            dist.all_reduce(g)
+            assert torch.equal(a, g), dtype
+            o1, o2 = torch.empty(W * 5000, dtype=dtype), torch.empty(W * 5000, dtype=dtype)
+            zbccl.all_gather_into_tensor(o1, a)
+            dist.all_gather_into_tensor(o2, g)
+            assert torch.equal(o1, o2)
+            r1, r2 = torch.empty(5000, dtype=dtype), torch.empty(5000, dtype=dtype)
+            zbccl.reduce_scatter_tensor(r1, zbccl.empty(W * 5000, dtype=dtype).copy_(o1))
+            dist.reduce_scatter_tensor(r2, o2.clone())
+            assert torch.equal(r1, r2)
+        return True
+    finally:
+        zbccl.finalize()
+        dist.destroy_process_group()
+
+
+def test_matches_gloo():
+    assert run_world(_against_gloo, 2) == [True, True]
+
+
+def _killed_mid_op(ctx):
+    import os
+    import signal
+
+    import zbccl
+    from zbccl.ops.channel import channel_of
+
+    comm = ctx.init(heap_size=4 * MiB)
+    t = zbccl.zeros(1 << 16)
+    zbccl.all_reduce(t)
+    if ctx.rank == 1:
+        ch = channel_of(comm)
+        ch.begin([0, 1, 0, 0, t.numel(), t.numel(), ch.offset_of(t), -1, 2], op="all_reduce")
+        os.kill(os.getpid(), signal.SIGKILL)  # dies after ARRIVE, before DONE
+    with pytest.raises(zbccl.ZbcclRemoteError, match="died"):
+        zbccl.all_reduce(t)
+    zbccl.finalize()
+    return comm.job_id
+
+
+def test_peer_killed_in_the_middle_of_an_op():
+    from tests.multiproc.test_failures import processes_mapping
+
+    jobs = run_world(_killed_mid_op, 2, expect_exit={1: -9}, timeout=45)
+    assert processes_mapping(jobs[0]) == []
