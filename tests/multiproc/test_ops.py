@@ -36,15 +36,9 @@ def digest(t: torch.Tensor) -> str:
 
 
 def force(comm, op: str, algo: str | None) -> None:
-    from zbccl.ops.channel import channel_of
-    from zbccl.ops.tuner import table_for
+    from zbccl.ops.tuner import force_algorithm
 
-    ch = channel_of(comm)
-    table = table_for(ch)
-    if algo is None:
-        table.forced.pop(op, None)
-    else:
-        table.forced[op] = algo
+    force_algorithm(comm, op, algo)
 
 
 def _all_reduce_cases(comm):

@@ -56,3 +56,29 @@ def test_bad_arguments(no_dist_env):
 def test_finalize_without_init_is_a_no_op():
     zbccl.finalize()
     zbccl.finalize()
+
+
+def test_ops_in_a_single_rank_world_and_profiler_ranges(no_dist_env):
+    from torch.profiler import ProfilerActivity, profile
+
+    zbccl.init(heap_size="4M")
+    try:
+        t = zbccl.zeros(256).fill_(3.0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            zbccl.all_reduce(t, "avg")
+            out = torch.empty(256)
+            zbccl.all_gather_into_tensor(out, t)
+            zbccl.reduce_scatter_tensor(out, t)
+            zbccl.broadcast(t, 0)
+        names = {e.name for e in prof.events()}
+        assert "zbccl::all_reduce(1024B)" in names, sorted(n for n in names if "zbccl" in n)
+        assert any(n.startswith("zbccl::all_gather") for n in names)
+        assert torch.equal(t, torch.full((256,), 3.0)) and torch.equal(out, t)
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="reduce op"):
+            zbccl.all_reduce(t, "median")
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="avg needs a floating"):
+            zbccl.all_reduce(zbccl.zeros(4, dtype=torch.int32), "avg")
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="src out of range"):
+            zbccl.broadcast(t, 1)
+    finally:
+        zbccl.finalize()

@@ -51,6 +51,10 @@ class Transport(ABC):
     def dead_peers(self) -> list[int]:
         """Ranks whose process is gone (their connection closed). Cheap; never blocks."""
 
+    def liveness_fd(self, rank: int) -> int:
+        """A descriptor that becomes readable when ``rank`` dies, or -1 if there is none."""
+        return -1
+
     @abstractmethod
     def close(self, *, unmap: bool) -> None:
         """Drop connections; unmap the segments only when ``unmap`` (no tensor still uses them)."""

@@ -200,6 +200,10 @@ class ShmTransport(Transport):
         # connection means the peer closed it: it exited or was killed.
         return sorted({self._fd_to_rank[fd] for fd, _ in self._poll.poll(0) if fd in self._fd_to_rank})
 
+    def liveness_fd(self, rank: int) -> int:
+        conn = self._conns.get(rank)
+        return conn.fileno() if conn is not None else -1
+
     def close(self, *, unmap: bool) -> None:
         for s in list(self._conns.values()) + list(self._accepted.values()):
             try:

@@ -30,6 +30,7 @@ from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .channel import Header, channel_of
 from .dtypes import AVG, CODE_DTYPES, dtype_code, op_name, reduce_op_code
+from .fastpath import native_channel
 from .operands import Operand
 from .plan import ALGO_NAMES, ONESHOT, OP_ALL_REDUCE, choose, nthreads, profiled, slices
 
@@ -63,23 +64,41 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
         if comm.world_size == 1:
             return tensor
         ch = channel_of(comm)
-        count, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
-        operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
-        try:
-            algo = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
-            hdrs = ch.begin([0, OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo], op=_OP,
-                            error=operand.error)
-            ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ALGO), op=_OP,
-                     show=_show)
-            if nbytes:
-                srcs = ch.check_span(hdrs, Header.IN_OFF, nbytes, op=_OP)
-                (_oneshot if algo == ONESHOT else _twoshot)(ch, operand.addr, srcs, count, tensor.element_size(),
-                                                            dt, red)
-            else:
-                ch.end(op=_OP)
-        finally:
-            operand.finish()
+        count = tensor.numel()
+        itemsize = tensor.element_size()
+        nbytes = count * itemsize
+        algo = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
+        if nbytes and tensor.is_contiguous():
+            addr = tensor.data_ptr()
+            off = addr - ch.my_base
+            nat = native_channel(ch)
+            if nat is not None and 0 <= off and off + nbytes <= ch.my_size:
+                # Zero-copy fast path: the whole protocol in one native call.
+                ch.seq += 1
+                rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo)
+                if rc:
+                    nat.raise_for(rc, op=_OP, show=_show)
+                return tensor
+        _generic(ch, tensor, dt, red, algo, count, nbytes)
         return tensor
+
+
+def _generic(ch, tensor: torch.Tensor, dt: int, red: int, algo: int, count: int, nbytes: int) -> None:
+    """The Python path: staging, local errors, empty tensors; same protocol as the native one."""
+    operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
+    try:
+        hdrs = ch.begin([0, OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo], op=_OP,
+                        error=operand.error)
+        ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ALGO), op=_OP,
+                 show=_show)
+        if nbytes:
+            srcs = ch.check_span(hdrs, Header.IN_OFF, nbytes, op=_OP)
+            (_oneshot if algo == ONESHOT else _twoshot)(ch, operand.addr, srcs, count, tensor.element_size(),
+                                                        dt, red)
+        else:
+            ch.end(op=_OP)
+    finally:
+        operand.finish()
 
 
 def _oneshot(ch, dst: int, srcs: list[int], count: int, itemsize: int, dt: int, red: int) -> None:

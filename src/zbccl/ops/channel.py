@@ -90,6 +90,8 @@ class OpChannel:
         self.heap_size = [ctx.heap_sizes[g] for g in comm.ranks]
         self.my_base, self.my_size = self.heap_base[self.rank], self.heap_size[self.rank]
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        #: (op, dtype, bytes) -> algorithm, filled by ``plan.choose`` (cleared when the table changes).
+        self.choices: dict = {}
 
     # ------------------------------------------------------------- handshake
     def begin(self, fields: list[int], *, op: str, vectors: np.ndarray | None = None,

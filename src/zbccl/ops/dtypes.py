@@ -24,7 +24,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def dtype_code(dtype: torch.dtype, *, op: str) -> int:
     code = DTYPE_CODES.get(dtype)
-    if code is None:
+    if code is None:  # the hot path is the single dict lookup above
         raise ZbcclInvalidUsageError(
             f"{op}: unsupported dtype, expected one of {[str(d) for d in DTYPE_CODES]}, got {dtype}")
     return code
@@ -32,6 +32,8 @@ def dtype_code(dtype: torch.dtype, *, op: str) -> int:
 
 def reduce_op_code(red, dtype: torch.dtype, *, op: str) -> int:
     """Code of a reduce op given as a string or a ``torch.distributed.ReduceOp``."""
+    if red == "sum":  # the common case, before any normalisation
+        return SUM
     if isinstance(red, str):
         code = REDUCE_OPS.get(red.lower())
     else:

@@ -49,9 +49,16 @@ def slices(count: int, parts: int, itemsize: int) -> list[tuple[int, int]]:
 
 def choose(ch, opcode: int, dtype: torch.dtype, nbytes: int) -> int:
     """The algorithm code for this op and size, from the communicator's shared table."""
-    from .tuner import table_for
+    cache = ch.choices
+    key = (opcode, dtype, nbytes)
+    algo = cache.get(key)
+    if algo is None:
+        from .tuner import table_for
 
-    return table_for(ch).choose(OP_NAMES[opcode], dtype, nbytes, ch.world_size)
+        if len(cache) > 4096:
+            cache.clear()
+        algo = cache[key] = table_for(ch).choose(OP_NAMES[opcode], dtype, nbytes, ch.world_size)
+    return algo
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from .. import env
 from ..errors import ZbcclInvalidUsageError
 from .plan import ALGO_CODES, OP_ALGOS
 
-__all__ = ["TuningTable", "DEFAULT_RULES", "table_for", "host_key", "table_path"]
+__all__ = ["TuningTable", "DEFAULT_RULES", "table_for", "host_key", "table_path", "force_algorithm"]
 
 #: op -> list of [max_bytes (inclusive), algorithm]; the last rule has max_bytes -1 (any size).
 DEFAULT_RULES: dict[str, list[list]] = {
@@ -127,3 +127,22 @@ def table_for(ch) -> TuningTable:
                                                              owner=comm.ranks[0]).decode())
         ch.tuning = table
     return table
+
+
+def force_algorithm(comm, op: str, algo: str | None) -> None:
+    """Force (or with None, release) ``op``'s algorithm on ``comm`` for this rank.
+
+    For tests and ``zbccl tune``: every rank must make the same call, as the
+    choice is checked in each op's handshake.
+    """
+    from .channel import channel_of
+
+    if algo is not None and algo not in OP_ALGOS.get(op, ()):
+        raise ZbcclInvalidUsageError(f"force_algorithm: expected one of {OP_ALGOS.get(op)}, got {algo!r}")
+    ch = channel_of(comm)
+    table = table_for(ch)
+    if algo is None:
+        table.forced.pop(op, None)
+    else:
+        table.forced[op] = algo
+    ch.choices.clear()

@@ -36,7 +36,11 @@ class FlagSet:
 
 
 def check_peers(ctx: Context, ranks: list[int], *, op: str) -> None:
-    """Raise :class:`ZbcclRemoteError` if any of ``ranks`` died, left or failed."""
+    """Raise :class:`ZbcclRemoteError` if any of ``ranks`` died, left or failed.
+
+    Callers pass only the ranks they still wait for: a peer that already
+    signalled may finish and exit without that being an error.
+    """
     dead = set(ctx.heap.transport.dead_peers()) & set(ranks)
     gone = []
     for r in ranks:
@@ -71,7 +75,10 @@ def wait_flags(ctx: Context, flags: FlagSet, target: int, *, timeout: float, op:
         return
     deadline = time.monotonic() + timeout
     while True:
-        check_peers(ctx, flags.ranks, op=op)
+        pending = [r for r, a in zip(flags.ranks, flags.addrs.tolist()) if prims.load_acquire(a) < target]
+        if not pending:
+            return
+        check_peers(ctx, pending, op=op)
         left = deadline - time.monotonic()
         if left <= 0:
             late = tuple(r for r, a in zip(flags.ranks, flags.addrs.tolist())

@@ -1,0 +1,115 @@
+"""``zbccl tune``: measure this machine and save the algorithm table every rank will load.
+
+Usage: ``zbccl tune [--world-size 2,4] [--max-size 64M] [--out PATH]``
+
+For each op with more than one algorithm, each world size and each message
+size (4 KiB to ``--max-size``, x4 steps, bf16), every algorithm is timed in
+the same world (median of 5 repetitions, slowest rank per repetition); the
+fastest wins, and neighbouring sizes with the same winner are merged into
+``[max_bytes, algorithm]`` rules. The table goes to
+``ZBCCL_CACHE_DIR/tuning/<host>.json`` (or ``--out`` / ``ZBCCL_TUNE_FILE``),
+keyed by world size; a communicator uses rank 0's copy, so all ranks agree.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["run_tune"]
+
+_TUNED_OPS = ("all_reduce", "all_gather", "all_to_all")
+
+
+def _time_op(comm, op: str, nbytes: int, algo: str) -> float:
+    import zbccl
+    from zbccl.ops.tuner import force_algorithm
+
+    W = comm.world_size
+    n = max(1, nbytes // 2)
+    x = zbccl.zeros(n, dtype=torch.bfloat16)
+    out = zbccl.zeros(n * W, dtype=torch.bfloat16) if op == "all_gather" else None
+    if op == "all_to_all":
+        n = max(W, n // W * W)
+        x = zbccl.zeros(n, dtype=torch.bfloat16)
+        out = zbccl.zeros(n, dtype=torch.bfloat16)
+    call = {
+        "all_reduce": lambda: zbccl.all_reduce(x),
+        "all_gather": lambda: zbccl.all_gather_into_tensor(out, x),
+        "all_to_all": lambda: zbccl.all_to_all_single(out, x),
+    }[op]
+    force_algorithm(comm, op, algo)
+    call()
+    iters = max(3, min(1000, int(5e7 // max(nbytes, 4096))))
+    reps = []
+    for _ in range(5):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        reps.append((time.perf_counter() - t0) / iters)
+    # every rank must use the slowest rank's time to decide the same way
+    slowest = [max(col) for col in zip(*comm.all_gather_object(reps))]
+    return statistics.median(slowest)
+
+
+def _rank(*, rank: int, world_size: int, store, sizes: list[int]) -> dict:
+    import zbccl
+    from zbccl.ops.plan import OP_ALGOS
+
+    comm = zbccl.init(store=store, rank=rank, world_size=world_size, heap_size=max(sizes) * (world_size + 2) + (64 << 20))
+    try:
+        results: dict[str, list] = {}
+        for op in _TUNED_OPS:
+            rows = []
+            for nbytes in sizes:
+                times = {a: _time_op(comm, op, nbytes, a) for a in OP_ALGOS[op]}
+                rows.append([nbytes, min(times, key=times.get), {a: t * 1e6 for a, t in times.items()}])
+            results[op] = rows
+        return results
+    finally:
+        zbccl.finalize()
+
+
+def _rules(rows: list) -> list[list]:
+    rules: list[list] = []
+    for nbytes, best, _ in rows:
+        if rules and rules[-1][1] == best:
+            rules[-1][0] = nbytes
+        else:
+            rules.append([nbytes, best])
+    rules[-1][0] = -1
+    return rules
+
+
+def run_tune(*, world_sizes: list[int], max_size: int, out: Path | None = None) -> Path:
+    """Measure, print the winners, save the table; returns its path."""
+    from zbccl.ops.tuner import table_path
+
+    from .launch import launch_local
+
+    sizes = []
+    s = 4096
+    while s <= max_size:
+        sizes.append(s)
+        s *= 4
+    table: dict = {"rules": {}, "measured": {}}
+    for ws in world_sizes:
+        print(f"zbccl tune: world size {ws}, sizes {sizes[0]}..{sizes[-1]} bytes")
+        res = launch_local(_rank, ws, sizes=sizes, timeout=1800)[0]
+        for op, rows in res.items():
+            table["rules"].setdefault(op, {})[str(ws)] = _rules(rows)
+            table["measured"].setdefault(op, {})[str(ws)] = rows
+            for nbytes, best, times in rows:
+                cells = "  ".join(f"{a}={t:9.1f}us" for a, t in times.items())
+                print(f"  {op:<11} {nbytes:>10}  {cells}  -> {best}")
+    path = out or table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    path.write_text(json.dumps(table, indent=1))
+    print(f"saved {path}")
+    return path
