@@ -218,6 +218,39 @@ def test_every_op_against_reference(world_size):
     assert counts[0] > 100
 
 
+def _python_and_native_paths(ctx):
+    import zbccl
+    from zbccl.ops.channel import channel_of
+    from zbccl.ops.reference import all_reduce_ref
+    from zbccl.ops.tuner import table_for
+
+    comm = ctx.init(heap_size=16 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        ch = channel_of(comm)
+        table = table_for(ch)
+        # small chunks: many pipelined twoshot steps, with ragged last chunks
+        table.rules["all_reduce"] = {"*": [[-1, "twoshot", 4096]]}
+        for mode in ("native", "python", "mixed"):
+            ch.__dict__["native"] = False if mode == "python" or (mode == "mixed" and me == 1) else None
+            ch.choices.clear()
+            for dtype in (torch.bfloat16, torch.float32):
+                for n in (1, 2047, 100_003):
+                    t = zbccl.empty(n, dtype=dtype)
+                    t.copy_(payload(me, n, dtype))
+                    zbccl.all_reduce(t)
+                    ref = all_reduce_ref([payload(r, n, dtype) for r in range(W)], 0)
+                    assert torch.equal(t, ref), f"{mode} {dtype} n={n}"
+        return True
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_chunked_twoshot_python_native_and_mixed(world_size):
+    assert run_world(_python_and_native_paths, world_size, timeout=120) == [True] * world_size
+
+
 def _oversubscribed(ctx):
     import zbccl
     from zbccl.ops.reference import all_reduce_ref

@@ -10,11 +10,17 @@ handshake):
   order, into a private scratch buffer; ``DONE`` (nobody reads the inputs any
   more); copy scratch into the tensor. Two rendezvous, reads N·W, writes 2N.
   Best for small messages.
-* ``twoshot``: after ``ARRIVE``, rank r reduces slice r of all N inputs
-  straight into slice r of its own tensor (only rank r ever reads slice r,
-  so writing it in place is safe); ``PHASE``; rank r copies every other
-  rank's reduced slice q into its own slice q; ``DONE``. Three rendezvous,
-  reads 2N, writes 2N - no scratch at all. Best for large messages.
+* ``twoshot``: the tensor is cut into chunks (the tuner's chunk size). For
+  chunk k, rank r reduces slice r of the chunk from all N inputs straight
+  into slice r of its own tensor (only rank r ever reads slice r, so writing
+  it in place is safe) and signals ``PHASE = seq<<24 | k+1``; once every
+  peer signalled chunk k, rank r copies their reduced slices of chunk k into
+  its own tensor. The native path gathers chunk k-1 while chunk k is being
+  reduced elsewhere, so freshly reduced lines are read from cache. ``DONE``
+  ends the op. No scratch at all. Best for large messages.
+
+Heap tensors take the native fast path: the whole op is one C call
+(``native/csrc/chan.c``) running this same protocol.
 
 Bitwise identity across ranks: oneshot reduces in rank order on every rank;
 twoshot reduces each slice once and copies it. bf16/fp16 accumulate in fp32
@@ -67,62 +73,65 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
         count = tensor.numel()
         itemsize = tensor.element_size()
         nbytes = count * itemsize
-        algo = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
-        if nbytes and tensor.is_contiguous():
+        algo, chunk = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
+        chunk_elems = max(1, chunk // itemsize)
+        nat = native_channel(ch)
+        if nat is not None and nbytes and tensor.is_contiguous():
             addr = tensor.data_ptr()
             off = addr - ch.my_base
-            nat = native_channel(ch)
-            if nat is not None and 0 <= off and off + nbytes <= ch.my_size:
+            if 0 <= off and off + nbytes <= ch.my_size:
                 # Zero-copy fast path: the whole protocol in one native call.
                 ch.seq += 1
-                rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo)
+                rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo, chunk_elems)
                 if rc:
                     nat.raise_for(rc, op=_OP, show=_show)
                 return tensor
-        _generic(ch, tensor, dt, red, algo, count, nbytes)
+        operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
+        try:
+            if nat is not None and nbytes and operand.error is None:
+                ch.seq += 1
+                rc = nat.all_reduce(nat.handle, ch.seq, operand.addr, operand.offset, count, itemsize, dt, red,
+                                    algo, chunk_elems)
+                if rc:
+                    nat.raise_for(rc, op=_OP, show=_show)
+            else:
+                _python_path(ch, operand, count, itemsize, dt, red, algo, chunk_elems)
+        finally:
+            operand.finish()
         return tensor
 
 
-def _generic(ch, tensor: torch.Tensor, dt: int, red: int, algo: int, count: int, nbytes: int) -> None:
-    """The Python path: staging, local errors, empty tensors; same protocol as the native one."""
-    operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
-    try:
-        hdrs = ch.begin([0, OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo], op=_OP,
-                        error=operand.error)
-        ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ALGO), op=_OP,
-                 show=_show)
-        if nbytes:
-            srcs = ch.check_span(hdrs, Header.IN_OFF, nbytes, op=_OP)
-            (_oneshot if algo == ONESHOT else _twoshot)(ch, operand.addr, srcs, count, tensor.element_size(),
-                                                        dt, red)
-        else:
-            ch.end(op=_OP)
-    finally:
-        operand.finish()
-
-
-def _oneshot(ch, dst: int, srcs: list[int], count: int, itemsize: int, dt: int, red: int) -> None:
-    prims, W = ch.prims, ch.world_size
+def _python_path(ch, operand: Operand, count: int, itemsize: int, dt: int, red: int, algo: int,
+                 chunk: int) -> None:
+    """The same protocol in Python: errors, empty tensors, and machines without the native core."""
+    hdrs = ch.begin([0, OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo, 0, 0, 0, 0, chunk],
+                    op=_OP, error=operand.error)
+    ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ALGO, Header.AUX), op=_OP,
+             show=_show)
+    if count == 0:
+        ch.end(op=_OP)
+        return
+    srcs = ch.check_span(hdrs, Header.IN_OFF, count * itemsize, op=_OP)
+    divisor = float(ch.world_size) if red == AVG else 1.0
     table = np.asarray(srcs, dtype=np.uint64)
-    scratch = ch.scratch(count * itemsize)
-    prims.reduce_n(scratch, int(table.ctypes.data), W, count, dt, red, float(W) if red == AVG else 1.0,
-                   nthreads())
-    ch.end(op=_OP)
-    prims.copy(dst, scratch, count * itemsize, nthreads())
-
-
-def _twoshot(ch, dst: int, srcs: list[int], count: int, itemsize: int, dt: int, red: int) -> None:
-    prims, W, me = ch.prims, ch.world_size, ch.rank
-    parts = slices(count, W, itemsize)
-    lo, hi = parts[me]
-    if hi > lo:
-        table = np.asarray([s + lo * itemsize for s in srcs], dtype=np.uint64)
-        prims.reduce_n(dst + lo * itemsize, int(table.ctypes.data), W, hi - lo, dt, red,
-                       float(W) if red == AVG else 1.0, nthreads())
-    ch.phase(op=_OP)
-    copies = [(dst + a * itemsize, srcs[q] + a * itemsize, (b - a) * itemsize)
-              for q, (a, b) in enumerate(parts) if q != me and b > a]
-    if copies:
-        table = np.asarray(copies, dtype=np.int64)
-        prims.copy_many(int(table.ctypes.data), len(copies), nthreads())
+    if algo == ONESHOT:
+        scratch = ch.scratch(count * itemsize)
+        ch.prims.reduce_n(scratch, int(table.ctypes.data), ch.world_size, count, dt, red, divisor, nthreads())
+        ch.end(op=_OP)
+        ch.prims.copy(operand.addr, scratch, count * itemsize, nthreads())
+        return
+    # twoshot, chunk by chunk (the native path pipelines the same steps one chunk apart)
+    W, me, dst = ch.world_size, ch.rank, operand.addr
+    for k, lo in enumerate(range(0, count, chunk)):
+        parts = [(lo + a, lo + b) for a, b in slices(min(chunk, count - lo), W, itemsize)]
+        a, b = parts[me]
+        if b > a:
+            part = np.asarray([s + a * itemsize for s in srcs], dtype=np.uint64)
+            ch.prims.reduce_n(dst + a * itemsize, int(part.ctypes.data), W, b - a, dt, red, divisor, nthreads())
+        ch.phase(k + 1, op=_OP)
+        rows = [(dst + a * itemsize, srcs[q] + a * itemsize, (b - a) * itemsize)
+                for q, (a, b) in enumerate(parts) if q != me and b > a]
+        if rows:
+            t = np.asarray(rows, dtype=np.int64)
+            ch.prims.copy_many(int(t.ctypes.data), len(rows), nthreads())
     ch.end(op=_OP)

@@ -38,7 +38,7 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
         operand = Operand(ch, tensor, op="broadcast", role="tensor", read=root, write=not root) if root else None
         dst = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         try:
-            algo = choose(ch, OP_BROADCAST, tensor.dtype, nbytes)
+            algo, _ = choose(ch, OP_BROADCAST, tensor.dtype, nbytes)
             hdrs = ch.begin([0, OP_BROADCAST, dt, 0, tensor.numel(), tensor.numel(),
                              operand.offset if root else -1, -1, algo, src],
                             op="broadcast", error=operand.error if root else None)

@@ -12,8 +12,9 @@ Synchronisation protocol (all flags live in the *owner's* comm slot, one
   dtype, reduce op, sizes, algorithm). All ranks read the same headers, so
   all reach the same verdict: either every rank proceeds or every rank raises
   :class:`~zbccl.errors.ZbcclInvalidUsageError` naming the disagreement.
-* ``PHASE`` (line 2): a mid-op point for multi-phase algorithms (two-shot
-  allreduce: "my reduced slice is ready").
+* ``PHASE`` (line 2): mid-op points of multi-phase algorithms, valued
+  ``seq << 24 | step`` (two-shot allreduce: "my reduced slice of chunk
+  ``step-1`` is ready").
 * ``DONE`` (line 3): ``DONE = seq`` says "I no longer read your operands and
   mine are final". A rank returns only after every peer's ``DONE >= seq``,
   so the caller may reuse its tensors at once, and no peer can overwrite a
@@ -122,10 +123,19 @@ class OpChannel:
                 + ", ".join(f"rank {r} at #{headers[r][Header.SEQ]}" for r in bad), ranks=tuple(bad))
         return headers
 
-    def phase(self, *, op: str) -> None:
-        """Mid-op rendezvous: signal this rank's phase done and wait for the peers'."""
-        self.prims.signal(self.my_flags[L_PHASE], self.seq)
-        wait_flags(self.ctx, self.peer_flags[L_PHASE], self.seq, timeout=self.ctx.timeout, op=op)
+    def phase(self, step: int = 1, *, op: str, wait: bool = True) -> None:
+        """Mid-op rendezvous number ``step`` (1, 2, ...): signal it, then wait for the peers'.
+
+        The flag value is ``seq << 24 | step``, so it grows across steps and ops alike.
+        """
+        value = (self.seq << 24) | step
+        self.prims.signal(self.my_flags[L_PHASE], value)
+        if wait:
+            self.wait_phase(step, op=op)
+
+    def wait_phase(self, step: int, *, op: str) -> None:
+        """Wait until every peer signalled phase ``step`` of this op."""
+        wait_flags(self.ctx, self.peer_flags[L_PHASE], (self.seq << 24) | step, timeout=self.ctx.timeout, op=op)
 
     def end(self, *, op: str) -> None:
         """Final rendezvous: nobody reads anyone's operands any more."""

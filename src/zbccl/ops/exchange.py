@@ -122,7 +122,7 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
     error = args.error
     if error is None and is_strict() and in_off < 0 and out_off < 0:
         error = f"{op}: neither input nor output is a contiguous heap tensor and strict mode is on"
-    algo = choose(ch, opcode, input.dtype, total)
+    algo, _ = choose(ch, opcode, input.dtype, total)
     vec = None
     if out_counts is not None:
         vec = np.asarray(counts + out_counts, dtype=np.int64)

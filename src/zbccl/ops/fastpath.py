@@ -80,6 +80,8 @@ class NativeChannel:
 def native_channel(ch: OpChannel) -> NativeChannel | None:
     """The channel's native mirror, or None when the native core is unavailable."""
     nat = ch.__dict__.get("native")
+    if nat is False:  # switched off (tests of the Python path)
+        return None
     if nat is None:
         if not getattr(ch.prims, "native", True) or not hasattr(ch.prims, "chan_new"):
             return None

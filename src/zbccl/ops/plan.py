@@ -47,8 +47,8 @@ def slices(count: int, parts: int, itemsize: int) -> list[tuple[int, int]]:
     return [(min(count, i * step), min(count, (i + 1) * step)) for i in range(parts)]
 
 
-def choose(ch, opcode: int, dtype: torch.dtype, nbytes: int) -> int:
-    """The algorithm code for this op and size, from the communicator's shared table."""
+def choose(ch, opcode: int, dtype: torch.dtype, nbytes: int) -> tuple[int, int]:
+    """``(algorithm code, chunk bytes)`` for this op and size, from the communicator's shared table."""
     cache = ch.choices
     key = (opcode, dtype, nbytes)
     algo = cache.get(key)

@@ -77,7 +77,7 @@ def _run(comm, op: str, output, input, red_op, counts: list[int], row: int) -> t
     src = Operand(ch, input, op=op, role="input", read=True, write=False)
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     try:
-        algo = choose(ch, OP_REDUCE_SCATTER, input.dtype, input.numel() * isz)
+        algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, input.numel() * isz)
         hdrs = ch.begin([0, OP_REDUCE_SCATTER, dt, red, input.numel(), output.numel(), src.offset, -1, algo, 0,
                          row, sizes_digest(counts)], op=op, error=error or src.error)
         ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ROW, Header.DIGEST,

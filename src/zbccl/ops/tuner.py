@@ -21,11 +21,13 @@ from .. import env
 from ..errors import ZbcclInvalidUsageError
 from .plan import ALGO_CODES, OP_ALGOS
 
-__all__ = ["TuningTable", "DEFAULT_RULES", "table_for", "host_key", "table_path", "force_algorithm"]
+__all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "table_for", "host_key", "table_path", "force_algorithm"]
 
-#: op -> list of [max_bytes (inclusive), algorithm]; the last rule has max_bytes -1 (any size).
+#: op -> list of [max_bytes (inclusive), algorithm(, chunk bytes)]; the last rule has max_bytes -1
+#: (any size). The chunk is the pipelining unit of chunked algorithms (twoshot).
+DEFAULT_CHUNK = 1 << 20
 DEFAULT_RULES: dict[str, list[list]] = {
-    "all_reduce": [[32 << 10, "oneshot"], [-1, "twoshot"]],
+    "all_reduce": [[32 << 10, "oneshot"], [-1, "twoshot", DEFAULT_CHUNK]],
     "all_gather": [[-1, "pull"]],
     "reduce_scatter": [[-1, "pull"]],
     "all_to_all": [[-1, "pull"]],
@@ -92,15 +94,15 @@ class TuningTable:
         d = json.loads(text)
         return cls(d["rules"], d.get("forced", {}), d.get("source", "?"))
 
-    def choose(self, op: str, dtype: torch.dtype, nbytes: int, world_size: int) -> int:
-        if op in self.forced:
-            return ALGO_CODES[self.forced[op]]
+    def choose(self, op: str, dtype: torch.dtype, nbytes: int, world_size: int) -> tuple[int, int]:
+        """``(algorithm code, chunk bytes)`` for this op, size and world size."""
         per_world = self.rules.get(op, {})
         rules = per_world.get(str(world_size)) or per_world.get("*") or [[-1, OP_ALGOS[op][0]]]
-        for max_bytes, algo in rules:
-            if max_bytes < 0 or nbytes <= max_bytes:
-                return ALGO_CODES[algo]
-        return ALGO_CODES[rules[-1][1]]
+        rule = next((r for r in rules if r[0] < 0 or nbytes <= r[0]), rules[-1])
+        chunk = int(rule[2]) if len(rule) > 2 else DEFAULT_CHUNK
+        if op in self.forced:
+            return ALGO_CODES[self.forced[op]], chunk
+        return ALGO_CODES[rule[1]], chunk
 
 
 def parse_forced(text: str) -> dict[str, str]:

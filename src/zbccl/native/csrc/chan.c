@@ -197,14 +197,18 @@ static int ensure_scratch(zb_chan *c, int64_t nbytes) {
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
+                   int op, double divisor, int nt, int64_t chunk);
+
 static int allreduce(zb_chan *c, int64_t seq, const int64_t *mine, char *dst, int64_t count, int64_t itemsize) {
+    int64_t chunk = mine[H_AUX];
     int64_t nbytes = count * itemsize;
     memcpy(c->hdr[c->me] + 1, mine + 1, (HDR_FIELDS - 1) * sizeof(int64_t));
     __atomic_store_n(c->hdr[c->me], seq, __ATOMIC_RELAXED);
     int rc = sync_on(c, c->arrive, seq);
     if (rc) return rc;
-    static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ALGO};
-    rc = check_headers(c, seq, fields, 5);
+    static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ALGO, H_AUX};
+    rc = check_headers(c, seq, fields, 6);
     const void *srcs[ZB_MAXW];
     for (int r = 0; !rc && r < c->W; r++) {
         int64_t off = c->hdrcopy[r][H_IN_OFF];
@@ -227,22 +231,48 @@ static int allreduce(zb_chan *c, int64_t seq, const int64_t *mine, char *dst, in
         zb_copy(dst, c->scratch, nbytes, nt);
         return RC_OK;
     }
-    /* twoshot: slice r (64-byte aligned) is reduced by rank r, then gathered */
+    return twoshot(c, seq, srcs, dst, count, itemsize, dt, op, divisor, nt, chunk);
+}
+
+/* Slice r of [lo, hi): 64-byte aligned, as zbccl/ops/plan.py slices(). */
+static void slice_of(int64_t lo, int64_t hi, int64_t W, int64_t r, int64_t itemsize, int64_t *a, int64_t *b) {
     int64_t align = 64 / itemsize > 0 ? 64 / itemsize : 1;
-    int64_t step = (count + c->W - 1) / c->W;
+    int64_t step = (hi - lo + W - 1) / W;
     step = (step + align - 1) / align * align;
-    int64_t lo = min64(count, c->me * step), hi = min64(count, (c->me + 1) * step);
-    if (hi > lo) {
-        const void *part[ZB_MAXW];
-        for (int r = 0; r < c->W; r++) part[r] = (const char *)srcs[r] + lo * itemsize;
-        zb_reduce_n(dst + lo * itemsize, part, c->W, hi - lo, dt, op, divisor, nt);
-    }
-    rc = sync_on(c, c->phase, seq);
-    if (rc) return rc;
-    for (int k = 1; k < c->W; k++) {
-        int q = (int)((c->me + k) % c->W);
-        int64_t a = min64(count, q * step), b = min64(count, (q + 1) * step);
-        if (b > a) zb_copy(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, (b - a) * itemsize, nt);
+    *a = min64(hi, lo + r * step);
+    *b = min64(hi, lo + (r + 1) * step);
+}
+
+/* twoshot, pipelined over chunks of `chunk` elements. For chunk k, rank r reduces
+ * slice r of the chunk from every input into its own tensor and signals
+ * PHASE = seq<<24 | k+1; then it gathers the peers' slices of chunk k-1 (each
+ * peer signalled it, so those slices are final and nobody reads this rank's
+ * copy of them any more). Gathering one chunk behind keeps the peer's freshly
+ * reduced lines in cache and overlaps the two phases. */
+static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
+                   int op, double divisor, int nt, int64_t chunk) {
+    if (chunk <= 0) chunk = count;
+    int64_t nchunks = (count + chunk - 1) / chunk;
+    for (int64_t k = 0; k <= nchunks; k++) {
+        if (k < nchunks) {
+            int64_t a, b;
+            slice_of(k * chunk, min64(count, (k + 1) * chunk), c->W, c->me, itemsize, &a, &b);
+            if (b > a) {
+                const void *part[ZB_MAXW];
+                for (int r = 0; r < c->W; r++) part[r] = (const char *)srcs[r] + a * itemsize;
+                zb_reduce_n(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
+            }
+            signal_flag(c->phase[c->me], (seq << 24) | (k + 1));
+        }
+        if (k >= 1) {
+            int rc = wait_all(c, c->phase, (seq << 24) | k);
+            if (rc) return rc;
+            for (int i = 1; i < c->W; i++) {
+                int64_t q = (c->me + i) % c->W, a, b;
+                slice_of((k - 1) * chunk, min64(count, k * chunk), c->W, q, itemsize, &a, &b);
+                if (b > a) zb_copy(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, (b - a) * itemsize, nt);
+            }
+        }
     }
     return sync_on(c, c->done, seq);
 }
@@ -287,13 +317,13 @@ static PyObject *py_chan_free(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* chan_all_reduce(handle, seq, dst, offset, count, itemsize, dtype, op, algo) -> rc
- * Posts the header {seq, ALL_REDUCE, dtype, op, count, count, offset, -1, algo, 0...}. */
+/* chan_all_reduce(handle, seq, dst, offset, count, itemsize, dtype, op, algo, chunk) -> rc
+ * Posts the header {seq, ALL_REDUCE, dtype, op, count, count, offset, -1, algo, ..., AUX=chunk}. */
 static PyObject *py_chan_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t a[9];
-    if (nargs != 9) return PyErr_Format(PyExc_TypeError, "chan_all_reduce() takes 9 arguments, got %zd", nargs);
-    for (int i = 0; i < 9; i++)
+    int64_t a[10];
+    if (nargs != 10) return PyErr_Format(PyExc_TypeError, "chan_all_reduce() takes 10 arguments, got %zd", nargs);
+    for (int i = 0; i < 10; i++)
         if (i64(args[i], &a[i])) return NULL;
     zb_chan *c = (zb_chan *)(uintptr_t)a[0];
     if (!zb_reduce_valid((int)a[6], (int)a[7]))
@@ -301,6 +331,7 @@ static PyObject *py_chan_all_reduce(PyObject *self, PyObject *const *args, Py_ss
     int64_t mine[HDR_FIELDS] = {0};
     mine[H_OP] = OP_ALL_REDUCE, mine[H_DTYPE] = a[6], mine[H_REDOP] = a[7], mine[H_IN_NUMEL] = a[4];
     mine[H_OUT_NUMEL] = a[4], mine[H_IN_OFF] = a[3], mine[H_OUT_OFF] = -1, mine[H_ALGO] = a[8];
+    mine[H_AUX] = a[9];
     int rc;
     c->result[0] = c->result[1] = c->result[2] = 0;
     if (a[4] * a[5] < (1 << 16)) {
@@ -331,7 +362,8 @@ static PyMethodDef chan_methods[] = {
      "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle of a native op channel."},
     {"chan_free", (PyCFunction)(void (*)(void))py_chan_free, METH_FASTCALL, "chan_free(handle)."},
     {"chan_all_reduce", (PyCFunction)(void (*)(void))py_chan_all_reduce, METH_FASTCALL,
-     "chan_all_reduce(handle, seq, dst, offset, count, itemsize, dtype, op, algo) -> result code (0: ok)."},
+     "chan_all_reduce(handle, seq, dst, offset, count, itemsize, dtype, op, algo, chunk) -> result code (0: ok). "
+     "chunk: elements per pipelined twoshot chunk (0: one chunk)."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
      "chan_result(handle) -> (code, rank, field, headers_ptr) of the last op."},
     {NULL, NULL, 0, NULL},
