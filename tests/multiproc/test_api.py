@@ -150,3 +150,56 @@ def _from_group(ctx):
 
 def test_init_from_process_group():
     assert run_world(_from_group, 2) == [3.0, 3.0]
+
+
+def _scoped(ctx):
+    import zbccl
+    from zbccl.adapters.scope import hook_stats
+
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        x = torch.randn(64, 32)
+        w = torch.randn(32, 16)
+        with zbccl.heap_scope():
+            y = x @ w
+            z = torch.cat([y, torch.full_like(y, float(ctx.rank))])
+            e = torch.empty(1000)
+        outside = x @ w
+        assert all(zbccl.is_heap_tensor(t) for t in (y, z, e)), "op outputs must land in the heap"
+        assert not zbccl.is_heap_tensor(outside) and not zbccl.is_heap_tensor(x)
+        assert torch.allclose(y, outside)
+        # a scoped tensor is a normal heap tensor: export it, a peer reads it
+        hs = comm.all_gather_object(zbccl.export(z))
+        comm.barrier()
+        peer = comm.peer_tensor(1 - comm.rank, hs[1 - comm.rank])
+        assert torch.equal(peer[64:], torch.full((64, 16), float(1 - comm.rank)))
+        del peer
+        comm.barrier()
+        # freed anywhere, memory returns (cached by the hook tier, accounted as cached)
+        before = zbccl.memory_stats()["allocated_bytes"]
+        del y, z, e
+        gc.collect()
+        st = zbccl.memory_stats()
+        assert st["allocated_bytes"] < before and st["allocated_bytes"] == 0, st
+        # heap full: ordinary memory and a fallback count; strict raises
+        with zbccl.heap_scope():
+            big = torch.ones(4 << 20)  # 16 MiB > 8 MiB heap
+        assert not zbccl.is_heap_tensor(big) and float(big.sum()) == 4 << 20
+        assert zbccl.memory_stats()["fallback_allocs"] >= 1 and hook_stats()["fallback_allocs"] >= 1
+        with pytest.raises(RuntimeError, match="strict=True"):
+            with zbccl.heap_scope(strict=True):
+                torch.ones(4 << 20)
+        # collectives on scoped tensors are zero-copy
+        st0 = zbccl.memory_stats()["staged_bytes"]
+        with zbccl.heap_scope():
+            t = torch.full((1000,), float(ctx.rank + 1))
+        zbccl.all_reduce(t)
+        assert torch.equal(t, torch.full((1000,), 3.0))
+        assert zbccl.memory_stats()["staged_bytes"] == st0
+        return True
+    finally:
+        zbccl.finalize()
+
+
+def test_heap_scope_places_op_outputs_in_the_heap():
+    assert run_world(_scoped, 2) == [True, True]

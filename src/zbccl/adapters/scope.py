@@ -1,0 +1,323 @@
+"""``with zbccl.heap_scope():`` puts this thread's CPU torch allocations in the rank's heap.
+
+Inside the scope every CPU allocation torch makes *on this thread* (``torch.empty``,
+op outputs, ``.clone()``...) is a block of the communicator's shared heap, so a
+collective can use it in place. Memory freed anywhere, on any thread, returns to
+the heap's SMA. Other threads are not affected.
+
+How it works (``native/csrc/cpu_alloc_hook.cpp``): a C++ ``c10::Allocator``
+replaces torch's CPU allocator once per process and delegates to it outside a
+scope. Inside, it serves blocks from a native per-heap front cache (one LIFO
+stack per size class), with no Python on a hit. This module owns the policy:
+
+* size classes are the SMA's ``round_size`` values, so a cached block is exactly
+  an SMA block; classes above ``_MAX_CACHED_CLASS`` are never cached;
+* on a miss the hook calls ``refill`` here (``sma.try_malloc``); 0 means the heap
+  is full: non-strict scopes fall back to ordinary memory (counted in the SMA
+  with ``record_fallback`` and natively), strict ones raise ``RuntimeError``
+  (``torch.OutOfMemoryError``) from the allocating op;
+* a free beyond a class's depth or the byte limit calls ``release`` here
+  (``sma.free``); callbacks take the GIL themselves and never run under a native lock;
+* the native cache is the SMA cache tier ``"heap_scope"``: ``sma.stats()`` counts
+  its blocks as cached, and an SMA allocation that would fail drains it first.
+
+Registration is per heap base and idempotent; :func:`unregister_heap` (called by
+``zbccl.finalize``) stops the heap being used: later frees of its blocks are
+dropped, and allocations in a still-open scope go to ordinary memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from .. import env
+from ..errors import ZbcclSystemError
+
+__all__ = ["HOOK_COUNTERS", "TIER_NAME", "HeapScope", "heap_scope", "hook_stats", "unregister_heap"]
+
+_log = logging.getLogger(__name__)
+
+#: Native counters of a registered heap, in ``zbh_stats`` order.
+HOOK_COUNTERS: tuple[str, ...] = (
+    "hits",  # allocations served from the native cache, no Python
+    "misses",  # allocations that called refill (sma.try_malloc)
+    "fallback_allocs",  # non-strict allocations served from ordinary memory: heap full
+    "fallback_bytes",  # their requested bytes
+    "strict_failures",  # strict allocations that raised: heap full
+    "live_bytes",  # heap bytes (class sizes) held by live tensors
+    "live_blocks",  # heap blocks held by live tensors
+    "cached_bytes",  # bytes in the native cache (the SMA tier)
+    "cached_blocks",  # blocks in the native cache
+    "releases",  # frees handed back to the SMA (cache full or class not cached)
+    "dropped_frees",  # frees after unregister_heap, dropped
+)
+#: Name of the SMA cache tier the native cache registers as.
+TIER_NAME = "heap_scope"
+
+_PRIORITY = 10  # c10 allocator priority; torch's default CPU allocator has 0
+_MAX_CACHED_CLASS = 64 << 20  # larger blocks always go back to the SMA on free
+_CLASS_BUDGET = 32 << 20  # per-class cached bytes a class aims at: depth = budget // size
+_MIN_DEPTH, _MAX_DEPTH = 2, 64
+_DRAIN_BATCH = 1024
+_KIND = "heap_scope"
+_STRICT = 1
+
+_REFILL = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32)
+_RELEASE = ctypes.CFUNCTYPE(None, ctypes.c_uint64)
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    c = ctypes
+    sigs = {
+        "zbh_install": (c.c_int, [c.c_int]),
+        "zbh_register": (c.c_int32, [c.c_uint64, c.c_uint64, _u64p, c.POINTER(c.c_uint32), c.c_uint32,
+                                     c.c_uint64, _REFILL, _RELEASE]),
+        "zbh_unregister": (c.c_int32, [c.c_int32]),
+        "zbh_drain": (c.c_uint64, [c.c_int32, _u64p, c.c_uint64]),
+        "zbh_stats": (c.c_int32, [c.c_int32, _u64p, c.c_int32]),
+        "zbh_class_size": (c.c_uint64, [c.c_int32, c.c_uint64]),
+        "zbh_scope_enter": (c.c_int64, [c.c_int32, c.c_int32]),
+        "zbh_scope_exit": (None, [c.c_int64]),
+        "zbh_scope_state": (c.c_int64, []),
+        "zbh_num_counters": (c.c_int32, []),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    if lib.zbh_num_counters() != len(HOOK_COUNTERS):
+        raise ZbcclSystemError(
+            f"heap_scope: hook counter table mismatch, expected {len(HOOK_COUNTERS)}, got {lib.zbh_num_counters()}"
+        )
+    return lib
+
+
+_lock = threading.Lock()  # guards _lib, _registry, _retired, _atexit_done
+_lib: ctypes.CDLL | None = None
+_atexit_done = False
+
+
+def _hook() -> ctypes.CDLL:
+    """The hook library, installed as torch's CPU allocator (first call builds it)."""
+    global _lib
+    if _lib is None:
+        from .. import native
+
+        lib = _declare(native.alloc_hook())
+        if not lib.zbh_install(_PRIORITY):
+            raise ZbcclSystemError(
+                "heap_scope: cannot install the CPU allocator hook, expected torch to accept priority "
+                f"{_PRIORITY}, got a CPU allocator of higher priority already set"
+            )
+        _lib = lib
+    return _lib
+
+
+@dataclass(eq=False)
+class _Registration:
+    """One heap known to the hook; the callbacks must outlive every native use."""
+
+    base: int
+    nbytes: int
+    heap_id: int
+    sma: Any
+    refill: Any
+    release: Any
+
+    def counters(self) -> dict[str, int]:
+        out = (ctypes.c_uint64 * len(HOOK_COUNTERS))()
+        _hook().zbh_stats(self.heap_id, out, len(HOOK_COUNTERS))
+        return dict(zip(HOOK_COUNTERS, out))
+
+    def cached(self) -> tuple[int, int]:
+        """SMA tier callback: (bytes, blocks) in the native cache."""
+        c = self.counters()
+        return c["cached_bytes"], c["cached_blocks"]
+
+    def drain(self) -> None:
+        """SMA tier callback: hand every cached block back with sma.free."""
+        lib, buf = _hook(), (ctypes.c_uint64 * _DRAIN_BATCH)()
+        while True:
+            k = lib.zbh_drain(self.heap_id, buf, _DRAIN_BATCH)
+            for i in range(k):
+                self.sma.free(buf[i] - self.base)
+            if k < _DRAIN_BATCH:
+                return
+
+
+_registry: dict[int, _Registration] = {}  # heap base -> live registration
+_retired: list[_Registration] = []  # unregistered: kept so in-flight callbacks stay valid
+
+
+def _size_classes(sma: Any, heap_bytes: int) -> tuple[list[int], list[int], int]:
+    """Policy: every SMA size class up to the heap size, each class's cache depth, the byte limit."""
+    sizes: list[int] = []
+    size = sma.round_size(1)
+    while size <= heap_bytes:
+        sizes.append(size)
+        size = sma.round_size(size + 1)
+    depth = [
+        0 if s > _MAX_CACHED_CLASS else max(_MIN_DEPTH, min(_MAX_DEPTH, _CLASS_BUDGET // s)) for s in sizes
+    ]
+    limit = min(env.SMA_CACHE_LIMIT.get(), heap_bytes // 2)
+    return sizes, depth, limit
+
+
+def _callbacks(sma: Any, base: int) -> tuple[Any, Any]:
+    """ctypes callbacks the hook calls on a miss (refill) and on an uncached free (release)."""
+
+    def refill(size: int, requested: int, flags: int) -> int:
+        try:  # nothing may propagate into C; a failure is "heap full"
+            # round_size(requested) == size: the hook's classes are round_size values.
+            offset = sma.try_malloc(requested, kind=_KIND)
+            if offset is None and not flags & _STRICT:
+                sma.record_fallback(requested)
+        except BaseException:  # noqa: BLE001
+            _log.exception("heap_scope: refill of %d bytes failed; treating the heap as full", size)
+            return 0
+        return 0 if offset is None else base + offset
+
+    def release(addr: int) -> None:
+        try:
+            sma.free(addr - base)
+        except BaseException:  # noqa: BLE001
+            _log.exception("heap_scope: returning block %#x to the SMA failed; block leaked", addr)
+
+    return _REFILL(refill), _RELEASE(release)
+
+
+def _register(comm: Any) -> _Registration:
+    """Register ``comm``'s heap with the hook (idempotent per heap base and SMA)."""
+    global _atexit_done
+    base, nbytes, sma = int(comm.heap_base), int(comm.heap_bytes), comm.sma
+    reg = _registry.get(base)
+    if reg is not None and reg.sma is sma:
+        return reg
+    with _lock:
+        reg = _registry.get(base)
+        if reg is not None and reg.sma is sma:
+            return reg
+        if reg is not None:  # a new heap at an old heap's address, never unregistered
+            _unregister_locked(reg)
+        lib = _hook()
+        sizes, depth, limit = _size_classes(sma, nbytes)
+        refill, release = _callbacks(sma, base)
+        hid = lib.zbh_register(base, nbytes, (ctypes.c_uint64 * len(sizes))(*sizes),
+                               (ctypes.c_uint32 * len(depth))(*depth), len(sizes), limit, refill, release)
+        if hid <= 0:
+            raise ZbcclSystemError(
+                f"heap_scope: cannot register heap {base:#x}+{nbytes}, expected a heap id, got error {hid}"
+            )
+        reg = _Registration(base, nbytes, hid, sma, refill, release)
+        sma.add_cache_tier(TIER_NAME, cached=reg.cached, drain=reg.drain)
+        _registry[base] = reg
+        if not _atexit_done:  # frees during interpreter teardown must not call into Python
+            atexit.register(_unregister_all)
+            _atexit_done = True
+        from ..runtime.state import add_finalize_hook
+
+        add_finalize_hook(_on_finalize)
+        return reg
+
+
+def _on_finalize(heap: Any) -> None:
+    """``zbccl.finalize`` hook: detach the hook from the heap before it goes away."""
+    unregister_heap(heap.heap_base)
+
+
+def _unregister_locked(reg: _Registration) -> None:
+    _registry.pop(reg.base, None)
+    _retired.append(reg)
+    _hook().zbh_unregister(reg.heap_id)
+    try:
+        reg.drain()
+        reg.sma.remove_cache_tier(TIER_NAME)
+    except Exception:  # noqa: BLE001 - teardown is best effort
+        _log.exception("heap_scope: returning cached blocks of heap %#x failed", reg.base)
+
+
+def unregister_heap(base: int) -> None:
+    """Stop using the heap at ``base`` (idempotent; a no-op if it was never registered).
+
+    Cached blocks go back to the SMA and its cache tier is removed. Afterwards,
+    frees of the heap's blocks still alive are dropped (never cached, never
+    given to a later heap at the same address), and allocations inside a scope
+    still open on it go to ordinary memory. Called by ``zbccl.finalize``.
+    """
+    with _lock:
+        reg = _registry.get(int(base))
+        if reg is not None:
+            _unregister_locked(reg)
+
+
+def _unregister_all() -> None:
+    with _lock:
+        for reg in list(_registry.values()):
+            _unregister_locked(reg)
+
+
+def _resolve(comm: Any) -> Any:
+    """A Communicator (``None``: the default one), or any object with ``sma``, ``heap_base``, ``heap_bytes``."""
+    from ..runtime.communicator import Communicator
+
+    if comm is None or isinstance(comm, Communicator):
+        from ..runtime.state import resolve_comm
+
+        return resolve_comm(comm)
+    return comm
+
+
+class HeapScope:
+    """Context manager returned by :func:`heap_scope`; reusable, nestable, per thread."""
+
+    def __init__(self, comm: Any = None, *, strict: bool = False) -> None:
+        self._comm = comm
+        self._strict = bool(strict)
+        self._tokens = threading.local()
+
+    def __enter__(self) -> HeapScope:
+        reg = _register(_resolve(self._comm))
+        token = _hook().zbh_scope_enter(reg.heap_id, int(self._strict))
+        stack = self._tokens.__dict__.setdefault("stack", [])
+        stack.append(token)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _hook().zbh_scope_exit(self._tokens.stack.pop())
+
+
+def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
+    """Within ``with heap_scope(comm):`` this thread's CPU torch allocations live in ``comm``'s heap.
+
+    Covers every CPU allocation torch makes on the calling thread: factory
+    functions, op outputs, clones, resizes. Other threads (and allocations
+    torch delegates to its own worker threads) are unaffected; tensors may be
+    freed anywhere and their blocks return to the heap's SMA. Scopes nest (the
+    innermost wins) and the returned object may be re-entered. Not a
+    collective: no peer is involved, nothing blocks. The first use builds and
+    installs a native allocator hook (cached on disk, a few seconds).
+
+    Args:
+        comm: a Communicator, or None for the default one (raises
+            ZbcclInvalidUsageError if zbccl is not initialized).
+        strict: when the heap is full, raise ``RuntimeError`` (a
+            ``torch.OutOfMemoryError`` whose message starts with
+            ``heap_scope: heap out of memory (strict=True)``) from the
+            allocating op, instead of falling back to ordinary memory
+            (counted in ``fallback_allocs`` of the SMA's stats).
+    """
+    return HeapScope(comm, strict=strict)
+
+
+def hook_stats(comm: Any = None) -> dict[str, int]:
+    """Native counters (:data:`HOOK_COUNTERS`) of ``comm``'s heap; all zero if never used in a scope."""
+    reg = _registry.get(int(_resolve(comm).heap_base))
+    return reg.counters() if reg is not None else dict.fromkeys(HOOK_COUNTERS, 0)

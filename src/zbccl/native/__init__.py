@@ -1,0 +1,126 @@
+"""zbccl's native code: the C core (atomics, waits, copies) and the CPU allocator hook.
+
+Nothing is built or loaded at import. :func:`core` and :func:`alloc_hook`
+build on first use (cached across processes, see :mod:`zbccl.native.build`)
+and then return the same loaded object for the life of the process.
+
+* ``core``: a CPython extension module ``zbccl._native_core`` (METH_FASTCALL).
+* ``cpu_alloc_hook``: a plain C++ library against ``libc10``, loaded with
+  ctypes; it is never unloaded because torch keeps a pointer to its allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..errors import ZbcclSystemError
+from . import build as _b  # the package attribute ``build`` stays the module
+
+__all__ = ["LIBRARIES", "alloc_hook", "build_all", "core", "status"]
+
+_CSRC = Path(__file__).parent / "csrc"
+
+#: name -> (sources, lang, torch[, extra flags]): the libraries zbccl builds. Headers
+#: are listed too: they are hashed into the cache key but not compiled.
+LIBRARIES: dict[str, tuple] = {
+    "core": ((_CSRC / "core.c", _CSRC / "reduce.c", _CSRC / "reduce_py.c", _CSRC / "chan.c",
+              _CSRC / "reduce.h"), "c", False,
+             ("-fopenmp",)),
+    "cpu_alloc_hook": ((_CSRC / "cpu_alloc_hook.cpp",), "c++", True),
+}
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+def _build(name: str) -> Path:
+    sources, lang, torch, *rest = LIBRARIES[name]
+    flags = tuple(rest[0]) if rest else ()
+    return _b.build(name, list(sources), lang=lang, torch=torch, extra_flags=flags)  # type: ignore[arg-type]
+
+
+def _load_core(path: Path) -> ModuleType:
+    modname = "zbccl._native_core"
+    loader = importlib.machinery.ExtensionFileLoader(modname, str(path))
+    spec = importlib.util.spec_from_file_location(modname, str(path), loader=loader)
+    if spec is None:
+        raise ZbcclSystemError(f"native: cannot load {path}, expected an extension module")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[modname] = module
+    return module
+
+
+def core() -> ModuleType:
+    """The native core module (built on first use, then cached for the process).
+
+    Functions: ``load_acquire(addr)``, ``store_release(addr, v)``,
+    ``fetch_add(addr, d)``, ``signal(addr, v)``, ``fetch_add_signal(addr, d)``,
+    ``wait_ge(addrs_ptr, n, target, spin, budget_ns)``,
+    ``wait_eq(addr, v, spin, budget_ns)``, ``now_ns()``,
+    ``memcpy(dst, src, n)``, ``memset(dst, byte, n)``. See ``csrc/core.c``.
+    """
+    mod = _loaded.get("core")
+    if mod is None:
+        with _lock:
+            mod = _loaded.get("core")
+            if mod is None:
+                mod = _loaded["core"] = _load_core(_build("core"))
+    return mod
+
+
+def alloc_hook() -> ctypes.CDLL:
+    """The ctypes handle of the CPU allocator hook library (imports torch first).
+
+    Only loads it; installing it as torch's CPU allocator is
+    :mod:`zbccl.adapters.scope`'s job.
+    """
+    lib = _loaded.get("cpu_alloc_hook")
+    if lib is None:
+        with _lock:
+            lib = _loaded.get("cpu_alloc_hook")
+            if lib is None:
+                import torch  # noqa: F401  (libc10 must be loaded before the hook)
+
+                lib = _loaded["cpu_alloc_hook"] = ctypes.CDLL(str(_build("cpu_alloc_hook")))
+    return lib
+
+
+def build_all() -> dict[str, Path]:
+    """Build every library now (``zbccl build``, ``make``); returns name -> path."""
+    return {name: _build(name) for name in LIBRARIES}
+
+
+def status() -> dict[str, dict[str, Any]]:
+    """For ``zbccl info``: per library, whether it is built, where, how long it took, with what.
+
+    Never compiles; runs the compiler's ``--version`` once to find the key.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name, (sources, lang, torch, *rest) in LIBRARIES.items():
+        row: dict[str, Any] = {"built": False, "loaded": name in _loaded}
+        flags = tuple(rest[0]) if rest else ()
+        try:
+            spec = _b.BuildSpec(name, sources, lang, torch, flags, _b.find_compiler(lang))  # type: ignore[arg-type]
+            directory = _b.cache_path(spec)
+        except Exception as exc:  # a missing compiler or torch is a status, not a crash
+            row["error"] = str(exc)
+            out[name] = row
+            continue
+        lib = directory / _b.lib_filename(name)
+        info = _b.read_build_info(directory) if lib.exists() else {}
+        row.update(
+            built=lib.exists(),
+            path=str(lib),
+            build_seconds=info.get("seconds"),
+            compiler=info.get("compiler", spec.compiler),
+        )
+        out[name] = row
+    return out

@@ -1,0 +1,115 @@
+"""Build-and-cache of native code: keys, caching, errors, concurrency, status."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.spawn import run_world
+from zbccl import native
+from zbccl.errors import ZbcclSystemError
+from zbccl.native import build as nb
+
+_SRC = "int zb_answer(void) { return %d; }\n"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("ZBCCL_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _source(tmp_path: Path, value: int = 42, name: str = "answer.c") -> Path:
+    src = tmp_path / name
+    src.write_text(_SRC % value)
+    return src
+
+
+def test_build_loads_and_second_call_is_cached(cache: Path, tmp_path: Path, monkeypatch, capfd) -> None:
+    src = _source(tmp_path)
+    lib = nb.build("answer", [src], lang="c")
+    assert lib.is_file() and lib.parent.parent == cache / "native"
+    assert "zbccl: building native core answer (first use, cached in" in capfd.readouterr().err
+    assert ctypes.CDLL(str(lib)).zb_answer() == 42
+    info = nb.read_build_info(lib.parent)
+    assert info["seconds"] >= 0 and info["compiler"]
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError(f"compiler run on a cached build: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)  # --version is memoized too
+    assert nb.build("answer", [src], lang="c") == lib
+    assert capfd.readouterr().err == ""
+
+
+def test_key_covers_source_and_flags(cache: Path, tmp_path: Path) -> None:
+    src = _source(tmp_path, 1)
+    first = nb.build("answer", [src], lang="c")
+    flagged = nb.build("answer", [src], lang="c", extra_flags=("-DZB_UNUSED=1",))
+    src.write_text(_SRC % 2)
+    changed = nb.build("answer", [src], lang="c")
+    assert len({first, flagged, changed}) == 3
+    assert ctypes.CDLL(str(changed)).zb_answer() == 2
+    leftovers = [p.name for p in (cache / "native").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_compile_error_names_command_and_stderr(cache: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.c"
+    bad.write_text("int broken( { return }\n")
+    with pytest.raises(ZbcclSystemError) as info:
+        nb.build("bad", [bad], lang="c")
+    msg = str(info.value)
+    assert "command:" in msg and str(bad) in msg and "error" in msg
+    assert not any(p.suffix != ".lock" for p in (cache / "native").iterdir())
+
+
+def test_bad_lang_and_missing_compiler(cache: Path, tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match="bad lang"):
+        nb.build("x", [_source(tmp_path)], lang="fortran")  # type: ignore[arg-type]
+    monkeypatch.setenv("ZBCCL_CXX", str(tmp_path / "no-such-cc"))
+    with pytest.raises(ZbcclSystemError, match="cannot run compiler"):
+        nb.build("x", [_source(tmp_path)], lang="c")
+
+
+def _build_rank(ctx, *, src: str) -> str:
+    return str(nb.build("race", [Path(src)], lang="c"))
+
+
+def test_concurrent_builds_compile_once(cache: Path, tmp_path: Path) -> None:
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cc-wrapper"
+    real = shutil.which("gcc") or shutil.which("cc")
+    assert real is not None
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$1" in --version) ;; *) echo compile >> {log} ;; esac\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    src = _source(tmp_path, 7)
+    paths = run_world(_build_rank, 3, timeout=120, src=str(src),
+                      env={"ZBCCL_CXX": str(wrapper), "ZBCCL_CACHE_DIR": str(cache)})
+    assert len(set(paths)) == 1 and Path(paths[0]).is_file()
+    assert log.read_text().count("compile") == 1
+
+
+def test_status_reports_without_building(cache: Path) -> None:
+    st = native.status()
+    assert set(st) == set(native.LIBRARIES)
+    for row in st.values():
+        assert row["built"] is False and "path" in row and row["compiler"]
+    assert not (cache / "native").exists() or not any((cache / "native").iterdir())
+
+
+def test_build_all_and_status(cache: Path) -> None:
+    paths = native.build_all()
+    assert set(paths) == set(native.LIBRARIES) and all(p.is_file() for p in paths.values())
+    st = native.status()
+    for name, row in st.items():
+        assert row["built"] and row["path"] == str(paths[name]) and row["build_seconds"] is not None
+    assert os.path.basename(native.core().__file__).startswith("core")
