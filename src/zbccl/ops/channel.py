@@ -199,5 +199,10 @@ def channel_of(comm: Communicator) -> OpChannel:
     """The communicator's op channel, created on first use."""
     ch = comm.__dict__.get("_op_channel")
     if ch is None:
+        if not hasattr(comm._ctx.prims, "reduce_n"):
+            from ..errors import ZbcclSystemError
+
+            raise ZbcclSystemError(
+                "collective: the native core is not available (no C compiler?); see 'zbccl info' and the README")
         ch = comm.__dict__["_op_channel"] = OpChannel(comm)
     return ch

@@ -83,7 +83,8 @@ def native_channel(ch: OpChannel) -> NativeChannel | None:
     if nat is False:  # switched off (tests of the Python path)
         return None
     if nat is None:
-        if not getattr(ch.prims, "native", True) or not hasattr(ch.prims, "chan_new"):
+        if not hasattr(ch.prims, "chan_new") or ch.world_size > 256:  # chan.c's ZB_MAXW
+            ch.__dict__["native"] = False
             return None
         nat = ch.__dict__["native"] = NativeChannel(ch)
     return nat

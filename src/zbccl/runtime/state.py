@@ -88,6 +88,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
     with _lock:
         if _default is not None:
             raise ZbcclInvalidUsageError("init: zbccl is already initialized, expected finalize() first")
+        _log.setLevel(env.LOG_LEVEL.get().upper())
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
