@@ -7,20 +7,29 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.zbccl-installed
 
-.PHONY: demo test lint native clean
+.PHONY: bench demo test lint native tune vllm-baseline clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,bench]"
 	touch $@
 
 native: $(STAMP)
 	$(PY) -m zbccl build
 
+bench: native
+	$(PY) -m zbccl bench --json bench-results/bench.json --plot bench-results/bench.png
+
 demo: native
 	$(PY) -m zbccl demo
+
+tune: native
+	$(PY) -m zbccl tune
+
+vllm-baseline:
+	bash scripts/setup_vllm_baseline.sh
 
 test: native
 	$(PY) -m pytest -q

@@ -241,6 +241,33 @@ def _python_and_native_paths(ctx):
                     zbccl.all_reduce(t)
                     ref = all_reduce_ref([payload(r, n, dtype) for r in range(W)], 0)
                     assert torch.equal(t, ref), f"{mode} {dtype} n={n}"
+            # the other ops on this path mix, heap and private placements
+            x = zbccl.empty(300, dtype=torch.bfloat16)
+            x.copy_(payload(me, 300, torch.bfloat16))
+            for out in (torch.empty(W * 300, dtype=torch.bfloat16), zbccl.empty(W * 300, dtype=torch.bfloat16)):
+                zbccl.all_gather_into_tensor(out, x if me or mode != "mixed" else x.clone())
+                assert torch.equal(out, torch.cat([payload(r, 300, torch.bfloat16) for r in range(W)])), mode
+            out = torch.empty(300 // W * W // W, dtype=torch.bfloat16)
+            y = zbccl.empty(out.numel() * W, dtype=torch.bfloat16)
+            y.copy_(payload(me, y.numel(), torch.bfloat16))
+            zbccl.reduce_scatter_tensor(out, y)
+            from zbccl.ops.reference import reduce_scatter_ref
+
+            ref = reduce_scatter_ref([payload(r, y.numel(), torch.bfloat16) for r in range(W)], 0,
+                                     [out.numel()] * W, me)
+            assert torch.equal(out, ref), mode
+            splits = [[(q + r) % 3 for r in range(W)] for q in range(W)]
+            recv = [splits[q][me] for q in range(W)]
+            inputs = [payload(q, sum(splits[q]), torch.float32) for q in range(W)]
+            a = zbccl.empty(sum(splits[me]), dtype=torch.float32).copy_(inputs[me])
+            b = torch.empty(sum(recv), dtype=torch.float32)
+            zbccl.all_to_all_single(b, a if me or mode != "mixed" else a.clone(), recv, splits[me])
+            from zbccl.ops.reference import all_to_all_ref
+
+            assert torch.equal(b, all_to_all_ref(inputs, splits, me)), mode
+            c = zbccl.empty(77, dtype=torch.int64).copy_(payload(me, 77, torch.int64))
+            zbccl.broadcast(c, W - 1)
+            assert torch.equal(c, payload(W - 1, 77, torch.int64)), mode
         return True
     finally:
         zbccl.finalize()

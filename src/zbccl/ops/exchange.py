@@ -27,8 +27,10 @@ import torch
 
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
+from .allreduce import _show
 from .channel import Header, OpChannel, channel_of, sizes_digest
 from .dtypes import dtype_code
+from .fastpath import RC_FALLBACK, native_channel
 from .operands import is_strict
 from .plan import OP_ALL_GATHER, OP_ALL_TO_ALL, PUSH, choose, nthreads, profiled
 
@@ -115,23 +117,48 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
     dt = dtype_code(input.dtype, op=op)
     isz = input.element_size()
     opcode = OP_ALL_TO_ALL if out_counts is not None else OP_ALL_GATHER
-    total = sum(counts) * isz
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     in_off = ch.offset_of(input) if input.is_contiguous() else -1
     out_off = ch.offset_of(out_t)
     error = args.error
     if error is None and is_strict() and in_off < 0 and out_off < 0:
         error = f"{op}: neither input nor output is a contiguous heap tensor and strict mode is on"
-    algo, _ = choose(ch, opcode, input.dtype, total)
-    vec = None
-    if out_counts is not None:
-        vec = np.asarray(counts + out_counts, dtype=np.int64)
+    algo, _ = choose(ch, opcode, input.dtype, sum(counts) * isz)
     digest = sizes_digest(counts if out_counts is None else [row])
-    hdrs = ch.begin([0, opcode, dt, 0, input.numel(), output.numel(), in_off, out_off, algo, 0, row, digest],
-                    op=op, vectors=vec, error=error)
-    fields = (Header.OP, Header.DTYPE, Header.ROW, Header.DIGEST) + (
-        (Header.OUT_NUMEL,) if out_counts is None else ())
-    ch.agree(hdrs, fields, op=op)
+    vec = None if out_counts is None else np.asarray(counts + out_counts, dtype=np.int64)
+    keep = input if input.is_contiguous() else input.contiguous()  # alive until the op ends
+    nat = native_channel(ch)
+    hdrs = None
+    if nat is not None and error is None:
+        ch.seq += 1
+        if vec is not None:
+            ch.vectors[me][: 2 * W] = vec
+            rc = nat.all_to_all(nat.handle, ch.seq, keep.data_ptr(), in_off, out_t.data_ptr(), out_off,
+                                input.numel(), output.numel(), row, digest, isz, dt, algo)
+        else:
+            cnt = np.asarray(counts, dtype=np.int64)
+            rc = nat.all_gather(nat.handle, ch.seq, keep.data_ptr(), in_off, out_t.data_ptr(), out_off,
+                                int(cnt.ctypes.data), input.numel(), output.numel(), row, digest, isz, dt, algo)
+        if rc == RC_FALLBACK:
+            hdrs = nat.headers()  # placement needs staging: continue in Python, same protocol
+        elif rc:
+            nat.raise_for(rc, op=op, show=_show)
+    else:
+        hdrs = ch.begin([0, opcode, dt, 0, input.numel(), output.numel(), in_off, out_off, algo, 0, row, digest],
+                        op=op, vectors=vec, error=error)
+        fields = (Header.OP, Header.DTYPE, Header.ROW, Header.DIGEST) + (
+            (Header.OUT_NUMEL,) if out_counts is None else ())
+        ch.agree(hdrs, fields, op=op)
+    if hdrs is not None:
+        _finish_in_python(ch, hdrs, counts, out_counts, isz, algo, keep, in_off, out_t, op=op)
+    if out_t is not output:
+        output.copy_(out_t)
+        ch.ctx.sma.record_staged(output.numel() * isz)
+    return output
+
+
+def _finish_in_python(ch, hdrs, counts, out_counts, isz: int, algo: int, input, in_off: int, out_t, *,
+                      op: str) -> None:
     blocks = _blocks(ch, hdrs, counts, out_counts, isz, op=op)
     staged = None
     try:
@@ -143,10 +170,6 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
     finally:
         if staged is not None:
             ch.ctx.sma.free(staged)
-    if out_t is not output:
-        output.copy_(out_t)
-        ch.ctx.sma.record_staged(output.numel() * isz)
-    return output
 
 
 def _blocks(ch: OpChannel, hdrs, counts, out_counts, isz: int, *, op: str) -> np.ndarray:

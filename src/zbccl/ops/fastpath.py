@@ -19,9 +19,9 @@ from ..heap import layout
 from ..runtime.threads import nthreads
 from .channel import L_ARRIVE, L_DONE, L_HEADER, L_PHASE, Header, OpChannel
 
-__all__ = ["NativeChannel", "native_channel"]
+__all__ = ["NativeChannel", "native_channel", "RC_FALLBACK"]
 
-RC_OK, RC_TIMEOUT, RC_DEAD, RC_GONE, RC_MISMATCH, RC_STEP, RC_SPAN, RC_PEER_ERROR = range(8)
+RC_OK, RC_TIMEOUT, RC_DEAD, RC_GONE, RC_MISMATCH, RC_STEP, RC_SPAN, RC_PEER_ERROR, RC_SPLITS, RC_FALLBACK = range(10)
 
 
 class NativeChannel:
@@ -38,19 +38,32 @@ class NativeChannel:
 
             fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
             rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
-                         heap.ctrl_addr(g, layout.H_STATE), ch.heap_base[r], ch.heap_size[r], fd])
+                         heap.ctrl_addr(g, layout.H_STATE), ch.heap_base[r], ch.heap_size[r], fd,
+                         int(ch.vectors[r].ctypes.data)])
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.core.chan_new(ch.world_size, ch.rank, ctx.spin, ctx.liveness_ns,
                                          int(ctx.timeout * 1e9), nthreads(), int(table.ctypes.data))
         self._finalizer = weakref.finalize(self, self.core.chan_free, self.handle)
-        #: ``chan_all_reduce(handle, seq, dst, offset, count, itemsize, dtype, op, algo) -> rc``
+        # The native ops (signatures in native/csrc/chan_ops.c); each returns a result code.
         self.all_reduce = self.core.chan_all_reduce
+        self.all_gather = self.core.chan_all_gather
+        self.all_to_all = self.core.chan_all_to_all
+        self.reduce_scatter = self.core.chan_reduce_scatter
+        self.broadcast = self.core.chan_broadcast
+
+    def headers(self) -> list[tuple[int, ...]]:
+        """Every rank's header as copied by the last op (before its DONE handshake)."""
+        return [tuple(int(x) for x in row) for row in self._header_copies()]
+
+    def _header_copies(self) -> np.ndarray:
+        hdrs_ptr = self.core.chan_result(self.handle)[3]
+        W = self.ch.world_size
+        return np.frombuffer((ctypes.c_int64 * (16 * W)).from_address(hdrs_ptr), dtype=np.int64).reshape(W, 16)
 
     def raise_for(self, rc: int, *, op: str, show) -> None:
         ch = self.ch
-        _, rank, field, hdrs_ptr = self.core.chan_result(self.handle)
-        hdrs = np.frombuffer((ctypes.c_int64 * (16 * ch.world_size)).from_address(hdrs_ptr), dtype=np.int64)
-        hdrs = hdrs.reshape(ch.world_size, 16)
+        _, rank, field, _ = self.core.chan_result(self.handle)
+        hdrs = self._header_copies()
         if rc == RC_TIMEOUT:
             raise ZbcclTimeoutError(
                 f"{op}: timed out after {ch.ctx.timeout:.1f}s waiting for rank {rank}; it never arrived",
@@ -68,6 +81,14 @@ class NativeChannel:
         if rc == RC_PEER_ERROR:
             raise ZbcclInvalidUsageError(f"{op}: rank {rank} passed invalid arguments: {ch.error_text(rank)}",
                                          ranks=(rank,))
+        if rc == RC_SPLITS:
+            q, r = rank, field
+            vq, vr = ch.vectors[q], ch.vectors[r]
+            W = ch.world_size
+            raise ZbcclInvalidUsageError(
+                f"{op}: split sizes disagree, rank {q} sends {int(vq[r]) // max(1, int(hdrs[q, Header.ROW]))} rows "
+                f"to rank {r} but rank {r} expects {int(vr[W + q]) // max(1, int(hdrs[r, Header.ROW]))}",
+                ranks=(q, r))
         if rc == RC_STEP:
             raise ZbcclInvalidUsageError(
                 f"{op}: ranks out of step, expected op #{ch.seq} everywhere, got rank {rank} at "

@@ -20,6 +20,7 @@ from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .channel import Header, channel_of, sizes_digest
 from .dtypes import AVG, dtype_code, reduce_op_code
+from .fastpath import native_channel
 from .operands import Operand
 from .plan import OP_REDUCE_SCATTER, choose, nthreads, profiled
 
@@ -63,6 +64,22 @@ def _local_error(op: str, output, input, counts, rank: int, world: int) -> str |
     return None
 
 
+def _python_path(ch, op: str, src: Operand, out_t, counts, row: int, digest: int, dt: int, red: int, algo: int,
+                 error: str | None) -> None:
+    W, me, isz = ch.world_size, ch.rank, out_t.element_size()
+    hdrs = ch.begin([0, OP_REDUCE_SCATTER, dt, red, src.t.numel(), out_t.numel(), src.offset, -1, algo, 0,
+                     row, digest], op=op, error=error or src.error)
+    ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ROW, Header.DIGEST,
+                    Header.ALGO), op=op, show=_show)
+    srcs = ch.check_span(hdrs, Header.IN_OFF, src.t.numel() * isz, op=op)
+    lo = sum(counts[:me]) * isz
+    if counts[me]:
+        table = np.asarray([s + lo for s in srcs], dtype=np.uint64)
+        ch.prims.reduce_n(out_t.data_ptr(), int(table.ctypes.data), W, counts[me], dt, red,
+                          float(W) if red == AVG else 1.0, nthreads())
+    ch.end(op=op)
+
+
 def _run(comm, op: str, output, input, red_op, counts: list[int], row: int) -> torch.Tensor:
     dt = dtype_code(input.dtype, op=op)
     red = reduce_op_code(red_op, input.dtype, op=op)
@@ -78,17 +95,17 @@ def _run(comm, op: str, output, input, red_op, counts: list[int], row: int) -> t
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     try:
         algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, input.numel() * isz)
-        hdrs = ch.begin([0, OP_REDUCE_SCATTER, dt, red, input.numel(), output.numel(), src.offset, -1, algo, 0,
-                         row, sizes_digest(counts)], op=op, error=error or src.error)
-        ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ROW, Header.DIGEST,
-                        Header.ALGO), op=op, show=_show)
-        srcs = ch.check_span(hdrs, Header.IN_OFF, input.numel() * isz, op=op)
-        lo = sum(counts[:me]) * isz
-        if counts[me]:
-            table = np.asarray([s + lo for s in srcs], dtype=np.uint64)
-            ch.prims.reduce_n(out_t.data_ptr(), int(table.ctypes.data), W, counts[me], dt, red,
-                              float(W) if red == AVG else 1.0, nthreads())
-        ch.end(op=op)
+        digest = sizes_digest(counts)
+        nat = native_channel(ch)
+        if nat is not None and (error or src.error) is None:
+            ch.seq += 1
+            cnt = np.asarray(counts, dtype=np.int64)
+            rc = nat.reduce_scatter(nat.handle, ch.seq, src.offset, out_t.data_ptr(), int(cnt.ctypes.data),
+                                    input.numel(), output.numel(), row, digest, isz, dt, red, algo)
+            if rc:
+                nat.raise_for(rc, op=op, show=_show)
+        else:
+            _python_path(ch, op, src, out_t, counts, row, digest, dt, red, algo, error)
     finally:
         src.finish()
     if out_t is not output:
