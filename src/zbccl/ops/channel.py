@@ -93,6 +93,7 @@ class OpChannel:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         #: (op, dtype, bytes) -> algorithm, filled by ``plan.choose`` (cleared when the table changes).
         self.choices: dict = {}
+        self._sizes: dict = {}
 
     # ------------------------------------------------------------- handshake
     def begin(self, fields: list[int], *, op: str, vectors: np.ndarray | None = None,
@@ -184,9 +185,22 @@ class OpChannel:
         """Heap offset of a contiguous tensor's data in this rank's heap, or -1."""
         if not t.is_contiguous():
             return -1
-        ptr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        ptr = t.data_ptr()
+        if ptr == 0:  # zero-element tensors report 0; their storage still has an address
+            ptr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
         off = ptr - self.my_base
         return off if 0 <= off and off + t.numel() * t.element_size() <= self.my_size else -1
+
+    def sizes(self, counts: list[int]) -> tuple[int, int]:
+        """``(digest, address of an int64 copy)`` of a size vector, cached per vector."""
+        key = tuple(counts)
+        hit = self._sizes.get(key)
+        if hit is None:
+            if len(self._sizes) > 1024:
+                self._sizes.clear()
+            arr = np.asarray(counts, dtype=np.int64)
+            hit = self._sizes[key] = (sizes_digest(counts), int(arr.ctypes.data), arr)
+        return hit[0], hit[1]
 
     def scratch(self, nbytes: int) -> int:
         """Address of a private scratch buffer of at least ``nbytes`` (reused across calls)."""

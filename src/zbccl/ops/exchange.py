@@ -28,7 +28,7 @@ import torch
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
-from .channel import Header, OpChannel, channel_of, sizes_digest
+from .channel import Header, OpChannel, channel_of
 from .dtypes import dtype_code
 from .fastpath import RC_FALLBACK, native_channel
 from .operands import is_strict
@@ -124,7 +124,7 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
     if error is None and is_strict() and in_off < 0 and out_off < 0:
         error = f"{op}: neither input nor output is a contiguous heap tensor and strict mode is on"
     algo, _ = choose(ch, opcode, input.dtype, sum(counts) * isz)
-    digest = sizes_digest(counts if out_counts is None else [row])
+    digest, counts_addr = ch.sizes(counts if out_counts is None else [row])
     vec = None if out_counts is None else np.asarray(counts + out_counts, dtype=np.int64)
     keep = input if input.is_contiguous() else input.contiguous()  # alive until the op ends
     nat = native_channel(ch)
@@ -136,9 +136,8 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
             rc = nat.all_to_all(nat.handle, ch.seq, keep.data_ptr(), in_off, out_t.data_ptr(), out_off,
                                 input.numel(), output.numel(), row, digest, isz, dt, algo)
         else:
-            cnt = np.asarray(counts, dtype=np.int64)
             rc = nat.all_gather(nat.handle, ch.seq, keep.data_ptr(), in_off, out_t.data_ptr(), out_off,
-                                int(cnt.ctypes.data), input.numel(), output.numel(), row, digest, isz, dt, algo)
+                                counts_addr, input.numel(), output.numel(), row, digest, isz, dt, algo)
         if rc == RC_FALLBACK:
             hdrs = nat.headers()  # placement needs staging: continue in Python, same protocol
         elif rc:

@@ -18,7 +18,7 @@ import torch
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
-from .channel import Header, channel_of, sizes_digest
+from .channel import Header, channel_of
 from .dtypes import AVG, dtype_code, reduce_op_code
 from .fastpath import native_channel
 from .operands import Operand
@@ -95,12 +95,11 @@ def _run(comm, op: str, output, input, red_op, counts: list[int], row: int) -> t
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     try:
         algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, input.numel() * isz)
-        digest = sizes_digest(counts)
+        digest, counts_addr = ch.sizes(counts)
         nat = native_channel(ch)
         if nat is not None and (error or src.error) is None:
             ch.seq += 1
-            cnt = np.asarray(counts, dtype=np.int64)
-            rc = nat.reduce_scatter(nat.handle, ch.seq, src.offset, out_t.data_ptr(), int(cnt.ctypes.data),
+            rc = nat.reduce_scatter(nat.handle, ch.seq, src.offset, out_t.data_ptr(), counts_addr,
                                     input.numel(), output.numel(), row, digest, isz, dt, red, algo)
             if rc:
                 nat.raise_for(rc, op=op, show=_show)
