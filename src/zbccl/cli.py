@@ -1,4 +1,4 @@
-"""The ``zbccl`` command: ``--version``, ``info``, ``demo``, ``build``."""
+"""The ``zbccl`` command: ``--version``, ``info``, ``bench``, ``tune``, ``demo``, ``build``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,53 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", default="16M", help="bytes per peer write (e.g. 4M)")
     demo.add_argument("--iters", type=int, default=20)
     sub.add_parser("build", help="compile and cache the native code now")
+    tune = sub.add_parser("tune", help="measure this machine and save the algorithm table every rank loads")
+    tune.add_argument("--world-size", "-n", default="2", help="comma list of world sizes to tune, e.g. 2,4")
+    tune.add_argument("--max-size", default="64M", help="largest message (bytes per rank input)")
+    tune.add_argument("--out", default=None, help="table path (default: ZBCCL_TUNE_FILE or the host's cache entry)")
+    _add_bench(sub)
     return p
+
+
+def _add_bench(sub) -> None:
+    from .bench import __doc__ as bench_doc
+
+    usage, description = bench_doc.split("\n\n", 2)[:2]
+    b = sub.add_parser("bench", help="collective benchmark: zbccl vs gloo, memcpy and vLLM, with #wrong columns",
+                       usage=usage.removeprefix("Usage: "), description=description,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--world-size", "-n", type=int, default=2, help="local ranks (default 2; 3, 4 oversubscribe)")
+    b.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all,broadcast",
+                   help="comma-separated (default: all five)")
+    b.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16 (default fp32,bf16)")
+    b.add_argument("--min-size", default="4K", help="smallest bytes per rank input (default 4K; x4 steps)")
+    b.add_argument("--max-size", default="64M", help="largest bytes per rank input (default 64M)")
+    b.add_argument("--baselines", default="gloo,memcpy",
+                   help="of gloo,memcpy,vllm (default gloo,memcpy; vllm needs scripts/setup_vllm_baseline.sh)")
+    b.add_argument("--json", metavar="PATH", help="write every cell, all samples and machine info")
+    b.add_argument("--plot", metavar="PATH", help="PNG of busbw vs size (needs matplotlib)")
+    b.add_argument("--quick", action="store_true", help="3 sizes (x16 steps), short timing: a smoke run")
+    b.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: cores/ranks)")
+    b.add_argument("--idle-wait", type=float, default=None,
+                   help="max seconds to wait for an idle machine before each op block (default 30; quick 5)")
+    b.add_argument("--no-zbccl", action="store_true", help="baselines only")
+
+
+def _bench(args) -> int:
+    from .bench import run_bench
+
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    try:
+        doc = run_bench(world_size=args.world_size, ops=split(args.ops), dtypes=split(args.dtypes),
+                        min_size=args.min_size, max_size=args.max_size, baselines=split(args.baselines),
+                        json_path=args.json, plot_path=args.plot, quick=args.quick, threads=args.threads,
+                        idle_wait=args.idle_wait, zbccl=not args.no_zbccl)
+    except ValueError as exc:
+        print(f"zbccl bench: {exc}", file=sys.stderr)
+        return 2
+    bad = [c for c in doc["cells"] for k in ("zbccl", "gloo", "vllm")
+           if c.get(k) and (c[k].get("error") or c[k].get("wrong"))]
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.demo import run_demo
 
         return run_demo(world_size=args.world_size, nbytes=parse_size(args.size), iters=args.iters)
+    if args.cmd == "bench":
+        return _bench(args)
+    if args.cmd == "tune":
+        from pathlib import Path
+
+        from .env import parse_size
+        from .tools.tune import run_tune
+
+        run_tune(world_sizes=[int(x) for x in args.world_size.split(",")], max_size=parse_size(args.max_size),
+                 out=Path(args.out) if args.out else None)
+        return 0
     if args.cmd == "build":
         from . import native
 

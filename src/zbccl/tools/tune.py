@@ -5,8 +5,9 @@ Usage: ``zbccl tune [--world-size 2,4] [--max-size 64M] [--out PATH]``
 For each op with more than one algorithm, each world size and each message
 size (4 KiB to ``--max-size``, x4 steps, bf16), every algorithm is timed in
 the same world (median of 5 repetitions, slowest rank per repetition); the
-fastest wins, and neighbouring sizes with the same winner are merged into
-``[max_bytes, algorithm]`` rules. The table goes to
+fastest wins if it beats the default by 5% (less is noise), and for large
+twoshot all_reduce the pipelining chunk is tuned too. Neighbouring sizes with
+the same choice are merged into ``[max_bytes, algorithm(, chunk)]`` rules. The table goes to
 ``ZBCCL_CACHE_DIR/tuning/<host>.json`` (or ``--out`` / ``ZBCCL_TUNE_FILE``),
 keyed by world size; a communicator uses rank 0's copy, so all ranks agree.
 """
@@ -23,9 +24,12 @@ import torch
 __all__ = ["run_tune"]
 
 _TUNED_OPS = ("all_reduce", "all_gather", "all_to_all")
+# Another algorithm must beat the default by this much to be chosen (timing noise is a few %).
+_MARGIN = 0.05
+_CHUNKS = (256 << 10, 1 << 20, 4 << 20)
 
 
-def _time_op(comm, op: str, nbytes: int, algo: str) -> float:
+def _time_op(comm, op: str, nbytes: int, algo: str, chunk: int | None = None) -> float:
     import zbccl
     from zbccl.ops.tuner import force_algorithm
 
@@ -43,6 +47,13 @@ def _time_op(comm, op: str, nbytes: int, algo: str) -> float:
         "all_to_all": lambda: zbccl.all_to_all_single(out, x),
     }[op]
     force_algorithm(comm, op, algo)
+    if chunk is not None:
+        from zbccl.ops.channel import channel_of
+        from zbccl.ops.tuner import table_for
+
+        ch = channel_of(comm)
+        table_for(ch).rules[op] = {"*": [[-1, algo, chunk]]}
+        ch.choices.clear()
     call()
     iters = max(3, min(1000, int(5e7 // max(nbytes, 4096))))
     reps = []
@@ -68,7 +79,16 @@ def _rank(*, rank: int, world_size: int, store, sizes: list[int]) -> dict:
             rows = []
             for nbytes in sizes:
                 times = {a: _time_op(comm, op, nbytes, a) for a in OP_ALGOS[op]}
-                rows.append([nbytes, min(times, key=times.get), {a: t * 1e6 for a, t in times.items()}])
+                default = OP_ALGOS[op][0]
+                best = min(times, key=times.get)
+                if times[best] > times[default] * (1 - _MARGIN):
+                    best = default
+                row = [nbytes, best, {a: t * 1e6 for a, t in times.items()}]
+                if op == "all_reduce" and best == "twoshot" and nbytes >= 4 * _CHUNKS[0]:
+                    chunks = {c: _time_op(comm, op, nbytes, best, c) for c in _CHUNKS}
+                    row.append(min(chunks, key=chunks.get))
+                    row[2].update({f"chunk={c >> 10}K": t * 1e6 for c, t in chunks.items()})
+                rows.append(row)
             results[op] = rows
         return results
     finally:
@@ -76,12 +96,15 @@ def _rank(*, rank: int, world_size: int, store, sizes: list[int]) -> dict:
 
 
 def _rules(rows: list) -> list[list]:
+    """Merge neighbouring sizes with the same (algorithm, chunk) into ``[max_bytes, algo(, chunk)]``."""
     rules: list[list] = []
-    for nbytes, best, _ in rows:
-        if rules and rules[-1][1] == best:
+    for row in rows:
+        nbytes, best = row[0], row[1]
+        rule = [nbytes, best] + ([row[3]] if len(row) > 3 else [])
+        if rules and rules[-1][1:] == rule[1:]:
             rules[-1][0] = nbytes
         else:
-            rules.append([nbytes, best])
+            rules.append(rule)
     rules[-1][0] = -1
     return rules
 
@@ -104,9 +127,11 @@ def run_tune(*, world_sizes: list[int], max_size: int, out: Path | None = None) 
         for op, rows in res.items():
             table["rules"].setdefault(op, {})[str(ws)] = _rules(rows)
             table["measured"].setdefault(op, {})[str(ws)] = rows
-            for nbytes, best, times in rows:
+            for row in rows:
+                nbytes, best, times = row[:3]
                 cells = "  ".join(f"{a}={t:9.1f}us" for a, t in times.items())
-                print(f"  {op:<11} {nbytes:>10}  {cells}  -> {best}")
+                chunk = f" chunk {row[3] >> 10} KiB" if len(row) > 3 else ""
+                print(f"  {op:<11} {nbytes:>10}  {cells}  -> {best}{chunk}")
     path = out or table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     table["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -1,0 +1,290 @@
+"""The per-rank sweep of ``zbccl bench``, and :func:`run_bench`, its programmatic entry point.
+
+One spawned world (``tools.launch.launch_local``) runs every cell. Each rank
+joins a gloo group (the control plane and the gloo baseline) and, once the
+zbccl ops exist, ``zbccl.init``. Order inside the ranks:
+
+1. memcpy limit for every size (``baselines.copy_call`` on every rank at once, ``memcpy_solo``);
+2. for each op, for each dtype: gate on machine load (rank 0 waits until the
+   machine is idle, at most ``idle_wait`` s, while the others block on the
+   store), then for each size and each implementation (zbccl, gloo):
+   fill inputs with :func:`timing.payload`, barrier, call once, count the
+   elements that differ bit-exactly from :func:`timing.expected` (summed over
+   ranks: ``#wrong``), barrier, time (:func:`timing.time_quietly`: re-timed
+   once after a new gate if other processes were busy), and record
+   the growth of ``zbccl.memory_stats()["staged_bytes"]`` (must stay 0:
+   every operand is a heap tensor).
+
+A cell that raises on any rank is recorded as an error on every rank (the
+ranks agree through the gloo group) and the sweep goes on. all_reduce is
+timed on zeros after its check, so repeated in-place sums stay finite.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import IO
+
+import torch
+import torch.distributed as dist
+
+from .baselines import OPS, GlooImpl, Impl, copy_call, memcpy_solo, op_buffers, op_numel, silence_deprecations
+from .timing import (
+    DTYPES,
+    Control,
+    GlooControl,
+    Regate,
+    TimingConfig,
+    count_wrong,
+    expected,
+    leader_then_all,
+    payload,
+    time_quietly,
+    wait_for_idle,
+)
+
+__all__ = ["ZBCCL_FUNCS", "ZbcclImpl", "Harness", "zbccl_ops_available", "size_ladder", "run_bench", "rank_main"]
+
+# bench op name -> zbccl function name (torch.distributed spelling)
+ZBCCL_FUNCS: dict[str, str] = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+                               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",
+                               "broadcast": "broadcast"}
+
+
+def zbccl_ops_available() -> list[str]:
+    """Bench ops whose zbccl function exists in this build (empty until the ops land)."""
+    import zbccl
+
+    return [op for op, fn in ZBCCL_FUNCS.items() if hasattr(zbccl, fn)]
+
+
+class ZbcclImpl:
+    """zbccl on heap tensors (``zbccl.empty``), ``comm.barrier`` as sync."""
+
+    name = "zbccl"
+
+    def __init__(self, comm, ops: list[str]) -> None:
+        self.comm, self.ops = comm, set(ops)
+
+    def supports(self, op: str) -> bool:
+        return op in self.ops
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        import zbccl
+
+        return zbccl.empty(numel, dtype=dtype, comm=self.comm)
+
+    def bind(self, op: str, out: torch.Tensor, inp: torch.Tensor):
+        import zbccl
+
+        fn, c = getattr(zbccl, ZBCCL_FUNCS[op]), self.comm
+        if op == "all_reduce":
+            return lambda: fn(inp, comm=c)
+        if op == "broadcast":
+            return lambda: fn(inp, 0, comm=c)
+        return lambda: fn(out, inp, comm=c)
+
+    def sync(self) -> None:
+        self.comm.barrier()
+
+    def staged_bytes(self) -> int:
+        import zbccl
+
+        return int(zbccl.memory_stats(self.comm).get("staged_bytes", 0))
+
+
+def size_ladder(min_bytes: int, max_bytes: int, *, factor: int = 4, limit: int | None = None) -> list[int]:
+    """``min, min*factor, ...`` up to ``max`` inclusive (at most ``limit`` sizes)."""
+    if min_bytes <= 0 or max_bytes < min_bytes:
+        raise ValueError(f"bench: bad size range, expected 0 < min <= max, got {min_bytes}..{max_bytes}")
+    sizes, s = [], min_bytes
+    while s <= max_bytes and (limit is None or len(sizes) < limit):
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+# ----------------------------------------------------------------------------- inside the ranks
+@dataclass
+class Harness:
+    """What every collective step of a rank needs: identity, store, control plane, timing, gates."""
+
+    rank: int
+    world_size: int
+    store: object
+    ctl: Control
+    tcfg: TimingConfig
+    regate: Regate | None
+    idle_wait: float
+
+    def gate(self, key: str) -> dict:
+        """Collective: rank 0 waits for an idle machine (bounded); the others block on the store."""
+        wait = self.idle_wait
+        return leader_then_all(self.store, f"bench/gate/{key}", self.rank, lambda: wait_for_idle(max_wait_s=wait),
+                               timeout_s=wait + 120)
+
+    def time(self, fn, sync) -> dict:
+        """Collective: time ``fn`` (re-timed once after a gate if it was noisy)."""
+        return time_quietly(fn, ctl=self.ctl, sync=sync, cfg=self.tcfg, regate=self.regate).to_dict()
+
+
+def _check(impl: Impl, op: str, dtype: torch.dtype, numel: int, h: Harness):
+    """Fill, call once, compare; returns ``(bound call, inp, local #wrong)``."""
+    out, inp = op_buffers(impl, op, numel, dtype, h.world_size)
+    inp.copy_(payload(h.rank, numel, dtype))
+    if out is not inp:
+        out.fill_(-1000)  # outside the payload range: an element the op never wrote is wrong
+    fn = impl.bind(op, out, inp)
+    impl.sync()
+    fn()
+    return fn, inp, count_wrong(out, expected(op, h.rank, h.world_size, numel, dtype))
+
+
+def _measure(impl: Impl, op: str, dname: str, numel: int, h: Harness) -> dict:
+    """Collective: one implementation's check and timing of one cell."""
+    error, local_wrong, timed = None, 0, None
+    staged0 = impl.staged_bytes()
+    try:
+        fn, inp, local_wrong = _check(impl, op, DTYPES[dname], numel, h)
+        impl.sync()
+        if op == "all_reduce":
+            inp.zero_()
+        timed = h.time(fn, impl.sync)
+    except Exception as exc:  # noqa: BLE001 - recorded; the ranks agree below and go on
+        error = f"rank {h.rank}: {type(exc).__name__}: {exc}"
+    failed, staged = h.ctl.max([error is not None, impl.staged_bytes() - staged0])
+    wrong = h.ctl.sum([local_wrong])[0]
+    if failed:
+        return {"error": error or "failed on another rank", "wrong": None}
+    return {"wrong": int(wrong), "staged_bytes": int(staged), "timing": timed}
+
+
+def _memcpy_block(sizes: list[int], h: Harness) -> dict:
+    out = {"gate": h.gate("memcpy"), "sizes": {}}
+    for nbytes in sizes:
+        all_ranks = h.time(copy_call(nbytes), dist.barrier)
+        solo = leader_then_all(h.store, f"bench/memcpy-solo/{nbytes}", h.rank,
+                               lambda n=nbytes: memcpy_solo(n, cfg=h.tcfg).to_dict(), timeout_s=h.tcfg.cap_s + 300)
+        out["sizes"][str(nbytes)] = {"all": all_ranks, "solo": solo, "threads": torch.get_num_threads()}
+    return out
+
+
+def _sweep(impls: list[Impl], opts: dict, h: Harness) -> dict:
+    from .report import Progress
+
+    n_cells = len(opts["ops"]) * len(opts["dtypes"]) * len(opts["sizes"])
+    progress = Progress(n_cells, enabled=h.rank == 0 and opts["progress"])
+    cells, gates = [], {}
+    for op in opts["ops"]:
+        for dname in opts["dtypes"]:
+            gates[f"{op}/{dname}"] = h.gate(f"{op}/{dname}")
+            for nbytes in opts["sizes"]:
+                progress.step(f"{op} {dname} {nbytes} B")
+                numel = op_numel(op, nbytes, DTYPES[dname].itemsize, h.world_size)
+                cell = {"op": op, "dtype": dname, "size": numel * DTYPES[dname].itemsize, "count": numel,
+                        "nominal": nbytes}  # size is nominal rounded down to whole chunks per rank
+                for impl in impls:
+                    if numel > 0 and impl.supports(op):
+                        cell[impl.name] = _measure(impl, op, dname, numel, h)
+                cells.append(cell)
+    progress.close()
+    return {"cells": cells, "gates": gates, "regate_s": h.regate.spent_s if h.regate else 0.0}
+
+
+def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
+    """One rank of the sweep (called by ``launch_local``); rank 0 returns the results."""
+    silence_deprecations()
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=opts["zbccl_timeout"] + 240))
+    regate = Regate(store, rank, max_wait_s=min(opts["idle_wait"], 10.0), budget_s=opts["regate_budget"])
+    h = Harness(rank, world_size, store, GlooControl(), TimingConfig(**opts["timing"]), regate, opts["idle_wait"])
+    impls: list[Impl] = []
+    zops = zbccl_ops_available() if opts["zbccl"] else []
+    try:
+        if zops:
+            import zbccl
+
+            comm = zbccl.init(store=store, rank=rank, world_size=world_size, heap_size=opts["heap_size"],
+                              timeout=opts["zbccl_timeout"])
+            impls.append(ZbcclImpl(comm, zops))
+        if "gloo" in opts["baselines"]:
+            impls.append(GlooImpl())
+        memcpy = _memcpy_block(opts["sizes"], h) if "memcpy" in opts["baselines"] else None
+        result = _sweep(impls, opts, h)
+        dist.barrier()
+    finally:
+        if zops:
+            import zbccl
+
+            zbccl.finalize()
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {**result, "memcpy": memcpy, "zbccl_ops": zops, "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------- the entry point
+def _options(world_size: int, ops, dtypes, min_size, max_size, baselines, quick: bool,
+             idle_wait: float | None) -> dict:
+    from ..env import parse_size
+
+    ops, dtypes, baselines = list(ops), list(dtypes), list(baselines)
+    for kind, given, known in (("op", ops, OPS), ("dtype", dtypes, tuple(DTYPES)),
+                               ("baseline", baselines, ("gloo", "memcpy", "vllm"))):
+        bad = [x for x in given if x not in known]
+        if bad:
+            raise ValueError(f"bench: unknown {kind} {bad}, expected some of {list(known)}")
+    if not 1 <= world_size <= 8:
+        raise ValueError(f"bench: world size out of range, expected 1..8, got {world_size}")
+    sizes = size_ladder(parse_size(min_size), parse_size(max_size), factor=16 if quick else 4,
+                        limit=3 if quick else None)
+    tcfg = TimingConfig(target_s=0.02, reps=3, warmup=1, cap_s=2.0) if quick else TimingConfig()
+    return {"ops": ops, "dtypes": dtypes, "sizes": sizes, "baselines": baselines,
+            "timing": {k: getattr(tcfg, k) for k in ("target_s", "reps", "warmup", "cap_s", "max_iters")},
+            "idle_wait": (5.0 if quick else 30.0) if idle_wait is None else float(idle_wait),
+            "regate_budget": 10.0 if quick else 120.0}
+
+
+def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size: int | str = "4K",
+              max_size: int | str = "64M", baselines=("gloo", "memcpy"), json_path: str | None = None,
+              plot_path: str | None = None, quick: bool = False, threads: int | None = None,
+              idle_wait: float | None = None, timeout: float | None = None, zbccl: bool = True,
+              progress: bool = True, out: IO[str] | None = None) -> dict:
+    """Run the sweep, print the tables to ``out`` (None: stdout), write ``json_path``/``plot_path``.
+
+    Returns the results document (the JSON's content): ``machine``, ``options``,
+    ``cells`` (one per op, dtype and size, with ``zbccl``/``gloo``/``vllm``
+    entries), ``memcpy``, ``gates``, ``vllm`` and ``wall_s``. ``zbccl=False``
+    benchmarks the baselines only.
+    """
+    from ..tools.launch import launch_local, rank_threads
+    from . import report
+    from .baselines import run_vllm_baseline
+
+    out = out or sys.stdout
+    opts = _options(world_size, ops, dtypes, min_size, max_size, baselines, quick, idle_wait)
+    nthreads = threads or rank_threads(world_size)
+    max_bytes = max(opts["sizes"])
+    opts.update(zbccl=zbccl, progress=progress, zbccl_timeout=60.0,
+                heap_size=(world_size + 2) * max_bytes + (16 << 20))
+    n_cells = len(opts["ops"]) * len(opts["dtypes"]) * len(opts["sizes"])
+    n_gates = len(opts["ops"]) * len(opts["dtypes"]) + 1
+    budget = timeout or 300 + n_cells * 40 + n_gates * opts["idle_wait"] + opts["regate_budget"]
+    t0 = time.perf_counter()
+    results = launch_local(rank_main, world_size, timeout=budget, threads=nthreads, opts=opts)[0]
+    doc = {"machine": report.machine_info(world_size=world_size, threads=results["threads"]), "options": opts,
+           **{k: results[k] for k in ("cells", "gates", "memcpy", "zbccl_ops", "regate_s")}, "vllm": None}
+    if "vllm" in opts["baselines"]:
+        doc["vllm"] = run_vllm_baseline(doc, world_size=world_size, threads=nthreads, quick=quick,
+                                        idle_wait=opts["idle_wait"], out=out)
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    report.print_report(doc, out)
+    if json_path:
+        report.write_json(doc, json_path)
+        print(f"wrote {json_path}", file=out)
+    if plot_path:
+        print(report.write_plot(doc, plot_path), file=out)
+    return doc
