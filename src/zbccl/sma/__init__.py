@@ -6,6 +6,7 @@ external cache tiers and statistics.
 """
 
 from .arena import Arena
-from .caching import STAT_KEYS, CachingAllocator
+from .caching import CachingAllocator
+from .stats import STAT_KEYS, format_stats
 
-__all__ = ["STAT_KEYS", "Arena", "CachingAllocator"]
+__all__ = ["STAT_KEYS", "Arena", "CachingAllocator", "format_stats"]
