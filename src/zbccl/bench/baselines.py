@@ -44,6 +44,9 @@ __all__ = ["OPS", "Impl", "silence_deprecations", "GlooImpl", "op_numel", "op_bu
            "VLLM_OPS", "find_vllm_python", "run_vllm_baseline"]
 
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+#: Opt-in variants: all_gather whose input is this rank's slice of the output (the zero-copy way
+#: inference engines call it: no copy of the rank's own block).
+EXTRA_OPS: tuple[str, ...] = ("all_gather_inplace",)
 
 
 
@@ -86,10 +89,13 @@ def op_numel(op: str, nbytes: int, itemsize: int, world_size: int) -> int:
 
 
 def op_buffers(impl: Impl, op: str, numel: int, dtype: torch.dtype,
-               world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+               world_size: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, inp)`` for ``op``: inp ``[numel]``; out ``[world_size * numel]`` for all_gather,
     ``[numel / world_size]`` for reduce_scatter, ``[numel]`` for all_to_all, and ``inp`` itself
     for the in-place ops (all_reduce, broadcast)."""
+    if op == "all_gather_inplace":
+        out = impl.empty(numel * world_size, dtype)
+        return out, out[rank * numel:(rank + 1) * numel]
     inp = impl.empty(numel, dtype)
     if op in ("all_reduce", "broadcast"):
         return inp, inp
@@ -106,7 +112,7 @@ class GlooImpl:
         self.group = group
 
     def supports(self, op: str) -> bool:
-        return op in OPS
+        return op in OPS or op in EXTRA_OPS
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -118,6 +124,7 @@ class GlooImpl:
         calls: dict[str, Callable[[], object]] = {
             "all_reduce": lambda: dist.all_reduce(inp, group=g),
             "all_gather": lambda: dist.all_gather_into_tensor(out, inp, group=g),
+            "all_gather_inplace": lambda: dist.all_gather_into_tensor(out, inp, group=g),
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, inp, group=g),
             "all_to_all": lambda: dist.all_to_all_single(out, inp, group=g),
             "broadcast": lambda: dist.broadcast(inp, src=0, group=g),

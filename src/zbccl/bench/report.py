@@ -26,6 +26,7 @@ __all__ = ["busbw_factor", "algbw_bytes", "bandwidths", "format_table", "print_r
            "write_plot", "machine_info", "Progress"]
 
 _FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+            "all_gather_inplace": lambda n: (n - 1) / n,
             "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
             "broadcast": lambda n: 1.0}
 
@@ -39,7 +40,7 @@ def busbw_factor(op: str, world_size: int) -> float:
 
 def algbw_bytes(op: str, size: int, world_size: int) -> int:
     """nccl-tests' data size S of a cell whose per-rank input is ``size`` bytes."""
-    return size * world_size if op == "all_gather" else size
+    return size * world_size if op in ("all_gather", "all_gather_inplace") else size
 
 
 def bandwidths(op: str, size: int, world_size: int, time_us: float | None) -> tuple[float | None, float | None]:
@@ -158,6 +159,12 @@ def print_report(doc: dict, out: IO[str]) -> None:
         for dtype in doc["options"]["dtypes"]:
             print("\n" + format_table(doc, op, dtype), file=out)
     print("", file=out)
+    if doc.get("overheads"):
+        from .micro import format_overheads
+
+        for line in format_overheads(doc["overheads"]):
+            print(line, file=out)
+        print("", file=out)
     for line in _summary(doc):
         print(line, file=out)
     print("time_us: median over repetitions of the slowest rank's µs per call (min/max over repetitions)\n"

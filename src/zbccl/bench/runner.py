@@ -31,7 +31,17 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
-from .baselines import OPS, GlooImpl, Impl, copy_call, memcpy_solo, op_buffers, op_numel, silence_deprecations
+from .baselines import (
+    EXTRA_OPS,
+    OPS,
+    GlooImpl,
+    Impl,
+    copy_call,
+    memcpy_solo,
+    op_buffers,
+    op_numel,
+    silence_deprecations,
+)
 from .timing import (
     DTYPES,
     Control,
@@ -50,6 +60,7 @@ __all__ = ["ZBCCL_FUNCS", "ZbcclImpl", "Harness", "zbccl_ops_available", "size_l
 
 # bench op name -> zbccl function name (torch.distributed spelling)
 ZBCCL_FUNCS: dict[str, str] = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+                               "all_gather_inplace": "all_gather_into_tensor",
                                "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",
                                "broadcast": "broadcast"}
 
@@ -133,10 +144,10 @@ class Harness:
 
 def _check(impl: Impl, op: str, dtype: torch.dtype, numel: int, h: Harness):
     """Fill, call once, compare; returns ``(bound call, inp, local #wrong)``."""
-    out, inp = op_buffers(impl, op, numel, dtype, h.world_size)
-    inp.copy_(payload(h.rank, numel, dtype))
+    out, inp = op_buffers(impl, op, numel, dtype, h.world_size, h.rank)
     if out is not inp:
         out.fill_(-1000)  # outside the payload range: an element the op never wrote is wrong
+    inp.copy_(payload(h.rank, numel, dtype))  # after the fill: inp may be a slice of out
     fn = impl.bind(op, out, inp)
     impl.sync()
     fn()
@@ -202,6 +213,7 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
     regate = Regate(store, rank, max_wait_s=min(opts["idle_wait"], 10.0), budget_s=opts["regate_budget"])
     h = Harness(rank, world_size, store, GlooControl(), TimingConfig(**opts["timing"]), regate, opts["idle_wait"])
     impls: list[Impl] = []
+    overheads = None
     zops = zbccl_ops_available() if opts["zbccl"] else []
     try:
         if zops:
@@ -210,6 +222,11 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
             comm = zbccl.init(store=store, rank=rank, world_size=world_size, heap_size=opts["heap_size"],
                               timeout=opts["zbccl_timeout"])
             impls.append(ZbcclImpl(comm, zops))
+            if rank == 0:
+                from .micro import host_overheads
+
+                overheads = host_overheads(comm, quick=opts["timing"]["reps"] < 5)
+            dist.barrier()
         if "gloo" in opts["baselines"]:
             impls.append(GlooImpl())
         memcpy = _memcpy_block(opts["sizes"], h) if "memcpy" in opts["baselines"] else None
@@ -223,7 +240,8 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
         dist.destroy_process_group()
     if rank != 0:
         return None
-    return {**result, "memcpy": memcpy, "zbccl_ops": zops, "threads": torch.get_num_threads()}
+    return {**result, "memcpy": memcpy, "zbccl_ops": zops, "threads": torch.get_num_threads(),
+            "overheads": overheads}
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -232,7 +250,7 @@ def _options(world_size: int, ops, dtypes, min_size, max_size, baselines, quick:
     from ..env import parse_size
 
     ops, dtypes, baselines = list(ops), list(dtypes), list(baselines)
-    for kind, given, known in (("op", ops, OPS), ("dtype", dtypes, tuple(DTYPES)),
+    for kind, given, known in (("op", ops, OPS + EXTRA_OPS), ("dtype", dtypes, tuple(DTYPES)),
                                ("baseline", baselines, ("gloo", "memcpy", "vllm"))):
         bad = [x for x in given if x not in known]
         if bad:
@@ -269,14 +287,15 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
     nthreads = threads or rank_threads(world_size)
     max_bytes = max(opts["sizes"])
     opts.update(zbccl=zbccl, progress=progress, zbccl_timeout=60.0,
-                heap_size=(world_size + 2) * max_bytes + (16 << 20))
+                heap_size=(world_size + 2) * max_bytes + (64 << 20))  # room for the 16 MiB allocator probe
     n_cells = len(opts["ops"]) * len(opts["dtypes"]) * len(opts["sizes"])
     n_gates = len(opts["ops"]) * len(opts["dtypes"]) + 1
     budget = timeout or 300 + n_cells * 40 + n_gates * opts["idle_wait"] + opts["regate_budget"]
     t0 = time.perf_counter()
     results = launch_local(rank_main, world_size, timeout=budget, threads=nthreads, opts=opts)[0]
     doc = {"machine": report.machine_info(world_size=world_size, threads=results["threads"]), "options": opts,
-           **{k: results[k] for k in ("cells", "gates", "memcpy", "zbccl_ops", "regate_s")}, "vllm": None}
+           **{k: results[k] for k in ("cells", "gates", "memcpy", "zbccl_ops", "regate_s", "overheads")},
+           "vllm": None}
     if "vllm" in opts["baselines"]:
         doc["vllm"] = run_vllm_baseline(doc, world_size=world_size, threads=nthreads, quick=quick,
                                         idle_wait=opts["idle_wait"], out=out)

@@ -326,7 +326,7 @@ def expected(op: str, rank: int, world_size: int, numel: int, dtype: torch.dtype
     """
     if op == "all_reduce":
         return _sum_payloads(world_size, numel).to(dtype)
-    if op == "all_gather":
+    if op in ("all_gather", "all_gather_inplace"):
         return torch.cat([payload(r, numel, dtype) for r in range(world_size)])
     chunk = numel // world_size
     if op == "reduce_scatter":
