@@ -22,6 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
+from ..bootstrap.topology import cpu_model
+
 __all__ = ["busbw_factor", "algbw_bytes", "bandwidths", "format_table", "print_report", "write_json",
            "write_plot", "machine_info", "Progress"]
 
@@ -235,17 +237,6 @@ def write_plot(doc: dict, path: str | os.PathLike) -> str:
     return f"wrote {path}"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_info(*, world_size: int, threads: int) -> dict:
     """Where and how the sweep ran: cpu, cores, versions, world, threads, command line, time."""
     import torch
@@ -256,7 +247,7 @@ def machine_info(*, world_size: int, threads: int) -> dict:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover
         usable = os.cpu_count() or 1
-    return {"cpu_model": _cpu_model(), "cores": os.cpu_count(), "usable_cores": usable,
+    return {"cpu_model": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable,
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
             "zbccl": __version__, "world_size": world_size, "threads": threads,
             "command": " ".join(sys.argv), "executable": sys.executable, "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds")}

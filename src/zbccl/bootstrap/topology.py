@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import socket
 from dataclasses import dataclass, field
 
-__all__ = ["HostInfo", "Topology", "local_host_info"]
+__all__ = ["HostInfo", "Topology", "local_host_info", "cpu_model", "usable_cores"]
 
 
 def _read(path: str) -> str:
@@ -29,6 +30,18 @@ def _ns_inode(kind: str) -> str:
         return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
     except OSError:
         return ""
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def usable_cores() -> int:

@@ -31,7 +31,7 @@ _CSRC = Path(__file__).parent / "csrc"
 #: are listed too: they are hashed into the cache key but not compiled.
 LIBRARIES: dict[str, tuple] = {
     "core": ((_CSRC / "core.c", _CSRC / "reduce.c", _CSRC / "reduce_py.c", _CSRC / "chan.c",
-              _CSRC / "chan_ops.c", _CSRC / "reduce.h", _CSRC / "chan.h"), "c", False,
+              _CSRC / "chan_ops.c", _CSRC / "reduce.h", _CSRC / "chan.h", _CSRC / "arch.h"), "c", False,
              ("-fopenmp",)),
     "cpu_alloc_hook": ((_CSRC / "cpu_alloc_hook.cpp",), "c++", True),
 }

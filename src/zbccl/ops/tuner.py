@@ -39,22 +39,11 @@ DEFAULT_RULES: dict[str, list[list]] = {
 
 def host_key() -> str:
     """What makes tuning results transferable: CPU model, usable cores, world-independent."""
-    from ..bootstrap.topology import usable_cores
+    from ..bootstrap.topology import cpu_model, usable_cores
 
-    cpu = _cpu_model()
+    cpu = cpu_model()
     raw = f"{platform.machine()}|{cpu}|{usable_cores()}"
     return hashlib.sha1(raw.encode()).hexdigest()[:12]
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def table_path() -> Path:

@@ -66,7 +66,10 @@ def _timeout_seconds(timeout: float | timedelta | None) -> float:
 
 
 def _heap_bytes(heap_size: int | str | None) -> int:
-    nbytes = env.HEAP_SIZE.get() if heap_size is None else env.parse_size(heap_size)
+    try:
+        nbytes = env.HEAP_SIZE.get() if heap_size is None else env.parse_size(heap_size)
+    except ValueError as exc:
+        raise ZbcclInvalidUsageError(f"init: bad heap_size: {exc}") from None
     if nbytes < 4096:
         raise ZbcclInvalidUsageError(f"init: heap_size too small, expected >= 4096 bytes, got {nbytes}")
     return nbytes

@@ -13,13 +13,13 @@ __all__ = ["collect_info", "print_info"]
 
 
 def _cpu() -> dict:
-    model, flags = platform.processor() or "", set()
+    from ..bootstrap.topology import cpu_model
+
+    model, flags = cpu_model(), set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith(("flags", "Features")):
+                if line.startswith(("flags", "Features")):
                     flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:

@@ -38,14 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define cpu_relax() _mm_pause()
-#elif defined(__aarch64__)
-#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define cpu_relax() __asm__ __volatile__("" ::: "memory")
-#endif
+#include "arch.h"
 
 #define FLAG_BYTES 64
 #define WAITERS_OFFSET 8
