@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
-import time
 
 import pytest
 import torch
@@ -264,22 +263,3 @@ def test_default_comm_requires_init() -> None:
     with pytest.raises(ZbcclInvalidUsageError):
         with heap_scope():
             pass
-
-
-def _pair_cost(n: int, reps: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a = torch.empty(n, dtype=torch.uint8)
-        del a
-    return (time.perf_counter() - t0) / reps * 1e6
-
-
-def test_micro_measurement_prints_ratio(comm: FakeComm) -> None:
-    """Not asserted (timings never are): scope vs default cost of an empty+del pair."""
-    rows = []
-    for n in (4 << 10, 64 << 10, 1 << 20, 16 << 20):
-        default = min(_pair_cost(n, 2000) for _ in range(3))
-        with heap_scope(comm):
-            ours = min(_pair_cost(n, 2000) for _ in range(3))
-        rows.append(f"{n:>9} B  default {default:.2f} us  scope {ours:.2f} us  ratio {ours / default:.2f}")
-    print("\nheap_scope torch.empty+del pair:\n" + "\n".join(rows))

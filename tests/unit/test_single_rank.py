@@ -40,6 +40,8 @@ def test_single_rank_world(no_dist_env):
 def test_bad_arguments(no_dist_env):
     with pytest.raises(zbccl.ZbcclInvalidUsageError, match="heap_size"):
         zbccl.init(heap_size=10)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="bad heap_size"):
+        zbccl.init(heap_size="a lot")
     with pytest.raises(zbccl.ZbcclInvalidUsageError, match="rendezvous"):
         zbccl.init(world_size=2)
     with pytest.raises(zbccl.ZbcclInvalidUsageError, match="rank must be"):
