@@ -141,3 +141,31 @@ def _too_big(ctx):
 def test_capacity_check_fails_clearly_on_every_rank():
     msgs = run_world(_too_big, 2)
     assert all("not enough shared memory" in m for m in msgs)
+
+
+def _op_timeout(ctx):
+    from datetime import timedelta
+
+    import zbccl
+
+    ctx.init(heap_size=MiB, timeout=3)
+    store = ctx.store()
+    try:
+        t = zbccl.zeros(256)
+        zbccl.all_reduce(t)  # everyone, once
+        if ctx.rank == 2:
+            store.wait(["zbccl-test/timed-out"], timedelta(seconds=60))  # alive, but skips the next op
+            return None
+        with pytest.raises(zbccl.ZbcclTimeoutError) as info:
+            zbccl.all_reduce(t)
+        assert info.value.ranks == (2,) and "[2]" in str(info.value), str(info.value)
+        return str(info.value)
+    finally:
+        if ctx.rank == 0:
+            store.set("zbccl-test/timed-out", b"1")
+        zbccl.finalize()
+
+
+def test_op_timeout_names_the_missing_rank():
+    out = run_world(_op_timeout, 3, timeout=90)
+    assert out[2] is None and all(o for o in out[:2])

@@ -62,12 +62,13 @@ class NativeChannel:
 
     def raise_for(self, rc: int, *, op: str, show) -> None:
         ch = self.ch
-        _, rank, field, _ = self.core.chan_result(self.handle)
+        _, rank, field, _, late = self.core.chan_result(self.handle)
         hdrs = self._header_copies()
         if rc == RC_TIMEOUT:
+            late = late or [rank]
             raise ZbcclTimeoutError(
-                f"{op}: timed out after {ch.ctx.timeout:.1f}s waiting for rank {rank}; it never arrived",
-                ranks=(rank,))
+                f"{op}: timed out after {ch.ctx.timeout:.1f}s waiting for ranks {late}; they never arrived",
+                ranks=tuple(late))
         if rc in (RC_DEAD, RC_GONE):
             g = ch.comm.ranks[rank]
             state = ch.ctx.heap.header(g, layout.H_STATE)

@@ -121,6 +121,9 @@ int wait_all(zb_chan *c, int64_t **flags, int64_t target) {
         }
         if (t >= deadline) {
             c->result[1] = r;
+            memset(c->late_mask, 0, sizeof(c->late_mask));
+            for (int q = 0; q < c->W; q++)
+                if (q != c->me && ld(flags[q]) < target) c->late_mask[q / 64] |= 1ull << (q % 64);
             return RC_TIMEOUT;
         }
         if (t - start < 50000) {
@@ -217,8 +220,16 @@ static PyObject *py_chan_result(PyObject *self, PyObject *const *args, Py_ssize_
     (void)self;
     if (nargs != 1) return PyErr_Format(PyExc_TypeError, "chan_result() takes 1 argument");
     zb_chan *c = PyLong_AsVoidPtr(args[0]);
-    return Py_BuildValue("(LLLL)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
-                         (long long)(intptr_t)c->hdrcopy);
+    PyObject *late = PyList_New(0);
+    if (!late) return NULL;
+    for (int q = 0; q < c->W; q++)
+        if (c->result[0] == RC_TIMEOUT && (c->late_mask[q / 64] >> (q % 64)) & 1) {
+            PyObject *v = PyLong_FromLong(q);
+            if (!v || PyList_Append(late, v) < 0) { Py_XDECREF(v); Py_DECREF(late); return NULL; }
+            Py_DECREF(v);
+        }
+    return Py_BuildValue("(LLLLN)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
+                         (long long)(intptr_t)c->hdrcopy, late);
 }
 
 static PyMethodDef chan_methods[] = {
@@ -226,7 +237,7 @@ static PyMethodDef chan_methods[] = {
      "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle of a native op channel."},
     {"chan_free", (PyCFunction)(void (*)(void))py_chan_free, METH_FASTCALL, "chan_free(handle)."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
-     "chan_result(handle) -> (code, rank, field, headers_ptr) of the last op."},
+     "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks) of the last op."},
     {NULL, NULL, 0, NULL},
 };
 

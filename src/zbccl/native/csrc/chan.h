@@ -30,6 +30,7 @@ typedef struct {
     int64_t size[ZB_MAXW];
     int fd[ZB_MAXW];
     int64_t result[4];            /* code, rank, field, 0 */
+    int64_t late_mask[ZB_MAXW / 64];  /* on RC_TIMEOUT: the peers whose flag never reached the target */
     int64_t hdrcopy[ZB_MAXW][HDR_FIELDS];
     char *scratch;
     int64_t scratch_bytes;
