@@ -121,7 +121,7 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
     in_off = ch.offset_of(input) if input.is_contiguous() else -1
     out_off = ch.offset_of(out_t)
     error = args.error
-    if error is None and is_strict() and in_off < 0 and out_off < 0:
+    if in_off < 0 and out_off < 0 and error is None and is_strict():
         error = f"{op}: neither input nor output is a contiguous heap tensor and strict mode is on"
     algo, _ = choose(ch, opcode, input.dtype, sum(counts) * isz)
     digest, counts_addr = ch.sizes(counts if out_counts is None else [row])

@@ -38,6 +38,7 @@ def strict_heap(enabled: bool = True) -> Iterator[None]:
 
 
 def is_strict() -> bool:
+    """Strict mode for this thread: ``strict_heap()`` if inside one, else ``ZBCCL_STRICT_HEAP``."""
     value = getattr(_tls, "strict", None)
     return env.STRICT_HEAP.get() if value is None else value
 
