@@ -346,6 +346,30 @@ def _staging_and_strict(ctx):
         zbccl.finalize()
 
 
+def _heap_too_small_to_stage(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        big = payload(me, 1 << 20, torch.float32)  # 4 MiB, private: needs staging, heap is 1 MiB
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="cannot stage"):
+            zbccl.all_reduce(big)
+        out = torch.empty(W * (1 << 20))
+        with pytest.raises(zbccl.ZbcclOutOfMemoryError, match="could not stage"):
+            zbccl.all_gather_into_tensor(out, big)
+        small = payload(me, 100, torch.float32)  # the group is still in step
+        zbccl.all_reduce(small)
+        assert torch.equal(small, sum(payload(r, 100, torch.float32) for r in range(W)))
+        return True
+    finally:
+        zbccl.finalize()
+
+
+def test_staging_that_does_not_fit_fails_on_every_rank():
+    assert run_world(_heap_too_small_to_stage, 2, timeout=60) == [True, True]
+
+
 def test_staging_counts_and_strict_mode():
     assert run_world(_staging_and_strict, 2) == [True, True]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
@@ -185,8 +186,6 @@ def _blocks(ch: OpChannel, hdrs, counts, out_counts, isz: int, *, op: str) -> np
     if not np.array_equal(ins, outs.T):
         q, r = map(int, np.argwhere(ins != outs.T)[0])
         ch.end(op=op)
-        from ..errors import ZbcclInvalidUsageError
-
         raise ZbcclInvalidUsageError(
             f"{op}: split sizes disagree, rank {q} sends {ins[q, r] // max(1, hdrs[q][Header.ROW])} rows to rank {r} "
             f"but rank {r} expects {outs[r, q] // max(1, hdrs[r][Header.ROW])}", ranks=(q, r))
@@ -210,18 +209,26 @@ def _mode(hdrs, algo: int) -> str:
 
 
 def _stage_inputs(ch: OpChannel, hdrs, input: torch.Tensor, in_off: int, *, op: str) -> int | None:
-    """Ranks with a private input copy it into the heap and publish the offset (field AUX)."""
+    """Ranks with a private input copy it into the heap and publish the offset (-1: out of heap)."""
     block = None
     if in_off < 0:
         nbytes = input.numel() * input.element_size()
-        block = ch.ctx.sma.malloc(max(nbytes, 1), kind="staging")
-        if nbytes:
+        block = ch.ctx.sma.try_malloc(max(nbytes, 1), kind="staging")
+        if block is not None and nbytes:
             src = input.contiguous()
             ch.prims.copy(ch.my_base + block, src.data_ptr(), nbytes, nthreads())
             ch.ctx.sma.record_staged(nbytes)
-        ch.vectors[ch.rank][-1] = block
+        ch.vectors[ch.rank][-1] = -1 if block is None else block
     ch.phase(op=op)
     staged = [h[Header.IN_OFF] if h[Header.IN_OFF] >= 0 else int(ch.vectors[r][-1]) for r, h in enumerate(hdrs)]
+    full = [r for r, off in enumerate(staged) if off < 0]
+    if full:
+        ch.end(op=op)
+        if block is not None:
+            ch.ctx.sma.free(block)
+        raise ZbcclOutOfMemoryError(
+            f"{op}: ranks {full} could not stage their input through the heap (heap too small); "
+            "allocate the tensors in the heap or raise heap_size", ranks=tuple(full))
     for r, h in enumerate(hdrs):
         hdrs[r] = h[: Header.IN_OFF] + (staged[r],) + h[Header.IN_OFF + 1:]
     return block

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import env
+from ..errors import ZbcclOutOfMemoryError
 from ..heap.views import wrap_address
 from .channel import OpChannel
 
@@ -65,7 +66,12 @@ class Operand:
                               "allocate it with zbccl.empty()/heap_scope()")
                 self.offset = 0
             else:
-                self._stage(read)
+                try:
+                    self._stage(read)
+                except ZbcclOutOfMemoryError as exc:
+                    # Reported through the handshake so every rank fails together, none hangs.
+                    self.error = f"{op}: cannot stage the {role} ({self.nbytes} bytes) through the heap: {exc}"
+                    self.offset = 0
         self.addr = ch.my_base + self.offset
 
     def _stage(self, read: bool) -> None:
