@@ -95,6 +95,14 @@ def _gather_cases(comm):
             zbccl.all_gather_into_tensor(out3, out3[me * n:(me + 1) * n])
             assert torch.equal(out3, full), f"all_gather in place {dtype} n={n}"
     assert zbccl.memory_stats()["staged_bytes"] == st0, "heap operands must not be staged"
+    # mixed placement: rank 0's input is private, the others' in the heap, outputs private: the
+    # heap ranks start on the native path, which hands over to Python to stage rank 0's input
+    x = zbccl.empty(513, dtype=torch.bfloat16)
+    x.copy_(payload(me, 513, torch.bfloat16))
+    out = torch.empty(W * 513, dtype=torch.bfloat16)
+    zbccl.all_gather_into_tensor(out, x.clone() if me == 0 else x)
+    assert torch.equal(out, torch.cat([payload(r, 513, torch.bfloat16) for r in range(W)]))
+    st0 = zbccl.memory_stats()["staged_bytes"]
     # forced push with both in the heap
     force(comm, "all_gather", "push")
     x = zbccl.empty(100, dtype=torch.float32)
@@ -202,9 +210,9 @@ def _suite(ctx):
     comm = ctx.init(heap_size=32 * MiB)
     try:
         digests = _all_reduce_cases(comm)
-        assert _gather_cases(comm) and _reduce_scatter_cases(comm)
+        assert zbccl.memory_stats()["staged_bytes"] == 0, "heap tensors must never be staged"
+        assert _gather_cases(comm) and _reduce_scatter_cases(comm)  # each checks its own staged_bytes
         assert _all_to_all_cases(comm) and _broadcast_cases(comm)
-        assert zbccl.memory_stats()["staged_bytes"] == 0
         every = comm.all_gather_object(digests)
         assert all(d == every[0] for d in every), "ranks got different bits"
         return len(digests)

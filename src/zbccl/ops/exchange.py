@@ -30,7 +30,7 @@ from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .channel import Header, OpChannel, channel_of
-from .dtypes import dtype_code
+from .dtypes import DTYPE_CODES, dtype_code
 from .fastpath import RC_FALLBACK, native_channel
 from .operands import is_strict
 from .plan import OP_ALL_GATHER, OP_ALL_TO_ALL, PUSH, choose, nthreads, profiled
@@ -52,7 +52,43 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *,
     comm = resolve_comm(comm)
     with profiled("all_gather", input):
         n = input.numel()
-        return _run(comm, "all_gather", output, input, [n] * comm.world_size, None, row=1)
+        W = comm.world_size
+        if _fast_all_gather(comm, output, input, n, W):
+            return output
+        return _run(comm, "all_gather", output, input, [n] * W, None, row=1)
+
+
+def _fast_all_gather(comm, output: torch.Tensor, input: torch.Tensor, n: int, W: int) -> bool:
+    """The common case in one native call: contiguous tensors, input in the heap, sizes consistent.
+
+    Anything else (and any error) goes to :func:`_run`, which checks and reports it.
+    """
+    if n == 0 or output.dtype != input.dtype or output.numel() != n * W:
+        return False
+    if not (input.is_contiguous() and output.is_contiguous()):
+        return False
+    ch = channel_of(comm)
+    nat = native_channel(ch)
+    dt = DTYPE_CODES.get(input.dtype)
+    if nat is None or dt is None:
+        return False
+    isz = input.element_size()
+    in_addr, out_addr = input.data_ptr(), output.data_ptr()
+    in_off, out_off = in_addr - ch.my_base, out_addr - ch.my_base
+    if not 0 <= in_off <= ch.my_size - n * isz:
+        return False
+    if not 0 <= out_off <= ch.my_size - n * W * isz:
+        out_off = -1
+    algo, _ = choose(ch, OP_ALL_GATHER, input.dtype, n * W * isz)
+    digest, counts_addr = ch.sizes([n] * W)
+    ch.seq += 1
+    rc = nat.all_gather(nat.handle, ch.seq, in_addr, in_off, out_addr, out_off, counts_addr, n, n * W, 1, digest,
+                        isz, dt, algo)
+    if rc == RC_FALLBACK:  # a peer's input is private and outputs are not all in the heap
+        _finish_in_python(ch, nat.headers(), [n] * W, None, isz, algo, input, in_off, output, op="all_gather")
+    elif rc:
+        nat.raise_for(rc, op="all_gather", show=_show)
+    return True
 
 
 def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
