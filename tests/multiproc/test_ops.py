@@ -410,6 +410,14 @@ def _mismatch(ctx):
                "split sizes disagree")
         expect(lambda: zbccl.reduce_scatter_tensor(torch.empty(4), zbccl.zeros(8 + 2 * me)),
                "invalid arguments|disagree")
+        # an argument only one rank gets wrong fails on every rank, it does not hang the others
+        expect(lambda: zbccl.all_reduce(zbccl.zeros(10), "median" if me else "sum"), "reduce op|invalid arguments")
+        expect(lambda: zbccl.broadcast(zbccl.zeros(10), 5 if me else 0), "src out of range|invalid arguments")
+        expect(lambda: zbccl.reduce_scatter_tensor(torch.empty(4), zbccl.zeros(8), "median" if me else "sum"),
+               "reduce op|invalid arguments")
+        cplx = torch.zeros(8, dtype=torch.complex64 if me else torch.float32)
+        expect(lambda: zbccl.all_gather_into_tensor(torch.empty(16, dtype=cplx.dtype), cplx),
+               "unsupported dtype|invalid arguments")
         # after all of that, the group is still in step
         t = zbccl.zeros(3).fill_(me + 1)
         zbccl.all_reduce(t)
@@ -421,7 +429,7 @@ def _mismatch(ctx):
 
 def test_mismatched_arguments_fail_on_every_rank():
     a, b = run_world(_mismatch, 2, timeout=60)
-    assert len(a) == len(b) == 7
+    assert len(a) == len(b) == 11
 
 
 def _against_gloo(ctx):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .channel import Header, channel_of
@@ -65,8 +66,13 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     """
     comm = resolve_comm(comm)
     with profiled(_OP, tensor):
-        dt = dtype_code(tensor.dtype, op=_OP)
-        red = reduce_op_code(op, tensor.dtype, op=_OP)
+        try:
+            dt = dtype_code(tensor.dtype, op=_OP)
+            red = reduce_op_code(op, tensor.dtype, op=_OP)
+        except ZbcclInvalidUsageError as exc:
+            if comm.world_size == 1:
+                raise
+            channel_of(comm).fail_together(OP_ALL_REDUCE, str(exc), op=_OP)
         if comm.world_size == 1:
             return tensor
         ch = channel_of(comm)

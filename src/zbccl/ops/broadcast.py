@@ -27,10 +27,15 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
     """Collective: copy rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place)."""
     comm = resolve_comm(comm)
     with profiled("broadcast", tensor):
-        dt = dtype_code(tensor.dtype, op="broadcast")
         W, me = comm.world_size, comm.rank
-        if not isinstance(src, int) or not 0 <= src < W:
-            raise ZbcclInvalidUsageError(f"broadcast: src out of range, expected [0, {W}), got {src!r}")
+        try:
+            dt = dtype_code(tensor.dtype, op="broadcast")
+            if not isinstance(src, int) or not 0 <= src < W:
+                raise ZbcclInvalidUsageError(f"broadcast: src out of range, expected [0, {W}), got {src!r}")
+        except ZbcclInvalidUsageError as exc:
+            if W == 1:
+                raise
+            channel_of(comm).fail_together(OP_BROADCAST, str(exc), op="broadcast")
         if W == 1:
             return tensor
         ch = channel_of(comm)

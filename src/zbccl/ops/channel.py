@@ -161,6 +161,13 @@ class OpChannel:
                 raise ZbcclInvalidUsageError(f"{op}: ranks disagree on {Header.NAMES.get(f, f)}, got {got}",
                                              ranks=tuple(range(len(values))))
 
+    def fail_together(self, opcode: int, error: str, *, op: str) -> None:
+        """This rank's arguments are unusable: run the handshake with the error flag so that every
+        rank raises (instead of this one raising alone and the others waiting for it)."""
+        hdrs = self.begin([0, opcode], op=op, error=error)
+        self.agree(hdrs, (), op=op)
+        raise AssertionError("unreachable: agree() raises when a header carries an error")  # pragma: no cover
+
     def error_text(self, rank: int) -> str:
         vec = self.vectors[rank]
         n = int(vec[0])

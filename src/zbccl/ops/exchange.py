@@ -115,9 +115,45 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     with profiled("all_to_all", input):
         W = comm.world_size
         row = _row_elems(input)
-        ins = _splits(input, input_split_sizes, W)
-        outs = _splits(output, output_split_sizes, W)
-        return _run(comm, "all_to_all", output, input, [s * row for s in ins], [s * row for s in outs], row=row)
+        ins = [s * row for s in _splits(input, input_split_sizes, W)]
+        outs = [s * row for s in _splits(output, output_split_sizes, W)]
+        if _fast_all_to_all(comm, output, input, ins, outs, row):
+            return output
+        return _run(comm, "all_to_all", output, input, ins, outs, row=row)
+
+
+def _fast_all_to_all(comm, output: torch.Tensor, input: torch.Tensor, ins: list[int], outs: list[int],
+                     row: int) -> bool:
+    """One native call when the tensors are contiguous, the input is in the heap and the splits cover them."""
+    n_in, n_out = input.numel(), output.numel()
+    if not n_in or output.dtype != input.dtype or min(ins) < 0 or min(outs) < 0:
+        return False
+    if sum(ins) != n_in or sum(outs) != n_out or not (input.is_contiguous() and output.is_contiguous()):
+        return False
+    ch = channel_of(comm)
+    nat = native_channel(ch)
+    dt = DTYPE_CODES.get(input.dtype)
+    W = ch.world_size
+    if nat is None or dt is None or len(ins) != W or len(outs) != W:
+        return False
+    isz = input.element_size()
+    in_addr, out_addr = input.data_ptr(), output.data_ptr()
+    in_off, out_off = in_addr - ch.my_base, out_addr - ch.my_base
+    if not 0 <= in_off <= ch.my_size - n_in * isz:
+        return False
+    if not 0 <= out_off <= ch.my_size - n_out * isz:
+        out_off = -1
+    algo, _ = choose(ch, OP_ALL_TO_ALL, input.dtype, n_in * isz)
+    digest, _ = ch.sizes([row])
+    ch.seq += 1
+    ch.vectors[ch.rank][: 2 * W] = ins + outs
+    rc = nat.all_to_all(nat.handle, ch.seq, in_addr, in_off, out_addr, out_off, n_in, n_out, row, digest, isz, dt,
+                        algo)
+    if rc == RC_FALLBACK:
+        _finish_in_python(ch, nat.headers(), ins, outs, isz, algo, input, in_off, output, op="all_to_all")
+    elif rc:
+        nat.raise_for(rc, op="all_to_all", show=_show)
+    return True
 
 
 def _splits(t: torch.Tensor, splits, world: int) -> list[int]:
@@ -151,7 +187,10 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
     ch = channel_of(comm)
     W, me = comm.world_size, comm.rank
     args = _Args(op, output, input, counts, out_counts, W, me)
-    dt = dtype_code(input.dtype, op=op)
+    try:
+        dt = dtype_code(input.dtype, op=op)
+    except ZbcclInvalidUsageError as exc:
+        ch.fail_together(OP_ALL_TO_ALL if out_counts is not None else OP_ALL_GATHER, str(exc), op=op)
     isz = input.element_size()
     opcode = OP_ALL_TO_ALL if out_counts is not None else OP_ALL_GATHER
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .channel import Header, channel_of
-from .dtypes import AVG, dtype_code, reduce_op_code
+from .dtypes import AVG, DTYPE_CODES, dtype_code, reduce_op_code
 from .fastpath import native_channel
 from .operands import Operand
 from .plan import OP_REDUCE_SCATTER, choose, nthreads, profiled
@@ -37,7 +38,41 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *
     with profiled("reduce_scatter", input):
         W = comm.world_size
         n = output.numel()
+        if W > 1 and _fast(comm, output, input, op, n, W):
+            return output
         return _run(comm, "reduce_scatter", output, input, op, [n] * W, 1)
+
+
+def _fast(comm, output: torch.Tensor, input: torch.Tensor, red_op, n: int, W: int) -> bool:
+    """The common case in one native call: contiguous tensors, input in the heap, sizes consistent.
+
+    Anything else (and any error) goes to :func:`_run`, which checks and reports it.
+    """
+    if n == 0 or output.dtype != input.dtype or input.numel() != n * W:
+        return False
+    if not (input.is_contiguous() and output.is_contiguous()):
+        return False
+    dt = DTYPE_CODES.get(input.dtype)
+    ch = channel_of(comm)
+    nat = native_channel(ch)
+    if nat is None or dt is None:
+        return False
+    isz = input.element_size()
+    in_off = input.data_ptr() - ch.my_base
+    if not 0 <= in_off <= ch.my_size - n * W * isz:
+        return False
+    try:
+        red = reduce_op_code(red_op, input.dtype, op="reduce_scatter")
+    except ZbcclInvalidUsageError:
+        return False  # _run reports it on every rank
+    algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n * W * isz)
+    digest, counts_addr = ch.sizes([n] * W)
+    ch.seq += 1
+    rc = nat.reduce_scatter(nat.handle, ch.seq, in_off, output.data_ptr(), counts_addr, n * W, n, 1, digest, isz,
+                            dt, red, algo)
+    if rc:
+        nat.raise_for(rc, op="reduce_scatter", show=_show)
+    return True
 
 
 def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], op="sum", *,
@@ -81,9 +116,14 @@ def _python_path(ch, op: str, src: Operand, out_t, counts, row: int, digest: int
 
 
 def _run(comm, op: str, output, input, red_op, counts: list[int], row: int) -> torch.Tensor:
-    dt = dtype_code(input.dtype, op=op)
-    red = reduce_op_code(red_op, input.dtype, op=op)
     W, me = comm.world_size, comm.rank
+    try:
+        dt = dtype_code(input.dtype, op=op)
+        red = reduce_op_code(red_op, input.dtype, op=op)
+    except ZbcclInvalidUsageError as exc:
+        if W == 1:
+            raise
+        channel_of(comm).fail_together(OP_REDUCE_SCATTER, str(exc), op=op)
     error = _local_error(op, output, input, counts, me, W)
     if W == 1 and error is None:
         if output.data_ptr() != input.data_ptr():
