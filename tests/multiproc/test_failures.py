@@ -169,3 +169,32 @@ def _op_timeout(ctx):
 def test_op_timeout_names_the_missing_rank():
     out = run_world(_op_timeout, 3, timeout=90)
     assert out[2] is None and all(o for o in out[:2])
+
+
+def _interrupted(ctx):
+    import zbccl
+    from zbccl.heap import layout
+    from zbccl.ops.channel import L_ARRIVE, channel_of
+    from zbccl.runtime.waits import wait_flags
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=60)
+    try:
+        t = zbccl.zeros(1 << 16)
+        zbccl.all_reduce(t)  # op #1 on both ranks
+        if ctx.rank == 1:
+            with pytest.raises(KeyboardInterrupt):
+                zbccl.all_reduce(t)  # op #2: rank 0 never joins; Ctrl-C must get through the native wait
+            return "interrupted"
+        ch = channel_of(comm)
+        wait_flags(comm._ctx, ch.peer_flags[L_ARRIVE], 2, timeout=30, op="test")  # rank 1 is inside op #2
+        os.kill(comm.heap.header(comm.ranks[1], layout.H_PID), signal.SIGINT)
+        comm.bootstrap.barrier(timeout=30)  # rank 1 got it and went on
+        return "sent"
+    finally:
+        if ctx.rank == 1:
+            comm.bootstrap.barrier(timeout=30)
+        zbccl.finalize()
+
+
+def test_ctrl_c_interrupts_a_blocked_collective():
+    assert run_world(_interrupted, 2, timeout=60) == ["sent", "interrupted"]

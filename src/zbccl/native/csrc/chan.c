@@ -46,6 +46,15 @@ void gil_release(zb_chan *c) {
     }
 }
 
+/* Let Python handle a pending signal (Ctrl-C) during a long wait; 1 if it raised. */
+static int check_signals(zb_chan *c) {
+    if (c->gil_held) return PyErr_CheckSignals() < 0;
+    PyEval_RestoreThread(c->saved);
+    int raised = PyErr_CheckSignals() < 0;
+    c->saved = PyEval_SaveThread();
+    return raised;
+}
+
 static inline uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -117,6 +126,7 @@ int wait_all(zb_chan *c, int64_t **flags, int64_t target) {
         if (t >= next_check) {
             int rc = check_peers(c, flags, target);
             if (rc) return rc;
+            if (check_signals(c)) return RC_INTERRUPTED;
             next_check = t + (uint64_t)c->liveness_ns;
         }
         if (t >= deadline) {

@@ -12,7 +12,7 @@ enum { H_SEQ, H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_OUT_NUMEL, H_IN_OFF, H_OUT_O
        H_DIGEST, H_ERROR, H_AUX };
 /* result codes, mirrored in zbccl/ops/fastpath.py */
 enum { RC_OK = 0, RC_TIMEOUT = 1, RC_DEAD = 2, RC_GONE = 3, RC_MISMATCH = 4, RC_STEP = 5, RC_SPAN = 6,
-       RC_PEER_ERROR = 7, RC_SPLITS = 8, RC_FALLBACK = 9 };
+       RC_PEER_ERROR = 7, RC_SPLITS = 8, RC_FALLBACK = 9, RC_INTERRUPTED = 10 };
 #define STATE_FINALIZED 2
 #define STATE_FAILED 3
 #define ALGO_ONESHOT 1

@@ -253,19 +253,14 @@ static int dispatch(zb_chan *c, const op_call *o) {
 
 /* Small ops keep the GIL while they spin (a long wait releases it); large ones drop it at once. */
 static PyObject *run(zb_chan *c, const op_call *o, int64_t nbytes) {
-    int rc;
     c->result[0] = c->result[1] = c->result[2] = 0;
-    if (nbytes < (1 << 16)) {
-        c->gil_held = 1;
-        rc = dispatch(c, o);
-        if (!c->gil_held) PyEval_RestoreThread(c->saved);
-        c->gil_held = 0;
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        rc = dispatch(c, o);
-        Py_END_ALLOW_THREADS
-    }
+    c->gil_held = 1;
+    if (nbytes >= (1 << 16)) gil_release(c);
+    int rc = dispatch(c, o);
+    if (!c->gil_held) PyEval_RestoreThread(c->saved);
+    c->gil_held = 0;
     c->result[0] = rc;
+    if (rc == RC_INTERRUPTED) return NULL; /* the signal handler's exception (KeyboardInterrupt) is set */
     return PyLong_FromLong(rc);
 }
 
