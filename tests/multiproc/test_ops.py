@@ -239,6 +239,18 @@ def _python_and_native_paths(ctx):
         table = table_for(ch)
         # small chunks: many pipelined twoshot steps, with ragged last chunks
         table.rules["all_reduce"] = {"*": [[-1, "twoshot", 4096]]}
+        # streaming stores in the native twoshot gather (a policy knob, off by default)
+        from zbccl.ops.fastpath import native_channel
+
+        nat = native_channel(ch)
+        nat.core.chan_configure(nat.handle, 1024)
+        for dtype in (torch.bfloat16, torch.float32):
+            n = 100_003
+            t = zbccl.empty(n, dtype=dtype)
+            t.copy_(payload(me, n, dtype))
+            zbccl.all_reduce(t)
+            assert torch.equal(t, all_reduce_ref([payload(r, n, dtype) for r in range(W)], 0)), "stream"
+        nat.core.chan_configure(nat.handle, 0)
         for mode in ("native", "python", "mixed"):
             ch.__dict__["native"] = False if mode == "python" or (mode == "mixed" and me == 1) else None
             ch.choices.clear()

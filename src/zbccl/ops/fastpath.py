@@ -44,6 +44,9 @@ class NativeChannel:
         self.handle = self.core.chan_new(ch.world_size, ch.rank, ctx.spin, ctx.liveness_ns,
                                          int(ctx.timeout * 1e9), nthreads(), int(table.ctypes.data))
         self._finalizer = weakref.finalize(self, self.core.chan_free, self.handle)
+        # Streaming stores for large twoshot gathers stay off: on the 2-core test VM they cost
+        # 10-20% at 16-64 MiB (docs/benchmarks.md). ``core.chan_configure(handle, nbytes)``
+        # turns them on from ``nbytes``; the tests cover that path.
         # The native ops (signatures in native/csrc/chan_ops.c); each returns a result code.
         self.all_reduce = self.core.chan_all_reduce
         self.all_gather = self.core.chan_all_gather

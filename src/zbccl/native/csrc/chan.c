@@ -207,6 +207,7 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     zb_chan *c = calloc(1, sizeof(zb_chan));
     if (!c) return PyErr_NoMemory();
     c->W = a[0], c->me = a[1], c->spin = a[2], c->liveness_ns = a[3], c->timeout_ns = a[4], c->nthreads = a[5];
+    c->stream_bytes = INT64_MAX;
     const int64_t *t = (const int64_t *)(uintptr_t)a[6];
     for (int r = 0; r < c->W; r++, t += 9) {
         c->arrive[r] = (int64_t *)(uintptr_t)t[0], c->phase[r] = (int64_t *)(uintptr_t)t[1];
@@ -215,6 +216,18 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
         c->size[r] = t[6], c->fd[r] = (int)t[7], c->vec[r] = (int64_t *)(uintptr_t)t[8];
     }
     return PyLong_FromVoidPtr(c);
+}
+
+/* chan_configure(handle, stream_bytes): policy knobs the Python layer sets. */
+static PyObject *py_chan_configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t a[2];
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_configure() takes 2 arguments, got %zd", nargs);
+    for (int i = 0; i < 2; i++)
+        if (zb_i64(args[i], &a[i])) return NULL;
+    zb_chan *c = (zb_chan *)(uintptr_t)a[0];
+    c->stream_bytes = a[1] > 0 ? a[1] : INT64_MAX;
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_chan_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -246,6 +259,9 @@ static PyMethodDef chan_methods[] = {
     {"chan_new", (PyCFunction)(void (*)(void))py_chan_new, METH_FASTCALL,
      "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle of a native op channel."},
     {"chan_free", (PyCFunction)(void (*)(void))py_chan_free, METH_FASTCALL, "chan_free(handle)."},
+    {"chan_configure", (PyCFunction)(void (*)(void))py_chan_configure, METH_FASTCALL,
+     "chan_configure(handle, stream_bytes): twoshot gathers of at least stream_bytes use streaming "
+     "stores (<= 0: never)."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
      "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks) of the last op."},
     {NULL, NULL, 0, NULL},

@@ -96,7 +96,11 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
             for (int i = 1; i < c->W; i++) {
                 int64_t q = (c->me + i) % c->W, a, b;
                 slice_of((k - 1) * chunk, min64(count, k * chunk), c->W, q, itemsize, &a, &b);
-                if (b > a) zb_copy(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, (b - a) * itemsize, nt);
+                int64_t n = (b - a) * itemsize;
+                if (n >= c->stream_bytes) /* lines peer q just read: stream, no read-for-ownership */
+                    zb_copy_stream(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
+                else if (n > 0)
+                    zb_copy(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
             }
         }
     }

@@ -243,3 +243,42 @@ void zb_copy(void *dst, const void *src, long nbytes, int nthreads) {
     }
     memcpy(dst, src, (size_t)nbytes);
 }
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* Streaming (non-temporal) copy: stores go to memory without first reading the destination
+ * lines into this core's cache, and without waiting on each invalidation when another core
+ * holds those lines. Used for large writes into lines a peer has just read (the twoshot
+ * gather), where cached stores stall on one invalidation per line. Ends with sfence, so a
+ * following release store (the phase/done flag) is ordered after the data. */
+static void copy_stream(char *dst, const char *src, long nbytes) {
+    long head = (long)((64 - ((uintptr_t)dst & 63)) & 63);
+    if (head > nbytes) head = nbytes;
+    memcpy(dst, src, (size_t)head);
+    dst += head, src += head, nbytes -= head;
+    long n16 = nbytes / 16;
+    for (long i = 0; i < n16; i++)
+        _mm_stream_si128((__m128i *)(dst + 16 * i), _mm_loadu_si128((const __m128i *)(src + 16 * i)));
+    memcpy(dst + 16 * n16, src + 16 * n16, (size_t)(nbytes - 16 * n16));
+    _mm_sfence();
+}
+#else
+static void copy_stream(char *dst, const char *src, long nbytes) {
+    memcpy(dst, src, (size_t)nbytes);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+#endif
+
+void zb_copy_stream(void *dst, const void *src, long nbytes, int nthreads) {
+    const long piece = 1L << 20;
+    if (nthreads > 1 && nbytes >= 2 * piece) {
+        long np = (nbytes + piece - 1) / piece;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long p = 0; p < np; p++) {
+            long off = p * piece, m = nbytes - off < piece ? nbytes - off : piece;
+            copy_stream((char *)dst + off, (const char *)src + off, m);
+        }
+        return;
+    }
+    copy_stream(dst, src, nbytes);
+}

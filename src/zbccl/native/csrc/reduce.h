@@ -15,5 +15,7 @@ void zb_reduce_n(void *dst, const void *const *srcs, long n, long count, int dty
                  int nthreads);
 /* memcpy split over nthreads for large sizes. */
 void zb_copy(void *dst, const void *src, long nbytes, int nthreads);
+/* The same with non-temporal stores and a closing store fence (large writes into lines peers hold). */
+void zb_copy_stream(void *dst, const void *src, long nbytes, int nthreads);
 
 #endif
