@@ -98,8 +98,19 @@ def export(t: torch.Tensor, comm: Communicator | None = None) -> HeapHandle:
 
 
 def memory_stats(comm: Communicator | None = None) -> dict:
-    """This rank's SMA statistics (keys documented in ``zbccl.sma.STAT_KEYS``). Not collective."""
-    return resolve_comm(comm).sma.stats()
+    """This rank's heap statistics. Not collective.
+
+    The SMA's keys (documented in ``zbccl.sma.STAT_KEYS``), plus the ``heap_scope`` allocator
+    hook's native counters prefixed ``scope_`` (``scope_hits``: allocations its native cache
+    served without entering Python or the SMA, ``scope_misses``, ... see
+    ``zbccl.adapters.scope.HOOK_COUNTERS``).
+    """
+    from .scope import hook_stats
+
+    c = resolve_comm(comm)
+    stats = c.sma.stats()
+    stats.update({f"scope_{k}": v for k, v in hook_stats(c).items()})
+    return stats
 
 
 def memory_snapshot(comm: Communicator | None = None) -> list[dict]:
