@@ -198,3 +198,29 @@ def _interrupted(ctx):
 
 def test_ctrl_c_interrupts_a_blocked_collective():
     assert run_world(_interrupted, 2, timeout=60) == ["sent", "interrupted"]
+
+
+def _subgroup_peer_killed(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB)
+    sub = comm.new_group([1, 2])
+    if ctx.rank == 0:
+        comm.barrier()
+        return None
+    t = zbccl.zeros(1024)
+    zbccl.all_reduce(t, comm=sub)
+    comm.barrier()
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(zbccl.ZbcclRemoteError) as info:
+        for _ in range(10_000):
+            zbccl.all_reduce(t, comm=sub)
+    # errors use the group's numbering: global rank 2 is rank 1 of the sub-communicator
+    assert info.value.ranks == (1,) and "rank 1 died" in str(info.value), str(info.value)
+    zbccl.finalize()
+    return True
+
+
+def test_subgroup_errors_name_group_ranks():
+    assert run_world(_subgroup_peer_killed, 3, expect_exit={2: -signal.SIGKILL}, timeout=45)[1] is True

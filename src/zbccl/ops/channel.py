@@ -82,7 +82,8 @@ class OpChannel:
         me = ctx.rank
         peers = [g for g in comm.ranks if g != me]
         self.my_flags = {i: line(me, i) for i in (L_ARRIVE, L_PHASE, L_DONE)}
-        self.peer_flags = {i: FlagSet(peers, [line(g, i) for g in peers]) for i in (L_ARRIVE, L_PHASE, L_DONE)}
+        group = [comm.ranks.index(g) for g in peers]
+        self.peer_flags = {i: FlagSet(peers, [line(g, i) for g in peers], group) for i in (L_ARRIVE, L_PHASE, L_DONE)}
         self.headers = [(ctypes.c_char * _HDR.size).from_address(line(g, L_HEADER)) for g in comm.ranks]
         self.vectors = [np.frombuffer((ctypes.c_char * (VECTOR_CAPACITY * 8)).from_address(line(g, L_VECTORS)),
                                       dtype=np.int64) for g in comm.ranks]

@@ -46,7 +46,8 @@ class Communicator:
             line = layout.slot_line(slot, layout.SLOT_BARRIER)
             self._my_flag = ctx.heap.ctrl_addr(ctx.rank, line)
             peers = [r for r in self.ranks if r != ctx.rank]
-            self._peer_flags = FlagSet(peers, [ctx.heap.ctrl_addr(r, line) for r in peers])
+            self._peer_flags = FlagSet(peers, [ctx.heap.ctrl_addr(r, line) for r in peers],
+                                       [self.ranks.index(r) for r in peers])
 
     # ----------------------------------------------------------------- identity
     @property

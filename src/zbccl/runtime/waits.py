@@ -26,21 +26,28 @@ __all__ = ["FlagSet", "wait_flags", "check_peers"]
 
 
 class FlagSet:
-    """The addresses of some ranks' flags, precomputed once for the hot path."""
+    """The addresses of some ranks' flags, precomputed once for the hot path.
 
-    def __init__(self, ranks: list[int], addrs: list[int]) -> None:
+    ``ranks`` are global ranks (to find their segments); ``labels`` are the
+    numbers errors use, the communicator's own (group) ranks.
+    """
+
+    def __init__(self, ranks: list[int], addrs: list[int], labels: list[int] | None = None) -> None:
         self.ranks = list(ranks)
+        self.labels = list(labels) if labels is not None else list(ranks)
         self.addrs = np.asarray(addrs, dtype=np.uint64)
         self.ptr = int(self.addrs.ctypes.data)
         self.n = len(self.ranks)
 
 
-def check_peers(ctx: Context, ranks: list[int], *, op: str) -> None:
-    """Raise :class:`ZbcclRemoteError` if any of ``ranks`` died, left or failed.
+def check_peers(ctx: Context, ranks: list[int], *, op: str, labels: dict[int, int] | None = None) -> None:
+    """Raise :class:`ZbcclRemoteError` if any of ``ranks`` (global) died, left or failed.
 
     Callers pass only the ranks they still wait for: a peer that already
-    signalled may finish and exit without that being an error.
+    signalled may finish and exit without that being an error. ``labels``
+    maps global ranks to the numbers the error should use.
     """
+    labels = labels or {}
     dead = set(ctx.heap.transport.dead_peers()) & set(ranks)
     gone = []
     for r in ranks:
@@ -54,6 +61,7 @@ def check_peers(ctx: Context, ranks: list[int], *, op: str) -> None:
         elif r in dead:
             gone.append((r, "died (its process exited or was killed)"))
     if gone:
+        gone = [(labels.get(r, r), why) for r, why in gone]
         ranks_gone = tuple(r for r, _ in gone)
         what = "; ".join(f"rank {r} {why}" for r, why in gone)
         raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=ranks_gone)
@@ -74,14 +82,15 @@ def wait_flags(ctx: Context, flags: FlagSet, target: int, *, timeout: float, op:
     if prims.wait_ge(flags.ptr, flags.n, target, spin, slice_ns) < 0:
         return
     deadline = time.monotonic() + timeout
+    labels = dict(zip(flags.ranks, flags.labels))
     while True:
         pending = [r for r, a in zip(flags.ranks, flags.addrs.tolist()) if prims.load_acquire(a) < target]
         if not pending:
             return
-        check_peers(ctx, pending, op=op)
+        check_peers(ctx, pending, op=op, labels=labels)
         left = deadline - time.monotonic()
         if left <= 0:
-            late = tuple(r for r, a in zip(flags.ranks, flags.addrs.tolist())
+            late = tuple(labels[r] for r, a in zip(flags.ranks, flags.addrs.tolist())
                          if prims.load_acquire(a) < target)
             if not late:
                 return
