@@ -31,6 +31,7 @@ __all__ = [
     "THREADS",
     "ALGO",
     "TUNE_FILE",
+    "STREAM_STORES",
     "CXX",
     "LOG_LEVEL",
 ]
@@ -149,6 +150,10 @@ TUNE_FILE: EnvVar[str] = EnvVar(
     "ZBCCL_TUNE_FILE", str, "",
     "Tuning table to load instead of the one 'zbccl tune' saved under ZBCCL_CACHE_DIR for this host.",
 )
+STREAM_STORES: EnvVar[str] = EnvVar(
+    "ZBCCL_STREAM_STORES", str, "auto",
+    "Stores of large twoshot all_reduce gathers: auto (per rank, whichever is measured faster), on, off.",
+)
 CXX: EnvVar[str] = EnvVar(
     "ZBCCL_CXX", str, "",
     "C/C++ compiler for the native core; default: $CXX/$CC, then g++/gcc, then c++/cc.",
@@ -172,6 +177,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     THREADS,
     ALGO,
     TUNE_FILE,
+    STREAM_STORES,
     CXX,
     LOG_LEVEL,
 )

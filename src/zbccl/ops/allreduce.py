@@ -91,6 +91,8 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
                 rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo, chunk_elems)
                 if rc:
                     nat.raise_for(rc, op=_OP, show=_show)
+                if nbytes >= nat.stores.MIN_BYTES:
+                    nat.stores.after(nbytes)
                 return tensor
         operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
         try:

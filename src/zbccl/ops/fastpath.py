@@ -14,6 +14,7 @@ import weakref
 
 import numpy as np
 
+from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..runtime.threads import nthreads
@@ -44,9 +45,7 @@ class NativeChannel:
         self.handle = self.core.chan_new(ch.world_size, ch.rank, ctx.spin, ctx.liveness_ns,
                                          int(ctx.timeout * 1e9), nthreads(), int(table.ctypes.data))
         self._finalizer = weakref.finalize(self, self.core.chan_free, self.handle)
-        # Streaming stores for large twoshot gathers stay off: on the 2-core test VM they cost
-        # 10-20% at 16-64 MiB (docs/benchmarks.md). ``core.chan_configure(handle, nbytes)``
-        # turns them on from ``nbytes``; the tests cover that path.
+        self.stores = StoreKind(self)
         # The native ops (signatures in native/csrc/chan_ops.c); each returns a result code.
         self.all_reduce = self.core.chan_all_reduce
         self.all_gather = self.core.chan_all_gather
@@ -100,6 +99,55 @@ class NativeChannel:
         raise ZbcclInvalidUsageError(
             f"{op}: rank {rank}'s operand is outside its heap (offset {int(hdrs[rank, Header.IN_OFF])})",
             ranks=(rank,))
+
+
+class StoreKind:
+    """Per rank: cached or streaming stores for the gathers of large twoshot all_reduces.
+
+    The gather writes slices of this rank's tensor that the peer has just read. How much that
+    costs depends on the host and changes over time (docs/benchmarks.md: on the test VM cached
+    stores win by 15-20% in one state and streaming stores by 2x in the other). So each rank
+    keeps an average of the measured ns/byte of both kinds (timed natively, local work only),
+    uses the faster one, and tries the other every ``EXPLORE``-th large op. The choice is local:
+    it changes no byte of the protocol, so ranks may differ. ``ZBCCL_STREAM_STORES=on/off``
+    fixes it.
+    """
+
+    EXPLORE = 16
+    MIN_BYTES = 1 << 20  # ops from this size on are measured and adapt
+    SLICE_BYTES = 256 << 10  # gather slices from this size on stream when streaming is chosen
+
+    def __init__(self, nat: NativeChannel) -> None:
+        self.nat = nat
+        self.avg: list[float | None] = [None, None]
+        self.current = 0
+        self.count = 0
+        mode = env.STREAM_STORES.get().lower()
+        self.fixed = {"on": 1, "off": 0}.get(mode)
+        if self.fixed is None and mode != "auto":
+            raise ZbcclInvalidUsageError(f"ZBCCL_STREAM_STORES: expected auto, on or off, got {mode!r}")
+        self._use(self.fixed or 0)
+
+    def _use(self, kind: int) -> None:
+        self.nat.core.chan_configure(self.nat.handle, self.SLICE_BYTES if kind else 0)
+        self.current = kind
+
+    def after(self, nbytes: int) -> None:
+        """Called after an all_reduce of ``nbytes``: learn from it, pick the next kind."""
+        if self.fixed is not None or nbytes < self.MIN_BYTES:
+            return
+        ns0, b0, ns1, b1 = self.nat.core.chan_gather_stats(self.nat.handle)
+        for kind, ns, nb in ((0, ns0, b0), (1, ns1, b1)):
+            if nb:
+                rate = ns / nb
+                prev = self.avg[kind]
+                self.avg[kind] = rate if prev is None else 0.75 * prev + 0.25 * rate
+        self.count += 1
+        known = [a for a in self.avg if a is not None]
+        best = 0 if len(known) < 2 else int(self.avg[1] < self.avg[0])
+        nxt = 1 - best if (len(known) < 2 or self.count % self.EXPLORE == 0) else best
+        if nxt != self.current:
+            self._use(nxt)
 
 
 def native_channel(ch: OpChannel) -> NativeChannel | None:
