@@ -9,7 +9,7 @@ from zbccl.ops.fastpath import StoreKind
 
 
 class FakeCore:
-    """Records chan_configure calls and returns scripted gather timings (ns per byte by kind)."""
+    """Records chan_configure calls; ``rates`` are the op's ns per byte by store kind."""
 
     def __init__(self, rate_cached: float, rate_stream: float) -> None:
         self.rates = [rate_cached, rate_stream]
@@ -20,13 +20,6 @@ class FakeCore:
         self.stream_bytes = stream_bytes
         self.configured.append(stream_bytes)
 
-    def chan_gather_stats(self, handle: int):
-        kind = 1 if self.stream_bytes else 0
-        nbytes = 1 << 20
-        out = [0, 0, 0, 0]
-        out[2 * kind], out[2 * kind + 1] = int(self.rates[kind] * nbytes), nbytes
-        return tuple(out)
-
 
 class FakeNat:
     def __init__(self, core: FakeCore) -> None:
@@ -35,9 +28,11 @@ class FakeNat:
 
 def run(kind: StoreKind, n: int) -> list[int]:
     used = []
+    nbytes = 64 << 20
     for _ in range(n):
+        kind.before(nbytes)
         used.append(kind.current)
-        kind.after(64 << 20)
+        kind.after(nbytes, int(kind.nat.core.rates[kind.current] * nbytes))
     return used
 
 
@@ -57,6 +52,8 @@ def test_host_state_change_is_followed(monkeypatch):
     core = FakeCore(1.0, 2.0)
     kind = StoreKind(FakeNat(core))
     assert run(kind, 30)[-8:] == [0] * 8
+    # each size bucket learns on its own
+    assert len(kind.stats) == 1
     core.rates = [4.0, 2.0]  # the host flips: cached stores become slow
     used = run(kind, 64)
     assert used[-8:].count(1) >= 7
@@ -70,8 +67,9 @@ def test_small_ops_and_fixed_modes(monkeypatch):
     assert kind.current == 1 and core.configured == [StoreKind.SLICE_BYTES]
     monkeypatch.setenv("ZBCCL_STREAM_STORES", "auto")
     kind = StoreKind(FakeNat(FakeCore(1.0, 2.0)))
-    kind.after(4096)  # below MIN_BYTES: ignored
-    assert kind.count == 0
+    kind.before(4096)  # below MIN_BYTES: ignored
+    kind.after(4096, 1000)
+    assert kind.stats == {}
     monkeypatch.setenv("ZBCCL_STREAM_STORES", "sometimes")
     with pytest.raises(ZbcclInvalidUsageError, match="ZBCCL_STREAM_STORES"):
         StoreKind(FakeNat(FakeCore(1.0, 2.0)))

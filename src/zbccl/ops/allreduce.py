@@ -29,6 +29,8 @@ and round once.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -88,11 +90,15 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
             if 0 <= off and off + nbytes <= ch.my_size:
                 # Zero-copy fast path: the whole protocol in one native call.
                 ch.seq += 1
+                timed = nbytes >= nat.stores.MIN_BYTES
+                if timed:
+                    nat.stores.before(nbytes)
+                t0 = time.perf_counter_ns()
                 rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo, chunk_elems)
                 if rc:
                     nat.raise_for(rc, op=_OP, show=_show)
-                if nbytes >= nat.stores.MIN_BYTES:
-                    nat.stores.after(nbytes)
+                if timed:
+                    nat.stores.after(nbytes, time.perf_counter_ns() - t0)
                 return tensor
         operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
         try:

@@ -104,24 +104,25 @@ class NativeChannel:
 class StoreKind:
     """Per rank: cached or streaming stores for the gathers of large twoshot all_reduces.
 
-    The gather writes slices of this rank's tensor that the peer has just read. How much that
+    The gather writes slices of this rank's tensor that the peer has just read. What that
     costs depends on the host and changes over time (docs/benchmarks.md: on the test VM cached
     stores win by 15-20% in one state and streaming stores by 2x in the other). So each rank
-    keeps an average of the measured ns/byte of both kinds (timed natively, local work only),
-    uses the faster one, and tries the other every ``EXPLORE``-th large op. The choice is local:
-    it changes no byte of the protocol, so ranks may differ. ``ZBCCL_STREAM_STORES=on/off``
-    fixes it.
+    keeps, per power-of-two size bucket, an average of the whole op's ns/byte under both
+    kinds, uses the faster one, and tries the other every ``EXPLORE``-th op of that bucket.
+    Every rank sees the same op sizes in the same order, so ranks explore in step. The choice is local: it changes no byte of
+    the protocol, so ranks may differ. ``ZBCCL_STREAM_STORES=on/off`` fixes it.
     """
 
-    EXPLORE = 16
-    MIN_BYTES = 1 << 20  # ops from this size on are measured and adapt
+    EXPLORE = 32
+    MARGIN = 0.05  # switch only for a clear win: timing noise must not flip the choice
+    MIN_BYTES = 1 << 20  # ops from this size on are timed and adapt
     SLICE_BYTES = 256 << 10  # gather slices from this size on stream when streaming is chosen
 
     def __init__(self, nat: NativeChannel) -> None:
         self.nat = nat
-        self.avg: list[float | None] = [None, None]
+        #: log2 size bucket -> [average ns/byte with cached stores, with streaming stores, ops seen]
+        self.stats: dict[int, list] = {}
         self.current = 0
-        self.count = 0
         mode = env.STREAM_STORES.get().lower()
         self.fixed = {"on": 1, "off": 0}.get(mode)
         if self.fixed is None and mode != "auto":
@@ -132,22 +133,28 @@ class StoreKind:
         self.nat.core.chan_configure(self.nat.handle, self.SLICE_BYTES if kind else 0)
         self.current = kind
 
-    def after(self, nbytes: int) -> None:
-        """Called after an all_reduce of ``nbytes``: learn from it, pick the next kind."""
+    def before(self, nbytes: int) -> None:
+        """Pick the store kind for an all_reduce of ``nbytes`` (per size bucket)."""
         if self.fixed is not None or nbytes < self.MIN_BYTES:
             return
-        ns0, b0, ns1, b1 = self.nat.core.chan_gather_stats(self.nat.handle)
-        for kind, ns, nb in ((0, ns0, b0), (1, ns1, b1)):
-            if nb:
-                rate = ns / nb
-                prev = self.avg[kind]
-                self.avg[kind] = rate if prev is None else 0.75 * prev + 0.25 * rate
-        self.count += 1
-        known = [a for a in self.avg if a is not None]
-        best = 0 if len(known) < 2 else int(self.avg[1] < self.avg[0])
-        nxt = 1 - best if (len(known) < 2 or self.count % self.EXPLORE == 0) else best
-        if nxt != self.current:
-            self._use(nxt)
+        st = self.stats.setdefault(nbytes.bit_length(), [None, None, 0])
+        if st[0] is None or st[1] is None:
+            kind = 0 if st[0] is None else 1  # measure both first
+        else:
+            close = abs(st[1] - st[0]) < self.MARGIN * min(st[0], st[1])
+            best = self.current if close else int(st[1] < st[0])
+            kind = 1 - best if st[2] % self.EXPLORE == self.EXPLORE - 1 else best
+        if kind != self.current:
+            self._use(kind)
+
+    def after(self, nbytes: int, elapsed_ns: int) -> None:
+        """Learn from an all_reduce of ``nbytes`` that took ``elapsed_ns`` with the current kind."""
+        if self.fixed is not None or nbytes < self.MIN_BYTES:
+            return
+        st = self.stats[nbytes.bit_length()]
+        rate, kind = elapsed_ns / nbytes, self.current
+        st[kind] = rate if st[kind] is None else 0.75 * st[kind] + 0.25 * rate
+        st[2] += 1
 
 
 def native_channel(ch: OpChannel) -> NativeChannel | None:

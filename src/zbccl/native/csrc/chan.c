@@ -218,19 +218,6 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromVoidPtr(c);
 }
 
-/* chan_gather_stats(handle) -> (ns cached, bytes cached, ns streamed, bytes streamed), then reset. */
-static PyObject *py_chan_gather_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t h;
-    if (nargs != 1) return PyErr_Format(PyExc_TypeError, "chan_gather_stats() takes 1 argument");
-    if (zb_i64(args[0], &h)) return NULL;
-    zb_chan *c = (zb_chan *)(uintptr_t)h;
-    PyObject *r = Py_BuildValue("(LLLL)", (long long)c->gather_ns[0], (long long)c->gather_bytes[0],
-                                (long long)c->gather_ns[1], (long long)c->gather_bytes[1]);
-    c->gather_ns[0] = c->gather_ns[1] = c->gather_bytes[0] = c->gather_bytes[1] = 0;
-    return r;
-}
-
 /* chan_configure(handle, stream_bytes): policy knobs the Python layer sets. */
 static PyObject *py_chan_configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -272,9 +259,6 @@ static PyMethodDef chan_methods[] = {
     {"chan_new", (PyCFunction)(void (*)(void))py_chan_new, METH_FASTCALL,
      "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle of a native op channel."},
     {"chan_free", (PyCFunction)(void (*)(void))py_chan_free, METH_FASTCALL, "chan_free(handle)."},
-    {"chan_gather_stats", (PyCFunction)(void (*)(void))py_chan_gather_stats, METH_FASTCALL,
-     "chan_gather_stats(handle) -> (ns cached, bytes cached, ns streamed, bytes streamed) of large twoshot "
-     "gathers since the last call."},
     {"chan_configure", (PyCFunction)(void (*)(void))py_chan_configure, METH_FASTCALL,
      "chan_configure(handle, stream_bytes): twoshot gathers of at least stream_bytes use streaming "
      "stores (<= 0: never)."},

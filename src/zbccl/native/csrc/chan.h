@@ -26,7 +26,6 @@ enum { RC_OK = 0, RC_TIMEOUT = 1, RC_DEAD = 2, RC_GONE = 3, RC_MISMATCH = 4, RC_
 typedef struct {
     int64_t W, me, spin, liveness_ns, timeout_ns, nthreads;
     int64_t stream_bytes;   /* twoshot gathers at least this large use streaming stores (Python sets it) */
-    int64_t gather_ns[2], gather_bytes[2];  /* time and bytes of large twoshot gathers: [cached, streamed] */
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];
     char *base[ZB_MAXW];
     int64_t size[ZB_MAXW];

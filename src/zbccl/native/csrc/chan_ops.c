@@ -10,7 +10,6 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "reduce.h"
 
@@ -19,15 +18,6 @@ static int in_heap(zb_chan *c, int r, int64_t off, int64_t nbytes) {
     if (off >= 0 && nbytes >= 0 && off + nbytes <= c->size[r]) return 1;
     c->result[1] = r;
     return 0;
-}
-
-/* Gathers at least this large are timed (see zb_chan.gather_ns). */
-#define TIMED_BYTES (64 << 10)
-
-static uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static int nthreads_for(zb_chan *c, int64_t nbytes) { return nbytes >= (1 << 20) ? (int)c->nthreads : 1; }
@@ -107,17 +97,10 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
                 int64_t q = (c->me + i) % c->W, a, b;
                 slice_of((k - 1) * chunk, min64(count, k * chunk), c->W, q, itemsize, &a, &b);
                 int64_t n = (b - a) * itemsize;
-                if (n <= 0) continue;
-                int stream = n >= c->stream_bytes; /* lines peer q just read: stream, no read-for-ownership */
-                uint64_t t0 = n >= TIMED_BYTES ? mono_ns() : 0;
-                if (stream)
+                if (n >= c->stream_bytes) /* lines peer q just read: stream, no read-for-ownership */
                     zb_copy_stream(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
-                else
+                else if (n > 0)
                     zb_copy(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
-                if (t0) {  /* measured for the Python layer, which picks the faster store kind */
-                    c->gather_ns[stream] += (int64_t)(mono_ns() - t0);
-                    c->gather_bytes[stream] += n;
-                }
             }
         }
     }
