@@ -20,7 +20,9 @@ handshake):
   ends the op. No scratch at all. Best for large messages.
 
 Heap tensors take the native fast path: the whole op is one C call
-(``native/csrc/chan.c``) running this same protocol.
+(``native/csrc/chan_ops.c``) running this same protocol. Its large twoshot
+gathers write with cached or streaming stores, chosen per rank by measuring
+both (``fastpath.StoreKind``; the protocol is the same either way).
 
 Bitwise identity across ranks: oneshot reduces in rank order on every rank;
 twoshot reduces each slice once and copies it. bf16/fp16 accumulate in fp32
@@ -93,7 +95,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
                 timed = nbytes >= nat.stores.MIN_BYTES
                 if timed:
                     nat.stores.before(nbytes)
-                t0 = time.perf_counter_ns()
+                t0 = time.perf_counter_ns() if timed else 0
                 rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo, chunk_elems)
                 if rc:
                     nat.raise_for(rc, op=_OP, show=_show)
