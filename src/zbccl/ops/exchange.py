@@ -58,6 +58,19 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *,
         return _run(comm, "all_gather", output, input, [n] * W, None, row=1)
 
 
+def _heap_offsets(ch: OpChannel, input: torch.Tensor, output: torch.Tensor, in_bytes: int,
+                  out_bytes: int) -> tuple[int, int, int, int] | None:
+    """``(in_addr, out_addr, in_offset, out_offset)`` for the one-call paths: None unless the
+    input lies in this rank's heap; ``out_offset`` is -1 for an output outside it."""
+    in_addr, out_addr = input.data_ptr(), output.data_ptr()
+    in_off, out_off = in_addr - ch.my_base, out_addr - ch.my_base
+    if not 0 <= in_off <= ch.my_size - in_bytes:
+        return None
+    if not 0 <= out_off <= ch.my_size - out_bytes:
+        out_off = -1
+    return in_addr, out_addr, in_off, out_off
+
+
 def _fast_all_gather(comm, output: torch.Tensor, input: torch.Tensor, n: int, W: int) -> bool:
     """The common case in one native call: contiguous tensors, input in the heap, sizes consistent.
 
@@ -73,12 +86,10 @@ def _fast_all_gather(comm, output: torch.Tensor, input: torch.Tensor, n: int, W:
     if nat is None or dt is None:
         return False
     isz = input.element_size()
-    in_addr, out_addr = input.data_ptr(), output.data_ptr()
-    in_off, out_off = in_addr - ch.my_base, out_addr - ch.my_base
-    if not 0 <= in_off <= ch.my_size - n * isz:
+    offs = _heap_offsets(ch, input, output, n * isz, n * W * isz)
+    if offs is None:
         return False
-    if not 0 <= out_off <= ch.my_size - n * W * isz:
-        out_off = -1
+    in_addr, out_addr, in_off, out_off = offs
     algo, _ = choose(ch, OP_ALL_GATHER, input.dtype, n * W * isz)
     digest, counts_addr = ch.sizes([n] * W)
     ch.seq += 1
@@ -137,12 +148,10 @@ def _fast_all_to_all(comm, output: torch.Tensor, input: torch.Tensor, ins: list[
     if nat is None or dt is None or len(ins) != W or len(outs) != W:
         return False
     isz = input.element_size()
-    in_addr, out_addr = input.data_ptr(), output.data_ptr()
-    in_off, out_off = in_addr - ch.my_base, out_addr - ch.my_base
-    if not 0 <= in_off <= ch.my_size - n_in * isz:
+    offs = _heap_offsets(ch, input, output, n_in * isz, n_out * isz)
+    if offs is None:
         return False
-    if not 0 <= out_off <= ch.my_size - n_out * isz:
-        out_off = -1
+    in_addr, out_addr, in_off, out_off = offs
     algo, _ = choose(ch, OP_ALL_TO_ALL, input.dtype, n_in * isz)
     digest, _ = ch.sizes([row])
     ch.seq += 1

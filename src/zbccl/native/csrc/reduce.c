@@ -230,18 +230,26 @@ void zb_reduce_n(void *dst, const void *const *srcs, long n, long count, int dty
     }
 }
 
-void zb_copy(void *dst, const void *src, long nbytes, int nthreads) {
+/* Split a copy into 1 MiB pieces over nthreads when it is large enough to pay for the threads. */
+static void split_copy(void *dst, const void *src, long nbytes, int nthreads,
+                       void (*fn)(char *, const char *, long)) {
     const long piece = 1L << 20;
     if (nthreads > 1 && nbytes >= 2 * piece) {
         long np = (nbytes + piece - 1) / piece;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (long p = 0; p < np; p++) {
             long off = p * piece, m = nbytes - off < piece ? nbytes - off : piece;
-            memcpy((char *)dst + off, (const char *)src + off, (size_t)m);
+            fn((char *)dst + off, (const char *)src + off, m);
         }
         return;
     }
-    memcpy(dst, src, (size_t)nbytes);
+    fn(dst, src, nbytes);
+}
+
+static void copy_plain(char *dst, const char *src, long nbytes) { memcpy(dst, src, (size_t)nbytes); }
+
+void zb_copy(void *dst, const void *src, long nbytes, int nthreads) {
+    split_copy(dst, src, nbytes, nthreads, copy_plain);
 }
 
 #if defined(__x86_64__)
@@ -270,15 +278,5 @@ static void copy_stream(char *dst, const char *src, long nbytes) {
 #endif
 
 void zb_copy_stream(void *dst, const void *src, long nbytes, int nthreads) {
-    const long piece = 1L << 20;
-    if (nthreads > 1 && nbytes >= 2 * piece) {
-        long np = (nbytes + piece - 1) / piece;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (long p = 0; p < np; p++) {
-            long off = p * piece, m = nbytes - off < piece ? nbytes - off : piece;
-            copy_stream((char *)dst + off, (const char *)src + off, m);
-        }
-        return;
-    }
-    copy_stream(dst, src, nbytes);
+    split_copy(dst, src, nbytes, nthreads, copy_stream);
 }
