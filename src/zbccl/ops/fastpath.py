@@ -120,7 +120,7 @@ class StoreKind:
 
     def __init__(self, nat: NativeChannel) -> None:
         self.nat = nat
-        #: log2 size bucket -> [average ns/byte with cached stores, with streaming stores, ops seen]
+        #: log2 size bucket -> [avg ns/byte cached, avg ns/byte streaming, ops, ops cached, ops streaming]
         self.stats: dict[int, list] = {}
         self.current = 0
         mode = env.STREAM_STORES.get().lower()
@@ -137,9 +137,9 @@ class StoreKind:
         """Pick the store kind for an all_reduce of ``nbytes`` (per size bucket)."""
         if self.fixed is not None or nbytes < self.MIN_BYTES:
             return
-        st = self.stats.setdefault(nbytes.bit_length(), [None, None, 0])
+        st = self.stats.setdefault(nbytes.bit_length(), [None, None, 0, 0, 0])
         if st[0] is None or st[1] is None:
-            kind = 0 if st[0] is None else 1  # measure both first
+            kind = st[2] % 2  # alternate until both kinds have a warmed-up sample
         else:
             close = abs(st[1] - st[0]) < self.MARGIN * min(st[0], st[1])
             best = self.current if close else int(st[1] < st[0])
@@ -148,13 +148,21 @@ class StoreKind:
             self._use(kind)
 
     def after(self, nbytes: int, elapsed_ns: int) -> None:
-        """Learn from an all_reduce of ``nbytes`` that took ``elapsed_ns`` with the current kind."""
+        """Learn from an all_reduce of ``nbytes`` that took ``elapsed_ns`` with the current kind.
+
+        The first op of each kind in a bucket only warms up (cold caches, first use of the
+        tensor) and is not averaged.
+        """
         if self.fixed is not None or nbytes < self.MIN_BYTES:
             return
         st = self.stats[nbytes.bit_length()]
-        rate, kind = elapsed_ns / nbytes, self.current
-        st[kind] = rate if st[kind] is None else 0.75 * st[kind] + 0.25 * rate
+        kind = self.current
         st[2] += 1
+        st[3 + kind] += 1
+        if st[3 + kind] == 1:
+            return
+        rate = elapsed_ns / nbytes
+        st[kind] = rate if st[kind] is None else 0.75 * st[kind] + 0.25 * rate
 
 
 def native_channel(ch: OpChannel) -> NativeChannel | None:

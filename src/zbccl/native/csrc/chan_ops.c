@@ -86,7 +86,14 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
             if (b > a) {
                 const void *part[ZB_MAXW];
                 for (int r = 0; r < c->W; r++) part[r] = (const char *)srcs[r] + a * itemsize;
-                zb_reduce_n(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
+                int64_t n = (b - a) * itemsize;
+                if (n >= c->stream_bytes && ensure_scratch(c, n) == 0) {
+                    /* the peer read these lines in the previous op's gather: reduce in cache, stream out */
+                    zb_reduce_n(c->scratch, part, c->W, b - a, dt, op, divisor, nt);
+                    zb_copy_stream(dst + a * itemsize, c->scratch, n, nt);
+                } else {
+                    zb_reduce_n(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
+                }
             }
             signal_flag(c->phase[c->me], (seq << 24) | (k + 1));
         }
