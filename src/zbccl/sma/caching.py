@@ -226,12 +226,7 @@ class CachingAllocator:
                 self._peak = self._allocated
             return offset
         finally:
-            if self._pending:
-                self._drain_pending()
-            self._owner = None
-            self._lock.release()
-            if self._pending:
-                self._retake()
+            self._release()
 
     def free(self, offset: int) -> None:
         """Return the block at ``offset`` to the cache; never waits on a lock its own thread holds.
