@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -241,18 +242,38 @@ def test_resize_and_copy_on_write_clone(comm: FakeComm) -> None:
         t = torch.arange(10.0)
         t.resize_(100_000)  # reallocates through the hook, copies with copy_data
     assert comm.holds(t) and torch.equal(t[:10], torch.arange(10.0))
-    # torch's copy-on-write needs context == data pointer, which heap blocks do not
-    # have (the context carries the heap registration): a clean error, no crash.
-    if hasattr(t, "_lazy_clone"):
-        try:
-            c = t._lazy_clone()
-        except RuntimeError:
-            pass
-        else:
-            c[0] = -1.0
-            assert t[0] == 0 and c[0] == -1
-            del c
-    del t
+    # copy-on-write needs context == data pointer, which heap blocks have
+    c = t._lazy_clone()
+    assert torch._C._is_cow_tensor(c) and torch._C._is_cow_tensor(t)  # shared until written
+    c[0] = -1.0
+    assert t[0] == 0 and c[0] == -1 and not comm.holds(c)  # materialized outside the scope
+    assert torch.equal(c[1:10], torch.arange(1.0, 10.0))
+    del c, t
+    assert hook_stats(comm)["live_blocks"] == 0
+
+
+def test_raw_allocate_inside_scope(comm: FakeComm) -> None:
+    """torch's raw_allocate (oneDNN scratch, ``to_mkldnn``) asserts context == data."""
+    x = torch.arange(4 * 3 * 8 * 8, dtype=torch.float32).reshape(4, 3, 8, 8)
+    a = torch.arange(4 * 64 * 64).reshape(4, 64, 64).remainder(7).bfloat16()
+    before = hook_stats(comm)["misses"] + hook_stats(comm)["hits"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bf16 bmm warns and falls back when oneDNN's allocation fails
+        with heap_scope(comm):
+            back = x.to_mkldnn().to_dense()  # raw_allocate / raw_deallocate through the hook
+            prod = a @ a
+    assert torch.equal(back, x)
+    assert torch.equal(prod.float(), (a.float() @ a.float()).bfloat16().float())
+    assert hook_stats(comm)["misses"] + hook_stats(comm)["hits"] > before
+    del back, prod
+    assert hook_stats(comm)["live_blocks"] == 0  # raw frees found their heap blocks
+    # outside a scope the raw API serves and frees ordinary memory as before
+    assert torch.equal(x.to_mkldnn().to_dense(), x)
+
+
+def test_heap_scope_configuration_is_keyword_only(comm: FakeComm) -> None:
+    with pytest.raises(TypeError):
+        heap_scope(comm, True)  # type: ignore[misc]
 
 
 def test_default_comm_requires_init() -> None:

@@ -276,7 +276,7 @@ def _resolve(comm: Any) -> Any:
 class HeapScope:
     """Context manager returned by :func:`heap_scope`; reusable, nestable, per thread."""
 
-    def __init__(self, comm: Any = None, strict: bool = False) -> None:
+    def __init__(self, comm: Any = None, *, strict: bool = False) -> None:
         self._comm = comm
         self._strict = bool(strict)
         self._tokens = threading.local()
@@ -294,7 +294,7 @@ class HeapScope:
         _hook().zbh_scope_exit(self._tokens.stack.pop())
 
 
-def heap_scope(comm: Any = None, strict: bool = False) -> HeapScope:
+def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
     """Within ``with heap_scope(comm):`` this thread's CPU torch allocations live in ``comm``'s heap.
 
     Covers every CPU allocation torch makes on the calling thread: factory
@@ -308,7 +308,7 @@ def heap_scope(comm: Any = None, strict: bool = False) -> HeapScope:
     Args:
         comm: a Communicator, or None for the default one (raises
             ZbcclInvalidUsageError if zbccl is not initialized).
-        strict: when the heap is full, raise ``RuntimeError`` (a
+        strict: (keyword-only) when the heap is full, raise ``RuntimeError`` (a
             ``torch.OutOfMemoryError`` whose message starts with
             ``heap_scope: heap out of memory (strict=True)``) from the
             allocating op, instead of falling back to ordinary memory

@@ -19,10 +19,15 @@
 //   delete(ctx): push to the class stack if under depth and byte limits,
 //                else release(addr) -> Python sma.free, outside the lock.
 //
-// The DataPtr context encodes the block address (low 48 bits) and a "bin" id
-// (high 16 bits) naming (heap registration, class): a deleter finds its heap
+// A heap block's DataPtr has context == data (torch's raw_allocate asserts it,
+// and copy-on-write clones need it) and a deleter chosen per heap registration
+// (kDeleters[id], one template instance per id): the deleter finds its heap
 // even after that heap was unregistered and a new one mapped at the same
 // address, and then drops the block instead of caching it in the new heap.
+// The block's class comes from the heap's table of live blocks. raw_deleter()
+// (torch's raw_allocate/raw_deallocate, used by oneDNN for bf16 matmul
+// scratch) only gets an address: it looks the address up among the live
+// blocks of every registered heap and otherwise hands it to base's raw deleter.
 // Heap objects are never freed, so a deleter racing an unregister is safe.
 //
 // Python callbacks (ctypes CFUNCTYPE) take the GIL themselves. While one runs,
@@ -32,10 +37,13 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -44,10 +52,8 @@ namespace {
 using RefillFn = uint64_t (*)(uint64_t size, uint64_t requested, int32_t flags);
 using ReleaseFn = void (*)(uint64_t addr);
 
-constexpr int kAddrBits = 48;
-constexpr uint64_t kAddrMask = (uint64_t{1} << kAddrBits) - 1;
-constexpr uint32_t kNumBins = 1u << 16;
-constexpr int kMaxHeaps = 4096;
+constexpr uint64_t kAddrMask = (uint64_t{1} << 48) - 1;  // user-space addresses
+constexpr int kMaxHeaps = 1024;  // registrations per process (ids are never reused); one deleter each
 
 // Exported counter order (zbh_stats); keep in sync with adapters/scope.py.
 enum Counter {
@@ -61,7 +67,8 @@ struct Heap {
   std::vector<uint32_t> depth;               // per class: most cached blocks
   std::vector<std::vector<uint64_t>> stacks;  // per class: cached addresses, newest last
   uint64_t cache_limit = 0;                  // most cached bytes over all classes
-  uint32_t first_bin = 0;
+  std::unordered_map<uint64_t, uint32_t> live;  // guarded by mu: live block address -> class
+  int32_t id = 0;                            // registration id: picks the deleter
   RefillFn refill = nullptr;
   ReleaseFn release = nullptr;
   bool alive = true;  // guarded by mu
@@ -81,13 +88,26 @@ struct ThreadState {
 };
 thread_local ThreadState tls = {nullptr, 0, 0, 0};
 
-std::atomic<Heap*> g_bins[kNumBins];
 std::atomic<Heap*> g_heaps[kMaxHeaps];
 std::mutex g_reg_mu;
-int g_next_id = 1;
-uint32_t g_next_bin = 1;
+std::atomic<int32_t> g_next_id{1};
+c10::DeleterFnPtr g_base_raw = nullptr;  // base allocator's raw deleter (set once at install)
 
-void heap_delete(void* ctx);
+void heap_free(Heap* h, uint64_t addr);
+
+template <int32_t Id>
+void heap_delete(void* data) {
+  Heap* h = g_heaps[Id].load(std::memory_order_acquire);
+  if (h != nullptr) heap_free(h, reinterpret_cast<uint64_t>(data));
+}
+
+template <std::size_t... Ids>
+constexpr std::array<c10::DeleterFnPtr, sizeof...(Ids)> deleter_table(std::index_sequence<Ids...>) {
+  return {{&heap_delete<static_cast<int32_t>(Ids)>...}};
+}
+constexpr std::array<c10::DeleterFnPtr, kMaxHeaps> kDeleters = deleter_table(std::make_index_sequence<kMaxHeaps>{});
+
+void raw_delete(void* data);
 
 struct CallbackGuard {  // this thread's allocations go to base while Python runs
   CallbackGuard() { ++tls.in_callback; }
@@ -104,8 +124,8 @@ class HookAllocator final : public c10::Allocator {
     return heap_allocate(h, n);
   }
 
-  // Outside a scope every block is base's, so torch's raw API behaves as before.
-  c10::DeleterFnPtr raw_deleter() const override { return base_->raw_deleter(); }
+  // raw_allocate may return a heap block (inside a scope) or base's: raw_delete tells them apart.
+  c10::DeleterFnPtr raw_deleter() const override { return g_base_raw != nullptr ? &raw_delete : nullptr; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
@@ -121,10 +141,13 @@ class HookAllocator final : public c10::Allocator {
 
 HookAllocator* g_hook = nullptr;
 
+// Caller holds h->mu: the block becomes live (its class is looked up again on free).
 c10::DataPtr make_ptr(Heap* h, uint32_t cls, uint64_t addr) {
-  uint64_t ctx = addr | (uint64_t{h->first_bin + cls} << kAddrBits);
-  return c10::DataPtr(reinterpret_cast<void*>(addr), reinterpret_cast<void*>(ctx), &heap_delete,
-                      c10::Device(c10::DeviceType::CPU));
+  h->live.emplace(addr, cls);
+  h->c[kLiveBlocks]++;
+  h->c[kLiveBytes] += h->sizes[cls];
+  void* p = reinterpret_cast<void*>(addr);
+  return c10::DataPtr(p, p, kDeleters[h->id], c10::Device(c10::DeviceType::CPU));
 }
 
 c10::DataPtr HookAllocator::heap_allocate(Heap* h, size_t n) {
@@ -141,8 +164,6 @@ c10::DataPtr HookAllocator::heap_allocate(Heap* h, size_t n) {
       h->c[kHits]++;
       h->c[kCachedBlocks]--;
       h->c[kCachedBytes] -= size;
-      h->c[kLiveBlocks]++;
-      h->c[kLiveBytes] += size;
       return make_ptr(h, cls, addr);
     }
     h->c[kMisses]++;
@@ -153,16 +174,8 @@ c10::DataPtr HookAllocator::heap_allocate(Heap* h, size_t n) {
     addr = h->refill(size, n, tls.strict ? 1 : 0);
   }
   if (addr != 0) {
-    bool dead;
-    {
-      std::lock_guard<std::mutex> g(h->mu);
-      dead = !h->alive;
-      if (!dead) {
-        h->c[kLiveBlocks]++;
-        h->c[kLiveBytes] += size;
-      }
-    }
-    if (!dead) return make_ptr(h, cls, addr);  // a block handed out as the heap died is dropped
+    std::lock_guard<std::mutex> g(h->mu);
+    if (h->alive) return make_ptr(h, cls, addr);  // a block handed out as the heap died is dropped
   }
   return fallback(h, n);
 }
@@ -196,17 +209,14 @@ c10::DataPtr HookAllocator::fallback(Heap* h, size_t n) {
   return base_->allocate(n);
 }
 
-void heap_delete(void* ctx) {
-  uint64_t v = reinterpret_cast<uint64_t>(ctx);
-  uint64_t addr = v & kAddrMask;
-  uint32_t bin = static_cast<uint32_t>(v >> kAddrBits);
-  Heap* h = g_bins[bin].load(std::memory_order_acquire);
-  if (h == nullptr) return;
-  uint32_t cls = bin - h->first_bin;
-  if (cls >= h->sizes.size() || addr < h->base || addr >= h->end) return;  // bin id reused: not ours
-  uint64_t size = h->sizes[cls];
+void heap_free(Heap* h, uint64_t addr) {
   {
     std::lock_guard<std::mutex> g(h->mu);
+    auto it = h->live.find(addr);
+    if (it == h->live.end()) return;  // not a live block of this heap: nothing to do
+    uint32_t cls = it->second;
+    uint64_t size = h->sizes[cls];
+    h->live.erase(it);
     if (!h->alive) {
       h->c[kDroppedFrees]++;
       return;
@@ -226,31 +236,29 @@ void heap_delete(void* ctx) {
   h->release(addr);
 }
 
+// The raw deleter: an address only. A block still live in an unregistered heap
+// wins over one of a live heap mapped at the same address (it is dropped; were
+// the free meant for the new heap's block, that block leaks instead of being
+// handed out twice). Addresses of no heap are base's.
+void raw_delete(void* data) {
+  uint64_t addr = reinterpret_cast<uint64_t>(data);
+  Heap* owner = nullptr;
+  int32_t n = g_next_id.load(std::memory_order_acquire);
+  for (int32_t id = 1; id < n; ++id) {
+    Heap* h = g_heaps[id].load(std::memory_order_acquire);
+    if (h == nullptr || addr < h->base || addr >= h->end) continue;
+    std::lock_guard<std::mutex> g(h->mu);
+    if (h->live.count(addr) != 0 && (owner == nullptr || !h->alive)) owner = h;
+  }
+  if (owner != nullptr)
+    heap_free(owner, addr);
+  else
+    g_base_raw(data);
+}
+
 Heap* heap_by_id(int32_t id) {
   if (id <= 0 || id >= kMaxHeaps) return nullptr;
   return g_heaps[id].load(std::memory_order_acquire);
-}
-
-// Reserve `count` consecutive bin ids; caller holds g_reg_mu. 0 when none are free.
-uint32_t reserve_bins(uint32_t count) {
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    if (g_next_bin + count > kNumBins) g_next_bin = 1;  // wrap: ids of dead heaps are reused
-    uint32_t first = g_next_bin;
-    bool busy = false;
-    for (uint32_t b = first; b < first + count && !busy; ++b) {
-      Heap* other = g_bins[b].load(std::memory_order_relaxed);
-      if (other != nullptr) {
-        std::lock_guard<std::mutex> g(other->mu);
-        busy = other->alive;
-      }
-    }
-    if (!busy) {
-      g_next_bin = first + count;
-      return first;
-    }
-    g_next_bin = kNumBins;  // force a wrap on the next attempt
-  }
-  return 0;
 }
 
 }  // namespace
@@ -263,7 +271,9 @@ int zbh_install(int priority) {
   std::lock_guard<std::mutex> g(g_reg_mu);
   if (g_hook == nullptr) {
     // Never freed: torch keeps the pointer for the life of the process.
-    g_hook = new HookAllocator(c10::GetCPUAllocator());
+    c10::Allocator* base = c10::GetCPUAllocator();
+    g_base_raw = base->raw_deleter();
+    g_hook = new HookAllocator(base);
     c10::SetCPUAllocator(g_hook, static_cast<uint8_t>(priority));
   }
   return c10::GetCPUAllocator() == g_hook ? 1 : 0;
@@ -271,18 +281,17 @@ int zbh_install(int priority) {
 
 // Register a heap [base, base + nbytes). `sizes` (ascending, each an SMA
 // round_size value) and `depth` have `nclasses` entries. Returns a heap id > 0,
-// -1 on bad arguments, -2 when no bin ids or heap ids are left.
+// -1 on bad arguments, -2 when no heap ids are left.
 int32_t zbh_register(uint64_t base, uint64_t nbytes, const uint64_t* sizes, const uint32_t* depth,
                      uint32_t nclasses, uint64_t cache_limit, RefillFn refill, ReleaseFn release) {
-  if (base == 0 || nbytes == 0 || base + nbytes > kAddrMask || nclasses == 0 || nclasses >= kNumBins / 2 ||
+  if (base == 0 || nbytes == 0 || base + nbytes > kAddrMask || nclasses == 0 || nclasses >= (1u << 16) ||
       refill == nullptr || release == nullptr)
     return -1;
   for (uint32_t i = 1; i < nclasses; ++i)
     if (sizes[i] <= sizes[i - 1]) return -1;
   std::lock_guard<std::mutex> g(g_reg_mu);
-  if (g_next_id >= kMaxHeaps) return -2;
-  uint32_t first = reserve_bins(nclasses);
-  if (first == 0) return -2;
+  int32_t id = g_next_id.load(std::memory_order_relaxed);
+  if (id >= kMaxHeaps) return -2;
   Heap* h = new Heap();  // never freed, see the header comment
   h->base = base;
   h->end = base + nbytes;
@@ -291,12 +300,11 @@ int32_t zbh_register(uint64_t base, uint64_t nbytes, const uint64_t* sizes, cons
   h->stacks.resize(nclasses);
   for (uint32_t i = 0; i < nclasses; ++i) h->stacks[i].reserve(depth[i]);
   h->cache_limit = cache_limit;
-  h->first_bin = first;
+  h->id = id;
   h->refill = refill;
   h->release = release;
-  for (uint32_t i = 0; i < nclasses; ++i) g_bins[first + i].store(h, std::memory_order_release);
-  int32_t id = g_next_id++;
   g_heaps[id].store(h, std::memory_order_release);
+  g_next_id.store(id + 1, std::memory_order_release);  // after the store: raw_delete scans up to it
   return id;
 }
 
