@@ -1,31 +1,30 @@
-"""Shared fixtures: every test must leave no zbccl segment and no rank behind."""
+"""Shared fixtures: every test must leave no process mapping a zbccl heap segment behind."""
 
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 
-
-def zbccl_shm_entries() -> list[str]:
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if "zbccl" in n.lower())
-    except FileNotFoundError:
-        return []
+from tests import leaks
 
 
-def zbccl_memfds_of(pid: int) -> list[str]:
-    """zbccl memfd mappings held by process ``pid`` (empty once it finalized and freed)."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return [ln.strip() for ln in f if "/memfd:zbccl-" in ln]
-    except OSError:
-        return []
+def pytest_configure(config: pytest.Config) -> None:
+    # Inherited by every process this session starts (forkserver, ranks,
+    # subprocesses), so the leak check can tell them from other sessions'.
+    os.environ.setdefault(leaks.TAG_VAR, uuid.uuid4().hex)
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_segments():
-    before = set(zbccl_shm_entries())
+def no_process_keeps_a_segment():
+    """After each test no process of this session maps a segment it did not map before.
+
+    That includes the pytest process itself: in-process (world 1) tests must
+    finalize. Ranks still exiting get a bounded grace period (polled).
+    """
+    tag = os.environ[leaks.TAG_VAR]
+    before = leaks.mappings(tag)
     yield
-    leaked = sorted(set(zbccl_shm_entries()) - before)
-    assert not leaked, f"test left zbccl segments in /dev/shm: {leaked}"
+    leaked = leaks.new_mappings(before, tag, grace=10.0)
+    assert not leaked, "processes still map zbccl heap segments after the test:\n" + leaks.describe(leaked)
