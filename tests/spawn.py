@@ -55,6 +55,15 @@ class RankContext:
         return dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
                              timeout=timedelta(seconds=60))
 
+    def agent_store_env(self) -> dict[str, str]:
+        """torchrun's environment with the parent's store as the agent store.
+
+        For tests of ``MASTER_ADDR``/``MASTER_PORT`` or ``tcp://`` rendezvous:
+        every rank connects to the parent's store (as under torchrun's elastic
+        agent), so no port is probed, released and raced for.
+        """
+        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
     def init(self, **kwargs):
         """``zbccl.init`` through the parent's store (kwargs passed on)."""
         import zbccl

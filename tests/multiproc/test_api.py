@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import socket
 
 import pytest
 import torch
@@ -88,18 +87,13 @@ def test_init_finalize_init_on_one_store():
     assert a == b
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun_env(ctx):
     import os
 
     import zbccl
 
-    os.environ.update({"RANK": str(ctx.rank), "WORLD_SIZE": str(ctx.world_size), "LOCAL_RANK": str(ctx.rank)})
+    os.environ.update({"RANK": str(ctx.rank), "WORLD_SIZE": str(ctx.world_size), "LOCAL_RANK": str(ctx.rank),
+                       **ctx.agent_store_env()})
     comm = zbccl.init(heap_size=MiB, timeout=30)
     try:
         comm.barrier()
@@ -109,14 +103,17 @@ def _torchrun_env(ctx):
 
 
 def test_init_from_torchrun_environment():
-    port = _free_port()  # OS-assigned; rank 0 hosts the store on it
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    assert run_world(_torchrun_env, 2, env=env) == [(0, 2, 0, 2), (1, 2, 1, 2)]
+    assert run_world(_torchrun_env, 2) == [(0, 2, 0, 2), (1, 2, 1, 2)]
 
 
-def _init_method(ctx, url):
+def _init_method(ctx):
+    import os
+
     import zbccl
 
+    env = ctx.agent_store_env()
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = env["TORCHELASTIC_USE_AGENT_STORE"]
+    url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     comm = zbccl.init(init_method=url, rank=ctx.rank, world_size=ctx.world_size, heap_size=MiB, timeout=30)
     try:
         comm.barrier()
@@ -126,8 +123,7 @@ def _init_method(ctx, url):
 
 
 def test_init_from_url():
-    url = f"tcp://127.0.0.1:{_free_port()}"
-    assert run_world(_init_method, 2, url=url) == [2, 2]
+    assert run_world(_init_method, 2) == [2, 2]
 
 
 def _from_group(ctx):

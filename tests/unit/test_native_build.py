@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.spawn import run_world
 from zbccl import native
 from zbccl.errors import ZbcclSystemError
 from zbccl.native import build as nb
@@ -76,26 +73,6 @@ def test_bad_lang_and_missing_compiler(cache: Path, tmp_path: Path, monkeypatch)
     monkeypatch.setenv("ZBCCL_CXX", str(tmp_path / "no-such-cc"))
     with pytest.raises(ZbcclSystemError, match="cannot run compiler"):
         nb.build("x", [_source(tmp_path)], lang="c")
-
-
-def _build_rank(ctx, *, src: str) -> str:
-    return str(nb.build("race", [Path(src)], lang="c"))
-
-
-def test_concurrent_builds_compile_once(cache: Path, tmp_path: Path) -> None:
-    log = tmp_path / "compiles.log"
-    wrapper = tmp_path / "cc-wrapper"
-    real = shutil.which("gcc") or shutil.which("cc")
-    assert real is not None
-    wrapper.write_text(
-        f'#!/bin/sh\ncase "$1" in --version) ;; *) echo compile >> {log} ;; esac\nexec {real} "$@"\n'
-    )
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    src = _source(tmp_path, 7)
-    paths = run_world(_build_rank, 3, timeout=120, src=str(src),
-                      env={"ZBCCL_CXX": str(wrapper), "ZBCCL_CACHE_DIR": str(cache)})
-    assert len(set(paths)) == 1 and Path(paths[0]).is_file()
-    assert log.read_text().count("compile") == 1
 
 
 def test_status_reports_without_building(cache: Path) -> None:

@@ -1,4 +1,4 @@
-"""The native core: atomics, signal/wait (one and two processes), raw copies.
+"""The native core: atomics, signal/wait (threads; two processes in tests/multiproc), raw copies.
 
 Nothing here is timed: waits are checked for their results and for returning
 the right index when their budget runs out.
@@ -9,11 +9,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
-from pathlib import Path
 
 import pytest
 
-from tests.spawn import run_world
 from zbccl import native
 
 FLAG = 64  # bytes per flag (one cache line): int64 value, int32 waiters
@@ -140,52 +138,3 @@ def test_bad_arguments_raise_not_crash(core) -> None:
         core.wait_ge(ctypes.addressof(bad), 1, 0, 0, 0)
     with pytest.raises(ValueError, match="bad size"):
         core.memset(f[0], 0, -1)
-
-
-# -- two processes over one file-backed MAP_SHARED mapping -----------------------------------
-
-ROUNDS = 200
-
-
-def _pingpong_rank(ctx, *, path: str) -> dict:
-    """Flags: 0 and 1 ping-pong counters, 2 a shared counter, 3 the wake-up flag, 4 never set."""
-    import zbccl.native as zn
-
-    c = zn.core()
-    with open(path, "r+b") as fh:
-        f = Flags(5, mmap.mmap(fh.fileno(), 4096))
-    out: dict = {}
-    if ctx.rank == 0:  # sleep in the futex phase until rank 1 wakes us (spin=0: yield at once)
-        arr = (ctypes.c_uint64 * 1)(f[3])
-        out["woken"] = c.wait_ge(ctypes.addressof(arr), 1, 1, 0, 30_000_000_000)
-    else:
-        while f.waiters(3) == 0:
-            c.wait_eq(f[4], 1, 0, 100_000)  # a short pause
-        c.signal(f[3], 1)
-    for i in range(1, ROUNDS + 1):  # alternate spin=0 and spin=64
-        spin = 0 if i % 2 else 64
-        if ctx.rank == 0:
-            c.signal(f[0], i)
-            assert c.wait_eq(f[1], i, spin, 30_000_000_000)
-        else:
-            assert c.wait_eq(f[0], i, spin, 30_000_000_000)
-            c.signal(f[1], i)
-    for _ in range(1000):  # concurrent atomic adds on one counter
-        c.fetch_add_signal(f[2], 1)
-    out["adds"] = c.wait_ge(f.array + 2 * 8, 1, 2000, 0, 30_000_000_000)
-    out["timeout_index"] = c.wait_ge(f.array + 2 * 8, 3, 1, 0, 20_000_000)  # flags 2, 3, 4
-    return out
-
-
-def test_two_processes_signal_and_wait(tmp_path: Path) -> None:
-    native.core()  # build once in the parent so ranks only load it
-    path = tmp_path / "flags"
-    path.write_bytes(b"\0" * 4096)
-    results = run_world(_pingpong_rank, 2, timeout=120, path=str(path))
-    assert results[0]["woken"] == -1
-    for r in results:
-        assert r["adds"] == -1 and r["timeout_index"] == 2
-    with open(path, "rb") as fh:
-        data = fh.read()
-    vals = [int.from_bytes(data[i * FLAG:i * FLAG + 8], "little", signed=True) for i in range(5)]
-    assert vals == [ROUNDS, ROUNDS, 2000, 1, 0]
