@@ -1,16 +1,17 @@
-"""The tuner's table: rule lookup, forcing, persistence, and ``zbccl tune`` end to end."""
+"""The tuner's table: rule lookup, forcing, validation (``zbccl tune`` end to end: tests/multiproc)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from zbccl.errors import ZbcclInvalidUsageError
 from zbccl.ops.plan import ALGO_CODES
-from zbccl.ops.tuner import DEFAULT_CHUNK, TuningTable, parse_forced
-from zbccl.tools.tune import _rules, run_tune
+from zbccl.ops.tuner import DEFAULT_CHUNK, DEFAULT_RULES, TuningTable, parse_forced, validate_rules
+from zbccl.tools.tune import _rules, write_table
 
 
 def test_rules_pick_by_size_and_world():
@@ -40,12 +41,78 @@ def test_rules_merge_neighbours():
     assert _rules(rows) == [[1 << 20, "twoshot", 1 << 20], [-1, "twoshot", 4 << 20]]
 
 
-def test_tune_writes_a_table_the_runtime_loads(tmp_path, monkeypatch):
-    out = tmp_path / "table.json"
-    run_tune(world_sizes=[2], max_size=16 << 10, out=out)
-    data = json.loads(out.read_text())
-    assert set(data["rules"]) == {"all_reduce", "all_gather", "all_to_all"}
-    assert data["rules"]["all_reduce"]["2"][-1][0] == -1
-    monkeypatch.setenv("ZBCCL_TUNE_FILE", str(out))
-    table = TuningTable.load()
-    assert table.source == str(out) and "2" in table.rules["all_gather"]
+GOOD = {"all_reduce": {"*": [[4096, "oneshot"], [-1, "twoshot", 1 << 18]], "4": [[-1, "oneshot"]]}}
+
+
+@pytest.mark.parametrize("rules, field, got", [
+    ([], "bad rules", "'list'"),
+    ({"all_reduce": {"*": [[-1, "ring"]]}}, "all_reduce[*][0] algorithm", "'ring'"),
+    ({"allreduce": {"*": [[-1, "oneshot"]]}}, "bad op name", "'allreduce'"),
+    ({"all_gather": {"*": [[-1, "twoshot"]]}}, "all_gather[*][0] algorithm", "'twoshot'"),  # another op's
+    ({"all_reduce": {"0": [[-1, "oneshot"]]}}, "world size key of all_reduce", "'0'"),
+    ({"all_reduce": {"two": [[-1, "oneshot"]]}}, "world size key of all_reduce", "'two'"),
+    ({"all_reduce": {"*": []}}, "rules of all_reduce[*]", "[]"),
+    ({"all_reduce": {"*": [[-2, "oneshot"]]}}, "max_bytes", "-2"),
+    ({"all_reduce": {"*": [["4K", "oneshot"], [-1, "oneshot"]]}}, "max_bytes", "'4K'"),
+    ({"all_reduce": {"*": [[1.5, "oneshot"], [-1, "oneshot"]]}}, "max_bytes", "1.5"),
+    ({"all_reduce": {"*": [[True, "oneshot"], [-1, "oneshot"]]}}, "max_bytes", "True"),
+    ({"all_reduce": {"*": [[-1, "oneshot"], [4096, "oneshot"]]}}, "[*][0] max_bytes", "-1"),
+    ({"all_reduce": {"*": [[8192, "oneshot"], [4096, "oneshot"]]}}, "sizes ascending, above 8192", "4096"),
+    ({"all_reduce": {"*": [[-1, "twoshot", 0]]}}, "chunk", "0"),
+    ({"all_reduce": {"*": [[-1, "twoshot", -4096]]}}, "chunk", "-4096"),
+    ({"all_reduce": {"*": [[-1, "twoshot", 1 << 40]]}}, "chunk", str(1 << 40)),
+    ({"all_reduce": {"*": [[-1, "twoshot", "1M"]]}}, "chunk", "'1M'"),
+    ({"all_reduce": {"*": [[-1]]}}, "rule all_reduce[*][0]", "[-1]"),
+    ({"all_reduce": {"*": [[-1, "twoshot", 4096, 1]]}}, "rule all_reduce[*][0]", "[-1, 'twoshot', 4096, 1]"),
+    ({"all_reduce": [[-1, "oneshot"]]}, "rules of all_reduce", "'list'"),
+])
+def test_every_field_is_validated(rules, field, got):
+    with pytest.raises(ZbcclInvalidUsageError) as info:
+        validate_rules(rules, source="t.json")
+    msg = str(info.value)
+    assert msg.startswith("tuning: bad ") and field in msg and " in t.json, expected " in msg, msg
+    assert msg.endswith(f", got {got}"), msg
+
+
+def test_valid_rules_pass_unchanged():
+    assert validate_rules(GOOD, source="x") is GOOD
+    validate_rules({op: {"*": r} for op, r in DEFAULT_RULES.items()}, source="defaults")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{not json", "cannot read"),
+    ('["rules"]', 'expected an object with "rules"'),
+    ('{"measured": {}}', 'expected an object with "rules"'),
+    ('{"rules": {"all_reduce": {"2": [[-1, "ring"]]}}}', "algorithm"),
+])
+def test_load_rejects_a_bad_file(tmp_path, monkeypatch, text, needle):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    monkeypatch.setenv("ZBCCL_TUNE_FILE", str(path))
+    monkeypatch.delenv("ZBCCL_ALGO", raising=False)
+    with pytest.raises(ZbcclInvalidUsageError, match="^tuning: ") as info:
+        TuningTable.load()
+    assert needle in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_named_tune_file_must_exist(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZBCCL_TUNE_FILE", str(tmp_path / "missing.json"))
+    with pytest.raises(ZbcclInvalidUsageError, match="cannot read"):
+        TuningTable.load()
+
+
+def test_write_table_is_atomic_and_validated(tmp_path, monkeypatch):
+    path = tmp_path / "tuning" / "host.json"
+    write_table({"rules": GOOD, "created": "now"}, path)
+    assert json.loads(path.read_text())["rules"] == GOOD
+    with pytest.raises(ZbcclInvalidUsageError, match="algorithm"):
+        write_table({"rules": {"all_reduce": {"*": [[-1, "ring"]]}}}, path)
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_table({"rules": {"all_gather": {"*": [[-1, "push"]]}}}, path)
+    assert json.loads(path.read_text())["rules"] == GOOD  # the old table, whole
+    assert sorted(p.name for p in path.parent.iterdir()) == ["host.json"]  # no temporary file left

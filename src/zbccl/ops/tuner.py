@@ -5,6 +5,11 @@ machine and saves a table under ``ZBCCL_CACHE_DIR/tuning/<host>.json`` (or
 ``ZBCCL_TUNE_FILE``). A communicator uses rank 0's table, shared through the
 bootstrap store on its first collective, so every rank picks the same
 algorithm. ``ZBCCL_ALGO=all_reduce=twoshot,...`` forces a choice (debugging).
+
+Every field of a loaded table is validated (:func:`validate_rules`). A bad
+file or ``ZBCCL_ALGO`` on rank 0 is shared through the store in the table's
+place, so every rank raises the same :class:`ZbcclInvalidUsageError` at the
+communicator's first collective instead of rank 0 failing and the rest hanging.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,11 +27,14 @@ from .. import env
 from ..errors import ZbcclInvalidUsageError
 from .plan import ALGO_CODES, OP_ALGOS
 
-__all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "table_for", "host_key", "table_path", "force_algorithm"]
+__all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "table_for", "host_key",
+           "table_path", "force_algorithm", "validate_rules", "load_file"]
 
 #: op -> list of [max_bytes (inclusive), algorithm(, chunk bytes)]; the last rule has max_bytes -1
 #: (any size). The chunk is the pipelining unit of chunked algorithms (twoshot).
 DEFAULT_CHUNK = 1 << 20
+#: Bounds of a rule's chunk bytes: a cache line, and a size whose chunk count stays small.
+MIN_CHUNK, MAX_CHUNK = 64, 1 << 30
 DEFAULT_RULES: dict[str, list[list]] = {
     # twoshot won at every size measured on 2-core hosts (4 KiB: 3.0 vs 3.3 us at world 2,
     # equal at world 4); 'zbccl tune' finds where oneshot pays on hosts with more ranks.
@@ -53,6 +62,72 @@ def table_path() -> Path:
     return env.CACHE_DIR.get() / "tuning" / f"{host_key()}.json"
 
 
+def _bad(where: str, source: str, expected: str, got: object) -> ZbcclInvalidUsageError:
+    return ZbcclInvalidUsageError(f"tuning: bad {where} in {source}, expected {expected}, got {got!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_rule(op: str, where: str, rule: object, prev: int | None, last: bool, source: str) -> int:
+    """Validate one ``[max_bytes, algorithm(, chunk)]`` rule; returns its max_bytes."""
+    if not isinstance(rule, list) or len(rule) not in (2, 3):
+        raise _bad(where, source, "a rule [max_bytes, algorithm] or [max_bytes, algorithm, chunk]", rule)
+    size, algo = rule[0], rule[1]
+    if not _is_int(size) or size < -1:
+        raise _bad(f"{where} max_bytes", source, "a non-negative int, or -1 for any size", size)
+    if size == -1 and not last:
+        raise _bad(f"{where} max_bytes", source, "-1 (any size) only in the last rule", size)
+    if size >= 0 and prev is not None and size <= prev:
+        raise _bad(f"{where} max_bytes", source, f"sizes ascending, above {prev}", size)
+    if algo not in OP_ALGOS[op]:
+        raise _bad(f"{where} algorithm", source, f"one of {OP_ALGOS[op]}", algo)
+    if len(rule) == 3 and (not _is_int(rule[2]) or not MIN_CHUNK <= rule[2] <= MAX_CHUNK):
+        raise _bad(f"{where} chunk", source, f"an int of {MIN_CHUNK}..{MAX_CHUNK} bytes", rule[2])
+    return size
+
+
+def validate_rules(rules: object, *, source: str) -> dict[str, dict[str, list[list]]]:
+    """``rules`` if every field is valid, else :class:`ZbcclInvalidUsageError` naming the field.
+
+    Shape: ``{op: {world: [[max_bytes, algorithm(, chunk)], ...]}}`` with ``op`` a
+    collective, ``world`` ``"*"`` or a world size >= 1, ``max_bytes`` ascending
+    non-negative ints with -1 (any size) only last, ``algorithm`` one of the op's,
+    and ``chunk`` within :data:`MIN_CHUNK`..:data:`MAX_CHUNK`.
+    """
+    if not isinstance(rules, dict):
+        raise _bad("rules", source, "an object {op: {world size: [rules]}}", type(rules).__name__)
+    for op, per_world in rules.items():
+        if op not in OP_ALGOS:
+            raise _bad("op name", source, f"one of {tuple(OP_ALGOS)}", op)
+        if not isinstance(per_world, dict):
+            raise _bad(f"rules of {op}", source, "an object {world size: [rules]}", type(per_world).__name__)
+        for world, rows in per_world.items():
+            if world != "*" and not (isinstance(world, str) and re.fullmatch(r"[1-9][0-9]{0,5}", world)):
+                raise _bad(f"world size key of {op}", source, '"*" or a world size >= 1', world)
+            if not isinstance(rows, list) or not rows:
+                raise _bad(f"rules of {op}[{world}]", source, "a non-empty list of rules", rows)
+            prev = None
+            for i, rule in enumerate(rows):
+                size = _check_rule(op, f"rule {op}[{world}][{i}]", rule, prev, i == len(rows) - 1, source)
+                prev = size if size >= 0 else prev
+    return rules
+
+
+def load_file(path: Path) -> dict[str, dict[str, list[list]]]:
+    """The validated ``rules`` of a tuning file written by ``zbccl tune``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ZbcclInvalidUsageError(
+            f"tuning: cannot read {path}, expected a JSON table written by 'zbccl tune', got {exc}") from exc
+    if not isinstance(data, dict) or "rules" not in data:
+        raise _bad("table", str(path), 'an object with "rules"', type(data).__name__ if not isinstance(data, dict)
+                   else sorted(data))
+    return validate_rules(data["rules"], source=str(path))
+
+
 @dataclass
 class TuningTable:
     """Rules per op and world size: ``rules[op][str(world)]`` or ``rules[op]["*"]``."""
@@ -67,11 +142,11 @@ class TuningTable:
 
     @classmethod
     def load(cls) -> TuningTable:
+        """Defaults, overlaid with this host's tuning file; raises on a bad file or ``ZBCCL_ALGO``."""
         table = cls.defaults()
         path = table_path()
-        if path.is_file():
-            data = json.loads(path.read_text())
-            for op, per_world in data.get("rules", {}).items():
+        if path.is_file() or env.TUNE_FILE.get():  # a named file must exist
+            for op, per_world in load_file(path).items():
                 table.rules.setdefault(op, {}).update(per_world)
             table.source = str(path)
         table.forced = parse_forced(env.ALGO.get())
@@ -108,17 +183,27 @@ def parse_forced(text: str) -> dict[str, str]:
 
 
 def table_for(ch) -> TuningTable:
-    """The communicator's table: rank 0's, shared through the store on first use."""
+    """The communicator's table: rank 0's, shared through the store on first use.
+
+    If rank 0 cannot load its table it shares the error text instead, and every
+    rank raises the same :class:`ZbcclInvalidUsageError` (at every later use too).
+    """
     table = getattr(ch, "tuning", None)
     if table is None:
         comm = ch.comm
         if comm.rank == 0:
-            table = TuningTable.load()
-            comm.bootstrap.set("tuning", table.to_json().encode())
+            try:
+                shared = TuningTable.load().to_json()
+            except ZbcclInvalidUsageError as exc:
+                shared = json.dumps({"error": str(exc)})
+            comm.bootstrap.set("tuning", shared.encode())
         else:
-            table = TuningTable.from_json(comm.bootstrap.get("tuning", timeout=comm.timeout,
-                                                             owner=comm.ranks[0]).decode())
+            shared = comm.bootstrap.get("tuning", timeout=comm.timeout, owner=comm.ranks[0]).decode()
+        error = json.loads(shared).get("error")
+        table = TuningTable.from_json(shared) if error is None else error
         ch.tuning = table
+    if isinstance(table, str):
+        raise ZbcclInvalidUsageError(table, ranks=(0,))  # group rank 0 loaded it
     return table
 
 

@@ -15,13 +15,15 @@ keyed by world size; a communicator uses rank 0's copy, so all ranks agree.
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["run_tune"]
+__all__ = ["run_tune", "write_table"]
 
 _TUNED_OPS = ("all_reduce", "all_gather", "all_to_all")
 # Another algorithm must beat the default by this much to be chosen (timing noise is a few %).
@@ -133,8 +135,31 @@ def run_tune(*, world_sizes: list[int], max_size: int, out: Path | None = None) 
                 chunk = f" chunk {row[3] >> 10} KiB" if len(row) > 3 else ""
                 print(f"  {op:<11} {nbytes:>10}  {cells}  -> {best}{chunk}")
     path = out or table_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     table["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    path.write_text(json.dumps(table, indent=1))
+    write_table(table, Path(path))
     print(f"saved {path}")
     return path
+
+
+def write_table(table: dict, path: Path) -> None:
+    """Validate ``table`` and write it atomically: ranks loading ``path`` see the old table or the new one.
+
+    The text goes to a temporary file in the same directory (same filesystem),
+    is flushed to disk, and replaces ``path`` in one ``os.replace``; a failure
+    leaves ``path`` as it was and removes the temporary file.
+    """
+    from zbccl.ops.tuner import validate_rules
+
+    validate_rules(table["rules"], source="the table zbccl tune measured")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(table, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the table is not secret
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
