@@ -1,5 +1,8 @@
 """The SMA front end: a caching allocator over one rank's heap, safe for threads and finalizers.
 
+Size classes and the cache of freed blocks are ``blockcache.py``; this module
+owns the locking, the live-block records, cache tiers and statistics.
+
 Locking protocol. One ``threading.Lock`` guards all state; ``_owner`` holds the id
 of the thread inside a locked operation. The GC may run a tensor finalizer that
 calls ``free`` on a thread already inside ``malloc``; a plain lock would then
@@ -26,27 +29,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from operator import index
 from threading import get_ident
 
 from zbccl.errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 
 from .arena import Arena
+from .blockcache import BlockCache, Record
 from .stats import format_stats
 
 __all__ = ["CachingAllocator"]
 
 _log = logging.getLogger(__name__)
-
-#: Keys of :meth:`CachingAllocator.stats`, with what each one means.
-
-# Requests up to this size are rounded to a multiple of the alignment only.
-_EXACT_LIMIT = 4096
-# Above it, each octave (2**k, 2**(k+1)] has 2**_CLASS_BITS classes: waste < 1/8.
-_CLASS_BITS = 3
-_STEP_BITS = _CLASS_BITS + 1
 
 
 def _check_count(op: str, nbytes: int) -> None:
@@ -65,10 +60,9 @@ class CachingAllocator:
     given back to the arena when the cache exceeds ``cache_limit``, on
     :meth:`empty_cache`, or when an allocation would otherwise fail.
 
-    Size classes (:meth:`round_size`): up to ``max(4 KiB, 8 * alignment)`` the
-    request rounded up to the alignment; above, 8 classes per octave (a request
-    in ``(2**k, 2**(k+1)]`` rounds up to a multiple of ``2**(k-3)``), so a block
-    exceeds its request by less than 12.5 %.
+    Size classes (:meth:`round_size`, see :class:`~zbccl.sma.blockcache.BlockCache`):
+    the request rounded to the alignment up to ``max(4 KiB, 8 * alignment)``,
+    above that 8 classes per octave, so a block exceeds its request by < 12.5 %.
 
     Thread-safe, and ``free`` may be called from a finalizer on a thread that is
     inside another call (see the module docstring).
@@ -93,21 +87,15 @@ class CachingAllocator:
                 f"CachingAllocator: bad cache_limit, expected None or >= 0, got {cache_limit}"
             )
         self._arena = Arena(heap_bytes, alignment=alignment, small_threshold=small_threshold)
-        self._mask = alignment - 1
-        self._align_neg = -alignment
-        self._exact_limit = max(_EXACT_LIMIT, alignment << _CLASS_BITS)
-        self._cache_limit = cache_limit
+        self._blocks = BlockCache(alignment, cache_limit, self._arena.free)
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._pending: deque[int] = deque()
         # offset -> (size, requested, kind, seq) of live blocks (tier-held included).
-        self._live: dict[int, tuple[int, int, str, int]] = {}
-        self._cache: dict[int, list[int]] = {}  # size class -> cached offsets, newest last
-        # Every cached offset -> its last live record, oldest first (for cache_limit).
-        self._cached: OrderedDict[int, tuple[int, int, str, int]] = OrderedDict()
+        self._live: dict[int, Record] = {}
         self._tiers: dict[str, _Tier] = {}
         self._seq = 0
-        self._allocated = self._requested = self._peak = self._cached_bytes = 0
+        self._allocated = self._requested = self._peak = 0
         self._alloc_count = self._free_count = self._cache_hits = self._oom_count = 0
         self._fallback_allocs = self._fallback_bytes = self._staged_bytes = self._bad_frees = 0
 
@@ -154,17 +142,7 @@ class CachingAllocator:
 
     def round_size(self, nbytes: int) -> int:
         """Size class of a request: the block size ``malloc(nbytes)`` reserves (see class docstring)."""
-        if nbytes <= self._exact_limit:
-            if nbytes > 0:
-                return (nbytes + self._mask) & self._align_neg
-        elif type(nbytes) is int:
-            # nbytes in (2**k, 2**(k+1)]: step 2**(k-3) >= alignment since nbytes > 8 * alignment.
-            step = 1 << ((nbytes - 1).bit_length() - _STEP_BITS)
-            return (nbytes + step - 1) & -step
-        nbytes = index(nbytes)  # numpy integers and the like; floats raise TypeError
-        if nbytes < 1:
-            raise ZbcclInvalidUsageError(f"round_size: bad size, expected nbytes >= 1, got {nbytes}")
-        return self.round_size(nbytes)
+        return self._blocks.round_size(nbytes)
 
     # -- allocation ------------------------------------------------------------------
 
@@ -205,15 +183,12 @@ class CachingAllocator:
     def _alloc(self, size: int, requested: int, kind: str, flush: bool) -> int | None:
         self._acquire("malloc")
         try:
-            stack = self._cache.get(size)
-            if stack:
-                offset = stack.pop()
-                del self._cached[offset]
-                self._cached_bytes -= size
+            offset = self._blocks.take(size)
+            if offset is not None:
                 self._cache_hits += 1
             else:
                 if flush:
-                    self._release_cached(len(self._cached))
+                    self._blocks.evict()
                 offset = self._arena.alloc(size)
                 if offset is None:
                     return None
@@ -255,41 +230,20 @@ class CachingAllocator:
     def _free_locked(self, offset: int) -> None:
         rec = self._live.pop(offset, None)
         if rec is None:
-            what = "double free of" if offset in self._cached else "unknown offset"
+            what = "double free of" if offset in self._blocks else "unknown offset"
             raise ZbcclInvalidUsageError(
                 f"free: {what} {offset}, expected the offset of a live block, got {offset}"
             )
-        size = rec[0]
         self._free_count += 1
-        self._allocated -= size
+        self._allocated -= rec[0]
         self._requested -= rec[1]
-        stack = self._cache.get(size)
-        if stack is None:
-            stack = self._cache[size] = []
-        stack.append(offset)
-        self._cached[offset] = rec
-        self._cached_bytes += size
-        if self._cache_limit is not None and self._cached_bytes > self._cache_limit:
-            self._release_cached(len(self._cached), until=self._cache_limit)
-
-    def _release_cached(self, count: int, *, until: int = 0) -> None:
-        """Give up to ``count`` oldest cached blocks to the arena, stopping at ``until`` cached bytes."""
-        cached = self._cached
-        while count and cached and self._cached_bytes > until:
-            offset, rec = cached.popitem(last=False)
-            # The globally oldest block is also the oldest of its class: stacks only pop at the end.
-            stack = self._cache[rec[0]]
-            assert stack[0] == offset
-            del stack[0]
-            self._arena.free(offset)
-            self._cached_bytes -= rec[0]
-            count -= 1
+        self._blocks.put(offset, rec)
 
     def empty_cache(self) -> None:
         """Release every cached block to the arena (cache tiers are not drained)."""
         self._acquire("empty_cache")
         try:
-            self._release_cached(len(self._cached))
+            self._blocks.evict()
         finally:
             self._release()
 
@@ -299,7 +253,7 @@ class CachingAllocator:
         """True if a live block (tier-held included) starts at ``offset``."""
         return offset in self._live
 
-    def _record(self, op: str, offset: int) -> tuple[int, int, str, int]:
+    def _record(self, op: str, offset: int) -> Record:
         rec = self._live.get(offset)
         if rec is None:
             raise ZbcclInvalidUsageError(
@@ -375,8 +329,8 @@ class CachingAllocator:
                 "allocated_bytes": self._allocated - tier_bytes,
                 "requested_bytes": max(0, self._requested - tier_bytes),
                 "peak_allocated_bytes": self._peak,
-                "cached_bytes": self._cached_bytes + tier_bytes,
-                "cached_blocks": len(self._cached) + tier_blocks,
+                "cached_bytes": self._blocks.nbytes + tier_bytes,
+                "cached_blocks": len(self._blocks) + tier_blocks,
                 "active_blocks": len(self._live) - tier_blocks,
                 "free_bytes": free_bytes,
                 "largest_free_block": largest,
@@ -408,7 +362,7 @@ class CachingAllocator:
         self._acquire("snapshot")
         try:
             rows = [(off, rec, rec[2]) for off, rec in self._live.items()]
-            rows += [(off, rec, "cached") for off, rec in self._cached.items()]
+            rows += [(off, rec, "cached") for off, rec in self._blocks.items()]
         finally:
             self._release()
         rows.sort(key=lambda row: row[0])
@@ -424,12 +378,11 @@ class CachingAllocator:
             self._arena.check()
             arena_used = dict(self._arena.used_blocks())
             ours = {off: rec[0] for off, rec in self._live.items()}
-            assert not ours.keys() & self._cached.keys(), "a block is both live and cached"
-            ours.update((off, rec[0]) for off, rec in self._cached.items())
+            cached = dict(self._blocks.items())
+            assert not ours.keys() & cached.keys(), "a block is both live and cached"
+            ours.update((off, rec[0]) for off, rec in cached.items())
             assert ours == arena_used, "live + cached blocks differ from the arena's used blocks"
-            by_class = {off: size for size, stack in self._cache.items() for off in stack}
-            assert by_class == {off: rec[0] for off, rec in self._cached.items()}, "class stacks drifted"
-            assert self._cached_bytes == sum(by_class.values()), "cached_bytes drifted"
+            self._blocks.check()
             assert self._allocated == sum(rec[0] for rec in self._live.values()), "allocated drifted"
             assert self._requested == sum(rec[1] for rec in self._live.values()), "requested drifted"
             assert self._peak >= self._allocated, "peak below allocated"
