@@ -54,3 +54,8 @@ def test_bad_tune_file_fails_on_every_rank_with_one_message(tmp_path, text, need
     msgs = run_world(_bad_tune_file, 2, env={"ZBCCL_TUNE_FILE": str(path)}, timeout=60)
     assert msgs[0] == msgs[1], msgs
     assert msgs[0].startswith("tuning: ") and needle in msgs[0] and str(path) in msgs[0], msgs[0]
+
+
+def test_bad_forced_algorithm_on_rank_0_fails_on_every_rank():
+    msgs = run_world(_bad_tune_file, 2, env={"ZBCCL_ALGO": "all_reduce=ring"}, timeout=60)
+    assert msgs[0] == msgs[1] and msgs[0].startswith("ZBCCL_ALGO: bad entry") and "'all_reduce=ring'" in msgs[0]
