@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 
@@ -114,7 +115,10 @@ def test_json_and_plot(tmp_path):
     report.write_json(_doc(), tmp_path / "new" / "r.json")  # the folder is created
     assert json.loads((tmp_path / "new" / "r.json").read_text())["cells"][0]["count"] == 1024
     msg = report.write_plot(_doc(), tmp_path / "plots" / "r.png")
-    assert msg.startswith("plot skipped") or (tmp_path / "plots" / "r.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is None:  # one outcome per environment, never either
+        assert msg.startswith("plot skipped: matplotlib is not installed") and not (tmp_path / "plots").exists()
+    else:
+        assert (tmp_path / "plots" / "r.png").stat().st_size > 1000, msg
 
 
 def test_progress_bar_without_a_terminal():
