@@ -108,6 +108,10 @@ class FdServer(threading.Thread):
                 self._accept_all()
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             self.error = exc
+        finally:
+            # Every member is served (or we were stopped): the name goes away at once,
+            # and anyone still queued is refused rather than left waiting.
+            self.sock.close()
 
     def _accept_all(self) -> None:
         while True:
