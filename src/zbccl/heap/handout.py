@@ -39,6 +39,7 @@ __all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive_fd"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SEND_TIMEOUT_S = 5.0  # one byte into a fresh socket: only a dead peer makes it wait
+_ACCEPT_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class FdServer(threading.Thread):
             self.sock.close()
 
     def _accept_all(self) -> None:
-        while True:
+        # A bounded batch, so that a flood of connections cannot keep stop() waiting.
+        for _ in range(_ACCEPT_BATCH):
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -170,8 +172,7 @@ def receive_fd(job_id: str, peer: Member, *, timeout: float) -> tuple[int, int]:
             raise ZbcclSystemError(
                 f"heap: the socket of rank {peer.rank} is held by another process, expected pid {peer.pid} "
                 f"uid {peer.uid}, got pid {pid} uid {uid}; refusing its descriptor", ranks=(peer.rank,))
-        # Opened while the verified connection is up, so the pid cannot have been reused yet.
-        pidfd = os.pidfd_open(pid)
+        pidfd = _pidfd_of(pid, peer.rank)
         fd = _recv_one_fd(s, peer.rank)
     except BaseException:
         if pidfd >= 0:
@@ -180,6 +181,17 @@ def receive_fd(job_id: str, peer: Member, *, timeout: float) -> tuple[int, int]:
     finally:
         s.close()
     return fd, pidfd
+
+
+def _pidfd_of(pid: int, rank: int) -> int:
+    """A pidfd of ``rank``'s process, opened while its verified connection is up (no pid reuse yet)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise ZbcclRemoteError(f"heap: rank {rank} (pid {pid}) exited during the handshake",
+                               ranks=(rank,)) from None
+    except (OSError, AttributeError) as exc:
+        raise ZbcclSystemError(f"heap: pidfd_open failed, expected Linux >= 5.3, got {exc}") from None
 
 
 def _recv_one_fd(s: socket.socket, rank: int) -> int:
