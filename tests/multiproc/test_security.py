@@ -300,3 +300,58 @@ def test_segment_with_wrong_cookie_is_refused_and_unmapped():
     (t0, m0, ranks0), (t1, _, ranks1) = run_world(_forged_cookie, 2, timeout=120)
     assert t0 == "ZbcclRemoteError" and ranks0 == (1,) and "cookie" in m0, m0
     assert t1 == "ZbcclRemoteError" and ranks1 == (0,)
+
+
+def _fetch(job: str, token: str, *, timeout: float = 5.0) -> tuple[bytes, list[int]]:
+    """Connect to rank 0's server of ``job`` from this process; what it sends back."""
+    from zbccl.heap.handout import sock_name
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(sock_name(job, 0, token))
+        msg, fds, _, _ = socket.recv_fds(s, 16, 4)
+        return msg, fds
+    finally:
+        s.close()
+
+
+def test_server_answers_only_members_and_vanishes_when_stopped():
+    # In one process: SO_PEERCRED of our own connections is our pid, so a
+    # member list without it must get nothing, and one with it the descriptor.
+    from zbccl.heap.handout import FdServer, Member
+
+    fd = os.memfd_create("zbccl-test-handout", os.MFD_CLOEXEC)
+    try:
+        stranger = FdServer("unit", 0, "t1", fd)
+        stranger.serve([Member(1, os.getpid() + 1_000_000, os.geteuid(), "x", 1)])
+        msg, fds = _fetch("unit", "t1")
+        assert (msg, fds) == (b"", []), "a non-member got an answer"
+        stranger.stop()
+        assert not stranger.is_alive() and not _listeners("zbccl-unit-0-t1")
+
+        member = FdServer("unit", 0, "t2", fd)
+        member.serve([Member(1, os.getpid(), os.geteuid(), "x", 1)])
+        msg, fds = _fetch("unit", "t2")
+        try:
+            assert msg == b"z" and len(fds) == 1
+            assert os.fstat(fds[0]).st_ino == os.fstat(fd).st_ino
+        finally:
+            for f in fds:
+                os.close(f)
+        member.join(10)
+        assert not member.is_alive(), "the server did not finish once every member was served"
+        assert not _listeners("zbccl-unit-0-t2"), "the name outlived the last handout"
+        member.stop()
+    finally:
+        os.close(fd)
+
+
+def test_local_ranks_must_share_one_uid():
+    from zbccl.heap.handout import Member
+    from zbccl.heap.shm import _check_uids
+
+    me = Member(0, 1, 1000, "a", 1)
+    assert _check_uids(me, {1: Member(1, 2, 1000, "b", 2)}) is None
+    err = _check_uids(me, {1: Member(1, 2, 65534, "b", 2)})
+    assert err is not None and err.ranks == (1,) and "expected uid 1000" in str(err), err
