@@ -171,7 +171,8 @@ def receive_fd(job_id: str, peer: Member, *, timeout: float) -> tuple[int, int]:
         if (pid, uid) != (peer.pid, peer.uid):
             raise ZbcclSystemError(
                 f"heap: the socket of rank {peer.rank} is held by another process, expected pid {peer.pid} "
-                f"uid {peer.uid}, got pid {pid} uid {uid}; refusing its descriptor", ranks=(peer.rank,))
+                f"uid {peer.uid}, got pid {pid} uid {uid}; refusing its descriptor (or the ranks do not share "
+                "one pid namespace, which zbccl needs)", ranks=(peer.rank,))
         pidfd = _pidfd_of(pid, peer.rank)
         fd = _recv_one_fd(s, peer.rank)
     except BaseException:
