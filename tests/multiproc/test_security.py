@@ -148,6 +148,8 @@ def _attacked(ctx, mode):
         comm = ctx.init(heap_size=MiB, timeout=60)  # a stalling attacker holds its connections throughout
         elapsed = time.monotonic() - t0
         _check_all_reduce(comm)
+        live = [comm.heap.transport.liveness_fd(r) for r in range(comm.world_size) if r != ctx.rank]
+        assert all(fd >= 0 and not os.get_inheritable(fd) for fd in live), "liveness fds must be close-on-exec"
         zbccl.finalize()
     finally:
         for p in attackers:
