@@ -100,11 +100,9 @@ def _load_i64(addr: int) -> int:
     return ctypes.c_int64.from_address(addr).value
 
 
-def _member_of(rank: int, raw: bytes) -> tuple[Member | None, str | None]:
+def _member_of(rank: int, raw: bytes) -> Member:
     d = json.loads(raw)
-    if d.get("error"):
-        return None, d["error"]
-    return Member(rank, int(d["pid"]), int(d["uid"]), str(d["token"]), int(d["cookie"])), None
+    return Member(rank, int(d["pid"]), int(d["uid"]), str(d["token"]), int(d["cookie"]))
 
 
 def _agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, timeout: float,
@@ -151,7 +149,7 @@ class ShmTransport(Transport):
                 error = exc
             got = _agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
                          error, timeout=timeout, tag="shm-listen")
-            members = {p: _member_of(p, got[p])[0] for p in peers}
+            members = {p: _member_of(p, got[p]) for p in peers}  # _agree raised on any error
             error = _check_uids(me, members)
             if error is None:
                 server.serve([members[p] for p in peers])
