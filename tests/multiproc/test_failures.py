@@ -1,4 +1,5 @@
-"""Failure paths: missing ranks, killed ranks, departed ranks, two jobs, capacity."""
+"""Failure paths: missing, killed and departed ranks (also while a child holds a dead rank's
+descriptors), two jobs, capacity, a store host that exits, store growth."""
 
 from __future__ import annotations
 
