@@ -1,4 +1,5 @@
-"""Failure paths: missing ranks, killed ranks, departed ranks, two jobs, capacity."""
+"""Failure paths: missing, killed and departed ranks (also while a child holds a dead rank's
+descriptors), two jobs, capacity, a store host that exits, store growth."""
 
 from __future__ import annotations
 
@@ -228,3 +229,110 @@ def _subgroup_peer_killed(ctx):
 
 def test_subgroup_errors_name_group_ranks():
     assert run_world(_subgroup_peer_killed, 3, expect_exit={2: -signal.SIGKILL}, timeout=45)[1] is True
+
+
+def _killed_with_child_holding_fds(ctx, op):
+    import subprocess
+    import time
+
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB, timeout=300)
+    store = ctx.store()
+    t = zbccl.zeros(1024)
+    comm.barrier()
+    if ctx.rank == 1:
+        # A child that inherits every socket and liveness descriptor this rank has,
+        # as a forked worker would, outlives it: the death must still be seen.
+        fds = [comm.heap.transport.liveness_fd(0)]
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(("socket:", "anon_inode:")):
+                    fds.append(fd)
+            except OSError:
+                continue
+        child = subprocess.Popen(["sleep", "60"], pass_fds=sorted(set(fds) - {-1}))
+        store.set("zbccl-test/child", str(child.pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+    child_pid = int(store.get("zbccl-test/child"))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(zbccl.ZbcclRemoteError) as info:
+            for _ in range(100_000):  # the victim dies before or during one of these
+                comm.barrier() if op == "barrier" else zbccl.all_reduce(t)  # both time out after 300 s
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(child_pid, signal.SIGKILL)
+    assert 1 in info.value.ranks and "died" in str(info.value), str(info.value)
+    # The op timeout is 300 s: seeing it within seconds means the death was detected.
+    assert elapsed < 20, f"death of rank 1 noticed after {elapsed:.1f}s"
+    zbccl.finalize()
+    return elapsed
+
+
+@pytest.mark.parametrize("op", ["barrier", "all_reduce"])
+def test_death_is_seen_even_when_a_child_holds_the_descriptors(op):
+    out = run_world(_killed_with_child_holding_fds, 2, op=op, expect_exit={1: -signal.SIGKILL}, timeout=90)
+    assert out[0] < 20
+
+
+def _store_host_exits(ctx):
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import zbccl
+
+    spawn = ctx.store()
+    if ctx.rank == 0:  # rank 0 hosts the job's store, as under torchrun
+        own = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=60))
+        spawn.set("zbccl-test/port", str(own.port))
+    else:
+        own = dist.TCPStore("127.0.0.1", int(spawn.get("zbccl-test/port")), 2, is_master=False,
+                            timeout=timedelta(seconds=60))
+    comm = zbccl.init(store=own, rank=ctx.rank, world_size=2, heap_size=MiB, timeout=60)
+    assert comm.all_gather_object(ctx.rank * 10) == [0, 10]
+    if ctx.rank == 0:
+        spawn.get("zbccl-test/ready")
+        os._exit(0)  # the store goes with it
+    spawn.set("zbccl-test/ready", b"1")
+    t0 = time.monotonic()
+    with pytest.raises(zbccl.ZbcclRemoteError) as info:
+        for i in range(1000):  # rank 0 may still answer the first ones
+            comm.all_gather_object(i)
+    elapsed = time.monotonic() - t0
+    zbccl.finalize()
+    return str(info.value), info.value.ranks, elapsed
+
+
+def test_store_host_exit_is_a_remote_error():
+    _, (msg, ranks, elapsed) = run_world(_store_host_exits, 2, timeout=90)
+    assert ranks == (0,) and "store" in msg and "rank 0" in msg, msg
+    assert "frame #" not in msg and "\n" not in msg, msg  # no C++ backtrace in the text
+    assert elapsed < 20, elapsed
+
+
+def _many_gathers(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=MiB)
+    store = comm.bootstrap.store
+
+    def settled_keys(n: int) -> int:
+        for i in range(n):
+            comm.all_gather_object((ctx.rank, i))
+        comm.bootstrap.barrier(timeout=60)
+        return store.num_keys()
+
+    first, later = settled_keys(10), settled_keys(300)
+    zbccl.finalize()
+    return first, later
+
+
+def test_store_keys_stay_bounded():
+    for first, later in run_world(_many_gathers, 2):
+        # 300 more gathers of 2 ranks would add 600 keys if none were deleted; a
+        # barrier key of the other rank may still be in flight.
+        assert later - first <= 2, (first, later)

@@ -4,22 +4,37 @@ zbccl never opens its own rendezvous socket: torch's store is the engine.
 Keys live under ``zbccl/<generation>/`` where the generation counts how many
 times this rank initialised zbccl on this store, so a re-``init`` after
 ``finalize`` on the same store never reads stale keys.
+
+Keys do not pile up: in round ``k`` of an all-gather every rank has set its
+key, so every rank has finished reading round ``k-1``; each rank then
+deletes its own key of round ``k-1``. A long-running job keeps at most one
+round per tag in the store.
+
+Every store call goes through :meth:`StoreBootstrap._call`: when the store's
+host is gone (under torchrun, rank 0 hosts the TCPStore) the caller gets a
+:class:`~zbccl.errors.ZbcclRemoteError`, not torch's ``DistNetworkError``
+with a C++ backtrace in its text.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
-from ..errors import ZbcclTimeoutError
+from ..errors import ZbcclRemoteError, ZbcclTimeoutError
 from .base import Bootstrap
 
 __all__ = ["StoreBootstrap"]
 
 # How long one store.wait blocks before we look again at which ranks arrived.
 _WAIT_SLICE_S = 1.0
+# Under torchrun and zbccl's own URLs, rank 0 hosts the store.
+_STORE_HOST_RANK = 0
+T = TypeVar("T")
 
 
 class StoreBootstrap(Bootstrap):
@@ -41,23 +56,34 @@ class StoreBootstrap(Bootstrap):
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
 
+    def _call(self, op: str, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the store; a store that stopped answering becomes a ZbcclRemoteError."""
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as exc:  # torch's DistError family is RuntimeError
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ZbcclRemoteError(
+                f"bootstrap {op}: the rendezvous store stopped answering, expected its host (rank "
+                f"{_STORE_HOST_RANK} under torchrun) alive, got {type(exc).__name__}: {first}",
+                ranks=(_STORE_HOST_RANK,)) from None
+
     def set(self, key: str, value: bytes) -> None:
-        self.store.set(self._key(key), value)
+        self._call("set", self.store.set, self._key(key), value)
 
     def add(self, key: str, delta: int) -> int:
-        return int(self.store.add(self._key(key), delta))
+        return int(self._call("add", self.store.add, self._key(key), delta))
 
     def get(self, key: str, *, timeout: float, owner: int | None = None) -> bytes:
         full = self._key(key)
         self._wait_keys([full], timeout=timeout, owners=[owner if owner is not None else -1], op="get")
-        return self.store.get(full)
+        return self._call("get", self.store.get, full)
 
     def _wait_keys(self, keys: list[str], *, timeout: float, owners: list[int], op: str) -> None:
         deadline = time.monotonic() + timeout
         pending = list(zip(keys, owners))
         while True:
             # check() is one round trip for all keys and never blocks.
-            pending = [(k, o) for k, o in pending if not self.store.check([k])]
+            pending = [(k, o) for k, o in pending if not self._call(op, self.store.check, [k])]
             if not pending:
                 return
             left = deadline - time.monotonic()
@@ -70,7 +96,7 @@ class StoreBootstrap(Bootstrap):
                 )
             try:
                 self.store.wait([pending[0][0]], timedelta(seconds=min(_WAIT_SLICE_S, left)))
-            except Exception:  # noqa: BLE001 - the store raises its own timeout types
+            except Exception:  # noqa: BLE001 - its own timeout types; a dead store fails check() next
                 pass
 
     def all_gather(self, value: bytes, *, timeout: float, tag: str = "ag") -> list[bytes]:
@@ -81,5 +107,10 @@ class StoreBootstrap(Bootstrap):
         keys = [self._key(f"{base}/{r}") for r in range(self.world_size)]
         self._wait_keys(keys, timeout=timeout, owners=list(self.members), op=tag)
         if hasattr(self.store, "multi_get"):
-            return list(self.store.multi_get(keys))
-        return [self.store.get(k) for k in keys]  # pragma: no cover - old torch
+            got = list(self._call(tag, self.store.multi_get, keys))
+        else:  # pragma: no cover - old torch
+            got = [self._call(tag, self.store.get, k) for k in keys]
+        if seq > 0:
+            # Every rank set its round-seq key, so all have read round seq-1.
+            self._call(tag, self.store.delete_key, self._key(f"{tag}/{seq - 1}/{self.rank}"))
+        return got

@@ -49,10 +49,13 @@ class Transport(ABC):
 
     @abstractmethod
     def dead_peers(self) -> list[int]:
-        """Ranks whose process is gone (their connection closed). Cheap; never blocks."""
+        """Ranks whose process is gone (exited or killed). Cheap; never blocks."""
 
     def liveness_fd(self, rank: int) -> int:
-        """A descriptor that becomes readable when ``rank`` dies, or -1 if there is none."""
+        """A descriptor that becomes readable (``POLLIN``) when ``rank``'s process exits, or -1 if there is none.
+
+        The native core polls it every liveness interval; the CPU transport returns a pidfd.
+        """
         return -1
 
     @abstractmethod

@@ -15,7 +15,11 @@ Header lines are written only by the owner and read by peers:
 * ``MAGIC``, ``VERSION``, ``RANK``, ``HEAP_BYTES``, ``PID``: set once at creation;
 * ``STATE``: ``STATE_INIT`` -> ``STATE_READY`` -> ``STATE_FINALIZED`` (clean exit)
   or ``STATE_FAILED`` (the owner hit an error it wants peers to see);
-* ``ERROR``: the :class:`~zbccl.errors.ErrorCode` behind ``STATE_FAILED``.
+* ``ERROR``: the :class:`~zbccl.errors.ErrorCode` behind ``STATE_FAILED``;
+* ``COOKIE``: a random 63-bit value written by the transport before the
+  segment's descriptor is handed to anyone, and published through the store;
+  a peer checks it after mapping, so a segment handed over by an impostor
+  (another job's, a squatter's) is refused.
 
 A comm slot belongs to one communicator (the world is slot 0). Line 0 of the
 slot holds the owner's barrier epoch; the other lines are reserved for the
@@ -27,7 +31,7 @@ from __future__ import annotations
 __all__ = [
     "LINE", "MAGIC_VALUE", "LAYOUT_VERSION", "HEADER_BYTES", "SLOT_BYTES", "MAX_COMMS", "CTRL_BYTES",
     "STATE_INIT", "STATE_READY", "STATE_FINALIZED", "STATE_FAILED",
-    "H_MAGIC", "H_VERSION", "H_RANK", "H_HEAP_BYTES", "H_PID", "H_STATE", "H_ERROR",
+    "H_MAGIC", "H_VERSION", "H_RANK", "H_HEAP_BYTES", "H_PID", "H_STATE", "H_ERROR", "H_COOKIE",
     "slot_offset", "slot_line", "segment_bytes", "SLOT_BARRIER",
 ]
 
@@ -49,6 +53,7 @@ H_HEAP_BYTES = 3 * LINE
 H_PID = 4 * LINE
 H_STATE = 5 * LINE
 H_ERROR = 6 * LINE
+H_COOKIE = 7 * LINE
 
 STATE_INIT = 0
 STATE_READY = 1

@@ -9,37 +9,45 @@ its descriptor, so no exit, exception or SIGKILL can leak it. Its name
 (``zbccl-<job>-r<rank>``, shown in ``/proc/<pid>/maps``) carries the job id,
 and it is ``fchmod``-ed to 0600.
 
-Protocol (collective over the ranks of one host):
+Protocol (collective over the ranks of one host; the handout itself is in
+:mod:`.handout`):
 
 1. each rank creates and reserves its memfd (``posix_fallocate``, so a full
-   machine gives a clear error now instead of SIGBUS later), maps it, and
-   listens on the abstract socket ``\\0zbccl-<job>-<rank>`` (abstract names
-   vanish with their process, like the memfd);
-2. bootstrap all-gather "listening";
-3. each rank connects to every local peer, sends its rank, and receives the
-   peer's descriptor with ``SCM_RIGHTS``; it maps it and closes the fd;
-4. bootstrap all-gather "mapped"; the listeners stop.
+   machine gives a clear error now instead of SIGBUS later), maps it, writes a
+   random cookie into its header, and binds the abstract socket
+   ``\\0zbccl-<job>-<rank>-<token>`` (random token; abstract names vanish with
+   their process, like the memfd);
+2. bootstrap all-gather "listening", carrying each rank's pid, euid, token and
+   cookie (or the error it hit, so every rank fails together);
+3. each rank serves its descriptor to those pids only, connects to every local
+   peer, checks the peer's credentials, receives the descriptor, checks its
+   size, maps it and checks the cookie;
+4. bootstrap all-gather "mapped" (again carrying any error); the server stops
+   and is joined, and only then is the memfd descriptor closed.
 
-The connections of step 3 stay open for the life of the job: a peer's death
-closes them (the kernel does it, even on SIGKILL), which is how the others
-notice within one liveness interval instead of waiting out a timeout.
+Death detection goes by the process, not by a socket: each rank holds a pidfd
+of every local peer (its pid verified by ``SO_PEERCRED``), which becomes
+readable when that process exits, even if a child it forked still holds every
+descriptor it had.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import mmap
 import os
+import secrets
 import select
-import socket
-import struct
-import threading
+import stat
 
 from ..bootstrap.base import Bootstrap
 from ..bootstrap.topology import Topology
-from ..errors import ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
+from ..errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
+from . import layout
 from .base import Segment, Transport
+from .handout import FdServer, Member, receive_fd
 
 __all__ = ["ShmTransport", "map_fd", "unmap_addr"]
 
@@ -84,50 +92,35 @@ def _create_memfd(name: str, nbytes: int) -> int:
     return fd
 
 
-def _sock_name(job_id: str, rank: int) -> str:
-    return f"\0zbccl-{job_id}-{rank}"
+def _store_i64(addr: int, value: int) -> None:
+    ctypes.c_int64.from_address(addr).value = value
 
 
-class _FdServer(threading.Thread):
-    """Hands our descriptor to each expected local peer that connects."""
-
-    def __init__(self, job_id: str, rank: int, fd: int, expected: set[int], timeout: float) -> None:
-        super().__init__(name=f"zbccl-fdserver-{rank}", daemon=True)
-        self.fd = fd
-        self.expected = set(expected)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.bind(_sock_name(job_id, rank))
-        self.sock.listen(max(8, len(expected)))
-        self.sock.settimeout(timeout)
-        self.conns: dict[int, socket.socket] = {}
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while self.expected:
-                conn, _ = self.sock.accept()
-                conn.settimeout(self.sock.gettimeout())
-                (peer,) = struct.unpack("<q", _recv_exact(conn, 8))
-                if peer not in self.expected:
-                    conn.close()
-                    continue
-                socket.send_fds(conn, [b"z"], [self.fd])
-                self.conns[peer] = conn
-                self.expected.discard(peer)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            self.error = exc
-        finally:
-            self.sock.close()
+def _load_i64(addr: int) -> int:
+    return ctypes.c_int64.from_address(addr).value
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = conn.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("peer closed the connection during the handshake")
-        buf += part
-    return buf
+def _member_of(rank: int, raw: bytes) -> Member:
+    d = json.loads(raw)
+    return Member(rank, int(d["pid"]), int(d["uid"]), str(d["token"]), int(d["cookie"]))
+
+
+def _agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, timeout: float,
+           tag: str) -> list[bytes]:
+    """All-gather ``payload`` (or this rank's error); raise on every rank if any rank failed."""
+    if error is not None:
+        payload = {"error": str(error)}
+    got = bootstrap.all_gather(json.dumps(payload).encode(), timeout=timeout, tag=tag)
+    if error is not None:
+        raise error
+    failed = [(r, json.loads(b).get("error")) for r, b in enumerate(got)]
+    failed = [(r, e) for r, e in failed if e]
+    if failed:
+        names = getattr(bootstrap, "members", range(bootstrap.world_size))
+        what = "; ".join(f"rank {names[r]}: {e}" for r, e in failed)
+        raise ZbcclRemoteError(f"heap: a peer could not set up the shared heap: {what}",
+                               ranks=tuple(names[r] for r, _ in failed))
+    return got
 
 
 class ShmTransport(Transport):
@@ -138,8 +131,7 @@ class ShmTransport(Transport):
     def __init__(self, *, populate: bool = True) -> None:
         self.populate = populate
         self.segments: dict[int, Segment] = {}
-        self._conns: dict[int, socket.socket] = {}
-        self._accepted: dict[int, socket.socket] = {}
+        self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         self._fd_to_rank: dict[int, int] = {}
 
@@ -147,74 +139,110 @@ class ShmTransport(Transport):
                   job_id: str, timeout: float) -> dict[int, Segment]:
         rank = bootstrap.rank
         peers = [r for r in topology.local_ranks if r != rank]
-        nbytes = segment_bytes[rank]
+        fd, server, error = -1, None, None
+        me = Member(rank, os.getpid(), os.geteuid(), secrets.token_hex(16), secrets.randbits(63) | 1)
+        try:
+            try:
+                fd = self._create_own(rank, segment_bytes[rank], job_id, me.cookie)
+                server = FdServer(job_id, rank, me.token, fd)
+            except ZbcclError as exc:
+                error = exc
+            got = _agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
+                         error, timeout=timeout, tag="shm-listen")
+            members = {p: _member_of(p, got[p]) for p in peers}  # _agree raised on any error
+            error = _check_uids(me, members)
+            if error is None:
+                server.serve([members[p] for p in peers])
+                try:
+                    for peer in peers:
+                        self._connect(job_id, members[peer], segment_bytes[peer], timeout)
+                except ZbcclError as exc:
+                    error = exc
+            _agree(bootstrap, {}, error, timeout=timeout, tag="shm-mapped")
+            server.stop()
+            if server.error is not None:
+                raise ZbcclSystemError(f"heap: handing out the segment failed: {server.error}", ranks=(rank,))
+        finally:
+            # The server stops before the descriptor closes, on every path: a
+            # closed number may be reused at once, and must never be sent.
+            if server is not None:
+                server.stop()
+            if fd >= 0:
+                os.close(fd)
+        return dict(self.segments)
+
+    def _create_own(self, rank: int, nbytes: int, job_id: str, cookie: int) -> int:
         fd = _create_memfd(f"zbccl-{job_id}-r{rank}", nbytes)
         try:
             addr = map_fd(fd, nbytes, populate=self.populate)
-            self.segments[rank] = Segment(rank, addr, nbytes, "cpu", owner=True)
-            server = _FdServer(job_id, rank, fd, set(peers), timeout)
-            server.start()
-            bootstrap.all_gather(b"listening", timeout=timeout, tag="shm-listen")
-            for peer in peers:
-                self._connect(job_id, rank, peer, segment_bytes[peer], timeout)
-            bootstrap.all_gather(b"mapped", timeout=timeout, tag="shm-mapped")
-            server.join(timeout)
-            if server.error is not None:
-                raise ZbcclSystemError(f"heap: handing out the segment failed: {server.error}")
-            self._accepted = server.conns
-        finally:
+        except BaseException:
             os.close(fd)
-        return dict(self.segments)
+            raise
+        self.segments[rank] = Segment(rank, addr, nbytes, "cpu", owner=True)
+        # Written before the descriptor can reach anyone (the server is not up yet).
+        _store_i64(addr + layout.H_COOKIE, cookie)
+        return fd
 
-    def _connect(self, job_id: str, rank: int, peer: int, nbytes: int, timeout: float) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.settimeout(timeout)
+    def _connect(self, job_id: str, peer: Member, nbytes: int, timeout: float) -> None:
+        memfd, pidfd = receive_fd(job_id, peer, timeout=timeout)
+        addr = 0
         try:
-            s.connect(_sock_name(job_id, peer))
-            s.sendall(struct.pack("<q", rank))
-            _, fds, _, _ = socket.recv_fds(s, 1, 1)
-        except OSError as exc:
-            s.close()
-            raise ZbcclRemoteError(f"heap: could not get rank {peer}'s segment: {exc}",
-                                   ranks=(peer,)) from None
-        if len(fds) != 1:
-            s.close()
-            raise ZbcclRemoteError(f"heap: rank {peer} sent no segment descriptor", ranks=(peer,))
-        try:
-            size = os.fstat(fds[0]).st_size
-            if size != nbytes:
+            st = os.fstat(memfd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
                 raise ZbcclRemoteError(
-                    f"heap: rank {peer}'s segment has {size} bytes, expected {nbytes}", ranks=(peer,))
-            addr = map_fd(fds[0], nbytes, populate=self.populate)
+                    f"heap: rank {peer.rank}'s segment is wrong, expected a {nbytes}-byte memfd, got "
+                    f"{st.st_size} bytes (mode {stat.filemode(st.st_mode)}); not mapping it", ranks=(peer.rank,))
+            addr = map_fd(memfd, nbytes, populate=self.populate)
+            if _load_i64(addr + layout.H_COOKIE) != peer.cookie:
+                raise ZbcclRemoteError(
+                    f"heap: rank {peer.rank}'s segment carries the wrong cookie, expected the one it published "
+                    "through the store, got another (not its segment); unmapped it", ranks=(peer.rank,))
+        except BaseException:
+            if addr:
+                unmap_addr(addr, nbytes)
+            os.close(pidfd)
+            raise
         finally:
-            os.close(fds[0])
-        self.segments[peer] = Segment(peer, addr, nbytes, "cpu", owner=False)
-        s.setblocking(False)
-        self._conns[peer] = s
-        self._fd_to_rank[s.fileno()] = peer
-        self._poll.register(s.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR
-                            | getattr(select, "POLLRDHUP", 0x2000))
+            os.close(memfd)
+        self.segments[peer.rank] = Segment(peer.rank, addr, nbytes, "cpu", owner=False)
+        self._pidfds[peer.rank] = pidfd
+        self._fd_to_rank[pidfd] = peer.rank
+        self._poll.register(pidfd, select.POLLIN)
 
     def dead_peers(self) -> list[int]:
-        # Nothing is ever sent after the handshake, so any event on a peer's
-        # connection means the peer closed it: it exited or was killed.
+        # A pidfd becomes readable when its process exits, whoever else still
+        # holds the descriptors that process had.
         return sorted({self._fd_to_rank[fd] for fd, _ in self._poll.poll(0) if fd in self._fd_to_rank})
 
     def liveness_fd(self, rank: int) -> int:
-        conn = self._conns.get(rank)
-        return conn.fileno() if conn is not None else -1
+        """The pidfd of local peer ``rank`` (readable once it exited), or -1."""
+        return self._pidfds.get(rank, -1)
 
     def close(self, *, unmap: bool) -> None:
-        for s in list(self._conns.values()) + list(self._accepted.values()):
+        for fd in self._pidfds.values():
             try:
-                s.close()
+                os.close(fd)
             except OSError:
                 pass
-        self._conns.clear()
-        self._accepted.clear()
+        self._pidfds.clear()
         self._fd_to_rank.clear()
         self._poll = select.poll()
         if unmap:
             for seg in self.segments.values():
                 unmap_addr(seg.addr, seg.nbytes)
         self.segments.clear()
+
+
+def _check_uids(me: Member, members: dict[int, Member]) -> ZbcclError | None:
+    """Every local rank must run as our effective uid.
+
+    The store is not authenticated (any local user can write a TCPStore key),
+    so a uid published there proves nothing; requiring our own uid, which the
+    kernel vouches for at connect time, keeps other users out even then.
+    """
+    other = {r: m.uid for r, m in members.items() if m.uid != me.uid}
+    if other:
+        return ZbcclSystemError(
+            f"heap: local ranks must share one user, expected uid {me.uid}, got {other} (rank: uid)",
+            ranks=tuple(other))
+    return None

@@ -3,7 +3,9 @@
 Every wait in zbccl goes through :func:`wait_flags`. The native primitive
 spins, yields, then sleeps on a futex, and returns after at most one
 *liveness slice*. Between slices this module asks the transport which peers
-died (their connection closed) and reads their header state, so a killed peer
+died (their process exited: the transport polls a pidfd of each, so a child
+that inherited a dead rank's descriptors cannot hide its death) and reads
+their header state, so a killed peer
 is reported as :class:`~zbccl.errors.ZbcclRemoteError` within about one slice,
 and a peer that is merely slow as :class:`~zbccl.errors.ZbcclTimeoutError`
 naming exactly the ranks whose flags never reached the target.

@@ -1,0 +1,212 @@
+"""Authenticated handout of a segment descriptor over an abstract Unix socket.
+
+Threat: every abstract socket name is listed to every user in
+``/proc/net/unix``, and passing a descriptor bypasses its file mode. So:
+
+* the server sends the descriptor only to a connection whose kernel-verified
+  credentials (``SO_PEERCRED``: pid and effective uid at ``connect``) are
+  those of a member of the job, as published through the store; anybody else
+  is disconnected at once, without reading a byte from them;
+* the server never reads from a client, so a silent or hostile connection
+  cannot hold it up: one ``poll`` loop accepts, checks and answers;
+* the client checks the server's credentials the same way (``SO_PEERCRED`` of
+  a connected socket is the listener's), so a process that bound a rank's
+  name first (a squatter) is refused before anything is received;
+* names carry a random per-rank token, so a squatter cannot bind a name
+  before its owner (it is visible only once bound, and then it is taken);
+* every descriptor is close-on-exec, received ones included
+  (``MSG_CMSG_CLOEXEC``).
+
+Who sends what: rank ``r`` listens on ``\\0zbccl-<job>-<r>-<token>``; each
+local peer connects, the server answers with one byte carrying the memfd
+(``SCM_RIGHTS``) and closes the connection. Nothing else flows.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import os
+import select
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+from ..errors import ZbcclRemoteError, ZbcclSystemError
+
+__all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive_fd"]
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+_SEND_TIMEOUT_S = 5.0  # one byte into a fresh socket: only a dead peer makes it wait
+_ACCEPT_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a local rank publishes through the store for the handout."""
+
+    rank: int
+    pid: int
+    uid: int
+    token: str
+    cookie: int
+
+
+def sock_name(job_id: str, rank: int, token: str) -> str:
+    return f"\0zbccl-{job_id}-{rank}-{token}"
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, euid)`` of the process at the other end of ``sock``, as the kernel recorded it."""
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid
+
+
+class FdServer(threading.Thread):
+    """Hands ``fd`` to each expected member that connects, once; see the module docstring.
+
+    Binding happens in the constructor (a taken name raises a clear error at
+    once); serving starts with :meth:`serve`, when the members are known.
+    :meth:`stop` closes the listener and joins the thread, and must run before
+    ``fd`` is closed so that a closed (and reused) descriptor number is never sent.
+    """
+
+    def __init__(self, job_id: str, rank: int, token: str, fd: int) -> None:
+        super().__init__(name=f"zbccl-fdserver-{rank}", daemon=True)
+        self.fd = fd
+        self.expected: dict[int, Member] = {}
+        self.served: set[int] = set()
+        self.rejected = 0
+        self.error: BaseException | None = None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            self.sock.bind(sock_name(job_id, rank, token))
+            self.sock.listen(128)
+        except OSError as exc:
+            self.sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise ZbcclSystemError(
+                    f"heap: the socket name of rank {rank} (job {job_id}) is already bound by another "
+                    "process, expected it free (a squatter, or two jobs sharing an id)", ranks=(rank,)) from None
+            raise ZbcclSystemError(f"heap: cannot listen for segment requests: {exc}", ranks=(rank,)) from None
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+    def serve(self, members: list[Member]) -> None:
+        """Start answering ``members`` (by pid), each once."""
+        self.expected = {m.pid: m for m in members}
+        self.start()
+
+    def run(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while len(self.served) < len(self.expected):
+                events = dict(poller.poll())
+                if self._wake_r in events:
+                    return
+                self._accept_all()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            self.error = exc
+        finally:
+            # Every member is served (or we were stopped): the name goes away at once,
+            # and anyone still queued is refused rather than left waiting.
+            self.sock.close()
+
+    def _accept_all(self) -> None:
+        # A bounded batch, so that a flood of connections cannot keep stop() waiting.
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            with conn:
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        pid, uid = peer_cred(conn)
+        member = self.expected.get(pid)
+        if member is None or member.uid != uid or member.rank in self.served:
+            self.rejected += 1  # not a member (or a second try): hang up, read nothing
+            return
+        conn.settimeout(_SEND_TIMEOUT_S)
+        try:
+            socket.send_fds(conn, [b"z"], [self.fd])
+        except OSError:
+            return  # the peer went away; it reports its own failure
+        self.served.add(member.rank)
+
+    def stop(self) -> None:
+        """Stop accepting and join the thread (idempotent). Safe before :meth:`serve`."""
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+        if self.is_alive() or self.ident is not None:
+            self.join()
+        self.sock.close()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+
+def receive_fd(job_id: str, peer: Member, *, timeout: float) -> tuple[int, int]:
+    """Connect to ``peer``'s server, check it is ``peer``; return ``(memfd, pidfd)``.
+
+    Both descriptors are close-on-exec; the caller owns them.
+    """
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.settimeout(timeout)
+    pidfd = -1
+    try:
+        try:
+            s.connect(sock_name(job_id, peer.rank, peer.token))
+        except OSError as exc:
+            raise ZbcclRemoteError(f"heap: could not reach rank {peer.rank}'s segment server: {exc}",
+                                   ranks=(peer.rank,)) from None
+        pid, uid = peer_cred(s)
+        if (pid, uid) != (peer.pid, peer.uid):
+            raise ZbcclSystemError(
+                f"heap: the socket of rank {peer.rank} is held by another process, expected pid {peer.pid} "
+                f"uid {peer.uid}, got pid {pid} uid {uid}; refusing its descriptor (or the ranks do not share "
+                "one pid namespace, which zbccl needs)", ranks=(peer.rank,))
+        pidfd = _pidfd_of(pid, peer.rank)
+        fd = _recv_one_fd(s, peer.rank)
+    except BaseException:
+        if pidfd >= 0:
+            os.close(pidfd)
+        raise
+    finally:
+        s.close()
+    return fd, pidfd
+
+
+def _pidfd_of(pid: int, rank: int) -> int:
+    """A pidfd of ``rank``'s process, opened while its verified connection is up (no pid reuse yet)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise ZbcclRemoteError(f"heap: rank {rank} (pid {pid}) exited during the handshake",
+                               ranks=(rank,)) from None
+    except (OSError, AttributeError) as exc:
+        raise ZbcclSystemError(f"heap: pidfd_open failed, expected Linux >= 5.3, got {exc}") from None
+
+
+def _recv_one_fd(s: socket.socket, rank: int) -> int:
+    fds = array.array("i")
+    try:
+        msg, anc, _, _ = s.recvmsg(1, socket.CMSG_SPACE(fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    except OSError as exc:
+        raise ZbcclRemoteError(f"heap: could not get rank {rank}'s segment: {exc}", ranks=(rank,)) from None
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ZbcclRemoteError(f"heap: rank {rank} sent no segment descriptor, expected 1, got {len(fds)}"
+                               f" (message {msg!r})", ranks=(rank,))
+    return fds[0]
