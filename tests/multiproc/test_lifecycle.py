@@ -266,3 +266,39 @@ def test_atexit_finalize_with_a_daemon_thread_inside_an_op(op):
     assert rc == 1, f"exit status {rc}:\n{err}"
     assert "RuntimeError: the main thread fails" in err, err
     assert took < 60, took
+
+
+# ------------------------------------------------------------------ item 4: non-members of new_group
+def _non_member(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB)
+    g = comm.new_group([0])
+    t = zbccl.empty(8)
+    t.fill_(ctx.rank + 1)
+    if ctx.rank == 0:
+        assert g and g.is_member and g.world_size == 1
+        zbccl.all_reduce(t, comm=g)
+        assert torch.equal(t, torch.ones(8))
+    else:
+        assert not g and not g.is_member and g is not None
+        refusals = [
+            lambda: zbccl.all_reduce(t, comm=g),
+            lambda: zbccl.broadcast(t, 0, comm=g),
+            lambda: zbccl.barrier(comm=g),
+            lambda: zbccl.all_gather_into_tensor(torch.empty(8), t, comm=g),
+            lambda: zbccl.empty(4, comm=g),
+            lambda: g.barrier(),
+            lambda: g.world_size,
+        ]
+        for fn in refusals:
+            with pytest.raises(zbccl.ZbcclInvalidUsageError, match=r"not a member of the group \[0\]"):
+                fn()
+        assert torch.equal(t, torch.full((8,), 2.0))  # never touched by a world collective
+    comm.barrier()
+    zbccl.finalize()
+    return True
+
+
+def test_non_member_gets_a_placeholder_that_refuses_every_op():
+    assert run_world(_non_member, 2) == [True, True]
