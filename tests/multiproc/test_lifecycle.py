@@ -302,3 +302,38 @@ def _non_member(ctx):
 
 def test_non_member_gets_a_placeholder_that_refuses_every_op():
     assert run_world(_non_member, 2) == [True, True]
+
+
+# ------------------------------------------------------------------ threads under CPU pinning
+def _pinned(ctx, pins):
+    import zbccl
+    from zbccl.runtime.threads import nthreads
+
+    os.environ.pop("ZBCCL_THREADS", None)
+    os.environ.pop("ZBCCL_WAIT_SPIN", None)
+    os.sched_setaffinity(0, pins[ctx.rank])
+    torch.set_num_threads(3)  # the user's (or engine's) choice: zbccl must leave it
+    comm = ctx.init(heap_size=2 * MiB)
+    try:
+        t = zbccl.empty(100)
+        t.fill_(ctx.rank + 1)
+        zbccl.all_reduce(t)
+        assert torch.equal(t, torch.full((100,), 3.0))
+        c = comm._ctx
+        return {"oversubscribed": c.topology.oversubscribed, "spin": c.spin, "threads": nthreads(),
+                "torch": torch.get_num_threads()}
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+@pytest.mark.parametrize("case", ["same-core", "own-cores"])
+def test_pinned_ranks_decide_from_every_mask(case):
+    pins = [{0}, {0}] if case == "same-core" else [{0}, {1}]
+    out = run_world(_pinned, 2, pins=pins)
+    for o in out:
+        assert o["threads"] == 1 and o["torch"] == 3, o
+        if case == "same-core":
+            assert o["oversubscribed"] and o["spin"] == 0, o
+        else:
+            assert not o["oversubscribed"] and o["spin"] > 0, o

@@ -85,6 +85,8 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         _log.setLevel(env.LOG_LEVEL.get().upper())
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
+        for var in (env.LIVENESS_INTERVAL, env.WAIT_SPIN, env.THREADS):
+            var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
                       group=group, timeout=seconds)
         generation = int(rdv.store.add(f"{rdv.namespace}/gen/{rdv.rank}", 1))
@@ -141,7 +143,7 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, time
     spin = env.WAIT_SPIN.get()
     if spin < 0:
         spin = 0 if topo.oversubscribed else _DEFAULT_SPIN
-    set_threads(topo.local_world_size)
+    set_threads(frozenset(topo.infos[topo.rank].cpus), topo.local_masks)
     sma = CachingAllocator(nbytes, alignment=64, cache_limit=env.SMA_CACHE_LIMIT.get())
     return Context(rendezvous=rdv, bootstrap=boot, topology=topo, heap=heap, sma=sma, job_id=job_id,
                    generation=generation, timeout=timeout, spin=spin,
