@@ -464,3 +464,39 @@ def test_forked_child_does_not_hide_its_parents_death():
 
     took = run_world(_parent_killed_with_a_forked_child, 2, expect_exit={1: -signal.SIGKILL}, timeout=90)[0]
     assert took < 20, f"the death was noticed after {took:.1f}s (timeout 60 s)"
+
+
+# ------------------------------------------------------------------ item 7: group slots are returned
+def _many_groups(ctx, n_groups):
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB)
+    me = comm.rank
+    slots = set()
+    t = zbccl.empty(32)
+    for k in range(n_groups):
+        members = [0, 1] if k % 3 else [me]  # also single-member groups, built by each rank alone
+        g = comm.new_group(members)
+        slots.add(g.slot)
+        t.copy_(payload(me, 32) + k)
+        zbccl.all_reduce(t, comm=g)  # a reused slot with stale flags would pair this with an old op
+        want = sum(payload(r, 32) + k for r in members)
+        assert torch.equal(t, want), f"group {k} (slot {g.slot}) wrong"
+        g.barrier()
+        g.destroy()
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="destroyed"):
+            zbccl.all_reduce(t, comm=g)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="world communicator"):
+        comm.destroy()
+    comm.barrier()
+    zbccl.finalize()
+    return sorted(slots)
+
+
+def test_300_groups_created_and_destroyed_reuse_their_slots():
+    from zbccl.heap import layout
+
+    n = 300
+    assert n > layout.MAX_COMMS  # without reuse, slots run out
+    for slots in run_world(_many_groups, 2, n_groups=n, timeout=240):
+        assert len(slots) <= 3 and max(slots) < layout.MAX_COMMS, slots
