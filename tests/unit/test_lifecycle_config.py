@@ -139,7 +139,7 @@ def test_op_lock_is_fifo_reentrant_and_times_out():
         t.start()
         threads.append(t)
         deadline = time.monotonic() + 10
-        while len(lock._queue) < i + 1:  # each worker queued before the next starts
+        while len(lock.queue) < i + 1:  # each worker queued before the next starts
             assert time.monotonic() < deadline
             time.sleep(0.001)
     assert lock.busy()  # five other threads wait for it
@@ -154,7 +154,7 @@ def test_op_lock_is_fifo_reentrant_and_times_out():
     t = threading.Thread(target=lambda: got.append(lock.acquire(0.05)))
     t.start()
     t.join(10)
-    assert got == [False] and not lock._queue
+    assert got == [False] and not lock.queue
     stop = threading.Thread(target=lambda: got.append(lock.acquire(30, stop=lambda: True)))
     stop.start()
     stop.join(10)

@@ -60,6 +60,9 @@ class Communicator:
         self._op_lock = OpLock()
         self._epoch = 0
         ctx.comms.add(self)
+        #: False once finalize, a fork (in the child) or destroy ended this communicator: the one flag
+        #: the ops' fast path reads. Set after joining ``ctx.comms`` so a concurrent finalize sees it.
+        self._live = not (ctx.finalized or ctx.forked)
         self._single_host = all(ctx.heap.reachable(r) for r in self.ranks)
         if self._single_host:
             line = layout.slot_line(slot, layout.SLOT_BARRIER)
@@ -145,7 +148,7 @@ class Communicator:
     # -------------------------------------------------------------------- sync
     def _stopped(self) -> bool:
         """True once no new op may start here (queued ops give up waiting for the op lock)."""
-        return self._ctx.finalized or self._ctx.forked or self.destroyed
+        return not self._live
 
     @guarded("barrier")
     def barrier(self, timeout: float | None = None) -> None:
@@ -234,6 +237,7 @@ class Communicator:
                 "(it ends with zbccl.finalize())")
         self.bootstrap.barrier(timeout=_seconds(timeout, self._ctx.timeout, "destroy"), tag="destroy")
         self.destroyed = True
+        self._live = False
         # The ops layer caches its channel (and the native mirror) on the communicator: free it now.
         self.__dict__.pop("_op_channel", None)
         self._op_lock.wake()
@@ -271,7 +275,7 @@ class NonMember:
             "that new_group returned")
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
+        if name.startswith("_"):  # private and dunder lookups (the op guard's fast path, pickle) just miss
             raise AttributeError(name)
         self._refuse(name)
 

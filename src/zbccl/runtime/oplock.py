@@ -25,50 +25,74 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from threading import get_ident
 
 __all__ = ["OpLock"]
 
 
 class OpLock:
-    """FIFO, reentrant lock with a timeout and a stop condition."""
+    """FIFO, reentrant lock with a timeout and a stop condition.
+
+    Ownership is one C ``Lock`` (``mutex``); the uncontended path is a single
+    non-blocking acquire, which :func:`.registry.collective` inlines (ops of a
+    few microseconds must not pay a microsecond here). Contended threads queue
+    under a condition and take ``mutex`` only at the queue's head; a newcomer
+    skips the queue only while it is empty. Reentry by the owner counts ``depth``.
+    """
+
+    __slots__ = ("mutex", "owner", "depth", "queue", "_cond", "_watchers")
 
     def __init__(self) -> None:
+        self.mutex = threading.Lock()
+        self.owner: int | None = None  # set by the owner once it took mutex, cleared before release
+        self.depth = 0  # reentries beyond the first; written only by the owner
+        self.queue: deque[int] = deque()  # idents of waiting threads, in arrival order
         self._cond = threading.Condition(threading.Lock())
-        self._owner: int | None = None
-        self._depth = 0
-        self._queue: deque[int] = deque()  # idents of waiting threads, in arrival order
+        self._watchers = 0  # threads in wait_idle (finalize)
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free and nobody queues (or this thread holds it already)."""
+        if not self.queue and self.mutex.acquire(False):
+            self.owner = get_ident()
+            return True
+        if self.owner == get_ident():
+            self.depth += 1
+            return True
+        return False
 
     def acquire(self, timeout: float, stop: Callable[[], bool] | None = None) -> bool:
         """Take the lock within ``timeout`` seconds; False on timeout or once ``stop()`` is true."""
-        me = threading.get_ident()
+        if self.try_acquire():
+            return True
+        me = get_ident()
         with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return True
-            if self._owner is None and not self._queue:
-                self._owner, self._depth = me, 1
-                return True
-            self._queue.append(me)
+            self.queue.append(me)
             deadline = time.monotonic() + timeout
             try:
-                while self._owner is not None or self._queue[0] != me:
+                while True:
+                    if self.queue[0] == me and self.mutex.acquire(False):
+                        self.queue.popleft()
+                        self.owner = me
+                        return True
                     left = deadline - time.monotonic()
                     if left <= 0 or (stop is not None and stop()):
                         return False
                     self._cond.wait(left)
-                self._queue.popleft()
-                self._owner, self._depth = me, 1
-                return True
             finally:
-                if self._owner != me:  # gave up (timeout, stop, or an exception in wait)
-                    self._queue.remove(me)
+                if self.owner != me:  # gave up (timeout, stop, or an exception in wait)
+                    self.queue.remove(me)
                     self._cond.notify_all()
 
     def release(self) -> None:
-        with self._cond:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
+        if self.depth:
+            self.depth -= 1
+            return
+        self.owner = None
+        self.mutex.release()
+        # A waiter appends itself under _cond before it tries mutex, so it either took the
+        # lock already or is seen here and woken.
+        if self.queue or self._watchers:
+            with self._cond:
                 self._cond.notify_all()
 
     def wake(self) -> None:
@@ -77,24 +101,31 @@ class OpLock:
             self._cond.notify_all()
 
     def _busy(self, ignore: int) -> bool:
-        return (self._owner is not None and self._owner != ignore) or any(t != ignore for t in self._queue)
+        owner = self.owner
+        if owner is not None:
+            return owner != ignore or any(t != ignore for t in self.queue)
+        # A thread between taking mutex and setting owner is already in flight.
+        return self.mutex.locked() or any(t != ignore for t in self.queue)
 
     def busy(self) -> bool:
         """True while another thread holds the lock or waits for it."""
         with self._cond:
-            return self._busy(threading.get_ident())
+            return self._busy(get_ident())
 
     def held_by_me(self) -> bool:
-        with self._cond:
-            return self._owner == threading.get_ident()
+        return self.owner == get_ident()
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no other thread holds or waits for the lock, or ``deadline`` (monotonic) passes."""
-        me = threading.get_ident()
+        me = get_ident()
         with self._cond:
-            while self._busy(me):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.05))
-            return True
+            self._watchers += 1
+            try:
+                while self._busy(me):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.05))
+                return True
+            finally:
+                self._watchers -= 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import ZbcclInvalidUsageError, ZbcclTimeoutError
@@ -90,28 +91,44 @@ def resolve_comm(comm: Communicator | None = None, *, op: str = "zbccl") -> Comm
         if _default is None:
             raise ZbcclInvalidUsageError(f"{op}: zbccl is not initialized, expected zbccl.init() first")
         comm = _default
+    try:  # the common case first: a live communicator
+        if comm._live:
+            return comm
+    except AttributeError:
+        pass
     check_usable(comm, op)
     return comm
 
 
 def _enter(comm: Communicator, op: str, timeout: Any) -> None:
-    """Take ``comm``'s op lock (FIFO) or raise; the op then counts as in flight until release."""
+    """Take ``comm``'s op lock (FIFO) or raise; the op then counts as in flight until release.
+
+    After taking it, ``finalized`` is read again: ``finalize`` sets it before it
+    looks for ops in flight, so an op either is seen (and waited for) or sees it.
+    """
+    lock = comm._op_lock
     ctx = comm._ctx
+    if lock.try_acquire():
+        if not comm._live:
+            lock.release()
+            check_usable(comm, op)
+            raise ZbcclInvalidUsageError(f"{op}: zbccl was finalized, expected an initialized communicator")
+        return
     try:
         wait = ctx.timeout if timeout is None else float(timeout)
     except (TypeError, ValueError):
         wait = ctx.timeout  # the op itself reports a bad timeout
-    if not wait > 0 or wait == float("inf"):
+    if not 0 < wait < float("inf"):
         wait = ctx.timeout
-    if not comm._op_lock.acquire(wait, stop=comm._stopped):
+    if not lock.acquire(wait, stop=comm._stopped):
         if ctx.finalized:
             raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}")
         check_usable(comm, op)
         raise ZbcclTimeoutError(
             f"{op}: timed out after {wait:.1f}s waiting for this rank's earlier ops on this communicator, "
             "expected other threads to finish them, got the communicator still busy", ranks=(comm.rank,))
-    if comm._stopped():
-        comm._op_lock.release()
+    if comm._stopped():  # it changed while this op queued
+        lock.release()
         if ctx.finalized:
             raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}")
         check_usable(comm, op)
@@ -123,12 +140,25 @@ def collective(op: str) -> Callable[[F], F]:
     def deco(fn: F) -> F:
         @functools.wraps(fn)
         def run(*args: Any, comm: Communicator | None = None, **kwargs: Any) -> Any:
-            c = resolve_comm(comm, op=op)
-            _enter(c, op, kwargs.get("timeout"))
+            c = _default if comm is None else comm
+            try:  # the common case inline, as cheap as it gets: a live, uncontended communicator
+                lock = c._op_lock
+                fast = c._live and not lock.queue and lock.mutex.acquire(False)
+            except AttributeError:
+                fast = False
+            if fast:
+                lock.owner = get_ident()
+                if not c._live:  # finalize ran in between: see _enter
+                    lock.release()
+                    check_usable(c, op)
+            else:
+                c = resolve_comm(comm, op=op)
+                lock = c._op_lock
+                _enter(c, op, kwargs.get("timeout"))
             try:
                 return fn(*args, comm=c, **kwargs)
             finally:
-                c._op_lock.release()
+                lock.release()
 
         return run  # type: ignore[return-value]
 

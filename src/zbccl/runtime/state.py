@@ -171,6 +171,8 @@ def finalize() -> None:
         if ctx.finalized:
             return
         ctx.finalized = True
+        for c in list(ctx.comms):
+            c._live = False
         if ctx.forked:
             return  # the parent's heap and header: not ours to touch (see _after_fork_in_child)
         heap = ctx.heap
@@ -259,6 +261,8 @@ def _after_fork_in_child() -> None:
         return
     ctx = comm._ctx
     ctx.forked = True
+    for c in list(ctx.comms):
+        c._live = False
     registry.mark_forked_child(os.getppid())
     registry.set_default(None)
     try:
