@@ -500,3 +500,42 @@ def test_300_groups_created_and_destroyed_reuse_their_slots():
     assert n > layout.MAX_COMMS  # without reuse, slots run out
     for slots in run_world(_many_groups, 2, n_groups=n, timeout=240):
         assert len(slots) <= 3 and max(slots) < layout.MAX_COMMS, slots
+
+
+def _fork_while_allocator_busy(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB)
+    t = zbccl.empty(100)
+    held, done = threading.Event(), threading.Event()
+
+    def hold():  # another thread is inside an allocator operation at the moment of the fork
+        comm.sma._acquire("test")
+        held.set()
+        done.wait(60)
+        comm.sma._release()
+
+    th = threading.Thread(target=hold, daemon=True)
+    th.start()
+    assert held.wait(30)
+
+    def child():
+        nonlocal t
+        del t  # the inherited tensor dies in the child: its finalizer frees into the child's allocator
+        import gc
+
+        gc.collect()
+        return True
+
+    try:
+        seen = _in_child(child)  # would block forever on the lock of a thread that does not exist here
+    finally:
+        done.set()
+        th.join(30)
+    assert seen == {"ok": True}, seen
+    zbccl.finalize()
+    return True
+
+
+def test_fork_while_another_thread_holds_the_allocator_lock():
+    assert run_world(_fork_while_allocator_busy, 1, timeout=60) == [True]

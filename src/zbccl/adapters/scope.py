@@ -269,6 +269,10 @@ def unregister_heap(base: int) -> None:
 
 
 def _unregister_all() -> None:
+    from ..runtime.state import in_forked_child
+
+    if in_forked_child():  # the fork hook detached already; _lock may be held by a thread gone at fork
+        return
     with _lock:
         for reg in list(_registry.values()):
             _unregister_locked(reg)
