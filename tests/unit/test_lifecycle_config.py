@@ -160,3 +160,36 @@ def test_op_lock_is_fifo_reentrant_and_times_out():
     stop.join(10)
     assert got == [False, False]
     lock.release()
+
+
+def test_finalize_keeps_the_heap_mapped_when_an_op_never_leaves(no_dist_env, caplog):
+    import os
+
+    from tests.conftest import zbccl_memfds_of
+
+    comm = zbccl.init(store=dist.HashStore(), rank=0, world_size=1, heap_size="1M")
+    held, done = threading.Event(), threading.Event()
+
+    def stuck_op():  # stands for an op that never reaches a wait (and so never sees the finalize)
+        assert comm._op_lock.acquire(10)
+        held.set()
+        done.wait(60)
+        comm._op_lock.release()
+
+    t = threading.Thread(target=stuck_op, daemon=True)
+    t.start()
+    assert held.wait(10)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="zbccl"):
+        zbccl.finalize()
+    took = time.monotonic() - t0
+    try:
+        assert 1.5 < took < 20, took  # waited its bound (>= 2 s), then gave up
+        assert "keeping the heap mapped" in caplog.text
+        assert zbccl_memfds_of(os.getpid()), "the heap was unmapped under a running op"
+        assert not zbccl.is_initialized()
+    finally:
+        done.set()
+        t.join(10)
+        comm._ctx.heap.close(unmap=True)  # what finalize left mapped: no mapping outlives the test
+    assert zbccl_memfds_of(os.getpid()) == []
