@@ -193,3 +193,18 @@ def test_finalize_keeps_the_heap_mapped_when_an_op_never_leaves(no_dist_env, cap
         t.join(10)
         comm._ctx.heap.close(unmap=True)  # what finalize left mapped: no mapping outlives the test
     assert zbccl_memfds_of(os.getpid()) == []
+
+
+def test_comm_of_the_wrong_kind_is_refused(no_dist_env):
+    comm = zbccl.init(store=dist.HashStore(), rank=0, world_size=1, heap_size="1M")
+    try:
+        t = zbccl.zeros(4)
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="all_reduce: comm must be a zbccl Communicator"):
+            zbccl.all_reduce(t, comm=object())
+        zbccl.all_reduce(t, comm=comm)
+    finally:
+        zbccl.finalize()
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="all_reduce: zbccl was finalized"):
+        zbccl.all_reduce(t, comm=comm)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="barrier: zbccl was finalized"):
+        comm.barrier()
