@@ -137,7 +137,8 @@ PREFAULT: EnvVar[bool] = EnvVar(
 )
 WAIT_SPIN: EnvVar[int] = EnvVar(
     "ZBCCL_WAIT_SPIN", int, -1,
-    "Polls a wait spins before it yields; -1 picks by load (0 when ranks outnumber cores).",
+    "Polls a wait spins before it yields; -1 picks by load (0 when the local ranks' affinity masks "
+    "give them fewer CPUs than ranks).",
 )
 LIVENESS_INTERVAL: EnvVar[float] = EnvVar(
     "ZBCCL_LIVENESS_INTERVAL", lambda t: parse_seconds(t, what="liveness interval"), 0.05,
