@@ -7,6 +7,7 @@ in effect, and the README table is checked against :data:`VARIABLES` by a test.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -18,6 +19,7 @@ __all__ = [
     "VARIABLES",
     "EnvVar",
     "parse_size",
+    "parse_seconds",
     "format_size",
     "HEAP_SIZE",
     "TIMEOUT",
@@ -50,6 +52,22 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"parse_size: not a size, expected e.g. '256M' or '1GiB', got {text!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_seconds(text: str | float | int, *, what: str = "timeout") -> float:
+    """A finite number of seconds > 0 (``"30"``, ``2.5``); ``ValueError`` otherwise.
+
+    0, negative, ``inf`` and ``nan`` are refused: a timeout of 0 would fail every
+    wait at once, and ``inf``/``nan`` would make a wait unbounded (or never expire:
+    ``nan`` compares false with everything).
+    """
+    try:
+        seconds = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, expected e.g. 30, got {text!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds > 0, got {text!r}")
+    return seconds
 
 
 def format_size(nbytes: int) -> str:
@@ -106,7 +124,7 @@ HEAP_SIZE: EnvVar[int] = EnvVar(
     "Default heap bytes per rank when init() gets no heap_size (e.g. 512M, 2G).",
 )
 TIMEOUT: EnvVar[float] = EnvVar(
-    "ZBCCL_TIMEOUT", float, 300.0,
+    "ZBCCL_TIMEOUT", parse_seconds, 300.0,
     "Default timeout in seconds of every blocking call (rendezvous, barrier, collective).",
 )
 CACHE_DIR: EnvVar[Path] = EnvVar(
@@ -119,10 +137,11 @@ PREFAULT: EnvVar[bool] = EnvVar(
 )
 WAIT_SPIN: EnvVar[int] = EnvVar(
     "ZBCCL_WAIT_SPIN", int, -1,
-    "Polls a wait spins before it yields; -1 picks by load (0 when ranks outnumber cores).",
+    "Polls a wait spins before it yields; -1 picks by load (0 when the local ranks' affinity masks "
+    "give them fewer CPUs than ranks).",
 )
 LIVENESS_INTERVAL: EnvVar[float] = EnvVar(
-    "ZBCCL_LIVENESS_INTERVAL", float, 0.05,
+    "ZBCCL_LIVENESS_INTERVAL", lambda t: parse_seconds(t, what="liveness interval"), 0.05,
     "Seconds between checks for dead peers while a rank waits.",
 )
 SMA_CACHE_LIMIT: EnvVar[int] = EnvVar(
@@ -139,8 +158,9 @@ STRICT_HEAP: EnvVar[bool] = EnvVar(
 )
 THREADS: EnvVar[int] = EnvVar(
     "ZBCCL_THREADS", int, -1,
-    "Threads per rank for zbccl's copies and reductions, also set as torch's intra-op threads at init; "
-    "-1: usable cores // local ranks; 0: keep torch's setting and use it.",
+    "Threads per rank for zbccl's copies and reductions; N > 0 also sets torch's intra-op threads at init; "
+    "-1: this rank's cores divided by the local ranks pinned to them, torch left alone; "
+    "0: use torch's setting.",
 )
 ALGO: EnvVar[str] = EnvVar(
     "ZBCCL_ALGO", str, "",

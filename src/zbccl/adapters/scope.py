@@ -220,15 +220,27 @@ def _register(comm: Any) -> _Registration:
         if not _atexit_done:  # frees during interpreter teardown must not call into Python
             atexit.register(_unregister_all)
             _atexit_done = True
-        from ..runtime.state import add_finalize_hook
+        from ..runtime.state import add_finalize_hook, add_fork_hook
 
         add_finalize_hook(_on_finalize)
+        add_fork_hook(_on_fork)
         return reg
 
 
 def _on_finalize(heap: Any) -> None:
     """``zbccl.finalize`` hook: detach the hook from the heap before it goes away."""
     unregister_heap(heap.heap_base)
+
+
+def _on_fork(heap: Any) -> None:
+    """Fork hook, in the child: stop serving the parent's heap (its blocks are the parent's too).
+
+    Takes no Python lock (another thread may have held one at fork); scopes open
+    across the fork then allocate ordinary memory.
+    """
+    if _lib is not None:
+        for reg in list(_registry.values()):
+            _lib.zbh_unregister(reg.heap_id)
 
 
 def _unregister_locked(reg: _Registration) -> None:
@@ -257,6 +269,10 @@ def unregister_heap(base: int) -> None:
 
 
 def _unregister_all() -> None:
+    from ..runtime.state import in_forked_child
+
+    if in_forked_child():  # the fork hook detached already; _lock may be held by a thread gone at fork
+        return
     with _lock:
         for reg in list(_registry.values()):
             _unregister_locked(reg)
@@ -267,8 +283,10 @@ def _resolve(comm: Any) -> Any:
     from ..runtime.communicator import Communicator
 
     if comm is None or isinstance(comm, Communicator):
-        from ..runtime.state import resolve_comm
+        from ..runtime.state import in_forked_child, resolve_comm
 
+        if in_forked_child():
+            return None  # a forked child may not use the parent's heap: ordinary memory
         return resolve_comm(comm)
     return comm
 
@@ -282,8 +300,8 @@ class HeapScope:
         self._tokens = threading.local()
 
     def __enter__(self) -> HeapScope:
-        reg = _register(_resolve(self._comm))
-        token = _hook().zbh_scope_enter(reg.heap_id, int(self._strict))
+        comm = _resolve(self._comm)
+        token = None if comm is None else _hook().zbh_scope_enter(_register(comm).heap_id, int(self._strict))
         stack = self._tokens.__dict__.setdefault("stack", [])
         stack.append(token)
         return self
@@ -291,7 +309,9 @@ class HeapScope:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        _hook().zbh_scope_exit(self._tokens.stack.pop())
+        token = self._tokens.stack.pop()
+        if token is not None:
+            _hook().zbh_scope_exit(token)
 
 
 def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
@@ -319,5 +339,6 @@ def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
 
 def hook_stats(comm: Any = None) -> dict[str, int]:
     """Native counters (:data:`HOOK_COUNTERS`) of ``comm``'s heap; all zero if never used in a scope."""
-    reg = _registry.get(int(_resolve(comm).heap_base))
+    c = _resolve(comm)
+    reg = _registry.get(int(c.heap_base)) if c is not None else None
     return reg.counters() if reg is not None else dict.fromkeys(HOOK_COUNTERS, 0)

@@ -14,7 +14,8 @@ import platform
 import socket
 from dataclasses import dataclass, field
 
-__all__ = ["HostInfo", "Topology", "local_host_info", "cpu_model", "usable_cores"]
+__all__ = ["HostInfo", "Topology", "local_host_info", "cpu_model", "usable_cores", "affinity", "format_cpus",
+           "masks_oversubscribed"]
 
 
 def _read(path: str) -> str:
@@ -44,12 +45,48 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def affinity() -> tuple[int, ...]:
+    """The CPUs this process may run on (its affinity mask), sorted."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
 def usable_cores() -> int:
     """Cores this process may run on (affinity mask, not the machine total)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+    return len(affinity())
+
+
+def format_cpus(cpus) -> str:
+    """``0-3,8`` for CPUs {0, 1, 2, 3, 8}."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def masks_oversubscribed(masks: list[frozenset[int]]) -> bool:
+    """True when the ranks of one host with these affinity masks cannot each have a core.
+
+    That is: more ranks than CPUs in the union of their masks, or some mask that
+    more ranks are confined to (their mask lies inside it) than it has CPUs, such
+    as two ranks pinned to the same core. Ranks pinned to their own cores (how
+    vLLM and SGLang run on CPU) are not oversubscribed, however few cores each has.
+    """
+    known = [m for m in masks if m]
+    if not known:
+        return False
+    if len(masks) > len(frozenset().union(*known)):
+        return True
+    return any(sum(1 for o in known if o <= m) > len(m) for m in set(known))
 
 
 @dataclass(frozen=True)
@@ -60,13 +97,16 @@ class HostInfo:
     hostname: str
     pid: int
     cores: int
+    #: The rank's affinity mask (CPU ids), exchanged so that thread and spin decisions see every rank's.
+    cpus: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"host_id": self.host_id, "hostname": self.hostname, "pid": self.pid, "cores": self.cores}
+        return {"host_id": self.host_id, "hostname": self.hostname, "pid": self.pid, "cores": self.cores,
+                "cpus": list(self.cpus)}
 
     @classmethod
     def from_dict(cls, d: dict) -> HostInfo:
-        return cls(d["host_id"], d["hostname"], int(d["pid"]), int(d["cores"]))
+        return cls(d["host_id"], d["hostname"], int(d["pid"]), int(d["cores"]), tuple(int(c) for c in d["cpus"]))
 
 
 def local_host_info() -> HostInfo:
@@ -74,7 +114,8 @@ def local_host_info() -> HostInfo:
     hostname = socket.gethostname()
     parts = [hostname, _read("/proc/sys/kernel/random/boot_id"), _ns_inode("net"), _ns_inode("ipc")]
     host_id = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-    return HostInfo(host_id=host_id, hostname=hostname, pid=os.getpid(), cores=usable_cores())
+    cpus = affinity()
+    return HostInfo(host_id=host_id, hostname=hostname, pid=os.getpid(), cores=len(cpus), cpus=cpus)
 
 
 @dataclass(frozen=True)
@@ -126,13 +167,22 @@ class Topology:
         return self.infos[rank].host_id == self.infos[self.rank].host_id
 
     @property
+    def local_masks(self) -> list[frozenset[int]]:
+        """Affinity masks of the ranks of this host, in local-rank order."""
+        return [frozenset(self.infos[r].cpus) for r in self.local_ranks]
+
+    @property
     def oversubscribed(self) -> bool:
-        """More ranks on this host than cores they may use: waits must yield at once."""
-        return self.local_world_size > self.infos[self.rank].cores
+        """This host's ranks cannot each have a core (see :func:`masks_oversubscribed`): waits yield at once.
+
+        Decided from every local rank's affinity mask, not this rank's alone.
+        """
+        return masks_oversubscribed(self.local_masks)
 
     def describe(self) -> list[dict]:
         return [
             {"host": i, "hostname": self.infos[rs[0]].hostname, "host_id": self.infos[rs[0]].host_id,
-             "ranks": list(rs), "cores": self.infos[rs[0]].cores}
+             "ranks": list(rs), "cores": self.infos[rs[0]].cores,
+             "cpus": {r: format_cpus(self.infos[r].cpus) for r in rs}}
             for i, rs in enumerate(self.hosts)
         ]

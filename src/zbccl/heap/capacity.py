@@ -4,7 +4,8 @@ The segments are memfds: shmem pages charged like ``/dev/shm`` files to the
 machine's (or the container's cgroup's) memory. ``/dev/shm``'s free space is
 the budget an operator declares for shared memory (``docker --shm-size``,
 a Kubernetes ``emptyDir`` with ``medium: Memory``), so zbccl honours it too,
-together with ``MemAvailable`` and the cgroup's remaining memory.
+together with ``MemAvailable`` and the memory cgroup's remaining room
+(cgroup v1 or v2, the tightest limit of the cgroup and its ancestors).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from ..env import format_size
 from ..errors import ZbcclOutOfMemoryError
 
-__all__ = ["shm_capacity", "check_capacity"]
+__all__ = ["shm_capacity", "check_capacity", "cgroup_headroom"]
 
 
 def _meminfo_available() -> int | None:
@@ -28,37 +29,87 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def _cgroup_headroom() -> int | None:
+# cgroup v1 reports "no limit" as a huge page-rounded number (0x7FFFFFFFFFFFF000 on x86-64).
+_V1_UNLIMITED = 1 << 60
+CGROUP_ROOT = "/sys/fs/cgroup"
+SELF_CGROUP = "/proc/self/cgroup"
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file's value; None if it is missing, unreadable or says ``max``."""
     try:
-        with open("/proc/self/cgroup") as f:
-            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
-        if rel is None:
-            return None
-        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(os.path.join(base, "memory.current")) as f:
-            current = int(f.read().strip())
-        return max(0, int(limit) - current)
-    except (OSError, ValueError, StopIteration):
+        with open(path) as f:
+            text = f.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
         return None
 
 
-def shm_capacity(path: str = "/dev/shm") -> dict[str, int | None]:
-    """Free bytes per limit: ``dev_shm`` (statvfs), ``mem_available``, ``cgroup``."""
+def _headroom(mount: str, rel: str, limit_file: str, usage_file: str) -> int | None:
+    """Least ``limit - usage`` over the cgroup at ``mount/rel`` and its ancestors up to ``mount``.
+
+    A parent's limit binds its children too. Inside a container without a cgroup
+    namespace, ``rel`` names a host path that is not mounted; its ancestors that
+    exist (at least the mount itself, the container's own cgroup) still count.
+    """
+    parts = [p for p in rel.strip("/").split("/") if p]
+    best = None
+    for depth in range(len(parts), -1, -1):
+        d = os.path.join(mount, *parts[:depth])
+        limit = _read_int(os.path.join(d, limit_file))
+        if limit is None or limit >= _V1_UNLIMITED:
+            continue
+        usage = _read_int(os.path.join(d, usage_file)) or 0
+        room = max(0, limit - usage)
+        best = room if best is None else min(best, room)
+    return best
+
+
+def cgroup_headroom(root: str = CGROUP_ROOT, self_cgroup: str = SELF_CGROUP) -> int | None:
+    """Bytes this process's memory cgroup may still charge, or None without a limit.
+
+    cgroup v1 (a ``N:...memory...:/path`` line; ``memory.limit_in_bytes`` and
+    ``memory.usage_in_bytes`` under ``root/memory``) and v2 (the ``0::/path`` line;
+    ``memory.max`` and ``memory.current`` under ``root``). ``root`` and
+    ``self_cgroup`` are parameters so tests can point them at a fake tree.
+    """
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    v1 = v2 = None
+    for ln in lines:
+        fields = ln.split(":", 2)
+        if len(fields) != 3:
+            continue
+        if "memory" in fields[1].split(","):
+            v1 = fields[2]
+        elif fields[0] == "0" and fields[1] == "":
+            v2 = fields[2]
+    if v1 is not None:  # a v1 memory controller wins (hybrid hosts mount v2 without memory)
+        return _headroom(os.path.join(root, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes")
+    if v2 is not None:
+        return _headroom(root, v2, "memory.max", "memory.current")
+    return None
+
+
+def shm_capacity(path: str = "/dev/shm", *, cgroup_root: str = CGROUP_ROOT,
+                 self_cgroup: str = SELF_CGROUP) -> dict[str, int | None]:
+    """Free bytes per limit: ``dev_shm`` (statvfs), ``mem_available``, ``cgroup`` (v1 or v2)."""
     try:
         st = os.statvfs(path)
         dev_shm = st.f_bavail * st.f_frsize
     except OSError:
         dev_shm = None
-    return {"dev_shm": dev_shm, "mem_available": _meminfo_available(), "cgroup": _cgroup_headroom()}
+    return {"dev_shm": dev_shm, "mem_available": _meminfo_available(),
+            "cgroup": cgroup_headroom(cgroup_root, self_cgroup)}
 
 
-def check_capacity(needed: int, *, nranks: int, path: str = "/dev/shm") -> None:
+def check_capacity(needed: int, *, nranks: int, path: str = "/dev/shm", cgroup_root: str = CGROUP_ROOT,
+                   self_cgroup: str = SELF_CGROUP) -> None:
     """Raise :class:`ZbcclOutOfMemoryError` if ``needed`` bytes cannot be placed."""
-    cap = shm_capacity(path)
+    cap = shm_capacity(path, cgroup_root=cgroup_root, self_cgroup=self_cgroup)
     limits = {k: v for k, v in cap.items() if v is not None}
     if not limits:
         return

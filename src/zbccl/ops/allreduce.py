@@ -38,6 +38,7 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
+from ..runtime.registry import collective
 from ..runtime.state import resolve_comm
 from .channel import Header, channel_of
 from .dtypes import AVG, CODE_DTYPES, dtype_code, op_name, reduce_op_code
@@ -60,6 +61,7 @@ def _show(field: int, value: int) -> str:
     return str(value)
 
 
+@collective("all_reduce")
 def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = None) -> torch.Tensor:
     """Collective: reduce ``tensor`` over all ranks, in place; returns ``tensor``.
 

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
+from ..runtime.registry import collective
 from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .channel import Header, channel_of
@@ -23,6 +24,7 @@ from .plan import OP_BROADCAST, choose, nthreads, profiled
 __all__ = ["broadcast", "barrier"]
 
 
+@collective("broadcast")
 def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = None) -> torch.Tensor:
     """Collective: copy rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place)."""
     comm = resolve_comm(comm)
@@ -81,6 +83,7 @@ def _python_path(ch, dst: torch.Tensor, nbytes: int, dt: int, offset: int, src: 
     ch.end(op="broadcast")
 
 
+@collective("barrier")
 def barrier(*, comm: Communicator | None = None, timeout: float | None = None) -> None:
     """Collective: return once every rank of ``comm`` entered (see ``Communicator.barrier``)."""
     resolve_comm(comm).barrier(timeout)

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..runtime.communicator import Communicator
+from ..runtime.registry import collective
 from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .channel import Header, OpChannel, channel_of
@@ -42,6 +43,7 @@ def _row_elems(t: torch.Tensor) -> int:
     return int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
 
 
+@collective("all_gather_into_tensor")
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *,
                            comm: Communicator | None = None) -> torch.Tensor:
     """Collective: ``output`` (``world_size * input.numel()`` elements) gets every rank's ``input``
@@ -102,6 +104,7 @@ def _fast_all_gather(comm, output: torch.Tensor, input: torch.Tensor, n: int, W:
     return True
 
 
+@collective("all_gather_v")
 def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
                  comm: Communicator | None = None) -> torch.Tensor:
     """Collective: all-gather with per-rank sizes along dim 0.
@@ -116,6 +119,7 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
         return _run(comm, "all_gather_v", output, input, [s * row for s in sizes], None, row=row)
 
 
+@collective("all_to_all_single")
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                       input_split_sizes=None, *, comm: Communicator | None = None) -> torch.Tensor:
     """Collective: rank q's rows ``input_split_sizes[r]`` go to rank r, landing at rank r's rows

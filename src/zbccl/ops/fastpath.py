@@ -17,6 +17,7 @@ import numpy as np
 from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
+from ..runtime.registry import FINALIZED_WHILE_WAITING
 from ..runtime.threads import nthreads
 from .channel import L_ARRIVE, L_DONE, L_HEADER, L_PHASE, Header, OpChannel
 
@@ -71,6 +72,8 @@ class NativeChannel:
             raise ZbcclTimeoutError(
                 f"{op}: timed out after {ch.ctx.timeout:.1f}s waiting for ranks {late}; they never arrived",
                 ranks=tuple(late))
+        if rc == RC_GONE and rank == ch.rank:  # chan.c check_peers: our own STATE is FINALIZED
+            raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ch.comm.global_rank,))
         if rc in (RC_DEAD, RC_GONE):
             g = ch.comm.ranks[rank]
             state = ch.ctx.heap.header(g, layout.H_STATE)

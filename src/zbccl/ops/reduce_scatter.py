@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
+from ..runtime.registry import collective
 from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .channel import Header, channel_of
@@ -28,6 +29,7 @@ from .plan import OP_REDUCE_SCATTER, choose, nthreads, profiled
 __all__ = ["reduce_scatter_tensor", "reduce_scatter_v"]
 
 
+@collective("reduce_scatter_tensor")
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *,
                           comm: Communicator | None = None) -> torch.Tensor:
     """Collective: ``output`` (``input.numel() / world_size`` elements) gets slice ``rank`` of the
@@ -75,6 +77,7 @@ def _fast(comm, output: torch.Tensor, input: torch.Tensor, red_op, n: int, W: in
     return True
 
 
+@collective("reduce_scatter_v")
 def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], op="sum", *,
                      comm: Communicator | None = None) -> torch.Tensor:
     """Collective: reduce-scatter with per-rank sizes along dim 0.

@@ -17,10 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .. import env
 from ..bootstrap.store import StoreBootstrap
 from ..errors import ZbcclInvalidUsageError
 from ..heap import layout
 from ..heap.views import HeapHandle, view_heap
+from .oplock import OpLock
+from .registry import guarded
+from .slots import acquire_slot, release_slot, reset_slot
 from .waits import FlagSet, wait_flags
 
 if TYPE_CHECKING:
@@ -28,11 +32,23 @@ if TYPE_CHECKING:
 
     from .context import Context
 
-__all__ = ["Communicator"]
+__all__ = ["Communicator", "NonMember"]
+
+
+def _seconds(timeout: float | None, default: float, op: str) -> float:
+    if timeout is None:
+        return default
+    try:
+        return env.parse_seconds(timeout)
+    except ValueError as exc:
+        raise ZbcclInvalidUsageError(f"{op}: {exc}") from None
 
 
 class Communicator:
     """Ranks ``0..world_size-1`` of one group; ``ranks[i]`` is group rank ``i``'s global rank."""
+
+    #: False only for the :class:`NonMember` placeholder ``new_group`` returns to non-members.
+    is_member = True
 
     def __init__(self, ctx: Context, ranks: Sequence[int], slot: int, bootstrap: StoreBootstrap) -> None:
         self._ctx = ctx
@@ -40,7 +56,13 @@ class Communicator:
         self.slot = slot
         self.bootstrap = bootstrap
         self.rank = self.ranks.index(ctx.rank)
+        self.destroyed = False
+        self._op_lock = OpLock()
         self._epoch = 0
+        ctx.comms.add(self)
+        #: False once finalize, a fork (in the child) or destroy ended this communicator: the one flag
+        #: the ops' fast path reads. Set after joining ``ctx.comms`` so a concurrent finalize sees it.
+        self._live = not (ctx.finalized or ctx.forked)
         self._single_host = all(ctx.heap.reachable(r) for r in self.ranks)
         if self._single_host:
             line = layout.slot_line(slot, layout.SLOT_BARRIER)
@@ -124,6 +146,11 @@ class Communicator:
         return view_heap(self._ctx.heap, self._global(rank, "peer_tensor"), handle)
 
     # -------------------------------------------------------------------- sync
+    def _stopped(self) -> bool:
+        """True once no new op may start here (queued ops give up waiting for the op lock)."""
+        return not self._live
+
+    @guarded("barrier")
     def barrier(self, timeout: float | None = None) -> None:
         """Collective: return once every member has entered this barrier.
 
@@ -132,9 +159,7 @@ class Communicator:
         as soon as a member is found dead.
         """
         ctx = self._ctx
-        if ctx.finalized:
-            raise ZbcclInvalidUsageError("barrier: zbccl was finalized")
-        timeout = ctx.timeout if timeout is None else float(timeout)
+        timeout = _seconds(timeout, ctx.timeout, "barrier")
         if not self._single_host:
             self.bootstrap.barrier(timeout=timeout)
             return
@@ -142,6 +167,7 @@ class Communicator:
         ctx.prims.signal(self._my_flag, self._epoch)
         wait_flags(ctx, self._peer_flags, self._epoch, timeout=timeout, op="barrier")
 
+    @guarded("all_gather_object")
     def all_gather_object(self, obj: object, *, timeout: float | None = None) -> list:
         """Collective: every member's picklable ``obj``, indexed by group rank.
 
@@ -150,42 +176,108 @@ class Communicator:
         """
         import pickle
 
-        timeout = self._ctx.timeout if timeout is None else float(timeout)
+        timeout = _seconds(timeout, self._ctx.timeout, "all_gather_object")
         got = self.bootstrap.all_gather(pickle.dumps(obj), timeout=timeout, tag="object")
         return [pickle.loads(b) for b in got]
 
-    def new_group(self, ranks: Sequence[int]) -> Communicator | None:
+    @guarded("new_group")
+    def new_group(self, ranks: Sequence[int], *, timeout: float | None = None) -> Communicator | NonMember:
         """A sub-communicator of ``ranks`` (this group's numbering) over the same heap.
 
-        Collective over the *members* only (non-members may call it too, as
-        torch requires, and get ``None`` without communicating). Members must
-        create groups with the same member list in the same order.
+        Collective over the *members* only. Non-members may call it too, as torch
+        requires, and get a :class:`NonMember` without communicating: it is falsy
+        and every op given it raises :class:`~zbccl.errors.ZbcclInvalidUsageError`
+        (it never falls back to the world, as ``comm=None`` would). Members must
+        create groups with the same member list in the same order. The group holds
+        one of the job's ~120 comm slots until :meth:`destroy`.
         """
         ctx = self._ctx
+        timeout = _seconds(timeout, ctx.timeout, "new_group")
         members = sorted({self._global(int(r), "new_group") for r in ranks})
         if len(members) != len(list(ranks)):
             raise ZbcclInvalidUsageError(f"new_group: duplicate ranks, got {list(ranks)}")
         if ctx.rank not in members:
-            return None
+            return NonMember(members, ctx.rank)
         key = "-".join(map(str, members))
-        n = ctx.group_counts.get(key, 0)
-        ctx.group_counts[key] = n + 1
+        with ctx.groups_lock:
+            n = ctx.group_counts.get(key, 0)
+            ctx.group_counts[key] = n + 1
         leader = members[0]
         slot_key = f"group/{key}/{n}"
         if ctx.rank == leader:
-            slot = ctx.bootstrap.add("slots", 1)
-            ctx.bootstrap.set(slot_key, str(slot).encode())
+            got = acquire_slot(ctx.bootstrap)
+            slot, use = got if got is not None else (-1, 0)
+            ctx.bootstrap.set(slot_key, f"{slot}:{use}".encode())
         else:
-            slot = int(ctx.bootstrap.get(slot_key, timeout=ctx.timeout, owner=leader))
-        if slot >= layout.MAX_COMMS:
+            slot, use = map(int, ctx.bootstrap.get(slot_key, timeout=timeout, owner=leader).split(b":"))
+        if slot < 0:
             raise ZbcclInvalidUsageError(
-                f"new_group: too many communicators, expected at most {layout.MAX_COMMS - 1} groups, got {slot}")
+                f"new_group: too many communicators, expected at most {layout.MAX_COMMS - 1} live groups "
+                "(destroy() returns a group's slot), got all of them in use")
+        reset_slot(ctx.heap, slot)  # a reused slot holds the previous group's flags
         boot = StoreBootstrap(ctx.bootstrap.store, members.index(ctx.rank), len(members),
-                              prefix=f"{ctx.key_prefix}/g{slot}", members=tuple(members))
+                              prefix=f"{ctx.key_prefix}/g{slot}.{use}", members=tuple(members))
         comm = Communicator(ctx, members, slot, boot)
-        boot.barrier(timeout=ctx.timeout)
+        boot.barrier(timeout=timeout)  # every member reset its lines before anyone waits on them
         return comm
+
+    @guarded("destroy")
+    def destroy(self, *, timeout: float | None = None) -> None:
+        """Collective over the members: end this sub-communicator and return its comm slot.
+
+        Blocks until every member called it (a store barrier: once all arrived, no
+        member is still inside an op of this group). Later ops on it raise
+        :class:`~zbccl.errors.ZbcclInvalidUsageError`. The world communicator ends
+        with ``zbccl.finalize()`` instead; ``finalize`` also ends every sub-group on
+        its rank (locally: it never waits for peers, and slots are per ``init``).
+        """
+        if self.slot == 0:
+            raise ZbcclInvalidUsageError(
+                "destroy: expected a sub-communicator from new_group, got the world communicator "
+                "(it ends with zbccl.finalize())")
+        self.bootstrap.barrier(timeout=_seconds(timeout, self._ctx.timeout, "destroy"), tag="destroy")
+        self.destroyed = True
+        self._live = False
+        # The ops layer caches its channel (and the native mirror) on the communicator: free it now.
+        self.__dict__.pop("_op_channel", None)
+        self._op_lock.wake()
+        if self.rank == 0:
+            release_slot(self._ctx.bootstrap, self.slot)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, ranks={list(self.ranks)}, "
                 f"local_rank={self.local_rank}, local_world_size={self.local_world_size}, job={self.job_id})")
+
+
+class NonMember:
+    """What :meth:`Communicator.new_group` returns on a rank outside the group.
+
+    Falsy (``if not g:`` reads as "not in this group", like code written for
+    ``None``), but not ``None``: ``comm=None`` means the whole world, so a
+    ``None`` passed on to an op would silently become a world collective. Every
+    op, method or attribute of a communicator used on it raises
+    :class:`~zbccl.errors.ZbcclInvalidUsageError`; ``is_member`` is False.
+    """
+
+    is_member = False
+
+    def __init__(self, ranks: Sequence[int], global_rank: int) -> None:
+        self.group_ranks = tuple(ranks)
+        self.global_rank = global_rank
+
+    def __bool__(self) -> bool:
+        return False
+
+    def _refuse(self, op: str) -> None:
+        raise ZbcclInvalidUsageError(
+            f"{op}: this rank (global rank {self.global_rank}) is not a member of the group "
+            f"{list(self.group_ranks)}, expected a communicator it belongs to, got the non-member placeholder "
+            "that new_group returned")
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # private and dunder lookups (the op guard's fast path, pickle) just miss
+            raise AttributeError(name)
+        self._refuse(name)
+
+    def __repr__(self) -> str:
+        return f"NonMember(global_rank={self.global_rank}, group={list(self.group_ranks)})"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 from ..bootstrap.rendezvous import Rendezvous
@@ -31,6 +33,12 @@ class Context:
     #: How many groups with a given member list this process created (matches keys).
     group_counts: dict[str, int] = field(default_factory=dict)
     finalized: bool = False
+    #: Set in a process forked after init: it may not touch the shared heap (see state._after_fork_in_child).
+    forked: bool = False
+    #: Every live communicator over this heap (world and groups): finalize waits for their ops to leave.
+    comms: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    #: Guards ``group_counts`` and slot bookkeeping (new_group may run on several communicators at once).
+    groups_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def rank(self) -> int:

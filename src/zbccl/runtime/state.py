@@ -5,7 +5,9 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,47 +24,35 @@ from ..heap.heap import GlobalHeap
 from ..heap.shm import ShmTransport
 from ..heap.views import live_views
 from ..sma import CachingAllocator
+from . import registry
 from .communicator import Communicator
 from .context import Context
+from .registry import get_default, in_forked_child, is_initialized, resolve_comm
 from .threads import set_threads
 
-__all__ = ["init", "finalize", "abort", "add_finalize_hook", "is_initialized", "get_default", "resolve_comm"]
+__all__ = ["init", "finalize", "abort", "add_finalize_hook", "add_fork_hook", "is_initialized", "get_default",
+           "resolve_comm", "in_forked_child"]
 
 _log = logging.getLogger("zbccl")
 _lock = threading.Lock()
-_default: Communicator | None = None
 _atexit_registered = False
+_fork_hook_registered = False
 _finalize_hooks: list[Callable[[GlobalHeap], None]] = []
+_fork_hooks: list[Callable[[GlobalHeap], None]] = []
 # Spin polls before yielding when every local rank has its own core.
 _DEFAULT_SPIN = 4096
-
-
-def is_initialized() -> bool:
-    return _default is not None
-
-
-def get_default() -> Communicator | None:
-    return _default
-
-
-def resolve_comm(comm: Communicator | None) -> Communicator:
-    """``comm``, or the default communicator; raises if zbccl is not initialized."""
-    if comm is not None:
-        if comm._ctx.finalized:
-            raise ZbcclInvalidUsageError("zbccl: this communicator was finalized")
-        return comm
-    if _default is None:
-        raise ZbcclInvalidUsageError("zbccl: not initialized, expected zbccl.init() first")
-    return _default
+# finalize waits this long (at least) for ops of other threads to leave before it unmaps the heap.
+_LEAVE_MIN_S = 2.0
 
 
 def _timeout_seconds(timeout: float | timedelta | None) -> float:
     if timeout is None:
         return env.TIMEOUT.get()
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if seconds <= 0:
-        raise ZbcclInvalidUsageError(f"init: timeout must be > 0 seconds, got {seconds}")
-    return seconds
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    try:
+        return env.parse_seconds(seconds)
+    except ValueError as exc:
+        raise ZbcclInvalidUsageError(f"init: {exc}") from None
 
 
 def _heap_bytes(heap_size: int | str | None) -> int:
@@ -87,22 +77,26 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
     arrived or ``timeout`` (default ``ZBCCL_TIMEOUT``) expired, naming the
     missing ranks.
     """
-    global _default
     with _lock:
-        if _default is not None:
+        if in_forked_child():
+            resolve_comm(None, op="init")  # raises: a forked child may not join (see README, Fork)
+        if registry.get_default() is not None:
             raise ZbcclInvalidUsageError("init: zbccl is already initialized, expected finalize() first")
         _log.setLevel(env.LOG_LEVEL.get().upper())
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
+        for var in (env.LIVENESS_INTERVAL, env.WAIT_SPIN, env.THREADS):
+            var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
                       group=group, timeout=seconds)
         generation = int(rdv.store.add(f"{rdv.namespace}/gen/{rdv.rank}", 1))
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
                               members=rdv.members)
         ctx = _build_context(rdv, boot, generation, nbytes, seconds)
-        _default = Communicator(ctx, range(rdv.world_size), 0, boot)
+        comm = Communicator(ctx, range(rdv.world_size), 0, boot)
+        registry.set_default(comm)
         _register_atexit()
-        return _default
+        return comm
 
 
 def _hello(boot: StoreBootstrap, nbytes: int, timeout: float) -> tuple[str, Topology, list[int]]:
@@ -149,7 +143,7 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, time
     spin = env.WAIT_SPIN.get()
     if spin < 0:
         spin = 0 if topo.oversubscribed else _DEFAULT_SPIN
-    set_threads(topo.local_world_size)
+    set_threads(frozenset(topo.infos[topo.rank].cpus), topo.local_masks)
     sma = CachingAllocator(nbytes, alignment=64, cache_limit=env.SMA_CACHE_LIMIT.get())
     return Context(rendezvous=rdv, bootstrap=boot, topology=topo, heap=heap, sma=sma, job_id=job_id,
                    generation=generation, timeout=timeout, spin=spin,
@@ -160,33 +154,65 @@ def finalize() -> None:
     """Tear down the default communicator, its sub-groups and the heap. Idempotent.
 
     Does not wait for peers (a dead peer must not hang shutdown). Peers still
-    waiting on this rank get :class:`~zbccl.errors.ZbcclRemoteError`. If heap
-    tensors are still alive their memory stays mapped until the process exits
-    (no segment can outlive the job: they are memfds).
+    waiting on this rank get :class:`~zbccl.errors.ZbcclRemoteError`. Ops that
+    other threads of this rank still run get a :class:`~zbccl.errors.ZbcclError`
+    ("finalize() was called on this rank while the op waited"); the heap is
+    unmapped only after they left (waited for a few seconds; one that never
+    leaves keeps the heap mapped, and that is logged). If heap tensors are still
+    alive their memory stays mapped until the process exits (no segment can
+    outlive the job: they are memfds). In a forked child it touches nothing shared.
     """
-    global _default
     with _lock:
-        comm, _default = _default, None
+        comm = registry.get_default()
+        registry.set_default(None)
         if comm is None:
             return
         ctx = comm._ctx
         if ctx.finalized:
             return
         ctx.finalized = True
+        for c in list(ctx.comms):
+            c._live = False
+        if ctx.forked:
+            return  # the parent's heap and header: not ours to touch (see _after_fork_in_child)
         heap = ctx.heap
-        try:
+        try:  # first: in-flight waits (native and Python) notice it and leave
             heap.set_header(layout.H_STATE, layout.STATE_FINALIZED)
         except Exception:  # noqa: BLE001 - best effort on a broken heap
             pass
+        left = _wait_ops_left(ctx)
         for hook in list(_finalize_hooks):
             try:
                 hook(heap)
             except Exception as exc:  # noqa: BLE001 - teardown goes on
                 _log.warning("zbccl: finalize hook %r failed: %s", hook, exc)
+        if not left:
+            return  # an op still runs on the heap: leave it mapped (and its sockets open)
         live = ctx.sma.stats()["active_blocks"] > 0 or live_views(heap) > 0
         if live:
             _log.info("zbccl: heap tensors still alive at finalize; keeping their memory mapped")
         heap.close(unmap=not live)
+
+
+def _wait_ops_left(ctx: Context) -> bool:
+    """Wait (bounded) until no other thread runs or queues an op on any communicator of ``ctx``.
+
+    Their waits see this rank's FINALIZED state within one liveness interval and
+    raise; the bound leaves room for many of them. False if one never left (or
+    this very thread is inside an op, e.g. finalize from a signal handler).
+    """
+    deadline = time.monotonic() + max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9)
+    comms = list(ctx.comms)
+    for c in comms:
+        c._op_lock.wake()
+    mine = [c for c in comms if c._op_lock.held_by_me()]
+    stuck = [c for c in comms if not c._op_lock.wait_idle(deadline)]
+    if mine or stuck:
+        _log.warning("zbccl: finalize: ops still running on communicators %s after %.1fs; keeping the heap "
+                     "mapped so that they cannot fault", [list(c.ranks) for c in mine + stuck],
+                     max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9))
+        return False
+    return True
 
 
 def add_finalize_hook(hook: Callable[[GlobalHeap], None]) -> None:
@@ -199,11 +225,62 @@ def add_finalize_hook(hook: Callable[[GlobalHeap], None]) -> None:
         _finalize_hooks.append(hook)
 
 
+def add_fork_hook(hook: Callable[[GlobalHeap], None]) -> None:
+    """Call ``hook(heap)`` in a child forked from an initialized process, right after the fork.
+
+    Upper layers use it to stop handing out the parent's heap memory (the
+    allocator hook). It must take no lock another thread could have held at fork.
+    """
+    if hook not in _fork_hooks:
+        _fork_hooks.append(hook)
+
+
 def _register_atexit() -> None:
-    global _atexit_registered
+    global _atexit_registered, _fork_hook_registered
     if not _atexit_registered:
         atexit.register(finalize)
         _atexit_registered = True
+    if not _fork_hook_registered:  # at init, never at import
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_hook_registered = True
+
+
+def _after_fork_in_child() -> None:
+    """Disown the parent's communicators: the child shares the parent's heap mappings.
+
+    Its SMA is a copy of the parent's, so it would hand out blocks the parent
+    also hands out; its header is the parent's, so its finalize would tell the
+    peers "rank r called finalize"; its op sequence numbers would desynchronise
+    the parent's group. So the child may not use zbccl at all, and touches
+    nothing shared. The inherited liveness sockets are closed here, so that a
+    parent's death is not hidden by a child holding its connections open.
+    No lock is taken: another thread of the parent may have held one at fork.
+    """
+    comm = registry.get_default()
+    if comm is None or comm._ctx.finalized:
+        return
+    ctx = comm._ctx
+    ctx.forked = True
+    for c in list(ctx.comms):
+        c._live = False
+    registry.mark_forked_child(os.getppid())
+    registry.set_default(None)
+    # Inherited heap tensors still die in the child (finalizers call sma.free on the child's private
+    # copy of the allocator). A thread that held the allocator's lock at fork does not exist here,
+    # so that lock would block those frees forever: re-arm it (nothing else uses this copy).
+    sma_lock = getattr(ctx.sma, "_lock", None)
+    if sma_lock is not None and hasattr(sma_lock, "_at_fork_reinit"):
+        sma_lock._at_fork_reinit()
+        ctx.sma._owner = None
+    try:
+        ctx.heap.transport.close(unmap=False)
+    except Exception as exc:  # noqa: BLE001 - the child goes on without zbccl
+        _log.warning("zbccl: forked child could not close the inherited sockets: %s", exc)
+    for hook in list(_fork_hooks):
+        try:
+            hook(ctx.heap)
+        except Exception as exc:  # noqa: BLE001
+            _log.warning("zbccl: fork hook %r failed: %s", hook, exc)
 
 
 def abort(reason: str = "aborted") -> None:
@@ -211,6 +288,7 @@ def abort(reason: str = "aborted") -> None:
 
     Does not block and does not tear the heap down (call :func:`finalize` for that).
     """
-    if _default is not None:
-        _log.error("zbccl: rank %d aborts: %s", _default.global_rank, reason)
-        _default._ctx.heap.set_header(layout.H_STATE, layout.STATE_FAILED)
+    comm = registry.get_default()
+    if comm is not None:
+        _log.error("zbccl: rank %d aborts: %s", comm.global_rank, reason)
+        comm._ctx.heap.set_header(layout.H_STATE, layout.STATE_FAILED)

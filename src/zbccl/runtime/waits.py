@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ZbcclRemoteError, ZbcclTimeoutError
+from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
+from .registry import FINALIZED_WHILE_WAITING
 
 if TYPE_CHECKING:
     from .context import Context
@@ -89,6 +90,8 @@ def wait_flags(ctx: Context, flags: FlagSet, target: int, *, timeout: float, op:
         pending = [r for r, a in zip(flags.ranks, flags.addrs.tolist()) if prims.load_acquire(a) < target]
         if not pending:
             return
+        if ctx.finalized:  # another thread of this rank called finalize(): leave before the heap goes
+            raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
         check_peers(ctx, pending, op=op, labels=labels)
         left = deadline - time.monotonic()
         if left <= 0:

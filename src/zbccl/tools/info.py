@@ -28,12 +28,24 @@ def _cpu() -> dict:
     return {"model": model, "arch": platform.machine(), "features": [f for f in wanted if f in flags]}
 
 
+def _threads(plan, cpus: frozenset[int], torch_threads: int) -> dict:
+    """zbccl's thread decision for this process alone, and whether it changes torch's setting."""
+    want = env.THREADS.get()
+    ours, for_torch = plan(want, cpus, [cpus], torch_threads)
+    policy = {True: f"ZBCCL_THREADS={want}: zbccl uses {want} and sets torch's intra-op threads to {want}",
+              False: "ZBCCL_THREADS=0: zbccl follows torch's setting" if want == 0 else
+              "default: this rank's cores divided by the local ranks pinned to them (decided at init from "
+              "every local rank's affinity); torch's threads are left alone"}[for_torch is not None]
+    return {"zbccl_threads_alone": ours, "sets_torch_threads": for_torch is not None, "policy": policy}
+
+
 def collect_info() -> dict:
     """Everything ``zbccl info`` reports, as a dict (no process group needed)."""
     import torch
 
-    from ..bootstrap.topology import local_host_info
+    from ..bootstrap.topology import format_cpus, local_host_info
     from ..heap.capacity import shm_capacity
+    from ..runtime.threads import plan_threads
 
     host = local_host_info()
     try:
@@ -49,7 +61,8 @@ def collect_info() -> dict:
         "platform": platform.platform(),
         "cpu": _cpu(),
         "topology": {"hostname": host.hostname, "host_id": host.host_id, "usable_cores": host.cores,
-                     "torch_threads": torch.get_num_threads()},
+                     "affinity": format_cpus(host.cpus), "torch_threads": torch.get_num_threads()},
+        "threads": _threads(plan_threads, frozenset(host.cpus), torch.get_num_threads()),
         "shared_memory": shm_capacity(),
         "native": native_status,
         "config": {v.name: {"value": str(v.get()), "set": v.is_set(), "doc": v.doc} for v in env.VARIABLES},
@@ -67,7 +80,10 @@ def print_info(*, as_json: bool = False) -> None:
     print(f"cpu        {cpu['model']} ({cpu['arch']}; {' '.join(cpu['features']) or 'no SIMD flags found'})")
     topo = info["topology"]
     print(f"host       {topo['hostname']} id={topo['host_id']} usable_cores={topo['usable_cores']} "
-          f"torch_threads={topo['torch_threads']}")
+          f"affinity={topo['affinity']} torch_threads={topo['torch_threads']}")
+    thr = info["threads"]
+    print(f"threads    zbccl {thr['zbccl_threads_alone']} (as the only local rank); "
+          f"{'changes' if thr['sets_torch_threads'] else 'leaves'} torch's threads; {thr['policy']}")
     shm = info["shared_memory"]
     print("shared mem " + "  ".join(f"{k}={env.format_size(v) if v is not None else 'n/a'}" for k, v in shm.items()))
     print("native     " + json.dumps(info["native"], default=str))

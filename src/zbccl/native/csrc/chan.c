@@ -81,11 +81,17 @@ static void sleep_on(int64_t *p, int64_t target, int64_t ns) {
     __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST);
 }
 
-/* 0 if every peer we still wait for is alive, else RC_DEAD / RC_GONE with c->result[1] = rank.
+/* 0 if every peer we still wait for is alive, else RC_DEAD / RC_GONE with c->result[1] = rank
+ * (RC_GONE with our own rank: this rank was finalized while we waited).
  * Peers whose flag already reached the target are not examined: they may exit at will. */
 static int check_peers(zb_chan *c, int64_t **flags, int64_t target) {
     struct pollfd pf[ZB_MAXW];
     int idx[ZB_MAXW], n = 0;
+    /* finalize() on this rank (another thread) marks our own STATE first, then waits for us to leave. */
+    if (ld(c->state[c->me]) == STATE_FINALIZED) {
+        c->result[1] = c->me;
+        return RC_GONE;
+    }
     for (int r = 0; r < c->W; r++) {
         if (r == c->me || ld(flags[r]) >= target) continue;
         int64_t st = ld(c->state[r]);

@@ -1,0 +1,49 @@
+"""Comm slots of sub-communicators: taken by ``new_group``, returned by ``Communicator.destroy``.
+
+Every segment's control area has ``layout.MAX_COMMS`` slots; slot 0 is the
+world's, and a group uses the same slot index in each member's segment.
+Slots are shared by the whole job, so they are handed out through the store:
+slot ``s`` is held while the counter ``slot/<s>/held`` is 1. A group's leader
+takes the first slot whose ``add(+1)`` returns 1 (a racing leader that gets
+2 or more gives its increment back), and destroy's leader returns it with
+``add(-1)``. A holder's increment is never undone by anyone else, so at most
+one group holds a slot.
+
+Flags only grow, so a reused slot still holds the old group's values, which
+would satisfy the new group's waits at once. Each member therefore zeroes
+its own lines of the slot before the new group's first store barrier (no
+member waits on a slot before that barrier), and each use of a slot gets its
+own store prefix so the new group never reads the old one's keys.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ..bootstrap.store import StoreBootstrap
+from ..heap import layout
+from ..heap.heap import GlobalHeap
+
+__all__ = ["acquire_slot", "release_slot", "reset_slot"]
+
+
+def acquire_slot(boot: StoreBootstrap) -> tuple[int, int] | None:
+    """``(slot, use)`` of a free slot now held by the caller, or None when every slot is held.
+
+    ``use`` counts how many times the slot was taken (part of the new group's store prefix).
+    """
+    for slot in range(1, layout.MAX_COMMS):
+        if boot.add(f"slot/{slot}/held", 1) == 1:
+            return slot, boot.add(f"slot/{slot}/uses", 1)
+        boot.add(f"slot/{slot}/held", -1)
+    return None
+
+
+def release_slot(boot: StoreBootstrap, slot: int) -> None:
+    """Return ``slot`` for reuse (by the leader of the group that held it, once)."""
+    boot.add(f"slot/{slot}/held", -1)
+
+
+def reset_slot(heap: GlobalHeap, slot: int) -> None:
+    """Zero this rank's own lines of ``slot`` (flags, op header, size vectors)."""
+    ctypes.memset(heap.ctrl_addr(heap.rank, layout.slot_offset(slot)), 0, layout.SLOT_BYTES)

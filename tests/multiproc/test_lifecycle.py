@@ -1,0 +1,541 @@
+"""Lifecycle: threads sharing a communicator, finalize while ops wait, fork after init, non-members.
+
+Payloads encode their source (value = f(rank, index)) and every result is
+compared with the plain-torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.spawn import run_world
+
+MiB = 1 << 20
+N_ITERS = 60
+JOIN_S = 120.0
+
+
+def payload(rank: int, n: int) -> torch.Tensor:
+    i = torch.arange(n, dtype=torch.float32)
+    return torch.sin(i * 0.37 + rank * 1.3) * 50 + rank
+
+
+def _threads(fn, n: int = 2) -> list[str]:
+    """Run ``fn(i)`` on ``n`` threads; the failures as text. A thread that never ends fails the test."""
+    errors: list[str] = []
+
+    def body(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors.append(f"thread {i}: {type(exc).__name__}: {exc}")
+
+    ts = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in ts), "a thread never returned (hang)"
+    return errors
+
+
+# ------------------------------------------------------------------ item 1: two threads, one communicator
+def _same_ops_two_threads(ctx):
+    import zbccl
+    from zbccl.ops.reference import all_reduce_ref
+
+    comm = ctx.init(heap_size=16 * MiB)
+    W, me, n = comm.world_size, comm.rank, 1000
+    want_sum = all_reduce_ref([payload(r, n) for r in range(W)], 0)
+    want_gather = torch.cat([payload(r, n) for r in range(W)])
+    want_rs = all_reduce_ref([payload(r, n * W) for r in range(W)], 0)[me * n:(me + 1) * n]
+
+    # Every thread of every rank passes the same f(rank, index) payloads, so any pairing of one
+    # rank's ops with the peer's is correct: only a crash, a hang or a corrupted result fails.
+    def all_reduce(i):
+        for k in range(N_ITERS):
+            t = zbccl.empty(n) if k % 2 == 0 else torch.empty(n)  # native and staged paths
+            t.copy_(payload(me, n))
+            zbccl.all_reduce(t)
+            assert torch.equal(t, want_sum), f"all_reduce #{k} wrong"
+
+    def all_gather(i):
+        x = zbccl.empty(n)
+        x.copy_(payload(me, n))
+        for k in range(N_ITERS):
+            out = torch.full((W * n,), -1.0)
+            zbccl.all_gather_into_tensor(out, x)
+            assert torch.equal(out, want_gather), f"all_gather #{k} wrong"
+
+    def reduce_scatter(i):
+        x = zbccl.empty(n * W)
+        x.copy_(payload(me, n * W))
+        for k in range(N_ITERS):
+            out = torch.full((n,), -1.0)
+            zbccl.reduce_scatter_tensor(out, x)
+            assert torch.equal(out, want_rs), f"reduce_scatter #{k} wrong"
+
+    def broadcast_and_barrier(i):
+        for k in range(N_ITERS):
+            t = zbccl.empty(n)
+            t.copy_(payload(me, n))
+            zbccl.broadcast(t, src=0)
+            assert torch.equal(t, payload(0, n)), f"broadcast #{k} wrong"
+
+    def barriers(i):
+        for _ in range(N_ITERS):
+            comm.barrier()
+            zbccl.barrier()
+
+    try:
+        for fn in (all_reduce, all_gather, reduce_scatter, broadcast_and_barrier, barriers):
+            errors = _threads(fn)
+            assert not errors, errors
+            comm.barrier()
+        return True
+    finally:
+        zbccl.finalize()
+
+
+def test_two_threads_hammering_one_communicator():
+    assert run_world(_same_ops_two_threads, 2, timeout=240) == [True, True]
+
+
+def _different_ops_two_threads(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=8 * MiB, timeout=60)
+    W, me, n = comm.world_size, comm.rank, 256
+    outcomes = {"all_reduce": [0, 0], "all_gather": [0, 0]}  # [correct, refused]
+
+    # Thread 0 all_reduces, thread 1 all_gathers: ranks may pair an all_reduce with an all_gather
+    # (the lock order differs per rank). Each op must then raise ZbcclInvalidUsageError on both
+    # ranks and the group stay in step; a pairing of like ops must be exact.
+    def run(i):
+        for _ in range(N_ITERS):
+            try:
+                if i == 0:
+                    t = zbccl.empty(n)
+                    t.fill_(me + 1)
+                    zbccl.all_reduce(t)
+                    assert torch.equal(t, torch.full((n,), float(W * (W + 1) // 2)))
+                    outcomes["all_reduce"][0] += 1
+                else:
+                    x = zbccl.empty(n)
+                    x.copy_(payload(me, n))
+                    out = torch.empty(W * n)
+                    zbccl.all_gather_into_tensor(out, x)
+                    assert torch.equal(out, torch.cat([payload(r, n) for r in range(W)]))
+                    outcomes["all_gather"][0] += 1
+            except zbccl.ZbcclInvalidUsageError as exc:
+                assert "disagree" in str(exc), str(exc)
+                outcomes["all_reduce" if i == 0 else "all_gather"][1] += 1
+
+    try:
+        errors = _threads(run)
+        assert not errors, errors
+        comm.barrier()
+        return outcomes
+    finally:
+        zbccl.finalize()
+
+
+def test_threads_issuing_different_ops_fail_together_or_succeed():
+    out = run_world(_different_ops_two_threads, 2, timeout=240)
+    for o in out:
+        assert o["all_reduce"][0] + o["all_reduce"][1] == N_ITERS
+        assert o["all_gather"][0] + o["all_gather"][1] == N_ITERS
+    # A refusal pairs one op of each rank, so both ranks refused equally often.
+    refused = [o["all_reduce"][1] + o["all_gather"][1] for o in out]
+    assert refused[0] == refused[1], out
+
+
+# ------------------------------------------------------------------ item 2: finalize while an op waits
+def _wait_until_busy(comm) -> None:
+    deadline = time.monotonic() + 30
+    while not comm._op_lock.busy():
+        assert time.monotonic() < deadline, "the op thread never started its op"
+        time.sleep(0.001)
+
+
+def _finalize_while_waiting(ctx, op):
+    import zbccl
+    from tests.conftest import zbccl_memfds_of
+
+    comm = ctx.init(heap_size=2 * MiB)
+    zbccl.all_reduce(zbccl.zeros(16))  # the first op fetches rank 0's tuning table: done before
+    if ctx.rank == 1:
+        # The peer waits in an op of another kind, so the two never pair; it must be told that rank 0 left.
+        with pytest.raises(zbccl.ZbcclRemoteError, match="called finalize"):
+            if op == "barrier":
+                zbccl.all_reduce(zbccl.zeros(16))
+            else:
+                comm.barrier()
+        zbccl.finalize()
+        return None
+    got: list[BaseException] = []
+
+    def waiter():
+        try:
+            if op == "barrier":
+                comm.barrier()
+            else:
+                zbccl.all_reduce(zbccl.zeros(1 << 16))  # heap tensor: the native wait
+        except BaseException as exc:  # noqa: BLE001
+            got.append(exc)
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    _wait_until_busy(comm)
+    t0 = time.monotonic()
+    zbccl.finalize()
+    took = time.monotonic() - t0
+    t.join(30)
+    assert not t.is_alive()
+    assert took < 15, f"finalize took {took:.1f}s"
+    assert len(got) == 1 and isinstance(got[0], zbccl.ZbcclError), got
+    assert "finalize() was called on this rank while the op waited" in str(got[0]), str(got[0])
+    got.clear()
+    if op == "barrier":  # nothing of the heap is alive: it was unmapped once the op left
+        assert zbccl_memfds_of(os.getpid()) == []
+    return took
+
+
+@pytest.mark.parametrize("op", ["barrier", "all_reduce"])
+def test_finalize_while_another_thread_waits(op):
+    run_world(_finalize_while_waiting, 2, op=op, timeout=120)
+
+
+_ATEXIT_RANK0 = r"""
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+import zbccl
+
+host, port, op = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+store = dist.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=60))
+comm = zbccl.init(store=store, rank=0, world_size=2, heap_size=2 << 20, timeout=60)
+zbccl.all_reduce(zbccl.zeros(16))
+
+def waiter():
+    if op == "barrier":
+        comm.barrier()
+    else:
+        zbccl.all_reduce(zbccl.zeros(1 << 16))
+
+threading.Thread(target=waiter, daemon=True).start()
+deadline = time.monotonic() + 30
+while not comm._op_lock.busy() and time.monotonic() < deadline:
+    time.sleep(0.001)
+raise RuntimeError("the main thread fails while a daemon thread is inside " + op)
+"""
+
+
+def _atexit_finalize(ctx, op):
+    import zbccl
+
+    if ctx.rank == 0:
+        src = os.path.dirname(os.path.dirname(zbccl.__file__))
+        env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-c", _ATEXIT_RANK0, ctx.host, str(ctx.port), op], env=env,
+                           capture_output=True, text=True, timeout=120)
+        return p.returncode, p.stderr[-3000:], time.monotonic() - t0
+    comm = ctx.init(heap_size=2 * MiB, timeout=60)
+    zbccl.all_reduce(zbccl.zeros(16))
+    with pytest.raises(zbccl.ZbcclRemoteError, match="called finalize"):
+        if op == "barrier":
+            zbccl.all_reduce(zbccl.zeros(16))
+        else:
+            comm.barrier()
+    zbccl.finalize()
+    return None
+
+
+@pytest.mark.parametrize("op", ["barrier", "all_reduce"])
+def test_atexit_finalize_with_a_daemon_thread_inside_an_op(op):
+    rc, err, took = run_world(_atexit_finalize, 2, op=op, timeout=150)[0]
+    # The exception's status (1), not a segfault (-11), and the daemon thread was told why.
+    assert rc == 1, f"exit status {rc}:\n{err}"
+    assert "RuntimeError: the main thread fails" in err, err
+    assert took < 60, took
+
+
+# ------------------------------------------------------------------ item 4: non-members of new_group
+def _non_member(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB)
+    g = comm.new_group([0])
+    t = zbccl.empty(8)
+    t.fill_(ctx.rank + 1)
+    if ctx.rank == 0:
+        assert g and g.is_member and g.world_size == 1
+        zbccl.all_reduce(t, comm=g)
+        assert torch.equal(t, torch.ones(8))
+    else:
+        assert not g and not g.is_member and g is not None
+        refusals = [
+            lambda: zbccl.all_reduce(t, comm=g),
+            lambda: zbccl.broadcast(t, 0, comm=g),
+            lambda: zbccl.barrier(comm=g),
+            lambda: zbccl.all_gather_into_tensor(torch.empty(8), t, comm=g),
+            lambda: zbccl.empty(4, comm=g),
+            lambda: g.barrier(),
+            lambda: g.world_size,
+        ]
+        for fn in refusals:
+            with pytest.raises(zbccl.ZbcclInvalidUsageError, match=r"not a member of the group \[0\]"):
+                fn()
+        assert torch.equal(t, torch.full((8,), 2.0))  # never touched by a world collective
+    comm.barrier()
+    zbccl.finalize()
+    return True
+
+
+def test_non_member_gets_a_placeholder_that_refuses_every_op():
+    assert run_world(_non_member, 2) == [True, True]
+
+
+# ------------------------------------------------------------------ threads under CPU pinning
+def _pinned(ctx, pins):
+    import zbccl
+    from zbccl.runtime.threads import nthreads
+
+    os.environ.pop("ZBCCL_THREADS", None)
+    os.environ.pop("ZBCCL_WAIT_SPIN", None)
+    os.sched_setaffinity(0, pins[ctx.rank])
+    torch.set_num_threads(3)  # the user's (or engine's) choice: zbccl must leave it
+    comm = ctx.init(heap_size=2 * MiB)
+    try:
+        t = zbccl.empty(100)
+        t.fill_(ctx.rank + 1)
+        zbccl.all_reduce(t)
+        assert torch.equal(t, torch.full((100,), 3.0))
+        c = comm._ctx
+        return {"oversubscribed": c.topology.oversubscribed, "spin": c.spin, "threads": nthreads(),
+                "torch": torch.get_num_threads()}
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+@pytest.mark.parametrize("case", ["same-core", "own-cores"])
+def test_pinned_ranks_decide_from_every_mask(case):
+    pins = [{0}, {0}] if case == "same-core" else [{0}, {1}]
+    out = run_world(_pinned, 2, pins=pins)
+    for o in out:
+        assert o["threads"] == 1 and o["torch"] == 3, o
+        if case == "same-core":
+            assert o["oversubscribed"] and o["spin"] == 0, o
+        else:
+            assert not o["oversubscribed"] and o["spin"] > 0, o
+
+
+# ------------------------------------------------------------------ item 3: fork after init
+def _in_child(fn) -> dict:
+    """Run ``fn()`` in a forked child that exits the normal way (atexit handlers, status 0); its result."""
+    import atexit
+    import json
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the test's frames
+        os.close(r)
+        try:
+            out = {"ok": fn()}
+        except BaseException as exc:  # noqa: BLE001
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            atexit._run_exitfuncs()  # what a normal interpreter exit runs (zbccl's finalize among them)
+        except BaseException as exc:  # noqa: BLE001
+            out["atexit"] = f"{type(exc).__name__}: {exc}"
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return json.loads(b"".join(chunks))
+
+
+def _fork_after_init(ctx):
+    import zbccl
+    from zbccl.heap import layout
+
+    comm = ctx.init(heap_size=4 * MiB)
+    W, me = comm.world_size, comm.rank
+    base, size = comm.heap_base, comm.heap_bytes
+    keep = zbccl.empty(3)
+    keep.fill_(100 + me)
+    t = zbccl.empty(64)
+    t.fill_(me + 1)
+    zbccl.all_reduce(t)
+
+    def child():
+        seen = {}
+        for name, fn in [("empty", lambda: zbccl.empty(3)),
+                         ("all_reduce", lambda: zbccl.all_reduce(t)),
+                         ("all_reduce_comm", lambda: zbccl.all_reduce(t, comm=comm)),
+                         ("barrier", lambda: comm.barrier()),
+                         ("init", lambda: ctx.init(heap_size=MiB))]:
+            try:
+                fn()
+                seen[name] = "no error"
+            except zbccl.ZbcclInvalidUsageError as exc:
+                seen[name] = str(exc)
+        with zbccl.heap_scope():
+            x = torch.empty(4096)
+            x.fill_(666)
+        seen["scope_in_heap"] = base <= x.data_ptr() < base + size
+        seen["liveness_fds"] = [comm.heap.transport.liveness_fd(r) for r in range(W) if r != ctx.rank]
+        seen["keep"] = keep.tolist()  # inherited heap tensors stay readable
+        return seen
+
+    # A scope open across the fork: the child's allocations in it must not come from the heap.
+    with zbccl.heap_scope():
+        seen = _in_child(child)
+    assert "ok" in seen and "atexit" not in seen, seen
+    seen = seen["ok"]
+    for name in ("empty", "all_reduce", "all_reduce_comm", "barrier", "init"):
+        assert "in a forked child" in seen[name], (name, seen[name])
+    assert seen["scope_in_heap"] is False
+    assert all(fd == -1 for fd in seen["liveness_fds"]), seen["liveness_fds"]
+    assert seen["keep"] == [100.0 + me] * 3
+    # The parent is intact: its header still says READY (the child's atexit wrote nothing), its
+    # blocks are its own, and the group is in step.
+    assert comm.heap.header(ctx.rank, layout.H_STATE) == layout.STATE_READY
+    assert keep.tolist() == [100.0 + me] * 3
+    for k in range(5):
+        t.fill_(me + 1 + k)
+        zbccl.all_reduce(t)
+        assert torch.equal(t, torch.full((64,), float(sum(r + 1 + k for r in range(W)))))
+    comm.barrier()
+    zbccl.finalize()
+    return True
+
+
+def test_fork_after_init_disowns_the_child_and_keeps_the_parent_intact():
+    assert run_world(_fork_after_init, 2, timeout=120) == [True, True]
+
+
+def _parent_killed_with_a_forked_child(ctx):
+    import signal
+
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB, timeout=60)
+    zbccl.all_reduce(zbccl.zeros(16))
+    store = ctx.store()
+    if ctx.rank == 1:
+        pid = os.fork()
+        if pid == 0:  # the child outlives its parent, holding whatever it inherited, until released
+            try:
+                ctx.store().wait(["zbccl-test/release"])
+            finally:
+                os._exit(0)
+        store.set("zbccl-test/forked", b"1")
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.wait(["zbccl-test/forked"])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(zbccl.ZbcclRemoteError, match="died"):
+            for _ in range(100_000):
+                comm.barrier()
+        took = time.monotonic() - t0
+    finally:
+        store.set("zbccl-test/release", b"1")
+    zbccl.finalize()
+    return took
+
+
+def test_forked_child_does_not_hide_its_parents_death():
+    import signal
+
+    took = run_world(_parent_killed_with_a_forked_child, 2, expect_exit={1: -signal.SIGKILL}, timeout=90)[0]
+    assert took < 20, f"the death was noticed after {took:.1f}s (timeout 60 s)"
+
+
+# ------------------------------------------------------------------ item 7: group slots are returned
+def _many_groups(ctx, n_groups):
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB)
+    me = comm.rank
+    slots = set()
+    t = zbccl.empty(32)
+    for k in range(n_groups):
+        members = [0, 1] if k % 3 else [me]  # also single-member groups, built by each rank alone
+        g = comm.new_group(members)
+        slots.add(g.slot)
+        t.copy_(payload(me, 32) + k)
+        zbccl.all_reduce(t, comm=g)  # a reused slot with stale flags would pair this with an old op
+        want = sum(payload(r, 32) + k for r in members)
+        assert torch.equal(t, want), f"group {k} (slot {g.slot}) wrong"
+        g.barrier()
+        g.destroy()
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="destroyed"):
+            zbccl.all_reduce(t, comm=g)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="world communicator"):
+        comm.destroy()
+    comm.barrier()
+    zbccl.finalize()
+    return sorted(slots)
+
+
+def test_300_groups_created_and_destroyed_reuse_their_slots():
+    from zbccl.heap import layout
+
+    n = 300
+    assert n > layout.MAX_COMMS  # without reuse, slots run out
+    for slots in run_world(_many_groups, 2, n_groups=n, timeout=240):
+        assert len(slots) <= 3 and max(slots) < layout.MAX_COMMS, slots
+
+
+def _fork_while_allocator_busy(ctx):
+    import zbccl
+
+    comm = ctx.init(heap_size=2 * MiB)
+    t = zbccl.empty(100)
+    held, done = threading.Event(), threading.Event()
+
+    def hold():  # another thread is inside an allocator operation at the moment of the fork
+        comm.sma._acquire("test")
+        held.set()
+        done.wait(60)
+        comm.sma._release()
+
+    th = threading.Thread(target=hold, daemon=True)
+    th.start()
+    assert held.wait(30)
+
+    def child():
+        nonlocal t
+        del t  # the inherited tensor dies in the child: its finalizer frees into the child's allocator
+        import gc
+
+        gc.collect()
+        return True
+
+    try:
+        seen = _in_child(child)  # would block forever on the lock of a thread that does not exist here
+    finally:
+        done.set()
+        th.join(30)
+    assert seen == {"ok": True}, seen
+    zbccl.finalize()
+    return True
+
+
+def test_fork_while_another_thread_holds_the_allocator_lock():
+    assert run_world(_fork_while_allocator_busy, 1, timeout=60) == [True]
