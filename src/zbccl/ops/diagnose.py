@@ -27,11 +27,11 @@ def describe(ch: OpChannel, r: int) -> str:
 
     load = ch.prims.load_acquire
     arrive, done = load(ch.lines[L_ARRIVE][r]), load(ch.lines[L_DONE][r])
-    if arrive >= ch.seq:
+    if arrive == ch.seq:
         return f"rank {r} entered this collective (#{ch.seq}) but has not finished it"
     if load(ch.lines[layout.SLOT_BARRIER][r]) > getattr(ch.comm, "_epoch", 0):
         return f"rank {r} is in a different collective: it waits in barrier()"
-    if arrive > done:
+    if arrive > done or arrive > ch.seq:
         opcode = struct.unpack_from("<q", ch.headers[r], Header.OP * 8)[0]
         name = OP_NAMES.get(opcode, f"op code {opcode}")
         return (f"rank {r} is in a different collective: {name} #{arrive} (this rank is at #{ch.seq}), "
