@@ -358,3 +358,60 @@ def _scratch_oom(ctx, python_path):
 @pytest.mark.parametrize("python_path", [False, True])
 def test_scratch_oom_fails_on_every_rank(python_path):
     assert run_world(_scratch_oom, 2, python_path=python_path, timeout=120) == [True, True]
+
+
+def _error_text_race(ctx, python_path):
+    """Issue 11 item 6: a peer's error text is read before DONE; right after DONE the peer may
+    already have posted its next op (its split sizes) over it. Rank 0 here reads only once
+    rank 1 has posted that next op, the worst case."""
+    import zbccl
+    from zbccl.ops.channel import L_ARRIVE, channel_of
+    from zbccl.ops.fastpath import native_channel
+    from zbccl.runtime.waits import wait_flags
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=300)
+    ch = channel_of(comm)
+    if python_path:
+        ch.__dict__["native"] = False
+    W, me = comm.world_size, comm.rank
+    x = zbccl.empty(4 * W).fill_(me)
+    try:
+        if me == 1:
+            _expect(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce([1.0] * 4), "torch.Tensor")
+        else:
+            def peer_posted_next_op() -> None:
+                wait_flags(comm._ctx, ch.peer_flags[L_ARRIVE], ch.seq + 1, timeout=30, op="test")
+
+            nat = native_channel(ch)
+            if nat is None:
+                real_end = ch.end
+
+                def late_end(*, op):
+                    real_end(op=op)
+                    peer_posted_next_op()
+
+                ch.end = late_end
+            else:
+                real_raise = nat.raise_for
+
+                def late_raise(rc, **kw):
+                    peer_posted_next_op()
+                    return real_raise(rc, **kw)
+
+                nat.raise_for = late_raise
+            _expect(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(x),
+                    "rank 1 passed invalid arguments: all_reduce: tensor must be a torch.Tensor, got list")
+            ch.__dict__.pop("end", None)
+            if nat is not None:
+                del nat.raise_for
+        out = torch.empty(4 * W)
+        zbccl.all_to_all_single(out, x)  # rank 1's next op, posted before rank 0 read the error
+        assert out.tolist() == sum(([float(r)] * 4 for r in range(W)), [])
+        return True
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("python_path", [False, True])
+def test_peer_error_text_survives_the_peers_next_op(python_path):
+    assert run_world(_error_text_race, 2, python_path=python_path, timeout=90) == [True, True]

@@ -297,6 +297,9 @@ def _python_and_native_paths(ctx):
         for mode in ("native", "python", "mixed"):
             ch.__dict__["native"] = False if mode == "python" or (mode == "mixed" and me == 1) else None
             ch.choices.clear()
+            # Sequence numbers past 2^39 (every rank jumps alike): PHASE values once encoded
+            # seq << 24 | step, which overflowed int64 there; they must not depend on seq at all.
+            ch.seq += 1 << 40
             for dtype in (torch.bfloat16, torch.float32):
                 for n in (1, 2047, 100_003):
                     t = zbccl.empty(n, dtype=dtype)
