@@ -419,8 +419,10 @@ def _heap_too_small_to_stage(ctx):
     try:
         W, me = comm.world_size, comm.rank
         big = payload(me, 1 << 20, torch.float32)  # 4 MiB, private: needs staging, heap is 1 MiB
-        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="cannot stage"):
+        with pytest.raises(zbccl.ZbcclOutOfMemoryError, match="cannot stage"):
             zbccl.all_reduce(big)
+        with pytest.raises(zbccl.ZbcclOutOfMemoryError, match="cannot stage"):
+            zbccl.broadcast(big, 1)  # the root (rank 1) cannot stage; rank 0 must fail with it
         out = torch.empty(W * (1 << 20))
         with pytest.raises(zbccl.ZbcclOutOfMemoryError, match="could not stage"):
             zbccl.all_gather_into_tensor(out, big)

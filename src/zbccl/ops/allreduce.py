@@ -40,7 +40,7 @@ from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .args import tensor_error
-from .channel import ERR_NOMEM, ERR_USAGE, Header
+from .channel import ERR_NOMEM, Header
 from .dtypes import AVG, CODE_DTYPES, dtype_code, op_name, reduce_op_code
 from .entry import open_op
 from .fastpath import native_channel
@@ -129,7 +129,7 @@ def _run(ch, tensor: torch.Tensor, dt: int, red: int) -> None:
 def _python_path(ch, operand: Operand, count: int, itemsize: int, dt: int, red: int, algo: int,
                  chunk: int) -> None:
     """The same protocol in Python: errors, empty tensors, and machines without the native core."""
-    error, kind, scratch = operand.error, ERR_USAGE, 0
+    error, kind, scratch = operand.error, operand.kind, 0
     if algo == ONESHOT and count and error is None:
         try:  # before ARRIVE: a rank that cannot get its scratch fails the group with the reason
             scratch = ch.scratch(count * itemsize)

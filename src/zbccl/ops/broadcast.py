@@ -17,7 +17,7 @@ from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .args import rank_error, tensor_error
-from .channel import Header
+from .channel import ERR_USAGE, Header
 from .dtypes import dtype_code
 from .entry import open_op
 from .fastpath import native_channel
@@ -65,7 +65,7 @@ def _root(ch, tensor: torch.Tensor, dt: int, src: int) -> None:
     """The root only lends its tensor (staged into the heap if need be) and never writes it."""
     operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=False)
     try:
-        _call(ch, tensor, operand.addr, operand.offset, dt, src, operand.error)
+        _call(ch, tensor, operand.addr, operand.offset, dt, src, operand.error, operand.kind)
     finally:
         operand.finish()
 
@@ -78,7 +78,8 @@ def _receive(ch, tensor: torch.Tensor, dt: int, src: int) -> None:
         tensor.copy_(dst)
 
 
-def _call(ch, t: torch.Tensor, addr: int, offset: int, dt: int, src: int, error: str | None) -> None:
+def _call(ch, t: torch.Tensor, addr: int, offset: int, dt: int, src: int, error: str | None,
+          kind: int = ERR_USAGE) -> None:
     algo, _ = choose(ch, OP_BROADCAST, t.dtype, t.numel() * t.element_size())
     nat = native_channel(ch)
     if nat is not None and error is None:
@@ -87,13 +88,13 @@ def _call(ch, t: torch.Tensor, addr: int, offset: int, dt: int, src: int, error:
         if rc:
             nat.raise_for(rc, op=_OP, show=_show)
     else:
-        _python_path(ch, addr, t.numel(), t.numel() * t.element_size(), dt, offset, src, algo, error)
+        _python_path(ch, addr, t.numel(), t.numel() * t.element_size(), dt, offset, src, algo, error, kind)
 
 
 def _python_path(ch, addr: int, numel: int, nbytes: int, dt: int, offset: int, src: int, algo: int,
-                 error: str | None) -> None:
+                 error: str | None, kind: int) -> None:
     hdrs = ch.begin([0, OP_BROADCAST, dt, 0, numel, numel, offset, -1, algo, src], op="broadcast",
-                    error=error)
+                    error=error, kind=kind)
     ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.IN_NUMEL, Header.ROOT, Header.ALGO), op="broadcast",
              show=_show)
     if ch.rank != src and nbytes:

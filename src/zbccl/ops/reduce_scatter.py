@@ -22,7 +22,7 @@ from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .args import index_list, overlap_error, tensor_error
-from .channel import Header
+from .channel import ERR_USAGE, Header
 from .dtypes import AVG, dtype_code, reduce_op_code
 from .entry import open_op
 from .fastpath import native_channel
@@ -128,7 +128,8 @@ def _python_path(ch, op: str, src: Operand, out_t, counts, row: int, digest: int
                  error: str | None) -> None:
     W, me, isz = ch.world_size, ch.rank, out_t.element_size()
     hdrs = ch.begin([0, OP_REDUCE_SCATTER, dt, red, src.t.numel(), out_t.numel(), src.offset, -1, algo, 0,
-                     row, digest], op=op, vectors=np.asarray(counts, dtype=np.int64), error=error or src.error)
+                     row, digest], op=op, vectors=np.asarray(counts, dtype=np.int64), error=error or src.error,
+                    kind=src.kind if error is None else ERR_USAGE)
     ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ROW, Header.ALGO), op=op,
              show=_show)
     ch.agree_sizes(W, op=op, row=row)
