@@ -81,11 +81,11 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
             red = reduce_op_code(op, tensor.dtype, op=_OP)
         except ZbcclInvalidUsageError as exc:
             error = str(exc)
-    ch = open_op(comm, OP_ALL_REDUCE, error, op=_OP, timeout=timeout)
-    if ch is None:
-        return tensor
-    with profiled(_OP, tensor), ch.guard(op=_OP):
-        _run(ch, tensor, dt, red)
+    with profiled(_OP, tensor):
+        ch = open_op(comm, OP_ALL_REDUCE, error, op=_OP, timeout=timeout)
+        if ch is not None:
+            with ch.guard(op=_OP):
+                _run(ch, tensor, dt, red)
     return tensor
 
 

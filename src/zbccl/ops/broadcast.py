@@ -50,14 +50,14 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
             dt = dtype_code(tensor.dtype, op=_OP)
         except ZbcclInvalidUsageError as exc:
             error = str(exc)
-    ch = open_op(comm, OP_BROADCAST, error, op=_OP, timeout=timeout)
-    if ch is None:
-        return tensor
-    with profiled(_OP, tensor), ch.guard(op=_OP):
-        if comm.rank == src:
-            _root(ch, tensor, dt, src)
-        else:
-            _receive(ch, tensor, dt, src)
+    with profiled(_OP, tensor):
+        ch = open_op(comm, OP_BROADCAST, error, op=_OP, timeout=timeout)
+        if ch is not None:
+            with ch.guard(op=_OP):
+                if comm.rank == src:
+                    _root(ch, tensor, dt, src)
+                else:
+                    _receive(ch, tensor, dt, src)
     return tensor
 
 

@@ -66,18 +66,19 @@ def _start(comm, op: str, output, input, counts, out_counts, row: int, error: st
     dt = 0
     if error is None:
         dt, error = check_exchange(op, output, input, counts, out_counts, W, me)
-    ch = open_op(comm, OP_ALL_GATHER if out_counts is None else OP_ALL_TO_ALL, error, op=op, timeout=timeout)
-    if ch is None:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input.reshape(output.shape))
-        return output
-    with profiled(op, input), ch.guard(op=op):
-        if out_counts is None:
-            done = op == "all_gather" and _fast_all_gather(ch, output, input, input.numel(), W)
-        else:
-            done = _fast_all_to_all(ch, output, input, counts, out_counts, row)
-        if not done:
-            _run(ch, op, output, input, counts, out_counts, dt, row=row)
+    with profiled(op, input):
+        ch = open_op(comm, OP_ALL_GATHER if out_counts is None else OP_ALL_TO_ALL, error, op=op, timeout=timeout)
+        if ch is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.reshape(output.shape))
+            return output
+        with ch.guard(op=op):
+            if out_counts is None:
+                done = op == "all_gather" and _fast_all_gather(ch, output, input, input.numel(), W)
+            else:
+                done = _fast_all_to_all(ch, output, input, counts, out_counts, row)
+            if not done:
+                _run(ch, op, output, input, counts, out_counts, dt, row=row)
     return output
 
 

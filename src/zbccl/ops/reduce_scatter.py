@@ -92,14 +92,15 @@ def _run(comm, op: str, output, input, red_op, counts: list[int], row: int, erro
     dt = red = 0
     if error is None:
         dt, red, error = _local_error(op, output, input, red_op, counts, me, W)
-    ch = open_op(comm, OP_REDUCE_SCATTER, error, op=op, timeout=timeout)
-    if ch is None:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input.view(output.shape))
-        return output
-    with profiled(op, input), ch.guard(op=op):
-        if not _fast(ch, op, output, input, counts, row, dt, red):
-            _staged(ch, op, output, input, counts, row, dt, red)
+    with profiled(op, input):
+        ch = open_op(comm, OP_REDUCE_SCATTER, error, op=op, timeout=timeout)
+        if ch is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.view(output.shape))
+            return output
+        with ch.guard(op=op):
+            if not _fast(ch, op, output, input, counts, row, dt, red):
+                _staged(ch, op, output, input, counts, row, dt, red)
     return output
 
 
