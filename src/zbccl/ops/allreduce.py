@@ -84,8 +84,12 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     with profiled(_OP, tensor):
         ch = open_op(comm, OP_ALL_REDUCE, error, op=_OP, timeout=timeout)
         if ch is not None:
-            with ch.guard(op=_OP):
+            seq = ch.seq
+            try:
                 _run(ch, tensor, dt, red)
+            except BaseException as exc:
+                ch.left(seq, exc, op=_OP)
+                raise
     return tensor
 
 

@@ -14,6 +14,9 @@ import operator
 
 import torch
 
+from ..errors import ZbcclInvalidUsageError
+from .dtypes import dtype_code
+
 __all__ = ["tensor_error", "index_list", "rank_error", "timeout_error", "span", "overlap_error", "splits",
            "check_exchange"]
 
@@ -24,7 +27,7 @@ def tensor_error(t, role: str, *, op: str) -> str | None:
         return f"{op}: {role} must be a torch.Tensor, got {type(t).__name__}"
     if t.layout != torch.strided:
         return f"{op}: {role} must be a dense (strided) tensor, got layout {t.layout}"
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         # Peers reach this rank's memory through host pointers; no device backend exists yet.
         return f"{op}: {role} must be a CPU tensor (no device backend yet), got device {t.device}"
     return None
@@ -110,11 +113,18 @@ def overlap_error(a: torch.Tensor, b: torch.Tensor, *, op: str, allowed: bool = 
     the algorithm supports, decided by the caller)."""
     if allowed:
         return None
-    a0, a1 = span(a)
-    b0, b1 = span(b)
-    if a0 >= b1 or b0 >= a1:
-        return None
-    if not (a.is_contiguous() and b.is_contiguous()) and not _elements_intersect(a, b):
+    contiguous = a.is_contiguous() and b.is_contiguous()
+    if contiguous:  # the hot case, without the per-dimension walk of span()
+        a0, b0 = a.data_ptr(), b.data_ptr()
+        a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+        if a0 >= b1 or b0 >= a1 or a0 == a1 or b0 == b1:
+            return None
+    else:
+        a0, a1 = span(a)
+        b0, b1 = span(b)
+        if a0 >= b1 or b0 >= a1:
+            return None
+    if not contiguous and not _elements_intersect(a, b):
         return None  # interleaved views (x[::2] and x[1::2]) do not overlap
     return (f"{op}: output and input overlap, expected separate memory (or the exact in-place aliasing the op "
             f"supports), got output bytes [{a0:#x}, {a1:#x}) and input bytes [{b0:#x}, {b1:#x})")
@@ -133,28 +143,37 @@ def splits(t: torch.Tensor, values, world: int, what: str, *, op: str) -> tuple[
 
 def check_exchange(op: str, output: torch.Tensor, input: torch.Tensor, counts: list[int],
                    out_counts: list[int] | None, world: int, rank: int) -> tuple[int, str | None]:
-    """``(dtype code, error)`` for all_gather (``out_counts`` None) and all_to_all arguments."""
-    from ..errors import ZbcclInvalidUsageError
-    from .dtypes import dtype_code
+    """``(dtype code, error)`` for all_gather (``out_counts`` None) and all_to_all arguments.
 
+    On every op's hot path: each tensor attribute is read once.
+    """
     try:
         dt = dtype_code(input.dtype, op=op)
     except ZbcclInvalidUsageError as exc:
         return 0, str(exc)
     if input.dtype != output.dtype:
         return dt, f"{op}: input and output dtypes differ, expected one dtype, got {input.dtype} and {output.dtype}"
+    n_in, n_out = input.numel(), output.numel()
     if len(counts) != world or (out_counts is not None and len(out_counts) != world):
         return dt, f"{op}: expected {world} sizes, got {len(counts)}"
     if min(counts) < 0 or (out_counts is not None and min(out_counts) < 0):
         return dt, f"{op}: sizes must be non-negative, got {counts if min(counts) < 0 else out_counts}"
-    if out_counts is None and (input.numel() != counts[rank] or output.numel() != sum(counts)):
-        return dt, (f"{op}: wrong sizes, expected input {counts[rank]} and output {sum(counts)} elements, "
-                    f"got {input.numel()} and {output.numel()}")
-    if out_counts is not None and (input.numel() != sum(counts) or output.numel() != sum(out_counts)):
+    if out_counts is None:
+        if n_in != counts[rank] or n_out != sum(counts):
+            return dt, (f"{op}: wrong sizes, expected input {counts[rank]} and output {sum(counts)} elements, "
+                        f"got {n_in} and {n_out}")
+    elif n_in != sum(counts) or n_out != sum(out_counts):
         return dt, (f"{op}: splits do not cover the tensors, expected input {sum(counts)} and output "
-                    f"{sum(out_counts)} elements, got {input.numel()} and {output.numel()}")
-    # all_gather supports exactly one aliasing: the input is this rank's slice of a contiguous output
-    # (peers read it while this rank writes the other slices). all_to_all has no in-place form.
-    exact = (out_counts is None and input.is_contiguous() and output.is_contiguous()
-             and input.data_ptr() == output.data_ptr() + sum(counts[:rank]) * input.element_size())
-    return dt, overlap_error(output, input, op=op, allowed=exact)
+                    f"{sum(out_counts)} elements, got {n_in} and {n_out}")
+    if not (n_in and n_out):
+        return dt, None
+    if input.is_contiguous() and output.is_contiguous():
+        isz = input.element_size()
+        a0, b0 = output.data_ptr(), input.data_ptr()
+        if b0 + n_in * isz <= a0 or a0 + n_out * isz <= b0:
+            return dt, None
+        # all_gather supports exactly one aliasing: the input is this rank's slice of the output
+        # (peers read it while this rank writes the other slices). all_to_all has no in-place form.
+        exact = out_counts is None and b0 == a0 + sum(counts[:rank]) * isz
+        return dt, None if exact else overlap_error(output, input, op=op)
+    return dt, overlap_error(output, input, op=op)

@@ -53,11 +53,15 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
     with profiled(_OP, tensor):
         ch = open_op(comm, OP_BROADCAST, error, op=_OP, timeout=timeout)
         if ch is not None:
-            with ch.guard(op=_OP):
+            seq = ch.seq
+            try:
                 if comm.rank == src:
                     _root(ch, tensor, dt, src)
                 else:
                     _receive(ch, tensor, dt, src)
+            except BaseException as exc:
+                ch.left(seq, exc, op=_OP)
+                raise
     return tensor
 
 

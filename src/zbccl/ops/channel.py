@@ -125,7 +125,7 @@ class OpChannel:
         self.choices: dict = {}
         self._sizes: dict = {}
         #: Seconds the current op's waits may take (its ``timeout=``, else the communicator's).
-        self.timeout = ctx.timeout
+        self.timeout = self.default_timeout = ctx.timeout
         self.phase_base = 0
         #: Why this communicator is unusable on this rank (an op was left half-way), or None.
         self.broken: str | None = None
@@ -137,14 +137,18 @@ class OpChannel:
         if self.broken is not None:
             raise ZbcclInvalidUsageError(f"{op}: this communicator is broken on rank {self.rank}: {self.broken}; "
                                          "finalize and init again", ranks=(self.rank,))
-        self.timeout, error = timeout_error(timeout, self.ctx.timeout, op=op)
+        self.timeout, error = timeout_error(timeout, self.default_timeout, op=op)
         return error
 
-    def guard(self, *, op: str) -> _Guard:
-        """``with ch.guard(op=...)``: mark the communicator broken (ABORT line) if the op is left
-        half-way by anything but a ZbcclError. Ctrl-C or an unexpected exception after ARRIVE would
-        otherwise leave the peers waiting for this rank until their timeout."""
-        return _Guard(self, op)
+    def left(self, seq: int, exc: BaseException, *, op: str) -> None:
+        """An op that started at sequence number ``seq`` is being left by ``exc``: mark the
+        communicator broken (ABORT line) if the op had posted ARRIVE and ``exc`` is not a
+        ZbcclError. Ctrl-C or an unexpected exception mid-op would otherwise leave the peers
+        waiting for this rank until their timeout. Ops call it from ``except BaseException``
+        (free when nothing is raised, unlike a context manager)."""
+        if self.seq != seq and not isinstance(exc, ZbcclError):
+            why = ABORT_INTERRUPT if isinstance(exc, KeyboardInterrupt) else ABORT_EXCEPTION
+            self.abort(why, f"op #{self.seq} ({op}) was left half-way by {type(exc).__name__}")
 
     def abort(self, why: int, text: str) -> None:
         """Publish that this rank left an op half-way; every later op on this communicator refuses."""
@@ -306,23 +310,6 @@ class OpChannel:
         if self._scratch.numel() < nbytes:
             self._scratch = torch.empty(max(nbytes, 2 * self._scratch.numel()), dtype=torch.uint8)
         return self._scratch.data_ptr()
-
-
-class _Guard:
-    __slots__ = ("ch", "op", "seq")
-
-    def __init__(self, ch: OpChannel, op: str) -> None:
-        self.ch, self.op, self.seq = ch, op, ch.seq
-
-    def __enter__(self) -> None:
-        self.seq = self.ch.seq
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        ch = self.ch
-        if kind is not None and not issubclass(kind, ZbcclError) and ch.seq != self.seq:
-            why = ABORT_INTERRUPT if issubclass(kind, KeyboardInterrupt) else ABORT_EXCEPTION
-            ch.abort(why, f"op #{ch.seq} ({self.op}) was left half-way by {kind.__name__}")
-        return False
 
 
 def text_of(vec: np.ndarray) -> str:

@@ -24,6 +24,8 @@ def open_op(comm, opcode: int, error: str | None, *, op: str, timeout) -> OpChan
             raise ZbcclInvalidUsageError(error)
         return None
     ch = channel_of(comm)
+    if error is None and timeout is None and ch.broken is None and ch.timeout == ch.default_timeout:
+        return ch  # the common case: nothing to check or set
     error = ch.enter(timeout, op=op) or error
     if error:
         ch.fail_together(opcode, error, op=op)

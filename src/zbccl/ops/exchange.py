@@ -72,13 +72,17 @@ def _start(comm, op: str, output, input, counts, out_counts, row: int, error: st
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.reshape(output.shape))
             return output
-        with ch.guard(op=op):
+        seq = ch.seq
+        try:
             if out_counts is None:
                 done = op == "all_gather" and _fast_all_gather(ch, output, input, input.numel(), W)
             else:
                 done = _fast_all_to_all(ch, output, input, counts, out_counts, row)
             if not done:
                 _run(ch, op, output, input, counts, out_counts, dt, row=row)
+        except BaseException as exc:
+            ch.left(seq, exc, op=op)
+            raise
     return output
 
 

@@ -98,9 +98,13 @@ def _run(comm, op: str, output, input, red_op, counts: list[int], row: int, erro
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view(output.shape))
             return output
-        with ch.guard(op=op):
+        seq = ch.seq
+        try:
             if not _fast(ch, op, output, input, counts, row, dt, red):
                 _staged(ch, op, output, input, counts, row, dt, red)
+        except BaseException as exc:
+            ch.left(seq, exc, op=op)
+            raise
     return output
 
 
