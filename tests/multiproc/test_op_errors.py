@@ -88,6 +88,11 @@ def _bad_argument_cases(me: int, python_path: bool) -> None:
             torch.empty(8), good, [4, 4], [1.5, 6.5] if bad else [4, 4]), "must be integers"),
         ("a2a split str", lambda: zbccl.all_to_all_single(
             torch.empty(8), good, "44" if bad else [4, 4], [4, 4]), "must be integers"),
+        ("expanded", lambda: zbccl.all_reduce(torch.zeros(1).expand(8) if bad else good), "sharing memory"),
+        ("bcast expanded", lambda: zbccl.broadcast(torch.zeros(1).expand(8) if bad else good, 0),
+         "sharing memory"),
+        ("gather out expanded", lambda: zbccl.all_gather_into_tensor(
+            torch.zeros(1).expand(16) if bad else out16, good), "sharing memory"),
         ("timeout", lambda: zbccl.all_reduce(good, timeout=-1 if bad else None), "timeout must be"),
         ("timeout nan", lambda: zbccl.all_reduce(good, timeout=float("nan") if bad else 30), "timeout"),
     ]

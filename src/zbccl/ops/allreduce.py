@@ -73,7 +73,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     Every rank gets bitwise identical results.
     """
     comm = resolve_comm(comm)
-    error = tensor_error(tensor, "tensor", op=_OP)
+    error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
     if error is None:
         try:

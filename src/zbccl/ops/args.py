@@ -17,12 +17,13 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from .dtypes import dtype_code
 
-__all__ = ["tensor_error", "index_list", "rank_error", "timeout_error", "span", "overlap_error", "splits",
+__all__ = ["tensor_error", "written_error", "index_list", "rank_error", "timeout_error", "span", "overlap_error", "splits",
            "check_exchange"]
 
 
-def tensor_error(t, role: str, *, op: str) -> str | None:
-    """Why ``t`` cannot be an operand (not a tensor, not strided, not on the CPU), or None."""
+def tensor_error(t, role: str, *, op: str, written: bool = False) -> str | None:
+    """Why ``t`` cannot be an operand (not a tensor, not strided, not on the CPU, or, when the op
+    writes it, elements sharing memory as in an expanded view), or None."""
     if not isinstance(t, torch.Tensor):
         return f"{op}: {role} must be a torch.Tensor, got {type(t).__name__}"
     if t.layout != torch.strided:
@@ -30,7 +31,39 @@ def tensor_error(t, role: str, *, op: str) -> str | None:
     if not t.is_cpu:
         # Peers reach this rank's memory through host pointers; no device backend exists yet.
         return f"{op}: {role} must be a CPU tensor (no device backend yet), got device {t.device}"
-    return None
+    return written_error(t, role, op=op) if written else None
+
+
+def written_error(t: torch.Tensor, role: str, *, op: str) -> str | None:
+    """An error if the op would write ``t`` but two of its elements share memory (caught here, not
+    when the result is copied back into it after the op, on this rank only)."""
+    if t.is_contiguous() or not _self_overlapping(t):
+        return None
+    return (f"{op}: {role} is written but has elements sharing memory, expected distinct elements, "
+            f"got shape {tuple(t.shape)} with strides {t.stride()}")
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an expanded view, a hand-made as_strided)."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    reach = 0  # elements spanned by the dimensions of smaller stride
+    for stride, size in dims:
+        if stride == 0:
+            return True
+        if stride <= reach:  # maybe interleaved rather than overlapping: decide exactly
+            return _positions(t, t.data_ptr()).unique().numel() != t.numel()
+        reach += (size - 1) * stride
+    return False
+
+
+def _positions(t: torch.Tensor, base: int) -> torch.Tensor:
+    """Element index (from byte address ``base``) of every element of ``t``."""
+    idx = torch.zeros(t.shape, dtype=torch.int64)
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[d] = size
+        idx = idx + torch.arange(size, dtype=torch.int64).view(shape) * stride
+    return idx.reshape(-1) + (t.data_ptr() - base) // t.element_size()
 
 
 def index_list(values, what: str, *, op: str) -> tuple[list[int] | None, str | None]:
@@ -96,16 +129,7 @@ def _elements_intersect(a: torch.Tensor, b: torch.Tensor) -> bool:
     if b.element_size() != isz or (a.data_ptr() - b.data_ptr()) % isz:
         return True  # differently typed views: the span answer stands
     base = min(a.data_ptr(), b.data_ptr())
-
-    def positions(t: torch.Tensor) -> torch.Tensor:  # element index of every element of t
-        idx = torch.zeros(t.shape, dtype=torch.int64)
-        for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
-            shape = [1] * t.dim()
-            shape[d] = size
-            idx = idx + torch.arange(size, dtype=torch.int64).view(shape) * stride
-        return idx.reshape(-1) + (t.data_ptr() - base) // isz
-
-    return bool(torch.isin(positions(a), positions(b)).any())
+    return bool(torch.isin(_positions(a, base), _positions(b, base)).any())
 
 
 def overlap_error(a: torch.Tensor, b: torch.Tensor, *, op: str, allowed: bool = False) -> str | None:

@@ -16,7 +16,7 @@ from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.state import resolve_comm
 from .allreduce import _show
-from .args import rank_error, tensor_error
+from .args import rank_error, tensor_error, written_error
 from .channel import ERR_USAGE, Header
 from .dtypes import dtype_code
 from .entry import open_op
@@ -45,6 +45,8 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
     dt = 0
     if error is None:
         src, error = rank_error(src, W, op=_OP)
+    if error is None and comm.rank != src:
+        error = written_error(tensor, "tensor", op=_OP)  # receivers write theirs
     if error is None:
         try:
             dt = dtype_code(tensor.dtype, op=_OP)

@@ -55,7 +55,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
     """
     comm = resolve_comm(comm)
     W = comm.world_size
-    error = tensor_error(output, "output", op="all_gather") or tensor_error(input, "input", op="all_gather")
+    error = tensor_error(output, "output", op="all_gather", written=True) or tensor_error(input, "input", op="all_gather")
     counts = [0] * W if error else [input.numel()] * W
     return _start(comm, "all_gather", output, input, counts, None, 1, error, timeout)
 
@@ -134,7 +134,7 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     """
     comm = resolve_comm(comm)
     op = "all_gather_v"
-    error = tensor_error(output, "output", op=op) or tensor_error(input, "input", op=op)
+    error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
     rows, size_error = index_list(sizes, "sizes", op=op)
     error = error or size_error
     row = _row_elems(output) if error is None else 1
@@ -152,7 +152,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     """
     comm = resolve_comm(comm)
     W, op = comm.world_size, "all_to_all"
-    error = tensor_error(output, "output", op=op) or tensor_error(input, "input", op=op)
+    error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
     ins = outs = [0] * W
     row = 1
     if error is None:

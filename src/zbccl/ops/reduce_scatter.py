@@ -43,7 +43,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *
     Blocks the host until no peer reads this rank's ``input`` any more.
     """
     comm = resolve_comm(comm)
-    error = tensor_error(output, "output", op=_RS) or tensor_error(input, "input", op=_RS)
+    error = tensor_error(output, "output", op=_RS, written=True) or tensor_error(input, "input", op=_RS)
     counts = [0] * comm.world_size if error else [output.numel()] * comm.world_size
     return _run(comm, _RS, output, input, op, counts, 1, error, timeout)
 
@@ -57,7 +57,7 @@ def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int]
     """
     comm = resolve_comm(comm)
     op_name = "reduce_scatter_v"
-    error = tensor_error(output, "output", op=op_name) or tensor_error(input, "input", op=op_name)
+    error = tensor_error(output, "output", op=op_name, written=True) or tensor_error(input, "input", op=op_name)
     rows, size_error = index_list(sizes, "sizes", op=op_name)
     error = error or size_error
     row = int(np.prod(input.shape[1:])) if error is None and input.dim() > 1 else 1
