@@ -129,8 +129,8 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     """Collective: all-gather with per-rank sizes along dim 0.
 
     ``sizes[r]`` rows come from rank r; ``input`` is ``[sizes[rank], *rest]`` and ``output`` is
-    ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes`` (integers). Aliasing as in
-    :func:`all_gather_into_tensor`.
+    ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes`` (integers). Aliasing and
+    ``timeout`` as in :func:`all_gather_into_tensor`.
     """
     comm = resolve_comm(comm)
     op = "all_gather_v"

@@ -53,7 +53,8 @@ def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int]
     """Collective: reduce-scatter with per-rank sizes along dim 0.
 
     ``input`` is ``[sum(sizes), *rest]`` on every rank; ``output`` is ``[sizes[rank], *rest]``.
-    Every rank must pass the same ``sizes`` (integers). Aliasing as in :func:`reduce_scatter_tensor`.
+    Every rank must pass the same ``sizes`` (integers). Aliasing and ``timeout`` as in
+    :func:`reduce_scatter_tensor`.
     """
     comm = resolve_comm(comm)
     op_name = "reduce_scatter_v"
