@@ -28,7 +28,12 @@ def open_op(comm, opcode: int, error: str | None, *, op: str, timeout) -> OpChan
         return ch  # the common case: nothing to check or set
     error = ch.enter(timeout, op=op) or error
     if error:
-        ch.fail_together(opcode, error, op=op)
+        seq = ch.seq
+        try:
+            ch.fail_together(opcode, error, op=op)
+        except BaseException as exc:  # Ctrl-C while the peers have not arrived yet included
+            ch.left(seq, exc, op=op)
+            raise
     nat = native_channel(ch)
     if nat is not None:
         nat.set_timeout(ch.timeout)
