@@ -204,6 +204,49 @@ def _broadcast_cases(comm):
     return True
 
 
+#: Non-contiguous views: name -> (base shape, view of the base).
+VIEWS = {"transposed": ((4, 4), lambda b: b.t()), "sliced": ((6, 5), lambda b: b[1:5, ::2])}
+
+
+def _base(rank: int, shape, make) -> torch.Tensor:
+    b = make(*shape)
+    b.copy_(payload(rank, shape[0] * shape[1], torch.float32).view(shape))
+    return b
+
+
+def _broadcast_views(ctx):
+    """Issue 12: broadcast of a non-contiguous tensor must not overwrite the root's own data."""
+    import zbccl
+    from zbccl.ops.channel import channel_of
+
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        for python_path in (False, True):
+            if python_path:
+                channel_of(comm).__dict__["native"] = False
+            for src in range(W):
+                for heap in (True, False):
+                    for name, (shape, view_of) in VIEWS.items():
+                        base = _base(me, shape, zbccl.empty if heap else torch.empty)
+                        before = base.clone()
+                        zbccl.broadcast(view_of(base), src)
+                        case = f"{name} src={src} heap={heap} python={python_path}"
+                        expect = before.clone()
+                        view_of(expect).copy_(view_of(_base(src, shape, torch.empty)))
+                        assert torch.equal(base, expect), f"broadcast {case}: wrong bytes on rank {me}"
+                        if me == src:
+                            assert torch.equal(base, before), f"broadcast {case}: the root's tensor changed"
+        return True
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_broadcast_of_views_keeps_the_root_intact(world_size):
+    assert run_world(_broadcast_views, world_size, timeout=120) == [True] * world_size
+
+
 def _suite(ctx):
     import zbccl
 
@@ -254,6 +297,9 @@ def _python_and_native_paths(ctx):
         for mode in ("native", "python", "mixed"):
             ch.__dict__["native"] = False if mode == "python" or (mode == "mixed" and me == 1) else None
             ch.choices.clear()
+            # Sequence numbers past 2^39 (every rank jumps alike): PHASE values once encoded
+            # seq << 24 | step, which overflowed int64 there; they must not depend on seq at all.
+            ch.seq += 1 << 40
             for dtype in (torch.bfloat16, torch.float32):
                 for n in (1, 2047, 100_003):
                     t = zbccl.empty(n, dtype=dtype)
@@ -373,8 +419,10 @@ def _heap_too_small_to_stage(ctx):
     try:
         W, me = comm.world_size, comm.rank
         big = payload(me, 1 << 20, torch.float32)  # 4 MiB, private: needs staging, heap is 1 MiB
-        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="cannot stage"):
+        with pytest.raises(zbccl.ZbcclOutOfMemoryError, match="cannot stage"):
             zbccl.all_reduce(big)
+        with pytest.raises(zbccl.ZbcclOutOfMemoryError, match="cannot stage"):
+            zbccl.broadcast(big, 1)  # the root (rank 1) cannot stage; rank 0 must fail with it
         out = torch.empty(W * (1 << 20))
         with pytest.raises(zbccl.ZbcclOutOfMemoryError, match="could not stage"):
             zbccl.all_gather_into_tensor(out, big)

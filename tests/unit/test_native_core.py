@@ -11,6 +11,7 @@ import mmap
 import threading
 
 import pytest
+import torch
 
 from zbccl import native
 
@@ -138,3 +139,23 @@ def test_bad_arguments_raise_not_crash(core) -> None:
         core.wait_ge(ctypes.addressof(bad), 1, 0, 0, 0)
     with pytest.raises(ValueError, match="bad size"):
         core.memset(f[0], 0, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int8, torch.uint8, torch.int32])
+def test_integer_products_wrap_like_torch(core, dtype):
+    """Issue 11 item 5: products that overflow wrap as torch's do (int16 once overflowed signed int:
+    65535 * 65535 after the promotion of uint16_t to int)."""
+    from zbccl.ops.dtypes import DTYPE_CODES, PROD
+
+    info = torch.iinfo(dtype)
+    n = 4099  # not a multiple of any vector width: the tail is checked too
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randint(info.min, info.max + 1, (n,), dtype=torch.int64, generator=gen).to(dtype)
+              for _ in range(3)]
+    inputs[0][:4] = torch.tensor([info.max, info.min, -1 if info.min else 255, info.max], dtype=dtype)
+    inputs[1][:4] = torch.tensor([info.max, info.min, info.min, info.max], dtype=dtype)
+    dst = torch.empty(n, dtype=dtype)
+    table = (ctypes.c_uint64 * 3)(*(t.data_ptr() for t in inputs))
+    core.reduce_n(dst.data_ptr(), ctypes.addressof(table), 3, n, DTYPE_CODES[dtype], PROD, 1.0, 1)
+    expect = inputs[0] * inputs[1] * inputs[2]
+    assert torch.equal(dst, expect)

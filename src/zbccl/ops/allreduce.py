@@ -13,7 +13,7 @@ handshake):
 * ``twoshot``: the tensor is cut into chunks (the tuner's chunk size). For
   chunk k, rank r reduces slice r of the chunk from all N inputs straight
   into slice r of its own tensor (only rank r ever reads slice r, so writing
-  it in place is safe) and signals ``PHASE = seq<<24 | k+1``; once every
+  it in place is safe) and signals ``PHASE = base + k+1``; once every
   peer signalled chunk k, rank r copies their reduced slices of chunk k into
   its own tensor. The native path gathers chunk k-1 while chunk k is being
   reduced elsewhere, so freshly reduced lines are read from cache. ``DONE``
@@ -40,8 +40,10 @@ from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from ..runtime.state import resolve_comm
-from .channel import Header, channel_of
+from .args import tensor_error
+from .channel import ERR_NOMEM, Header
 from .dtypes import AVG, CODE_DTYPES, dtype_code, op_name, reduce_op_code
+from .entry import open_op
 from .fastpath import native_channel
 from .operands import Operand
 from .plan import ALGO_NAMES, ONESHOT, OP_ALL_REDUCE, choose, nthreads, profiled, slices
@@ -62,68 +64,86 @@ def _show(field: int, value: int) -> str:
 
 
 @collective("all_reduce")
-def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = None,
+               timeout: float | None = None) -> torch.Tensor:
     """Collective: reduce ``tensor`` over all ranks, in place; returns ``tensor``.
 
-    ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"`` or a
-    ``torch.distributed.ReduceOp``. dtypes: float32/64, bfloat16, float16 and
-    integers (avg: floats only). Blocks the host until every rank finished
-    reading this rank's tensor. Every rank gets bitwise identical results.
+    ``tensor``: any shape, a CPU tensor. ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"``,
+    ``"product"`` or a ``torch.distributed.ReduceOp``. dtypes: float32/64, bfloat16, float16 and
+    integers (avg: floats only). ``timeout``: seconds this op may wait (default: the
+    communicator's). Blocks the host until every rank finished reading this rank's tensor.
+    Every rank gets bitwise identical results.
     """
     comm = resolve_comm(comm)
-    with profiled(_OP, tensor):
+    error = tensor_error(tensor, "tensor", op=_OP, written=True)
+    dt = red = 0
+    if error is None:
         try:
             dt = dtype_code(tensor.dtype, op=_OP)
             red = reduce_op_code(op, tensor.dtype, op=_OP)
         except ZbcclInvalidUsageError as exc:
-            if comm.world_size == 1:
+            error = str(exc)
+    with profiled(_OP, tensor):
+        ch = open_op(comm, OP_ALL_REDUCE, error, op=_OP, timeout=timeout)
+        if ch is not None:
+            seq = ch.seq
+            try:
+                _run(ch, tensor, dt, red)
+            except BaseException as exc:
+                ch.left(seq, exc, op=_OP)
                 raise
-            channel_of(comm).fail_together(OP_ALL_REDUCE, str(exc), op=_OP)
-        if comm.world_size == 1:
-            return tensor
-        ch = channel_of(comm)
-        count = tensor.numel()
-        itemsize = tensor.element_size()
-        nbytes = count * itemsize
-        algo, chunk = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
-        chunk_elems = max(1, chunk // itemsize)
-        nat = native_channel(ch)
-        if nat is not None and nbytes and tensor.is_contiguous():
-            addr = tensor.data_ptr()
-            off = addr - ch.my_base
-            if 0 <= off and off + nbytes <= ch.my_size:
-                # Zero-copy fast path: the whole protocol in one native call.
-                ch.seq += 1
-                timed = nbytes >= nat.stores.MIN_BYTES
-                if timed:
-                    nat.stores.before(nbytes)
-                t0 = time.perf_counter_ns() if timed else 0
-                rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo, chunk_elems)
-                if rc:
-                    nat.raise_for(rc, op=_OP, show=_show)
-                if timed:
-                    nat.stores.after(nbytes, time.perf_counter_ns() - t0)
-                return tensor
-        operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
-        try:
-            if nat is not None and nbytes and operand.error is None:
-                ch.seq += 1
-                rc = nat.all_reduce(nat.handle, ch.seq, operand.addr, operand.offset, count, itemsize, dt, red,
-                                    algo, chunk_elems)
-                if rc:
-                    nat.raise_for(rc, op=_OP, show=_show)
-            else:
-                _python_path(ch, operand, count, itemsize, dt, red, algo, chunk_elems)
-        finally:
-            operand.finish()
-        return tensor
+    return tensor
+
+
+def _run(ch, tensor: torch.Tensor, dt: int, red: int) -> None:
+    count = tensor.numel()
+    itemsize = tensor.element_size()
+    nbytes = count * itemsize
+    algo, chunk = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
+    chunk_elems = max(1, chunk // itemsize)
+    nat = native_channel(ch)
+    if nat is not None and nbytes and tensor.is_contiguous():
+        addr = tensor.data_ptr()
+        off = addr - ch.my_base
+        if 0 <= off and off + nbytes <= ch.my_size:
+            # Zero-copy fast path: the whole protocol in one native call.
+            ch.seq += 1
+            timed = nbytes >= nat.stores.MIN_BYTES
+            if timed:
+                nat.stores.before(nbytes)
+            t0 = time.perf_counter_ns() if timed else 0
+            rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo, chunk_elems)
+            if rc:
+                nat.raise_for(rc, op=_OP, show=_show)
+            if timed:
+                nat.stores.after(nbytes, time.perf_counter_ns() - t0)
+            return
+    operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
+    try:
+        if nat is not None and nbytes and operand.error is None:
+            ch.seq += 1
+            rc = nat.all_reduce(nat.handle, ch.seq, operand.addr, operand.offset, count, itemsize, dt, red,
+                                algo, chunk_elems)
+            if rc:
+                nat.raise_for(rc, op=_OP, show=_show)
+        else:
+            _python_path(ch, operand, count, itemsize, dt, red, algo, chunk_elems)
+    finally:
+        operand.finish()
 
 
 def _python_path(ch, operand: Operand, count: int, itemsize: int, dt: int, red: int, algo: int,
                  chunk: int) -> None:
     """The same protocol in Python: errors, empty tensors, and machines without the native core."""
+    error, kind, scratch = operand.error, operand.kind, 0
+    if algo == ONESHOT and count and error is None:
+        try:  # before ARRIVE: a rank that cannot get its scratch fails the group with the reason
+            scratch = ch.scratch(count * itemsize)
+        except (RuntimeError, MemoryError) as exc:
+            error, kind = f"{_OP}: cannot allocate {count * itemsize} bytes of scratch memory for oneshot: {exc}", \
+                ERR_NOMEM
     hdrs = ch.begin([0, OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo, 0, 0, 0, 0, chunk],
-                    op=_OP, error=operand.error)
+                    op=_OP, error=error, kind=kind)
     ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ALGO, Header.AUX), op=_OP,
              show=_show)
     if count == 0:
@@ -133,7 +153,6 @@ def _python_path(ch, operand: Operand, count: int, itemsize: int, dt: int, red: 
     divisor = float(ch.world_size) if red == AVG else 1.0
     table = np.asarray(srcs, dtype=np.uint64)
     if algo == ONESHOT:
-        scratch = ch.scratch(count * itemsize)
         ch.prims.reduce_n(scratch, int(table.ctypes.data), ch.world_size, count, dt, red, divisor, nthreads())
         ch.end(op=_OP)
         ch.prims.copy(operand.addr, scratch, count * itemsize, nthreads())

@@ -30,8 +30,10 @@ from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from ..runtime.state import resolve_comm
 from .allreduce import _show
-from .channel import Header, OpChannel, channel_of
-from .dtypes import DTYPE_CODES, dtype_code
+from .args import check_exchange, index_list, splits, tensor_error
+from .channel import Header, OpChannel
+from .dtypes import DTYPE_CODES
+from .entry import open_op
 from .fastpath import RC_FALLBACK, native_channel
 from .operands import is_strict
 from .plan import OP_ALL_GATHER, OP_ALL_TO_ALL, PUSH, choose, nthreads, profiled
@@ -44,20 +46,46 @@ def _row_elems(t: torch.Tensor) -> int:
 
 
 @collective("all_gather_into_tensor")
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *,
-                           comm: Communicator | None = None) -> torch.Tensor:
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: Communicator | None = None,
+                           timeout: float | None = None) -> torch.Tensor:
     """Collective: ``output`` (``world_size * input.numel()`` elements) gets every rank's ``input``
     in rank order. Pull-based when inputs are heap tensors (the output may be private); an
-    ``input`` that is a view of this rank's slice of ``output`` costs no copy for that slice.
-    Blocks the host until the op is complete on this rank and no peer reads ``input`` any more.
+    ``input`` that is exactly this rank's slice of a contiguous ``output`` costs no copy for that
+    slice; any other overlap of the two is refused on every rank. ``timeout``: seconds this op may
+    wait (default: the communicator's). Blocks the host until the op is complete on this rank and
+    no peer reads ``input`` any more.
     """
     comm = resolve_comm(comm)
-    with profiled("all_gather", input):
-        n = input.numel()
-        W = comm.world_size
-        if _fast_all_gather(comm, output, input, n, W):
+    W = comm.world_size
+    error = tensor_error(output, "output", op="all_gather", written=True) or tensor_error(input, "input", op="all_gather")
+    counts = [0] * W if error else [input.numel()] * W
+    return _start(comm, "all_gather", output, input, counts, None, 1, error, timeout)
+
+
+def _start(comm, op: str, output, input, counts, out_counts, row: int, error: str | None, timeout) -> torch.Tensor:
+    """Check locally, fail together or run: the one-call native path if it fits, else :func:`_run`."""
+    W, me = comm.world_size, comm.rank
+    dt = 0
+    if error is None:
+        dt, error = check_exchange(op, output, input, counts, out_counts, W, me)
+    with profiled(op, input):
+        ch = open_op(comm, OP_ALL_GATHER if out_counts is None else OP_ALL_TO_ALL, error, op=op, timeout=timeout)
+        if ch is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.reshape(output.shape))
             return output
-        return _run(comm, "all_gather", output, input, [n] * W, None, row=1)
+        seq = ch.seq
+        try:
+            if out_counts is None:
+                done = op == "all_gather" and _fast_all_gather(ch, output, input, input.numel(), W)
+            else:
+                done = _fast_all_to_all(ch, output, input, counts, out_counts, row)
+            if not done:
+                _run(ch, op, output, input, counts, out_counts, dt, row=row)
+        except BaseException as exc:
+            ch.left(seq, exc, op=op)
+            raise
+    return output
 
 
 def _heap_offsets(ch: OpChannel, input: torch.Tensor, output: torch.Tensor, in_bytes: int,
@@ -73,16 +101,10 @@ def _heap_offsets(ch: OpChannel, input: torch.Tensor, output: torch.Tensor, in_b
     return in_addr, out_addr, in_off, out_off
 
 
-def _fast_all_gather(comm, output: torch.Tensor, input: torch.Tensor, n: int, W: int) -> bool:
-    """The common case in one native call: contiguous tensors, input in the heap, sizes consistent.
-
-    Anything else (and any error) goes to :func:`_run`, which checks and reports it.
-    """
-    if n == 0 or output.dtype != input.dtype or output.numel() != n * W:
+def _fast_all_gather(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, n: int, W: int) -> bool:
+    """The common case in one native call: contiguous tensors, input in the heap (arguments checked)."""
+    if n == 0 or not (input.is_contiguous() and output.is_contiguous()):
         return False
-    if not (input.is_contiguous() and output.is_contiguous()):
-        return False
-    ch = channel_of(comm)
     nat = native_channel(ch)
     dt = DTYPE_CODES.get(input.dtype)
     if nat is None or dt is None:
@@ -106,46 +128,53 @@ def _fast_all_gather(comm, output: torch.Tensor, input: torch.Tensor, n: int, W:
 
 @collective("all_gather_v")
 def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
-                 comm: Communicator | None = None) -> torch.Tensor:
+                 comm: Communicator | None = None, timeout: float | None = None) -> torch.Tensor:
     """Collective: all-gather with per-rank sizes along dim 0.
 
     ``sizes[r]`` rows come from rank r; ``input`` is ``[sizes[rank], *rest]`` and ``output`` is
-    ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes``.
+    ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes`` (integers). Aliasing and
+    ``timeout`` as in :func:`all_gather_into_tensor`.
     """
     comm = resolve_comm(comm)
-    with profiled("all_gather_v", input):
-        sizes = [int(s) for s in sizes]
-        row = _row_elems(output)
-        return _run(comm, "all_gather_v", output, input, [s * row for s in sizes], None, row=row)
+    op = "all_gather_v"
+    error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
+    rows, size_error = index_list(sizes, "sizes", op=op)
+    error = error or size_error
+    row = _row_elems(output) if error is None else 1
+    counts = [0] * comm.world_size if error else [s * row for s in rows]
+    return _start(comm, op, output, input, counts, None, row, error, timeout)
 
 
 @collective("all_to_all_single")
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
-                      input_split_sizes=None, *, comm: Communicator | None = None) -> torch.Tensor:
+                      input_split_sizes=None, *, comm: Communicator | None = None,
+                      timeout: float | None = None) -> torch.Tensor:
     """Collective: rank q's rows ``input_split_sizes[r]`` go to rank r, landing at rank r's rows
     ``output_split_sizes[q]``. ``None`` splits mean equal splits of dim 0. Every pair must agree
-    (q's input split for r equals r's output split for q), or every rank raises.
+    (q's input split for r equals r's output split for q), or every rank raises. ``output`` and
+    ``input`` must not overlap (no in-place form). ``timeout``: seconds this op may wait.
     """
     comm = resolve_comm(comm)
-    with profiled("all_to_all", input):
-        W = comm.world_size
+    W, op = comm.world_size, "all_to_all"
+    error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
+    ins = outs = [0] * W
+    row = 1
+    if error is None:
         row = _row_elems(input)
-        ins = [s * row for s in _splits(input, input_split_sizes, W)]
-        outs = [s * row for s in _splits(output, output_split_sizes, W)]
-        if _fast_all_to_all(comm, output, input, ins, outs, row):
-            return output
-        return _run(comm, "all_to_all", output, input, ins, outs, row=row)
+        in_rows, error = splits(input, input_split_sizes, W, "input_split_sizes", op=op)
+        out_rows, out_error = splits(output, output_split_sizes, W, "output_split_sizes", op=op)
+        error = error or out_error
+        if error is None:
+            ins, outs = [s * row for s in in_rows], [s * row for s in out_rows]
+    return _start(comm, op, output, input, ins, outs, row, error, timeout)
 
 
-def _fast_all_to_all(comm, output: torch.Tensor, input: torch.Tensor, ins: list[int], outs: list[int],
+def _fast_all_to_all(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, ins: list[int], outs: list[int],
                      row: int) -> bool:
-    """One native call when the tensors are contiguous, the input is in the heap and the splits cover them."""
+    """One native call when the tensors are contiguous and the input is in the heap (arguments checked)."""
     n_in, n_out = input.numel(), output.numel()
-    if not n_in or output.dtype != input.dtype or min(ins) < 0 or min(outs) < 0:
+    if not n_in or not (input.is_contiguous() and output.is_contiguous()):
         return False
-    if sum(ins) != n_in or sum(outs) != n_out or not (input.is_contiguous() and output.is_contiguous()):
-        return False
-    ch = channel_of(comm)
     nat = native_channel(ch)
     dt = DTYPE_CODES.get(input.dtype)
     W = ch.world_size
@@ -169,58 +198,26 @@ def _fast_all_to_all(comm, output: torch.Tensor, input: torch.Tensor, ins: list[
     return True
 
 
-def _splits(t: torch.Tensor, splits, world: int) -> list[int]:
-    if splits is None:
-        rows = t.shape[0] if t.dim() else 1
-        return [rows // world] * world if rows % world == 0 else [-1] * world
-    return [int(s) for s in splits]
-
-
-class _Args:
-    """Local view of one rank's arguments: element counts, displacements, errors."""
-
-    def __init__(self, op: str, output, input, counts, out_counts, world: int, rank: int) -> None:
-        self.error = None
-        self.counts, self.out_counts = counts, out_counts
-        if input.dtype != output.dtype:
-            self.error = f"{op}: input and output dtypes differ, expected one dtype, got {input.dtype} and {output.dtype}"
-        elif len(counts) != world or (out_counts is not None and len(out_counts) != world):
-            self.error = f"{op}: expected {world} sizes, got {len(counts)}"
-        elif min(counts) < 0 or (out_counts is not None and min(out_counts) < 0):
-            self.error = f"{op}: sizes must be non-negative and dim 0 must divide by {world} for equal splits"
-        elif out_counts is None and (input.numel() != counts[rank] or output.numel() != sum(counts)):
-            self.error = (f"{op}: wrong sizes, expected input {counts[rank]} and output {sum(counts)} elements, "
-                          f"got {input.numel()} and {output.numel()}")
-        elif out_counts is not None and (input.numel() != sum(counts) or output.numel() != sum(out_counts)):
-            self.error = (f"{op}: splits do not cover the tensors, expected input {sum(counts)} and output "
-                          f"{sum(out_counts)} elements, got {input.numel()} and {output.numel()}")
-
-
-def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch.Tensor:
-    ch = channel_of(comm)
-    W, me = comm.world_size, comm.rank
-    args = _Args(op, output, input, counts, out_counts, W, me)
-    try:
-        dt = dtype_code(input.dtype, op=op)
-    except ZbcclInvalidUsageError as exc:
-        ch.fail_together(OP_ALL_TO_ALL if out_counts is not None else OP_ALL_GATHER, str(exc), op=op)
+def _run(ch: OpChannel, op: str, output, input, counts, out_counts, dt: int, *, row: int) -> None:
+    """Any placement: the native call stops at RC_FALLBACK when staging is needed; Python goes on."""
+    W, me = ch.world_size, ch.rank
     isz = input.element_size()
     opcode = OP_ALL_TO_ALL if out_counts is not None else OP_ALL_GATHER
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     in_off = ch.offset_of(input) if input.is_contiguous() else -1
     out_off = ch.offset_of(out_t)
-    error = args.error
-    if in_off < 0 and out_off < 0 and error is None and is_strict():
+    error = None
+    if in_off < 0 and out_off < 0 and is_strict():
         error = f"{op}: neither input nor output is a contiguous heap tensor and strict mode is on"
     algo, _ = choose(ch, opcode, input.dtype, sum(counts) * isz)
     digest, counts_addr = ch.sizes(counts if out_counts is None else [row])
-    vec = None if out_counts is None else np.asarray(counts + out_counts, dtype=np.int64)
+    vec = np.asarray(counts if out_counts is None else counts + out_counts, dtype=np.int64)
     keep = input if input.is_contiguous() else input.contiguous()  # alive until the op ends
     nat = native_channel(ch)
     hdrs = None
     if nat is not None and error is None:
         ch.seq += 1
-        if vec is not None:
+        if out_counts is not None:
             ch.vectors[me][: 2 * W] = vec
             rc = nat.all_to_all(nat.handle, ch.seq, keep.data_ptr(), in_off, out_t.data_ptr(), out_off,
                                 input.numel(), output.numel(), row, digest, isz, dt, algo)
@@ -234,19 +231,20 @@ def _run(comm, op: str, output, input, counts, out_counts, *, row: int) -> torch
     else:
         hdrs = ch.begin([0, opcode, dt, 0, input.numel(), output.numel(), in_off, out_off, algo, 0, row, digest],
                         op=op, vectors=vec, error=error)
-        fields = (Header.OP, Header.DTYPE, Header.ROW, Header.DIGEST) + (
-            (Header.OUT_NUMEL,) if out_counts is None else ())
+        fields = (Header.OP, Header.DTYPE, Header.ROW) + ((Header.OUT_NUMEL,) if out_counts is None else ())
         ch.agree(hdrs, fields, op=op)
+        if out_counts is None:
+            ch.agree_sizes(W, op=op, row=row)
     if hdrs is not None:
         _finish_in_python(ch, hdrs, counts, out_counts, isz, algo, keep, in_off, out_t, op=op)
     if out_t is not output:
         output.copy_(out_t)
         ch.ctx.sma.record_staged(output.numel() * isz)
-    return output
 
 
 def _finish_in_python(ch, hdrs, counts, out_counts, isz: int, algo: int, input, in_off: int, out_t, *,
                       op: str) -> None:
+    ch.phase_base = max(h[Header.PHASE_BASE] for h in hdrs)  # also when the native call began the op
     blocks = _blocks(ch, hdrs, counts, out_counts, isz, op=op)
     staged = None
     try:

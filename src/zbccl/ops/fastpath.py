@@ -19,11 +19,28 @@ from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..runtime.registry import FINALIZED_WHILE_WAITING
 from ..runtime.threads import nthreads
-from .channel import L_ARRIVE, L_DONE, L_HEADER, L_PHASE, Header, OpChannel
+from .channel import (
+    ERR_NOMEM,
+    ERR_USAGE,
+    L_ABORT,
+    L_ARRIVE,
+    L_DONE,
+    L_HEADER,
+    L_PHASE,
+    VECTOR_CAPACITY,
+    Header,
+    OpChannel,
+    peer_error,
+    sizes_message,
+    text_of,
+)
+from .diagnose import late_message
 
 __all__ = ["NativeChannel", "native_channel", "RC_FALLBACK"]
 
-RC_OK, RC_TIMEOUT, RC_DEAD, RC_GONE, RC_MISMATCH, RC_STEP, RC_SPAN, RC_PEER_ERROR, RC_SPLITS, RC_FALLBACK = range(10)
+# Result codes of the native ops (chan.h).
+(RC_OK, RC_TIMEOUT, RC_DEAD, RC_GONE, RC_MISMATCH, RC_STEP, RC_SPAN, RC_PEER_ERROR, RC_SPLITS, RC_FALLBACK,
+ RC_INTERRUPTED, RC_NOMEM, RC_SIZES, RC_ABORTED) = range(14)
 
 
 class NativeChannel:
@@ -41,11 +58,12 @@ class NativeChannel:
             fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
             rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
                          heap.ctrl_addr(g, layout.H_STATE), ch.heap_base[r], ch.heap_size[r], fd,
-                         int(ch.vectors[r].ctypes.data)])
+                         int(ch.vectors[r].ctypes.data), line(L_ABORT)])
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.core.chan_new(ch.world_size, ch.rank, ctx.spin, ctx.liveness_ns,
                                          int(ctx.timeout * 1e9), nthreads(), int(table.ctypes.data))
         self._finalizer = weakref.finalize(self, self.core.chan_free, self.handle)
+        self._timeout = ctx.timeout
         self.stores = StoreKind(self)
         # The native ops (signatures in native/csrc/chan_ops.c); each returns a result code.
         self.all_reduce = self.core.chan_all_reduce
@@ -53,6 +71,12 @@ class NativeChannel:
         self.all_to_all = self.core.chan_all_to_all
         self.reduce_scatter = self.core.chan_reduce_scatter
         self.broadcast = self.core.chan_broadcast
+
+    def set_timeout(self, seconds: float) -> None:
+        """The next ops' wait budget (the op's ``timeout=``; set only when it changes)."""
+        if seconds != self._timeout:
+            self.core.chan_timeout(self.handle, max(1, int(seconds * 1e9)))
+            self._timeout = seconds
 
     def headers(self) -> list[tuple[int, ...]]:
         """Every rank's header as copied by the last op (before its DONE handshake)."""
@@ -63,17 +87,23 @@ class NativeChannel:
         W = self.ch.world_size
         return np.frombuffer((ctypes.c_int64 * (16 * W)).from_address(hdrs_ptr), dtype=np.int64).reshape(W, 16)
 
+    def _vector_copies(self, addr: int) -> np.ndarray:
+        """The two size-vector areas the last failed op copied before its DONE handshake."""
+        buf = (ctypes.c_int64 * (2 * VECTOR_CAPACITY)).from_address(addr)
+        return np.frombuffer(buf, dtype=np.int64).reshape(2, VECTOR_CAPACITY).copy()
+
     def raise_for(self, rc: int, *, op: str, show) -> None:
+        """Raise the error of the last op's result code ``rc`` (the Python path's wording)."""
         ch = self.ch
-        _, rank, field, _, late = self.core.chan_result(self.handle)
+        _, rank, field, _, late, vec_addr = self.core.chan_result(self.handle)
         hdrs = self._header_copies()
         if rc == RC_TIMEOUT:
             late = late or [rank]
-            raise ZbcclTimeoutError(
-                f"{op}: timed out after {ch.ctx.timeout:.1f}s waiting for ranks {late}; they never arrived",
-                ranks=tuple(late))
+            raise ZbcclTimeoutError(late_message(ch, late, op=op), ranks=tuple(late))
         if rc == RC_GONE and rank == ch.rank:  # chan.c check_peers: our own STATE is FINALIZED
             raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ch.comm.global_rank,))
+        if rc == RC_ABORTED:
+            raise ch.abort_error(rank, op=op)
         if rc in (RC_DEAD, RC_GONE):
             g = ch.comm.ranks[rank]
             state = ch.ctx.heap.header(g, layout.H_STATE)
@@ -84,16 +114,18 @@ class NativeChannel:
             got = ", ".join(f"rank {r} {show(field, int(v))}" for r, v in enumerate(hdrs[:, field]))
             raise ZbcclInvalidUsageError(f"{op}: ranks disagree on {Header.NAMES.get(field, field)}, got {got}",
                                          ranks=tuple(range(ch.world_size)))
-        if rc == RC_PEER_ERROR:
-            raise ZbcclInvalidUsageError(f"{op}: rank {rank} passed invalid arguments: {ch.error_text(rank)}",
-                                         ranks=(rank,))
+        vecs = self._vector_copies(vec_addr)
+        if rc in (RC_PEER_ERROR, RC_NOMEM):
+            raise peer_error(op, rank, ERR_NOMEM if rc == RC_NOMEM else ERR_USAGE, text_of(vecs[0]), ranks=(rank,))
+        W = ch.world_size
+        if rc == RC_SIZES:
+            row = max(1, int(hdrs[0, Header.ROW]))
+            raise ZbcclInvalidUsageError(sizes_message(op, vecs[0][:W], rank, vecs[1][:W], row), ranks=(0, rank))
         if rc == RC_SPLITS:
             q, r = rank, field
-            vq, vr = ch.vectors[q], ch.vectors[r]
-            W = ch.world_size
             raise ZbcclInvalidUsageError(
-                f"{op}: split sizes disagree, rank {q} sends {int(vq[r]) // max(1, int(hdrs[q, Header.ROW]))} rows "
-                f"to rank {r} but rank {r} expects {int(vr[W + q]) // max(1, int(hdrs[r, Header.ROW]))}",
+                f"{op}: split sizes disagree, rank {q} sends {int(vecs[0][r]) // max(1, int(hdrs[q, Header.ROW]))} "
+                f"rows to rank {r} but rank {r} expects {int(vecs[1][W + q]) // max(1, int(hdrs[r, Header.ROW]))}",
                 ranks=(q, r))
         if rc == RC_STEP:
             raise ZbcclInvalidUsageError(

@@ -20,7 +20,7 @@ import torch
 from .. import env
 from ..errors import ZbcclOutOfMemoryError
 from ..heap.views import wrap_address
-from .channel import OpChannel
+from .channel import ERR_NOMEM, ERR_USAGE, OpChannel
 
 __all__ = ["Operand", "strict_heap", "is_strict"]
 
@@ -52,13 +52,14 @@ class Operand:
     of raising, so the group can fail together after the handshake.
     """
 
-    __slots__ = ("t", "nbytes", "offset", "addr", "block", "write", "error", "_ch")
+    __slots__ = ("t", "nbytes", "offset", "addr", "block", "write", "error", "kind", "_ch")
 
     def __init__(self, ch: OpChannel, t: torch.Tensor, *, op: str, role: str, read: bool, write: bool) -> None:
         self._ch, self.t, self.write = ch, t, write
         self.nbytes = t.numel() * t.element_size()
         self.block = None
         self.error: str | None = None
+        self.kind = ERR_USAGE  # what kind of error ``error`` is, for the handshake (channel.ERR_*)
         self.offset = ch.offset_of(t)
         if self.offset < 0:
             if is_strict():
@@ -71,6 +72,7 @@ class Operand:
                 except ZbcclOutOfMemoryError as exc:
                     # Reported through the handshake so every rank fails together, none hangs.
                     self.error = f"{op}: cannot stage the {role} ({self.nbytes} bytes) through the heap: {exc}"
+                    self.kind = ERR_NOMEM
                     self.offset = 0
         self.addr = ch.my_base + self.offset
 

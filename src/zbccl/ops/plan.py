@@ -73,5 +73,6 @@ _null = contextlib.nullcontext()
 def profiled(op: str, t: torch.Tensor):
     """A profiler range ``zbccl::<op>(<bytes>B)`` when the torch profiler runs, else nothing."""
     if torch.autograd.profiler._is_profiler_enabled:
-        return _record(f"zbccl::{op}({t.numel() * t.element_size()}B)")
+        nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0  # a bad argument too
+        return _record(f"zbccl::{op}({nbytes}B)")
     return _null

@@ -13,8 +13,10 @@
  * bytes and waits. Waits spin `spin` polls, then yield, then sleep on the
  * futex (the flag layout of core.c: value at +0, waiter count at +8), and
  * every `liveness_ns` they poll the peers' liveness sockets and read the
- * peers' header STATE: a dead or departed peer ends the wait at once with
- * its rank. Errors are returned as codes; detail (rank, field) and a copy of
+ * peers' header STATE and ABORT line: a dead or departed peer, or one that
+ * left an op half-way (Ctrl-C), ends the wait at once with its rank. An op
+ * interrupted here marks this rank's own ABORT line before returning, so its
+ * peers learn it within a liveness interval instead of the timeout. Errors are returned as codes; detail (rank, field) and a copy of
  * all headers taken before the DONE handshake stay in the channel for Python
  * to format the message.
  */
@@ -99,6 +101,10 @@ static int check_peers(zb_chan *c, int64_t **flags, int64_t target) {
             c->result[1] = r;
             return RC_GONE;
         }
+        if (ld(c->abort[r])) {
+            c->result[1] = r;
+            return RC_ABORTED;
+        }
         if (c->fd[r] >= 0) {
             pf[n].fd = c->fd[r];
             pf[n].events = POLLIN | POLLRDHUP;
@@ -161,10 +167,18 @@ int sync_on(zb_chan *c, int64_t **flags, int64_t seq) {
 /* After ARRIVE: copy headers, check sequence numbers and agreement on `fields`. */
 int check_headers(zb_chan *c, int64_t seq, const int *fields, int nfields) {
     for (int r = 0; r < c->W; r++) memcpy(c->hdrcopy[r], c->hdr[r], sizeof(c->hdrcopy[r]));
+    c->phase_base = 0;
+    for (int r = 0; r < c->W; r++)
+        if (c->hdrcopy[r][H_PHASE_BASE] > c->phase_base) c->phase_base = c->hdrcopy[r][H_PHASE_BASE];
     for (int r = 0; r < c->W; r++)
         if (c->hdrcopy[r][H_SEQ] != seq) { c->result[1] = r; return RC_STEP; }
     for (int r = 0; r < c->W; r++)
-        if (c->hdrcopy[r][H_ERROR]) { c->result[1] = r; return RC_PEER_ERROR; }
+        if (c->hdrcopy[r][H_ERROR]) {
+            c->result[1] = r;
+            c->result[2] = c->hdrcopy[r][H_ERROR];
+            memcpy(c->veccopy[0], c->vec[r], sizeof(c->veccopy[0])); /* its error text */
+            return c->hdrcopy[r][H_ERROR] == ERR_NOMEM ? RC_NOMEM : RC_PEER_ERROR;
+        }
     for (int f = 0; f < nfields; f++)
         for (int r = 1; r < c->W; r++)
             if (c->hdrcopy[r][fields[f]] != c->hdrcopy[0][fields[f]]) {
@@ -177,6 +191,7 @@ int check_headers(zb_chan *c, int64_t seq, const int *fields, int nfields) {
 
 int begin_op(zb_chan *c, int64_t seq, const int64_t *mine, const int *fields, int nfields) {
     memcpy(c->hdr[c->me] + 1, mine + 1, (HDR_FIELDS - 1) * sizeof(int64_t));
+    c->hdr[c->me][H_PHASE_BASE] = ld(c->phase[c->me]);
     __atomic_store_n(c->hdr[c->me], seq, __ATOMIC_RELAXED);
     int rc = sync_on(c, c->arrive, seq);
     if (rc) return rc;
@@ -200,8 +215,8 @@ int zb_i64(PyObject *o, int64_t *out) {
 }
 
 /* chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle.
- * table: int64[W][9] = arrive, phase, done, header, state addresses, heap base, heap size, fd,
- * size-vector area address. */
+ * table: int64[W][10] = arrive, phase, done, header, state addresses, heap base, heap size, fd,
+ * size-vector area address, abort line address. */
 static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t a[7];
@@ -215,11 +230,12 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     c->W = a[0], c->me = a[1], c->spin = a[2], c->liveness_ns = a[3], c->timeout_ns = a[4], c->nthreads = a[5];
     c->stream_bytes = INT64_MAX;
     const int64_t *t = (const int64_t *)(uintptr_t)a[6];
-    for (int r = 0; r < c->W; r++, t += 9) {
+    for (int r = 0; r < c->W; r++, t += 10) {
         c->arrive[r] = (int64_t *)(uintptr_t)t[0], c->phase[r] = (int64_t *)(uintptr_t)t[1];
         c->done[r] = (int64_t *)(uintptr_t)t[2], c->hdr[r] = (int64_t *)(uintptr_t)t[3];
         c->state[r] = (int64_t *)(uintptr_t)t[4], c->base[r] = (char *)(uintptr_t)t[5];
         c->size[r] = t[6], c->fd[r] = (int)t[7], c->vec[r] = (int64_t *)(uintptr_t)t[8];
+        c->abort[r] = (int64_t *)(uintptr_t)t[9];
     }
     return PyLong_FromVoidPtr(c);
 }
@@ -233,6 +249,19 @@ static PyObject *py_chan_configure(PyObject *self, PyObject *const *args, Py_ssi
         if (zb_i64(args[i], &a[i])) return NULL;
     zb_chan *c = (zb_chan *)(uintptr_t)a[0];
     c->stream_bytes = a[1] > 0 ? a[1] : INT64_MAX;
+    Py_RETURN_NONE;
+}
+
+/* chan_timeout(handle, timeout_ns): the wait budget of the next ops (an op's own timeout=). */
+static PyObject *py_chan_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t a[2];
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_timeout() takes 2 arguments, got %zd", nargs);
+    for (int i = 0; i < 2; i++)
+        if (zb_i64(args[i], &a[i])) return NULL;
+    if (a[1] <= 0) return PyErr_Format(PyExc_ValueError, "chan_timeout: expected a positive timeout, got %lld",
+                                       (long long)a[1]);
+    ((zb_chan *)(uintptr_t)a[0])->timeout_ns = a[1];
     Py_RETURN_NONE;
 }
 
@@ -257,8 +286,8 @@ static PyObject *py_chan_result(PyObject *self, PyObject *const *args, Py_ssize_
             if (!v || PyList_Append(late, v) < 0) { Py_XDECREF(v); Py_DECREF(late); return NULL; }
             Py_DECREF(v);
         }
-    return Py_BuildValue("(LLLLN)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
-                         (long long)(intptr_t)c->hdrcopy, late);
+    return Py_BuildValue("(LLLLNL)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
+                         (long long)(intptr_t)c->hdrcopy, late, (long long)(intptr_t)c->veccopy);
 }
 
 static PyMethodDef chan_methods[] = {
@@ -268,8 +297,10 @@ static PyMethodDef chan_methods[] = {
     {"chan_configure", (PyCFunction)(void (*)(void))py_chan_configure, METH_FASTCALL,
      "chan_configure(handle, stream_bytes): twoshot gathers of at least stream_bytes use streaming "
      "stores (<= 0: never)."},
+    {"chan_timeout", (PyCFunction)(void (*)(void))py_chan_timeout, METH_FASTCALL,
+     "chan_timeout(handle, timeout_ns): the wait budget of the following ops."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
-     "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks) of the last op."},
+     "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks, vector copies ptr) of the last op."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,10 +9,18 @@
 #define HDR_FIELDS 16
 /* header fields (zbccl/ops/channel.py Header) */
 enum { H_SEQ, H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_OUT_NUMEL, H_IN_OFF, H_OUT_OFF, H_ALGO, H_ROOT, H_ROW,
-       H_DIGEST, H_ERROR, H_AUX };
+       H_DIGEST, H_ERROR, H_AUX, H_PHASE_BASE };
+/* H_ERROR values: the kind of error a rank posts (channel.py ERR_*) */
+#define ERR_USAGE 1
+#define ERR_NOMEM 2
+/* ABORT line: value (seq) at +0, futex waiters at +8, reason at +16 (channel.py ABORT_*) */
+#define ABORT_INTERRUPT 1
+/* int64 entries of a rank's size-vector area (channel.py VECTOR_CAPACITY) */
+#define VEC_CAP 960
 /* result codes, mirrored in zbccl/ops/fastpath.py */
 enum { RC_OK = 0, RC_TIMEOUT = 1, RC_DEAD = 2, RC_GONE = 3, RC_MISMATCH = 4, RC_STEP = 5, RC_SPAN = 6,
-       RC_PEER_ERROR = 7, RC_SPLITS = 8, RC_FALLBACK = 9, RC_INTERRUPTED = 10 };
+       RC_PEER_ERROR = 7, RC_SPLITS = 8, RC_FALLBACK = 9, RC_INTERRUPTED = 10, RC_NOMEM = 11, RC_SIZES = 12,
+       RC_ABORTED = 13 };
 #define STATE_FINALIZED 2
 #define STATE_FAILED 3
 #define ALGO_ONESHOT 1
@@ -27,12 +35,17 @@ typedef struct {
     int64_t W, me, spin, liveness_ns, timeout_ns, nthreads;
     int64_t stream_bytes;   /* twoshot gathers at least this large use streaming stores (Python sets it) */
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];
+    int64_t *abort[ZB_MAXW];   /* each rank's ABORT line: non-zero once it left an op half-way */
+    int64_t phase_base;        /* max of every rank's posted PHASE value: step k of this op is base + k */
     char *base[ZB_MAXW];
     int64_t size[ZB_MAXW];
     int fd[ZB_MAXW];
     int64_t result[4];            /* code, rank, field, 0 */
     int64_t late_mask[ZB_MAXW / 64];  /* on RC_TIMEOUT: the peers whose flag never reached the target */
     int64_t hdrcopy[ZB_MAXW][HDR_FIELDS];
+    /* size-vector areas a failed op's message needs, copied before its DONE handshake (a peer may
+     * overwrite its area with its next op right after): an error text, or two ranks' sizes/splits */
+    int64_t veccopy[2][VEC_CAP];
     char *scratch;
     int64_t scratch_bytes;
     int gil_held;           /* 1 while the calling thread still holds the GIL */

@@ -8,6 +8,7 @@
  */
 #include "chan.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,13 +33,48 @@ static int ensure_scratch(zb_chan *c, int64_t nbytes) {
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* Post an error of `kind` with its text in this rank's header instead of failing alone: every rank
+ * then sees it in the handshake and fails together (the Python path's fail_together). */
+static void post_error(zb_chan *c, int64_t *mine, int kind, const char *text) {
+    size_t n = strlen(text);
+    if (n > (VEC_CAP - 2) * 8) n = (VEC_CAP - 2) * 8;
+    c->vec[c->me][0] = (int64_t)n;
+    memcpy((char *)(c->vec[c->me] + 1), text, n);
+    mine[H_ERROR] = kind;
+}
+
+/* Publish this rank's per-rank sizes (elements) and, after ARRIVE, check that every rank posted the
+ * same ones: exact counts, not a checksum. On a difference both vectors are kept for the message. */
+static void post_sizes(zb_chan *c, const int64_t *counts) {
+    memcpy(c->vec[c->me], counts, (size_t)c->W * sizeof(int64_t));
+}
+
+static int check_sizes(zb_chan *c, int64_t seq) {
+    size_t n = (size_t)c->W * sizeof(int64_t);
+    for (int r = 1; r < c->W; r++)
+        if (memcmp(c->vec[r], c->vec[0], n)) {
+            memcpy(c->veccopy[0], c->vec[0], n);
+            memcpy(c->veccopy[1], c->vec[r], n);
+            c->result[1] = r;
+            return fail_op(c, seq, RC_SIZES);
+        }
+    return RC_OK;
+}
+
 static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
                    int op, double divisor, int nt, int64_t chunk);
 
-static int allreduce(zb_chan *c, int64_t seq, const int64_t *mine, char *dst, int64_t count, int64_t itemsize) {
+static int allreduce(zb_chan *c, int64_t seq, int64_t *mine, char *dst, int64_t count, int64_t itemsize) {
     int64_t chunk = mine[H_AUX];
     int64_t nbytes = count * itemsize;
     static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ALGO, H_AUX};
+    if (mine[H_ALGO] == ALGO_ONESHOT && ensure_scratch(c, nbytes)) {
+        /* before ARRIVE, so the group fails together with the reason instead of hanging on DONE */
+        char text[160];
+        snprintf(text, sizeof(text), "all_reduce: cannot allocate %lld bytes of scratch memory for the oneshot "
+                 "algorithm", (long long)nbytes);
+        post_error(c, mine, ERR_NOMEM, text);
+    }
     int rc = begin_op(c, seq, mine, fields, 6);
     if (rc) return rc;
     const void *srcs[ZB_MAXW];
@@ -50,7 +86,6 @@ static int allreduce(zb_chan *c, int64_t seq, const int64_t *mine, char *dst, in
     double divisor = (double)c->W;
     int nt = nthreads_for(c, nbytes);
     if (mine[H_ALGO] == ALGO_ONESHOT) {
-        if (ensure_scratch(c, nbytes)) return RC_SPAN;
         zb_reduce_n(c->scratch, srcs, c->W, count, dt, op, divisor, nt);
         rc = sync_on(c, c->done, seq);
         if (rc) return rc;
@@ -71,7 +106,7 @@ static void slice_of(int64_t lo, int64_t hi, int64_t W, int64_t r, int64_t items
 
 /* twoshot, pipelined over chunks of `chunk` elements. For chunk k, rank r reduces
  * slice r of the chunk from every input into its own tensor and signals
- * PHASE = seq<<24 | k+1; then it gathers the peers' slices of chunk k-1 (each
+ * PHASE = phase_base + k+1 (channel.py: the base every rank agreed on in the handshake); then it gathers the peers' slices of chunk k-1 (each
  * peer signalled it, so those slices are final and nobody reads this rank's
  * copy of them any more). Gathering one chunk behind keeps the peer's freshly
  * reduced lines in cache and overlaps the two phases. */
@@ -95,10 +130,10 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
                     zb_reduce_n(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
                 }
             }
-            signal_flag(c->phase[c->me], (seq << 24) | (k + 1));
+            signal_flag(c->phase[c->me], c->phase_base + k + 1);
         }
         if (k >= 1) {
-            int rc = wait_all(c, c->phase, (seq << 24) | k);
+            int rc = wait_all(c, c->phase, c->phase_base + k);
             if (rc) return rc;
             for (int i = 1; i < c->W; i++) {
                 int64_t q = (c->me + i) % c->W, a, b;
@@ -120,8 +155,10 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
 /* counts[r]: elements from rank r; output displacement of r = sum(counts[:r]). */
 static int allgather(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char *out, const int64_t *counts,
                      int64_t isz) {
-    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_DIGEST, H_OUT_NUMEL};
-    int rc = begin_op(c, seq, mine, fields, 5);
+    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_OUT_NUMEL};
+    post_sizes(c, counts);
+    int rc = begin_op(c, seq, mine, fields, 4);
+    if (!rc) rc = check_sizes(c, seq);
     if (rc) return rc;
     int all_in = 1, all_out = 1;
     for (int r = 0; r < c->W; r++) {
@@ -154,18 +191,19 @@ static int allgather(zb_chan *c, int64_t seq, const int64_t *mine, char *in, cha
 
 /* Every rank's size vector is [in counts (W) | out counts (W)], in elements. */
 static int alltoall(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char *out, int64_t isz) {
-    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_DIGEST};
-    int rc = begin_op(c, seq, mine, fields, 4);
+    static const int fields[] = {H_OP, H_DTYPE, H_ROW};
+    int rc = begin_op(c, seq, mine, fields, 3);
     if (rc) return rc;
     int64_t W = c->W, me = c->me;
-    int64_t *v = malloc((size_t)(W * 2 * W) * sizeof(int64_t));
-    if (!v) return fail_op(c, seq, RC_SPAN);
-    for (int r = 0; r < W; r++) memcpy(v + r * 2 * W, c->vec[r], (size_t)(2 * W) * sizeof(int64_t));
+    /* every rank's [in | out] splits, read in place: no rank posts its next op before our DONE */
+    const int64_t *v[ZB_MAXW];
+    for (int r = 0; r < W; r++) v[r] = c->vec[r];
     for (int q = 0; q < W; q++)
         for (int r = 0; r < W; r++)
-            if (v[q * 2 * W + r] != v[r * 2 * W + W + q]) {
+            if (v[q][r] != v[r][W + q]) {
                 c->result[1] = q, c->result[2] = r;
-                free(v);
+                memcpy(c->veccopy[0], v[q], (size_t)(2 * W) * sizeof(int64_t));
+                memcpy(c->veccopy[1], v[r], (size_t)(2 * W) * sizeof(int64_t));
                 return fail_op(c, seq, RC_SPLITS);
             }
     int all_in = 1, all_out = 1;
@@ -174,12 +212,12 @@ static int alltoall(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char
         all_out &= c->hdrcopy[r][H_OUT_OFF] >= 0;
     }
     int push = all_out && (!all_in || mine[H_ALGO] == ALGO_PUSH);
-    if (!all_in && !push) { free(v); return RC_FALLBACK; }
+    if (!all_in && !push) return RC_FALLBACK;
     rc = RC_OK;
     for (int k = 0; k < W && !rc; k++) {
         int q = (int)((me + k) % W);
         int64_t src_rank = push ? me : q, dst_rank = push ? q : me;
-        const int64_t *sv = v + src_rank * 2 * W, *dv = v + dst_rank * 2 * W;
+        const int64_t *sv = v[src_rank], *dv = v[dst_rank];
         int64_t in_disp = 0, out_disp = 0, n = sv[dst_rank] * isz;
         for (int j = 0; j < dst_rank; j++) in_disp += sv[j];
         for (int j = 0; j < src_rank; j++) out_disp += dv[W + j];
@@ -199,7 +237,6 @@ static int alltoall(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char
         }
         if (n) zb_copy(dst, src, n, nthreads_for(c, n));
     }
-    free(v);
     return rc ? fail_op(c, seq, rc) : sync_on(c, c->done, seq);
 }
 
@@ -207,8 +244,10 @@ static int alltoall(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char
 
 static int reducescatter(zb_chan *c, int64_t seq, const int64_t *mine, char *out, const int64_t *counts,
                          int64_t isz) {
-    static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ROW, H_DIGEST, H_ALGO};
-    int rc = begin_op(c, seq, mine, fields, 7);
+    static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ROW, H_ALGO};
+    post_sizes(c, counts);
+    int rc = begin_op(c, seq, mine, fields, 6);
+    if (!rc) rc = check_sizes(c, seq);
     if (rc) return rc;
     int64_t lo = 0;
     for (int r = 0; r < c->me; r++) lo += counts[r];
@@ -252,7 +291,7 @@ typedef struct {
     const int64_t *counts;
 } op_call;
 
-static int dispatch(zb_chan *c, const op_call *o) {
+static int dispatch(zb_chan *c, op_call *o) {
     switch (o->kind) {
     case K_ALL_REDUCE: return allreduce(c, o->seq, o->mine, o->out, o->mine[H_IN_NUMEL], o->isz);
     case K_ALL_GATHER: return allgather(c, o->seq, o->mine, o->in, o->out, o->counts, o->isz);
@@ -263,7 +302,7 @@ static int dispatch(zb_chan *c, const op_call *o) {
 }
 
 /* Small ops keep the GIL while they spin (a long wait releases it); large ones drop it at once. */
-static PyObject *run(zb_chan *c, const op_call *o, int64_t nbytes) {
+static PyObject *run(zb_chan *c, op_call *o, int64_t nbytes) {
     c->result[0] = c->result[1] = c->result[2] = 0;
     c->gil_held = 1;
     if (nbytes >= (1 << 16)) gil_release(c);
@@ -271,7 +310,13 @@ static PyObject *run(zb_chan *c, const op_call *o, int64_t nbytes) {
     if (!c->gil_held) PyEval_RestoreThread(c->saved);
     c->gil_held = 0;
     c->result[0] = rc;
-    if (rc == RC_INTERRUPTED) return NULL; /* the signal handler's exception (KeyboardInterrupt) is set */
+    if (rc == RC_INTERRUPTED) {
+        /* This rank leaves the op half-way and its sequence number has advanced: tell the peers now
+         * (they read ABORT at each liveness check) instead of letting them wait out the timeout. */
+        c->abort[c->me][2] = ABORT_INTERRUPT;
+        signal_flag(c->abort[c->me], o->seq);
+        return NULL; /* the signal handler's exception (KeyboardInterrupt) is set */
+    }
     return PyLong_FromLong(rc);
 }
 

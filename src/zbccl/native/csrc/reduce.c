@@ -158,7 +158,9 @@ ZB_CLONES static void block_f64(double *dst, const double *const *srcs, long n, 
     memcpy(dst + off, acc, (size_t)m * sizeof(double));
 }
 
-/* Integers wrap like torch's integer arithmetic (computed unsigned, so no UB). */
+/* Integers wrap like torch's integer arithmetic. U is an unsigned type at least as wide as
+ * unsigned int: a narrower one (uint16_t) is promoted to signed int before the multiply, and
+ * 65535 * 65535 overflows int (undefined behaviour). The cast back to T keeps the low bits. */
 #define INT_KERNEL(name, T, U)                                                                  \
     ZB_CLONES static void name(T *dst, const T *const *srcs, long n, long off, long m, int op) {   \
         T acc[BLOCK];                                                                           \
@@ -173,9 +175,9 @@ ZB_CLONES static void block_f64(double *dst, const double *const *srcs, long n, 
         memcpy(dst + off, acc, (size_t)m * sizeof(T));                                          \
     }
 
-INT_KERNEL(block_i8, int8_t, uint8_t)
+INT_KERNEL(block_i8, int8_t, uint32_t)
 INT_KERNEL(block_u8, uint8_t, uint32_t)
-INT_KERNEL(block_i16, int16_t, uint16_t)
+INT_KERNEL(block_i16, int16_t, uint32_t)
 INT_KERNEL(block_i32, int32_t, uint32_t)
 INT_KERNEL(block_i64, int64_t, uint64_t)
 
