@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["TAG_VAR", "MARK", "describe", "mappings", "new_mappings", "processes_mapping"]
+__all__ = ["TAG_VAR", "MARK", "describe", "mappings", "new_mappings", "processes_mapping", "segments_of"]
 
 #: Environment variable that marks this session's processes (set by conftest.py).
 TAG_VAR = "ZBT_LEAK_TAG"
@@ -31,7 +31,8 @@ def _carries(pid: int, tag: str) -> bool:
         return False
 
 
-def _segments(pid: int) -> frozenset[str]:
+def segments_of(pid: int) -> frozenset[str]:
+    """The zbccl segments process ``pid`` maps (empty once it unmapped them or exited)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             return frozenset(ln[ln.index(MARK) + 1:].split(" ")[0] for ln in f if MARK in ln)
@@ -49,7 +50,7 @@ def mappings(tag: str | None) -> dict[int, frozenset[str]]:
         pid = int(name)
         if tag is not None and pid != me and not _carries(pid, tag):
             continue
-        segs = _segments(pid)
+        segs = segments_of(pid)
         if segs:
             out[pid] = segs
     return out

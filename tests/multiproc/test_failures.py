@@ -10,22 +10,12 @@ import threading
 import pytest
 import torch
 
+from tests.leaks import processes_mapping
 from tests.spawn import run_world
 
 MiB = 1 << 20
 
 
-def processes_mapping(job_id: str) -> list[int]:
-    """PIDs of processes that still map a memfd segment of job ``job_id``."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                if f"/memfd:zbccl-{job_id}-" in f.read():
-                    pids.append(int(pid))
-        except OSError:
-            continue
-    return pids
 
 
 def _never_joins(ctx):

@@ -167,7 +167,7 @@ def _wait_until_busy(comm) -> None:
 
 def _finalize_while_waiting(ctx, op):
     import zbccl
-    from tests.conftest import zbccl_memfds_of
+    from tests.leaks import segments_of
 
     comm = ctx.init(heap_size=2 * MiB)
     zbccl.all_reduce(zbccl.zeros(16))  # the first op fetches rank 0's tuning table: done before
@@ -204,7 +204,7 @@ def _finalize_while_waiting(ctx, op):
     assert "finalize() was called on this rank while the op waited" in str(got[0]), str(got[0])
     got.clear()
     if op == "barrier":  # nothing of the heap is alive: it was unmapped once the op left
-        assert zbccl_memfds_of(os.getpid()) == []
+        assert not segments_of(os.getpid())
     return took
 
 

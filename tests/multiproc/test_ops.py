@@ -548,7 +548,7 @@ def _killed_mid_op(ctx):
 
 
 def test_peer_killed_in_the_middle_of_an_op():
-    from tests.multiproc.test_failures import processes_mapping
+    from tests.leaks import processes_mapping
 
     jobs = run_world(_killed_mid_op, 2, expect_exit={1: -9}, timeout=45)
     assert processes_mapping(jobs[0]) == []
