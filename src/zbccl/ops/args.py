@@ -15,10 +15,10 @@ import operator
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from .dtypes import dtype_code
+from .dtypes import DTYPE_CODES, dtype_code
 
 __all__ = ["tensor_error", "written_error", "index_list", "rank_error", "timeout_error", "span", "overlap_error", "splits",
-           "check_exchange"]
+           "check_exchange", "even_gather_code"]
 
 
 def tensor_error(t, role: str, *, op: str, written: bool = False) -> str | None:
@@ -201,3 +201,32 @@ def check_exchange(op: str, output: torch.Tensor, input: torch.Tensor, counts: l
         exact = out_counts is None and b0 == a0 + sum(counts[:rank]) * isz
         return dt, None if exact else overlap_error(output, input, op=op)
     return dt, overlap_error(output, input, op=op)
+
+
+def even_gather_code(output, input, world: int, rank: int) -> int | None:
+    """all_gather_into_tensor's common case, checked in a fraction of the general checks' time.
+
+    The dtype code when both operands are contiguous, dense CPU tensors of one supported dtype,
+    ``output`` holds ``world`` inputs and the two do not overlap (or ``input`` is exactly this
+    rank's slice of ``output``); None for anything else, which the caller then runs through
+    :func:`tensor_error` and :func:`check_exchange` for the exact message. Same verdicts, fewer
+    tensor attribute reads: this sits on every small all_gather's path.
+    """
+    if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+        return None
+    dtype = input.dtype
+    dt = DTYPE_CODES.get(dtype)
+    if dt is None or output.dtype is not dtype or not (input.is_cpu and output.is_cpu):
+        return None
+    if input.layout is not torch.strided or output.layout is not torch.strided:
+        return None
+    if not (input.is_contiguous() and output.is_contiguous()):
+        return None
+    n = input.numel()
+    if n == 0 or output.numel() != n * world:
+        return None
+    nbytes = n * input.element_size()
+    a0, b0 = output.data_ptr(), input.data_ptr()
+    if b0 + nbytes <= a0 or a0 + nbytes * world <= b0 or b0 == a0 + rank * nbytes:
+        return dt
+    return None

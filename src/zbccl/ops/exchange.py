@@ -30,7 +30,7 @@ from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from ..runtime.state import resolve_comm
 from .allreduce import _show
-from .args import check_exchange, index_list, splits, tensor_error
+from .args import check_exchange, even_gather_code, index_list, splits, tensor_error
 from .channel import Header, OpChannel
 from .dtypes import DTYPE_CODES
 from .entry import open_op
@@ -57,17 +57,23 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
     """
     comm = resolve_comm(comm)
     W = comm.world_size
+    dt = even_gather_code(output, input, W, comm.rank)
+    if dt is not None:  # the common case, already checked
+        return _start(comm, "all_gather", output, input, [input.numel()] * W, None, 1, None, timeout, dt=dt)
     error = tensor_error(output, "output", op="all_gather", written=True) or tensor_error(input, "input", op="all_gather")
     counts = [0] * W if error else [input.numel()] * W
     return _start(comm, "all_gather", output, input, counts, None, 1, error, timeout)
 
 
-def _start(comm, op: str, output, input, counts, out_counts, row: int, error: str | None, timeout) -> torch.Tensor:
-    """Check locally, fail together or run: the one-call native path if it fits, else :func:`_run`."""
-    W, me = comm.world_size, comm.rank
-    dt = 0
-    if error is None:
-        dt, error = check_exchange(op, output, input, counts, out_counts, W, me)
+def _start(comm, op: str, output, input, counts, out_counts, row: int, error: str | None, timeout, *,
+           dt: int | None = None) -> torch.Tensor:
+    """Check locally (unless ``dt`` says the caller did), fail together or run: the one-call native
+    path if it fits, else :func:`_run`."""
+    W = comm.world_size
+    if dt is None:
+        dt = 0
+        if error is None:
+            dt, error = check_exchange(op, output, input, counts, out_counts, W, comm.rank)
     with profiled(op, input):
         ch = open_op(comm, OP_ALL_GATHER if out_counts is None else OP_ALL_TO_ALL, error, op=op, timeout=timeout)
         if ch is None:
