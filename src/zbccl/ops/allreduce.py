@@ -39,7 +39,6 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from ..runtime.state import resolve_comm
 from .args import tensor_error
 from .channel import ERR_NOMEM, Header
 from .dtypes import AVG, CODE_DTYPES, dtype_code, op_name, reduce_op_code
@@ -74,7 +73,6 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     communicator's). Blocks the host until every rank finished reading this rank's tensor.
     Every rank gets bitwise identical results.
     """
-    comm = resolve_comm(comm)
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
     if error is None:

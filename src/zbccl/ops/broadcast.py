@@ -15,7 +15,6 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .args import rank_error, tensor_error, written_error
 from .channel import ERR_USAGE, Header
@@ -41,7 +40,6 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
     read. ``timeout``: seconds this op may wait (default: the communicator's). Blocks the host
     until this rank's copy is complete and (at the root) no peer reads its tensor any more.
     """
-    comm = resolve_comm(comm)
     W = comm.world_size
     error = tensor_error(tensor, "tensor", op=_OP)
     dt = 0
@@ -118,5 +116,5 @@ def _python_path(ch, addr: int, numel: int, nbytes: int, dt: int, offset: int, s
 @collective("barrier")
 def barrier(*, comm: Communicator | None = None, timeout: float | None = None) -> None:
     """Collective: return once every rank of ``comm`` entered (see ``Communicator.barrier``)."""
-    resolve_comm(comm).barrier(timeout)
+    comm.barrier(timeout)
 

@@ -28,7 +28,6 @@ import torch
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .args import check_exchange, even_gather_code, index_list, splits, tensor_error
 from .channel import Header, OpChannel
@@ -55,7 +54,6 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
     wait (default: the communicator's). Blocks the host until the op is complete on this rank and
     no peer reads ``input`` any more.
     """
-    comm = resolve_comm(comm)
     W = comm.world_size
     dt = even_gather_code(output, input, W, comm.rank)
     if dt is not None:  # the common case, already checked
@@ -141,7 +139,6 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes`` (integers). Aliasing and
     ``timeout`` as in :func:`all_gather_into_tensor`.
     """
-    comm = resolve_comm(comm)
     op = "all_gather_v"
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
     rows, size_error = index_list(sizes, "sizes", op=op)
@@ -160,7 +157,6 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     (q's input split for r equals r's output split for q), or every rank raises. ``output`` and
     ``input`` must not overlap (no in-place form). ``timeout``: seconds this op may wait.
     """
-    comm = resolve_comm(comm)
     W, op = comm.world_size, "all_to_all"
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
     ins = outs = [0] * W

@@ -20,7 +20,6 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from ..runtime.state import resolve_comm
 from .allreduce import _show
 from .args import index_list, overlap_error, tensor_error
 from .channel import ERR_USAGE, Header
@@ -44,7 +43,6 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *
     ``timeout``: seconds this op may wait (default: the communicator's).
     Blocks the host until no peer reads this rank's ``input`` any more.
     """
-    comm = resolve_comm(comm)
     error = tensor_error(output, "output", op=_RS, written=True) or tensor_error(input, "input", op=_RS)
     counts = [0] * comm.world_size if error else [output.numel()] * comm.world_size
     return _run(comm, _RS, output, input, op, counts, 1, error, timeout)
@@ -59,7 +57,6 @@ def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int]
     Every rank must pass the same ``sizes`` (integers). Aliasing and ``timeout`` as in
     :func:`reduce_scatter_tensor`.
     """
-    comm = resolve_comm(comm)
     op_name = "reduce_scatter_v"
     error = tensor_error(output, "output", op=op_name, written=True) or tensor_error(input, "input", op=op_name)
     rows, size_error = index_list(sizes, "sizes", op=op_name)
