@@ -268,10 +268,7 @@ def _after_fork_in_child() -> None:
     # Inherited heap tensors still die in the child (finalizers call sma.free on the child's private
     # copy of the allocator). A thread that held the allocator's lock at fork does not exist here,
     # so that lock would block those frees forever: re-arm it (nothing else uses this copy).
-    sma_lock = getattr(ctx.sma, "_lock", None)
-    if sma_lock is not None and hasattr(sma_lock, "_at_fork_reinit"):
-        sma_lock._at_fork_reinit()
-        ctx.sma._owner = None
+    ctx.sma.after_fork_in_child()
     try:
         ctx.heap.transport.close(unmap=False)
     except Exception as exc:  # noqa: BLE001 - the child goes on without zbccl
