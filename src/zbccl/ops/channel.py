@@ -89,8 +89,25 @@ def sizes_digest(sizes) -> int:
     return zlib.crc32(np.asarray(sizes, dtype=np.int64).tobytes())
 
 
+class _LiveSizes:
+    """Each group rank's heap size, read live at every check (heaps grow; see heap/heap.py)."""
+
+    __slots__ = ("_heap", "_ranks")
+
+    def __init__(self, heap, ranks) -> None:
+        self._heap, self._ranks = heap, tuple(ranks)
+
+    def __getitem__(self, r: int) -> int:
+        return self._heap.heap_size(self._ranks[r])
+
+
 class OpChannel:
     """Precomputed addresses and the handshake of one communicator's collectives."""
+
+    @property
+    def my_size(self) -> int:
+        """This rank's live heap size."""
+        return self._heap.heap_bytes
 
     def __init__(self, comm: Communicator) -> None:
         ctx = comm._ctx
@@ -118,8 +135,9 @@ class OpChannel:
                                       dtype=np.int64) for g in comm.ranks]
         #: Local address of byte 0 of each group rank's heap, and that heap's size.
         self.heap_base = [heap.addr(g, 0) for g in comm.ranks]
-        self.heap_size = [ctx.heap_sizes[g] for g in comm.ranks]
-        self.my_base, self.my_size = self.heap_base[self.rank], self.heap_size[self.rank]
+        self.heap_size = _LiveSizes(heap, comm.ranks)
+        self.my_base = self.heap_base[self.rank]
+        self._heap = heap
         self._scratch = torch.empty(0, dtype=torch.uint8)
         #: (op, dtype, bytes) -> algorithm, filled by ``plan.choose`` (cleared when the table changes).
         self.choices: dict = {}

@@ -57,7 +57,8 @@ class NativeChannel:
 
             fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
             rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
-                         heap.ctrl_addr(g, layout.H_STATE), ch.heap_base[r], ch.heap_size[r], fd,
+                         heap.ctrl_addr(g, layout.H_STATE), ch.heap_base[r],
+                         heap.ctrl_addr(g, layout.H_HEAP_BYTES), fd,  # the live size word: heaps grow
                          int(ch.vectors[r].ctypes.data), line(L_ABORT)])
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.core.chan_new(ch.world_size, ch.rank, ctx.spin, ctx.liveness_ns,

@@ -234,7 +234,7 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
         c->arrive[r] = (int64_t *)(uintptr_t)t[0], c->phase[r] = (int64_t *)(uintptr_t)t[1];
         c->done[r] = (int64_t *)(uintptr_t)t[2], c->hdr[r] = (int64_t *)(uintptr_t)t[3];
         c->state[r] = (int64_t *)(uintptr_t)t[4], c->base[r] = (char *)(uintptr_t)t[5];
-        c->size[r] = t[6], c->fd[r] = (int)t[7], c->vec[r] = (int64_t *)(uintptr_t)t[8];
+        c->size[r] = (int64_t *)(uintptr_t)t[6], c->fd[r] = (int)t[7], c->vec[r] = (int64_t *)(uintptr_t)t[8];
         c->abort[r] = (int64_t *)(uintptr_t)t[9];
     }
     return PyLong_FromVoidPtr(c);

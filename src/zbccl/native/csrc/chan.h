@@ -38,7 +38,7 @@ typedef struct {
     int64_t *abort[ZB_MAXW];   /* each rank's ABORT line: non-zero once it left an op half-way */
     int64_t phase_base;        /* max of every rank's posted PHASE value: step k of this op is base + k */
     char *base[ZB_MAXW];
-    int64_t size[ZB_MAXW];
+    int64_t *size[ZB_MAXW];   /* each rank's live heap size: its header's HEAP_BYTES word (heaps grow) */
     int fd[ZB_MAXW];
     int64_t result[4];            /* code, rank, field, 0 */
     int64_t late_mask[ZB_MAXW / 64];  /* on RC_TIMEOUT: the peers whose flag never reached the target */
