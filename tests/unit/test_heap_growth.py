@@ -9,6 +9,7 @@ import torch
 
 import zbccl
 from tests import leaks
+from zbccl.heap.capacity import auto_heap_max, shm_capacity
 
 MIB = 1 << 20
 
@@ -122,3 +123,25 @@ def test_heap_scope_allocations_grow_the_heap(no_dist_env):
         del x, y
     finally:
         zbccl.finalize()
+
+
+def test_auto_heap_max_is_a_share_of_the_tightest_limit(tmp_path, monkeypatch):
+    (tmp_path / "self").write_text("0::/job\n")
+    (tmp_path / "root/job").mkdir(parents=True)
+    (tmp_path / "root/job/memory.max").write_text(str(1 << 30))
+    (tmp_path / "root/job/memory.current").write_text(str(200 * MIB))
+    kw = {"cgroup_root": str(tmp_path / "root"), "self_cgroup": str(tmp_path / "self")}
+    limits = shm_capacity(**kw)
+    assert limits["cgroup"] == (1 << 30) - 200 * MIB
+    room = min(v for v in limits.values() if v is not None)  # the cgroup, unless this host is tighter
+    assert auto_heap_max(4 * MIB, nranks=2, **kw) == max(4 * MIB, room // 2 // (2 * MIB) * (2 * MIB))
+    assert auto_heap_max(900 * MIB, nranks=2, **kw) == 900 * MIB, "never below the heap: no growth"
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (256 * MIB + _vm_bytes(), resource.RLIM_INFINITY))
+    assert auto_heap_max(4 * MIB, nranks=2, **kw) <= 64 * MIB, "bounded by ulimit -v (RLIMIT_AS)"
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")

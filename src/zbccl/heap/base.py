@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..bootstrap.base import Bootstrap
 from ..bootstrap.topology import Topology
+from ..errors import ZbcclOutOfMemoryError
 
 __all__ = ["Segment", "Transport"]
 
@@ -63,8 +64,6 @@ class Transport(ABC):
 
         Raises ZbcclOutOfMemoryError with nothing changed when it cannot.
         """
-        from ..errors import ZbcclOutOfMemoryError
-
         raise ZbcclOutOfMemoryError(f"heap: grow: the {self.device} transport cannot grow a segment")
 
     @abstractmethod

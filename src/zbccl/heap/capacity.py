@@ -11,6 +11,7 @@ together with ``MemAvailable`` and the memory cgroup's remaining room
 from __future__ import annotations
 
 import os
+import resource
 
 from ..env import format_size
 from ..errors import ZbcclOutOfMemoryError
@@ -115,15 +116,33 @@ def auto_heap_max(heap_bytes: int, *, nranks: int, path: str = "/dev/shm", cgrou
     """``ZBCCL_HEAP_MAX=auto``: this rank's share of the tightest limit :func:`shm_capacity` reports now.
 
     ``nranks`` local ranks share it equally; never below ``heap_bytes`` (no
-    growth then), never above 1 TiB, rounded down to 2 MiB. It bounds only the
+    growth then), never above 1 TiB nor above this rank's share of half the
+    address space ``RLIMIT_AS`` still allows (every process maps every local
+    rank's reservation), rounded down to 2 MiB. It bounds only the
     address range each rank reserves for a heap: every growth step checks the
     capacity again before it reserves memory.
     """
     limits = [v for v in shm_capacity(path, cgroup_root=cgroup_root, self_cgroup=self_cgroup).values()
               if v is not None]
     share = min(limits) // max(nranks, 1) if limits else heap_bytes
+    va_room = _address_space_room()
+    if va_room is not None:  # every process maps every local rank's reservation: keep half the room free
+        share = min(share, va_room // (2 * max(nranks, 1)))
     share = min(share, _AUTO_MAX_CAP) // _AUTO_GRANULE * _AUTO_GRANULE
     return max(heap_bytes, share)
+
+
+def _address_space_room() -> int | None:
+    """Bytes of address space this process may still map under ``RLIMIT_AS`` (``ulimit -v``), or None."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        used = 0
+    return max(0, soft - used)
 
 
 def check_capacity(needed: int, *, nranks: int, path: str = "/dev/shm", cgroup_root: str = CGROUP_ROOT,

@@ -25,23 +25,14 @@ deadlock and an RLock would let the free mutate state mid-operation. So:
   lock-order inversion. The ``grow`` callback runs with the lock held (two
   threads must not grow at once); it may not call back into the allocator.
 
-Placement and the cache. Only blocks below ``small_threshold`` are cached. A
-large block goes straight back to the arena when freed, so every large
-placement sees the free space coalesced, and the arena's "large blocks from
-the top" rule keeps large blocks packed: a cached large block reused later
-would keep its old address even when the arena would now place it elsewhere,
-and pin a hole (the 64 MiB block that stopped a 128 MiB request in a 192 MiB
-heap with 128 MiB free). The guarantee, fuzz-tested: when every live block is
-large and each was allocated while every large block live at that moment is
-still live (blocks freed in any order between such rounds), a request of up to
-``free_bytes`` succeeds (the flush before giving up returns the cached small
-blocks, which sit at the bottom).
-
-Growth. With ``max_bytes`` above ``heap_bytes`` and a ``grow`` callback, a
-request that does not fit even after the flush grows the heap (see
-``growth.py``): ``grow(new_size)`` makes the memory usable (or raises
-ZbcclOutOfMemoryError with the reason, changing nothing), then the arena gains
-the new range at its top.
+Placement and the cache. Only blocks below ``small_threshold`` are cached; a
+large one goes straight back to the arena, so every large placement sees the
+free space coalesced (a cached large block reused later keeps an address the
+arena would no longer choose, and pins a hole). Guarantee, with the arena's
+"large from the top" rule (fuzz-tested): when every live block is large and each
+was allocated while every large block live then is still live, a request of up
+to ``free_bytes`` succeeds. Growth (``growth.py``): a request that does not fit
+even after the flush grows the heap, up to ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -56,7 +47,7 @@ from zbccl.errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 
 from .arena import Arena
 from .blockcache import BlockCache, Record
-from .growth import grow_target
+from .growth import Growth
 from .stats import format_stats
 
 __all__ = ["CachingAllocator"]
@@ -112,15 +103,13 @@ class CachingAllocator:
                 f"CachingAllocator: bad cache_limit, expected None or >= 0, got {cache_limit}"
             )
         self._arena = Arena(heap_bytes, alignment=alignment, small_threshold=small_threshold)
-        self._max = self._arena.size if max_bytes is None else max_bytes & -alignment
-        if self._max < self._arena.size or (self._max > self._arena.size and grow is None):
+        top = self._arena.size if max_bytes is None else max_bytes & -alignment
+        if top < self._arena.size or (top > self._arena.size and grow is None):
             raise ZbcclInvalidUsageError(
                 f"CachingAllocator: bad max_bytes, expected >= heap_bytes ({self._arena.size}) and a grow "
                 f"callback when larger, got {max_bytes} with grow={grow!r}"
             )
-        self._grow = grow
-        self._grow_count = 0
-        self._grow_error: str | None = None  # why the last growth was refused (for the OOM message)
+        self._growth = Growth(top, grow)
         self._blocks = BlockCache(alignment, cache_limit, self._arena.free)
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -187,8 +176,8 @@ class CachingAllocator:
 
     def _alloc_hard(self, nbytes: int, kind: str) -> int | None:
         size = self.round_size(nbytes)
-        if size > self._max:
-            self._grow_error = f"the request exceeds heap_max_bytes={self._max}"
+        if size > self._growth.max_bytes:
+            self._growth.error = f"the request exceeds heap_max_bytes={self._growth.max_bytes}"
             return None  # neither flushing nor growing can help
         for _, drain in self._tiers.values():
             drain()
@@ -209,7 +198,7 @@ class CachingAllocator:
             return offset
         self._acquire("malloc")
         self._oom_count += 1
-        why = self._grow_error
+        why = self._growth.error
         self._release()
         why = f"; growth refused: {why}" if why else ""
         raise ZbcclOutOfMemoryError(
@@ -227,7 +216,7 @@ class CachingAllocator:
                 if flush:
                     self._blocks.evict()
                 offset = self._arena.alloc(size)
-                if offset is None and flush and self._grow_locked(size):
+                if offset is None and flush and self._growth.extend(self._arena, size):
                     offset = self._arena.alloc(size)
                 if offset is None:
                     return None
@@ -241,25 +230,6 @@ class CachingAllocator:
             return offset
         finally:
             self._release()
-
-    def _grow_locked(self, size: int) -> bool:
-        """Grow the heap so that a block of ``size`` bytes fits (lock held); False if refused."""
-        arena = self._arena
-        target = grow_target(arena.size, size, arena.free_tail, self._max)
-        if target is None:
-            self._grow_error = (f"{size} more bytes do not fit below heap_max_bytes={self._max} "
-                                f"(heap_bytes={arena.size}, free at the top {arena.free_tail})")
-            return False
-        assert self._grow is not None
-        try:
-            self._grow(target)
-        except ZbcclOutOfMemoryError as exc:
-            self._grow_error = str(exc)
-            return False
-        arena.extend(target)
-        self._grow_count += 1
-        self._grow_error = None
-        return True
 
     def free(self, offset: int) -> None:
         """Return the block at ``offset`` to the cache (large blocks: to the arena); never waits on a lock its own thread holds.
@@ -387,8 +357,8 @@ class CachingAllocator:
             largest = arena.largest_free_block
             return {
                 "heap_bytes": arena.size,
-                "heap_max_bytes": self._max,
-                "grow_count": self._grow_count,
+                "heap_max_bytes": self._growth.max_bytes,
+                "grow_count": self._growth.count,
                 "allocated_bytes": self._allocated - tier_bytes,
                 "requested_bytes": max(0, self._requested - tier_bytes),
                 "peak_allocated_bytes": self._peak,
