@@ -19,12 +19,14 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if x_fp8.numel() == 0:
+        return x_fp8.to(torch.bfloat16)
     if scales.dtype == torch.int:
         scales = scales.view(dtype=torch.uint8).to(torch.int) << 23
         scales = scales.view(dtype=torch.float)
-    m, g = x_fp8.size(0), x_fp8.size(1) // 128
-    x = x_fp8.float().view(m, g, 128)
-    return (x * scales.reshape(m, g, 1)).view(x_fp8.shape).to(torch.bfloat16)
+    m = x_fp8.size(0)
+    x = x_fp8.float().view(m, -1, 128)
+    return (x * scales.view(m, -1, 1)).view(x_fp8.shape).to(torch.bfloat16)
 
 
 def ref_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

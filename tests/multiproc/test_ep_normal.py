@@ -128,6 +128,7 @@ def _normal_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
 
+    torch.set_num_threads(1)  # 2+ ranks per core here: torch's thread pool would stall on oversubscription
     comm = ctx.init(heap_size=64 * MiB)
     buffer = deep_ep.Buffer(comm, int(2e9), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True,
                             allow_mnnvl=False, use_fabric=False)

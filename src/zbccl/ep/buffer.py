@@ -280,3 +280,118 @@ class Buffer:
             self.seq += 1
             out, w = normal.combine(self, x, handle, topk_weights, bias, error)
         return out, w, _event(async_finish)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Collective: a barrier (there are no signalling areas to zero; kept for DeepEP code)."""
+        self._live()
+        with self._lock:
+            self.comm.barrier(timeout=self.ex.timeout)
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The heap tensor ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``
+        torch.bfloat16 that the next ``low_latency_combine(..., zero_copy=True)`` reads in place."""
+        self._live()
+        _, _, tmax, hidden, num_experts = handle
+        R = self.group_size
+        return self._ll.next_combine_buffer(self.comm, num_experts // R, R * tmax, hidden)
+
+    def _hook(self, recv: Callable[[], None]) -> Callable[[], None]:
+        state = {"done": False}
+
+        def hook() -> None:
+            if state["done"]:
+                return
+            state["done"] = True
+            with self._lock:
+                recv()
+
+        return hook
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Collective: send each token to each of its selected experts (once per expert).
+
+        Arguments: ``x`` ``[num_tokens, hidden]`` torch.bfloat16 (``num_tokens <=
+        num_max_dispatch_tokens_per_rank``, hidden a multiple of 128, of 512 with ``use_ue8m0``);
+        ``topk_idx`` ``[num_tokens, num_topk]`` topk_idx_t (``-1``: none);
+        ``cumulative_local_expert_recv_stats`` ``[num_local_experts]`` torch.int (+= received counts);
+        ``dispatch_wait_recv_cost_stats`` ``[num_ranks]`` torch.int64 (+= ns waited in the handshake).
+        ``use_fp8``: e4m3 with per-128-channel scales (``round_scale``: powers of two; ``use_ue8m0``: their
+        exponent bytes packed four per int32).
+        Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` ``[num_local_experts, num_ranks *
+        num_max_dispatch_tokens_per_rank, hidden]`` bf16, or with fp8 ``(e4m3 tensor, scales [..., hidden // 128]
+        float32 or [..., hidden // 512] int32, column-major in the last two dims)``; only the first
+        ``recv_count [num_local_experts] torch.int`` rows of each expert are valid; ``handle`` is
+        ``(src_info [num_local_experts, N] torch.int, layout_range [num_local_experts, num_ranks] torch.int64,
+        num_max_dispatch_tokens_per_rank, hidden, num_experts)``. With ``return_recv_hook`` the call only
+        publishes (``x`` may be reused at once) and ``hook()`` (collective) receives; else ``hook`` is None.
+        """
+        self._live()
+        error = None
+        if async_finish and return_recv_hook:
+            error = "async_finish and return_recv_hook exclude each other, expected at most one, got both"
+        elif use_ue8m0 and not round_scale:
+            error = "use_ue8m0 needs round_scale, expected round_scale=True, got False"
+        flags = ((low_latency.FLAG_FP8 if use_fp8 else 0) | (low_latency.FLAG_ROUND if round_scale else 0)
+                 | (low_latency.FLAG_UE8M0 if use_ue8m0 else 0) | (low_latency.FLAG_HOOK if return_recv_hook else 0))
+        with self._lock:
+            self.seq += 1
+            out, plan, recv = low_latency.dispatch(
+                self, x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts),
+                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, flags, error)
+            self._ll.idx ^= 1
+            self.register(out["src_info"], plan)
+            hook = self._hook(recv) if return_recv_hook else None
+            if hook is None:
+                recv()
+        handle = (out["src_info"], out["layout"], int(num_max_dispatch_tokens_per_rank), out["x"].size(2),
+                  int(num_experts))
+        recv_x = (out["x"], out["scales"]) if use_fp8 else out["x"]
+        return recv_x, out["count"], handle, _event(async_finish, (x, topk_idx, out["x"])), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Collective: ``combined_x[t] = sum_k topk_weights[t, k] * expert_output(t, k)``, in fp32.
+
+        Arguments: ``x`` ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``
+        torch.bfloat16 in the dispatch layout (read in place from peers when it is a heap tensor; with
+        ``zero_copy`` the data is taken from :meth:`get_next_low_latency_combine_buffer` instead);
+        ``topk_idx``/``topk_weights`` ``[num_tokens, num_topk]``: this rank's routing, as dispatched;
+        ``handle``: from this Buffer's ``low_latency_dispatch``; ``out``: optional ``[num_tokens, hidden]``
+        bf16 result tensor. ``use_logfmt`` sends exact bf16. Returns ``(combined_x [num_tokens, hidden]
+        torch.bfloat16, event, hook)``; with ``return_recv_hook``, ``hook()`` (collective) receives, and
+        ``x`` must stay unchanged until it returned.
+        """
+        self._live()
+        error = None
+        if async_finish and return_recv_hook:
+            error = "async_finish and return_recv_hook exclude each other, expected at most one, got both"
+        elif zero_copy and use_logfmt:
+            error = "zero_copy and use_logfmt exclude each other, expected at most one, got both"
+        flags = (low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
+        with self._lock:
+            self.seq += 1
+            combined, recv = low_latency.combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
+                                                 error)
+            self._ll.idx ^= 1
+            hook = self._hook(recv) if return_recv_hook else None
+            if hook is None:
+                recv()
+        return combined, _event(async_finish, (x, topk_idx, topk_weights, combined)), hook
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Record a rank as masked (shrink mode). zbccl does not shrink groups: every rank still takes part."""
+        self._mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask ``[num_ranks]`` torch.int (1: masked) into ``mask_status``."""
+        mask_status.copy_(self._mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        self._mask.zero_()

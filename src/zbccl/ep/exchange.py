@@ -97,9 +97,10 @@ class Exchange:
             return -1
         return t.data_ptr() - self.base
 
-    def place(self, t: torch.Tensor, keep: list, role: str) -> int:
-        """Heap offset peers read ``t`` at: in place for a contiguous heap tensor, else a staged copy."""
-        off = self.offset_of(t)
+    def place(self, t: torch.Tensor, keep: list, role: str, *, copy: bool = False) -> int:
+        """Heap offset peers read ``t`` at: in place for a contiguous heap tensor (unless ``copy``:
+        the caller may change ``t`` before peers read it), else a staged copy."""
+        off = -1 if copy else self.offset_of(t)
         if off >= 0:
             return off
         try:
@@ -183,14 +184,18 @@ class Exchange:
                 ctypes.memmove(dst, src, n)
 
 
-def row_table(dst_addr: int, src_addr: int, rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """Copies gathering source rows ``rows`` into consecutive destination rows, runs coalesced."""
+def row_table(dst_addr: int, src_addr: int, rows: torch.Tensor, row_bytes: int,
+              dst_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Copies of source rows ``rows`` to destination rows ``dst_rows`` (default: consecutive from 0),
+    as int64 ``[n, 3]`` (dst, src, nbytes); runs consecutive on both sides become one copy."""
     n = rows.numel()
     if n == 0 or row_bytes == 0:
         return torch.empty(0, 3, dtype=torch.int64)
     rows = rows.long()
+    dst_rows = torch.arange(n) if dst_rows is None else dst_rows.long()
     brk = torch.ones(n, dtype=torch.bool)
-    brk[1:] = rows[1:] != rows[:-1] + 1
+    brk[1:] = (rows[1:] != rows[:-1] + 1) | (dst_rows[1:] != dst_rows[:-1] + 1)
     starts = brk.nonzero().flatten()
     lens = torch.diff(starts, append=torch.tensor([n]))
-    return torch.stack([dst_addr + starts * row_bytes, src_addr + rows[starts] * row_bytes, lens * row_bytes], 1)
+    return torch.stack([dst_addr + dst_rows[starts] * row_bytes, src_addr + rows[starts] * row_bytes,
+                        lens * row_bytes], 1)
