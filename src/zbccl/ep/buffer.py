@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 

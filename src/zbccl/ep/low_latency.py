@@ -120,7 +120,7 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
 def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
     """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    L, N, H = E // R, R * tmax, out["x"].size(2)
+    L, N = E // R, R * tmax
     C = torch.stack([ex.view(r, int(rows[r, F.META]), (E,), torch.int64) for r in range(R)])  # [src, expert]
     mine = C[:, me * L:(me + 1) * L]  # [src, local expert]
     begins = mine.cumsum(0) - mine
@@ -151,7 +151,7 @@ def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
 
 def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags: int, error: str | None):
     """Publish this rank's expert outputs; returns ``(combined, recv)`` where ``recv()`` fills ``combined``."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    ex, R = buf.ex, buf.ex.R
     fields, keep, fail = {F.OP: OP_LL_COMBINE, F.SEQ: buf.seq, F.FLAGS: flags}, [], None
     combined = plan = None
     try:
