@@ -23,10 +23,21 @@ from .event import EventHandle, EventOverlap
 from .exchange import Exchange, Fail, heap_empty
 from .layout import dispatch_layout
 
-__all__ = ["Buffer"]
+__all__ = ["Buffer", "register_group_resolver"]
 
 _DISPATCH_SMS = {2: 24, 4: 6, 8: 6, 16: 36, 24: 32, 32: 32, 48: 32, 64: 32, 96: 20, 128: 20, 144: 32, 160: 28}
 _COMBINE_SMS = {2: 10, 4: 9, 8: 4, 16: 4, 24: 1, 32: 1, 48: 1, 64: 1, 96: 1, 128: 1, 144: 2, 160: 2}
+
+
+#: How a torch ProcessGroup maps to its zbccl communicator. Set by the process-group adapter (which
+#: sits above ``ep``, so it registers itself here instead of being imported from here).
+_group_resolver: Callable[[object], Communicator] | None = None
+
+
+def register_group_resolver(fn: Callable[[object], Communicator] | None) -> None:
+    """Let :class:`Buffer` accept torch ProcessGroups: ``fn(pg)`` returns the group's communicator."""
+    global _group_resolver
+    _group_resolver = fn
 
 
 def _communicator_of(group) -> Communicator:
@@ -38,15 +49,11 @@ def _communicator_of(group) -> Communicator:
     except ImportError:  # pragma: no cover - torch without distributed
         dist = None
     if dist is not None and isinstance(group, dist.ProcessGroup):
-        try:
-            from ..adapters.process_group import communicator_of  # noqa: PLC0415 - optional, lands with the backend
-        except ImportError:
-            communicator_of = None
-        if communicator_of is not None:
-            return communicator_of(group)
+        if _group_resolver is not None:
+            return _group_resolver(group)
         raise ZbcclInvalidUsageError(
-            "Buffer: a torch ProcessGroup needs zbccl's process-group backend, expected a zbccl Communicator "
-            "(zbccl.init() / comm.new_group()), got a ProcessGroup")
+            "Buffer: a torch ProcessGroup needs zbccl's process-group adapter, expected a zbccl Communicator "
+            "(zbccl.init() / comm.new_group()) or a group of the zbccl backend, got a ProcessGroup")
     raise ZbcclInvalidUsageError(f"Buffer: group must be a zbccl Communicator, got {type(group).__name__}")
 
 
