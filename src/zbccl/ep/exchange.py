@@ -143,12 +143,14 @@ class Exchange:
         return rows
 
     def agree(self, op: str, rows: torch.Tensor, field: int, what: str) -> None:
-        """Raise on every rank unless every header has the same ``field``."""
+        """Raise on every rank unless every header has the same ``field`` (names the ranks that differ)."""
         col = rows[:, field]
-        if bool((col != col[0]).any()):
+        odd = (col != col[0]).nonzero().flatten().tolist()
+        if odd:
+            got = ", ".join(f"{int(col[r])} on rank {r}" for r in odd)
             raise ZbcclInvalidUsageError(
-                f"{op}: ranks disagree on {what}, expected one value on every rank, got {col.tolist()} (by rank)",
-                ranks=tuple(range(self.R)))
+                f"{op}: ranks disagree on {what}, expected {int(col[0])} (rank 0's) on every rank, got {got}",
+                ranks=tuple(odd))
 
     def done(self) -> None:
         """Collective: after it no peer reads this rank's published blocks."""
