@@ -90,9 +90,10 @@ def fp8_quantize(x: torch.Tensor, *, round_scale: bool = False, ue8m0: bool = Fa
     amax = _group_amax(x, 128)
     if round_scale or ue8m0:
         scale_inv = torch.pow(2.0, torch.ceil(torch.log2(amax / FP8_MAX)))
+        scale = 1.0 / scale_inv
     else:
-        scale_inv = amax / FP8_MAX
-    q = (x.float().view(T, H // 128, 128) / scale_inv.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX)
+        scale_inv, scale = amax / FP8_MAX, FP8_MAX / amax
+    q = (x.float().view(T, H // 128, 128) * scale.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX)
     x_fp8 = q.view(T, H).to(torch.float8_e4m3fn)
     if ue8m0:
         exps = (scale_inv.view(torch.int32) >> 23).to(torch.uint8).contiguous()
