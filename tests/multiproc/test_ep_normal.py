@@ -128,7 +128,7 @@ def _zero_copy(buffer, comm) -> None:
     """Heap operands (the model runs in heap_scope) are read in place: nothing is staged."""
     import zbccl
 
-    R, E, T, H = comm.world_size, 8, 32, 256
+    E, T, H = 8, 32, 256
     with zbccl.heap_scope():
         x = torch.ones(T, H, dtype=torch.bfloat16) * comm.rank
         topk_idx = torch.topk(torch.randn(T, E), 3).indices
@@ -175,3 +175,27 @@ def test_intranode_world2():
 @pytest.mark.slow
 def test_intranode_world4():
     assert all(run_world(_normal_world, 4, cases=[dict(T=40, H=256, K=4, E=16, skew=True)], timeout=120))
+
+
+def _gloo_group(ctx):
+    """DeepEP's setup: a torch process group (gloo here) and Buffer(group); zbccl starts from its store."""
+    import torch.distributed as dist
+
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
+    group = dist.new_group(list(range(ctx.world_size)))
+    buffer = deep_ep.Buffer(group, int(2e9), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True)
+    assert buffer.rank == dist.get_rank(group) and buffer.group_size == group.size() and buffer.group is group
+    comm = zbccl.get_default()
+    _intranode(buffer, comm, T=24, H=128, K=2, E=4)
+    buffer.destroy()
+    zbccl.finalize()
+    dist.destroy_process_group()
+    return True
+
+
+def test_buffer_on_a_gloo_process_group():
+    assert all(run_world(_gloo_group, 2, timeout=120))

@@ -16,72 +16,32 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..runtime.communicator import Communicator
 from . import low_latency, normal
-from .config import Config, get_low_latency_rdma_size_hint
+from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
 from .event import EventHandle, EventOverlap
+from .event import completed as _event
+from .event import stream_error as _stream_error
 from .exchange import Exchange, Fail, heap_empty
+from .group import communicator_of as _communicator_of
 from .layout import dispatch_layout
 
-__all__ = ["Buffer", "register_group_resolver"]
-
-_DISPATCH_SMS = {2: 24, 4: 6, 8: 6, 16: 36, 24: 32, 32: 32, 48: 32, 64: 32, 96: 20, 128: 20, 144: 32, 160: 28}
-_COMBINE_SMS = {2: 10, 4: 9, 8: 4, 16: 4, 24: 1, 32: 1, 48: 1, 64: 1, 96: 1, 128: 1, 144: 2, 160: 2}
-
-
-#: How a torch ProcessGroup maps to its zbccl communicator. Set by the process-group adapter (which
-#: sits above ``ep``, so it registers itself here instead of being imported from here).
-_group_resolver: Callable[[object], Communicator] | None = None
-
-
-def register_group_resolver(fn: Callable[[object], Communicator] | None) -> None:
-    """Let :class:`Buffer` accept torch ProcessGroups: ``fn(pg)`` returns the group's communicator."""
-    global _group_resolver
-    _group_resolver = fn
-
-
-def _communicator_of(group) -> Communicator:
-    """The zbccl communicator behind ``group``: a Communicator itself, or the one a ProcessGroup wraps."""
-    if isinstance(group, Communicator):
-        return group
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed
-        dist = None
-    if dist is not None and isinstance(group, dist.ProcessGroup):
-        if _group_resolver is not None:
-            return _group_resolver(group)
-        raise ZbcclInvalidUsageError(
-            "Buffer: a torch ProcessGroup needs zbccl's process-group adapter, expected a zbccl Communicator "
-            "(zbccl.init() / comm.new_group()) or a group of the zbccl backend, got a ProcessGroup")
-    raise ZbcclInvalidUsageError(f"Buffer: group must be a zbccl Communicator, got {type(group).__name__}")
-
-
-def _event(async_finish: bool, tensors: tuple = ()) -> EventOverlap:
-    return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
-
-
-def _stream_error(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> str | None:
-    if allocate_on_comm_stream and (previous_event is None or not async_finish):
-        return ("allocate_on_comm_stream needs previous_event and async_finish, expected both, got "
-                f"previous_event={previous_event is not None}, async_finish={async_finish}")
-    if previous_event is not None and not isinstance(previous_event, EventOverlap):
-        return f"previous_event must be an EventOverlap, got {type(previous_event).__name__}"
-    return None
+__all__ = ["Buffer"]
 
 
 class Buffer:
     """DeepEP-compatible expert-parallel buffer over a zbccl communicator.
 
-    ``group`` is a zbccl :class:`~zbccl.Communicator` (a torch ProcessGroup on the ``zbccl``
-    backend once that adapter lands; other groups raise). Construction is collective: the
-    Buffer takes a private sub-communicator of the same ranks, so its ops never interleave
-    with the caller's collectives on the group. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
-    nothing (receive tensors are allocated at their exact size); they only size
-    :meth:`get_local_buffer_tensor`. ``low_latency_mode``, ``num_qps_per_rank``,
-    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` (mpi4py)
-    are accepted and ignored. ``timeout`` (keyword-only, seconds; default the communicator's)
-    bounds every wait of every op.
+    ``group``: a zbccl :class:`~zbccl.Communicator`, or a torch ProcessGroup: one of the zbccl
+    backend (through the adapter's resolver), or of another backend such as gloo, which runs on
+    zbccl's default communicator, started from that group's store (``zbccl.init(group=group)``,
+    heap size ``ZBCCL_HEAP_SIZE``) when zbccl is not initialized yet. Construction is collective
+    over the group: the Buffer takes a private sub-communicator of its ranks, so its ops never
+    interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
+    nothing (receive tensors are allocated at their exact size after the handshake); they only
+    size :meth:`get_local_buffer_tensor`. ``low_latency_mode``, ``num_qps_per_rank``,
+    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``enable_shrink`` and
+    ``comm`` (mpi4py) are accepted and ignored. ``timeout`` (keyword-only, seconds; default the
+    communicator's) bounds every wait of every op. Ops are serialised per Buffer (a lock).
     """
 
     num_sms: int = 20
@@ -92,16 +52,16 @@ class Buffer:
                  enable_shrink: bool = False, comm=None, *, timeout: float | None = None) -> None:
         if group is None and comm is None:
             raise ValueError("Either 'group' or 'comm' must be provided.")
-        parent = _communicator_of(group if group is not None else comm)
+        parent, members = _communicator_of(group if group is not None else comm)
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise ZbcclInvalidUsageError(
                 f"Buffer: sizes must be >= 0, got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
         self.group = group if group is not None else comm
-        self.rank, self.group_size = parent.rank, parent.world_size
+        self.rank, self.group_size = members.index(parent.rank), len(members)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
-        self.comm = parent.new_group(list(range(parent.world_size)), timeout=timeout)
+        self.comm = parent.new_group(members, timeout=timeout)
         self.ex = Exchange(self.comm, timeout)
         self.runtime = self
         self.seq = 0
@@ -176,11 +136,11 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """DeepEP's recommended dispatch config (any rank count works here; unknown ones get 2-rank values)."""
-        return Config(Buffer.num_sms, _DISPATCH_SMS.get(num_ranks, 24), 256, 6, 128)
+        return dispatch_config(num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms, _COMBINE_SMS.get(num_ranks, 10), 256, 6, 128)
+        return combine_config(num_ranks, Buffer.num_sms)
 
     def get_comm_stream(self):
         """None: there is no communication stream on CPU."""

@@ -13,7 +13,8 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 
-__all__ = ["Config", "topk_idx_t", "get_low_latency_rdma_size_hint", "NUM_MAX_NVL_PEERS"]
+__all__ = ["Config", "topk_idx_t", "get_low_latency_rdma_size_hint", "dispatch_config", "combine_config",
+           "NUM_MAX_NVL_PEERS"]
 
 #: The dtype of ``topk_idx`` tensors (DeepEP's default build: 64-bit).
 topk_idx_t = torch.int64
@@ -93,3 +94,18 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     sig = _align_up(num_experts * 4, _ALIGN)
     total = 2 * send + 2 * recv + 2 * sig
     return (total + _ALIGN) // _ALIGN * _ALIGN
+
+
+# DeepEP's recommended ``num_max_nvl_chunked_send_tokens`` per rank count (its config tables).
+_DISPATCH_SMS = {2: 24, 4: 6, 8: 6, 16: 36, 24: 32, 32: 32, 48: 32, 64: 32, 96: 20, 128: 20, 144: 32, 160: 28}
+_COMBINE_SMS = {2: 10, 4: 9, 8: 4, 16: 4, 24: 1, 32: 1, 48: 1, 64: 1, 96: 1, 128: 1, 144: 2, 160: 2}
+
+
+def dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    """DeepEP's recommended dispatch config (unknown rank counts get the 2-rank values, not an error)."""
+    return Config(num_sms, _DISPATCH_SMS.get(num_ranks, 24), 256, 6, 128)
+
+
+def combine_config(num_ranks: int, num_sms: int) -> Config:
+    """DeepEP's recommended combine config (unknown rank counts get the 2-rank values)."""
+    return Config(num_sms, _COMBINE_SMS.get(num_ranks, 10), 256, 6, 128)

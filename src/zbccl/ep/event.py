@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EventHandle", "EventOverlap"]
+__all__ = ["EventHandle", "EventOverlap", "completed", "stream_error"]
 
 
 class EventHandle:
@@ -62,3 +62,18 @@ class EventOverlap:
         if self.event is not None:
             self.current_stream_wait(release_handle=self._release_handle_by_call)
         self._release_handle_by_call = False
+
+
+def completed(async_finish: bool, tensors: tuple = ()) -> EventOverlap:
+    """What an op returns: a completed event if ``async_finish``, else ``EventOverlap(None)`` (DeepEP)."""
+    return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+
+
+def stream_error(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> str | None:
+    """DeepEP's checks of the stream arguments, as an error message (or None)."""
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        return ("allocate_on_comm_stream needs previous_event and async_finish, expected both, got "
+                f"previous_event={previous_event is not None}, async_finish={async_finish}")
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        return f"previous_event must be an EventOverlap, got {type(previous_event).__name__}"
+    return None

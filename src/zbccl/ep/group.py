@@ -1,0 +1,61 @@
+"""Which zbccl communicator a ``Buffer`` runs on: a Communicator, or a torch ProcessGroup's.
+
+The process-group adapter sits above ``ep`` (layers flow one way), so it registers a resolver
+here when it is imported instead of being imported from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import ZbcclInvalidUsageError
+from ..runtime.communicator import Communicator
+
+__all__ = ["communicator_of", "register_group_resolver"]
+
+#: How a torch ProcessGroup of the zbccl backend maps to its zbccl communicator. Set by the process-group adapter (which
+#: sits above ``ep``, so it registers itself here instead of being imported from here).
+_group_resolver: Callable[[object], Communicator] | None = None
+
+
+def register_group_resolver(fn: Callable[[object], Communicator] | None) -> None:
+    """Let :class:`Buffer` accept torch ProcessGroups: ``fn(pg)`` returns the group's communicator."""
+    global _group_resolver
+    _group_resolver = fn
+
+
+def communicator_of(group) -> tuple[Communicator, list[int]]:
+    """``(communicator, members)``: the Buffer runs on ``communicator.new_group(members)``.
+
+    A zbccl Communicator is used with all its ranks. A torch ProcessGroup goes to the resolver
+    the process-group adapter registered; without one, to zbccl's default communicator (whose
+    global ranks are torch's when it spans torch's world, or the group's when it was started
+    from this group), and, when zbccl is not initialized yet, to ``zbccl.init(group=group)``
+    (heap size from ``ZBCCL_HEAP_SIZE``): a gloo group works that way.
+    """
+    if isinstance(group, Communicator):
+        return group, list(range(group.world_size))
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        dist = None
+    if dist is None or not isinstance(group, dist.ProcessGroup):
+        raise ZbcclInvalidUsageError(
+            f"Buffer: group must be a zbccl Communicator or a torch ProcessGroup, got {type(group).__name__}")
+    if _group_resolver is not None:
+        comm = _group_resolver(group)
+        return comm, list(range(comm.world_size))
+    from ..runtime.state import get_default, init
+
+    comm = get_default()
+    if comm is None:
+        comm = init(group=group)
+        return comm, list(range(comm.world_size))
+    members = dist.get_process_group_ranks(group)
+    if comm.world_size == dist.get_world_size() and all(m < comm.world_size for m in members):
+        return comm, members
+    if comm.world_size == group.size():
+        return comm, list(range(comm.world_size))
+    raise ZbcclInvalidUsageError(
+        f"Buffer: cannot map the ProcessGroup's ranks {members} onto zbccl's world of {comm.world_size}, expected "
+        "zbccl initialized over torch's world or over this group, got neither")
