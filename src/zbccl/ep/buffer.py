@@ -70,6 +70,17 @@ class Buffer:
         self._local: dict[bool, torch.Tensor] = {}
         self._ll = low_latency.LowLatencyState()
         self._mask = torch.zeros(self.group_size, dtype=torch.int32)
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A private work tensor (contents undefined), kept between ops: fresh pages cost page faults."""
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch[name] = torch.empty(max(n, 64), dtype=torch.uint8)
+        return buf[:n].view(dtype).view(shape)
 
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:

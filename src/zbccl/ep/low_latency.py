@@ -218,7 +218,7 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Ten
     off = torch.zeros(E + 1, dtype=torch.int64)
     off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
     wflat = w.reshape(-1)
-    acc = torch.zeros(plan["T"], H, dtype=torch.float32)
+    acc = buf.scratch("acc", (plan["T"], H), torch.float32).zero_()
     for r in range(R):
         lo, hi = int(off[r * L]), int(off[(r + 1) * L])
         if lo == hi:
@@ -226,6 +226,9 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Ten
         e = experts[lo:hi]
         bases = ex.view(r, int(rows[r, F.META]), (L,), torch.int64)
         row = bases[e - r * L] + begin[e] + (torch.arange(lo, hi) - off[e])
-        y = ex.view(r, int(rows[r, F.X]), (int(rows[r, F.NROWS]), H), torch.bfloat16).index_select(0, row)
-        acc.index_add_(0, tokens[lo:hi], y.float() * wflat[slots[lo:hi]].unsqueeze(1))
+        y = buf.scratch("rows_bf16", (hi - lo, H), torch.bfloat16)
+        torch.index_select(ex.view(r, int(rows[r, F.X]), (int(rows[r, F.NROWS]), H), torch.bfloat16), 0, row, out=y)
+        tmp = buf.scratch("rows", (hi - lo, H), torch.float32)
+        tmp.copy_(y).mul_(wflat[slots[lo:hi]].unsqueeze(1))
+        acc.index_add_(0, tokens[lo:hi], tmp)
     return acc

@@ -286,7 +286,7 @@ def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     rpm, in_rank = handle[0], handle[4]
     counts, tokens = rank_lists(in_rank)
-    acc = torch.zeros(T, H, dtype=torch.float32)
+    acc = buf.scratch("acc", (T, H), torch.float32).zero_()
     accw = torch.zeros(T, K, dtype=torch.float32) if K else None
     start = 0
     for r in range(R):
@@ -297,7 +297,9 @@ def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):
         toks = tokens[start:start + cnt]
         start += cnt
         xrow = int(rows[r, F.XROW])
-        acc.index_add_(0, toks, ex.view(r, int(rows[r, F.X]) + base * xrow, (cnt, H), dtype).float())
+        tmp = buf.scratch("rows", (cnt, H), torch.float32)
+        tmp.copy_(ex.view(r, int(rows[r, F.X]) + base * xrow, (cnt, H), dtype))
+        acc.index_add_(0, toks, tmp)
         if K:
             accw.index_add_(0, toks, ex.view(r, int(rows[r, F.W]) + base * K * 4, (cnt, K), torch.float32))
     return acc, accw
