@@ -7,7 +7,7 @@ import torch
 
 from tests.multiproc.ep_checks import per_token_cast_back, per_token_cast_to_fp8, ref_layout
 from zbccl.ep import Config, EventOverlap, get_low_latency_rdma_size_hint
-from zbccl.ep.exchange import row_table
+from zbccl.ep.exchange import row_runs, row_table
 from zbccl.ep.layout import (
     channel_prefix,
     dispatch_layout,
@@ -96,7 +96,7 @@ def test_event_overlap_semantics():
 
 
 def test_row_table_coalesces_runs():
-    t = row_table(1000, 0, torch.tensor([3, 4, 5, 9, 10, 2]), 8)
+    t = row_table(1000, 0, row_runs(torch.tensor([3, 4, 5, 9, 10, 2])), 8)
     assert t.tolist() == [[1000, 24, 24], [1024, 72, 16], [1040, 16, 8]]
-    t = row_table(0, 0, torch.tensor([0, 1, 2]), 4, dst_rows=torch.tensor([5, 6, 9]))
+    t = row_table(0, 0, row_runs(torch.tensor([0, 1, 2]), torch.tensor([5, 6, 9])), 4)
     assert t.tolist() == [[20, 0, 8], [36, 8, 4]]

@@ -108,8 +108,8 @@ def _case(comm, buffer, gloo, routing: str, o: dict) -> dict:
         wrong = int((recv_x != ref_x).sum()) + int((comb != ref_comb).sum()) if recv_x.shape == ref_x.shape else -1
         stats0 = comm.sma.stats()["allocated_bytes"]
         comm.sma.reset_peak()
-        disp = []
-        times = _timed(lambda a=args: disp.append(_zbccl_step(buffer, *a, E)[2]), iters, comm.barrier)
+        disp: list[float] = []
+        times = _timed(lambda a=args, d=disp: d.append(_zbccl_step(buffer, *a, E)[2]), iters, comm.barrier)
         peak = comm.sma.stats()["peak_allocated_bytes"] - stats0
         row[mode] = {"step_s": times, "dispatch_s": disp, "wrong": wrong, "heap_peak_bytes": peak}
     row["gloo"] = {"step_s": _timed(lambda: gloo.step(x_priv, topk_idx, w, E), iters, comm.barrier)}

@@ -33,7 +33,7 @@ from ..heap.views import HeapHandle, wrap_address
 from ..ops import all_gather_into_tensor
 from ..runtime.threads import nthreads
 
-__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "row_table"]
+__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "row_runs", "row_table"]
 
 HDR_LEN = 64
 _MSG_AT, _MSG_BYTES = 32, 256
@@ -186,12 +186,11 @@ class Exchange:
                 ctypes.memmove(dst, src, n)
 
 
-def row_table(dst_addr: int, src_addr: int, rows: torch.Tensor, row_bytes: int,
-              dst_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Copies of source rows ``rows`` to destination rows ``dst_rows`` (default: consecutive from 0),
-    as int64 ``[n, 3]`` (dst, src, nbytes); runs consecutive on both sides become one copy."""
+def row_runs(rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n_runs, 3]`` int64 (dst row, src row, rows): source rows ``rows`` land on destination rows
+    ``dst_rows`` (default: consecutive from 0); runs consecutive on both sides are merged."""
     n = rows.numel()
-    if n == 0 or row_bytes == 0:
+    if n == 0:
         return torch.empty(0, 3, dtype=torch.int64)
     rows = rows.long()
     dst_rows = torch.arange(n) if dst_rows is None else dst_rows.long()
@@ -199,5 +198,14 @@ def row_table(dst_addr: int, src_addr: int, rows: torch.Tensor, row_bytes: int,
     brk[1:] = (rows[1:] != rows[:-1] + 1) | (dst_rows[1:] != dst_rows[:-1] + 1)
     starts = brk.nonzero().flatten()
     lens = torch.diff(starts, append=torch.tensor([n]))
-    return torch.stack([dst_addr + dst_rows[starts] * row_bytes, src_addr + rows[starts] * row_bytes,
-                        lens * row_bytes], 1)
+    return torch.stack([dst_rows[starts], rows[starts], lens], 1)
+
+
+def row_table(dst_addr: int, src_addr: int, runs: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """The copies (dst, src, nbytes) of :func:`row_runs`' runs for rows of ``row_bytes``."""
+    if row_bytes == 0:
+        return torch.empty(0, 3, dtype=torch.int64)
+    t = runs * row_bytes
+    t[:, 0] += dst_addr
+    t[:, 1] += src_addr
+    return t

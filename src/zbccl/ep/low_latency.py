@@ -22,7 +22,7 @@ import time
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from .exchange import F, Fail, heap_empty, row_table
+from .exchange import F, Fail, heap_empty, row_runs, row_table
 from .layout import expert_pairs, fp8_quantize
 from .normal import _tensor
 
@@ -140,7 +140,8 @@ def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
         slot = begins[r][le] + pos
         dst = le * N + slot
         T_r = int(rows[r, F.T])
-        tables.append(row_table(out["x"].data_ptr(), ex.addr(r, int(rows[r, F.X]), T_r * xrow), toks, xrow, dst))
+        tables.append(row_table(out["x"].data_ptr(), ex.addr(r, int(rows[r, F.X]), T_r * xrow), row_runs(toks, dst),
+                                xrow))
         out["src_info"].view(-1)[dst] = toks.to(torch.int32)
         if "scales" in out:
             s_r = ex.view(r, int(rows[r, F.SCALES]), (T_r, int(rows[r, F.SROW]) // 4), out["scales"].dtype)

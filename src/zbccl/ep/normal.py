@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from .exchange import F, Fail, heap_empty, row_table
+from .exchange import F, Fail, heap_empty, row_runs, row_table
 from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
 
 __all__ = ["dispatch", "combine", "DTYPE_CODES", "OP_DISPATCH", "OP_COMBINE"]
@@ -180,10 +180,10 @@ def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
             continue
         toks = ex.view(r, int(rows[r, F.META]) + (head + int(counts[r, :me].sum())) * 8, (cnt,), torch.int64)
         src_idx[start:start + cnt] = toks
-        T_r = int(rows[r, F.T])
+        T_r, runs = int(rows[r, F.T]), row_runs(toks)
         for key, t in out.items():
             field, row = fields[key]
-            tables.append(row_table(t.data_ptr() + start * row, ex.addr(r, int(rows[r, field]), T_r * row), toks, row))
+            tables.append(row_table(t.data_ptr() + start * row, ex.addr(r, int(rows[r, field]), T_r * row), runs, row))
         start += cnt
     ex.copy(tables)
     if K:
