@@ -33,8 +33,9 @@ class Buffer:
 
     ``group``: a zbccl :class:`~zbccl.Communicator`, or a torch ProcessGroup: one of the zbccl
     backend (through the adapter's resolver), or of another backend such as gloo, which runs on
-    zbccl's default communicator, started from that group's store (``zbccl.init(group=group)``,
-    heap size ``ZBCCL_HEAP_SIZE``) when zbccl is not initialized yet. Construction is collective
+    zbccl's default communicator, started from that group's store (``zbccl.init(group=group)``;
+    heap: ``ZBCCL_HEAP_SIZE`` if set, else ``num_nvl_bytes + num_rdma_bytes`` within half the
+    machine's free memory per rank, at least the default) when zbccl is not initialized yet. Construction is collective
     over the group: the Buffer takes a private sub-communicator of its ranks, so its ops never
     interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
     nothing (receive tensors are allocated at their exact size after the handshake); they only
@@ -52,7 +53,7 @@ class Buffer:
                  enable_shrink: bool = False, comm=None, *, timeout: float | None = None) -> None:
         if group is None and comm is None:
             raise ValueError("Either 'group' or 'comm' must be provided.")
-        parent, members = _communicator_of(group if group is not None else comm)
+        parent, members = _communicator_of(group if group is not None else comm, num_nvl_bytes + num_rdma_bytes)
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise ZbcclInvalidUsageError(
                 f"Buffer: sizes must be >= 0, got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
@@ -96,6 +97,12 @@ class Buffer:
         self._ll = low_latency.LowLatencyState()
         self.ex = None
         self.comm.destroy()
+
+    @property
+    def bytes_moved(self) -> int:
+        """Payload bytes this rank copied from or read in peers' memory in its last op (rows, scales,
+        top-k; not the handshake): dispatch ``num_recv * row``, combine the same back."""
+        return self.ex.moved if self.ex is not None else 0
 
     def is_available(self) -> bool:
         return self.runtime is not None

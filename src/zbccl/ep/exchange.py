@@ -85,6 +85,8 @@ class Exchange:
         self.prims = comm.heap.prims
         self._hdr = heap_empty(comm, (HDR_LEN,), torch.int64, fallback=False)
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
+        #: Payload bytes this rank copied or read from peers' memory since the last publish.
+        self.moved = 0
 
     # ------------------------------------------------------------------ local side
     def offset_of(self, t: torch.Tensor) -> int:
@@ -124,6 +126,7 @@ class Exchange:
     # ------------------------------------------------------------------ the handshake
     def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:
         """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed."""
+        self.moved = 0
         h = self._hdr
         h.zero_()
         for k, v in fields.items():
@@ -178,6 +181,7 @@ class Exchange:
         if not table:
             return
         t = torch.cat(table).contiguous()
+        self.moved += int(t[:, 2].sum())
         fn = getattr(self.prims, "copy_many", None)
         if fn is not None:
             fn(t.data_ptr(), t.size(0), nthreads())

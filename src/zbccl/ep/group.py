@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .. import env
 from ..errors import ZbcclInvalidUsageError
+from ..heap.capacity import shm_capacity
 from ..runtime.communicator import Communicator
 
 __all__ = ["communicator_of", "register_group_resolver"]
@@ -24,14 +26,25 @@ def register_group_resolver(fn: Callable[[object], Communicator] | None) -> None
     _group_resolver = fn
 
 
-def communicator_of(group) -> tuple[Communicator, list[int]]:
+def _heap_bytes(want: int, nranks: int) -> int | None:
+    """Heap size for a zbccl world the Buffer starts itself: at least ``ZBCCL_HEAP_SIZE``'s default,
+    up to the Buffer's requested bytes, within half the machine's room per rank (None: the env's)."""
+    if env.HEAP_SIZE.is_set():
+        return None
+    caps = [v for v in shm_capacity().values() if v]
+    room = min(caps) // (2 * max(nranks, 1)) if caps else want
+    return max(env.HEAP_SIZE.get(), min(int(want), room))
+
+
+def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]]:
     """``(communicator, members)``: the Buffer runs on ``communicator.new_group(members)``.
 
     A zbccl Communicator is used with all its ranks. A torch ProcessGroup goes to the resolver
     the process-group adapter registered; without one, to zbccl's default communicator (whose
     global ranks are torch's when it spans torch's world, or the group's when it was started
     from this group), and, when zbccl is not initialized yet, to ``zbccl.init(group=group)``
-    (heap size from ``ZBCCL_HEAP_SIZE``): a gloo group works that way.
+    (heap: ``ZBCCL_HEAP_SIZE`` if set, else ``want_bytes`` within the machine's room, see
+    :func:`_heap_bytes`): a gloo group works that way.
     """
     if isinstance(group, Communicator):
         return group, list(range(group.world_size))
@@ -49,7 +62,7 @@ def communicator_of(group) -> tuple[Communicator, list[int]]:
 
     comm = get_default()
     if comm is None:
-        comm = init(group=group)
+        comm = init(group=group, heap_size=_heap_bytes(want_bytes, group.size()))
         return comm, list(range(comm.world_size))
     members = dist.get_process_group_ranks(group)
     if comm.world_size == dist.get_world_size() and all(m < comm.world_size for m in members):

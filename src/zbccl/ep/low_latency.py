@@ -146,6 +146,7 @@ def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
         if "scales" in out:
             s_r = ex.view(r, int(rows[r, F.SCALES]), (T_r, int(rows[r, F.SROW]) // 4), out["scales"].dtype)
             out["scales"][le, slot] = s_r[toks]
+            ex.moved += n * int(rows[r, F.SROW])
     ex.copy(tables)
     return C[:me].sum(0)
 
@@ -232,4 +233,5 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Ten
         tmp = buf.scratch("rows", (hi - lo, H), torch.float32)
         tmp.copy_(y).mul_(wflat[slots[lo:hi]].unsqueeze(1))
         acc.index_add_(0, tokens[lo:hi], tmp)
+        ex.moved += (hi - lo) * H * 2
     return acc

@@ -300,6 +300,7 @@ def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):
         tmp = buf.scratch("rows", (cnt, H), torch.float32)
         tmp.copy_(ex.view(r, int(rows[r, F.X]) + base * xrow, (cnt, H), dtype))
         acc.index_add_(0, toks, tmp)
+        ex.moved += cnt * (xrow + K * 4)
         if K:
             accw.index_add_(0, toks, ex.view(r, int(rows[r, F.W]) + base * K * 4, (cnt, K), torch.float32))
     return acc, accw
