@@ -143,6 +143,23 @@ def _zero_copy(buffer, comm) -> None:
     assert buffer.bytes_moved == int(in_rank.sum()) * H * 2  # my tokens, back from every rank they went to
     assert zbccl.memory_stats()["staged_bytes"] == staged
     assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
+    # bias, weights, and the plain-torch reference path (no native core) against the native one
+    torch.manual_seed(comm.rank + 7)
+    xr = torch.randn(T, H, dtype=torch.bfloat16)
+    b0, b1 = torch.randn(T, H, dtype=torch.bfloat16), torch.ones(T, H, dtype=torch.bfloat16)
+    rx, _, rw, _, handle, _ = buffer.dispatch(xr, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
+    got = buffer.combine(rx, handle, topk_weights=rw, bias=(b0, b1))[:2]
+    prims = buffer.ex.prims
+    buffer.ex.prims = object()  # what a host without the native core has: memmove copies, torch sums
+    try:
+        ref = buffer.combine(rx, handle, topk_weights=rw, bias=(b0, b1))[:2]
+    finally:
+        buffer.ex.prims = prims
+    expect = xr.float() * in_rank.sum(1, keepdim=True) + b0.float() + b1.float()
+    assert (got[0].float() - expect).abs().max() <= 0.02 * expect.abs().max()
+    assert torch.allclose(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(got[1], ref[1]) and torch.allclose(got[1], w * in_rank.any(1, keepdim=True))
     # the int8 transfer option: about half the bytes, within int8's per-128 error
     torch.manual_seed(comm.rank)
     xr = torch.randn(T, H, dtype=torch.bfloat16)

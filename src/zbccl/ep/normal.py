@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
+from ..ops.dtypes import SUM
+from ..runtime.threads import nthreads
 from .exchange import F, Fail, heap_empty, row_runs, row_table
 from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
 
@@ -258,6 +261,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
         biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
         for i, b in enumerate(biases):
             _tensor(b, f"bias[{i}]", 2, (x.dtype,), (T, H))
+        biases = [b.contiguous() for b in biases]
         K = 0
         if topk_weights is not None:
             w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (x.size(0), None))
@@ -271,14 +275,62 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     for field, what in ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
                         (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")):
         ex.agree("combine", rows, field, what)
+    out = heap_empty(buf.comm, (T, H), x.dtype)
     try:
-        acc, accw = _reduce(buf, rows, handle, T, H, K, x.dtype)
+        if getattr(buf.ex.prims, "reduce_n", None) is not None and T:
+            accw = _reduce_native(buf, rows, handle, out, biases, K)
+        else:
+            acc, accw = _reduce(buf, rows, handle, T, H, K, x.dtype)
+            for b in biases:
+                acc += b.float()
+            out.copy_(acc)
     finally:
         ex.done()
-    for b in biases:
-        acc += b.float()
-    out = heap_empty(buf.comm, (T, H), x.dtype).copy_(acc)
     return out, accw
+
+
+def _reduce_native(buf, rows, handle, out: torch.Tensor, biases: list, K: int) -> torch.Tensor | None:
+    """Combine with the native N-way sum (fp32 accumulation, one rounding): one call per run of
+    consecutive tokens sent to the same ranks, summing those ranks' rows (read in place) and the
+    biases straight into ``out``. Returns the summed weights ``[T, K]`` float32 (or None)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    rpm, in_rank, head = handle[0], handle[4], handle[5]
+    T, H = out.shape
+    masks = (in_rank.long() << torch.arange(R)).sum(1)
+    brk = torch.ones(T, dtype=torch.bool)
+    brk[1:] = masks[1:] != masks[:-1]
+    starts = brk.nonzero().flatten()
+    lens = torch.diff(starts, append=torch.tensor([T]))
+    sel = in_rank[starts]
+    order = torch.sort((~sel).to(torch.uint8), dim=1, stable=True).indices  # present ranks first, in rank order
+    nsrc = sel.sum(1)
+    base = torch.tensor([int(rpm[me - 1, r]) if me else 0 for r in range(R)])
+    rows_at = (base + head[starts].long()).gather(1, order)
+    ranks = order
+    fn, nt = ex.prims.reduce_n, nthreads()
+    jobs = [(out, [b.data_ptr() for b in biases], F.X, H)]
+    accw = None
+    if K:
+        accw = torch.empty(T, K, dtype=torch.float32)
+        jobs.append((accw, [], F.W, K))
+    for dst, extra, field, width in jobs:
+        isz = dst.element_size()
+        row = width * isz
+        peer = torch.tensor([ex.addr(r, int(rows[r, field]), int(rows[r, F.NRECV]) * row) for r in range(R)])
+        srcs = peer[ranks] + rows_at * row
+        if extra:
+            srcs = torch.cat([torch.tensor(extra).unsqueeze(0) + starts.unsqueeze(1) * row, srcs], 1)
+        srcs = srcs.contiguous()
+        n = (nsrc + len(extra)).tolist()
+        width_n = srcs.size(1)
+        code = NATIVE_DTYPES[dst.dtype]
+        for i, (t0, ln) in enumerate(zip(starts.tolist(), lens.tolist())):
+            if n[i]:
+                fn(dst.data_ptr() + t0 * row, srcs.data_ptr() + i * width_n * 8, n[i], ln * width, code, SUM, 1.0, nt)
+            else:
+                dst[t0:t0 + ln].zero_()
+        ex.moved += int((nsrc * lens).sum()) * row
+    return accw
 
 
 def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):
