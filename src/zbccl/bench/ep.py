@@ -8,7 +8,8 @@ matching reverse with an fp32 sum per token), in the same run. Columns: time per
 (layout + dispatch + combine) as the median over iterations of the slowest rank, and as the
 best iteration (``_min``: what the machine gives when nothing else runs), the speed-ups over
 gloo, ``wrong`` (elements differing from the gloo result: the receive rows and the combined
-tokens), the best dispatch alone against the best plain memcpy of the same bytes (all ranks
+tokens), CPU time per step (the slowest rank's process time: what a step costs when the
+machine is otherwise idle, as waits that yield cost little), the best dispatch alone against the best plain memcpy of the same bytes (all ranks
 copying at once), and communication memory: zbccl's peak heap bytes during the step
 (receive tensors, plans, staging) against what DeepEP reserves for the same shapes (the
 larger of its dispatch/combine ``Config.get_nvl_buffer_size_hint``, and its low-latency
@@ -82,13 +83,17 @@ def _zbccl_step(buffer, x, topk_idx, w, E: int):
     return recv_x, combined, t1 - t0
 
 
-def _timed(fn, iters: int, sync) -> list[float]:
-    out = []
+def _timed(fn, iters: int, sync, cpu: list | None = None) -> list[float]:
+    """Wall time of each call (after a barrier); ``cpu`` gets this process's CPU seconds per call."""
+    out, used = [], 0.0
     for _ in range(iters):
         sync()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+        used += time.process_time() - c0
+    if cpu is not None:
+        cpu.append(used / max(iters, 1))
     return out
 
 
@@ -110,10 +115,13 @@ def _case(comm, buffer, gloo, routing: str, o: dict) -> dict:
         stats0 = comm.sma.stats()["allocated_bytes"]
         comm.sma.reset_peak()
         disp: list[float] = []
-        times = _timed(lambda a=args, d=disp: d.append(_zbccl_step(buffer, *a, E)[2]), iters, comm.barrier)
+        cpu: list[float] = []
+        times = _timed(lambda a=args, d=disp: d.append(_zbccl_step(buffer, *a, E)[2]), iters, comm.barrier, cpu)
         peak = comm.sma.stats()["peak_allocated_bytes"] - stats0
-        row[mode] = {"step_s": times, "dispatch_s": disp, "wrong": wrong, "heap_peak_bytes": peak}
-    row["gloo"] = {"step_s": _timed(lambda: gloo.step(x_priv, topk_idx, w, E), iters, comm.barrier)}
+        row[mode] = {"step_s": times, "dispatch_s": disp, "wrong": wrong, "heap_peak_bytes": peak, "cpu_s": cpu[0]}
+    cpu = []
+    row["gloo"] = {"step_s": _timed(lambda: gloo.step(x_priv, topk_idx, w, E), iters, comm.barrier, cpu),
+                   "cpu_s": cpu[0]}
     recv_bytes = ref_x.numel() * ref_x.element_size()
     src, dst = torch.empty(max(recv_bytes, 1), dtype=torch.uint8), torch.empty(max(recv_bytes, 1), dtype=torch.uint8)
     row["memcpy_s"] = _timed(lambda: dst.copy_(src), iters, comm.barrier)
@@ -164,9 +172,11 @@ def _summarise(world: int, ranks: list[list[dict]], opts: dict) -> list[dict]:
             step_min = _slowest([p[mode]["step_s"] for p in per], min)
             disp = _slowest([p[mode]["dispatch_s"] for p in per], min)
             peak = max(p[mode]["heap_peak_bytes"] for p in per)
+            cpu, gloo_cpu = max(p[mode]["cpu_s"] for p in per), max(p["gloo"]["cpu_s"] for p in per)
             out.append({"world": world, "routing": routing, "operands": mode, "step_us": step * 1e6,
                         "gloo_step_us": gloo * 1e6, "speedup": gloo / step, "step_min_us": step_min * 1e6,
                         "gloo_min_us": gloo_min * 1e6, "speedup_min": gloo_min / step_min, "dispatch_min_us": disp * 1e6,
+                        "cpu_us": cpu * 1e6, "gloo_cpu_us": gloo_cpu * 1e6,
                         "wrong": sum(p[mode]["wrong"] for p in per),
                         "dispatch_vs_memcpy": memcpy / disp if disp else 0.0,
                         "heap_peak_MiB": peak / MiB, "deepep_nvl_MiB": reserve / MiB, "deepep_ll_MiB": ll / MiB,
@@ -187,7 +197,7 @@ def run(*, worlds=(2, 4), tokens: int = 512, hidden: int = 2048, experts: int = 
         res = launch_local(_rank, world, timeout=900, opts=opts)[0]
         rows += _summarise(world, res["ranks"], opts)
     cols = ("world", "routing", "operands", "step_us", "gloo_step_us", "speedup", "step_min_us", "gloo_min_us",
-            "speedup_min", "wrong", "dispatch_min_us", "dispatch_vs_memcpy", "heap_peak_MiB", "deepep_nvl_MiB",
+            "speedup_min", "cpu_us", "gloo_cpu_us", "wrong", "dispatch_min_us", "dispatch_vs_memcpy", "heap_peak_MiB", "deepep_nvl_MiB",
             "mem_ratio", "deepep_ll_MiB")
     print(f"# ep dispatch+combine: tokens/rank={tokens} hidden={hidden} experts={experts} topk={topk} bf16", file=out)
     print(" ".join(f"{c:>12}" for c in cols), file=out)
