@@ -34,9 +34,9 @@ MiB = 1 << 20
 def _routing(kind: str, T: int, E: int, K: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234 + rank)
     scores = torch.rand(T, E, generator=g)
-    if kind == "skewed":  # one expert is picked by every token, 4 more by most: rank 0 gets most rows
-        scores[:, 0] += 10
-        scores[:, 1:5] += torch.rand(T, 4, generator=g) * 2
+    if kind == "skewed":  # 90% of the tokens pick the first K experts (all on rank 0): rank 0 gets most rows
+        hot = torch.rand(T, generator=g) < 0.9
+        scores[hot, :K] += 10
     return torch.topk(scores, K, dim=1).indices
 
 
