@@ -89,6 +89,34 @@ def _low_latency(buffer, comm, T: int, H: int, K: int, E: int, seed: int = 1, sk
                         assert calc_diff(ref, combined) < (9e-4 if dispatch_fp8 else 1e-5)
 
 
+def _two_micro_batches(buffer, comm) -> None:
+    """DeepEP's overlap pattern: dispatch A and B with hooks, then both hooks; then the two combines."""
+    R, me, T, H, E = comm.world_size, comm.rank, 12, 256, 4 * comm.world_size
+    xs = [torch.full((T, H), float(me + 10 * b), dtype=torch.bfloat16) for b in range(2)]
+    idx = [torch.stack([torch.randperm(E)[:3] for _ in range(T)]) for _ in range(2)]
+    w = [torch.rand(T, 3) for _ in range(2)]
+    got = [buffer.low_latency_dispatch(xs[b], idx[b], T, E, use_fp8=False, return_recv_hook=True) for b in range(2)]
+    for b in range(2):
+        xs[b].fill_(-1)  # the call published a copy: the input may be reused before the hook
+    for b in range(2):
+        got[b][4]()
+    outs = []
+    for b in range(2):
+        recv_x, count, handle = got[b][0], got[b][1], got[b][2]
+        for i in range(E // R):
+            n = int(count[i])
+            src = (handle[1][i] >> 32, handle[1][i] & 0xFFFFFFFF)
+            for j in range(R):
+                rows = recv_x[i, int(src[0][j]):int(src[0][j] + src[1][j])]
+                assert bool((rows == j + 10 * b).all())
+            assert n == int(src[1].sum())
+        outs.append(buffer.low_latency_combine(recv_x, idx[b], w[b], handle, return_recv_hook=True))
+    for b in range(2):
+        outs[b][2]()
+        expect = float(me + 10 * b) * w[b].sum(1, keepdim=True)
+        assert torch.allclose(outs[b][0].float(), expect.expand(T, H), rtol=1e-2)
+
+
 def _ll_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
@@ -102,6 +130,7 @@ def _ll_world(ctx, cases):
                                 allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True, allow_mnnvl=False)
         buffer.clean_low_latency_buffer(T, H, E)
         _low_latency(buffer, comm, **kw)
+        _two_micro_batches(buffer, comm)
         buffer.destroy()
     zbccl.finalize()
     return True

@@ -170,6 +170,31 @@ def _zero_copy(buffer, comm) -> None:
     assert (q.float() - exact.float()).abs().max() <= exact.float().abs().max() / 127 + 1e-2
 
 
+def _uneven(buffer, comm) -> None:
+    """Ranks with different token counts, one with none: counts, order and combine still exact."""
+    R, me, E, H = comm.world_size, comm.rank, 8, 128
+    T = 7 * me  # rank 0 sends nothing
+    x = (torch.arange(T, dtype=torch.float32).unsqueeze(1) + 32 * me).expand(T, H).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)]) if T else torch.empty(0, 2, dtype=torch.int64)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=ntpe)
+    all_in = torch.empty(sum(7 * r for r in range(R)) * R, dtype=torch.bool)
+    sizes = [7 * r * R for r in range(R)]
+    import zbccl
+
+    zbccl.all_gather_v(all_in, in_rank.reshape(-1), sizes, comm=comm)
+    expect, start = [], 0
+    for r in range(R):
+        block = all_in[start:start + sizes[r]].view(7 * r, R)
+        start += sizes[r]
+        expect += [32 * r + t for t in block[:, me].nonzero().flatten().tolist()]
+    assert recv_x[:, 0].float().tolist() == [float(v) for v in expect]
+    assert handle[3].tolist() == [v % 32 for v in expect]
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
+
+
 def _normal_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
@@ -181,6 +206,7 @@ def _normal_world(ctx, cases):
     for kw in cases:
         _intranode(buffer, comm, **kw)
     _zero_copy(buffer, comm)
+    _uneven(buffer, comm)
     buffer.destroy()
     zbccl.finalize()
     return True
