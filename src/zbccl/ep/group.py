@@ -26,14 +26,18 @@ def register_group_resolver(fn: Callable[[object], Communicator] | None) -> None
     _group_resolver = fn
 
 
+_MAX_AUTO_HEAP = 1 << 30
+
+
 def _heap_bytes(want: int, nranks: int) -> int | None:
     """Heap size for a zbccl world the Buffer starts itself: at least ``ZBCCL_HEAP_SIZE``'s default,
-    up to the Buffer's requested bytes, within half the machine's room per rank (None: the env's)."""
+    up to the Buffer's requested bytes, at most 1 GiB (populating the heap at init costs time) and
+    half the machine's room per rank; None: the variable is set, init reads it."""
     if env.HEAP_SIZE.is_set():
         return None
     caps = [v for v in shm_capacity().values() if v]
     room = min(caps) // (2 * max(nranks, 1)) if caps else want
-    return max(env.HEAP_SIZE.get(), min(int(want), room))
+    return max(env.HEAP_SIZE.get(), min(int(want), room, _MAX_AUTO_HEAP))
 
 
 def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]]:
