@@ -129,14 +129,16 @@ def _peer_dies(ctx, where: str):
     with pytest.raises(zbccl.ZbcclRemoteError) as info:
         if where == "dispatch":
             buffer.dispatch(x, handle=handle)
-        else:
+        elif where == "combine":
             buffer.combine(recv_x, handle)
+        else:
+            buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
     assert 1 in info.value.ranks
     zbccl.finalize()
     return True
 
 
-@pytest.mark.parametrize("where", ["dispatch", "combine"])
+@pytest.mark.parametrize("where", ["dispatch", "combine", "low_latency_dispatch"])
 def test_peer_death_is_a_remote_error(where):
     # The world's timeout (40 s) is below the Buffer's (60 s): a pass proves the death was noticed.
     out = run_world(_peer_dies, 2, where=where, expect_exit={1: -signal.SIGKILL}, timeout=40)
