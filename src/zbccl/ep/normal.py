@@ -74,6 +74,33 @@ def _check_topk(topk_idx, topk_weights, T: int, E: int) -> tuple[torch.Tensor, t
     return idx.long(), w
 
 
+def _layout(a: dict, T: int, R: int):
+    """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)`` of a non-cached dispatch."""
+    for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
+        if a[name] is None:
+            raise Fail(f"{name} is required without a handle, expected a tensor, got None")
+    ntpr = _tensor(a["num_tokens_per_rank"], "num_tokens_per_rank", 1, (torch.int32, torch.int64), (R,))
+    in_rank = _tensor(a["is_token_in_rank"], "is_token_in_rank", 2, (torch.bool,), (T, R))
+    ntpe = _tensor(a["num_tokens_per_expert"], "num_tokens_per_expert", 1, (torch.int32, torch.int64))
+    E = ntpe.numel()
+    if E == 0 or E % R:
+        raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
+    idx = w = None
+    if a["topk_idx"] is not None or a["topk_weights"] is not None:
+        idx, w = _check_topk(a["topk_idx"], a["topk_weights"], T, E)
+        if not torch.equal(torch.bincount(idx[idx >= 0], minlength=E), ntpe.long()):
+            raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
+    elif a["num_worst_tokens"]:
+        raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
+    if a["expert_alignment"] < 1:
+        raise Fail(f"expert_alignment must be >= 1, got {a['expert_alignment']}")
+    counts = in_rank.sum(0)
+    if not torch.equal(counts, ntpr.long()):
+        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
+                   f"got {ntpr.tolist()}")
+    return in_rank, ntpe.long(), idx, w
+
+
 def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
     """Local checks, plan and published blocks of a dispatch; raises :class:`Fail`."""
     ex, R = buf.ex, buf.ex.R
@@ -94,31 +121,10 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         fields[F.FLAGS] = FLAG_CACHED
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
     else:
-        for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
-            if a[name] is None:
-                raise Fail(f"{name} is required without a handle, expected a tensor, got None")
-        ntpr = _tensor(a["num_tokens_per_rank"], "num_tokens_per_rank", 1, (torch.int32, torch.int64), (R,))
-        in_rank = _tensor(a["is_token_in_rank"], "is_token_in_rank", 2, (torch.bool,), (T, R))
-        ntpe = _tensor(a["num_tokens_per_expert"], "num_tokens_per_expert", 1, (torch.int32, torch.int64))
-        E = ntpe.numel()
-        if E == 0 or E % R:
-            raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
-        idx = w = None
-        if a["topk_idx"] is not None or a["topk_weights"] is not None:
-            idx, w = _check_topk(a["topk_idx"], a["topk_weights"], T, E)
-            got = torch.bincount(idx[idx >= 0], minlength=E)
-            if not torch.equal(got, ntpe.long()):
-                raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
-        per_expert = ntpe.long()
-        if a["expert_alignment"] < 1:
-            raise Fail(f"expert_alignment must be >= 1, got {a['expert_alignment']}")
+        in_rank, per_expert, idx, w = _layout(a, T, R)
+        E = per_expert.numel()
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
     counts, tokens = rank_lists(in_rank)
-    if handle is None and not torch.equal(counts, ntpr.long()):
-        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
-                   f"got {ntpr.tolist()}")
-    if a["num_worst_tokens"] and idx is None and handle is None:
-        raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
     chan = channel_prefix(in_rank, a["config"].num_channels)
     fields[F.META] = ex.block(torch.cat([counts, per_expert, chan.long().flatten(), tokens]), keep)
     fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
