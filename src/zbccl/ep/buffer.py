@@ -85,7 +85,11 @@ class Buffer:
 
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
-        """Collective: release the Buffer's sub-communicator and blocks (DeepEP: needs explicitly_destroy)."""
+        """Collective: release the Buffer's sub-communicator and blocks (DeepEP: needs explicitly_destroy).
+
+        Without ``explicitly_destroy`` there is no destructor that could run this collective: the
+        sub-communicator (one of a job's ~120 comm slots) then lives until ``zbccl.finalize()``.
+        """
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._release()
 
