@@ -81,7 +81,6 @@ class Exchange:
         self.comm = comm
         self.R, self.me = comm.world_size, comm.rank
         self.timeout = timeout
-        self.base, self.size = comm.heap_base, comm.heap_bytes
         self.prims = comm.heap.prims
         self._hdr = heap_empty(comm, (HDR_LEN,), torch.int64, fallback=False)
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
@@ -94,10 +93,11 @@ class Exchange:
         if not t.is_contiguous():
             return -1
         st = t.untyped_storage()
-        lo = st.data_ptr() - self.base
-        if lo < 0 or lo + st.nbytes() > self.size or st.nbytes() == 0:
+        base = self.comm.heap_base  # read each time: the heap may grow
+        lo = st.data_ptr() - base
+        if lo < 0 or lo + st.nbytes() > self.comm.heap_bytes or st.nbytes() == 0:
             return -1
-        return t.data_ptr() - self.base
+        return t.data_ptr() - base
 
     def place(self, t: torch.Tensor, keep: list, role: str, *, copy: bool = False) -> int:
         """Heap offset peers read ``t`` at: in place for a contiguous heap tensor (unless ``copy``:
