@@ -40,15 +40,27 @@ def _heap_bytes(want: int, nranks: int) -> int | None:
     return max(env.HEAP_SIZE.get(), min(int(want), room, _MAX_AUTO_HEAP))
 
 
+def _backend_communicator(group) -> Communicator | None:
+    """The communicator of a group whose CPU backend is zbccl's (its ``comm`` attribute), else None."""
+    try:
+        import torch
+
+        backend = group._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    comm = getattr(backend, "comm", None)
+    return comm if isinstance(comm, Communicator) else None
+
+
 def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]]:
     """``(communicator, members)``: the Buffer runs on ``communicator.new_group(members)``.
 
-    A zbccl Communicator is used with all its ranks. A torch ProcessGroup goes to the resolver
-    the process-group adapter registered; without one, to zbccl's default communicator (whose
-    global ranks are torch's when it spans torch's world, or the group's when it was started
-    from this group), and, when zbccl is not initialized yet, to ``zbccl.init(group=group)``
-    (heap: ``ZBCCL_HEAP_SIZE`` if set, else ``want_bytes`` within the machine's room, see
-    :func:`_heap_bytes`): a gloo group works that way.
+    A zbccl Communicator is used with all its ranks. A torch ProcessGroup goes to the resolver the
+    process-group adapter registered, else to its zbccl backend's ``comm``, else to zbccl's default
+    communicator (whose global ranks are torch's when it spans torch's world, or the group's when
+    it was started from this group), and, when zbccl is not initialized yet, to
+    ``zbccl.init(group=group)`` (heap: ``ZBCCL_HEAP_SIZE`` if set, else ``want_bytes`` within the
+    machine's room, see :func:`_heap_bytes`): a gloo group works that way.
     """
     if isinstance(group, Communicator):
         return group, list(range(group.world_size))
@@ -61,6 +73,9 @@ def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]
             f"Buffer: group must be a zbccl Communicator or a torch ProcessGroup, got {type(group).__name__}")
     if _group_resolver is not None:
         comm = _group_resolver(group)
+        return comm, list(range(comm.world_size))
+    comm = _backend_communicator(group)
+    if comm is not None:
         return comm, list(range(comm.world_size))
     from ..runtime.state import get_default, init
 
