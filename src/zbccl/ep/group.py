@@ -41,7 +41,11 @@ def _heap_bytes(want: int, nranks: int) -> int | None:
 
 
 def _backend_communicator(group) -> Communicator | None:
-    """The communicator of a group whose CPU backend is zbccl's (its ``comm`` attribute), else None."""
+    """The communicator of a zbccl process group (its ``comm`` attribute, on the group or on its CPU
+    backend), else None (also when that group runs on gloo because zbccl could not start)."""
+    comm = getattr(group, "comm", None)
+    if isinstance(comm, Communicator):
+        return comm
     try:
         import torch
 
