@@ -128,9 +128,10 @@ class Exchange:
         """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed."""
         self.moved = 0
         h = self._hdr
-        h.zero_()
+        vals = [0] * HDR_LEN
         for k, v in fields.items():
-            h[k] = int(v)
+            vals[k] = int(v)
+        h.copy_(torch.tensor(vals, dtype=torch.int64))
         if fail is not None:
             h[F.STATUS] = fail.status
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
