@@ -1,0 +1,191 @@
+"""The ``zbccl`` torch.distributed backend: every method, sync and async, against gloo.
+
+Each world initialises the default group with backend ``zbccl`` and builds a
+gloo group over the same ranks (``dist.new_group(backend="gloo")``); every
+case runs the same call on both and compares. Payloads encode their source
+(``value = f(rank, index)``) so a misplaced block is caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spawn import run_world
+
+MiB = 1 << 20
+
+
+def payload(rank: int, n: int, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
+    i = torch.arange(n, dtype=torch.float64)
+    if dtype.is_floating_point:
+        return (i * 0.5 + rank * 100 + salt).to(dtype)
+    return ((i.long() * 7 + rank * 13 + salt) % 100).to(dtype)
+
+
+def init_pg(ctx, **kwargs):
+    import torch.distributed as dist
+
+    import zbccl  # noqa: F401 - registers the backend
+
+    dist.init_process_group("zbccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+    return dist.group.WORLD
+
+
+def _run(fn, *args, async_op: bool, ret=None, **kwargs):
+    """fn(*args, async_op=..., **kwargs); checks the Work of an async call; returns ``ret``."""
+    work = fn(*args, async_op=async_op, **kwargs)
+    if async_op and isinstance(work, torch.futures.Future):  # all_reduce_coalesced hands out the future
+        work.wait()
+    elif async_op:
+        assert work is not None and work.is_completed() in (True, False)
+        work.wait()
+        assert work.is_completed() and work.is_success() and work.exception() is None
+        work.get_future().wait()
+    return ret
+
+
+def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one case per method
+    import torch.distributed as dist
+
+    W = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    glob = [dist.get_global_rank(group, r) for r in range(W)] if group is not None else list(range(W))
+
+    def both(call):
+        """call(group, clone) on zbccl and on gloo; returns both results."""
+        return call(group, async_op), call(gloo, False)
+
+    # allreduce, every ReduceOp that makes sense (AVG included), and the bitwise ones (gloo runs them)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+        def ar(g, a, op=op):
+            t = payload(me, 37, torch.float64) / 50 + 1
+            if g is gloo and op == dist.ReduceOp.AVG:  # gloo has no AVG
+                _run(dist.all_reduce, t, op=dist.ReduceOp.SUM, group=g, async_op=a)
+                return t / W
+            _run(dist.all_reduce, t, op=op, group=g, async_op=a)
+            return t
+        z, r = both(ar)
+        torch.testing.assert_close(z, r, rtol=1e-12, atol=0, msg=f"allreduce {op}")
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        z, r = both(lambda g, a, op=op: _run(dist.all_reduce, t := payload(me, 9, torch.int64), op=op, group=g,
+                                             async_op=a, ret=t))
+        assert torch.equal(z, r), op
+    with pytest.raises(ValueError, match="PREMUL_SUM"):
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0), group=group)
+    # allreduce_coalesced
+    z, r = both(lambda g, a: _run(dist.all_reduce_coalesced, ts := [payload(me, 5), payload(me, 3, salt=1)],
+                                  group=g, async_op=a, ret=ts))
+    assert all(torch.equal(x, y) for x, y in zip(z, r))
+    # all_gather (list form): equal and unequal sizes, adjacent views and separate tensors
+    def ag(g, a, sizes):
+        outs = [torch.zeros(s) for s in sizes]
+        _run(dist.all_gather, outs, payload(glob[me], sizes[me]), group=g, async_op=a)
+        return outs
+    z, r = both(lambda g, a: ag(g, a, [6] * W))
+    assert all(torch.equal(x, y) for x, y in zip(z, r))
+    sizes = [3 + 2 * r for r in range(W)]  # gloo refuses unequal sizes: compare with the payloads
+    z = ag(group, async_op, sizes)
+    assert all(torch.equal(z[r], payload(glob[r], sizes[r])) for r in range(W))
+    buf = torch.zeros(W * 4)
+    _run(dist.all_gather, list(buf.chunk(W)), payload(me, 4), group=group, async_op=async_op)
+    assert torch.equal(buf, torch.cat([payload(r, 4) for r in glob]))
+    # all_gather_into_tensor (both layouts), all_gather_coalesced
+    z, r = both(lambda g, a: _run(dist.all_gather_into_tensor, o := torch.zeros(W * 5, 2),
+                                  payload(me, 10).view(5, 2), group=g, async_op=a, ret=o))
+    assert torch.equal(z, r)
+    z = torch.zeros(W, 7, dtype=torch.bfloat16)
+    _run(dist.all_gather_into_tensor, z, payload(me, 7, torch.bfloat16), group=group, async_op=async_op)
+    assert torch.equal(z, torch.stack([payload(r, 7, torch.bfloat16) for r in glob]))
+    # reduce_scatter (list form, equal and unequal), reduce_scatter_tensor
+    for sizes in ([4] * W, [2 + r for r in range(W)]):
+        def rs(g, a, sizes=sizes):
+            out = torch.zeros(sizes[me])
+            _run(dist.reduce_scatter, out, [payload(me, s, salt=i) for i, s in enumerate(sizes)], group=g,
+                 async_op=a)
+            return out
+        z, r = both(rs)
+        assert torch.equal(z, r), sizes
+    z, r = both(lambda g, a: _run(dist.reduce_scatter_tensor, o := torch.zeros(3), payload(me, 3 * W), group=g,
+                                  async_op=a, ret=o))
+    assert torch.equal(z, r)
+    # all_to_all_single: equal and uneven splits; all_to_all (list form)
+    z, r = both(lambda g, a: _run(dist.all_to_all_single, o := torch.zeros(W * 2, 3), payload(me, W * 6).view(-1, 3),
+                                  group=g, async_op=a, ret=o))
+    assert torch.equal(z, r)
+    ins = [1 + (me + q) % 3 for q in range(W)]
+    outs = [1 + (q + me) % 3 for q in range(W)]
+    z, r = both(lambda g, a: _run(dist.all_to_all_single, o := torch.zeros(sum(outs), 2),
+                                  payload(me, 2 * sum(ins)).view(-1, 2), outs, ins, group=g, async_op=a, ret=o))
+    assert torch.equal(z, r)
+
+    def a2a(g, a, ins, outs):
+        o = [torch.zeros(outs[q]) for q in range(W)]
+        _run(dist.all_to_all, o, [payload(glob[me], ins[q], salt=q) for q in range(W)], group=g, async_op=a)
+        return o
+    z, r = both(lambda g, a: a2a(g, a, [3] * W, [3] * W))
+    assert all(torch.equal(x, y) for x, y in zip(z, r))
+    z = a2a(group, async_op, ins, outs)  # gloo refuses uneven lists: compare with the payloads
+    assert all(torch.equal(z[q], payload(glob[q], outs[q], salt=me)) for q in range(W))
+    # rooted ops: broadcast, reduce, gather, scatter; the root is a global rank in torch's API
+    root = glob[W - 1]
+    z, r = both(lambda g, a: _run(dist.broadcast, t := payload(me, 11), src=root, group=g, async_op=a, ret=t))
+    assert torch.equal(z, r)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        z, r = both(lambda g, a, op=op: _run(dist.reduce, t := payload(me, 8), dst=root, op=op, group=g,
+                                             async_op=a, ret=t))
+        if glob[me] == root:
+            assert torch.equal(z, r)
+        else:
+            assert torch.equal(z, payload(me, 8))  # non-roots keep their tensor
+
+    def gat(g, a):
+        lst = [torch.zeros(4) for _ in range(W)] if glob[me] == root else None
+        _run(dist.gather, payload(me, 4), lst, dst=root, group=g, async_op=a)
+        return lst
+    z, r = both(gat)
+    if glob[me] == root:
+        assert all(torch.equal(x, y) for x, y in zip(z, r))
+
+    def sca(g, a):
+        out = torch.zeros(5)
+        lst = [payload(me, 5, salt=q) for q in range(W)] if glob[me] == root else None
+        _run(dist.scatter, out, lst, src=root, group=g, async_op=a)
+        return out
+    z, r = both(sca)
+    assert torch.equal(z, r)
+    _run(dist.barrier, group=group, async_op=async_op)
+    return True
+
+
+def _every_method(ctx):
+    import torch.distributed as dist
+
+    import zbccl
+
+    pg = init_pg(ctx)
+    assert dist.get_backend() == "zbccl" and pg.group_name
+    assert type(pg).__name__ == "ProcessGroupZbccl" and pg.comm is not None
+    gloo = dist.new_group(backend="gloo")
+    for async_op in (False, True):
+        _collectives(ctx, gloo, async_op)
+    # inside heap_scope every collective is zero-buffer: nothing staged
+    before = zbccl.memory_stats()["staged_bytes"]
+    with zbccl.heap_scope():
+        t = torch.ones(1000) * ctx.rank
+        dist.all_reduce(t)
+        out = torch.empty(2000)
+        dist.all_gather_into_tensor(out, t)
+        dist.reduce_scatter_tensor(torch.empty(1000), out)
+    assert zbccl.memory_stats()["staged_bytes"] == before
+    # private tensors are staged and counted
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    assert zbccl.memory_stats()["staged_bytes"] > before
+    dist.destroy_process_group()
+    assert not zbccl.is_initialized()
+    return True
+
+
+def test_every_method_sync_and_async_two_ranks():
+    assert run_world(_every_method, 2) == [True, True]
