@@ -189,3 +189,92 @@ def _every_method(ctx):
 
 def test_every_method_sync_and_async_two_ranks():
     assert run_world(_every_method, 2) == [True, True]
+
+
+def _point_to_point(ctx):
+    import torch.distributed as dist
+
+    import zbccl
+
+    init_pg(ctx, timeout=__import__("datetime").timedelta(seconds=20))
+    W, me = ctx.world_size, ctx.rank
+    peer = 1 - me if W == 2 else (me + 1) % W
+    prev = (me - 1) % W
+    stats = zbccl.memory_stats
+    # heap tensors on both ends: a real point-to-point path, nothing staged
+    before = stats()["staged_bytes"]
+    src = zbccl.empty(1000, dtype=torch.float32).copy_(payload(me, 1000))
+    dst = zbccl.empty(1000, dtype=torch.float32)
+    if me < 2:  # ranks 0 and 1 exchange with blocking calls
+        if me == 0:
+            dist.send(src, 1)
+            dist.recv(dst, 1)
+        else:
+            dist.recv(dst, 0)
+            dist.send(src, 0)
+        assert torch.equal(dst, payload(1 - me, 1000))
+    assert stats()["staged_bytes"] == before
+    # isend/irecv posted in either order on both ranks, heap tensors: no deadlock
+    for recv_first in (True, False):
+        dst.zero_()
+        ops = [lambda: dist.irecv(dst, prev), lambda: dist.isend(src, peer)]
+        works = [f() for f in (ops if recv_first else ops[::-1])]
+        for w in works:
+            w.wait()
+        assert torch.equal(dst, payload(prev, 1000))
+    assert stats()["staged_bytes"] == before
+    # private tensors: staged and counted; a blocking send returns before the recv (like gloo)
+    t = payload(me, 300, torch.int64)
+    out = torch.zeros(300, dtype=torch.int64)
+    dist.send(t, peer)
+    dist.recv(out, prev)
+    assert torch.equal(out, payload(prev, 300, torch.int64))
+    assert stats()["staged_bytes"] >= before + 300 * 8
+    # tags: per (src, tag) in order, different tags in any order
+    reqs = [dist.isend(payload(me, 10, salt=tag) + k, peer, tag=tag) for k in range(2) for tag in (5, 7)]
+    got = {}
+    for tag in (7, 5):
+        for k in range(2):
+            buf = torch.zeros(10)
+            dist.recv(buf, prev, tag=tag)
+            got[tag, k] = buf
+    for w in reqs:
+        w.wait()
+    assert all(torch.equal(got[tag, k], payload(prev, 10, salt=tag) + k) for tag in (5, 7) for k in range(2))
+    # recv from any source gives the sender's global rank
+    if me == 0:
+        senders = set()
+        for _ in range(W - 1):
+            buf = torch.zeros(4)
+            r = dist.recv(buf, src=None, tag=3)
+            assert torch.equal(buf, payload(r, 4))
+            senders.add(r)
+        assert senders == set(range(1, W))
+    else:
+        dist.send(payload(me, 4), 0, tag=3)
+    # batch_isend_irecv around a ring
+    recv_buf = zbccl.empty(64, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, zbccl.empty(64, dtype=torch.float64).copy_(payload(me, 64, torch.float64)), peer),
+           dist.P2POp(dist.irecv, recv_buf, prev)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert torch.equal(recv_buf, payload(prev, 64, torch.float64))
+    # a size mismatch fails on both ends, with the ZbcclError subclass
+    if me in (0, 1) and W >= 2:
+        other = 1 - me
+        if me == 0:
+            work = dist.isend(zbccl.empty(8), other, tag=9)
+            with pytest.raises(zbccl.ZbcclInvalidUsageError, match="size"):
+                work.wait()
+            assert work.is_completed() and not work.is_success()
+        else:
+            with pytest.raises(zbccl.ZbcclInvalidUsageError, match="size mismatch"):
+                dist.recv(torch.zeros(9), 0, tag=9)
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_send_recv(world):
+    assert run_world(_point_to_point, world) == [True] * world

@@ -138,6 +138,7 @@ def _agree(store, rank: int, size: int, error: str | None, seconds: float) -> st
 
 def create(dist_opts, backend_opts=None):
     """torch's creator (extended API): the :class:`ProcessGroupZbccl` of one group on this member."""
+    from .p2p import PointToPoint
     from .process_group import ProcessGroupZbccl
 
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
@@ -163,7 +164,7 @@ def create(dist_opts, backend_opts=None):
         warnings.warn(f"zbccl: backend 'zbccl' runs every op of group {dist_opts.group_id!r} on gloo: zbccl "
                       f"could not start on {reason} (ZBCCL_STRICT=1 makes this an error)", RuntimeWarning,
                       stacklevel=2)
-    p2p = None
+    p2p = PointToPoint(comm) if comm is not None else None
     pg = ProcessGroupZbccl(comm, rank=rank, size=size, gloo=gloo, fallback=fallback, owns_world=owns,
                            reason=reason, p2p=p2p)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
