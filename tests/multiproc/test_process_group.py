@@ -89,14 +89,14 @@ def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one cas
     assert all(torch.equal(z[r], payload(glob[r], sizes[r])) for r in range(W))
     buf = torch.zeros(W * 4)
     _run(dist.all_gather, list(buf.chunk(W)), payload(me, 4), group=group, async_op=async_op)
-    assert torch.equal(buf, torch.cat([payload(r, 4) for r in glob]))
+    assert torch.equal(buf, torch.cat([payload(r, 4) for r in range(W)]))
     # all_gather_into_tensor (both layouts), all_gather_coalesced
     z, r = both(lambda g, a: _run(dist.all_gather_into_tensor, o := torch.zeros(W * 5, 2),
                                   payload(me, 10).view(5, 2), group=g, async_op=a, ret=o))
     assert torch.equal(z, r)
     z = torch.zeros(W, 7, dtype=torch.bfloat16)
     _run(dist.all_gather_into_tensor, z, payload(me, 7, torch.bfloat16), group=group, async_op=async_op)
-    assert torch.equal(z, torch.stack([payload(r, 7, torch.bfloat16) for r in glob]))
+    assert torch.equal(z, torch.stack([payload(r, 7, torch.bfloat16) for r in range(W)]))
     # reduce_scatter (list form, equal and unequal), reduce_scatter_tensor
     for sizes in ([4] * W, [2 + r for r in range(W)]):
         def rs(g, a, sizes=sizes):

@@ -127,8 +127,9 @@ def _start(store, rank: int, size: int, global_ranks: list[int], seconds: float)
 
 def _agree(store, rank: int, size: int, error: str | None, seconds: float) -> str | None:
     """Every member's start verdict through the store: the first error reported, or None."""
-    store.set(f"zbccl-start/{rank}", (error or "").encode() or b"-")
-    keys = [f"zbccl-start/{r}" for r in range(size)]
+    n = store.add(f"zbccl-start/count/{rank}", 1)  # a re-created group on the same store: fresh keys
+    store.set(f"zbccl-start/{n}/{rank}", (error or "").encode() or b"-")
+    keys = [f"zbccl-start/{n}/{r}" for r in range(size)]
     store.wait(keys, timedelta(seconds=seconds))
     for r, value in enumerate(store.multi_get(keys)):
         if value != b"-":
