@@ -25,10 +25,18 @@ def main() -> None:
     # functional collectives on the zbccl group
     r = funcol.all_reduce(torch.full((4,), float(rank)), "sum", pg).wait()
     assert torch.equal(r, torch.full((4,), float(sum(range(world)))))
+    calls = []
+    real = pg.all_gather_single
+    pg.all_gather_single = lambda *a: calls.append(1) or real(*a)  # did the op reach the zbccl group?
     g = funcol.all_gather_single(torch.full((2,), float(rank)), 0, pg).wait()
+    assert calls, "funcol all_gather did not reach the zbccl group"
     assert torch.equal(g, torch.arange(world).repeat_interleave(2).float())
-    s = funcol.reduce_scatter_single(torch.arange(2.0 * world), "sum", 0, pg).wait()
-    assert torch.equal(s, torch.arange(2.0 * world)[2 * rank:2 * rank + 2] * world)
+    gloo = dist.new_group(backend="gloo")
+    for group in (pg, gloo):  # other backends' functional ops are unaffected by zbccl's kernels
+        g = funcol.all_gather_single(torch.full((2,), float(rank)), 0, group).wait()
+        assert torch.equal(g, torch.arange(world).repeat_interleave(2).float())
+        s = funcol.reduce_scatter_single(torch.arange(2.0 * world), "sum", 0, group).wait()
+        assert torch.equal(s, torch.arange(2.0 * world)[2 * rank:2 * rank + 2] * world)
     a = funcol.all_to_all_single(torch.arange(2.0 * world) + 10 * rank, None, None, pg).wait()
     assert torch.equal(a, torch.tensor([10.0 * q + 2 * rank + i for q in range(world) for i in range(2)]))
     # DTensor: shard, redistribute to replicate, partial -> replicate

@@ -166,6 +166,10 @@ def create(dist_opts, backend_opts=None):
                       f"could not start on {reason} (ZBCCL_STRICT=1 makes this an error)", RuntimeWarning,
                       stacklevel=2)
     p2p = PointToPoint(comm) if comm is not None else None
+    if comm is not None:
+        from .funcol import install
+
+        install()  # functional all_gather / reduce_scatter of zbccl groups reach zbccl
     pg = ProcessGroupZbccl(comm, rank=rank, size=size, gloo=gloo, fallback=fallback, owns_world=owns,
                            reason=reason, p2p=p2p)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
 from ..errors import ZbcclInvalidUsageError
@@ -126,7 +127,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     # ------------------------------------------------------------ allreduce
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllreduceOptions()
+        opts = opts if opts is not None else _c10d.AllreduceOptions()
         red = reduce_op_name(opts.reduceOp, op="allreduce")
         if not self._zb("allreduce") or red == "gloo":
             return self._gloo.allreduce(tensors, opts)
@@ -139,7 +140,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         return self._done(opts, tensors, run)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()
         red = reduce_op_name(opts.reduceOp, op="allreduce_coalesced")
         if not self._zb("allreduce_coalesced") or red == "gloo":
             return self._gloo.allreduce_coalesced(tensors, opts)
@@ -154,7 +155,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     # ------------------------------------------------------------ all_gather
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("allgather"):
             return self._gloo.allgather(output_lists, inputs, opts)
         comm = self._comm
@@ -184,7 +185,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         out.finish()
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("all_gather_into_tensor"):
             return self._gloo._allgather_base(output, input, opts)
         comm = self._comm
@@ -195,7 +196,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("all_gather_into_tensor"):
             return self._gloo.allgather_into_tensor_coalesced(outputs, inputs, opts)
         comm = self._comm
@@ -210,7 +211,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("allgather"):
             return self._gloo.allgather_coalesced(output_lists, inputs, opts)
         comm = self._comm
@@ -229,7 +230,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     # ------------------------------------------------------------ reduce_scatter
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce_scatter")
         if not self._zb("reduce_scatter") or red == "gloo":
             return self._gloo.reduce_scatter(outputs, input_lists, opts)
@@ -261,7 +262,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             out.copy_(dst.view(out.shape))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce_scatter_tensor")
         if not self._zb("reduce_scatter_tensor") or red == "gloo":
             return self._gloo._reduce_scatter_base(output, input, opts)
@@ -272,7 +273,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce_scatter_tensor_coalesced")
         if not self._zb("reduce_scatter_tensor") or red == "gloo":
             return self._gloo.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
@@ -289,7 +290,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     # ------------------------------------------------------------ all_to_all
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllToAllOptions()
+        opts = opts if opts is not None else _c10d.AllToAllOptions()
         if not self._zb("alltoall_base"):
             return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         comm = self._comm
@@ -301,7 +302,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllToAllOptions()
+        opts = opts if opts is not None else _c10d.AllToAllOptions()
         if not self._zb("alltoall"):
             return self._gloo.alltoall(outputs, inputs, opts)
         comm = self._comm
@@ -324,7 +325,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     # ------------------------------------------------------------ rooted ops
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.BroadcastOptions()
+        opts = opts if opts is not None else _c10d.BroadcastOptions()
         if not self._zb("broadcast"):
             return self._gloo.broadcast(tensors, opts)
         comm, root = self._comm, opts.rootRank
@@ -338,7 +339,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """Reduce to ``opts.rootRank``. Cost: a full all_reduce; non-root ranks reduce into a private
         copy, so their tensors are left unchanged."""
-        opts = opts if opts is not None else dist.ReduceOptions()
+        opts = opts if opts is not None else _c10d.ReduceOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce")
         if not self._zb("reduce") or red == "gloo":
             return self._gloo.reduce(tensors, opts)
@@ -352,7 +353,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         """Gather to ``opts.rootRank``: an all_to_all in which only the root receives (no extra traffic)."""
-        opts = opts if opts is not None else dist.GatherOptions()
+        opts = opts if opts is not None else _c10d.GatherOptions()
         if not self._zb("gather"):
             return self._gloo.gather(output_lists, inputs, opts)
         comm, root = self._comm, opts.rootRank
@@ -376,7 +377,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> dist.Work:
         """Scatter from ``opts.rootRank``: an all_to_all in which only the root sends."""
-        opts = opts if opts is not None else dist.ScatterOptions()
+        opts = opts if opts is not None else _c10d.ScatterOptions()
         if not self._zb("scatter"):
             return self._gloo.scatter(outputs, input_lists, opts)
         comm, root = self._comm, opts.rootRank
@@ -400,7 +401,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         return self._done(opts, outputs, run)
 
     def barrier(self, opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.BarrierOptions()
+        opts = opts if opts is not None else _c10d.BarrierOptions()
         if not self._zb("barrier"):
             return self._gloo.barrier(opts)
         comm = self._comm
