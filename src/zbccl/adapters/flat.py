@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..ops.dtypes import DTYPE_CODES
 
 __all__ = ["flat_view", "pack", "Unpacked", "as_bytes", "check_dtypes"]
 
@@ -85,8 +86,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     dtypes travel as uint8. A non-contiguous tensor of such a dtype is
     returned as is (the op then names the dtype in its error).
     """
-    from ..ops.dtypes import DTYPE_CODES
-
     if t.dtype in DTYPE_CODES or not t.is_contiguous():
         return t
     return t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)

@@ -40,6 +40,7 @@ from ..ops import (
     reduce_scatter_tensor,
     reduce_scatter_v,
 )
+from ..ops.dtypes import DTYPE_CODES
 from .flat import Unpacked, as_bytes, check_dtypes, pack
 from .work import CompletedWork
 
@@ -50,9 +51,17 @@ _REDUCE = {"SUM": "sum", "PRODUCT": "product", "MIN": "min", "MAX": "max", "AVG"
 _BITWISE = ("BAND", "BOR", "BXOR")
 
 
+# Keyed by the RedOpType's int value: hashing the enum itself costs ~4x more per op.
+_BY_KIND = {int(getattr(dist.ReduceOp, n)): v for n, v in _REDUCE.items()}
+_BY_KIND.update({int(getattr(dist.ReduceOp, n)): "gloo" for n in _BITWISE})
+
+
 def reduce_op_name(red, *, op: str) -> str:
     """torch ``ReduceOp`` -> zbccl's name; ``"gloo"`` for the bitwise ops zbccl leaves to gloo."""
     kind = getattr(red, "op", red)
+    name = _BY_KIND.get(kind.value) if isinstance(kind, dist.ReduceOp.RedOpType) else None
+    if name is not None:  # the hot path: one dict lookup
+        return name
     name = getattr(kind, "name", str(kind).rsplit(".", 1)[-1])
     if name in _REDUCE:
         return _REDUCE[name]
@@ -118,7 +127,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         """Run ``run`` now; sync ops raise, async ops carry the error in their Work."""
         if not getattr(opts, "asyncOp", False):
             run()
-            return CompletedWork(result)
+            return _SYNC_DONE  # a sync call's Work is only waited on (torch drops it): one shared object
         try:
             run()
         except Exception as exc:  # noqa: BLE001 - the Work hands it to wait()/exception()/the future
@@ -129,9 +138,13 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllreduceOptions()
         red = reduce_op_name(opts.reduceOp, op="allreduce")
-        if not self._zb("allreduce") or red == "gloo":
-            return self._gloo.allreduce(tensors, opts)
         comm = self._comm
+        if comm is None or red == "gloo" or "allreduce" in self._fallback:
+            return self._gloo.allreduce(tensors, opts)
+        if not opts.asyncOp:  # the hot path of inference engines, inline
+            for t in tensors:
+                all_reduce(t, red, comm=comm)
+            return _SYNC_DONE
 
         def run() -> None:
             for t in tensors:
@@ -453,10 +466,12 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         self._closed = True
 
 
+#: What every synchronous call returns: complete, successful, no result kept.
+_SYNC_DONE = CompletedWork()
+
+
 def as_bytes_rows(t: torch.Tensor) -> torch.Tensor:
     """:func:`as_bytes` keeping dim 0 (split sizes count rows of dim 0)."""
-    from ..ops.dtypes import DTYPE_CODES
-
     if t.dtype in DTYPE_CODES or not t.is_contiguous() or t.dim() == 0:
         return as_bytes(t)
     return t.view(t.shape[0], -1).view(torch.uint8)
