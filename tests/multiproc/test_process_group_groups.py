@@ -206,6 +206,9 @@ def _errors(ctx):
     with pytest.raises(zbccl.ZbcclRemoteError) as info:
         dist.all_reduce(torch.ones(1000))
     assert 1 in info.value.ranks
+    with pytest.raises(zbccl.ZbcclRemoteError) as info:  # so is a receive from it
+        dist.recv(torch.zeros(4), 1)
+    assert info.value.ranks == (1,)
     dist.destroy_process_group()
     return True
 

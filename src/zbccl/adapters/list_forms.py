@@ -103,6 +103,8 @@ def as_bytes_rows(t: torch.Tensor) -> torch.Tensor:
     """:func:`as_bytes` keeping dim 0 (split sizes count rows of dim 0)."""
     if t.dtype in DTYPE_CODES or not t.is_contiguous() or t.dim() == 0:
         return as_bytes(t)
+    if t.numel() == 0:  # no bytes move; view(rows, -1) cannot infer -1 of an empty tensor
+        return torch.empty((t.shape[0], 0), dtype=torch.uint8)
     return t.view(t.shape[0], -1).view(torch.uint8)
 
 
