@@ -131,13 +131,21 @@ def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one cas
     root = glob[W - 1]
     z, r = both(lambda g, a: _run(dist.broadcast, t := payload(me, 11), src=root, group=g, async_op=a, ret=t))
     assert torch.equal(z, r)
-    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
-        z, r = both(lambda g, a, op=op: _run(dist.reduce, t := payload(me, 8), dst=root, op=op, group=g,
-                                             async_op=a, ret=t))
+    shapes = [(dist.ReduceOp.SUM, lambda: payload(me, 8)), (dist.ReduceOp.MAX, lambda: payload(me, 8)),
+              (dist.ReduceOp.AVG, lambda: payload(me, 1)),  # fewer elements than ranks
+              (dist.ReduceOp.SUM, lambda: payload(me, 12).view(3, 4).t())]  # not contiguous
+    for op, make in shapes:
+        def red(g, a, op=op, make=make):
+            t = make()
+            if g is gloo and op == dist.ReduceOp.AVG:
+                _run(dist.reduce, t, dst=root, op=dist.ReduceOp.SUM, group=g, async_op=a)
+                return t / W if glob[me] == root else t
+            return _run(dist.reduce, t, dst=root, op=op, group=g, async_op=a, ret=t)
+        z, r = both(red)
         if glob[me] == root:
-            assert torch.equal(z, r)
+            assert torch.equal(z, r), op
         else:
-            assert torch.equal(z, payload(me, 8))  # non-roots keep their tensor
+            assert torch.equal(z, make())  # non-roots keep their tensor
 
     def gat(g, a):
         lst = [torch.zeros(4) for _ in range(W)] if glob[me] == root else None

@@ -45,6 +45,7 @@ from .list_forms import (
     as_bytes_rows,
     gather_list,
     reduce_scatter_list,
+    reduce_to,
     scatter_list,
 )
 from .work import CompletedWork, timeout_seconds
@@ -306,8 +307,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         return self._done(opts, tensors, run)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        """Reduce to ``opts.rootRank``. Cost: a full all_reduce; non-root ranks reduce into a private
-        copy, so their tensors are left unchanged."""
+        """Reduce to ``opts.rootRank``: a reduce_scatter then a gather into the root's tensor (see
+        :func:`~.list_forms.reduce_to`); non-root tensors are left unchanged."""
         opts = opts if opts is not None else _c10d.ReduceOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce")
         if not self._zb("reduce") or red == "gloo":
@@ -316,7 +317,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         def run() -> None:
             for t in tensors:
-                all_reduce(t if comm.rank == root else t.clone(), red, comm=comm)
+                reduce_to(comm, root, t, red)
 
         return self._done(opts, tensors, run)
 
