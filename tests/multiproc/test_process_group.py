@@ -8,6 +8,8 @@ case runs the same call on both and compares. Payloads encode their source
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -163,6 +165,19 @@ def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one cas
     z, r = both(sca)
     assert torch.equal(z, r)
     _run(dist.barrier, group=group, async_op=async_op)
+    if not async_op:  # object collectives ride on all_gather / broadcast / gather / scatter of bytes
+        objs = [None] * W
+        dist.all_gather_object(objs, {"rank": glob[me], "data": list(range(me + 1))}, group=group)
+        assert objs == [{"rank": glob[r], "data": list(range(r + 1))} for r in range(W)]
+        lst = [f"from {glob[me]}" * (me + 1), me] if glob[me] == root else [None, None]
+        dist.broadcast_object_list(lst, src=root, group=group)
+        assert lst == [f"from {root}" * W, W - 1]
+        got = [None] * W if glob[me] == root else None
+        dist.gather_object(("x", me), got, dst=root, group=group)
+        assert glob[me] != root or got == [("x", r) for r in range(W)]
+        out = [None]
+        dist.scatter_object_list(out, [r * 10 for r in range(W)] if glob[me] == root else None, src=root, group=group)
+        assert out == [me * 10]
     return True
 
 
@@ -207,7 +222,7 @@ def _point_to_point(ctx):
 
     import zbccl
 
-    init_pg(ctx, timeout=__import__("datetime").timedelta(seconds=20))
+    init_pg(ctx, timeout=timedelta(seconds=20))
     W, me = ctx.world_size, ctx.rank
     peer = 1 - me if W == 2 else (me + 1) % W
     prev = (me - 1) % W
@@ -267,7 +282,7 @@ def _point_to_point(ctx):
     work = dist.irecv(torch.zeros(2), prev, tag=99)
     assert not work.is_completed()
     with pytest.raises(zbccl.ZbcclTimeoutError, match=f"rank\\(s\\) \\[{dist.get_group_rank(dist.group.WORLD, prev)}\\]"):
-        work.wait(timeout=__import__("datetime").timedelta(seconds=0.3))
+        work.wait(timeout=timedelta(seconds=0.3))
     assert work.is_completed() and isinstance(work.exception(), zbccl.ZbcclTimeoutError)
     # batch_isend_irecv around a ring
     recv_buf = zbccl.empty(64, dtype=torch.float64)
