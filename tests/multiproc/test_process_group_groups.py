@@ -168,6 +168,13 @@ def _adopt_and_sub_fallback(ctx):
     dist.all_reduce(t, group=sub)
     assert torch.equal(t, torch.full((4,), 2.0))
     dist.destroy_process_group()
+    for _ in range(2):  # re-initialised zbccl worlds on the same store start fresh
+        pg = init_pg(ctx)
+        assert pg.comm is not None
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((4,), 2.0))
+        dist.destroy_process_group()
     return True
 
 

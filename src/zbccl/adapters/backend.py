@@ -125,9 +125,8 @@ def _start(store, rank: int, size: int, global_ranks: list[int], seconds: float)
     return comm, False
 
 
-def _agree(store, rank: int, size: int, error: str | None, seconds: float) -> str | None:
+def _agree(store, rank: int, size: int, error: str | None, seconds: float, n: int) -> str | None:
     """Every member's start verdict through the store: the first error reported, or None."""
-    n = store.add(f"zbccl-start/count/{rank}", 1)  # a re-created group on the same store: fresh keys
     store.set(f"zbccl-start/{n}/{rank}", (error or "").encode() or b"-")
     keys = [f"zbccl-start/{n}/{r}" for r in range(size)]
     store.wait(keys, timedelta(seconds=seconds))
@@ -147,7 +146,9 @@ def create(dist_opts, backend_opts=None):
     seconds = _seconds(dist_opts.timeout)
     fallback = parse_fallback_ops(env.FALLBACK_OPS.get())
     strict = env.STRICT.get()
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("zbccl-gloo/", store), rank, size, dist_opts.timeout)
+    # The n-th creation of this group name on this store (a re-initialised job reuses both): fresh keys.
+    n = store.add(f"zbccl-created/{rank}", 1)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"zbccl-gloo/{n}/", store), rank, size, dist_opts.timeout)
     comm, owns, error = None, False, None
     try:
         comm, owns = _start(store, rank, size, global_ranks, seconds)
@@ -155,7 +156,7 @@ def create(dist_opts, backend_opts=None):
         if strict:
             raise
         error = str(exc)
-    reason = _agree(store, rank, size, error, seconds)
+    reason = _agree(store, rank, size, error, seconds, n)
     if reason is not None:
         if strict:
             raise ZbcclInvalidUsageError(f"init_process_group: zbccl could not start on {reason}")
