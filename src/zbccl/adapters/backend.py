@@ -166,7 +166,7 @@ def create(dist_opts, backend_opts=None):
         warnings.warn(f"zbccl: backend 'zbccl' runs every op of group {dist_opts.group_id!r} on gloo: zbccl "
                       f"could not start on {reason} (ZBCCL_STRICT=1 makes this an error)", RuntimeWarning,
                       stacklevel=2)
-    p2p = PointToPoint(comm) if comm is not None else None
+    p2p = PointToPoint(comm, incarnation=n) if comm is not None else None
     if comm is not None:
         from .funcol import install
 
