@@ -86,6 +86,11 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     ``comm`` None means zbccl could not start: every op runs on ``gloo``.
     ``fallback`` holds the op keys (see :data:`~zbccl.adapters.backend.FALLBACK_KEYS`)
     that always run on ``gloo``. Made by the backend's creator, never directly.
+
+    Every collective is a collective over the group's members and blocks the host until it is
+    complete on this rank. ``async_op=True`` does not make it run in the background: the call
+    returns a Work that is already complete (its error, if any, inside it). Only receives
+    (``irecv``) and sends of heap tensors (``isend``) return Works that complete later.
     """
 
     def __init__(self, comm, *, rank: int, size: int, gloo: dist.ProcessGroup, fallback: frozenset[str],
