@@ -36,6 +36,8 @@ __all__ = [
     "STREAM_STORES",
     "CXX",
     "LOG_LEVEL",
+    "FALLBACK_OPS",
+    "STRICT",
 ]
 
 T = TypeVar("T")
@@ -194,6 +196,15 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
     "ZBCCL_LOG_LEVEL", str, "WARNING",
     "Level of the 'zbccl' logger (DEBUG, INFO, WARNING, ERROR).",
 )
+FALLBACK_OPS: EnvVar[str] = EnvVar(
+    "ZBCCL_FALLBACK_OPS", str, "",
+    "Process-group ops run by an inner gloo group instead of zbccl, e.g. 'allgather,alltoall' "
+    "(all ranks must agree; unknown names are an error).",
+)
+STRICT: EnvVar[bool] = EnvVar(
+    "ZBCCL_STRICT", _parse_bool, False,
+    "The 'zbccl' torch backend raises when zbccl cannot start, instead of running every op on gloo.",
+)
 
 #: Every declared variable, in README order.
 VARIABLES: tuple[EnvVar, ...] = (
@@ -213,4 +224,6 @@ VARIABLES: tuple[EnvVar, ...] = (
     STREAM_STORES,
     CXX,
     LOG_LEVEL,
+    FALLBACK_OPS,
+    STRICT,
 )
