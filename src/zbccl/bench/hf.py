@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODELS", "TinySpec", "build_checkpoint", "load", "prompt_ids", "forward_logits", "greedy", "rank_check", "compare",
-           "staged_bytes", "LOGIT_ATOL", "LOGIT_RTOL", "NEW_TOKENS"]
+__all__ = ["MODELS", "TinySpec", "build_checkpoint", "load", "prompt_ids", "forward_logits", "greedy",
+           "sharded_params", "staged_bytes", "rank_check", "compare", "LOGIT_ATOL", "LOGIT_RTOL", "NEW_TOKENS"]
 
 #: TP vs one process, fp32: the row-parallel matmuls sum their halves in another order (seen: 2e-7).
 LOGIT_ATOL = 1e-5
@@ -105,7 +105,11 @@ def load(path: str | os.PathLike, *, tp: bool, dtype: torch.dtype = torch.float3
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if tp:
-        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+        import torch.distributed as dist
+
+        # tp_size explicitly: DistributedConfig derives it from $WORLD_SIZE, which only torchrun sets
+        # (without it a spawned world silently loads the whole model on every rank)
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -115,6 +119,13 @@ def load(path: str | os.PathLike, *, tp: bool, dtype: torch.dtype = torch.float3
         return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def sharded_params(model) -> int:
+    """How many of ``model``'s parameters are DTensors (0: the TP plan was not applied)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(isinstance(p, DTensor) for p in model.parameters())
 
 
 def prompt_ids(*, batch: int = 2, length: int = 12, vocab: int = 256, seed: int = 1) -> torch.Tensor:
@@ -163,7 +174,7 @@ def _run_backend(backend: str, paths: dict[str, str], ids: torch.Tensor, *, rank
         for name, path in paths.items():
             model = load(path, tp=True)
             s0 = staged_bytes()
-            res = {"logits": forward_logits(model, ids)}
+            res = {"logits": forward_logits(model, ids), "sharded": sharded_params(model)}
             res["staged_per_forward"] = staged_bytes() - s0
             res["tokens"] = greedy(model, ids)
             if backend == "zbccl" and scope:
@@ -224,6 +235,8 @@ def compare(results: dict[str, Any], *, world_size: int) -> tuple[list[str], lis
     for name, ref in results["reference"].items():
         for backend in backends:
             res = results[backend][name]
+            if not res["sharded"]:
+                bad.append(f"{name} {backend}: no parameter is sharded, expected the tp_plan applied")
             d = _max_diff(res["logits"], ref["logits"])
             close = torch.allclose(res["logits"], ref["logits"], atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
             same = torch.equal(res["tokens"], ref["tokens"])
