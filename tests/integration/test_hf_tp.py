@@ -19,6 +19,8 @@ backend over the spawn helper's store), and checks (``zbccl.bench.hf.compare``):
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -55,3 +57,20 @@ def test_hf_tensor_parallel_on_zbccl(tmp_path):
         # the scope's zero means something: the same forward outside heap_scope stages its operands
         assert all(v > 0 for v in res["staged_outside_scope"].values()), res["staged_outside_scope"]
     assert len(results[0]["lines"]) == 4 * len(MODELS)
+
+
+def test_bench_tp_smoke():
+    """``zbccl bench-tp`` on a small model: every variant runs, zbccl matches gloo token for token, the
+    collectives per step are the model's (2 per layer + embedding + lm_head), and heap_scope stages nothing."""
+    from zbccl.bench.tp import VARIANTS, run_bench_tp
+
+    doc = run_bench_tp(batches=[2], hidden=64, layers=2, vocab=128, steps=3, rounds=1, threads=1,
+                       progress=False, out=io.StringIO())
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == set(VARIANTS)
+    for r in rows.values():
+        assert r["calls_per_step"] == 2 * 2 + 2, r
+        assert r["wrong"] == 0, r
+        assert r["step_us"] > 0
+    assert rows["zbccl+scope"]["staged_per_step"] == 0
+    assert rows["zbccl"]["staged_per_step"] > 0  # outside the scope the same step stages: the zero means something
