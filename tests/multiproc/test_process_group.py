@@ -158,7 +158,7 @@ def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one cas
     return True
 
 
-def _every_method(ctx):
+def _every_method(ctx, modes):
     import torch.distributed as dist
 
     import zbccl
@@ -167,16 +167,18 @@ def _every_method(ctx):
     assert dist.get_backend() == "zbccl" and pg.group_name
     assert type(pg).__name__ == "ProcessGroupZbccl" and pg.comm is not None
     gloo = dist.new_group(backend="gloo")
-    for async_op in (False, True):
+    for async_op in modes:
         _collectives(ctx, gloo, async_op)
     # inside heap_scope every collective is zero-buffer: nothing staged
     before = zbccl.memory_stats()["staged_bytes"]
     with zbccl.heap_scope():
         t = torch.ones(1000) * ctx.rank
         dist.all_reduce(t)
-        out = torch.empty(2000)
+        out = torch.empty(ctx.world_size * 1000)
         dist.all_gather_into_tensor(out, t)
         dist.reduce_scatter_tensor(torch.empty(1000), out)
+        outs = list(torch.empty(ctx.world_size * 10).chunk(ctx.world_size))
+        dist.all_gather(outs, t[:10])  # adjacent list outputs: one flat buffer, no copy
     assert zbccl.memory_stats()["staged_bytes"] == before
     # private tensors are staged and counted
     t = torch.ones(1000)
@@ -187,8 +189,9 @@ def _every_method(ctx):
     return True
 
 
-def test_every_method_sync_and_async_two_ranks():
-    assert run_world(_every_method, 2) == [True, True]
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_method_sync_and_async(world):
+    assert run_world(_every_method, world, modes=(False, True) if world == 2 else (False,)) == [True] * world
 
 
 def _point_to_point(ctx):
@@ -252,6 +255,12 @@ def _point_to_point(ctx):
         assert senders == set(range(1, W))
     else:
         dist.send(payload(me, 4), 0, tag=3)
+    # wait(timeout) on a receive nobody sends: ZbcclTimeoutError naming the peer; the receive is cancelled
+    work = dist.irecv(torch.zeros(2), prev, tag=99)
+    assert not work.is_completed()
+    with pytest.raises(zbccl.ZbcclTimeoutError, match=f"rank\\(s\\) \\[{dist.get_group_rank(dist.group.WORLD, prev)}\\]"):
+        work.wait(timeout=__import__("datetime").timedelta(seconds=0.3))
+    assert work.is_completed() and isinstance(work.exception(), zbccl.ZbcclTimeoutError)
     # batch_isend_irecv around a ring
     recv_buf = zbccl.empty(64, dtype=torch.float64)
     ops = [dist.P2POp(dist.isend, zbccl.empty(64, dtype=torch.float64).copy_(payload(me, 64, torch.float64)), peer),

@@ -52,6 +52,10 @@ def _sub_groups(ctx):
     dist.all_reduce(t, group=cur)
     assert torch.equal(t, torch.full((2,), 3.0))  # 1 + 2 in [0, 1]; 3 alone in [2]
     dist.barrier(group=cur)
+    cur, _ = dist.new_subgroups(group_size=1)  # single-rank zbccl groups
+    t = torch.ones(2) * me
+    dist.all_reduce(t, group=cur)
+    assert torch.equal(t, torch.ones(2) * me)
     dist.destroy_process_group()
     assert not zbccl.is_initialized()
     return True
@@ -135,6 +139,40 @@ def test_init_fallback_when_zbccl_cannot_start(strict):
     if strict:
         env["ZBCCL_STRICT"] = "1"
     assert run_world(_init_fallback, 2, env=env, strict=strict) == [True, True]
+
+
+def _adopt_and_sub_fallback(ctx):
+    import warnings
+
+    import torch.distributed as dist
+
+    import zbccl
+
+    comm = ctx.init()  # zbccl started first: the default group adopts it and leaves it running
+    pg = init_pg(ctx)
+    assert pg.comm is comm
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), 2.0))
+    dist.destroy_process_group()
+    assert zbccl.is_initialized()
+    zbccl.finalize()
+    # a zbccl sub-group of a gloo world: zbccl is not initialized, so the group runs on gloo
+    dist.init_process_group("gloo", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sub = dist.new_group([0, 1], backend="zbccl")
+    assert sub.comm is None and "not initialized" in sub.fallback_reason
+    assert any("runs every op" in str(w.message) for w in caught)
+    t = torch.ones(4)
+    dist.all_reduce(t, group=sub)
+    assert torch.equal(t, torch.full((4,), 2.0))
+    dist.destroy_process_group()
+    return True
+
+
+def test_adopts_zbccl_init_and_falls_back_for_a_sub_group_of_gloo():
+    assert run_world(_adopt_and_sub_fallback, 2) == [True, True]
 
 
 def _errors(ctx):

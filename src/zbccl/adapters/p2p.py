@@ -274,7 +274,13 @@ class PointToPoint:
         if not rec.done:
             self.progress()
         if not rec.done and timeout is not None:
-            self._wait_recv(rec, timeout)
+            try:
+                self._wait_recv(rec, timeout)
+            except BaseException:
+                with self.lock:  # cancelled: a later message must not land in this tensor
+                    if not rec.done:
+                        self.pending = [r for r in self.pending if r is not rec]
+                raise
         if rec.error is not None:
             raise rec.error
         return rec.done

@@ -32,27 +32,43 @@ import torch.distributed as dist
 from ..errors import ZbcclInvalidUsageError
 from ..ops import (
     all_gather_into_tensor,
-    all_gather_v,
     all_reduce,
     all_to_all_single,
     barrier,
     broadcast,
     reduce_scatter_tensor,
-    reduce_scatter_v,
 )
-from .flat import Unpacked, as_bytes, check_dtypes, pack
-from .work import CompletedWork
+from .list_forms import (
+    allgather_list,
+    alltoall_list,
+    as_bytes,
+    as_bytes_rows,
+    gather_list,
+    reduce_scatter_list,
+    scatter_list,
+)
+from .work import CompletedWork, timeout_seconds
 
 __all__ = ["ProcessGroupZbccl", "reduce_op_name"]
 
 _log = logging.getLogger("zbccl")
 _REDUCE = {"SUM": "sum", "PRODUCT": "product", "MIN": "min", "MAX": "max", "AVG": "avg"}
 _BITWISE = ("BAND", "BOR", "BXOR")
+# How long destroying a sub-group waits for its other members.
+_DESTROY_TIMEOUT_S = 30.0
+
+
+# Keyed by the RedOpType's int value: hashing the enum itself costs ~4x more per op.
+_BY_KIND = {int(getattr(dist.ReduceOp, n)): v for n, v in _REDUCE.items()}
+_BY_KIND.update({int(getattr(dist.ReduceOp, n)): "gloo" for n in _BITWISE})
 
 
 def reduce_op_name(red, *, op: str) -> str:
     """torch ``ReduceOp`` -> zbccl's name; ``"gloo"`` for the bitwise ops zbccl leaves to gloo."""
     kind = getattr(red, "op", red)
+    name = _BY_KIND.get(kind.value) if isinstance(kind, dist.ReduceOp.RedOpType) else None
+    if name is not None:  # the hot path: one dict lookup
+        return name
     name = getattr(kind, "name", str(kind).rsplit(".", 1)[-1])
     if name in _REDUCE:
         return _REDUCE[name]
@@ -118,7 +134,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         """Run ``run`` now; sync ops raise, async ops carry the error in their Work."""
         if not getattr(opts, "asyncOp", False):
             run()
-            return CompletedWork(result)
+            return _SYNC_DONE  # a sync call's Work is only waited on (torch drops it): one shared object
         try:
             run()
         except Exception as exc:  # noqa: BLE001 - the Work hands it to wait()/exception()/the future
@@ -129,9 +145,13 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllreduceOptions()
         red = reduce_op_name(opts.reduceOp, op="allreduce")
-        if not self._zb("allreduce") or red == "gloo":
-            return self._gloo.allreduce(tensors, opts)
         comm = self._comm
+        if comm is None or red == "gloo" or "allreduce" in self._fallback:
+            return self._gloo.allreduce(tensors, opts)
+        if not opts.asyncOp:  # the hot path of inference engines, inline
+            for t in tensors:
+                all_reduce(t, red, comm=comm)
+            return _SYNC_DONE
 
         def run() -> None:
             for t in tensors:
@@ -162,27 +182,9 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         def run() -> None:
             for outs, inp in zip(output_lists, inputs):
-                self._allgather_list(comm, outs, inp)
+                allgather_list(comm, outs, inp)
 
         return self._done(opts, [t for outs in output_lists for t in outs], run)
-
-    def _allgather_list(self, comm, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
-        op = "allgather"
-        if len(outs) != comm.world_size:
-            raise ZbcclInvalidUsageError(f"{op}: wrong output list length, expected {comm.world_size}, got {len(outs)}")
-        check_dtypes(outs, inp.dtype, op=op, role="output_tensor_list")
-        if outs[comm.rank].numel() != inp.numel():
-            raise ZbcclInvalidUsageError(
-                f"{op}: output_tensor_list[{comm.rank}] must match this rank's input, expected "
-                f"{inp.numel()} elements, got {outs[comm.rank].numel()}")
-        sizes = [t.numel() for t in outs]
-        out = Unpacked(outs, inp.dtype)
-        src = inp.reshape(-1)
-        if all(s == sizes[0] for s in sizes):
-            all_gather_into_tensor(as_bytes(out.flat), as_bytes(src), comm=comm)
-        else:
-            all_gather_v(out.flat, src, sizes, comm=comm)
-        out.finish()
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
@@ -223,7 +225,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
                 raise ZbcclInvalidUsageError(
                     f"allgather_coalesced: wrong output list length, expected {W}, got {len(output_lists)}")
             for i, inp in enumerate(inputs):
-                self._allgather_list(comm, [output_lists[r][i] for r in range(W)], inp)
+                allgather_list(comm, [output_lists[r][i] for r in range(W)], inp)
 
         return self._done(opts, [t for outs in output_lists for t in outs], run)
 
@@ -238,28 +240,9 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         def run() -> None:
             for out, ins in zip(outputs, input_lists):
-                self._reduce_scatter_list(comm, out, ins, red)
+                reduce_scatter_list(comm, out, ins, red)
 
         return self._done(opts, outputs, run)
-
-    def _reduce_scatter_list(self, comm, out: torch.Tensor, ins: list[torch.Tensor], red: str) -> None:
-        op = "reduce_scatter"
-        if len(ins) != comm.world_size:
-            raise ZbcclInvalidUsageError(f"{op}: wrong input list length, expected {comm.world_size}, got {len(ins)}")
-        check_dtypes(ins, out.dtype, op=op, role="input_list")
-        sizes = [t.numel() for t in ins]
-        if sizes[comm.rank] != out.numel():
-            raise ZbcclInvalidUsageError(
-                f"{op}: input_list[{comm.rank}] must match the output, expected {out.numel()} elements, "
-                f"got {sizes[comm.rank]}")
-        flat = pack(ins, out.dtype)
-        dst = out.view(-1) if out.is_contiguous() else out.reshape(-1).clone()
-        if all(s == sizes[0] for s in sizes):
-            reduce_scatter_tensor(dst, flat, red, comm=comm)
-        else:
-            reduce_scatter_v(dst, flat, sizes, red, comm=comm)
-        if not out.is_contiguous():
-            out.copy_(dst.view(out.shape))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
@@ -307,21 +290,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._gloo.alltoall(outputs, inputs, opts)
         comm = self._comm
 
-        def run() -> None:
-            W = comm.world_size
-            if len(outputs) != W or len(inputs) != W:
-                raise ZbcclInvalidUsageError(
-                    f"alltoall: wrong list lengths, expected {W} outputs and inputs, got {len(outputs)} and "
-                    f"{len(inputs)}")
-            dtype = inputs[0].dtype
-            check_dtypes(inputs, dtype, op="alltoall", role="input_tensor_list")
-            check_dtypes(outputs, dtype, op="alltoall", role="output_tensor_list")
-            out = Unpacked(outputs, dtype)
-            all_to_all_single(as_bytes(out.flat), as_bytes(pack(inputs, dtype)), [t.numel() for t in outputs],
-                              [t.numel() for t in inputs], comm=comm)
-            out.finish()
-
-        return self._done(opts, outputs, run)
+        return self._done(opts, outputs, lambda: alltoall_list(comm, outputs, inputs))
 
     # ------------------------------------------------------------ rooted ops
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
@@ -357,23 +326,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         if not self._zb("gather"):
             return self._gloo.gather(output_lists, inputs, opts)
         comm, root = self._comm, opts.rootRank
-
-        def run() -> None:
-            W, me = comm.world_size, comm.rank
-            inp = inputs[0]
-            outs = output_lists[0] if me == root and output_lists else []
-            if me == root:
-                if len(outs) != W:
-                    raise ZbcclInvalidUsageError(f"gather: wrong output list length on the root, expected {W}, "
-                                                 f"got {len(outs)}")
-                check_dtypes(outs, inp.dtype, op="gather", role="gather_list")
-            out = Unpacked(outs, inp.dtype)
-            in_splits = [inp.numel() if r == root else 0 for r in range(W)]
-            out_splits = [t.numel() for t in outs] if me == root else [0] * W
-            all_to_all_single(as_bytes(out.flat), as_bytes(inp.reshape(-1)), out_splits, in_splits, comm=comm)
-            out.finish()
-
-        return self._done(opts, [t for outs in output_lists for t in outs], run)
+        return self._done(opts, [t for outs in output_lists for t in outs],
+                          lambda: gather_list(comm, root, output_lists[0] if output_lists else [], inputs[0]))
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> dist.Work:
         """Scatter from ``opts.rootRank``: an all_to_all in which only the root sends."""
@@ -381,31 +335,16 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         if not self._zb("scatter"):
             return self._gloo.scatter(outputs, input_lists, opts)
         comm, root = self._comm, opts.rootRank
-
-        def run() -> None:
-            W, me = comm.world_size, comm.rank
-            out = outputs[0]
-            ins = input_lists[0] if me == root and input_lists else []
-            if me == root:
-                if len(ins) != W:
-                    raise ZbcclInvalidUsageError(f"scatter: wrong input list length on the root, expected {W}, "
-                                                 f"got {len(ins)}")
-                check_dtypes(ins, out.dtype, op="scatter", role="scatter_list")
-            dst = Unpacked([out], out.dtype)
-            in_splits = [t.numel() for t in ins] if me == root else [0] * W
-            out_splits = [out.numel() if r == root else 0 for r in range(W)]
-            all_to_all_single(as_bytes(dst.flat), as_bytes(pack(ins, out.dtype)), out_splits, in_splits,
-                              comm=comm)
-            dst.finish()
-
-        return self._done(opts, outputs, run)
+        return self._done(opts, outputs,
+                          lambda: scatter_list(comm, root, outputs[0], input_lists[0] if input_lists else []))
 
     def barrier(self, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.BarrierOptions()
         if not self._zb("barrier"):
             return self._gloo.barrier(opts)
         comm = self._comm
-        return self._done(opts, [], lambda: barrier(comm=comm))
+        timeout = timeout_seconds(opts.timeout)  # torch's "unset" is negative: the group's default
+        return self._done(opts, [], lambda: barrier(comm=comm, timeout=timeout))
 
     # ------------------------------------------------------------ point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
@@ -437,8 +376,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         from ..runtime.state import finalize
 
         try:
-            if comm.slot != 0:
-                comm.destroy()
+            if comm.slot != 0:  # a store barrier of the members, bounded: a member that never comes keeps the slot
+                comm.destroy(timeout=min(comm.timeout, _DESTROY_TIMEOUT_S))
             elif self._owns_world:
                 finalize()
         except Exception as exc:  # noqa: BLE001 - teardown goes on (finalize already ran, a peer left...)
@@ -453,10 +392,5 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         self._closed = True
 
 
-def as_bytes_rows(t: torch.Tensor) -> torch.Tensor:
-    """:func:`as_bytes` keeping dim 0 (split sizes count rows of dim 0)."""
-    from ..ops.dtypes import DTYPE_CODES
-
-    if t.dtype in DTYPE_CODES or not t.is_contiguous() or t.dim() == 0:
-        return as_bytes(t)
-    return t.view(t.shape[0], -1).view(torch.uint8)
+#: What every synchronous call returns: complete, successful, no result kept.
+_SYNC_DONE = CompletedWork()
