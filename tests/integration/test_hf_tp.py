@@ -64,7 +64,7 @@ def test_bench_tp_smoke():
     collectives per step are the model's (2 per layer + embedding + lm_head), and heap_scope stages nothing."""
     from zbccl.bench.tp import VARIANTS, run_bench_tp
 
-    doc = run_bench_tp(batches=[2], hidden=64, layers=2, vocab=128, steps=3, rounds=1, threads=1,
+    doc = run_bench_tp(batches=[2], hidden=64, layers=2, vocab=128, steps=3, rounds=1, threads=1, idle_wait=0.0,
                        progress=False, out=io.StringIO())
     rows = {r["variant"]: r for r in doc["rows"]}
     assert set(rows) == set(VARIANTS)
@@ -72,5 +72,6 @@ def test_bench_tp_smoke():
         assert r["calls_per_step"] == 2 * 2 + 2, r
         assert r["wrong"] == 0, r
         assert r["step_us"] > 0
+        assert (r["comm_us"] is None) == r["variant"].startswith("none"), r
     assert rows["zbccl+scope"]["staged_per_step"] == 0
     assert rows["zbccl"]["staged_per_step"] > 0  # outside the scope the same step stages: the zero means something

@@ -1,5 +1,6 @@
 """Usage: zbccl bench-tp [--batch 1,8] [--hidden 2048] [--layers 4] [--vocab 32000] [--dtype fp32|bf16]
-                      [--steps 16] [--rounds 5] [--variants V,..] [--threads T] [--json PATH]
+                      [--steps 16] [--rounds 5] [--variants V,..] [--threads T] [--idle-wait S]
+                      [--json PATH]
 
 Decode-step benchmark of a Hugging Face transformers TP=2 Llama-style model
 (``tp_plan="auto"``, random weights from its config, nothing downloaded) on
@@ -24,10 +25,14 @@ model's own group, to the gloo group, or to nothing (all_reduce returns its
 input; the all_gather returns an uninitialised tensor of the gathered
 shape). It counts the calls: a step that makes another number is reported.
 
-Rows: the median over rounds of each round's median step time (max over
-ranks), the spread over rounds, the communication time (step minus the
-matching ``none`` variant) and share, speed-ups against gloo (step and
-communication), ``staged_bytes`` per step, collectives per step, and #wrong:
+Before each round rank 0 waits (at most ``--idle-wait`` s) for an idle
+machine; ``load`` is the most CPU (cores) other processes used at a round's
+start. Rows: ``step_us``, the median over rounds of each round's median step
+time (max over ranks), and its spread over rounds; ``x_none``, step over the
+matching no-communication step; ``comm_us``, time inside the collective calls
+per step (mean over ranks, median over rounds; it includes waiting for the
+peer), and ``comm%`` of the step; speed-ups against gloo per step and per
+communication time; ``staged_bytes`` per step; collectives per step; #wrong:
 greedy tokens that differ from the gloo run (zbccl variants).
 """
 
@@ -61,20 +66,31 @@ class _Router:
 
         self.dist, self.funcol, self.gloo = dist, funcol, gloo
         self.ar, self.fr, self.fg = dist.all_reduce, funcol.all_reduce, funcol.all_gather_single
-        self.mode, self.calls = "zbccl", 0
+        self.mode, self.calls, self.comm_s = "zbccl", 0, 0.0
 
     def all_reduce(self, tensor, op=None, group=None, async_op=False):
         self.calls += 1
         if self.mode == "none":
             return None
+        t0 = time.perf_counter()
         group = self.gloo if self.mode == "gloo" else group
-        return self.ar(tensor, op=op or self.dist.ReduceOp.SUM, group=group, async_op=async_op)
+        work = self.ar(tensor, op=op or self.dist.ReduceOp.SUM, group=group, async_op=async_op)
+        self.comm_s += time.perf_counter() - t0
+        return work
+
+    def _waited(self, result, t0: float):
+        """The functional result waited for here, so its time is counted (DTensor waits at once anyway)."""
+        if isinstance(result, self.funcol.AsyncCollectiveTensor):
+            result = result.wait()
+        self.comm_s += time.perf_counter() - t0
+        return result
 
     def f_all_reduce(self, tensor, reduceOp, group, tag=""):  # noqa: N803 - torch's spelling
         self.calls += 1
         if self.mode == "none":
             return tensor
-        return self.fr(tensor, reduceOp, self.gloo if self.mode == "gloo" else group, tag)
+        t0 = time.perf_counter()
+        return self._waited(self.fr(tensor, reduceOp, self.gloo if self.mode == "gloo" else group, tag), t0)
 
     def f_all_gather(self, tensor, gather_dim, group, tag=""):
         self.calls += 1
@@ -82,7 +98,8 @@ class _Router:
             shape = list(tensor.shape)
             shape[gather_dim] *= self.dist.get_world_size()
             return tensor.new_empty(shape)
-        return self.fg(tensor, gather_dim, self.gloo if self.mode == "gloo" else group, tag)
+        t0 = time.perf_counter()
+        return self._waited(self.fg(tensor, gather_dim, self.gloo if self.mode == "gloo" else group, tag), t0)
 
     @contextlib.contextmanager
     def installed(self):
@@ -109,7 +126,11 @@ class _DistShim:
 
 
 def _decode(model, router: _Router, variant: str, *, batch: int, steps: int, vocab: int):
-    """One prefill and ``steps`` timed decode steps; ``(step seconds, tokens [batch, steps], staged, calls)``."""
+    """One prefill and ``steps`` timed decode steps.
+
+    Returns ``(step seconds, tokens [batch, steps], staged bytes / step, collectives / step, seconds inside
+    collectives / step, heap_scope fallback allocations)``.
+    """
     from transformers import DynamicCache
 
     import zbccl
@@ -126,7 +147,7 @@ def _decode(model, router: _Router, variant: str, *, batch: int, steps: int, voc
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         router.dist.barrier(group=router.gloo)
-        s0, c0, f0 = staged_bytes(), router.calls, _fallbacks()
+        s0, c0, f0, comm0 = staged_bytes(), router.calls, _fallbacks(), router.comm_s
         for _ in range(steps):
             t0 = time.perf_counter()
             out = model(input_ids=tok, past_key_values=cache, use_cache=True)
@@ -134,8 +155,9 @@ def _decode(model, router: _Router, variant: str, *, batch: int, steps: int, voc
             times.append(time.perf_counter() - t0)
             toks.append(tok)
         staged, calls, fallbacks = staged_bytes() - s0, router.calls - c0, _fallbacks() - f0
+        comm = router.comm_s - comm0
         del cache, out
-    return times, torch.cat(toks, 1), staged / steps, calls / steps, fallbacks
+    return times, torch.cat(toks, 1), staged / steps, calls / steps, comm / steps, fallbacks
 
 
 def _fallbacks() -> int:
@@ -167,6 +189,7 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
         router = _Router(gloo)
+        router.store = store
         rows = []
         with router.installed():
             for batch in opts["batches"]:
@@ -181,21 +204,29 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
 
 
 def _batch_rows(model, router: _Router, batch: int, opts: dict, rank: int) -> list[dict]:
-    rows = {v: {"batch": batch, "variant": v, "round_medians": [], "staged": [], "calls": [], "wrong": 0,
-                "fallback_allocs": 0}
+    from .timing import leader_then_all, wait_for_idle
+
+    rows = {v: {"batch": batch, "variant": v, "round_medians": [], "comm": [], "staged": [], "calls": [],
+                "wrong": 0, "fallback_allocs": 0, "load": []}
             for v in opts["variants"]}
     vocab = opts["config"]["vocab_size"]
     for rnd in range(opts["rounds"] + 1):  # round 0 warms up and is dropped
+        gate = leader_then_all(router.store, f"bench_tp/idle/{batch}/{rnd}", rank,
+                               lambda: wait_for_idle(max_wait_s=opts["idle_wait"]), timeout_s=opts["idle_wait"] + 60)
+        if rnd:
+            for r in rows.values():
+                r["load"].append(gate["load_cores"])
         order = list(opts["variants"])
         order = order[rnd % len(order):] + order[:rnd % len(order)]
         tokens = {}
         for v in order:
-            times, toks, staged, calls, fallbacks = _decode(model, router, v, batch=batch, steps=opts["steps"],
-                                                            vocab=vocab)
+            times, toks, staged, calls, comm, fallbacks = _decode(model, router, v, batch=batch,
+                                                                  steps=opts["steps"], vocab=vocab)
             tokens[v] = toks
             rows[v]["fallback_allocs"] += fallbacks
             if rnd:
                 rows[v]["round_medians"].append(statistics.median(times))
+                rows[v]["comm"].append(comm)
                 rows[v]["staged"].append(staged)
                 rows[v]["calls"].append(calls)
         if "gloo" in tokens:
@@ -218,6 +249,8 @@ def _combine(samples: list[list[dict]]) -> list[dict]:
         out.append({"batch": r0["batch"], "variant": r0["variant"], "step_us": med * 1e6,
                     "spread_pct": 100 * (max(per_round) - min(per_round)) / med,
                     "rounds_us": [round(x * 1e6, 1) for x in per_round],
+                    "comm_us": statistics.median(statistics.fmean(c) for c in zip(*(r["comm"] for r in rows))) * 1e6,
+                    "load_cores": max(rows[0].get("load") or [0.0]),
                     "staged_per_step": max(max(r["staged"]) for r in rows),
                     "calls_per_step": max(max(r["calls"]) for r in rows),
                     "wrong": sum(r["wrong"] for r in rows),
@@ -226,12 +259,13 @@ def _combine(samples: list[list[dict]]) -> list[dict]:
     for r in out:
         base = by.get((r["batch"], "none+scope" if r["variant"].endswith("+scope") else "none"))
         gloo = by.get((r["batch"], "gloo"))
-        nocomm = by.get((r["batch"], "none"))
-        r["comm_us"] = r["step_us"] - base["step_us"] if base and not r["variant"].startswith("none") else None
-        r["comm_pct"] = 100 * r["comm_us"] / r["step_us"] if r["comm_us"] is not None else None
+        comm = r["variant"].startswith(("zbccl", "gloo"))
+        r["comm_pct"] = 100 * r["comm_us"] / r["step_us"] if comm else None
+        r["x_none"] = r["step_us"] / base["step_us"] if base and comm else None
         r["x_gloo_step"] = gloo["step_us"] / r["step_us"] if gloo else None
-        gloo_comm = gloo["step_us"] - nocomm["step_us"] if gloo and nocomm else None
-        r["x_gloo_comm"] = gloo_comm / r["comm_us"] if gloo_comm and r["comm_us"] and r["comm_us"] > 0 else None
+        r["x_gloo_comm"] = gloo["comm_us"] / r["comm_us"] if gloo and comm and r["comm_us"] > 0 else None
+        if not comm:
+            r["comm_us"] = None
     return out
 
 
@@ -241,19 +275,20 @@ def _fmt(x, spec: str) -> str:
 
 def print_table(rows: list[dict], out: IO[str]) -> None:
     """The rows as a fixed-width table (one line per batch and variant)."""
-    head = (f"{'batch':>5} {'variant':<12} {'step_us':>9} {'spread%':>7} {'comm_us':>8} {'comm%':>6} "
-            f"{'x_gloo':>6} {'x_gloo_comm':>11} {'staged_B/step':>13} {'coll/step':>9} {'#wrong':>6}")
+    head = (f"{'batch':>5} {'variant':<12} {'step_us':>9} {'spread%':>7} {'x_none':>6} {'comm_us':>8} {'comm%':>6} "
+            f"{'x_gloo':>6} {'x_gloo_comm':>11} {'staged_B/step':>13} {'coll/step':>9} {'load':>5} {'#wrong':>6}")
     print(head, file=out)
     for r in rows:
         print(f"{r['batch']:>5} {r['variant']:<12} {r['step_us']:>9.1f} {r['spread_pct']:>7.1f} "
-              f"{_fmt(r['comm_us'], '8.1f'):>8} {_fmt(r['comm_pct'], '6.1f'):>6} {_fmt(r['x_gloo_step'], '6.2f'):>6} "
-              f"{_fmt(r['x_gloo_comm'], '11.2f'):>11} {r['staged_per_step']:>13.0f} {r['calls_per_step']:>9.1f} "
+              f"{_fmt(r['x_none'], '6.2f'):>6} {_fmt(r['comm_us'], '8.1f'):>8} {_fmt(r['comm_pct'], '6.1f'):>6} "
+              f"{_fmt(r['x_gloo_step'], '6.2f'):>6} {_fmt(r['x_gloo_comm'], '11.2f'):>11} "
+              f"{r['staged_per_step']:>13.0f} {r['calls_per_step']:>9.1f} {r['load_cores']:>5.2f} "
               f"{r['wrong'] if not r['variant'].startswith(('none', 'gloo')) else '-':>6}", file=out)
 
 
 def run_bench_tp(*, batches=(1, 8), hidden: int = 2048, layers: int = 4, vocab: int = 32000,
                  dtype: str = "fp32", steps: int = 16, rounds: int = 5, threads: int | None = None,
-                 variants=VARIANTS, json_path: str | None = None, progress: bool = True,
+                 variants=VARIANTS, idle_wait: float = 10.0, json_path: str | None = None, progress: bool = True,
                  out: IO[str] | None = None) -> dict:
     """Run the decode-step benchmark on 2 local ranks; print the table; return (and optionally write) the results.
 
@@ -276,7 +311,7 @@ def run_bench_tp(*, batches=(1, 8), hidden: int = 2048, layers: int = 4, vocab: 
               "num_key_value_heads": 8, "head_dim": hidden // 16, "intermediate_size": hidden * 11 // 4,
               "vocab_size": vocab, "max_position_embeddings": 4096}
     opts = {"batches": list(batches), "dtype": dtype, "steps": steps, "rounds": rounds, "config": config,
-            "variants": list(variants), "progress": progress}
+            "variants": list(variants), "progress": progress, "idle_wait": float(idle_wait)}
     nthreads = threads or rank_threads(2)
     t0 = time.perf_counter()
     res = launch_local(rank_main, 2, timeout=900 + 60 * rounds * len(batches), threads=nthreads, opts=opts)[0]
@@ -314,6 +349,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds after one warm-up round (default 5)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: cores/2)")
+    p.add_argument("--idle-wait", type=float, default=10.0,
+                   help="max seconds to wait for an idle machine before each round (default 10)")
     p.add_argument("--json", metavar="PATH", help="write the rows and machine info")
 
 
@@ -322,7 +359,8 @@ def run_from_args(args) -> int:
     try:
         doc = run_bench_tp(batches=[int(b) for b in split(args.batch)], hidden=args.hidden, layers=args.layers,
                            vocab=args.vocab, dtype=args.dtype, steps=args.steps, rounds=args.rounds,
-                           threads=args.threads, variants=split(args.variants), json_path=args.json)
+                           threads=args.threads, variants=split(args.variants), idle_wait=args.idle_wait,
+                           json_path=args.json)
     except ValueError as exc:
         print(f"zbccl bench-tp: {exc}", file=sys.stderr)
         return 2
