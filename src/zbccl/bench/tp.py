@@ -28,7 +28,8 @@ shape). It counts the calls: a step that makes another number is reported.
 Before each round rank 0 waits (at most ``--idle-wait`` s) for an idle
 machine; ``load`` is the most CPU (cores) other processes used at a round's
 start. Rows: ``step_us``, the median over rounds of each round's median step
-time (max over ranks), and its spread over rounds; ``x_none``, step over the
+time (max over ranks), ``min_us`` the fastest round (the host's fast
+state), and the spread over rounds; ``x_none``, step over the
 matching no-communication step; ``comm_us``, time inside the collective calls
 per step (mean over ranks, median over rounds; it includes waiting for the
 peer), and ``comm%`` of the step; speed-ups against gloo per step and per
@@ -247,6 +248,7 @@ def _combine(samples: list[list[dict]]) -> list[dict]:
         per_round = [max(vals) for vals in zip(*(r["round_medians"] for r in rows))]
         med = statistics.median(per_round)
         out.append({"batch": r0["batch"], "variant": r0["variant"], "step_us": med * 1e6,
+                    "min_us": min(per_round) * 1e6,
                     "spread_pct": 100 * (max(per_round) - min(per_round)) / med,
                     "rounds_us": [round(x * 1e6, 1) for x in per_round],
                     "comm_us": statistics.median(statistics.fmean(c) for c in zip(*(r["comm"] for r in rows))) * 1e6,
@@ -275,11 +277,11 @@ def _fmt(x, spec: str) -> str:
 
 def print_table(rows: list[dict], out: IO[str]) -> None:
     """The rows as a fixed-width table (one line per batch and variant)."""
-    head = (f"{'batch':>5} {'variant':<12} {'step_us':>9} {'spread%':>7} {'x_none':>6} {'comm_us':>8} {'comm%':>6} "
+    head = (f"{'batch':>5} {'variant':<12} {'step_us':>9} {'min_us':>9} {'spread%':>7} {'x_none':>6} {'comm_us':>8} {'comm%':>6} "
             f"{'x_gloo':>6} {'x_gloo_comm':>11} {'staged_B/step':>13} {'coll/step':>9} {'load':>5} {'#wrong':>6}")
     print(head, file=out)
     for r in rows:
-        print(f"{r['batch']:>5} {r['variant']:<12} {r['step_us']:>9.1f} {r['spread_pct']:>7.1f} "
+        print(f"{r['batch']:>5} {r['variant']:<12} {r['step_us']:>9.1f} {r['min_us']:>9.1f} {r['spread_pct']:>7.1f} "
               f"{_fmt(r['x_none'], '6.2f'):>6} {_fmt(r['comm_us'], '8.1f'):>8} {_fmt(r['comm_pct'], '6.1f'):>6} "
               f"{_fmt(r['x_gloo_step'], '6.2f'):>6} {_fmt(r['x_gloo_comm'], '11.2f'):>11} "
               f"{r['staged_per_step']:>13.0f} {r['calls_per_step']:>9.1f} {r['load_cores']:>5.2f} "
