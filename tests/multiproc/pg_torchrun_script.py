@@ -46,6 +46,20 @@ def main() -> None:
     assert torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), full)
     p = DTensor.from_local(torch.full((3,), float(rank)), mesh, [Partial()])
     assert torch.equal(p.redistribute(mesh, [Replicate()]).to_local(), torch.full((3,), float(sum(range(world)))))
+    # DistributedDataParallel: its reducer's C++ allreduce reaches the zbccl group
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
+        opt.zero_grad()
+        ddp(x).square().sum().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
+    assert all(torch.equal(every[0], e) for e in every), "DDP replicas diverged"
     with zbccl.heap_scope():
         before = zbccl.memory_stats()["staged_bytes"]
         x = torch.full((1024,), float(rank))

@@ -8,6 +8,8 @@ case runs the same call on both and compares. Payloads encode their source
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -131,13 +133,21 @@ def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one cas
     root = glob[W - 1]
     z, r = both(lambda g, a: _run(dist.broadcast, t := payload(me, 11), src=root, group=g, async_op=a, ret=t))
     assert torch.equal(z, r)
-    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
-        z, r = both(lambda g, a, op=op: _run(dist.reduce, t := payload(me, 8), dst=root, op=op, group=g,
-                                             async_op=a, ret=t))
+    shapes = [(dist.ReduceOp.SUM, lambda: payload(me, 8)), (dist.ReduceOp.MAX, lambda: payload(me, 8)),
+              (dist.ReduceOp.AVG, lambda: payload(me, 1)),  # fewer elements than ranks
+              (dist.ReduceOp.SUM, lambda: payload(me, 12).view(3, 4).t())]  # not contiguous
+    for op, make in shapes:
+        def red(g, a, op=op, make=make):
+            t = make()
+            if g is gloo and op == dist.ReduceOp.AVG:
+                _run(dist.reduce, t, dst=root, op=dist.ReduceOp.SUM, group=g, async_op=a)
+                return t / W if glob[me] == root else t
+            return _run(dist.reduce, t, dst=root, op=op, group=g, async_op=a, ret=t)
+        z, r = both(red)
         if glob[me] == root:
-            assert torch.equal(z, r)
+            assert torch.equal(z, r), op
         else:
-            assert torch.equal(z, payload(me, 8))  # non-roots keep their tensor
+            assert torch.equal(z, make())  # non-roots keep their tensor
 
     def gat(g, a):
         lst = [torch.zeros(4) for _ in range(W)] if glob[me] == root else None
@@ -155,6 +165,19 @@ def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one cas
     z, r = both(sca)
     assert torch.equal(z, r)
     _run(dist.barrier, group=group, async_op=async_op)
+    if not async_op:  # object collectives ride on all_gather / broadcast / gather / scatter of bytes
+        objs = [None] * W
+        dist.all_gather_object(objs, {"rank": glob[me], "data": list(range(me + 1))}, group=group)
+        assert objs == [{"rank": glob[r], "data": list(range(r + 1))} for r in range(W)]
+        lst = [f"from {glob[me]}" * (me + 1), me] if glob[me] == root else [None, None]
+        dist.broadcast_object_list(lst, src=root, group=group)
+        assert lst == [f"from {root}" * W, W - 1]
+        got = [None] * W if glob[me] == root else None
+        dist.gather_object(("x", me), got, dst=root, group=group)
+        assert glob[me] != root or got == [("x", r) for r in range(W)]
+        out = [None]
+        dist.scatter_object_list(out, [r * 10 for r in range(W)] if glob[me] == root else None, src=root, group=group)
+        assert out == [me * 10]
     return True
 
 
@@ -199,7 +222,7 @@ def _point_to_point(ctx):
 
     import zbccl
 
-    init_pg(ctx, timeout=__import__("datetime").timedelta(seconds=20))
+    init_pg(ctx, timeout=timedelta(seconds=20))
     W, me = ctx.world_size, ctx.rank
     peer = 1 - me if W == 2 else (me + 1) % W
     prev = (me - 1) % W
@@ -259,7 +282,7 @@ def _point_to_point(ctx):
     work = dist.irecv(torch.zeros(2), prev, tag=99)
     assert not work.is_completed()
     with pytest.raises(zbccl.ZbcclTimeoutError, match=f"rank\\(s\\) \\[{dist.get_group_rank(dist.group.WORLD, prev)}\\]"):
-        work.wait(timeout=__import__("datetime").timedelta(seconds=0.3))
+        work.wait(timeout=timedelta(seconds=0.3))
     assert work.is_completed() and isinstance(work.exception(), zbccl.ZbcclTimeoutError)
     # batch_isend_irecv around a ring
     recv_buf = zbccl.empty(64, dtype=torch.float64)

@@ -149,13 +149,19 @@ def _adopt_and_sub_fallback(ctx):
     import zbccl
 
     comm = ctx.init()  # zbccl started first: the default group adopts it and leaves it running
-    pg = init_pg(ctx)
-    assert pg.comm is comm
-    t = torch.ones(4)
-    dist.all_reduce(t)
-    assert torch.equal(t, torch.full((4,), 2.0))
-    dist.destroy_process_group()
-    assert zbccl.is_initialized()
+    for _ in range(2):  # twice over the same communicator: the second group's mailboxes are its own
+        pg = init_pg(ctx)
+        assert pg.comm is comm
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((4,), 2.0))
+        src, out = zbccl.empty(6).copy_(payload(ctx.rank, 6)), zbccl.empty(6)
+        for w in [dist.isend(src, 1 - ctx.rank), dist.irecv(out, 1 - ctx.rank)]:
+            w.wait()
+        assert torch.equal(out, payload(1 - ctx.rank, 6))
+        del src, out
+        dist.destroy_process_group()
+        assert zbccl.is_initialized()
     zbccl.finalize()
     # a zbccl sub-group of a gloo world: zbccl is not initialized, so the group runs on gloo
     dist.init_process_group("gloo", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
@@ -168,6 +174,13 @@ def _adopt_and_sub_fallback(ctx):
     dist.all_reduce(t, group=sub)
     assert torch.equal(t, torch.full((4,), 2.0))
     dist.destroy_process_group()
+    for _ in range(2):  # re-initialised zbccl worlds on the same store start fresh
+        pg = init_pg(ctx)
+        assert pg.comm is not None
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((4,), 2.0))
+        dist.destroy_process_group()
     return True
 
 
@@ -206,6 +219,9 @@ def _errors(ctx):
     with pytest.raises(zbccl.ZbcclRemoteError) as info:
         dist.all_reduce(torch.ones(1000))
     assert 1 in info.value.ranks
+    with pytest.raises(zbccl.ZbcclRemoteError) as info:  # so is a receive from it
+        dist.recv(torch.zeros(4), 1)
+    assert info.value.ranks == (1,)
     dist.destroy_process_group()
     return True
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..errors import ZbcclError, ZbcclInvalidUsageError
+from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError
 
 __all__ = ["BACKEND", "FALLBACK_KEYS", "register", "create", "parse_fallback_ops"]
 
@@ -125,15 +125,14 @@ def _start(store, rank: int, size: int, global_ranks: list[int], seconds: float)
     return comm, False
 
 
-def _agree(store, rank: int, size: int, error: str | None, seconds: float) -> str | None:
-    """Every member's start verdict through the store: the first error reported, or None."""
-    n = store.add(f"zbccl-start/count/{rank}", 1)  # a re-created group on the same store: fresh keys
+def _agree(store, rank: int, size: int, error: str | None, seconds: float, n: int) -> tuple[int, str] | None:
+    """Every member's start verdict through the store: ``(group rank, error)`` of the first failure, or None."""
     store.set(f"zbccl-start/{n}/{rank}", (error or "").encode() or b"-")
     keys = [f"zbccl-start/{n}/{r}" for r in range(size)]
     store.wait(keys, timedelta(seconds=seconds))
     for r, value in enumerate(store.multi_get(keys)):
         if value != b"-":
-            return f"rank {r}: {value.decode(errors='replace')}"
+            return r, value.decode(errors="replace")
     return None
 
 
@@ -147,25 +146,30 @@ def create(dist_opts, backend_opts=None):
     seconds = _seconds(dist_opts.timeout)
     fallback = parse_fallback_ops(env.FALLBACK_OPS.get())
     strict = env.STRICT.get()
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("zbccl-gloo/", store), rank, size, dist_opts.timeout)
-    comm, owns, error = None, False, None
+    # The n-th creation of this group name on this store (a re-initialised job reuses both): fresh keys.
+    n = store.add(f"zbccl-created/{rank}", 1)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"zbccl-gloo/{n}/", store), rank, size, dist_opts.timeout)
+    comm, owns, failure = None, False, None
     try:
         comm, owns = _start(store, rank, size, global_ranks, seconds)
     except ZbcclError as exc:
-        if strict:
-            raise
-        error = str(exc)
-    reason = _agree(store, rank, size, error, seconds)
-    if reason is not None:
-        if strict:
-            raise ZbcclInvalidUsageError(f"init_process_group: zbccl could not start on {reason}")
+        failure = exc
+    # Every member learns every verdict (also under ZBCCL_STRICT: the peers of a failed rank raise too).
+    verdict = _agree(store, rank, size, None if failure is None else str(failure), seconds, n)
+    reason = None if verdict is None else f"rank {verdict[0]}: {verdict[1]}"
+    if verdict is not None:
         if comm is not None:  # this rank started, a peer did not: nobody uses it
             _release(comm, owns)
             comm, owns = None, False
+        if strict:
+            if failure is not None:
+                raise failure
+            raise ZbcclRemoteError(f"init_process_group: zbccl could not start on {reason}",
+                                   ranks=(global_ranks[verdict[0]] if global_ranks else verdict[0],))
         warnings.warn(f"zbccl: backend 'zbccl' runs every op of group {dist_opts.group_id!r} on gloo: zbccl "
                       f"could not start on {reason} (ZBCCL_STRICT=1 makes this an error)", RuntimeWarning,
                       stacklevel=2)
-    p2p = PointToPoint(comm) if comm is not None else None
+    p2p = PointToPoint(comm, incarnation=n) if comm is not None else None
     if comm is not None:
         from .funcol import install
 

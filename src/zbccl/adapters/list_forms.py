@@ -27,7 +27,7 @@ from ..ops import (
 from ..ops.dtypes import DTYPE_CODES
 
 __all__ = ["flat_view", "pack", "Unpacked", "as_bytes", "as_bytes_rows", "check_dtypes", "allgather_list",
-           "reduce_scatter_list", "alltoall_list", "gather_list", "scatter_list"]
+           "reduce_scatter_list", "alltoall_list", "gather_list", "scatter_list", "reduce_to"]
 
 
 def check_dtypes(tensors: Sequence[torch.Tensor], dtype: torch.dtype, *, op: str, role: str) -> None:
@@ -103,6 +103,8 @@ def as_bytes_rows(t: torch.Tensor) -> torch.Tensor:
     """:func:`as_bytes` keeping dim 0 (split sizes count rows of dim 0)."""
     if t.dtype in DTYPE_CODES or not t.is_contiguous() or t.dim() == 0:
         return as_bytes(t)
+    if t.numel() == 0:  # no bytes move; view(rows, -1) cannot infer -1 of an empty tensor
+        return torch.empty((t.shape[0], 0), dtype=torch.uint8)
     return t.view(t.shape[0], -1).view(torch.uint8)
 
 
@@ -192,3 +194,29 @@ def scatter_list(comm, root: int, out: torch.Tensor, ins: list[torch.Tensor]) ->
     out_splits = [out.numel() if r == root else 0 for r in range(W)]
     all_to_all_single(as_bytes(dst.flat), as_bytes(pack(ins, out.dtype)), out_splits, in_splits, comm=comm)
     dst.finish()
+
+
+def reduce_to(comm, root: int, t: torch.Tensor, red: str) -> None:
+    """Collective: the root's ``t`` gets the reduction of every rank's ``t``; the others' are unchanged.
+
+    A reduce_scatter (rank r reduces slice r into a private ``numel / world`` temporary) and an
+    all_to_all in which only the root receives, straight into its tensor: no full copy anywhere.
+    A non-contiguous tensor takes a full all_reduce on a contiguous copy instead.
+    """
+    from ..ops import all_reduce
+
+    W, me = comm.world_size, comm.rank
+    if not t.is_contiguous():
+        tmp = t.contiguous()
+        all_reduce(tmp, red, comm=comm)
+        if me == root:
+            t.copy_(tmp)
+        return
+    flat = t.view(-1)
+    n = flat.numel()
+    counts = [n // W + (1 if r < n % W else 0) for r in range(W)]
+    part = torch.empty(counts[me], dtype=t.dtype)
+    reduce_scatter_v(part, flat, counts, red, comm=comm)
+    out = flat if me == root else torch.empty(0, dtype=t.dtype)
+    all_to_all_single(out, part, counts if me == root else [0] * W, [counts[me] if r == root else 0 for r in range(W)],
+                      comm=comm)

@@ -85,8 +85,10 @@ class _Box:
 class PointToPoint:
     """send/recv of one communicator's members (group ranks)."""
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, *, incarnation: int = 0) -> None:
         self.comm = comm
+        #: Tells this group's mailboxes from an earlier group's on the same communicator (keys).
+        self.incarnation = incarnation
         self.ctx = comm._ctx
         self.prims = self.ctx.prims
         self.lock = threading.RLock()
@@ -101,7 +103,7 @@ class PointToPoint:
 
     # ------------------------------------------------------------ mailboxes
     def _key(self, rank: int) -> str:
-        return f"p2p/box/{rank}"
+        return f"p2p/{self.incarnation}/box/{rank}"
 
     def _own_box(self) -> _Box:
         if self.mine is None:

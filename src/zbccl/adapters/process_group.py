@@ -45,6 +45,7 @@ from .list_forms import (
     as_bytes_rows,
     gather_list,
     reduce_scatter_list,
+    reduce_to,
     scatter_list,
 )
 from .work import CompletedWork, timeout_seconds
@@ -85,6 +86,11 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     ``comm`` None means zbccl could not start: every op runs on ``gloo``.
     ``fallback`` holds the op keys (see :data:`~zbccl.adapters.backend.FALLBACK_KEYS`)
     that always run on ``gloo``. Made by the backend's creator, never directly.
+
+    Every collective is a collective over the group's members and blocks the host until it is
+    complete on this rank. ``async_op=True`` does not make it run in the background: the call
+    returns a Work that is already complete (its error, if any, inside it). Only receives
+    (``irecv``) and sends of heap tensors (``isend``) return Works that complete later.
     """
 
     def __init__(self, comm, *, rank: int, size: int, gloo: dist.ProcessGroup, fallback: frozenset[str],
@@ -306,8 +312,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         return self._done(opts, tensors, run)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        """Reduce to ``opts.rootRank``. Cost: a full all_reduce; non-root ranks reduce into a private
-        copy, so their tensors are left unchanged."""
+        """Reduce to ``opts.rootRank``: a reduce_scatter then a gather into the root's tensor (see
+        :func:`~.list_forms.reduce_to`); non-root tensors are left unchanged."""
         opts = opts if opts is not None else _c10d.ReduceOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce")
         if not self._zb("reduce") or red == "gloo":
@@ -316,7 +322,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         def run() -> None:
             for t in tensors:
-                all_reduce(t if comm.rank == root else t.clone(), red, comm=comm)
+                reduce_to(comm, root, t, red)
 
         return self._done(opts, tensors, run)
 
