@@ -31,8 +31,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_tp(sub) -> None:
-    import argparse
-
     from .bench.tp import __doc__ as tp_doc
     from .bench.tp import add_arguments
 
