@@ -1,4 +1,4 @@
-"""The ``zbccl`` command: ``--version``, ``info``, ``bench``, ``tune``, ``demo``, ``build``."""
+"""The ``zbccl`` command: ``--version``, ``info``, ``bench``, ``bench-tp``, ``tune``, ``demo``, ``build``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,19 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-size", default="64M", help="largest message (bytes per rank input)")
     tune.add_argument("--out", default=None, help="table path (default: ZBCCL_TUNE_FILE or the host's cache entry)")
     _add_bench(sub)
+    _add_bench_tp(sub)
     return p
+
+
+def _add_bench_tp(sub) -> None:
+    from .bench.tp import __doc__ as tp_doc
+    from .bench.tp import add_arguments
+
+    usage, description = tp_doc.split("\n\n", 2)[:2]
+    b = sub.add_parser("bench-tp", help="decode step of a HF transformers TP=2 model: zbccl vs gloo vs no comm",
+                       usage=usage.removeprefix("Usage: "), description=description,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(b)
 
 
 def _add_bench(sub) -> None:
@@ -84,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(world_size=args.world_size, nbytes=parse_size(args.size), iters=args.iters)
     if args.cmd == "bench":
         return _bench(args)
+    if args.cmd == "bench-tp":
+        from .bench.tp import run_from_args
+
+        return run_from_args(args)
     if args.cmd == "tune":
         from pathlib import Path
 
