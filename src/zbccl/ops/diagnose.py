@@ -1,4 +1,4 @@
-"""What a late rank is doing, for the timeout messages of both op paths.
+"""What a late rank is doing, for the ops' timeout messages.
 
 "never arrived" must mean exactly that. When an op times out, each late
 rank's flags in its own comm slot tell where it is instead: its ``ARRIVE``
@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
-from .plan import OP_NAMES
+from ..native.abi import H_OP, L_ARRIVE, L_DONE, OP_NAMES
 
 if TYPE_CHECKING:
     from .channel import OpChannel
@@ -23,7 +23,6 @@ __all__ = ["late_message", "describe"]
 def describe(ch: OpChannel, r: int) -> str:
     """One late group rank ``r``, as seen from this rank at op ``ch.seq``."""
     from ..heap import layout
-    from .channel import L_ARRIVE, L_DONE, Header
 
     load = ch.prims.load_acquire
     arrive, done = load(ch.lines[L_ARRIVE][r]), load(ch.lines[L_DONE][r])
@@ -32,7 +31,7 @@ def describe(ch: OpChannel, r: int) -> str:
     if load(ch.lines[layout.SLOT_BARRIER][r]) > getattr(ch.comm, "_epoch", 0):
         return f"rank {r} is in a different collective: it waits in barrier()"
     if arrive > done or arrive > ch.seq:
-        opcode = struct.unpack_from("<q", ch.headers[r], Header.OP * 8)[0]
+        opcode = struct.unpack_from("<q", ch.headers[r], H_OP * 8)[0]
         name = OP_NAMES.get(opcode, f"op code {opcode}")
         return (f"rank {r} is in a different collective: {name} #{arrive} (this rank is at #{ch.seq}), "
                 "so an earlier op did not end on every rank")
