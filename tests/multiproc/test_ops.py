@@ -217,26 +217,22 @@ def _base(rank: int, shape, make) -> torch.Tensor:
 def _broadcast_views(ctx):
     """Issue 12: broadcast of a non-contiguous tensor must not overwrite the root's own data."""
     import zbccl
-    from zbccl.ops.channel import channel_of
 
     comm = ctx.init(heap_size=8 * MiB)
     try:
         W, me = comm.world_size, comm.rank
-        for python_path in (False, True):
-            if python_path:
-                channel_of(comm).__dict__["native"] = False
-            for src in range(W):
-                for heap in (True, False):
-                    for name, (shape, view_of) in VIEWS.items():
-                        base = _base(me, shape, zbccl.empty if heap else torch.empty)
-                        before = base.clone()
-                        zbccl.broadcast(view_of(base), src)
-                        case = f"{name} src={src} heap={heap} python={python_path}"
-                        expect = before.clone()
-                        view_of(expect).copy_(view_of(_base(src, shape, torch.empty)))
-                        assert torch.equal(base, expect), f"broadcast {case}: wrong bytes on rank {me}"
-                        if me == src:
-                            assert torch.equal(base, before), f"broadcast {case}: the root's tensor changed"
+        for src in range(W):
+            for heap in (True, False):
+                for name, (shape, view_of) in VIEWS.items():
+                    base = _base(me, shape, zbccl.empty if heap else torch.empty)
+                    before = base.clone()
+                    zbccl.broadcast(view_of(base), src)
+                    case = f"{name} src={src} heap={heap}"
+                    expect = before.clone()
+                    view_of(expect).copy_(view_of(_base(src, shape, torch.empty)))
+                    assert torch.equal(base, expect), f"broadcast {case}: wrong bytes on rank {me}"
+                    if me == src:
+                        assert torch.equal(base, before), f"broadcast {case}: the root's tensor changed"
         return True
     finally:
         zbccl.finalize()
@@ -269,7 +265,7 @@ def test_every_op_against_reference(world_size):
     assert counts[0] > 100
 
 
-def _python_and_native_paths(ctx):
+def _chunked_twoshot_and_placements(ctx):
     import zbccl
     from zbccl.ops.channel import channel_of
     from zbccl.ops.reference import all_reduce_ref
@@ -283,19 +279,15 @@ def _python_and_native_paths(ctx):
         # small chunks: many pipelined twoshot steps, with ragged last chunks
         table.rules["all_reduce"] = {"*": [[-1, "twoshot", 4096]]}
         # streaming stores in the native twoshot gather (a policy knob, off by default)
-        from zbccl.ops.fastpath import native_channel
-
-        nat = native_channel(ch)
-        nat.core.chan_configure(nat.handle, 1024)
+        ch.prims.chan_configure(ch.handle, 1024)
         for dtype in (torch.bfloat16, torch.float32):
             n = 100_003
             t = zbccl.empty(n, dtype=dtype)
             t.copy_(payload(me, n, dtype))
             zbccl.all_reduce(t)
             assert torch.equal(t, all_reduce_ref([payload(r, n, dtype) for r in range(W)], 0)), "stream"
-        nat.core.chan_configure(nat.handle, 0)
-        for mode in ("native", "python", "mixed"):
-            ch.__dict__["native"] = False if mode == "python" or (mode == "mixed" and me == 1) else None
+        ch.prims.chan_configure(ch.handle, 0)
+        for mode in ("heap", "mixed"):  # mixed: rank 0's inputs are private (staged or pushed)
             ch.choices.clear()
             # Sequence numbers past 2^39 (every rank jumps alike): PHASE values once encoded
             # seq << 24 | step, which overflowed int64 there; they must not depend on seq at all.
@@ -340,8 +332,8 @@ def _python_and_native_paths(ctx):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_chunked_twoshot_python_native_and_mixed(world_size):
-    assert run_world(_python_and_native_paths, world_size, timeout=120) == [True] * world_size
+def test_chunked_twoshot_and_mixed_placements(world_size):
+    assert run_world(_chunked_twoshot_and_placements, world_size, timeout=120) == [True] * world_size
 
 
 def _oversubscribed(ctx):
@@ -531,16 +523,29 @@ def _killed_mid_op(ctx):
     import os
     import signal
 
+    import threading
+    from datetime import timedelta
+
     import zbccl
-    from zbccl.ops.channel import channel_of
+    from zbccl.ops.channel import L_ARRIVE, channel_of
+    from zbccl.runtime.waits import FlagSet, wait_flags
 
     comm = ctx.init(heap_size=4 * MiB)
+    store = ctx.store()
     t = zbccl.zeros(1 << 16)
     zbccl.all_reduce(t)
     if ctx.rank == 1:
         ch = channel_of(comm)
-        ch.begin([0, 1, 0, 0, t.numel(), t.numel(), ch.offset_of(t), -1, 2], op="all_reduce")
-        os.kill(os.getpid(), signal.SIGKILL)  # dies after ARRIVE, before DONE
+        mine = FlagSet([comm.ranks[1]], [ch.my_flags[L_ARRIVE]])
+
+        def die():  # once this rank posted op #2's ARRIVE: it cannot finish before rank 0 joins
+            wait_flags(comm._ctx, mine, 2, timeout=30, op="test")
+            store.set("ops/armed", b"1")
+            os.kill(os.getpid(), signal.SIGKILL)  # dies after ARRIVE, before DONE
+
+        threading.Thread(target=die, daemon=True).start()
+        zbccl.all_reduce(t)
+    store.wait(["ops/armed"], timedelta(seconds=30))
     with pytest.raises(zbccl.ZbcclRemoteError, match="died"):
         zbccl.all_reduce(t)
     zbccl.finalize()
