@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zbccl.errors import ZbcclInvalidUsageError
-from zbccl.ops.plan import ALGO_CODES
+from zbccl.ops.tuner import ALGO_CODES
 from zbccl.ops.tuner import DEFAULT_CHUNK, DEFAULT_RULES, TuningTable, parse_forced, validate_rules
 from zbccl.tools.tune import _rules, write_table
 
