@@ -190,7 +190,6 @@ def test_size_mismatch_prints_the_sizes():
 
 def _per_op_timeout(ctx):
     import zbccl
-    from zbccl.ops.channel import channel_of
 
     comm = ctx.init(heap_size=4 * MiB, timeout=300)
     store = ctx.store()
@@ -288,6 +287,10 @@ def _interrupted(ctx):
         err = _expect(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 1 was interrupted")
         assert err.ranks == (1,)
         _expect(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 1 was interrupted")
+        # the barrier reads the ABORT line too, instead of waiting out the 300 s timeout
+        err = _expect(zbccl.ZbcclRemoteError, lambda: comm.barrier(), "barrier", "rank 1 was interrupted")
+        assert err.ranks == (1,)
+        _expect(zbccl.ZbcclRemoteError, lambda: zbccl.barrier(), "rank 1 was interrupted")
         return "seen"
     finally:
         if comm.rank == 0:
@@ -310,7 +313,6 @@ def _vm_bytes() -> int:
 def _scratch_oom(ctx):
     """Issue 11 item 4: a oneshot whose scratch cannot be allocated fails on every rank, with the reason."""
     import zbccl
-    from zbccl.ops.channel import channel_of
     from zbccl.ops.tuner import force_algorithm
 
     nbytes = 96 * MiB
