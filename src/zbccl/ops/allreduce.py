@@ -46,7 +46,7 @@ from .channel import OpChannel
 from .dtypes import dtype_code, reduce_op_code
 from .entry import run_op
 from .operands import Operand
-from .tuner import choose
+from .tuner import StoreKind, choose
 
 __all__ = ["all_reduce"]
 
@@ -77,25 +77,44 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
 
 
 def _run(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
-    count = tensor.numel()
-    itemsize = tensor.element_size()
-    nbytes = count * itemsize
-    algo, chunk = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
-    chunk_elems = max(1, chunk // itemsize)
-    if nbytes and tensor.is_contiguous():
-        addr = tensor.data_ptr()
-        off = addr - ch.my_base
-        if ch.fits(off, nbytes):  # zero-copy: the common case
-            if nbytes < ch.stores.MIN_BYTES:
-                ch.run(OP_ALL_REDUCE, dt, red, count, count, off, -1, algo, 0, 0, 0, chunk_elems, addr, addr,
-                       itemsize, op=_OP)
-                return
-            ch.stores.before(nbytes)
-            t0 = time.perf_counter_ns()
-            ch.run(OP_ALL_REDUCE, dt, red, count, count, off, -1, algo, 0, 0, 0, chunk_elems, addr, addr, itemsize,
-                   op=_OP)
-            ch.stores.after(nbytes, time.perf_counter_ns() - t0)
+    contiguous = tensor.is_contiguous()
+    key = (OP_ALL_REDUCE, tensor.data_ptr(), tensor.numel(), dt, red)
+    plan = ch.choices.get(key) if contiguous else None
+    if plan is None:
+        plan = _plan(ch, tensor, dt, red, key) if contiguous else None
+        if plan is None:
+            _staged(ch, tensor, dt, red)
             return
+    nbytes = plan[2]
+    if nbytes < StoreKind.MIN_BYTES:
+        ch.call(plan, op=_OP)
+        return
+    ch.stores.before(nbytes)
+    t0 = time.perf_counter_ns()
+    ch.call(plan, op=_OP)
+    ch.stores.after(nbytes, time.perf_counter_ns() - t0)
+
+
+def _args(ch: OpChannel, tensor: torch.Tensor) -> tuple[int, int, int, int, int]:
+    count, itemsize = tensor.numel(), tensor.element_size()
+    algo, chunk = choose(ch, OP_ALL_REDUCE, tensor.dtype, count * itemsize)
+    return count, itemsize, algo, max(1, chunk // itemsize), count * itemsize
+
+
+def _plan(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int, key: tuple) -> tuple | None:
+    """The prefilled call for a contiguous heap tensor (zero-copy), or None."""
+    count, itemsize, algo, chunk_elems, nbytes = _args(ch, tensor)
+    addr = tensor.data_ptr()
+    off = addr - ch.my_base
+    if not nbytes or not ch.fits(off, nbytes):
+        return None
+    return ch.plan(key, OP_ALL_REDUCE, dt, red, count, count, off, -1, algo, 0, 0, 0, chunk_elems, addr, addr,
+                   itemsize)
+
+
+def _staged(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
+    """A tensor outside the heap, non-contiguous or empty: through a heap block (Operand)."""
+    count, itemsize, algo, chunk_elems, _ = _args(ch, tensor)
     operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
     try:
         if operand.error is not None:

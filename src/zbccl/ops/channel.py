@@ -102,6 +102,7 @@ __all__ = ["OpChannel", "channel_of", "show_field", "L_ARRIVE", "L_PHASE", "L_DO
 _HDR = struct.Struct(f"<{abi.HDR_FIELDS}q")
 _ARGS = struct.Struct(f"<{len(abi.ARGS)}q")
 _A_STAGED = abi.ARGS.index("staged")
+_A_TIMEOUT = abi.ARGS.index("timeout_ns")
 #: Header fields as error messages name them.
 FIELD_NAMES = {abi.H_OP: "op", H_DTYPE: "dtype", H_REDOP: "reduce op", abi.H_IN_NUMEL: "input numel",
                abi.H_OUT_NUMEL: "output numel", H_ALGO: "algorithm", abi.H_ROOT: "root rank",
@@ -153,7 +154,9 @@ class OpChannel:
         self.my_base = heap.addr(me, 0)
         self._size_word = heap.ctrl_addr(me, layout.H_HEAP_BYTES)
         self.my_size = self.prims.load_acquire(self._size_word)
-        #: (op, dtype, bytes) -> (algorithm, chunk), filled by ``tuner.choose`` (cleared when the table changes).
+        #: What this communicator decided per op shape, cleared together when the tuning table changes:
+        #: (op, dtype, bytes) -> (algorithm, chunk) from ``tuner.choose``, and per heap-operand key the
+        #: prefilled ``zb_op`` of that call (:meth:`plan`), so a repeated op only writes its sequence number.
         self.choices: dict = {}
         self.tuning = None  # the communicator's TuningTable, shared on first use (tuner.table_for)
         self._sizes: dict = {}
@@ -162,6 +165,8 @@ class OpChannel:
         self.timeout_ns = int(self.timeout * 1e9)
         #: Why this communicator is unusable on this rank (an op was left half-way), or None.
         self.broken: str | None = None
+        #: True while nothing per-op needs checking at entry (not broken, the default timeout).
+        self.plain = True
         self._open(comm)
 
     def _open(self, comm: Communicator) -> None:
@@ -208,6 +213,7 @@ class OpChannel:
                                          "finalize and init again", ranks=(self.rank,))
         self.timeout, error = timeout_error(timeout, self.default_timeout, op=op)
         self.timeout_ns = max(1, int(self.timeout * 1e9))
+        self.plain = self.timeout == self.default_timeout
         return error
 
     def run(self, opcode: int, dtype: int, redop: int, in_numel: int, out_numel: int, in_off: int, out_off: int,
@@ -225,6 +231,29 @@ class OpChannel:
     def staged(self) -> int:
         """Bytes the last op staged in C (an exchange's private input, when no algorithm did without)."""
         return self._args[_A_STAGED]
+
+    def plan(self, key: tuple, opcode: int, dtype: int, redop: int, in_numel: int, out_numel: int, in_off: int,
+             out_off: int, algo: int, root: int, row: int, error: int, aux: int, in_addr: int, out_addr: int,
+             itemsize: int, counts: int = 0, nvec: int = 0, stage_off: int = -1) -> tuple:
+        """A ``zb_op`` prefilled for a call that repeats (heap operands at fixed addresses), cached under
+        ``key``; :meth:`call` runs it. Arguments as in :meth:`run`."""
+        args = (ctypes.c_int64 * len(abi.ARGS))()
+        _ARGS.pack_into(args, 0, 0, opcode, dtype, redop, in_numel, out_numel, in_off, out_off, algo, root, row, 0,
+                        error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec, stage_off, self.timeout_ns, 0)
+        if len(self.choices) > 4096:
+            self.choices.clear()
+        plan = self.choices[key] = (args, ctypes.addressof(args), in_numel * itemsize)
+        return plan
+
+    def call(self, plan: tuple, *, op: str) -> None:
+        """Run a prefilled ``zb_op`` from :meth:`plan` with this op's sequence number and timeout."""
+        self.seq += 1
+        args = plan[0]
+        args[0] = self.seq
+        args[_A_TIMEOUT] = self.timeout_ns
+        rc = self._chan_run(self.handle, plan[1])
+        if rc:
+            self.raise_for(rc, op=op)
 
     def fail(self, opcode: int, text: str, kind: int = ERR_USAGE, *, op: str) -> None:
         """This rank cannot run the op (``text`` says why): run the handshake with the error posted so
@@ -247,6 +276,7 @@ class OpChannel:
     def abort(self, why: int, text: str) -> None:
         """Publish that this rank left an op half-way; every later op on this communicator refuses."""
         self.broken = self.broken or text
+        self.plain = False
         ctypes.c_int64.from_address(self.my_flags[L_ABORT] + 16).value = why
         self.prims.signal(self.my_flags[L_ABORT], self.seq)
 
@@ -273,12 +303,14 @@ class OpChannel:
         return off if self.fits(off, t.numel() * t.element_size()) else -1
 
     def sizes(self, counts: list[int]) -> int:
-        """Address of an int64 copy of a size vector, cached per vector."""
+        """Address of an int64 copy of a size vector, cached per vector (alive as long as the plans
+        that use it)."""
         key = tuple(counts)
         hit = self._sizes.get(key)
         if hit is None:
-            if len(self._sizes) > 1024:
+            if len(self._sizes) > 1024:  # the plans point into these arrays: they go too
                 self._sizes.clear()
+                self.choices.clear()
             arr = np.asarray(counts, dtype=np.int64)
             hit = self._sizes[key] = (int(arr.ctypes.data), arr)
         return hit[0]

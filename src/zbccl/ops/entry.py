@@ -45,8 +45,8 @@ def open_op(comm, opcode: int, error: str | None, *, op: str, timeout) -> OpChan
     ch = comm.op_state
     if ch is None:
         ch = channel_of(comm)
-    elif error is None and timeout is None and ch.broken is None and ch.timeout == ch.default_timeout:
-        return ch  # the common case: nothing to check or set
+    elif error is None and timeout is None and ch.plain:
+        return ch  # nothing to check or set
     error = ch.enter(timeout, op=op) or error
     if error:
         seq = ch.seq
@@ -62,10 +62,23 @@ def run_op(comm, opcode: int, error: str | None, native: Callable[..., None], si
            args: tuple, *, op: str, timeout, t: Any) -> None:
     """Run one collective: ``single(*args)`` at world size 1, else ``native(ch, *args)`` on the
     channel, after ``error`` (this rank's local verdict) failed the op on every rank if set."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    ch = comm.op_state
+    if ch is not None and ch.plain and error is None and timeout is None and not _profiling():
+        seq = ch.seq  # the common case, inline: nothing to fail, check or set
+        try:
+            native(ch, *args)
+        except BaseException as exc:
+            ch.left(seq, exc, op=op)
+            raise
+        return None
+    if _profiling():
         with profiled(op, t):
             return _run(comm, opcode, error, native, single, args, op, timeout)
     return _run(comm, opcode, error, native, single, args, op, timeout)
+
+
+def _profiling() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
 
 
 def _run(comm, opcode, error, native, single, args, op, timeout) -> None:

@@ -56,7 +56,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
     W = comm.world_size
     dt = even_gather_code(output, input, W, comm.rank)
     if dt is not None:  # the common case, already checked
-        return _start(comm, "all_gather", output, input, [input.numel()] * W, None, 1, None, timeout, dt=dt)
+        return _start(comm, "all_gather", output, input, None, None, 1, None, timeout, dt=dt)
     error = tensor_error(output, "output", op="all_gather", written=True) or tensor_error(input, "input", op="all_gather")
     counts = [0] * W if error else [input.numel()] * W
     return _start(comm, "all_gather", output, input, counts, None, 1, error, timeout)
@@ -64,7 +64,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
 
 def _start(comm, op: str, output, input, counts, out_counts, row: int, error: str | None, timeout, *,
            dt: int | None = None) -> torch.Tensor:
-    """Check locally (unless ``dt`` says the caller did), then run the op (or fail it on every rank)."""
+    """Check locally (unless ``dt`` says the caller did), then run the op (or fail it on every rank).
+    ``counts`` None: an even all_gather, already checked."""
     W = comm.world_size
     if dt is None:
         dt = 0
@@ -76,24 +77,62 @@ def _start(comm, op: str, output, input, counts, out_counts, row: int, error: st
     return output
 
 
-def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int],
+def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int] | None,
             out_counts: list[int] | None, row: int, dt: int) -> None:
-    """One native call; a private input is staged first and a non-contiguous output filled through
-    a contiguous buffer."""
-    W = ch.world_size
-    isz, n_in, n_out = input.element_size(), input.numel(), output.numel()
+    """One native call: prefilled for repeated calls on contiguous heap inputs, else :func:`_general`."""
+    if input.is_contiguous() and output.is_contiguous():
+        key = (op, input.data_ptr(), output.data_ptr(), input.numel(), output.numel(), dt, row,
+               None if counts is None else tuple(counts), None if out_counts is None else tuple(out_counts))
+        plan = ch.choices.get(key)
+        if plan is None:
+            plan = _plan(ch, key, output, input, counts, out_counts, row, dt)
+        if plan is not None:
+            ch.call(plan, op=op)
+            return
+    _general(ch, output, input, op, counts, out_counts, row, dt)
+
+
+def _shape(ch: OpChannel, input: torch.Tensor, n_out: int, counts: list[int] | None,
+           out_counts: list[int] | None) -> tuple[int, int, int, int]:
+    """``(opcode, algorithm, address of the posted size vector, its length)``."""
+    W, n_in, isz = ch.world_size, input.numel(), input.element_size()
     if out_counts is None:
-        opcode, sizes, nvec = OP_ALL_GATHER, counts, W
+        opcode, sizes, nvec = OP_ALL_GATHER, [n_in] * W if counts is None else counts, W
     else:
         opcode, sizes, nvec = OP_ALL_TO_ALL, counts + out_counts, 2 * W
     algo, _ = choose(ch, opcode, input.dtype, (n_out if out_counts is None else n_in) * isz)
-    counts_addr = ch.sizes(sizes)
+    return opcode, algo, ch.sizes(sizes), nvec
+
+
+def _out_offset(ch: OpChannel, out: torch.Tensor) -> int:
+    """Heap offset of a contiguous output, -1 outside the heap (the op then cannot push)."""
+    off, nbytes = out.data_ptr() - ch.my_base, out.numel() * out.element_size()
+    return off if nbytes and ch.fits(off, nbytes) else -1
+
+
+def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, counts, out_counts, row: int,
+          dt: int) -> tuple | None:
+    """The prefilled call for contiguous tensors whose input is in the heap (zero-copy), or None."""
+    n_in, n_out, isz = input.numel(), output.numel(), input.element_size()
+    in_addr = input.data_ptr()
+    if not n_in or not ch.fits(in_addr - ch.my_base, n_in * isz):
+        return None
+    opcode, algo, counts_addr, nvec = _shape(ch, input, n_out, counts, out_counts)
+    return ch.plan(key, opcode, dt, 0, n_in, n_out, in_addr - ch.my_base, _out_offset(ch, output), algo, 0, row, 0,
+                   0, in_addr, output.data_ptr(), isz, counts_addr, nvec)
+
+
+def _general(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int] | None,
+             out_counts: list[int] | None, row: int, dt: int) -> None:
+    """Any placement: a private input gets a heap block to be staged into, a non-contiguous output is
+    filled through a contiguous buffer."""
+    isz, n_in, n_out = input.element_size(), input.numel(), output.numel()
+    opcode, algo, counts_addr, nvec = _shape(ch, input, n_out, counts, out_counts)
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     out_addr = out_t.data_ptr()
-    out_off = out_addr - ch.my_base if out_t is output and n_out and ch.fits(out_addr - ch.my_base, n_out * isz) \
-        else -1
+    out_off = _out_offset(ch, out_t) if out_t is output else -1
     in_addr = input.data_ptr()
-    if input.is_contiguous() and ch.fits(in_addr - ch.my_base, n_in * isz):  # zero-copy: the common case
+    if n_in and input.is_contiguous() and ch.fits(in_addr - ch.my_base, n_in * isz):
         ch.run(opcode, dt, 0, n_in, n_out, in_addr - ch.my_base, out_off, algo, 0, row, 0, 0, in_addr, out_addr, isz,
                counts_addr, nvec, op=op)
     else:

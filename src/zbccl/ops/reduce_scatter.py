@@ -99,18 +99,20 @@ def _run(comm, op: str, output, input, red_op, counts: list[int], row: int, erro
 
 def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int], row: int,
             dt: int, red: int) -> None:
-    """Stage a private input (peers read their slice of it), reduce into a contiguous output."""
+    """One native call: prefilled for repeated calls on contiguous tensors with a heap input; else a
+    private input is staged (peers read their slice of it) and the output filled through a buffer."""
+    if input.is_contiguous() and output.is_contiguous():
+        key = (op, input.data_ptr(), output.data_ptr(), input.numel(), dt, red, row, tuple(counts))
+        plan = ch.choices.get(key)
+        if plan is None:
+            plan = _plan(ch, key, output, input, counts, row, dt, red)
+        if plan is not None:
+            ch.call(plan, op=op)
+            return
     isz, n_in = input.element_size(), input.numel()
     algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
     counts_addr = ch.sizes(counts)
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
-    if n_in and input.is_contiguous():
-        in_addr = input.data_ptr()
-        if ch.fits(in_addr - ch.my_base, n_in * isz):  # zero-copy: the common case
-            ch.run(OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), in_addr - ch.my_base, -1, algo, 0, row, 0, 0,
-                   in_addr, out_t.data_ptr(), isz, counts_addr, ch.world_size, op=op)
-            _copy_back(ch, output, out_t)
-            return
     src = Operand(ch, input, op=op, role="input", read=True, write=False)
     try:
         if src.error is not None:
@@ -120,6 +122,18 @@ def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, c
     finally:
         src.finish()
     _copy_back(ch, output, out_t)
+
+
+def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, counts: list[int], row: int,
+          dt: int, red: int) -> tuple | None:
+    """The prefilled call when the input is a contiguous heap tensor (zero-copy), or None."""
+    isz, n_in = input.element_size(), input.numel()
+    in_addr = input.data_ptr()
+    if not n_in or not ch.fits(in_addr - ch.my_base, n_in * isz):
+        return None
+    algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
+    return ch.plan(key, OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), in_addr - ch.my_base, -1, algo, 0, row, 0,
+                   0, in_addr, output.data_ptr(), isz, ch.sizes(counts), ch.world_size)
 
 
 def _copy_back(ch: OpChannel, output: torch.Tensor, out_t: torch.Tensor) -> None:
