@@ -220,3 +220,41 @@ def test_peer_killed_in_the_middle_of_an_op():
 
     jobs = run_world(_killed_mid_op, 2, expect_exit={1: -9}, timeout=45)
     assert processes_mapping(jobs[0]) == []
+
+
+def _live_heap_size(ctx):
+    """Issue 11 item 6: operands are checked against each rank's heap size as published now (heaps may
+    grow during the job), not as it was when the channel was made. Rank 1 publishes a smaller size for
+    one op (a stand-in for a size that changes): the op fails on every rank; restored, it runs."""
+    import zbccl
+    from zbccl.heap import layout
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=60)
+    try:
+        W, me = comm.world_size, comm.rank
+        t = zbccl.empty(1024)
+        t.fill_(me + 1)
+        zbccl.all_reduce(t)
+        heap = comm.heap
+        word = heap.ctrl_addr(comm.global_rank, layout.H_HEAP_BYTES)
+        size = heap.prims.load_acquire(word)
+        off = t.data_ptr() - comm.heap_base
+        if me == 1:
+            heap.prims.signal(word, off)  # the tensor now ends past rank 1's published heap
+        comm.barrier()
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="rank 1's operand is outside its heap"):
+            zbccl.all_reduce(t)
+        comm.barrier()
+        if me == 1:
+            heap.prims.signal(word, size)
+        comm.barrier()
+        t.fill_(me + 1)
+        zbccl.all_reduce(t)
+        assert t.tolist() == [float(sum(range(1, W + 1)))] * 1024
+        return True
+    finally:
+        zbccl.finalize()
+
+
+def test_operands_are_checked_against_the_published_heap_size():
+    assert run_world(_live_heap_size, 2, timeout=60) == [True, True]
