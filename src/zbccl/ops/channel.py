@@ -46,14 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import (
-    ZbcclError,
-    ZbcclInvalidUsageError,
-    ZbcclOutOfMemoryError,
-    ZbcclRemoteError,
-    ZbcclSystemError,
-    ZbcclTimeoutError,
-)
+from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclSystemError
 from ..heap import layout
 from ..native import abi
 from ..native.abi import (
@@ -61,63 +54,29 @@ from ..native.abi import (
     ABORT_INTERRUPT,
     ERR_NOMEM,
     ERR_USAGE,
-    H_ALGO,
-    H_DTYPE,
-    H_IN_OFF,
-    H_REDOP,
-    H_ROW,
-    H_SEQ,
     L_ABORT,
     L_ARRIVE,
     L_DONE,
     L_HEADER,
     L_PHASE,
     L_VECTORS,
-    RC_ABORTED,
-    RC_DEAD,
-    RC_GONE,
-    RC_MISMATCH,
-    RC_NOMEM,
-    RC_PEER_ERROR,
-    RC_SIZES,
-    RC_SPLITS,
-    RC_STEP,
-    RC_TIMEOUT,
     VEC_CAP,
 )
-from ..runtime.communicator import abort_error, aborted_why
-from ..runtime.registry import FINALIZED_WHILE_WAITING
+from ..runtime.communicator import aborted_why
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet
 from .args import timeout_error
-from .diagnose import late_message
-from .dtypes import CODE_DTYPES, op_name
+from .diagnose import error_for
 
 if TYPE_CHECKING:
     from ..runtime.communicator import Communicator
 
-__all__ = ["OpChannel", "channel_of", "show_field", "L_ARRIVE", "L_PHASE", "L_DONE", "L_ABORT", "ERR_USAGE",
-           "ERR_NOMEM"]
+__all__ = ["OpChannel", "channel_of", "L_ARRIVE", "L_PHASE", "L_DONE", "L_ABORT", "ERR_USAGE", "ERR_NOMEM"]
 
 _HDR = struct.Struct(f"<{abi.HDR_FIELDS}q")
 _ARGS = struct.Struct(f"<{len(abi.ARGS)}q")
 _A_STAGED = abi.ARGS.index("staged")
 _A_TIMEOUT = abi.ARGS.index("timeout_ns")
-#: Header fields as error messages name them.
-FIELD_NAMES = {abi.H_OP: "op", H_DTYPE: "dtype", H_REDOP: "reduce op", abi.H_IN_NUMEL: "input numel",
-               abi.H_OUT_NUMEL: "output numel", H_ALGO: "algorithm", abi.H_ROOT: "root rank",
-               H_ROW: "elements per row", abi.H_AUX: "chunk elements"}
-
-
-def show_field(field: int, value: int) -> str:
-    """A header value as error messages print it (dtype and op names, not codes)."""
-    if field == H_DTYPE:
-        return str(CODE_DTYPES.get(value, value)).removeprefix("torch.")
-    if field == H_REDOP:
-        return op_name(value)
-    if field == H_ALGO:
-        return abi.ALGO_NAMES.get(value, str(value))
-    return str(value)
 
 
 class OpChannel:
@@ -316,78 +275,15 @@ class OpChannel:
         return hit[0]
 
     # --------------------------------------------------------- errors
-    def _copies(self) -> tuple[np.ndarray, np.ndarray, tuple]:
-        """Every rank's header and the two size-vector areas as the last op copied them (before DONE)."""
-        res = self.prims.chan_result(self.handle)
-        W = self.world_size
-        hdrs = np.frombuffer((ctypes.c_int64 * (16 * W)).from_address(res[3]), dtype=np.int64).reshape(W, 16)
-        vecs = np.frombuffer((ctypes.c_int64 * (2 * VEC_CAP)).from_address(res[5]), dtype=np.int64)
-        return hdrs.copy(), vecs.reshape(2, VEC_CAP).copy(), res
-
     def raise_for(self, rc: int, *, op: str) -> None:
-        """Raise the error of the last op's result code ``rc``."""
-        hdrs, vecs, (_, rank, field, _, late, _) = self._copies()
-        W = self.world_size
-        if rc == RC_TIMEOUT:
-            late = late or [rank]
-            raise ZbcclTimeoutError(late_message(self, late, op=op), ranks=tuple(late))
-        if rc == RC_GONE and rank == self.rank:  # chan.c check_peers: our own STATE is FINALIZED
-            raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(self.comm.global_rank,))
-        if rc == RC_ABORTED:
-            raise abort_error(rank, self.aborted(rank), op=op)
-        if rc in (RC_DEAD, RC_GONE):
-            state = self.ctx.heap.header(self.comm.ranks[rank], layout.H_STATE)
-            why = {layout.STATE_FINALIZED: "called finalize", layout.STATE_FAILED: "failed"}.get(
-                state, "died (its process exited or was killed)")
-            raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank {rank} {why}", ranks=(rank,))
-        if rc == RC_MISMATCH:
-            got = ", ".join(f"rank {r} {show_field(field, int(v))}" for r, v in enumerate(hdrs[:, field]))
-            raise ZbcclInvalidUsageError(f"{op}: ranks disagree on {FIELD_NAMES.get(field, field)}, got {got}",
-                                         ranks=tuple(range(W)))
-        if rc in (RC_PEER_ERROR, RC_NOMEM):
-            raise _peer_error(op, rank, ERR_NOMEM if rc == RC_NOMEM else ERR_USAGE, _text_of(vecs[0]),
-                              ranks=(rank,))
-        if rc == RC_SIZES:
-            row = max(1, int(hdrs[0, H_ROW]))
-            raise ZbcclInvalidUsageError(_sizes_message(op, vecs[0][:W], rank, vecs[1][:W], row), ranks=(0, rank))
-        if rc == RC_SPLITS:
-            q, r = rank, field
-            raise ZbcclInvalidUsageError(
-                f"{op}: split sizes disagree, rank {q} sends {int(vecs[0][r]) // max(1, int(hdrs[q, H_ROW]))} "
-                f"rows to rank {r} but rank {r} expects {int(vecs[1][W + q]) // max(1, int(hdrs[r, H_ROW]))}",
-                ranks=(q, r))
-        if rc == RC_STEP:
-            raise ZbcclInvalidUsageError(
-                f"{op}: ranks out of step, expected op #{self.seq} everywhere, got rank {rank} at "
-                f"#{int(hdrs[rank, H_SEQ])}", ranks=(rank,))
-        raise ZbcclInvalidUsageError(
-            f"{op}: rank {rank}'s operand is outside its heap (offset {int(hdrs[rank, H_IN_OFF])})", ranks=(rank,))
+        """Raise the error of the last op's result code ``rc`` (see :func:`.diagnose.error_for`)."""
+        raise error_for(self, rc, op=op)
 
 
 # The argument order of OpChannel.run is the order of zb_op (abi.ARGS) less what the channel fills.
 assert tuple(inspect.signature(OpChannel.run).parameters)[1:-1] == tuple(
     "opcode" if a == "op" else a for a in abi.ARGS if a not in ("seq", "digest", "phase_base", "pad", "timeout_ns", "staged")
 ), "OpChannel.run's parameters must follow abi.ARGS"
-
-
-def _text_of(vec: np.ndarray) -> str:
-    """The error text a rank posted in its size-vector area: int64 length, then UTF-8 bytes."""
-    n = max(0, min(int(vec[0]), VEC_CAP * 8 - 16))
-    return bytes(vec.view(np.uint8)[8:8 + n]).decode(errors="replace")
-
-
-def _peer_error(op: str, r: int, kind: int, text: str, *, ranks: tuple[int, ...]) -> ZbcclError:
-    """The error every rank raises when rank ``r`` posted an error of ``kind`` with ``text``."""
-    if kind == ERR_NOMEM:
-        return ZbcclOutOfMemoryError(f"{op}: rank {r} ran out of memory: {text}", ranks=ranks)
-    return ZbcclInvalidUsageError(f"{op}: rank {r} passed invalid arguments: {text}", ranks=ranks)
-
-
-def _sizes_message(op: str, ref: np.ndarray, r: int, got: np.ndarray, row: int) -> str:
-    unit = "elements" if row == 1 else "rows"
-    show = lambda v: str([int(x) // max(1, row) for x in v])  # noqa: E731
-    return (f"{op}: ranks disagree on sizes ({unit} per rank), expected {show(ref)} (rank 0) on every rank, "
-            f"got {show(got)} on rank {r}")
 
 
 def channel_of(comm: Communicator) -> OpChannel:
