@@ -37,7 +37,7 @@ static int ensure_scratch(zb_chan *c, int64_t nbytes) {
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Post an error of `kind` with its text in this rank's header instead of failing alone: every rank
- * then sees it in the handshake and fails together (the Python path's fail_together). */
+ * then sees it in the handshake and fails together (as ops/channel.py OpChannel.fail does). */
 static void post_error(zb_chan *c, zb_op *o, int kind, const char *text) {
     size_t n = strlen(text);
     if (n > (VEC_CAP - 2) * 8) n = (VEC_CAP - 2) * 8;
