@@ -11,6 +11,7 @@ Importing zbccl has no side effects: nothing is built or mapped until used.
 """
 
 from ._version import __version__
+from .adapters.backend import register as _register_backend
 from .adapters.scope import heap_scope
 from .adapters.tensors import (
     HeapHandle,
@@ -44,6 +45,8 @@ from .ops import (
 )
 from .runtime.communicator import Communicator
 from .runtime.state import abort, finalize, get_default, init, is_initialized
+
+_register_backend()  # torch.distributed's "zbccl" backend: one name in torch's table, nothing built
 
 __all__ = [
     "__version__",

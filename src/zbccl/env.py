@@ -36,6 +36,8 @@ __all__ = [
     "STREAM_STORES",
     "CXX",
     "LOG_LEVEL",
+    "FALLBACK_OPS",
+    "STRICT",
 ]
 
 T = TypeVar("T")
@@ -123,6 +125,18 @@ HEAP_SIZE: EnvVar[int] = EnvVar(
     "ZBCCL_HEAP_SIZE", parse_size, 256 << 20,
     "Default heap bytes per rank when init() gets no heap_size (e.g. 512M, 2G).",
 )
+def _parse_heap_max(text: str) -> int | None:
+    """``auto`` (None: sized from the host's capacity at init), or a size (0: no growth)."""
+    if text.strip().lower() == "auto":
+        return None
+    return parse_size(text)
+
+
+HEAP_MAX: EnvVar[int | None] = EnvVar(
+    "ZBCCL_HEAP_MAX", _parse_heap_max, None,
+    "Most bytes a rank's heap may grow to when a request does not fit: auto (this rank's share of the "
+    "host's free shared memory at init, at least the heap size), a size (e.g. 8G), or 0 (no growth).",
+)
 TIMEOUT: EnvVar[float] = EnvVar(
     "ZBCCL_TIMEOUT", parse_seconds, 300.0,
     "Default timeout in seconds of every blocking call (rendezvous, barrier, collective).",
@@ -182,10 +196,20 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
     "ZBCCL_LOG_LEVEL", str, "WARNING",
     "Level of the 'zbccl' logger (DEBUG, INFO, WARNING, ERROR).",
 )
+FALLBACK_OPS: EnvVar[str] = EnvVar(
+    "ZBCCL_FALLBACK_OPS", str, "",
+    "Process-group ops run by an inner gloo group instead of zbccl, e.g. 'allgather,alltoall' "
+    "(all ranks must agree; unknown names are an error).",
+)
+STRICT: EnvVar[bool] = EnvVar(
+    "ZBCCL_STRICT", _parse_bool, False,
+    "The 'zbccl' torch backend raises when zbccl cannot start, instead of running every op on gloo.",
+)
 
 #: Every declared variable, in README order.
 VARIABLES: tuple[EnvVar, ...] = (
     HEAP_SIZE,
+    HEAP_MAX,
     TIMEOUT,
     CACHE_DIR,
     PREFAULT,
@@ -200,4 +224,6 @@ VARIABLES: tuple[EnvVar, ...] = (
     STREAM_STORES,
     CXX,
     LOG_LEVEL,
+    FALLBACK_OPS,
+    STRICT,
 )

@@ -15,7 +15,7 @@ MiB = 1 << 20
 def _explicit_api(ctx):
     import zbccl
 
-    comm = ctx.init(heap_size=4 * MiB)
+    comm = ctx.init(heap_size=4 * MiB, heap_max=0)  # a fixed heap: running out of it is tested below
     try:
         base = zbccl.memory_stats()
         assert base["heap_bytes"] == 4 * MiB and base["allocated_bytes"] == 0
@@ -152,7 +152,7 @@ def _scoped(ctx):
     import zbccl
     from zbccl.adapters.scope import hook_stats
 
-    comm = ctx.init(heap_size=8 * MiB)
+    comm = ctx.init(heap_size=8 * MiB, heap_max=0)  # a fixed heap: the fallback when it is full is tested
     try:
         x = torch.randn(64, 32)
         w = torch.randn(32, 16)

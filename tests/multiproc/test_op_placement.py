@@ -156,7 +156,7 @@ def _staging_and_strict(ctx):
 def _heap_too_small_to_stage(ctx):
     import zbccl
 
-    comm = ctx.init(heap_size=MiB)
+    comm = ctx.init(heap_size=MiB, heap_max=0)  # a fixed heap, too small to stage in
     try:
         W, me = comm.world_size, comm.rank
         big = payload(me, 1 << 20, torch.float32)  # 4 MiB, private: needs staging, heap is 1 MiB

@@ -76,12 +76,14 @@ class ArenaMachine(RuleBasedStateMachine):
         if offset is None:
             assert not fitting, f"alloc({nbytes}) failed although {fitting} fit"
             return multiple()
-        # Best fit: the block came from a smallest fitting free block, at the policy's end.
-        best = min(size for _, size in fitting)
-        ties = [start for start, size in fitting if size == best]
-        high = need >= self.arena.small_threshold
-        start = max(ties) if high else min(ties)
-        assert offset == (start + best - need if high else start), (offset, start, best, need, high)
+        if need >= self.arena.small_threshold:
+            # Large: the highest-addressed fitting free block, carved at its high end.
+            start, size = max(fitting)
+            assert offset == start + size - need, (offset, start, size, need)
+        else:
+            # Small: best fit (smallest fitting block, lowest address among equals), at its low end.
+            best = min(size for _, size in fitting)
+            assert offset == min(start for start, size in fitting if size == best), (offset, best, need)
         assert offset % self.align == 0
         assert self.arena.block_size(offset) == need
         self.model[offset] = need

@@ -155,11 +155,11 @@ _registry: dict[int, _Registration] = {}  # heap base -> live registration
 _retired: list[_Registration] = []  # unregistered: kept so in-flight callbacks stay valid
 
 
-def _size_classes(sma: Any, heap_bytes: int) -> tuple[list[int], list[int], int]:
-    """Policy: every SMA size class up to the heap size, each class's cache depth, the byte limit."""
+def _size_classes(sma: Any, heap_bytes: int, max_bytes: int) -> tuple[list[int], list[int], int]:
+    """Policy: every SMA size class up to the most the heap may grow to, each class's cache depth, the byte limit."""
     sizes: list[int] = []
     size = sma.round_size(1)
-    while size <= heap_bytes:
+    while size <= max_bytes:
         sizes.append(size)
         size = sma.round_size(size + 1)
     depth = [
@@ -196,6 +196,7 @@ def _register(comm: Any) -> _Registration:
     """Register ``comm``'s heap with the hook (idempotent per heap base and SMA)."""
     global _atexit_done
     base, nbytes, sma = int(comm.heap_base), int(comm.heap_bytes), comm.sma
+    max_bytes = int(getattr(comm, "heap_max_bytes", nbytes))  # the hook's range: the heap may grow to it
     reg = _registry.get(base)
     if reg is not None and reg.sma is sma:
         return reg
@@ -206,15 +207,15 @@ def _register(comm: Any) -> _Registration:
         if reg is not None:  # a new heap at an old heap's address, never unregistered
             _unregister_locked(reg)
         lib = _hook()
-        sizes, depth, limit = _size_classes(sma, nbytes)
+        sizes, depth, limit = _size_classes(sma, nbytes, max_bytes)
         refill, release = _callbacks(sma, base)
-        hid = lib.zbh_register(base, nbytes, (ctypes.c_uint64 * len(sizes))(*sizes),
+        hid = lib.zbh_register(base, max_bytes, (ctypes.c_uint64 * len(sizes))(*sizes),
                                (ctypes.c_uint32 * len(depth))(*depth), len(sizes), limit, refill, release)
         if hid <= 0:
             raise ZbcclSystemError(
                 f"heap_scope: cannot register heap {base:#x}+{nbytes}, expected a heap id, got error {hid}"
             )
-        reg = _Registration(base, nbytes, hid, sma, refill, release)
+        reg = _Registration(base, max_bytes, hid, sma, refill, release)
         sma.add_cache_tier(TIER_NAME, cached=reg.cached, drain=reg.drain)
         _registry[base] = reg
         if not _atexit_done:  # frees during interpreter teardown must not call into Python

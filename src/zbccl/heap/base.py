@@ -15,19 +15,30 @@ from dataclasses import dataclass
 
 from ..bootstrap.base import Bootstrap
 from ..bootstrap.topology import Topology
+from ..errors import ZbcclOutOfMemoryError
 
 __all__ = ["Segment", "Transport"]
 
 
 @dataclass
 class Segment:
-    """One rank's segment as mapped in this process."""
+    """One rank's segment as mapped in this process.
+
+    ``nbytes`` is the size this process knows to be backed (for a peer's segment,
+    its size at mapping time: read the owner's header for the live size);
+    ``reserved`` the address range mapped for it, at least ``nbytes``, the most
+    it may grow to.
+    """
 
     rank: int
     addr: int
     nbytes: int
     device: str = "cpu"
     owner: bool = False
+    reserved: int = 0
+
+    def __post_init__(self) -> None:
+        self.reserved = max(self.reserved, self.nbytes)
 
     def contains(self, addr: int, nbytes: int) -> bool:
         return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
@@ -40,12 +51,20 @@ class Transport(ABC):
 
     @abstractmethod
     def establish(self, bootstrap: Bootstrap, topology: Topology, *, segment_bytes: list[int],
-                  job_id: str, timeout: float) -> dict[int, Segment]:
+                  job_id: str, timeout: float, reserve_bytes: list[int] | None = None) -> dict[int, Segment]:
         """Collective: create this rank's segment and map every reachable peer's.
 
-        ``segment_bytes`` is indexed by rank. Returns segments keyed by rank,
-        this rank's included. Ranks on other hosts are absent.
+        ``segment_bytes`` (initial sizes) and ``reserve_bytes`` (most each segment
+        may grow to; default: no growth) are indexed by rank. Returns segments
+        keyed by rank, this rank's included. Ranks on other hosts are absent.
         """
+
+    def grow(self, rank: int, nbytes: int) -> None:
+        """Owner only: make this rank's segment ``nbytes`` long (at most its reservation).
+
+        Raises ZbcclOutOfMemoryError with nothing changed when it cannot.
+        """
+        raise ZbcclOutOfMemoryError(f"heap: grow: the {self.device} transport cannot grow a segment")
 
     @abstractmethod
     def dead_peers(self) -> list[int]:

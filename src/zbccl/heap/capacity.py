@@ -11,11 +11,16 @@ together with ``MemAvailable`` and the memory cgroup's remaining room
 from __future__ import annotations
 
 import os
+import resource
 
 from ..env import format_size
 from ..errors import ZbcclOutOfMemoryError
 
-__all__ = ["shm_capacity", "check_capacity", "cgroup_headroom"]
+__all__ = ["shm_capacity", "check_capacity", "cgroup_headroom", "auto_heap_max"]
+
+# ``ZBCCL_HEAP_MAX=auto`` never reserves more address space than this per rank.
+_AUTO_MAX_CAP = 1 << 40
+_AUTO_GRANULE = 2 << 20
 
 
 def _meminfo_available() -> int | None:
@@ -106,9 +111,43 @@ def shm_capacity(path: str = "/dev/shm", *, cgroup_root: str = CGROUP_ROOT,
             "cgroup": cgroup_headroom(cgroup_root, self_cgroup)}
 
 
+def auto_heap_max(heap_bytes: int, *, nranks: int, path: str = "/dev/shm", cgroup_root: str = CGROUP_ROOT,
+                  self_cgroup: str = SELF_CGROUP) -> int:
+    """``ZBCCL_HEAP_MAX=auto``: this rank's share of the tightest limit :func:`shm_capacity` reports now.
+
+    ``nranks`` local ranks share it equally; never below ``heap_bytes`` (no
+    growth then), never above 1 TiB nor above this rank's share of half the
+    address space ``RLIMIT_AS`` still allows (every process maps every local
+    rank's reservation), rounded down to 2 MiB. It bounds only the
+    address range each rank reserves for a heap: every growth step checks the
+    capacity again before it reserves memory.
+    """
+    limits = [v for v in shm_capacity(path, cgroup_root=cgroup_root, self_cgroup=self_cgroup).values()
+              if v is not None]
+    share = min(limits) // max(nranks, 1) if limits else heap_bytes
+    va_room = _address_space_room()
+    if va_room is not None:  # every process maps every local rank's reservation: keep half the room free
+        share = min(share, va_room // (2 * max(nranks, 1)))
+    share = min(share, _AUTO_MAX_CAP) // _AUTO_GRANULE * _AUTO_GRANULE
+    return max(heap_bytes, share)
+
+
+def _address_space_room() -> int | None:
+    """Bytes of address space this process may still map under ``RLIMIT_AS`` (``ulimit -v``), or None."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        used = 0
+    return max(0, soft - used)
+
+
 def check_capacity(needed: int, *, nranks: int, path: str = "/dev/shm", cgroup_root: str = CGROUP_ROOT,
-                   self_cgroup: str = SELF_CGROUP) -> None:
-    """Raise :class:`ZbcclOutOfMemoryError` if ``needed`` bytes cannot be placed."""
+                   self_cgroup: str = SELF_CGROUP, op: str = "init") -> None:
+    """Raise :class:`ZbcclOutOfMemoryError` if ``needed`` bytes cannot be placed (``op`` opens the message)."""
     cap = shm_capacity(path, cgroup_root=cgroup_root, self_cgroup=self_cgroup)
     limits = {k: v for k, v in cap.items() if v is not None}
     if not limits:
@@ -120,6 +159,7 @@ def check_capacity(needed: int, *, nranks: int, path: str = "/dev/shm", cgroup_r
     fix = ("give the container more shared memory (docker run --shm-size=<size>, or a Kubernetes emptyDir "
            "with medium: Memory at /dev/shm)" if name == "dev_shm" else "free memory on the host")
     raise ZbcclOutOfMemoryError(
-        f"init: not enough shared memory for the heap, expected at least {format_size(needed)} "
+        f"{op}: not enough shared memory for the heap, expected at least {format_size(needed)} "
         f"({needed} bytes for {nranks} local rank segment(s)), got {format_size(avail)} {where[name]}. "
-        f"Fix: lower heap_size / ZBCCL_HEAP_SIZE, or {fix}; ZBCCL_SKIP_SHM_CHECK=1 skips this check.")
+        f"Fix: lower heap_size / ZBCCL_HEAP_SIZE (or ZBCCL_HEAP_MAX for growth), or {fix}; "
+        "ZBCCL_SKIP_SHM_CHECK=1 skips this check.")

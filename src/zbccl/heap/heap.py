@@ -2,15 +2,20 @@
 
 A global address is ``(rank, offset)`` where ``offset`` counts from the start
 of that rank's heap (after its control area). Every access to a peer is
-checked against that peer's real heap size, exchanged at the handshake, so
-asymmetric heaps are safe: a bad offset raises and touches nothing.
+checked against that peer's real heap size, so asymmetric heaps are safe: a
+bad offset raises and touches nothing.
+
+Heaps grow (see ``shm.py``, "Growth"): a rank's live size is the value its
+owner publishes in its header line ``H_HEAP_BYTES`` (release store, after the
+new range is reserved); every bounds check reads it (acquire), so an offset a
+peer learned through any exchange with the owner is within the size it reads.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..errors import ZbcclInvalidUsageError
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from . import layout
 from .base import Segment, Transport
 from .flags import primitives
@@ -21,18 +26,55 @@ __all__ = ["GlobalHeap"]
 class GlobalHeap:
     """Segments of all ranks reachable from this process, plus their sizes.
 
-    ``heap_sizes[r]`` is rank ``r``'s heap size (its segment minus the control
-    area), known for every rank, mapped or not.
+    :meth:`heap_size` is rank ``r``'s live heap size (its segment minus the
+    control area); ``initial_sizes`` and ``max_sizes`` are what every rank
+    announced at init (a rank on another host stays at its initial size here).
     """
 
     def __init__(self, rank: int, segments: dict[int, Segment], heap_sizes: list[int],
-                 transport: Transport) -> None:
+                 transport: Transport, *, max_sizes: list[int] | None = None) -> None:
         self.rank = rank
         self.segments = segments
-        self.heap_sizes = list(heap_sizes)
+        self.initial_sizes = list(heap_sizes)
+        self.max_sizes = list(heap_sizes) if max_sizes is None else list(max_sizes)
         self.transport = transport
         self.prims = primitives()
         self.closed = False
+        self._my_size = self.initial_sizes[rank]  # the owner's own word, mirrored (only it writes it)
+        self._size_words = {r: seg.addr + layout.H_HEAP_BYTES for r, seg in segments.items() if r != rank}
+
+    def heap_size(self, rank: int) -> int:
+        """Rank ``rank``'s heap size now (0 for a rank out of range or a peer not set up yet)."""
+        if rank == self.rank:
+            return self._my_size
+        word = self._size_words.get(rank)
+        if word is None:
+            return self.initial_sizes[rank] if 0 <= rank < len(self.initial_sizes) else 0
+        # Clamped: a peer's header never makes us touch memory past its reservation.
+        return min(self.prims.load_acquire(word), self.max_sizes[rank])
+
+    @property
+    def heap_sizes(self) -> list[int]:
+        """Every rank's live heap size (a snapshot)."""
+        return [self.heap_size(r) for r in range(len(self.initial_sizes))]
+
+    def grow(self, nbytes: int) -> None:
+        """Owner only: grow this rank's heap to ``nbytes`` and publish the size (not collective).
+
+        Raises ZbcclOutOfMemoryError with nothing changed when the transport
+        cannot (beyond ``max_sizes[rank]``, or the machine is full).
+        """
+        if self.closed:
+            raise ZbcclInvalidUsageError("heap: grow: the heap was finalized")
+        if nbytes <= self._my_size:
+            return
+        if nbytes > self.max_sizes[self.rank]:
+            raise ZbcclOutOfMemoryError(
+                f"heap: grow: heap of {nbytes} bytes requested, expected at most heap_max_bytes="
+                f"{self.max_sizes[self.rank]}")
+        self.transport.grow(self.rank, layout.segment_bytes(nbytes))
+        self._my_size = nbytes
+        self.set_header(layout.H_HEAP_BYTES, nbytes)  # release: the range is backed before anyone sees it
 
     @property
     def local(self) -> Segment:
@@ -45,7 +87,12 @@ class GlobalHeap:
 
     @property
     def heap_bytes(self) -> int:
-        return self.heap_sizes[self.rank]
+        """This rank's live heap size."""
+        return self._my_size
+
+    @property
+    def heap_max_bytes(self) -> int:
+        return self.max_sizes[self.rank]
 
     def reachable(self, rank: int) -> bool:
         return rank in self.segments
@@ -53,8 +100,9 @@ class GlobalHeap:
     def _segment(self, rank: int, op: str) -> Segment:
         if self.closed:
             raise ZbcclInvalidUsageError(f"{op}: the heap was finalized")
-        if not 0 <= rank < len(self.heap_sizes):
-            raise ZbcclInvalidUsageError(f"{op}: rank out of range, expected [0, {len(self.heap_sizes)}), got {rank}")
+        if not 0 <= rank < len(self.initial_sizes):
+            raise ZbcclInvalidUsageError(
+                f"{op}: rank out of range, expected [0, {len(self.initial_sizes)}), got {rank}")
         seg = self.segments.get(rank)
         if seg is None:
             raise ZbcclInvalidUsageError(
@@ -64,7 +112,7 @@ class GlobalHeap:
 
     def check_range(self, rank: int, offset: int, nbytes: int, *, op: str) -> None:
         """Raise unless ``[offset, offset+nbytes)`` lies inside rank ``rank``'s heap."""
-        size = self.heap_sizes[rank] if 0 <= rank < len(self.heap_sizes) else 0
+        size = self.heap_size(rank)
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise ZbcclInvalidUsageError(
                 f"{op}: out of bounds of rank {rank}'s heap, expected [offset, offset+nbytes) within "
@@ -80,7 +128,7 @@ class GlobalHeap:
         """``(rank, offset)`` of an address range lying wholly inside one mapped heap, else None."""
         for rank, seg in self.segments.items():
             base = seg.addr + layout.CTRL_BYTES
-            if base <= addr and addr + nbytes <= base + self.heap_sizes[rank]:
+            if base <= addr and addr + nbytes <= base + self.heap_size(rank):
                 return rank, addr - base
         return None
 
@@ -100,21 +148,24 @@ class GlobalHeap:
         for field, value in ((layout.H_MAGIC, layout.MAGIC_VALUE), (layout.H_VERSION, layout.LAYOUT_VERSION),
                              (layout.H_RANK, self.rank), (layout.H_HEAP_BYTES, self.heap_bytes)):
             self.set_header(field, value)
-
-
         self.set_header(layout.H_PID, os.getpid())
         self.set_header(layout.H_STATE, layout.STATE_READY)
 
     def check_peer_headers(self) -> None:
-        """Verify every mapped peer's header: right layout, rank and size."""
+        """Verify every mapped peer's header: right layout and rank, a size between its initial and max.
+
+        A peer may already have grown: it can leave init and allocate before this rank checks.
+        """
         for rank in self.segments:
             got = (self.header(rank, layout.H_MAGIC), self.header(rank, layout.H_VERSION),
-                   self.header(rank, layout.H_RANK), self.header(rank, layout.H_HEAP_BYTES))
-            want = (layout.MAGIC_VALUE, layout.LAYOUT_VERSION, rank, self.heap_sizes[rank])
-            if got != want:
+                   self.header(rank, layout.H_RANK))
+            want = (layout.MAGIC_VALUE, layout.LAYOUT_VERSION, rank)
+            size = self.header(rank, layout.H_HEAP_BYTES)
+            lo, hi = self.initial_sizes[rank], self.max_sizes[rank]
+            if got != want or not lo <= size <= hi:
                 raise ZbcclInvalidUsageError(
-                    f"init: rank {rank}'s segment header disagrees, expected (magic, version, rank, heap) "
-                    f"{want}, got {got}")
+                    f"init: rank {rank}'s segment header disagrees, expected (magic, version, rank) {want} and "
+                    f"a heap of {lo} to {hi} bytes, got {got} and {size} bytes")
 
     def close(self, *, unmap: bool) -> None:
         if not self.closed:

@@ -23,7 +23,22 @@ Protocol (collective over the ranks of one host; the handout itself is in
    peer, checks the peer's credentials, receives the descriptor, checks its
    size, maps it and checks the cookie;
 4. bootstrap all-gather "mapped" (again carrying any error); the server stops
-   and is joined, and only then is the memfd descriptor closed.
+   and is joined. The owner keeps its memfd descriptor (close-on-exec, closed
+   at ``close`` and in a forked child) because growing needs it.
+
+Growth (reservation design). Every rank maps each segment over its rank's
+*maximum* size (``reserve_bytes``) from the start, though the memfd holds only
+the current size; nothing ever touches the part beyond the published size
+(every access is bounds-checked against it), so the pages past EOF never
+fault. To grow, the owner ``posix_fallocate``-s the new range (extending the
+memfd; on ENOSPC/ENOMEM nothing changes and the error names the reason),
+prefaults it in its own mapping, and only then publishes the new size in its
+header (``GlobalHeap.grow``, a release store). Peers need no new descriptor
+and no new mapping: their reservation already covers the range, and they read
+the owner's published size (acquire) when they bounds-check; their first touch
+of a grown page is a minor fault (the page already exists). One linear offset
+space per rank, so handles and the native paths keep addressing
+``(rank, offset)``.
 
 Death detection goes by the process, not by a socket: each rank holds a pidfd
 of every local peer (its pid verified by ``SO_PEERCRED``), which becomes
@@ -56,18 +71,40 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                        ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
-def map_fd(fd: int, nbytes: int, *, populate: bool) -> int:
-    """``mmap`` a shared, read-write view of ``fd``; returns its address."""
-    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-    addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+def map_fd(fd: int, nbytes: int, *, populate: bool, reserve: int | None = None) -> int:
+    """``mmap`` a shared, read-write view of ``fd`` over ``reserve`` bytes (default ``nbytes``).
+
+    Only the first ``nbytes`` (the memfd's size) are populated; the rest of the
+    reservation lies past EOF until the owner grows the memfd.
+    """
+    reserve = nbytes if reserve is None else reserve
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    addr = _libc.mmap(None, reserve, prot, mmap.MAP_SHARED | (_MAP_POPULATE if populate and reserve == nbytes else 0),
+                      fd, 0)
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
-        raise ZbcclSystemError(f"heap: mmap of {nbytes} bytes failed: {os.strerror(err)}")
+        raise ZbcclSystemError(f"heap: mmap of {reserve} bytes failed: {os.strerror(err)}")
+    if populate and reserve != nbytes:
+        # Populate the live range only (MAP_POPULATE over the whole reservation would try
+        # every page past EOF): the same pages mapped again in place, fixed, populated.
+        fixed = _libc.mmap(addr, nbytes, prot, mmap.MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd, 0)
+        if fixed != addr:
+            err = ctypes.get_errno()
+            _libc.munmap(addr, reserve)
+            raise ZbcclSystemError(f"heap: populating {nbytes} bytes failed: {os.strerror(err)}")
     return int(addr)
+
+
+def prefault(addr: int, nbytes: int) -> bool:
+    """Fault ``[addr, addr+nbytes)`` in for writing now; False where the kernel lacks MADV_POPULATE_WRITE."""
+    return _libc.madvise(addr, nbytes, _MADV_POPULATE_WRITE) == 0
 
 
 def unmap_addr(addr: int, nbytes: int) -> None:
@@ -131,19 +168,21 @@ class ShmTransport(Transport):
     def __init__(self, *, populate: bool = True) -> None:
         self.populate = populate
         self.segments: dict[int, Segment] = {}
+        self._fd = -1  # this rank's memfd, kept for growth
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         self._fd_to_rank: dict[int, int] = {}
 
     def establish(self, bootstrap: Bootstrap, topology: Topology, *, segment_bytes: list[int],
-                  job_id: str, timeout: float) -> dict[int, Segment]:
+                  job_id: str, timeout: float, reserve_bytes: list[int] | None = None) -> dict[int, Segment]:
         rank = bootstrap.rank
+        reserve = list(segment_bytes) if reserve_bytes is None else list(reserve_bytes)
         peers = [r for r in topology.local_ranks if r != rank]
         fd, server, error = -1, None, None
         me = Member(rank, os.getpid(), os.geteuid(), secrets.token_hex(16), secrets.randbits(63) | 1)
         try:
             try:
-                fd = self._create_own(rank, segment_bytes[rank], job_id, me.cookie)
+                fd = self._create_own(rank, segment_bytes[rank], reserve[rank], job_id, me.cookie)
                 server = FdServer(job_id, rank, me.token, fd)
             except ZbcclError as exc:
                 error = exc
@@ -155,59 +194,94 @@ class ShmTransport(Transport):
                 server.serve([members[p] for p in peers])
                 try:
                     for peer in peers:
-                        self._connect(job_id, members[peer], segment_bytes[peer], timeout)
+                        self._connect(job_id, members[peer], segment_bytes[peer], reserve[peer], timeout)
                 except ZbcclError as exc:
                     error = exc
             _agree(bootstrap, {}, error, timeout=timeout, tag="shm-mapped")
             server.stop()
             if server.error is not None:
                 raise ZbcclSystemError(f"heap: handing out the segment failed: {server.error}", ranks=(rank,))
-        finally:
+        except BaseException:
             # The server stops before the descriptor closes, on every path: a
             # closed number may be reused at once, and must never be sent.
             if server is not None:
                 server.stop()
             if fd >= 0:
                 os.close(fd)
+            raise
+        self._fd = fd  # kept open (close-on-exec) for growth; closed by close()
         return dict(self.segments)
 
-    def _create_own(self, rank: int, nbytes: int, job_id: str, cookie: int) -> int:
+    def _create_own(self, rank: int, nbytes: int, reserve: int, job_id: str, cookie: int) -> int:
         fd = _create_memfd(f"zbccl-{job_id}-r{rank}", nbytes)
         try:
-            addr = map_fd(fd, nbytes, populate=self.populate)
+            addr = map_fd(fd, nbytes, populate=self.populate, reserve=reserve)
         except BaseException:
             os.close(fd)
             raise
-        self.segments[rank] = Segment(rank, addr, nbytes, "cpu", owner=True)
+        self.segments[rank] = Segment(rank, addr, nbytes, "cpu", owner=True, reserved=reserve)
         # Written before the descriptor can reach anyone (the server is not up yet).
         _store_i64(addr + layout.H_COOKIE, cookie)
         return fd
 
-    def _connect(self, job_id: str, peer: Member, nbytes: int, timeout: float) -> None:
+    def _connect(self, job_id: str, peer: Member, nbytes: int, reserve: int, timeout: float) -> None:
         memfd, pidfd = receive_fd(job_id, peer, timeout=timeout)
         addr = 0
         try:
             st = os.fstat(memfd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+            # The peer may already have grown (it can finish init and allocate before we map).
+            if not stat.S_ISREG(st.st_mode) or not nbytes <= st.st_size <= reserve:
                 raise ZbcclRemoteError(
-                    f"heap: rank {peer.rank}'s segment is wrong, expected a {nbytes}-byte memfd, got "
-                    f"{st.st_size} bytes (mode {stat.filemode(st.st_mode)}); not mapping it", ranks=(peer.rank,))
-            addr = map_fd(memfd, nbytes, populate=self.populate)
+                    f"heap: rank {peer.rank}'s segment is wrong, expected a memfd of {nbytes} to {reserve} "
+                    f"bytes, got {st.st_size} bytes (mode {stat.filemode(st.st_mode)}); not mapping it",
+                    ranks=(peer.rank,))
+            addr = map_fd(memfd, nbytes, populate=self.populate, reserve=reserve)
             if _load_i64(addr + layout.H_COOKIE) != peer.cookie:
                 raise ZbcclRemoteError(
                     f"heap: rank {peer.rank}'s segment carries the wrong cookie, expected the one it published "
                     "through the store, got another (not its segment); unmapped it", ranks=(peer.rank,))
         except BaseException:
             if addr:
-                unmap_addr(addr, nbytes)
+                unmap_addr(addr, reserve)
             os.close(pidfd)
             raise
         finally:
             os.close(memfd)
-        self.segments[peer.rank] = Segment(peer.rank, addr, nbytes, "cpu", owner=False)
+        self.segments[peer.rank] = Segment(peer.rank, addr, nbytes, "cpu", owner=False, reserved=reserve)
         self._pidfds[peer.rank] = pidfd
         self._fd_to_rank[pidfd] = peer.rank
         self._poll.register(pidfd, select.POLLIN)
+
+    def grow(self, rank: int, nbytes: int) -> None:
+        """Owner only: make this rank's segment ``nbytes`` long (reserved now, prefaulted here).
+
+        Raises ZbcclOutOfMemoryError (beyond the reservation, or the machine is
+        full) with nothing changed. Publishing the new size is the caller's job.
+        """
+        seg = self.segments[rank]
+        old = seg.nbytes
+        if nbytes <= old:
+            return
+        if not seg.owner or self._fd < 0:
+            raise ZbcclSystemError(f"heap: grow: rank {rank}'s segment is not this process's to grow")
+        if nbytes > seg.reserved:
+            raise ZbcclOutOfMemoryError(
+                f"heap: grow: segment of {nbytes} bytes requested, expected at most the {seg.reserved} reserved")
+        try:
+            os.posix_fallocate(self._fd, old, nbytes - old)  # extends the memfd, all or nothing
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, old)
+            except OSError:
+                pass
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ZbcclOutOfMemoryError(
+                    f"heap: grow: cannot reserve {nbytes - old} more bytes ({old} -> {nbytes}): "
+                    f"{exc.strerror}") from None
+            raise ZbcclSystemError(f"heap: grow: extending the shared segment failed: {exc}") from None
+        if self.populate:
+            prefault(seg.addr + old, nbytes - old)  # best effort: older kernels fault lazily
+        seg.nbytes = nbytes
 
     def dead_peers(self) -> list[int]:
         # A pidfd becomes readable when its process exits, whoever else still
@@ -227,9 +301,12 @@ class ShmTransport(Transport):
         self._pidfds.clear()
         self._fd_to_rank.clear()
         self._poll = select.poll()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if unmap:
             for seg in self.segments.values():
-                unmap_addr(seg.addr, seg.nbytes)
+                unmap_addr(seg.addr, seg.reserved)
         self.segments.clear()
 
 

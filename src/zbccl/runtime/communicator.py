@@ -152,9 +152,14 @@ class Communicator:
     def heap_bytes(self) -> int:
         return self._ctx.heap.heap_bytes
 
+    @property
+    def heap_max_bytes(self) -> int:
+        """Most bytes this rank's heap may grow to (``ZBCCL_HEAP_MAX``)."""
+        return self._ctx.heap.heap_max_bytes
+
     def heap_size_of(self, rank: int) -> int:
-        """Heap bytes of group rank ``rank`` (sizes may differ per rank)."""
-        return self._ctx.heap_sizes[self._global(rank, "heap_size_of")]
+        """Heap bytes of group rank ``rank`` now (sizes may differ per rank, and grow)."""
+        return self._ctx.heap.heap_size(self._global(rank, "heap_size_of"))
 
     def _global(self, rank: int, op: str) -> int:
         if not 0 <= rank < len(self.ranks):

@@ -29,6 +29,7 @@ class Context:
     timeout: float
     spin: int
     liveness_ns: int
+    #: Every rank's heap size at init (live sizes: ``heap.heap_size(rank)``; heaps grow).
     heap_sizes: list[int]
     #: How many groups with a given member list this process created (matches keys).
     group_counts: dict[str, int] = field(default_factory=dict)

@@ -19,7 +19,7 @@ from ..bootstrap.store import StoreBootstrap
 from ..bootstrap.topology import HostInfo, Topology, local_host_info
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..heap import layout
-from ..heap.capacity import check_capacity
+from ..heap.capacity import auto_heap_max, check_capacity
 from ..heap.heap import GlobalHeap
 from ..heap.shm import ShmTransport
 from ..heap.views import live_views
@@ -65,15 +65,36 @@ def _heap_bytes(heap_size: int | str | None) -> int:
     return nbytes
 
 
+def _heap_max(heap_max: int | str | None, nbytes: int) -> int | None:
+    """The growth bound asked for: None for auto (sized at init), else bytes (0: no growth)."""
+    try:
+        if heap_max is None:
+            limit = env.HEAP_MAX.get()
+        elif isinstance(heap_max, str) and heap_max.strip().lower() == "auto":
+            limit = None
+        else:
+            limit = env.parse_size(heap_max)
+    except ValueError as exc:
+        raise ZbcclInvalidUsageError(f"init: bad heap_max: {exc}") from None
+    if limit is None or limit == 0:
+        return nbytes if limit == 0 else None
+    if limit < nbytes:
+        raise ZbcclInvalidUsageError(
+            f"init: heap_max below heap_size, expected 0 (no growth), auto or >= {nbytes} bytes, got {limit}")
+    return limit
+
+
 def init(*, rank: int | None = None, world_size: int | None = None, init_method: str | None = None,
-         store=None, group=None, heap_size: int | str | None = None,
+         store=None, group=None, heap_size: int | str | None = None, heap_max: int | str | None = None,
          timeout: float | timedelta | None = None) -> Communicator:
     """Collective: join the job, build the shared heap, return the world communicator.
 
     With no arguments, reads the torchrun environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``); otherwise takes a torch ``Store``, an
     ``init_method`` URL or an existing ``ProcessGroup``. ``heap_size`` is this
-    rank's heap (bytes or ``"512M"``); ranks may differ. Blocks until every rank
+    rank's heap (bytes or ``"512M"``); ranks may differ. ``heap_max`` (default
+    ``ZBCCL_HEAP_MAX``: ``"auto"``) bounds how far it grows when a request does not
+    fit; 0 means no growth. Blocks until every rank
     arrived or ``timeout`` (default ``ZBCCL_TIMEOUT``) expired, naming the
     missing ranks.
     """
@@ -85,6 +106,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         _log.setLevel(env.LOG_LEVEL.get().upper())
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
+        max_bytes = _heap_max(heap_max, nbytes)
         for var in (env.LIVENESS_INTERVAL, env.WAIT_SPIN, env.THREADS):
             var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
@@ -92,23 +114,24 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         generation = int(rdv.store.add(f"{rdv.namespace}/gen/{rdv.rank}", 1))
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
                               members=rdv.members)
-        ctx = _build_context(rdv, boot, generation, nbytes, seconds)
+        ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds)
         comm = Communicator(ctx, range(rdv.world_size), 0, boot)
         registry.set_default(comm)
         _register_atexit()
         return comm
 
 
-def _hello(boot: StoreBootstrap, nbytes: int, timeout: float) -> tuple[str, Topology, list[int]]:
+def _hello(boot: StoreBootstrap, nbytes: int, max_bytes: int | None,
+           timeout: float) -> tuple[str, Topology, list[int], list[int | None]]:
     info = local_host_info()
-    payload = {"version": __version__, "host": info.to_dict(), "heap": nbytes,
+    payload = {"version": __version__, "host": info.to_dict(), "heap": nbytes, "heap_max": max_bytes,
                "job": uuid.uuid4().hex[:12] if boot.rank == 0 else None}
     got = [json.loads(b) for b in boot.all_gather(json.dumps(payload).encode(), timeout=timeout, tag="hello")]
     versions = {g["version"] for g in got}
     if len(versions) > 1:
         raise ZbcclInvalidUsageError(f"init: ranks run different zbccl versions, expected one, got {sorted(versions)}")
     topo = Topology(boot.rank, tuple(HostInfo.from_dict(g["host"]) for g in got))
-    return got[0]["job"], topo, [int(g["heap"]) for g in got]
+    return got[0]["job"], topo, [int(g["heap"]) for g in got], [g["heap_max"] for g in got]
 
 
 def _agree(boot: StoreBootstrap, error: str | None, *, timeout: float, tag: str) -> None:
@@ -119,8 +142,9 @@ def _agree(boot: StoreBootstrap, error: str | None, *, timeout: float, tag: str)
             raise ZbcclOutOfMemoryError(f"{err} (reported by rank {boot.members[r]})", ranks=(boot.members[r],))
 
 
-def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, timeout: float) -> Context:
-    job_id, topo, heap_sizes = _hello(boot, nbytes, timeout)
+def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_bytes: int | None,
+                   timeout: float) -> Context:
+    job_id, topo, heap_sizes, asked_max = _hello(boot, nbytes, max_bytes, timeout)
     error = None
     if not env.SKIP_SHM_CHECK.get():
         needed = sum(layout.segment_bytes(heap_sizes[r]) for r in topo.local_ranks)
@@ -129,11 +153,15 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, time
         except ZbcclOutOfMemoryError as exc:
             error = str(exc)
     _agree(boot, error, timeout=timeout, tag="capacity")
+    if max_bytes is None:  # auto: sized by the same capacity the check just read, shared by the local ranks
+        max_bytes = auto_heap_max(nbytes, nranks=topo.local_world_size)
+    max_sizes = _exchange_max(boot, max_bytes, asked_max, timeout)
     transport = ShmTransport(populate=env.PREFAULT.get())
     try:
         segments = transport.establish(boot, topo, segment_bytes=[layout.segment_bytes(h) for h in heap_sizes],
+                                       reserve_bytes=[layout.segment_bytes(m) for m in max_sizes],
                                        job_id=job_id, timeout=timeout)
-        heap = GlobalHeap(boot.rank, segments, heap_sizes, transport)
+        heap = GlobalHeap(boot.rank, segments, heap_sizes, transport, max_sizes=max_sizes)
         heap.init_header()
         boot.barrier(timeout=timeout, tag="headers")
         heap.check_peer_headers()
@@ -144,10 +172,31 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, time
     if spin < 0:
         spin = 0 if topo.oversubscribed else _DEFAULT_SPIN
     set_threads(frozenset(topo.infos[topo.rank].cpus), topo.local_masks)
-    sma = CachingAllocator(nbytes, alignment=64, cache_limit=env.SMA_CACHE_LIMIT.get())
+    sma = CachingAllocator(nbytes, alignment=64, cache_limit=env.SMA_CACHE_LIMIT.get(), max_bytes=max_bytes,
+                           grow=_grower(heap) if max_bytes > nbytes else None)
     return Context(rendezvous=rdv, bootstrap=boot, topology=topo, heap=heap, sma=sma, job_id=job_id,
                    generation=generation, timeout=timeout, spin=spin,
                    liveness_ns=int(env.LIVENESS_INTERVAL.get() * 1e9), heap_sizes=heap_sizes)
+
+
+def _exchange_max(boot: StoreBootstrap, max_bytes: int, asked: list[int | None], timeout: float) -> list[int]:
+    """Every rank's heap_max: as announced at hello, or exchanged once when some rank chose auto."""
+    if all(m is not None for m in asked):
+        return [int(m) for m in asked]
+    got = boot.all_gather(json.dumps(max_bytes).encode(), timeout=timeout, tag="heap-max")
+    return [int(json.loads(b)) for b in got]
+
+
+def _grower(heap: GlobalHeap) -> Callable[[int], None]:
+    """The SMA's grow callback: the capacity check (as at init), then the heap grows and publishes."""
+
+    def grow(nbytes: int) -> None:
+        if not env.SKIP_SHM_CHECK.get():
+            check_capacity(layout.segment_bytes(nbytes) - layout.segment_bytes(heap.heap_bytes), nranks=1,
+                           op="grow")
+        heap.grow(nbytes)
+
+    return grow
 
 
 def finalize() -> None:
@@ -268,10 +317,7 @@ def _after_fork_in_child() -> None:
     # Inherited heap tensors still die in the child (finalizers call sma.free on the child's private
     # copy of the allocator). A thread that held the allocator's lock at fork does not exist here,
     # so that lock would block those frees forever: re-arm it (nothing else uses this copy).
-    sma_lock = getattr(ctx.sma, "_lock", None)
-    if sma_lock is not None and hasattr(sma_lock, "_at_fork_reinit"):
-        sma_lock._at_fork_reinit()
-        ctx.sma._owner = None
+    ctx.sma.after_fork_in_child()
     try:
         ctx.heap.transport.close(unmap=False)
     except Exception as exc:  # noqa: BLE001 - the child goes on without zbccl

@@ -10,16 +10,22 @@ Placement (after ZBAL's ``SplitMemoryHeap``, with its gaps fixed):
   below 16 units, then 8 bins per octave, so a bin's blocks differ by < 12.5 %.
   A bitmask of non-empty bins finds the next bin that can serve a request with a
   few integer operations.
-* Best fit: the smallest free block that holds the request is taken, looking only
-  at the request's own bin and, if that has none large enough, the first
-  non-empty bin above it (all of whose blocks fit). Each bin is a list sorted by
-  (size, start), so the search is a bisection, not a scan, even when thousands
-  of similar holes share a bin.
-* Small requests (below ``small_threshold``) are carved from the low end of the
-  chosen block and prefer the lowest address among equal fits; large ones are
-  carved from the high end and prefer the highest address. Small and large
-  blocks thus grow from opposite ends, so short-lived small blocks do not pin
-  holes inside the region large blocks need.
+* Small requests (below ``small_threshold``) take the best fit: the smallest
+  free block that holds the request, looking only at the request's own bin and,
+  if that has none large enough, the first non-empty bin above it (all of whose
+  blocks fit). Each bin is a list sorted by (size, start), so the search is a
+  bisection, not a scan, even when thousands of similar holes share a bin. The
+  block is carved from its low end; equal fits prefer the lowest address.
+* Large requests take the *highest-addressed* free block that holds them
+  (address-ordered first fit, from the top) and are carved from its high end.
+  Large blocks therefore stay packed against the top of the arena: blocks
+  allocated while every earlier large block is still live form one contiguous
+  run ending at the top, and the free space below them is one range (the
+  "stack" guarantee the caching front end relies on, see ``caching.py``).
+  Small and large blocks grow from opposite ends, so short-lived small blocks
+  do not pin holes inside the region large blocks need.
+* The arena can be extended at the top (:meth:`Arena.extend`, heap growth); the
+  new range merges with a free block that ends at the old top.
 * Freed blocks merge with free neighbours in O(1) (free blocks are indexed by
   start and by end), so no two free blocks are ever adjacent.
 * Alignment is at least 64 bytes (ZBAL's 32 B misaligned vector loads).
@@ -54,7 +60,7 @@ def _bin_index(units: int) -> int:
 
 
 class Arena:
-    """Best-fit offset allocator over ``[0, size)`` with small-low / large-high placement.
+    """Offset allocator over ``[0, size)``: small blocks best fit from the bottom, large ones from the top.
 
     Not thread-safe: :class:`zbccl.sma.CachingAllocator` serialises access.
 
@@ -81,6 +87,7 @@ class Arena:
         self._used: dict[int, int] = {}  # start -> size of live blocks
         self._free_by_start: dict[int, int] = {}  # start -> size
         self._free_by_end: dict[int, int] = {}  # end -> start
+        self._free_starts: list[int] = []  # sorted starts of free blocks (large requests scan from the top)
         nbins = _bin_index(max(self._size >> self._shift, 1)) + 1
         self._bins: list[list[int]] = [[] for _ in range(nbins)]  # sorted keys, see _KEY_SHIFT
         self._nonempty = 0  # bit b set <=> self._bins[b] is non-empty
@@ -93,6 +100,7 @@ class Arena:
     def _insert_free(self, start: int, size: int) -> None:
         self._free_by_start[start] = size
         self._free_by_end[start + size] = start
+        insort(self._free_starts, start)
         b = _bin_index(size >> self._shift)
         insort(self._bins[b], size << _KEY_SHIFT | start)
         self._nonempty |= 1 << b
@@ -100,21 +108,43 @@ class Arena:
     def _remove_free(self, start: int, size: int) -> None:
         del self._free_by_start[start]
         del self._free_by_end[start + size]
+        starts = self._free_starts
+        del starts[bisect_left(starts, start)]
         b = _bin_index(size >> self._shift)
         bucket = self._bins[b]
         del bucket[bisect_left(bucket, size << _KEY_SHIFT | start)]
         if not bucket:
             self._nonempty &= ~(1 << b)
 
-    def _best_in_bin(self, b: int, need: int, high: bool) -> int | None:
-        """Start of the smallest block in bin ``b`` holding ``need`` bytes (address tie-break)."""
+    def _best_in_bin(self, b: int, need: int) -> int | None:
+        """Start of the smallest block in bin ``b`` holding ``need`` bytes (lowest address among equals)."""
         bucket = self._bins[b]
         i = bisect_left(bucket, need << _KEY_SHIFT)
         if i == len(bucket):
             return None
-        if high:  # the highest start among blocks of that smallest size
-            i = bisect_left(bucket, ((bucket[i] >> _KEY_SHIFT) + 1) << _KEY_SHIFT) - 1
         return bucket[i] & _START_MASK
+
+    def _best_fit(self, need: int) -> int | None:
+        b = _bin_index(need >> self._shift)
+        start = self._best_in_bin(b, need) if self._nonempty >> b & 1 else None
+        if start is None:
+            above = self._nonempty >> (b + 1)
+            if not above:
+                return None
+            # Every block in a higher bin is larger than ``need``.
+            start = self._best_in_bin(b + (above & -above).bit_length(), need)
+            assert start is not None
+        return start
+
+    def _highest_fit(self, need: int) -> int | None:
+        """Start of the highest-addressed free block holding ``need`` bytes."""
+        if self.largest_free_block < need:
+            return None
+        by_start = self._free_by_start
+        for start in reversed(self._free_starts):  # the top few blocks usually fit: large ones live there
+            if by_start[start] >= need:
+                return start
+        raise AssertionError("largest_free_block fits but no free block does")  # pragma: no cover
 
     # -- public API --------------------------------------------------------------
 
@@ -126,15 +156,9 @@ class Arena:
         if need > self._size:
             return None
         high = need >= self._small_threshold
-        b = _bin_index(need >> self._shift)
-        start = self._best_in_bin(b, need, high) if self._nonempty >> b & 1 else None
+        start = self._highest_fit(need) if high else self._best_fit(need)
         if start is None:
-            above = self._nonempty >> (b + 1)
-            if not above:
-                return None
-            # Every block in a higher bin is larger than ``need``.
-            start = self._best_in_bin(b + (above & -above).bit_length(), need, high)
-            assert start is not None
+            return None
         size = self._free_by_start[start]
         self._remove_free(start, size)
         rest = size - need
@@ -170,6 +194,28 @@ class Arena:
             start = prev_start
         self._insert_free(start, end - start)
         return size
+
+    def extend(self, new_size: int) -> None:
+        """Grow the arena to ``[0, new_size)`` (rounded down to the alignment); the new range is free.
+
+        It merges with a free block ending at the old top. Shrinking is refused.
+        """
+        new = new_size & ~self._mask
+        if new < self._size:
+            raise ZbcclInvalidUsageError(
+                f"Arena.extend: cannot shrink, expected new_size >= {self._size}, got {new_size}"
+            )
+        if new == self._size:
+            return
+        nbins = _bin_index(max(new >> self._shift, 1)) + 1
+        self._bins.extend([] for _ in range(nbins - len(self._bins)))
+        start = self._size
+        prev_start = self._free_by_end.get(start)
+        if prev_start is not None:
+            self._remove_free(prev_start, start - prev_start)
+            start = prev_start
+        self._size = new
+        self._insert_free(start, new - start)
 
     def block_size(self, offset: int) -> int:
         """Size in bytes of the live block at ``offset``."""
@@ -209,6 +255,12 @@ class Arena:
         return self._bins[self._nonempty.bit_length() - 1][-1] >> _KEY_SHIFT
 
     @property
+    def free_tail(self) -> int:
+        """Size of the free block ending at the top of the arena (0 if the top block is in use)."""
+        start = self._free_by_end.get(self._size)
+        return 0 if start is None else self._size - start
+
+    @property
     def num_used_blocks(self) -> int:
         return len(self._used)
 
@@ -240,6 +292,7 @@ class Arena:
         assert pos == self._size, f"blocks end at {pos}, arena size is {self._size}"
         assert self._used_bytes == sum(self._used.values()), "used_bytes counter drifted"
         assert self._free_by_end == {s + n: s for s, n in self._free_by_start.items()}, "end index drifted"
+        assert self._free_starts == sorted(self._free_by_start), "start index drifted"
         binned: dict[int, int] = {}
         for b, bucket in enumerate(self._bins):
             assert bool(bucket) == bool(self._nonempty >> b & 1), f"non-empty mask wrong at bin {b}"

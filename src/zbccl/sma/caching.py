@@ -22,7 +22,17 @@ deadlock and an RLock would let the free mutate state mid-operation. So:
   ZbcclInvalidUsageError instead of deadlocking.
 * Cache-tier callbacks (``cached``, ``drain``) run with the lock released, so a
   tier may hold its own lock while calling ``malloc``/``free`` without a
-  lock-order inversion.
+  lock-order inversion. The ``grow`` callback runs with the lock held (two
+  threads must not grow at once); it may not call back into the allocator.
+
+Placement and the cache. Only blocks below ``small_threshold`` are cached; a
+large one goes straight back to the arena, so every large placement sees the
+free space coalesced (a cached large block reused later keeps an address the
+arena would no longer choose, and pins a hole). Guarantee, with the arena's
+"large from the top" rule (fuzz-tested): when every live block is large and each
+was allocated while every large block live then is still live, a request of up
+to ``free_bytes`` succeeds. Growth (``growth.py``): a request that does not fit
+even after the flush grows the heap, up to ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from zbccl.errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 
 from .arena import Arena
 from .blockcache import BlockCache, Record
+from .growth import Growth
 from .stats import format_stats
 
 __all__ = ["CachingAllocator"]
@@ -68,10 +79,13 @@ class CachingAllocator:
     inside another call (see the module docstring).
 
     Args:
-        heap_bytes: size of the heap the offsets index.
+        heap_bytes: size of the heap the offsets index (its initial size when it may grow).
         alignment: power of two >= 64; every offset and block size is a multiple.
         cache_limit: most bytes kept cached (oldest blocks released first); None: no limit.
-        small_threshold: blocks of at least this size are placed from the heap's high end.
+        small_threshold: blocks of at least this size are placed from the heap's high end and never cached.
+        max_bytes: (keyword-only) most bytes the heap may grow to; None: ``heap_bytes`` (no growth).
+        grow: (keyword-only) ``grow(new_size)`` makes the heap ``new_size`` bytes or raises
+            ZbcclOutOfMemoryError; required when ``max_bytes > heap_bytes``.
     """
 
     def __init__(
@@ -81,12 +95,21 @@ class CachingAllocator:
         alignment: int = 64,
         cache_limit: int | None = None,
         small_threshold: int = 1 << 20,
+        max_bytes: int | None = None,
+        grow: Callable[[int], None] | None = None,
     ) -> None:
         if cache_limit is not None and cache_limit < 0:
             raise ZbcclInvalidUsageError(
                 f"CachingAllocator: bad cache_limit, expected None or >= 0, got {cache_limit}"
             )
         self._arena = Arena(heap_bytes, alignment=alignment, small_threshold=small_threshold)
+        top = self._arena.size if max_bytes is None else max_bytes & -alignment
+        if top < self._arena.size or (top > self._arena.size and grow is None):
+            raise ZbcclInvalidUsageError(
+                f"CachingAllocator: bad max_bytes, expected >= heap_bytes ({self._arena.size}) and a grow "
+                f"callback when larger, got {max_bytes} with grow={grow!r}"
+            )
+        self._growth = Growth(top, grow)
         self._blocks = BlockCache(alignment, cache_limit, self._arena.free)
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -153,8 +176,9 @@ class CachingAllocator:
 
     def _alloc_hard(self, nbytes: int, kind: str) -> int | None:
         size = self.round_size(nbytes)
-        if size > self._arena.size:
-            return None  # flushing cannot help
+        if size > self._growth.max_bytes:
+            self._growth.error = f"the request exceeds heap_max_bytes={self._growth.max_bytes}"
+            return None  # neither flushing nor growing can help
         for _, drain in self._tiers.values():
             drain()
         return self._alloc(size, nbytes, kind, True)
@@ -174,10 +198,12 @@ class CachingAllocator:
             return offset
         self._acquire("malloc")
         self._oom_count += 1
+        why = self._growth.error
         self._release()
+        why = f"; growth refused: {why}" if why else ""
         raise ZbcclOutOfMemoryError(
             f"malloc: out of heap memory, expected room for {self.round_size(nbytes)} bytes "
-            f"(requested {nbytes}), got {format_stats(self.stats())}"
+            f"(requested {nbytes}), got {format_stats(self.stats())}{why}"
         )
 
     def _alloc(self, size: int, requested: int, kind: str, flush: bool) -> int | None:
@@ -190,6 +216,8 @@ class CachingAllocator:
                 if flush:
                     self._blocks.evict()
                 offset = self._arena.alloc(size)
+                if offset is None and flush and self._growth.extend(self._arena, size):
+                    offset = self._arena.alloc(size)
                 if offset is None:
                     return None
             self._seq += 1
@@ -204,7 +232,7 @@ class CachingAllocator:
             self._release()
 
     def free(self, offset: int) -> None:
-        """Return the block at ``offset`` to the cache; never waits on a lock its own thread holds.
+        """Return the block at ``offset`` to the cache (large blocks: to the arena); never waits on a lock its own thread holds.
 
         Raises ZbcclInvalidUsageError for an unknown offset or a double free when
         applied at once; a free queued behind a busy lock counts in ``bad_frees``.
@@ -237,7 +265,10 @@ class CachingAllocator:
         self._free_count += 1
         self._allocated -= rec[0]
         self._requested -= rec[1]
-        self._blocks.put(offset, rec)
+        if rec[0] >= self._arena.small_threshold:
+            self._arena.free(offset)  # never cached: see "Placement and the cache"
+        else:
+            self._blocks.put(offset, rec)
 
     def empty_cache(self) -> None:
         """Release every cached block to the arena (cache tiers are not drained)."""
@@ -326,6 +357,8 @@ class CachingAllocator:
             largest = arena.largest_free_block
             return {
                 "heap_bytes": arena.size,
+                "heap_max_bytes": self._growth.max_bytes,
+                "grow_count": self._growth.count,
                 "allocated_bytes": self._allocated - tier_bytes,
                 "requested_bytes": max(0, self._requested - tier_bytes),
                 "peak_allocated_bytes": self._peak,
@@ -370,6 +403,16 @@ class CachingAllocator:
             {"offset": off, "size": rec[0], "requested": rec[1], "kind": kind, "seq": rec[3]}
             for off, rec, kind in rows
         ]
+
+    def after_fork_in_child(self) -> None:
+        """Re-arm the lock in a child forked while another thread may have held it.
+
+        That thread does not exist in the child, so its lock would block the
+        child's frees (finalizers of inherited heap tensors) for ever. Only for
+        the runtime's at-fork hook: nothing else uses the child's copy.
+        """
+        self._lock = threading.Lock()
+        self._owner = None
 
     def check(self) -> None:
         """Verify internal invariants (arena, cache and counters); raise AssertionError if broken."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 __all__ = ["STAT_KEYS", "format_stats"]
 
 STAT_KEYS: dict[str, str] = {
-    "heap_bytes": "usable heap size: the constructor's heap_bytes rounded down to the alignment",
+    "heap_bytes": "usable heap size now: the constructor's heap_bytes rounded down to the alignment, "
+    "plus what growth added",
+    "heap_max_bytes": "most bytes the heap may grow to (ZBCCL_HEAP_MAX); equal to heap_bytes when it cannot grow",
+    "grow_count": "times the heap grew (a request did not fit even after the cache flush)",
     "allocated_bytes": "bytes of live blocks at their rounded sizes, minus blocks held by cache tiers",
     "requested_bytes": "sum of the sizes callers asked for, over live blocks; tier-held blocks are "
     "subtracted at their rounded size, so this is a lower bound while a tier holds blocks",
@@ -31,7 +34,7 @@ STAT_KEYS: dict[str, str] = {
 def format_stats(stats: dict[str, int | float]) -> str:
     """One-line human summary of a :meth:`CachingAllocator.stats` dict."""
     return (
-        f"heap_bytes={stats['heap_bytes']}, allocated_bytes={stats['allocated_bytes']}, "
+        f"heap_bytes={stats['heap_bytes']}, heap_max_bytes={stats['heap_max_bytes']}, allocated_bytes={stats['allocated_bytes']}, "
         f"cached_bytes={stats['cached_bytes']}, free_bytes={stats['free_bytes']}, "
         f"largest_free_block={stats['largest_free_block']}, "
         f"fragmentation={stats['fragmentation']:.3f}, active_blocks={stats['active_blocks']}"

@@ -17,7 +17,9 @@
 
 #include "reduce.h"
 
-/* 1 if [off, off+nbytes) lies in rank r's heap, else records r and returns 0. */
+/* 1 if [off, off+nbytes) lies in rank r's heap, else records r and returns 0. The size is read
+ * now (acquire): the owner publishes a grown size only after the new range is backed, and any
+ * offset we got from it was handed out after that. */
 static int in_heap(zb_chan *c, int r, int64_t off, int64_t nbytes) {
     if (off >= 0 && nbytes >= 0 && off + nbytes <= __atomic_load_n(c->size[r], __ATOMIC_ACQUIRE)) return 1;
     c->result[1] = r;

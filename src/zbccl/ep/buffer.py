@@ -1,0 +1,387 @@
+"""``Buffer``: DeepEP's expert-parallel communication API over zbccl's shared heap.
+
+``import zbccl.ep as deep_ep`` runs code written against DeepEP's (legacy, V1) ``deep_ep.Buffer``
+on CPU processes. Every op is collective over the Buffer's group, blocks the host until its
+results are complete, and follows the protocol of :mod:`zbccl.ep.exchange` (publish a header,
+pull rows straight from peers' memory, barrier). Receive tensors are allocated in the heap at
+their exact size; no buffer is reserved up front.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError
+from . import low_latency, normal
+from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
+from .event import EventHandle, EventOverlap
+from .event import completed as _event
+from .event import stream_error as _stream_error
+from .exchange import Exchange, Fail, heap_empty
+from .group import communicator_of as _communicator_of
+from .layout import dispatch_layout
+
+__all__ = ["Buffer"]
+
+
+class Buffer:
+    """DeepEP-compatible expert-parallel buffer over a zbccl communicator.
+
+    ``group``: a zbccl :class:`~zbccl.Communicator`, or a torch ProcessGroup: one of the zbccl
+    backend (through the adapter's resolver), or of another backend such as gloo, which runs on
+    zbccl's default communicator, started from that group's store (``zbccl.init(group=group)``;
+    heap: ``ZBCCL_HEAP_SIZE`` if set, else ``num_nvl_bytes + num_rdma_bytes`` up to 1 GiB and half
+    the machine's free memory per rank, at least the default) when zbccl is not initialized yet. Construction is collective
+    over the group: the Buffer takes a private sub-communicator of its ranks, so its ops never
+    interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
+    nothing (receive tensors are allocated at their exact size after the handshake); they only
+    size :meth:`get_local_buffer_tensor`. ``low_latency_mode``, ``num_qps_per_rank``,
+    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``enable_shrink`` and
+    ``comm`` (mpi4py) are accepted and ignored. ``timeout`` (keyword-only, seconds; default the
+    communicator's) bounds every wait of every op. Ops are serialised per Buffer (a lock).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None, *, timeout: float | None = None) -> None:
+        if group is None and comm is None:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        parent, members = _communicator_of(group if group is not None else comm, num_nvl_bytes + num_rdma_bytes)
+        if num_nvl_bytes < 0 or num_rdma_bytes < 0:
+            raise ZbcclInvalidUsageError(
+                f"Buffer: sizes must be >= 0, got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
+        self.group = group if group is not None else comm
+        self.rank, self.group_size = members.index(parent.rank), len(members)
+        self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
+        self.comm = parent.new_group(members, timeout=timeout)
+        self.ex = Exchange(self.comm, timeout)
+        self.runtime = self
+        self.seq = 0
+        self._lock = threading.RLock()
+        self._handles: dict[int, tuple] = {}
+        self._local: dict[bool, torch.Tensor] = {}
+        self._ll = low_latency.LowLatencyState()
+        self._mask = torch.zeros(self.group_size, dtype=torch.int32)
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A private work tensor (contents undefined), kept between ops: fresh pages cost page faults."""
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch[name] = torch.empty(max(n, 64), dtype=torch.uint8)
+        return buf[:n].view(dtype).view(shape)
+
+    # ------------------------------------------------------------------ lifecycle
+    def destroy(self) -> None:
+        """Collective: release the Buffer's sub-communicator and blocks (DeepEP: needs explicitly_destroy).
+
+        Without ``explicitly_destroy`` there is no destructor that could run this collective: the
+        sub-communicator (one of a job's ~120 comm slots) then lives until ``zbccl.finalize()``.
+        """
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self._release()
+
+    def _release(self) -> None:
+        if self.runtime is None:
+            return
+        self.runtime = None
+        self._local.clear()
+        self._ll = low_latency.LowLatencyState()
+        self.ex = None
+        self.comm.destroy()
+
+    @property
+    def bytes_moved(self) -> int:
+        """Payload bytes this rank copied from or read in peers' memory in its last op (rows, scales,
+        top-k; not the handshake): dispatch ``num_recv * row``, combine the same back."""
+        return self.ex.moved if self.ex is not None else 0
+
+    def is_available(self) -> bool:
+        return self.runtime is not None
+
+    def _live(self) -> None:
+        if self.runtime is None:
+            raise ZbcclInvalidUsageError("Buffer: used after destroy(), expected a live Buffer, got a destroyed one")
+
+    # ------------------------------------------------------------------ handles
+    def register(self, key: torch.Tensor, extra=None) -> None:
+        """Remember that ``key`` (a handle's tensor) came from this Buffer's op number ``seq``."""
+        k = id(key)
+        self._handles[k] = (weakref.ref(key, lambda _, k=k, h=self._handles: h.pop(k, None)), self.seq, extra)
+
+    def lookup(self, key, op: str) -> tuple[int, object]:
+        entry = self._handles.get(id(key)) if isinstance(key, torch.Tensor) else None
+        if entry is None or entry[0]() is not key:
+            raise Fail("handle was not returned by this Buffer's dispatch, expected a handle from this Buffer, "
+                       f"got {type(key).__name__} not known to it")
+        return entry[1], entry[2]
+
+    def handle_seq(self, handle, op: str) -> int:
+        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
+            raise Fail(f"handle must be the 6-tuple dispatch returned, got {type(handle).__name__}")
+        return self.lookup(handle[3], op)[0]
+
+    # ------------------------------------------------------------------ static API
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: FP8 (e4m3) inputs and outputs are supported (torch casts on CPU)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event at this point of the host's work (always complete on CPU)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes DeepEP would reserve for low-latency mode (zbccl reserves nothing; see ``Config``)."""
+        return get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's recommended dispatch config (any rank count works here; unknown ones get 2-rank values)."""
+        return dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return combine_config(num_ranks, Buffer.num_sms)
+
+    def get_comm_stream(self):
+        """None: there is no communication stream on CPU."""
+        return None
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A heap block of ``num_nvl_bytes`` (or ``num_rdma_bytes``), allocated on first use, as ``dtype``."""
+        self._live()
+        nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        raw = self._local.get(use_rdma_buffer)
+        if raw is None:
+            raw = self._local[use_rdma_buffer] = heap_empty(self.comm, (nbytes,), torch.uint8)
+        t = raw[: nbytes - nbytes % dtype.itemsize].view(dtype)[offset:]
+        if size is None:
+            return t
+        assert t.numel() >= size.numel()
+        return t[: size.numel()].view(size)
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Local (not collective): the routing layout of ``topk_idx``.
+
+        Arguments: ``topk_idx`` ``[num_tokens, num_topk]`` ``topk_idx_t`` (int64; int32 accepted), ``-1``
+        meaning no expert; ``num_experts`` a multiple of the group size.
+        Returns ``(num_tokens_per_rank [num_ranks] torch.int, None, num_tokens_per_expert [num_experts]
+        torch.int, is_token_in_rank [num_tokens, num_ranks] torch.bool, event)``; a token counts once
+        per rank however many of its experts live there.
+        """
+        R = self.group_size
+        error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
+        if error is None:
+            try:
+                normal._tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32))
+                if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
+                    raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {num_experts!r}")
+                normal._check_topk(topk_idx, torch.zeros(topk_idx.shape), topk_idx.size(0), num_experts)
+            except Fail as exc:
+                error = str(exc)
+        if error is not None:
+            raise ZbcclInvalidUsageError(f"get_dispatch_layout: {error}")
+        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, R)
+        return per_rank, None, per_expert, in_rank, _event(async_finish)
+
+    def dispatch(self, x, handle: tuple | None = None, num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
+                 num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+                 topk_weights: torch.Tensor | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False, *, int8: bool = False):
+        """Collective: send each token to every rank that holds one of its experts.
+
+        Arguments:
+            x: ``[num_tokens, hidden]`` ``torch.bfloat16`` (float16/float32 pass through), or the pair
+                ``(x [num_tokens, hidden] torch.float8_e4m3fn, scales [num_tokens, hidden // 128] torch.float)``
+                (int32 packed scales and column-major scales accepted).
+            handle: a previous dispatch's handle: re-send the same routing (no top-k arguments).
+            num_tokens_per_rank ``[num_ranks]`` torch.int, is_token_in_rank ``[num_tokens, num_ranks]``
+                torch.bool, num_tokens_per_expert ``[num_experts]`` torch.int: from
+                :meth:`get_dispatch_layout` (required without ``handle``).
+            topk_idx ``[num_tokens, num_topk]`` topk_idx_t (``-1``: none) and topk_weights
+                ``[num_tokens, num_topk]`` torch.float: optional, both or neither.
+            expert_alignment: the per-expert counts in the returned list are rounded up to it.
+            num_worst_tokens: if > 0, every output has exactly this many rows (only the first
+                ``num_recv`` valid; ``recv_topk_idx`` is -1 below them) and the list is ``[]``.
+            config: only ``num_sms`` matters (channels of ``channel_prefix_matrix``).
+            int8 (keyword-only, zbccl extension): send a bf16/fp16/fp32 ``x`` as per-128-channel int8
+                plus float scales (about half the bytes of bf16); ``recv_x`` comes back dequantised.
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        event)``: ``recv_x`` has the kind of ``x`` (fp8 scales row-major) and exactly ``num_recv`` rows,
+        ordered by source rank, then source token; ``recv_topk_idx`` ``[num_recv, num_topk]`` holds
+        local expert ids (``-1``: not on this rank) and ``recv_topk_weights`` 0.0 there. A cached
+        dispatch returns ``(recv_x, None, None, None, None, event)``. ``recv_x`` is a heap tensor.
+        Blocks the host until the rows arrived and no peer reads ``x`` any more.
+        """
+        self._live()
+        cfg = config if config is not None else self.get_dispatch_config(self.group_size)
+        a = dict(x=x, handle=handle, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                 num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                 expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens), config=cfg,
+                 int8=bool(int8), error=_stream_error(previous_event, async_finish, allocate_on_comm_stream))
+        with self._lock:
+            self.seq += 1
+            recv_x, idx, w, lst, h = normal.dispatch(self, a)
+        return recv_x, idx, w, lst, h, _event(async_finish)
+
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None, bias=None,
+                config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Collective: return each token the (unweighted) sum of the rows the ranks send back.
+
+        Arguments:
+            x: ``[num_recv, hidden]`` ``torch.bfloat16`` (float16/float32 accepted), row-aligned with the
+                dispatch output; read in place from peers when it is a heap tensor, else staged.
+            handle: the handle this Buffer's (non-cached) dispatch returned.
+            topk_weights: optional ``[num_recv, num_topk]`` ``torch.float``, summed the same way.
+            bias: 0, 1 or 2 ``[num_tokens, hidden]`` tensors of ``x``'s dtype, added once.
+        Returns ``(combined_x [num_tokens, hidden] (x's dtype), combined_topk_weights [num_tokens, num_topk]
+        torch.float or None, event)``; sums are taken in fp32, over ranks in order.
+        """
+        self._live()
+        error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
+        with self._lock:
+            self.seq += 1
+            out, w = normal.combine(self, x, handle, topk_weights, bias, error)
+        return out, w, _event(async_finish)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Collective: a barrier (there are no signalling areas to zero; kept for DeepEP code)."""
+        self._live()
+        with self._lock:
+            self.comm.barrier(timeout=self.ex.timeout)
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The heap tensor ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``
+        torch.bfloat16 that the next ``low_latency_combine(..., zero_copy=True)`` reads in place."""
+        self._live()
+        _, _, tmax, hidden, num_experts = handle
+        R = self.group_size
+        return self._ll.next_combine_buffer(self.comm, num_experts // R, R * tmax, hidden)
+
+    def _hook(self, recv: Callable[[], None]) -> Callable[[], None]:
+        state = {"done": False}
+
+        def hook() -> None:
+            if state["done"]:
+                return
+            state["done"] = True
+            with self._lock:
+                recv()
+
+        return hook
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Collective: send each token to each of its selected experts (once per expert).
+
+        Arguments: ``x`` ``[num_tokens, hidden]`` torch.bfloat16 (``num_tokens <=
+        num_max_dispatch_tokens_per_rank``, hidden a multiple of 128, of 512 with ``use_ue8m0``);
+        ``topk_idx`` ``[num_tokens, num_topk]`` topk_idx_t (``-1``: none);
+        ``cumulative_local_expert_recv_stats`` ``[num_local_experts]`` torch.int (+= received counts);
+        ``dispatch_wait_recv_cost_stats`` ``[num_ranks]`` torch.int64 (+= ns waited in the handshake).
+        ``use_fp8``: e4m3 with per-128-channel scales (``round_scale``: powers of two; ``use_ue8m0``: their
+        exponent bytes packed four per int32).
+        Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` ``[num_local_experts, num_ranks *
+        num_max_dispatch_tokens_per_rank, hidden]`` bf16, or with fp8 ``(e4m3 tensor, scales [..., hidden // 128]
+        float32 or [..., hidden // 512] int32, column-major in the last two dims)``; only the first
+        ``recv_count [num_local_experts] torch.int`` rows of each expert are valid; ``handle`` is
+        ``(src_info [num_local_experts, N] torch.int, layout_range [num_local_experts, num_ranks] torch.int64,
+        num_max_dispatch_tokens_per_rank, hidden, num_experts)``. With ``return_recv_hook`` the call only
+        publishes (``x`` may be reused at once) and ``hook()`` (collective) receives; else ``hook`` is None.
+        """
+        self._live()
+        error = None
+        if async_finish and return_recv_hook:
+            error = "async_finish and return_recv_hook exclude each other, expected at most one, got both"
+        elif use_ue8m0 and not round_scale:
+            error = "use_ue8m0 needs round_scale, expected round_scale=True, got False"
+        flags = ((low_latency.FLAG_FP8 if use_fp8 else 0) | (low_latency.FLAG_ROUND if round_scale else 0)
+                 | (low_latency.FLAG_UE8M0 if use_ue8m0 else 0) | (low_latency.FLAG_HOOK if return_recv_hook else 0))
+        with self._lock:
+            self.seq += 1
+            out, plan, recv = low_latency.dispatch(
+                self, x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts),
+                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, flags, error)
+            self._ll.idx ^= 1
+            self.register(out["src_info"], plan)
+            hook = self._hook(recv) if return_recv_hook else None
+            if hook is None:
+                recv()
+        handle = (out["src_info"], out["layout"], int(num_max_dispatch_tokens_per_rank), out["x"].size(2),
+                  int(num_experts))
+        recv_x = (out["x"], out["scales"]) if use_fp8 else out["x"]
+        return recv_x, out["count"], handle, _event(async_finish, (x, topk_idx, out["x"])), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Collective: ``combined_x[t] = sum_k topk_weights[t, k] * expert_output(t, k)``, in fp32.
+
+        Arguments: ``x`` ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``
+        torch.bfloat16 in the dispatch layout (read in place from peers when it is a heap tensor; with
+        ``zero_copy`` the data is taken from :meth:`get_next_low_latency_combine_buffer` instead);
+        ``topk_idx``/``topk_weights`` ``[num_tokens, num_topk]``: this rank's routing, as dispatched;
+        ``handle``: from this Buffer's ``low_latency_dispatch``; ``out``: optional ``[num_tokens, hidden]``
+        bf16 result tensor. ``use_logfmt`` sends exact bf16. Returns ``(combined_x [num_tokens, hidden]
+        torch.bfloat16, event, hook)``; with ``return_recv_hook``, ``hook()`` (collective) receives, and
+        ``x`` must stay unchanged until it returned.
+        """
+        self._live()
+        error = None
+        if async_finish and return_recv_hook:
+            error = "async_finish and return_recv_hook exclude each other, expected at most one, got both"
+        elif zero_copy and use_logfmt:
+            error = "zero_copy and use_logfmt exclude each other, expected at most one, got both"
+        flags = (low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
+        with self._lock:
+            self.seq += 1
+            combined, recv = low_latency.combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
+                                                 error)
+            self._ll.idx ^= 1
+            hook = self._hook(recv) if return_recv_hook else None
+            if hook is None:
+                recv()
+        return combined, _event(async_finish, (x, topk_idx, topk_weights, combined)), hook
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Record a rank as masked (shrink mode). zbccl does not shrink groups: every rank still takes part."""
+        self._mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask ``[num_ranks]`` torch.int (1: masked) into ``mask_status``."""
+        mask_status.copy_(self._mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        self._mask.zero_()

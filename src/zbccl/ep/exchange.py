@@ -1,0 +1,216 @@
+"""The one protocol every EP op runs over its communicator: publish -> pull -> barrier.
+
+1. **Prepare** (local). A rank checks its arguments, stages what peers must read but is not a
+   contiguous heap tensor (a heap block, counted in ``memory_stats()["staged_bytes"]``), and
+   writes its plan (counts, per-destination token lists) into a heap block of its own.
+2. **Publish**: one ``all_gather_into_tensor`` of a fixed 64-int64 header per rank: status and
+   error text, shapes, dtypes, heap offsets of its operands and plan. The all_gather is the
+   release/acquire point: once it returns, every rank may read every peer's published blocks.
+   If any rank posted an error, every rank raises the same error (``ZbcclInvalidUsageError``,
+   or ``ZbcclOutOfMemoryError`` for a block that did not fit) and nothing is read or written.
+   Disagreements between ranks (experts, hidden size, dtype, a handle from another dispatch)
+   are found from the gathered headers, which every rank holds alike, so all raise together.
+3. **Pull** (local writes only). Each rank copies the rows it receives from its peers'
+   published blocks into its own outputs (``prims.copy_many`` row tables, bounds-checked
+   addresses) or reduces them (combine). Peers' memory is only ever read.
+4. **Barrier**: when it returns, no peer reads this rank's published blocks any more; staged
+   blocks are freed and the caller may reuse its inputs. It runs even when this rank's pull
+   failed, so such a failure stays on its rank and the group stays in step.
+
+Both waits take the Buffer's timeout; a dead peer raises ``ZbcclRemoteError`` within a
+liveness interval, a missing one ``ZbcclTimeoutError`` naming it (the ops' own guarantees).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
+from ..heap.views import HeapHandle, wrap_address
+from ..ops import all_gather_into_tensor
+from ..runtime.threads import nthreads
+
+__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "row_runs", "row_table"]
+
+HDR_LEN = 64
+_MSG_AT, _MSG_BYTES = 32, 256
+STATUS_OK, STATUS_USAGE, STATUS_NOMEM = 0, 1, 2
+
+
+class F:
+    """Header field indices."""
+
+    OP, SEQ, STATUS, E, H, DTYPE, K, T, META, X, XROW, SCALES, SROW, TOPK, W, HANDLE = range(16)
+    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS = range(16, 23)
+
+
+class Fail(Exception):
+    """A local argument problem, reported through the header so that every rank raises it."""
+
+    def __init__(self, message: str, status: int = STATUS_USAGE) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> torch.Tensor:
+    """A contiguous tensor in this rank's heap (ordinary memory, counted, if the heap is full and
+    ``fallback``; else :class:`ZbcclOutOfMemoryError`). Freed when its last view dies."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    sma = comm.sma
+    offset = sma.try_malloc(max(nbytes, 1), kind="ep")
+    if offset is None:
+        if not fallback:
+            raise ZbcclOutOfMemoryError(f"ep: out of heap memory, expected room for {nbytes} bytes, got a full heap")
+        sma.record_fallback(nbytes)
+        return torch.empty(shape, dtype=dtype)
+    buf = wrap_address(comm.heap_base + offset, nbytes)
+    weakref.finalize(buf, sma.free, offset)
+    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
+class Exchange:
+    """Publish/pull/barrier over one communicator; one per ``Buffer``."""
+
+    def __init__(self, comm, timeout: float | None) -> None:
+        self.comm = comm
+        self.R, self.me = comm.world_size, comm.rank
+        self.timeout = timeout
+        self.prims = comm.heap.prims
+        self._hdr = heap_empty(comm, (HDR_LEN,), torch.int64, fallback=False)
+        self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
+        #: Payload bytes this rank copied or read from peers' memory since the last publish.
+        self.moved = 0
+
+    # ------------------------------------------------------------------ local side
+    def offset_of(self, t: torch.Tensor) -> int:
+        """Heap offset of a contiguous tensor lying in this rank's heap, else -1."""
+        if not t.is_contiguous():
+            return -1
+        st = t.untyped_storage()
+        base = self.comm.heap_base  # read each time: the heap may grow
+        lo = st.data_ptr() - base
+        if lo < 0 or lo + st.nbytes() > self.comm.heap_bytes or st.nbytes() == 0:
+            return -1
+        return t.data_ptr() - base
+
+    def place(self, t: torch.Tensor, keep: list, role: str, *, copy: bool = False) -> int:
+        """Heap offset peers read ``t`` at: in place for a contiguous heap tensor (unless ``copy``:
+        the caller may change ``t`` before peers read it), else a staged copy."""
+        off = -1 if copy else self.offset_of(t)
+        if off >= 0:
+            return off
+        try:
+            block = heap_empty(self.comm, t.shape, t.dtype, fallback=False)
+        except ZbcclOutOfMemoryError as exc:
+            raise Fail(f"cannot stage the {role} ({t.numel() * t.element_size()} bytes) through the heap: {exc}",
+                       STATUS_NOMEM) from None
+        block.copy_(t)
+        if t.numel():
+            self.comm.sma.record_staged(t.numel() * t.element_size())
+        keep.append(block)
+        return self.offset_of(block) if t.numel() else 0
+
+    def block(self, values: torch.Tensor, keep: list) -> int:
+        """Publish a small int64 plan block (not counted as staging: it is the handshake)."""
+        t = heap_empty(self.comm, values.shape, torch.int64, fallback=False)
+        t.copy_(values)
+        keep.append(t)
+        return self.offset_of(t) if t.numel() else 0
+
+    # ------------------------------------------------------------------ the handshake
+    def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:
+        """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed."""
+        self.moved = 0
+        h = self._hdr
+        vals = [0] * HDR_LEN
+        for k, v in fields.items():
+            vals[k] = int(v)
+        h.copy_(torch.tensor(vals, dtype=torch.int64))
+        if fail is not None:
+            h[F.STATUS] = fail.status
+            msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
+            h[_MSG_AT:].view(torch.uint8).copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+        all_gather_into_tensor(self._all, h, comm=self.comm, timeout=self.timeout)
+        rows = self._all.view(self.R, HDR_LEN).clone()
+        bad = (rows[:, F.STATUS] != STATUS_OK).nonzero().flatten().tolist()
+        if bad:
+            r = bad[0]
+            text = bytes(rows[r, _MSG_AT:].contiguous().view(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
+            cls = ZbcclOutOfMemoryError if rows[r, F.STATUS] == STATUS_NOMEM else ZbcclInvalidUsageError
+            raise cls(f"{op}: {text} (on rank {r})", ranks=tuple(bad))
+        return rows
+
+    def agree(self, op: str, rows: torch.Tensor, field: int, what: str) -> None:
+        """Raise on every rank unless every header has the same ``field`` (names the ranks that differ)."""
+        col = rows[:, field]
+        odd = (col != col[0]).nonzero().flatten().tolist()
+        if odd:
+            got = ", ".join(f"{int(col[r])} on rank {r}" for r in odd)
+            raise ZbcclInvalidUsageError(
+                f"{op}: ranks disagree on {what}, expected {int(col[0])} (rank 0's) on every rank, got {got}",
+                ranks=tuple(odd))
+
+    def done(self) -> None:
+        """Collective: after it no peer reads this rank's published blocks."""
+        self.comm.barrier(timeout=self.timeout)
+
+    # ------------------------------------------------------------------ the peer side
+    def addr(self, r: int, offset: int, nbytes: int) -> int:
+        """Local address of ``offset`` in group rank ``r``'s heap (bounds-checked)."""
+        return self.comm.heap.addr(self.comm.ranks[r], offset, nbytes, op="ep")
+
+    def view(self, r: int, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Zero-copy, bounds-checked view of rank ``r``'s published bytes."""
+        shape = tuple(int(s) for s in shape)
+        stride, acc = [], 1
+        for s in reversed(shape):
+            stride.append(acc)
+            acc *= s
+        handle = HeapHandle(rank=self.comm.ranks[r], offset=int(offset), shape=shape, stride=tuple(reversed(stride)),
+                            dtype=str(dtype).removeprefix("torch."))
+        return self.comm.peer_tensor(r, handle)
+
+    def copy(self, table: list[torch.Tensor]) -> None:
+        """Run row copies: each entry an int64 ``[n, 3]`` table of (dst, src, nbytes)."""
+        table = [t for t in table if t.numel()]
+        if not table:
+            return
+        t = torch.cat(table).contiguous()
+        self.moved += int(t[:, 2].sum())
+        fn = getattr(self.prims, "copy_many", None)
+        if fn is not None:
+            fn(t.data_ptr(), t.size(0), nthreads())
+        else:  # no native core: the Python stand-in
+            for dst, src, n in t.tolist():
+                ctypes.memmove(dst, src, n)
+
+
+def row_runs(rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n_runs, 3]`` int64 (dst row, src row, rows): source rows ``rows`` land on destination rows
+    ``dst_rows`` (default: consecutive from 0); runs consecutive on both sides are merged."""
+    n = rows.numel()
+    if n == 0:
+        return torch.empty(0, 3, dtype=torch.int64)
+    rows = rows.long()
+    dst_rows = torch.arange(n) if dst_rows is None else dst_rows.long()
+    brk = torch.ones(n, dtype=torch.bool)
+    brk[1:] = (rows[1:] != rows[:-1] + 1) | (dst_rows[1:] != dst_rows[:-1] + 1)
+    starts = brk.nonzero().flatten()
+    lens = torch.diff(starts, append=torch.tensor([n]))
+    return torch.stack([dst_rows[starts], rows[starts], lens], 1)
+
+
+def row_table(dst_addr: int, src_addr: int, runs: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """The copies (dst, src, nbytes) of :func:`row_runs`' runs for rows of ``row_bytes``."""
+    if row_bytes == 0:
+        return torch.empty(0, 3, dtype=torch.int64)
+    t = runs * row_bytes
+    t[:, 0] += dst_addr
+    t[:, 1] += src_addr
+    return t

@@ -1,0 +1,124 @@
+"""Pure routing and quantisation maths of EP (no communication): the tests' oracle as well.
+
+Conventions (DeepEP's): ``R`` ranks, ``E`` experts, ``L = E // R`` local experts, expert
+``e`` lives on rank ``e // L``; ``topk_idx == -1`` selects no expert. A token goes to a rank
+once, however many of that rank's experts it selected (normal mode), and once per selected
+expert (low-latency mode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dispatch_layout", "rank_lists", "channel_prefix", "send_head", "expert_pairs",
+           "fp8_quantize", "fp8_dequantize", "int8_quantize", "int8_dequantize", "FP8_MAX"]
+
+FP8_MAX = 448.0
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``."""
+    L = num_experts // num_ranks
+    idx = topk_idx.long()
+    valid = idx >= 0
+    T = idx.size(0)
+    in_rank = torch.zeros(T, num_ranks, dtype=torch.bool)
+    if idx.numel():
+        ranks = torch.where(valid, idx // L, 0)
+        tok = torch.arange(T).unsqueeze(1).expand_as(idx)
+        in_rank[tok[valid], ranks[valid]] = True
+    per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+    return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
+
+
+def rank_lists(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts [R] int64, tokens [sum] int64)``: for each rank in order, its tokens ascending."""
+    pairs = is_token_in_rank.t().nonzero()
+    counts = torch.bincount(pairs[:, 0], minlength=is_token_in_rank.size(1))
+    return counts, pairs[:, 1].contiguous()
+
+
+def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
+    """``[R, C]`` int32: inclusive prefix over channels of the tokens each channel sends to each rank.
+
+    Channel ``c`` owns tokens ``[c * ceil(T / C), (c + 1) * ceil(T / C))`` (DeepEP's split).
+    """
+    T, R = is_token_in_rank.shape
+    per = max(-(-T // num_channels), 1)
+    chan = torch.arange(T) // per
+    counts = torch.zeros(num_channels, R, dtype=torch.int64)
+    if T:
+        counts.index_add_(0, chan, is_token_in_rank.long())
+    return counts.cumsum(0).t().contiguous().to(torch.int32)
+
+
+def send_head(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """``[T, R]`` int32: position of token ``t`` among the tokens sent to rank ``r`` (-1: not sent)."""
+    pos = is_token_in_rank.long().cumsum(0) - 1
+    return torch.where(is_token_in_rank, pos, -1).to(torch.int32)
+
+
+def expert_pairs(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Low-latency plan: ``(counts [E] int64, tokens [n] int64, slots [n] int64)``.
+
+    The valid ``(token, slot)`` pairs sorted by expert, then token, then slot: expert ``e``'s
+    rows are ``tokens[off[e]:off[e+1]]``; ``slots`` is the flat index ``t * K + k``.
+    """
+    T, K = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    slots = (flat >= 0).nonzero().flatten()
+    experts = flat[slots]
+    order = torch.sort(experts * (T * K) + slots, stable=True).indices
+    slots = slots[order]
+    counts = torch.bincount(experts, minlength=num_experts)
+    return counts, slots // K, slots
+
+
+def _group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
+    m, n = x.shape
+    return x.float().view(m, n // group, group).abs().amax(2).clamp(min=1e-4)
+
+
+def fp8_quantize(x: torch.Tensor, *, round_scale: bool = False, ue8m0: bool = False):
+    """Per-token, per-128-channel e4m3 cast: ``(x_fp8 [T, H], scales)``.
+
+    ``scales`` are the dequantisation factors ``[T, H / 128]`` float32, or with ``ue8m0``
+    (which implies power-of-two scales) their exponent bytes packed four per int32,
+    ``[T, H / 512]``. Values saturate at +-448 as DeepEP's kernels do.
+    """
+    T, H = x.shape
+    amax = _group_amax(x, 128)
+    if round_scale or ue8m0:
+        scale_inv = torch.pow(2.0, torch.ceil(torch.log2(amax / FP8_MAX)))
+        scale = 1.0 / scale_inv
+    else:
+        scale_inv, scale = amax / FP8_MAX, FP8_MAX / amax
+    q = (x.float().view(T, H // 128, 128) * scale.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX)
+    x_fp8 = q.view(T, H).to(torch.float8_e4m3fn)
+    if ue8m0:
+        exps = (scale_inv.view(torch.int32) >> 23).to(torch.uint8).contiguous()
+        return x_fp8, exps.view(torch.int32) if T else torch.empty(0, H // 512, dtype=torch.int32)
+    return x_fp8, scale_inv
+
+
+def fp8_dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of :func:`fp8_quantize` (accepts float or packed UE8M0 scales), rows flattened."""
+    H = x_fp8.size(-1)
+    x2 = x_fp8.reshape(-1, H)
+    s = scales.reshape(x2.size(0), -1) if x2.size(0) else scales.reshape(0, H // 128)
+    if s.dtype == torch.int32:
+        s = (s.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    return (x2.float().view(x2.size(0), H // 128, 128) * s.unsqueeze(2)).view(x_fp8.shape).to(dtype)
+
+
+def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-channel symmetric int8: ``(q [T, H] int8, scales [T, H / 128] float32)``."""
+    T, H = x.shape
+    scale = _group_amax(x, 128) / 127.0
+    q = torch.round(x.float().view(T, H // 128, 128) / scale.unsqueeze(2)).clamp(-127, 127)
+    return q.view(T, H).to(torch.int8), scale
+
+
+def int8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    T, H = q.shape
+    return (q.float().view(T, H // 128, 128) * scales.view(T, H // 128, 1)).view(T, H).to(dtype)

@@ -1,0 +1,237 @@
+"""Low-latency dispatch and combine: DeepEP's ``[num_local_experts, num_ranks * max_tokens, hidden]`` layout.
+
+Protocol (see :mod:`.exchange`): the call prepares and publishes (each sender sorts its valid
+``(token, slot)`` pairs by expert, then token, publishes the per-expert counts and token
+lists, and casts ``x`` to fp8 with per-128-channel scales into a heap block when asked); the
+receive half pulls and ends with the barrier. Without ``return_recv_hook`` both halves run in
+the call; with it, the call returns after the publish and ``hook()`` runs the receive half
+(every rank must call its hook, in the same order as its other EP ops). A token is sent
+once per selected expert. Rows of local expert ``e`` are ordered by source rank, then source
+token (``layout_range[e, r] = begin << 32 | count``); ``src_info`` gives the source token.
+
+Combine is the reverse pull: each rank reads, for every one of its ``(token, slot)`` pairs,
+the expert's output row straight from the owner's ``x`` (or from the zero-copy buffer, or a
+compact staged copy of the valid rows when ``x`` is not a heap tensor) and sums
+``weight * row`` per token in fp32. ``use_logfmt`` is accepted and sends exact bf16.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError
+from .exchange import F, Fail, heap_empty, row_runs, row_table
+from .layout import expert_pairs, fp8_quantize
+from .normal import _tensor
+
+__all__ = ["LowLatencyState", "dispatch", "combine", "OP_LL_DISPATCH", "OP_LL_COMBINE"]
+
+OP_LL_DISPATCH, OP_LL_COMBINE = 3, 4
+FLAG_FP8, FLAG_ROUND, FLAG_UE8M0, FLAG_HOOK = 1, 2, 4, 8
+
+
+class LowLatencyState:
+    """DeepEP's two low-latency buffers: the index toggles on every LL dispatch and combine; only
+    the zero-copy combine buffers (allocated on first use, in the heap) are real memory here."""
+
+    def __init__(self) -> None:
+        self.idx = 0
+        self.combine_buffers: dict[tuple, list] = {}
+
+    def next_combine_buffer(self, comm, L: int, N: int, H: int) -> torch.Tensor:
+        pair = self.combine_buffers.setdefault((L, N, H), [None, None])
+        if pair[self.idx] is None:
+            pair[self.idx] = heap_empty(comm, (L, N, H), torch.bfloat16)
+        return pair[self.idx]
+
+
+def _check_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int) -> tuple:
+    R = buf.ex.R
+    x = _tensor(x, "x", 2, (torch.bfloat16,))
+    T, H = x.shape
+    idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, None))
+    if T > tmax:
+        raise Fail(f"too many tokens, expected at most num_max_dispatch_tokens_per_rank={tmax}, got {T}")
+    if H % 128 or (flags & FLAG_UE8M0 and H % 512):
+        raise Fail(f"hidden size must be a multiple of {512 if flags & FLAG_UE8M0 else 128}, got {H}")
+    if E <= 0 or E % R:
+        raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
+    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E):
+        raise Fail(f"topk_idx out of range, expected -1 or [0, {E}), got values in [{int(idx.min())}, {int(idx.max())}]")
+    if stats is not None:
+        _tensor(stats, "cumulative_local_expert_recv_stats", 1, (torch.int32,), (E // R,))
+    if wait_stats is not None:
+        _tensor(wait_stats, "dispatch_wait_recv_cost_stats", 1, (torch.int64,), (R,))
+    return x, idx.long()
+
+
+def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int, error: str | None):
+    """Publish this rank's tokens; returns ``(outputs, recv)`` where ``recv()`` fills the outputs."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    fields, keep, fail = {F.OP: OP_LL_DISPATCH, F.SEQ: buf.seq, F.FLAGS: flags, F.TMAX: tmax, F.E: E}, [], None
+    plan = None
+    try:
+        if error:
+            raise Fail(error)
+        x, idx = _check_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags)
+        T, H = x.shape
+        counts, tokens, slots = expert_pairs(idx, E)
+        plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T}
+        fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.META: ex.block(torch.cat([counts, tokens]), keep)})
+        if flags & FLAG_FP8:
+            xq, s = fp8_quantize(x, round_scale=bool(flags & FLAG_ROUND), ue8m0=bool(flags & FLAG_UE8M0))
+            fields.update({F.X: ex.place(xq, keep, "x (fp8)"), F.XROW: H, F.SCALES: ex.place(s, keep, "scales"),
+                           F.SROW: s.size(1) * 4})
+        else:
+            fields.update({F.X: ex.place(x, keep, "x", copy=bool(flags & FLAG_HOOK)), F.XROW: H * 2})
+    except Fail as exc:
+        fail = exc
+    t0 = time.perf_counter_ns()
+    rows = ex.publish("low_latency_dispatch", fields, fail)
+    waited = time.perf_counter_ns() - t0
+    for field, what in ((F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
+                        (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")):
+        ex.agree("low_latency_dispatch", rows, field, what)
+    L, N, H = E // R, R * tmax, int(rows[me, F.H])
+    out = {"x": heap_empty(buf.comm, (L, N, H), torch.float8_e4m3fn if flags & FLAG_FP8 else torch.bfloat16),
+           "count": torch.zeros(L, dtype=torch.int32), "src_info": torch.zeros(L, N, dtype=torch.int32),
+           "layout": torch.zeros(L, R, dtype=torch.int64)}
+    if flags & FLAG_FP8:
+        S = H // 512 if flags & FLAG_UE8M0 else H // 128
+        dt = torch.int32 if flags & FLAG_UE8M0 else torch.float32
+        out["scales"] = heap_empty(buf.comm, (L, S, N), dt).transpose(1, 2)
+
+    def recv() -> None:
+        try:
+            plan["begin"] = _pull(buf, rows, out, E, tmax)
+        finally:
+            ex.done()
+            keep.clear()
+        if stats is not None:
+            stats.add_(out["count"])
+        if wait_stats is not None:
+            wait_stats.add_(waited)
+
+    return out, plan, recv
+
+
+def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
+    """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    L, N = E // R, R * tmax
+    C = torch.stack([ex.view(r, int(rows[r, F.META]), (E,), torch.int64) for r in range(R)])  # [src, expert]
+    mine = C[:, me * L:(me + 1) * L]  # [src, local expert]
+    begins = mine.cumsum(0) - mine
+    out["count"].copy_(mine.sum(0))
+    out["layout"].copy_(((begins << 32) | mine).t())
+    xrow = int(rows[me, F.XROW])
+    tables = []
+    for r in range(R):
+        cnt = mine[r]
+        n = int(cnt.sum())
+        if not n:
+            continue
+        start = int(C[r, :me * L].sum())
+        toks = ex.view(r, int(rows[r, F.META]) + (E + start) * 8, (n,), torch.int64)
+        le = torch.repeat_interleave(torch.arange(L), cnt)
+        pos = torch.arange(n) - (cnt.cumsum(0) - cnt)[le]
+        slot = begins[r][le] + pos
+        dst = le * N + slot
+        T_r = int(rows[r, F.T])
+        tables.append(row_table(out["x"].data_ptr(), ex.addr(r, int(rows[r, F.X]), T_r * xrow), row_runs(toks, dst),
+                                xrow))
+        out["src_info"].view(-1)[dst] = toks.to(torch.int32)
+        if "scales" in out:
+            s_r = ex.view(r, int(rows[r, F.SCALES]), (T_r, int(rows[r, F.SROW]) // 4), out["scales"].dtype)
+            out["scales"][le, slot] = s_r[toks]
+            ex.moved += n * int(rows[r, F.SROW])
+    ex.copy(tables)
+    return C[:me].sum(0)
+
+
+def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags: int, error: str | None):
+    """Publish this rank's expert outputs; returns ``(combined, recv)`` where ``recv()`` fills ``combined``."""
+    ex, R = buf.ex, buf.ex.R
+    fields, keep, fail = {F.OP: OP_LL_COMBINE, F.SEQ: buf.seq, F.FLAGS: flags}, [], None
+    combined = plan = None
+    try:
+        if error:
+            raise Fail(error)
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            raise Fail(f"handle must be the 5-tuple low_latency_dispatch returned, got {type(handle).__name__}")
+        seq, plan = buf.lookup(handle[0], "low_latency_combine")
+        tmax, H, E = int(handle[2]), int(handle[3]), int(handle[4])
+        L, N, T = E // R, R * tmax, plan["T"]
+        x = _tensor(x, "x", 3, (torch.bfloat16,), (L, N, H))
+        idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, plan["topk_idx"].size(1)))
+        if not torch.equal(idx.long(), plan["topk_idx"]):
+            raise Fail("topk_idx differs from the one low_latency_dispatch was given, expected the same routing")
+        w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, idx.size(1)))
+        if out is not None:
+            _tensor(out, "out", 2, (torch.bfloat16,), (T, H))
+            if not out.is_contiguous():
+                raise Fail("out must be contiguous")
+        combined = out if out is not None else heap_empty(buf.comm, (T, H), torch.bfloat16)
+        src = buf._ll.next_combine_buffer(buf.comm, L, N, H) if zero_copy else x
+        base, nrows, bases = _place_outputs(ex, src, handle[1], keep, copy=bool(flags & FLAG_HOOK) and not zero_copy)
+        fields.update({F.HANDLE: seq, F.H: H, F.X: base, F.XROW: H * 2, F.NROWS: nrows, F.E: E, F.TMAX: tmax,
+                       F.META: ex.block(bases, keep)})
+    except Fail as exc:
+        fail = exc
+    rows = ex.publish("low_latency_combine", fields, fail)
+    for field, what in ((F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
+                        (F.FLAGS, "zero_copy/hook")):
+        ex.agree("low_latency_combine", rows, field, what)
+
+    def recv() -> None:
+        try:
+            acc = _reduce(buf, rows, plan, w, E, H)
+        finally:
+            ex.done()
+            keep.clear()
+        combined.copy_(acc)
+
+    return combined, recv
+
+
+def _place_outputs(ex, src: torch.Tensor, layout: torch.Tensor, keep: list, *, copy: bool):
+    """``(heap offset, rows, first row of each local expert)`` of the expert outputs peers read:
+    ``src`` in place when it is a heap tensor, else its valid rows staged compactly."""
+    L, N, H = src.shape
+    off = -1 if copy else ex.offset_of(src)
+    if off >= 0:
+        return off, L * N, torch.arange(L) * N
+    counts = (layout & 0xFFFFFFFF).sum(1)
+    compact = torch.cat([src[e, :int(counts[e])] for e in range(L)]) if L else src.new_empty(0, H)
+    return ex.place(compact, keep, "x (valid rows)"), compact.size(0), counts.cumsum(0) - counts
+
+
+def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Tensor:
+    """fp32 ``sum_k weight * expert_row`` per token, every row read from its owner's memory."""
+    ex, R = buf.ex, buf.ex.R
+    L = E // R
+    if "begin" not in plan:
+        raise ZbcclInvalidUsageError("low_latency_combine: the dispatch's receive hook was never called, "
+                                     "expected hook() before combine, got a pending dispatch")
+    tokens, slots, begin = plan["tokens"], plan["slots"], plan["begin"]
+    experts = plan["topk_idx"].view(-1)[slots]
+    off = torch.zeros(E + 1, dtype=torch.int64)
+    off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
+    wflat = w.reshape(-1)
+    acc = buf.scratch("acc", (plan["T"], H), torch.float32).zero_()
+    for r in range(R):
+        lo, hi = int(off[r * L]), int(off[(r + 1) * L])
+        if lo == hi:
+            continue
+        e = experts[lo:hi]
+        bases = ex.view(r, int(rows[r, F.META]), (L,), torch.int64)
+        row = bases[e - r * L] + begin[e] + (torch.arange(lo, hi) - off[e])
+        y = buf.scratch("rows_bf16", (hi - lo, H), torch.bfloat16)
+        torch.index_select(ex.view(r, int(rows[r, F.X]), (int(rows[r, F.NROWS]), H), torch.bfloat16), 0, row, out=y)
+        tmp = buf.scratch("rows", (hi - lo, H), torch.float32)
+        tmp.copy_(y).mul_(wflat[slots[lo:hi]].unsqueeze(1))
+        acc.index_add_(0, tokens[lo:hi], tmp)
+        ex.moved += (hi - lo) * H * 2
+    return acc

@@ -1,0 +1,364 @@
+"""Normal (high-throughput) dispatch and combine: exact-size receive, rows pulled from peers.
+
+Protocol (see :mod:`.exchange`): each sender publishes its per-destination token lists
+(ascending token index), its counts per rank, per expert and per channel, and the heap
+offsets of ``x`` (and scales, top-k, weights), staged only when they are not heap tensors.
+After the header all_gather every receiver knows the whole ``[R, R]`` count matrix, allocates
+``recv_x`` with exactly ``sum_src count[src][me]`` rows in its heap (``num_worst_tokens`` rows
+when asked), and copies its rows straight from each sender's ``x``: by source rank, then
+source token (DeepEP's order). A barrier ends the op: then senders may reuse ``x``.
+
+Combine is the reverse pull: each original sender reads, for each rank ``r`` it sent to, the
+contiguous block of ``r``'s combine input that holds its tokens (block start from the
+handle's ``rank_prefix_matrix``) straight from ``r``'s heap, and sums the rows per token in
+fp32. Bytes moved per step: dispatch moves ``num_recv * row`` per receiver, combine the same
+back; nothing is copied twice unless an operand had to be staged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError
+from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
+from ..ops.dtypes import SUM
+from ..runtime.threads import nthreads
+from .exchange import F, Fail, heap_empty, row_runs, row_table
+from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
+
+__all__ = ["dispatch", "combine", "DTYPE_CODES", "OP_DISPATCH", "OP_COMBINE"]
+
+OP_DISPATCH, OP_COMBINE = 1, 2
+FLAG_FP8, FLAG_TOPK, FLAG_CACHED, FLAG_INT8 = 1, 2, 4, 8
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
+_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+def _tensor(t, name: str, dims: int, dtypes: tuple, shape: tuple | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise Fail(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise Fail(f"{name} must be a strided CPU tensor, got {t.device.type} {t.layout}")
+    if t.dim() != dims:
+        raise Fail(f"{name} has the wrong rank, expected {dims} dims, got shape {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise Fail(f"{name} has the wrong dtype, expected one of {[str(d) for d in dtypes]}, got {t.dtype}")
+    if shape is not None:
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                raise Fail(f"{name} has the wrong shape, expected {list(shape)} (None: any), got {list(t.shape)}")
+    return t
+
+
+def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise Fail(f"x must be a tensor or a (x_fp8, scales) pair, got a tuple of {len(x)}")
+        xq = _tensor(x[0], "x[0]", 2, (torch.float8_e4m3fn,))
+        T, H = xq.shape
+        if H % 128:
+            raise Fail(f"x[0] hidden size must be a multiple of 128 with fp8 scales, got {H}")
+        s = _tensor(x[1], "x[1] (scales)", 2, (torch.float32, torch.int32), (T, None))
+        return xq, s
+    return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
+
+
+def _check_topk(topk_idx, topk_weights, T: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if (topk_idx is None) != (topk_weights is None):
+        raise Fail("topk_idx and topk_weights go together, expected both or neither, got one")
+    idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, None))
+    K = idx.size(1)
+    w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, K))
+    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E):
+        raise Fail(f"topk_idx out of range, expected -1 or [0, {E}), got values in [{int(idx.min())}, {int(idx.max())}]")
+    return idx.long(), w
+
+
+def _layout(a: dict, T: int, R: int):
+    """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)`` of a non-cached dispatch."""
+    for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
+        if a[name] is None:
+            raise Fail(f"{name} is required without a handle, expected a tensor, got None")
+    ntpr = _tensor(a["num_tokens_per_rank"], "num_tokens_per_rank", 1, (torch.int32, torch.int64), (R,))
+    in_rank = _tensor(a["is_token_in_rank"], "is_token_in_rank", 2, (torch.bool,), (T, R))
+    ntpe = _tensor(a["num_tokens_per_expert"], "num_tokens_per_expert", 1, (torch.int32, torch.int64))
+    E = ntpe.numel()
+    if E == 0 or E % R:
+        raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
+    idx = w = None
+    if a["topk_idx"] is not None or a["topk_weights"] is not None:
+        idx, w = _check_topk(a["topk_idx"], a["topk_weights"], T, E)
+        if not torch.equal(torch.bincount(idx[idx >= 0], minlength=E), ntpe.long()):
+            raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
+    elif a["num_worst_tokens"]:
+        raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
+    if a["expert_alignment"] < 1:
+        raise Fail(f"expert_alignment must be >= 1, got {a['expert_alignment']}")
+    counts = in_rank.sum(0)
+    if not torch.equal(counts, ntpr.long()):
+        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
+                   f"got {ntpr.tolist()}")
+    return in_rank, ntpe.long(), idx, w
+
+
+def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
+    """Local checks, plan and published blocks of a dispatch; raises :class:`Fail`."""
+    ex, R = buf.ex, buf.ex.R
+    if a["error"]:
+        raise Fail(a["error"])
+    x, scales = _split_x(a["x"])
+    T, H = x.shape
+    fields.update({F.H: H, F.T: T, F.WORST: a["num_worst_tokens"], F.CHANNELS: a["config"].num_channels})
+    handle = a["handle"]
+    if handle is not None:
+        if a["topk_idx"] is not None or a["topk_weights"] is not None:
+            raise Fail("a cached dispatch (handle given) takes no topk_idx/topk_weights, expected None, got tensors")
+        fields[F.HANDLE] = buf.handle_seq(handle, "dispatch")
+        in_rank = handle[4]
+        if in_rank.shape != (T, R):
+            raise Fail(f"x does not match the handle, expected {in_rank.size(0)} tokens, got {T}")
+        fields[F.NRECV] = handle[3].size(0)
+        fields[F.FLAGS] = FLAG_CACHED
+        E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
+    else:
+        in_rank, per_expert, idx, w = _layout(a, T, R)
+        E = per_expert.numel()
+        fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
+    counts, tokens = rank_lists(in_rank)
+    chan = channel_prefix(in_rank, a["config"].num_channels)
+    fields[F.META] = ex.block(torch.cat([counts, per_expert, chan.long().flatten(), tokens]), keep)
+    fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
+    out_dtype = x.dtype
+    if scales is None and a["int8"]:
+        x, scales = int8_quantize(x)
+        fields[F.FLAGS] |= FLAG_INT8
+    fields[F.DTYPE] = DTYPE_CODES.get(x.dtype, 5)
+    fields[F.X], fields[F.XROW] = ex.place(x, keep, "x"), H * x.element_size()
+    if scales is not None:
+        fields[F.FLAGS] |= FLAG_FP8 if x.dtype == torch.float8_e4m3fn else 0
+        s = scales.contiguous()
+        fields[F.SCALES], fields[F.SROW] = ex.place(s, keep, "scales"), s.size(1) * s.element_size()
+        fields[F.DTYPE] |= DTYPE_CODES[torch.float32] << 8 if s.dtype == torch.float32 else 6 << 8
+    if idx is not None:
+        fields[F.TOPK], fields[F.W] = ex.place(idx, keep, "topk_idx"), ex.place(w, keep, "topk_weights")
+    return {"in_rank": in_rank, "chan": chan, "H": H, "out_dtype": out_dtype, "cached": handle is not None}
+
+
+def _counts(buf, rows) -> tuple[torch.Tensor, int, int]:
+    """The global ``[src, dst]`` token counts from every sender's plan block, checked on every rank."""
+    ex, R = buf.ex, buf.ex.R
+    E, C = int(rows[0, F.E]), int(rows[0, F.CHANNELS])
+    counts = torch.stack([ex.view(r, int(rows[r, F.META]), (R,), torch.int64) for r in range(R)])
+    per_dst = counts.sum(0)
+    for r in range(R):
+        worst = int(rows[r, F.WORST])
+        if worst and int(per_dst[r]) > worst:
+            raise ZbcclInvalidUsageError(
+                f"dispatch: num_worst_tokens too small on rank {r}, expected >= {int(per_dst[r])}, got {worst}",
+                ranks=(r,))
+        if rows[r, F.FLAGS] & FLAG_CACHED and int(rows[r, F.NRECV]) != int(per_dst[r]):
+            raise ZbcclInvalidUsageError(
+                f"dispatch: the handle on rank {r} does not match this routing, expected {int(rows[r, F.NRECV])} "
+                f"received tokens, got {int(per_dst[r])}", ranks=(r,))
+    return counts, E, C
+
+
+def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
+    """Allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    H, K, flags = loc["H"], int(rows[me, F.K]), int(rows[me, F.FLAGS])
+    num_recv = int(counts[:, me].sum())
+    n = worst or num_recv
+    code = int(rows[me, F.DTYPE])
+    int8 = bool(flags & FLAG_INT8)
+    x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
+    s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
+    out = {"x": (torch.empty if int8 else lambda *s, dtype: heap_empty(buf.comm, s, dtype))(n, H, dtype=x_dtype)}
+    if code >> 8:
+        out["s"] = torch.empty(n, int(rows[me, F.SROW]) // 4, dtype=s_dtype)
+    if K:
+        out["i"] = heap_empty(buf.comm, (n, K), torch.int64)
+        out["w"] = heap_empty(buf.comm, (n, K), torch.float32)
+    src_idx = torch.empty(num_recv, dtype=torch.int32)
+    fields = {"x": (F.X, int(rows[me, F.XROW])), "s": (F.SCALES, int(rows[me, F.SROW])),
+              "i": (F.TOPK, K * 8), "w": (F.W, K * 4)}
+    tables, start, head = [], 0, R + E + R * C
+    for r in range(R):
+        cnt = int(counts[r, me])
+        if not cnt:
+            continue
+        toks = ex.view(r, int(rows[r, F.META]) + (head + int(counts[r, :me].sum())) * 8, (cnt,), torch.int64)
+        src_idx[start:start + cnt] = toks
+        T_r, runs = int(rows[r, F.T]), row_runs(toks)
+        for key, t in out.items():
+            field, row = fields[key]
+            tables.append(row_table(t.data_ptr() + start * row, ex.addr(r, int(rows[r, field]), T_r * row), runs, row))
+        start += cnt
+    ex.copy(tables)
+    if K:
+        local = out["i"] - me * (E // R)
+        out["i"].copy_(torch.where((local >= 0) & (local < E // R), local, -1))
+        out["w"].masked_fill_(out["i"] < 0, 0.0)
+        out["i"][num_recv:] = -1
+    if int8:
+        out["x"] = heap_empty(buf.comm, (n, H), loc["out_dtype"]).copy_(int8_dequantize(out["x"], out.pop("s"),
+                                                                                          loc["out_dtype"]))
+    out["src_idx"] = src_idx
+    return out
+
+
+def _receiver_meta(buf, rows, E: int, C: int) -> tuple[list[int], torch.Tensor]:
+    """Per local expert receive counts and ``recv_channel_prefix_matrix`` from the senders' plans."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    L = E // R if E else 0
+    per_expert = torch.zeros(L, dtype=torch.int64)
+    recv_chan = torch.zeros(R, C, dtype=torch.int32)
+    for r in range(R):
+        meta = ex.view(r, int(rows[r, F.META]), (R + E + R * C,), torch.int64)
+        if L:
+            per_expert += meta[R + me * L:R + (me + 1) * L]
+        incl = meta[R + E:].view(R, C)[me]
+        recv_chan[r, 1:] = incl[:-1].to(torch.int32)
+    return per_expert.tolist(), recv_chan
+
+
+def dispatch(buf, a: dict):
+    """Normal dispatch (see :meth:`zbccl.ep.Buffer.dispatch` for arguments and results)."""
+    ex = buf.ex
+    fields, keep, fail = {F.OP: OP_DISPATCH, F.SEQ: buf.seq}, [], None
+    try:
+        loc = _prepare(buf, a, fields, keep)
+    except Fail as exc:
+        fail, loc = exc, None
+    rows = ex.publish("dispatch", fields, fail)
+    for field, what in ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
+                        (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
+                        (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")):
+        ex.agree("dispatch", rows, field, what)
+    counts, E, C = _counts(buf, rows)
+    try:
+        out = _pull(buf, rows, counts, E, C, loc, a["num_worst_tokens"])
+        per_expert, recv_chan = _receiver_meta(buf, rows, E, C)
+    finally:
+        ex.done()
+    recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
+    if loc["cached"]:
+        return recv_x, None, None, None, None
+    align = a["expert_alignment"]
+    lst = [] if a["num_worst_tokens"] else [-(-c // align) * align for c in per_expert]
+    handle = (counts.cumsum(0).to(torch.int32), loc["chan"], recv_chan, out["src_idx"], loc["in_rank"],
+              send_head(loc["in_rank"]))
+    buf.register(handle[3])
+    return recv_x, out.get("i"), out.get("w"), lst, handle
+
+
+def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Normal combine (see :meth:`zbccl.ep.Buffer.combine`): fp32 sum of the rows sent back per token."""
+    ex = buf.ex
+    fields, keep, fail = {F.OP: OP_COMBINE, F.SEQ: buf.seq}, [], None
+    try:
+        if error:
+            raise Fail(error)
+        x = _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32))
+        fields[F.HANDLE] = buf.handle_seq(handle, "combine")
+        if x.size(0) != handle[3].size(0):
+            raise Fail(f"x does not match the handle, expected {handle[3].size(0)} rows, got {x.size(0)}")
+        T, H = handle[4].size(0), x.size(1)
+        biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
+        for i, b in enumerate(biases):
+            _tensor(b, f"bias[{i}]", 2, (x.dtype,), (T, H))
+        biases = [b.contiguous() for b in biases]
+        K = 0
+        if topk_weights is not None:
+            w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (x.size(0), None))
+            K = w.size(1)
+            fields[F.W] = ex.place(w, keep, "topk_weights")
+        fields.update({F.H: H, F.K: K, F.DTYPE: DTYPE_CODES[x.dtype], F.NRECV: x.size(0),
+                       F.X: ex.place(x, keep, "x"), F.XROW: H * x.element_size()})
+    except Fail as exc:
+        fail = exc
+    rows = ex.publish("combine", fields, fail)
+    for field, what in ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
+                        (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")):
+        ex.agree("combine", rows, field, what)
+    out = heap_empty(buf.comm, (T, H), x.dtype)
+    try:
+        if getattr(buf.ex.prims, "reduce_n", None) is not None and T:
+            accw = _reduce_native(buf, rows, handle, out, biases, K)
+        else:
+            acc, accw = _reduce(buf, rows, handle, T, H, K, x.dtype)
+            for b in biases:
+                acc += b.float()
+            out.copy_(acc)
+    finally:
+        ex.done()
+    return out, accw
+
+
+def _reduce_native(buf, rows, handle, out: torch.Tensor, biases: list, K: int) -> torch.Tensor | None:
+    """Combine with the native N-way sum (fp32 accumulation, one rounding): one call per run of
+    consecutive tokens sent to the same ranks, summing those ranks' rows (read in place) and the
+    biases straight into ``out``. Returns the summed weights ``[T, K]`` float32 (or None)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    rpm, in_rank, head = handle[0], handle[4], handle[5]
+    T, H = out.shape
+    masks = (in_rank.long() << torch.arange(R)).sum(1)
+    brk = torch.ones(T, dtype=torch.bool)
+    brk[1:] = masks[1:] != masks[:-1]
+    starts = brk.nonzero().flatten()
+    lens = torch.diff(starts, append=torch.tensor([T]))
+    sel = in_rank[starts]
+    order = torch.sort((~sel).to(torch.uint8), dim=1, stable=True).indices  # present ranks first, in rank order
+    nsrc = sel.sum(1)
+    base = torch.tensor([int(rpm[me - 1, r]) if me else 0 for r in range(R)])
+    rows_at = (base + head[starts].long()).gather(1, order)
+    ranks = order
+    fn, nt = ex.prims.reduce_n, nthreads()
+    jobs = [(out, [b.data_ptr() for b in biases], F.X, H)]
+    accw = None
+    if K:
+        accw = torch.empty(T, K, dtype=torch.float32)
+        jobs.append((accw, [], F.W, K))
+    for dst, extra, field, width in jobs:
+        isz = dst.element_size()
+        row = width * isz
+        peer = torch.tensor([ex.addr(r, int(rows[r, field]), int(rows[r, F.NRECV]) * row) for r in range(R)])
+        srcs = peer[ranks] + rows_at * row
+        if extra:
+            srcs = torch.cat([torch.tensor(extra).unsqueeze(0) + starts.unsqueeze(1) * row, srcs], 1)
+        srcs = srcs.contiguous()
+        n = (nsrc + len(extra)).tolist()
+        width_n = srcs.size(1)
+        code = NATIVE_DTYPES[dst.dtype]
+        for i, (t0, ln) in enumerate(zip(starts.tolist(), lens.tolist())):
+            if n[i]:
+                fn(dst.data_ptr() + t0 * row, srcs.data_ptr() + i * width_n * 8, n[i], ln * width, code, SUM, 1.0, nt)
+            else:
+                dst[t0:t0 + ln].zero_()
+        ex.moved += int((nsrc * lens).sum()) * row
+    return accw
+
+
+def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):
+    """Sum, in fp32 and rank order, the rows each rank holds for this rank's tokens (read in place)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    rpm, in_rank = handle[0], handle[4]
+    counts, tokens = rank_lists(in_rank)
+    acc = buf.scratch("acc", (T, H), torch.float32).zero_()
+    accw = torch.zeros(T, K, dtype=torch.float32) if K else None
+    start = 0
+    for r in range(R):
+        cnt = int(counts[r])
+        if not cnt:
+            continue
+        base = int(rpm[me - 1, r]) if me else 0
+        toks = tokens[start:start + cnt]
+        start += cnt
+        xrow = int(rows[r, F.XROW])
+        tmp = buf.scratch("rows", (cnt, H), torch.float32)
+        tmp.copy_(ex.view(r, int(rows[r, F.X]) + base * xrow, (cnt, H), dtype))
+        acc.index_add_(0, toks, tmp)
+        ex.moved += cnt * (xrow + K * 4)
+        if K:
+            accw.index_add_(0, toks, ex.view(r, int(rows[r, F.W]) + base * K * 4, (cnt, K), torch.float32))
+    return acc, accw

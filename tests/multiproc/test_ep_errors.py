@@ -1,0 +1,145 @@
+"""zbccl.ep failure paths: bad input fails on every rank (and the Buffer stays usable), peer death.
+
+Each bad call is made on one rank only (the others pass good arguments), and every rank must
+raise ZbcclInvalidUsageError quoting the bad rank's message; then a good op must still work,
+which shows that nothing hung and the group stayed in step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.spawn import run_world
+
+MiB = 1 << 20
+T, H, K, E = 16, 256, 2, 8
+
+
+def _inputs(rank: int, R: int):
+    torch.manual_seed(rank)
+    x = torch.ones(T, H, dtype=torch.bfloat16) * rank
+    topk_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    return x, topk_idx, torch.ones(T, K, dtype=torch.float32)
+
+
+def _expect_everywhere(fn, match: str, bad_rank: int | None = 1):
+    import zbccl
+
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match=match) as info:
+        fn()
+    assert bad_rank is None or f"rank {bad_rank}" in str(info.value), str(info.value)
+
+
+def _good_round(buffer, comm):
+    x, topk_idx, w = _inputs(comm.rank, comm.world_size)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert torch.allclose(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
+    return handle
+
+
+def _bad_inputs(ctx):
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=32 * MiB)
+    R, me = comm.world_size, comm.rank
+    buffer = deep_ep.Buffer(comm, explicitly_destroy=True)
+    other = deep_ep.Buffer(comm, explicitly_destroy=True)
+    x, topk_idx, w = _inputs(me, R)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    good = dict(x=x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                topk_idx=topk_idx, topk_weights=w)
+    bad_idx = topk_idx.clone()
+    bad_idx[3, 1] = E + 5
+    cases = [  # (what rank 1 passes instead, the message every rank must see)
+        (dict(topk_idx=bad_idx), "topk_idx out of range"),
+        (dict(topk_idx=topk_idx.float()), "topk_idx has the wrong dtype"),
+        (dict(x=x[:, :100]), "hidden size"),
+        (dict(x=x[:5]), "wrong shape"),
+        (dict(topk_weights=None), "topk_idx and topk_weights go together"),
+        (dict(num_tokens_per_expert=torch.zeros(2 * E, dtype=torch.int32)), "does not match topk_idx"),
+        (dict(num_tokens_per_rank=ntpr + 1), "num_tokens_per_rank does not match"),
+        (dict(x=x.to(torch.int32)), "x has the wrong dtype"),
+    ]
+    for change, match in cases:
+        args = dict(good, **change) if me == 1 else good
+        _expect_everywhere(lambda a=args: buffer.dispatch(**a), match)
+    # mismatched num_experts (consistent per rank, different across ranks): named on every rank
+    idx2 = topk_idx % 4 if me == 1 else topk_idx
+    ntpr2, _, ntpe2, in_rank2, _ = buffer.get_dispatch_layout(idx2, 4 if me == 1 else E)
+    _expect_everywhere(lambda: buffer.dispatch(x, num_tokens_per_rank=ntpr2, is_token_in_rank=in_rank2,
+                                               num_tokens_per_expert=ntpe2, topk_idx=idx2, topk_weights=w),
+                       "ranks disagree on num_experts", bad_rank=None)
+    # num_worst_tokens too small on one rank
+    _expect_everywhere(lambda: buffer.dispatch(**good, num_worst_tokens=1 if me == 1 else T * R), "num_worst_tokens")
+    handle = _good_round(buffer, comm)
+    recv_rows = handle[3].size(0)
+    # a handle from another Buffer, on one rank
+    other_handle = _good_round(other, comm)
+    _expect_everywhere(lambda: buffer.combine(torch.zeros(recv_rows, H, dtype=torch.bfloat16),
+                                              other_handle if me == 1 else handle), "not returned by this Buffer")
+    _expect_everywhere(lambda: buffer.combine(torch.zeros(recv_rows + (me == 1), H, dtype=torch.bfloat16), handle),
+                       "does not match the handle")
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="get_dispatch_layout: topk_idx out of range"):
+        buffer.get_dispatch_layout(bad_idx, E)  # local: only the caller is involved
+    # low-latency: num_max_dispatch_tokens_per_rank exceeded on one rank
+    tmax = T if me == 1 else T
+    xx = torch.cat([x, x]) if me == 1 else x
+    ii = torch.cat([topk_idx, topk_idx]) if me == 1 else topk_idx
+    _expect_everywhere(lambda: buffer.low_latency_dispatch(xx, ii, tmax, E, use_fp8=False), "too many tokens")
+    _expect_everywhere(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, async_finish=True,
+                                                           return_recv_hook=me == 1), "exclude each other")
+    _, _, h, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    _expect_everywhere(lambda: buffer.low_latency_combine(
+        torch.zeros(E // R, R * T, H, dtype=torch.bfloat16), topk_idx, w, h if me == 0 else (h[1],) + h[1:]),
+        "not returned by this Buffer")
+    _good_round(buffer, comm)
+    stats = zbccl.memory_stats()
+    other.destroy()
+    buffer.destroy()
+    zbccl.finalize()
+    return stats["staged_bytes"]
+
+
+def test_bad_input_fails_on_every_rank_and_the_buffer_stays_usable():
+    assert all(s > 0 for s in run_world(_bad_inputs, 2, timeout=120))
+
+
+def _peer_dies(ctx, where: str):
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=16 * MiB)
+    buffer = deep_ep.Buffer(comm, timeout=60)
+    x, topk_idx, w = _inputs(comm.rank, comm.world_size)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=ntpe)
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(zbccl.ZbcclRemoteError) as info:
+        if where == "dispatch":
+            buffer.dispatch(x, handle=handle)
+        elif where == "combine":
+            buffer.combine(recv_x, handle)
+        else:
+            buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+    assert 1 in info.value.ranks
+    zbccl.finalize()
+    return True
+
+
+@pytest.mark.parametrize("where", ["dispatch", "combine", "low_latency_dispatch"])
+def test_peer_death_is_a_remote_error(where):
+    # The world's timeout (40 s) is below the Buffer's (60 s): a pass proves the death was noticed.
+    out = run_world(_peer_dies, 2, where=where, expect_exit={1: -signal.SIGKILL}, timeout=40)
+    assert out[0] is True

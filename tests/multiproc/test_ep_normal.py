@@ -1,0 +1,246 @@
+"""zbccl.ep normal mode: DeepEP's test_intranode checks at world 2 and 4, on CPU.
+
+Payloads encode their source rank (``x = ones * rank``), so a misplaced row is caught;
+layouts are checked against DeepEP's own reference computation, gathered over zbccl.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.ep_checks import (
+    calc_diff,
+    check_data,
+    per_token_cast_back,
+    per_token_cast_to_fp8,
+    ref_layout,
+)
+from tests.spawn import run_world
+
+MiB = 1 << 20
+
+
+def _gather_sum(t: torch.Tensor, comm) -> torch.Tensor:
+    import zbccl
+
+    out = torch.empty(comm.world_size * t.numel(), dtype=t.dtype)
+    zbccl.all_gather_into_tensor(out, t.contiguous().view(-1), comm=comm)
+    return out.view(comm.world_size, *t.shape).sum(0).to(t.dtype)
+
+
+def _intranode(buffer, comm, T: int, H: int, K: int, E: int, *, skew: bool = False, seed: int = 0):
+    import zbccl.ep as deep_ep
+
+    R, rank = comm.world_size, comm.rank
+    torch.manual_seed(seed + rank)
+    x = torch.ones((T, H), dtype=torch.bfloat16) * rank
+    x_pure_rand = torch.randn((T, H), dtype=torch.bfloat16)
+    x_e4m3 = per_token_cast_to_fp8(x)
+    x_e4m3 = (x_e4m3[0], x_e4m3[1].T.contiguous().T)
+    scores = torch.randn((T, E), dtype=torch.float32).abs() + 1
+    if skew:  # one expert (and so one rank) gets most tokens; the last rank gets none
+        scores[:, 1] += 100
+        scores[:, (R - 1) * (E // R):] = -1
+    topk_idx = torch.topk(scores, K, dim=-1, largest=True, sorted=False)[1].to(deep_ep.topk_idx_t)
+    topk_weights = torch.ones((T, K), dtype=torch.float32) * rank
+    topk_weights_pure_rand = torch.randn((T, K), dtype=torch.float32)
+    per_rank, per_expert, is_token_in_rank = ref_layout(topk_idx, E, R)
+    gbl_per_expert, gbl_per_rank = _gather_sum(per_expert, comm), _gather_sum(per_rank, comm)
+
+    ref_rank, ref_rdma, ref_expert, ref_in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    assert ref_rdma is None
+    assert torch.allclose(ref_rank, per_rank) and ref_rank.dtype == torch.int32
+    assert torch.allclose(ref_expert, per_expert) and ref_expert.dtype == torch.int32
+    assert torch.equal(ref_in_rank, is_token_in_rank) and ref_in_rank.dtype == torch.bool
+    config = deep_ep.Config(24, 8, 256)
+    for previous_mode in (False, True):
+        for async_mode in (False, True):
+            for current_x in (x_pure_rand, x, x_e4m3):
+                for with_topk in (False, True):
+                    args = {"x": current_x, "num_tokens_per_rank": per_rank, "is_token_in_rank": is_token_in_rank,
+                            "num_tokens_per_expert": per_expert, "config": config, "async_finish": async_mode}
+                    if with_topk:
+                        args.update({"topk_idx": topk_idx,
+                                     "topk_weights": topk_weights_pure_rand if current_x is x_pure_rand else topk_weights})
+                    if previous_mode:
+                        args["previous_event"] = buffer.capture()
+                    recv_x, recv_topk_idx, recv_topk_weights, lst, handle, event = buffer.dispatch(**args)
+                    event.current_stream_wait() if async_mode else ()
+                    recv_x = per_token_cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
+                    rpm = handle[0]
+                    assert gbl_per_rank[rank].item() == recv_x.size(0)
+                    assert gbl_per_expert.view(R, -1)[rank].tolist() == lst
+                    if current_x is not x_pure_rand:
+                        check_data(recv_x, rpm, rank, R)
+                    w_clone = None
+                    if with_topk:
+                        L = E // R
+                        assert (recv_topk_idx.eq(-1) | ((recv_topk_idx >= 0) & (recv_topk_idx < L))).all()
+                        for i, count in enumerate(lst):
+                            assert recv_topk_idx.eq(i).sum().item() == count
+                        w_clone = recv_topk_weights.clone()
+                        if current_x is not x_pure_rand:
+                            mask = recv_topk_idx.eq(-1)
+                            recv_topk_weights[mask] = recv_topk_weights.amax(dim=1, keepdim=True).expand_as(
+                                recv_topk_weights)[mask]
+                            check_data(recv_topk_weights, rpm, rank, R)
+                    worst = T * R
+                    if with_topk and worst:
+                        args["num_worst_tokens"] = worst
+                        wx, widx, ww, empty, _, event = buffer.dispatch(**args)
+                        event.current_stream_wait() if async_mode else ()
+                        wx = per_token_cast_back(*wx) if isinstance(wx, tuple) else wx
+                        assert len(empty) == 0 and wx.size(0) == worst and widx.size(0) == worst and ww.size(0) == worst
+                        n = recv_x.size(0)
+                        assert torch.equal(recv_x, wx[:n]) and torch.equal(recv_topk_idx, widx[:n])
+                        assert torch.equal(w_clone, ww[:n]) and bool((widx[n:] == -1).all())
+                    if not with_topk:
+                        cargs = {"x": current_x, "handle": handle, "config": config, "async_finish": async_mode}
+                        if previous_mode:
+                            cargs["previous_event"] = buffer.capture()
+                        cx, *nones, event = buffer.dispatch(**cargs)
+                        assert nones == [None] * 4
+                        event.current_stream_wait() if async_mode else ()
+                        cx = per_token_cast_back(*cx) if isinstance(cx, tuple) else cx
+                        if current_x is not x_pure_rand:
+                            check_data(cx, rpm, rank, R)
+                    cargs = {"x": recv_x, "handle": handle, "config": config, "async_finish": async_mode}
+                    if with_topk:
+                        cargs["topk_weights"] = recv_topk_weights
+                    if previous_mode:
+                        cargs["previous_event"] = buffer.capture()
+                    combined_x, combined_w, event = buffer.combine(**cargs)
+                    event.current_stream_wait() if async_mode else ()
+                    sent = is_token_in_rank.sum(dim=1).unsqueeze(1)
+                    check_x = combined_x.float() / sent.clamp(min=1)
+                    ref_x = x_pure_rand if current_x is x_pure_rand else x
+                    ref_x = torch.where(sent > 0, ref_x.float(), 0.0)
+                    assert combined_x.shape == (T, H) and combined_x.dtype == torch.bfloat16
+                    assert T == 0 or calc_diff(check_x, ref_x) < 5e-6
+                    if with_topk and T:
+                        check_w = combined_w if current_x is x_pure_rand else combined_w / sent.clamp(min=1)
+                        ref_w = topk_weights_pure_rand if current_x is x_pure_rand else topk_weights
+                        assert calc_diff(check_w, torch.where(sent > 0, ref_w, 0.0)) < 1e-9
+
+
+def _zero_copy(buffer, comm) -> None:
+    """Heap operands (the model runs in heap_scope) are read in place: nothing is staged."""
+    import zbccl
+
+    E, T, H = 8, 32, 256
+    with zbccl.heap_scope():
+        x = torch.ones(T, H, dtype=torch.bfloat16) * comm.rank
+        topk_idx = torch.topk(torch.randn(T, E), 3).indices
+        w = torch.rand(T, 3)
+        ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    staged = zbccl.memory_stats()["staged_bytes"]
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
+    assert zbccl.is_heap_tensor(recv_x)
+    assert buffer.bytes_moved == recv_x.size(0) * (H * 2 + 3 * 8 + 3 * 4)
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert buffer.bytes_moved == int(in_rank.sum()) * H * 2  # my tokens, back from every rank they went to
+    assert zbccl.memory_stats()["staged_bytes"] == staged
+    assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
+    # bias, weights, and the plain-torch reference path (no native core) against the native one
+    torch.manual_seed(comm.rank + 7)
+    xr = torch.randn(T, H, dtype=torch.bfloat16)
+    b0, b1 = torch.randn(T, H, dtype=torch.bfloat16), torch.ones(T, H, dtype=torch.bfloat16)
+    rx, _, rw, _, handle, _ = buffer.dispatch(xr, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
+    got = buffer.combine(rx, handle, topk_weights=rw, bias=(b0, b1))[:2]
+    prims = buffer.ex.prims
+    buffer.ex.prims = object()  # what a host without the native core has: memmove copies, torch sums
+    try:
+        ref = buffer.combine(rx, handle, topk_weights=rw, bias=(b0, b1))[:2]
+    finally:
+        buffer.ex.prims = prims
+    expect = xr.float() * in_rank.sum(1, keepdim=True) + b0.float() + b1.float()
+    assert (got[0].float() - expect).abs().max() <= 0.02 * expect.abs().max()
+    assert torch.allclose(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(got[1], ref[1]) and torch.allclose(got[1], w * in_rank.any(1, keepdim=True))
+    # the int8 transfer option: about half the bytes, within int8's per-128 error
+    torch.manual_seed(comm.rank)
+    xr = torch.randn(T, H, dtype=torch.bfloat16)
+    q, _, _, _, handle, _ = buffer.dispatch(xr, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=ntpe, int8=True)
+    exact, _, _, _, _, _ = buffer.dispatch(xr, handle=handle)
+    assert q.dtype == torch.bfloat16 and q.shape == exact.shape
+    assert (q.float() - exact.float()).abs().max() <= exact.float().abs().max() / 127 + 1e-2
+
+
+def _uneven(buffer, comm) -> None:
+    """Ranks with different token counts, one with none: counts, order and combine still exact."""
+    R, me, E, H = comm.world_size, comm.rank, 8, 128
+    T = 7 * me  # rank 0 sends nothing
+    x = (torch.arange(T, dtype=torch.float32).unsqueeze(1) + 32 * me).expand(T, H).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)]) if T else torch.empty(0, 2, dtype=torch.int64)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=ntpe)
+    all_in = torch.empty(sum(7 * r for r in range(R)) * R, dtype=torch.bool)
+    sizes = [7 * r * R for r in range(R)]
+    import zbccl
+
+    zbccl.all_gather_v(all_in, in_rank.reshape(-1), sizes, comm=comm)
+    expect, start = [], 0
+    for r in range(R):
+        block = all_in[start:start + sizes[r]].view(7 * r, R)
+        start += sizes[r]
+        expect += [32 * r + t for t in block[:, me].nonzero().flatten().tolist()]
+    assert recv_x[:, 0].float().tolist() == [float(v) for v in expect]
+    assert handle[3].tolist() == [v % 32 for v in expect]
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
+
+
+def _normal_world(ctx, cases):
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)  # 2+ ranks per core here: torch's thread pool would stall on oversubscription
+    comm = ctx.init(heap_size=64 * MiB)
+    buffer = deep_ep.Buffer(comm, int(2e9), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True,
+                            allow_mnnvl=False, use_fabric=False)
+    for kw in cases:
+        _intranode(buffer, comm, **kw)
+    _zero_copy(buffer, comm)
+    _uneven(buffer, comm)
+    buffer.destroy()
+    zbccl.finalize()
+    return True
+
+
+def test_intranode_world2():
+    cases = [dict(T=64, H=256, K=4, E=8), dict(T=48, H=128, K=3, E=16, skew=True, seed=3), dict(T=0, H=128, K=2, E=4)]
+    assert all(run_world(_normal_world, 2, cases=cases, timeout=120))
+
+
+@pytest.mark.slow
+def test_intranode_world4():
+    assert all(run_world(_normal_world, 4, cases=[dict(T=40, H=256, K=4, E=16, skew=True)], timeout=120))
+
+
+def _gloo_group(ctx):
+    """DeepEP's setup: a torch process group (gloo here) and Buffer(group); zbccl starts from its store."""
+    import torch.distributed as dist
+
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
+    group = dist.new_group(list(range(ctx.world_size)))
+    buffer = deep_ep.Buffer(group, int(1e8), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True)
+    assert buffer.rank == dist.get_rank(group) and buffer.group_size == group.size() and buffer.group is group
+    comm = zbccl.get_default()
+    _intranode(buffer, comm, T=24, H=128, K=2, E=4)
+    buffer.destroy()
+    zbccl.finalize()
+    dist.destroy_process_group()
+    return True
+
+
+def test_buffer_on_a_gloo_process_group():
+    assert all(run_world(_gloo_group, 2, timeout=120))
