@@ -1,8 +1,7 @@
 """Collective failure paths: bad arguments and overlaps fail on every rank, clear messages,
 Ctrl-C and scratch OOM reported to the peers, per-op timeouts.
 
-Each world runs its sub-cases on the native path and again on the Python path
-(``ch.__dict__["native"] = False``); rank 1 is the one that misbehaves.
+Rank 1 is the one that misbehaves.
 """
 
 from __future__ import annotations
@@ -24,15 +23,6 @@ MiB = 1 << 20
 PROMPT = 20.0  # seconds: "promptly", against a communicator timeout of 300 s
 
 
-def _paths(comm):
-    """Yield False (native path), then True (Python path) with the channel switched over."""
-    from zbccl.ops.channel import channel_of
-
-    yield False
-    channel_of(comm).__dict__["native"] = False
-    yield True
-
-
 def _expect(exc_type, fn, *patterns):
     """Run ``fn``; it must raise ``exc_type`` within PROMPT seconds with every pattern in its message."""
     t0 = time.monotonic()
@@ -50,14 +40,13 @@ def _bad_arguments(ctx):
 
     comm = ctx.init(heap_size=8 * MiB, timeout=300)
     try:
-        for python_path in _paths(comm):
-            _bad_argument_cases(comm.rank, python_path)
+        _bad_argument_cases(comm.rank)
         return True
     finally:
         zbccl.finalize()
 
 
-def _bad_argument_cases(me: int, python_path: bool) -> None:
+def _bad_argument_cases(me: int) -> None:
     import zbccl
 
     bad = me == 1
@@ -102,7 +91,7 @@ def _bad_argument_cases(me: int, python_path: bool) -> None:
     # src may be any integral type (numpy ints included); the group is still in step
     t = zbccl.zeros(4).fill_(me + 1)
     zbccl.broadcast(t, np.int64(1))
-    assert t.tolist() == [2.0] * 4, f"python={python_path}"
+    assert t.tolist() == [2.0] * 4
     zbccl.all_reduce(t)
     assert t.tolist() == [4.0] * 4
 
@@ -116,14 +105,13 @@ def _overlaps(ctx):
 
     comm = ctx.init(heap_size=8 * MiB, timeout=300)
     try:
-        for python_path in _paths(comm):
-            _overlap_cases(comm.world_size, comm.rank, python_path)
+        _overlap_cases(comm.world_size, comm.rank)
         return True
     finally:
         zbccl.finalize()
 
 
-def _overlap_cases(W: int, me: int, python_path: bool) -> None:
+def _overlap_cases(W: int, me: int) -> None:
     import zbccl
 
     n = 6
@@ -153,7 +141,7 @@ def _overlap_cases(W: int, me: int, python_path: bool) -> None:
     full[me * n:(me + 1) * n] = torch.arange(n, dtype=torch.float32) + 100 * me
     zbccl.all_gather_into_tensor(full, full[me * n:(me + 1) * n])
     expect = torch.cat([torch.arange(n, dtype=torch.float32) + 100 * r for r in range(W)])
-    assert torch.equal(full, expect), f"in-place all_gather python={python_path}"
+    assert torch.equal(full, expect), "in-place all_gather"
     inp = zbccl.empty(W * n)
     inp.copy_(torch.arange(W * n, dtype=torch.float32) * (me + 1))
     zbccl.reduce_scatter_tensor(inp[me * n:(me + 1) * n], inp)
@@ -174,8 +162,7 @@ def _size_messages(ctx):
 
     comm = ctx.init(heap_size=8 * MiB, timeout=300)
     try:
-        for _python_path in _paths(comm):
-            _size_cases(comm.rank)
+        _size_cases(comm.rank)
         return True
     finally:
         zbccl.finalize()
@@ -201,14 +188,11 @@ def test_size_mismatch_prints_the_sizes():
     assert run_world(_size_messages, 2, timeout=120) == [True, True]
 
 
-def _per_op_timeout(ctx, python_path):
+def _per_op_timeout(ctx):
     import zbccl
-    from zbccl.ops.channel import channel_of
 
     comm = ctx.init(heap_size=4 * MiB, timeout=300)
     store = ctx.store()
-    if python_path:
-        channel_of(comm).__dict__["native"] = False
     try:
         t = zbccl.zeros(256)
         zbccl.all_reduce(t)
@@ -225,13 +209,12 @@ def _per_op_timeout(ctx, python_path):
         zbccl.finalize()
 
 
-@pytest.mark.parametrize("python_path", [False, True])
-def test_per_op_timeout_names_the_missing_rank(python_path):
-    out = run_world(_per_op_timeout, 2, python_path=python_path, timeout=90)
+def test_per_op_timeout_names_the_missing_rank():
+    out = run_world(_per_op_timeout, 2, timeout=90)
     assert out[1] is None and out[0]
 
 
-def _elsewhere(ctx, python_path):
+def _elsewhere(ctx):
     """A late rank in a barrier or in an earlier, unfinished collective is not "never arrived"."""
     import zbccl
     from zbccl.ops.channel import L_ARRIVE, L_PHASE, channel_of
@@ -241,8 +224,6 @@ def _elsewhere(ctx, python_path):
     comm = ctx.init(heap_size=4 * MiB, timeout=300)
     store = ctx.store()
     ch = channel_of(comm)
-    if python_path:
-        ch.__dict__["native"] = False
     force_algorithm(comm, "all_reduce", "twoshot")
     t = zbccl.zeros(4096)
     try:
@@ -271,12 +252,11 @@ def _elsewhere(ctx, python_path):
         zbccl.finalize()
 
 
-@pytest.mark.parametrize("python_path", [False, True])
-def test_timeout_says_where_a_late_rank_is(python_path):
-    assert run_world(_elsewhere, 2, python_path=python_path, timeout=120) == ["early", "late"]
+def test_timeout_says_where_a_late_rank_is():
+    assert run_world(_elsewhere, 2, timeout=120) == ["early", "late"]
 
 
-def _interrupted(ctx, python_path):
+def _interrupted(ctx):
     """Issue 11 item 3: after Ctrl-C in rank 1, rank 0 gets ZbcclRemoteError naming it within seconds."""
     import zbccl
     from zbccl.ops.channel import L_ARRIVE, channel_of
@@ -285,8 +265,6 @@ def _interrupted(ctx, python_path):
     comm = ctx.init(heap_size=4 * MiB, timeout=300)
     store = ctx.store()
     ch = channel_of(comm)
-    if python_path:
-        ch.__dict__["native"] = False
     try:
         t = zbccl.zeros(1 << 12)
         zbccl.all_reduce(t)  # op #1 on both ranks
@@ -309,6 +287,10 @@ def _interrupted(ctx, python_path):
         err = _expect(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 1 was interrupted")
         assert err.ranks == (1,)
         _expect(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 1 was interrupted")
+        # the barrier reads the ABORT line too, instead of waiting out the 300 s timeout
+        err = _expect(zbccl.ZbcclRemoteError, lambda: comm.barrier(), "barrier", "rank 1 was interrupted")
+        assert err.ranks == (1,)
+        _expect(zbccl.ZbcclRemoteError, lambda: zbccl.barrier(), "rank 1 was interrupted")
         return "seen"
     finally:
         if comm.rank == 0:
@@ -316,9 +298,8 @@ def _interrupted(ctx, python_path):
         zbccl.finalize()
 
 
-@pytest.mark.parametrize("python_path", [False, True])
-def test_ctrl_c_is_reported_to_the_peers(python_path):
-    assert run_world(_interrupted, 2, python_path=python_path, timeout=120) == ["seen", "interrupted"]
+def test_ctrl_c_is_reported_to_the_peers():
+    assert run_world(_interrupted, 2, timeout=120) == ["seen", "interrupted"]
 
 
 def _vm_bytes() -> int:
@@ -329,16 +310,13 @@ def _vm_bytes() -> int:
     raise AssertionError("no VmSize in /proc/self/status")
 
 
-def _scratch_oom(ctx, python_path):
+def _scratch_oom(ctx):
     """Issue 11 item 4: a oneshot whose scratch cannot be allocated fails on every rank, with the reason."""
     import zbccl
-    from zbccl.ops.channel import channel_of
     from zbccl.ops.tuner import force_algorithm
 
     nbytes = 96 * MiB
     comm = ctx.init(heap_size=nbytes + 8 * MiB, timeout=300)
-    if python_path:
-        channel_of(comm).__dict__["native"] = False
     force_algorithm(comm, "all_reduce", "oneshot")
     t = zbccl.zeros(nbytes // 4)
     try:
@@ -360,24 +338,20 @@ def _scratch_oom(ctx, python_path):
         zbccl.finalize()
 
 
-@pytest.mark.parametrize("python_path", [False, True])
-def test_scratch_oom_fails_on_every_rank(python_path):
-    assert run_world(_scratch_oom, 2, python_path=python_path, timeout=120) == [True, True]
+def test_scratch_oom_fails_on_every_rank():
+    assert run_world(_scratch_oom, 2, timeout=120) == [True, True]
 
 
-def _error_text_race(ctx, python_path):
+def _error_text_race(ctx):
     """Issue 11 item 6: a peer's error text is read before DONE; right after DONE the peer may
     already have posted its next op (its split sizes) over it. Rank 0 here reads only once
     rank 1 has posted that next op, the worst case."""
     import zbccl
     from zbccl.ops.channel import L_ARRIVE, channel_of
-    from zbccl.ops.fastpath import native_channel
     from zbccl.runtime.waits import wait_flags
 
     comm = ctx.init(heap_size=4 * MiB, timeout=300)
     ch = channel_of(comm)
-    if python_path:
-        ch.__dict__["native"] = False
     W, me = comm.world_size, comm.rank
     x = zbccl.empty(4 * W).fill_(me)
     try:
@@ -387,28 +361,16 @@ def _error_text_race(ctx, python_path):
             def peer_posted_next_op() -> None:
                 wait_flags(comm._ctx, ch.peer_flags[L_ARRIVE], ch.seq + 1, timeout=30, op="test")
 
-            nat = native_channel(ch)
-            if nat is None:
-                real_end = ch.end
+            real_raise = ch.raise_for
 
-                def late_end(*, op):
-                    real_end(op=op)
-                    peer_posted_next_op()
+            def late_raise(rc, **kw):
+                peer_posted_next_op()
+                return real_raise(rc, **kw)
 
-                ch.end = late_end
-            else:
-                real_raise = nat.raise_for
-
-                def late_raise(rc, **kw):
-                    peer_posted_next_op()
-                    return real_raise(rc, **kw)
-
-                nat.raise_for = late_raise
+            ch.raise_for = late_raise
             _expect(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(x),
                     "rank 1 passed invalid arguments: all_reduce: tensor must be a torch.Tensor, got list")
-            ch.__dict__.pop("end", None)
-            if nat is not None:
-                del nat.raise_for
+            del ch.raise_for
         out = torch.empty(4 * W)
         zbccl.all_to_all_single(out, x)  # rank 1's next op, posted before rank 0 read the error
         assert out.tolist() == sum(([float(r)] * 4 for r in range(W)), [])
@@ -417,6 +379,5 @@ def _error_text_race(ctx, python_path):
         zbccl.finalize()
 
 
-@pytest.mark.parametrize("python_path", [False, True])
-def test_peer_error_text_survives_the_peers_next_op(python_path):
-    assert run_world(_error_text_race, 2, python_path=python_path, timeout=90) == [True, True]
+def test_peer_error_text_survives_the_peers_next_op():
+    assert run_world(_error_text_race, 2, timeout=90) == [True, True]

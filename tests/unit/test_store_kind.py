@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zbccl.errors import ZbcclInvalidUsageError
-from zbccl.ops.fastpath import StoreKind
+from zbccl.ops.tuner import StoreKind
 
 
 class FakeCore:
@@ -21,9 +21,9 @@ class FakeCore:
         self.configured.append(stream_bytes)
 
 
-class FakeNat:
+class FakeChan:
     def __init__(self, core: FakeCore) -> None:
-        self.core, self.handle = core, 1
+        self.prims, self.handle = core, 1
 
 
 def run(kind: StoreKind, n: int) -> list[int]:
@@ -32,14 +32,14 @@ def run(kind: StoreKind, n: int) -> list[int]:
     for _ in range(n):
         kind.before(nbytes)
         used.append(kind.current)
-        kind.after(nbytes, int(kind.nat.core.rates[kind.current] * nbytes))
+        kind.after(nbytes, int(kind.ch.prims.rates[kind.current] * nbytes))
     return used
 
 
 @pytest.mark.parametrize("cached,stream,winner", [(1.0, 2.0, 0), (2.0, 1.0, 1)])
 def test_picks_the_faster_kind_and_keeps_exploring(monkeypatch, cached, stream, winner):
     monkeypatch.delenv("ZBCCL_STREAM_STORES", raising=False)
-    kind = StoreKind(FakeNat(FakeCore(cached, stream)))
+    kind = StoreKind(FakeChan(FakeCore(cached, stream)))
     used = run(kind, 64)
     assert used[:4] == [0, 1, 0, 1]  # warms up and measures both first
     settled = used[4:]
@@ -50,7 +50,7 @@ def test_picks_the_faster_kind_and_keeps_exploring(monkeypatch, cached, stream, 
 def test_host_state_change_is_followed(monkeypatch):
     monkeypatch.delenv("ZBCCL_STREAM_STORES", raising=False)
     core = FakeCore(1.0, 2.0)
-    kind = StoreKind(FakeNat(core))
+    kind = StoreKind(FakeChan(core))
     assert run(kind, 30)[-8:] == [0] * 8
     # each size bucket learns on its own
     assert len(kind.stats) == 1
@@ -62,14 +62,14 @@ def test_host_state_change_is_followed(monkeypatch):
 def test_small_ops_and_fixed_modes(monkeypatch):
     monkeypatch.setenv("ZBCCL_STREAM_STORES", "on")
     core = FakeCore(1.0, 2.0)
-    kind = StoreKind(FakeNat(core))
+    kind = StoreKind(FakeChan(core))
     run(kind, 10)
     assert kind.current == 1 and core.configured == [StoreKind.SLICE_BYTES]
     monkeypatch.setenv("ZBCCL_STREAM_STORES", "auto")
-    kind = StoreKind(FakeNat(FakeCore(1.0, 2.0)))
+    kind = StoreKind(FakeChan(FakeCore(1.0, 2.0)))
     kind.before(4096)  # below MIN_BYTES: ignored
     kind.after(4096, 1000)
     assert kind.stats == {}
     monkeypatch.setenv("ZBCCL_STREAM_STORES", "sometimes")
     with pytest.raises(ZbcclInvalidUsageError, match="ZBCCL_STREAM_STORES"):
-        StoreKind(FakeNat(FakeCore(1.0, 2.0)))
+        StoreKind(FakeChan(FakeCore(1.0, 2.0)))

@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from zbccl.errors import ZbcclInvalidUsageError
-from zbccl.ops.plan import ALGO_CODES
-from zbccl.ops.tuner import DEFAULT_CHUNK, DEFAULT_RULES, TuningTable, parse_forced, validate_rules
+from zbccl.ops.tuner import (
+    ALGO_CODES,
+    DEFAULT_CHUNK,
+    DEFAULT_RULES,
+    TuningTable,
+    parse_forced,
+    validate_rules,
+)
 from zbccl.tools.tune import _rules, write_table
 
 

@@ -21,20 +21,25 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import ZbcclSystemError
+from . import abi
 from . import build as _b  # the package attribute ``build`` stays the module
 
-__all__ = ["LIBRARIES", "alloc_hook", "build_all", "core", "status"]
+__all__ = ["GENERATED", "LIBRARIES", "alloc_hook", "build_all", "core", "status"]
 
 _CSRC = Path(__file__).parent / "csrc"
 
 #: name -> (sources, lang, torch[, extra flags]): the libraries zbccl builds. Headers
-#: are listed too: they are hashed into the cache key but not compiled.
+#: are listed too: they are hashed into the cache key but not compiled. The core also
+#: includes ``zb_abi.h``, generated from :mod:`.abi` (see :data:`GENERATED`).
 LIBRARIES: dict[str, tuple] = {
     "core": ((_CSRC / "core.c", _CSRC / "reduce.c", _CSRC / "reduce_py.c", _CSRC / "chan.c",
               _CSRC / "chan_ops.c", _CSRC / "reduce.h", _CSRC / "chan.h", _CSRC / "arch.h"), "c", False,
              ("-fopenmp",)),
     "cpu_alloc_hook": ((_CSRC / "cpu_alloc_hook.cpp",), "c++", True),
 }
+
+#: name -> generated headers ``(file name, text)`` of that library.
+GENERATED: dict[str, tuple[tuple[str, str], ...]] = {"core": (("zb_abi.h", abi.c_header()),)}
 
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
@@ -43,7 +48,8 @@ _loaded: dict[str, Any] = {}
 def _build(name: str) -> Path:
     sources, lang, torch, *rest = LIBRARIES[name]
     flags = tuple(rest[0]) if rest else ()
-    return _b.build(name, list(sources), lang=lang, torch=torch, extra_flags=flags)  # type: ignore[arg-type]
+    return _b.build(name, list(sources), lang=lang, torch=torch, extra_flags=flags,  # type: ignore[arg-type]
+                    generated=GENERATED.get(name, ()))
 
 
 def _load_core(path: Path) -> ModuleType:
@@ -108,7 +114,8 @@ def status() -> dict[str, dict[str, Any]]:
         row: dict[str, Any] = {"built": False, "loaded": name in _loaded}
         flags = tuple(rest[0]) if rest else ()
         try:
-            spec = _b.BuildSpec(name, sources, lang, torch, flags, _b.find_compiler(lang))  # type: ignore[arg-type]
+            spec = _b.BuildSpec(name, sources, lang, torch, flags, _b.find_compiler(lang),  # type: ignore[arg-type]
+                                GENERATED.get(name, ()))
             directory = _b.cache_path(spec)
         except Exception as exc:  # a missing compiler or torch is a status, not a crash
             row["error"] = str(exc)

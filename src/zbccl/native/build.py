@@ -51,6 +51,9 @@ class BuildSpec:
     torch: bool
     flags: tuple[str, ...]
     compiler: str
+    #: ``(file name, text)`` of headers generated before compiling (``zb_abi.h`` from native/abi.py):
+    #: hashed into the key like sources, written into the build directory, found by ``-I``.
+    generated: tuple[tuple[str, str], ...] = ()
 
 
 def find_compiler(lang: Lang) -> str:
@@ -111,6 +114,8 @@ def _key(spec: BuildSpec) -> str:
     h = hashlib.sha256()
     for src in spec.sources:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    for name, text in spec.generated:
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
     h.update("\0".join((spec.lang, *spec.flags)).encode())
     h.update(_compiler_version(spec.compiler).encode())
     h.update(_abi_tag().encode())
@@ -129,7 +134,8 @@ def cache_path(spec: BuildSpec) -> Path:
 def _command(spec: BuildSpec, out: Path) -> list[str]:
     lang_flags = _LANG_FLAGS[spec.lang]
     sys_flags = _torch_flags() if spec.torch else _python_flags()
-    cmd = [spec.compiler, *_BASE_FLAGS, *lang_flags, *spec.flags, "-x", spec.lang]
+    gen = (f"-I{out.parent}",) if spec.generated else ()
+    cmd = [spec.compiler, *_BASE_FLAGS, *lang_flags, *spec.flags, *gen, "-x", spec.lang]
     # Headers are in ``sources`` for the cache key only; the compiler finds them by #include.
     cmd += [str(s) for s in spec.sources if s.suffix not in (".h", ".hpp")]
     cmd += ["-x", "none", *sys_flags, "-o", str(out)]
@@ -143,6 +149,8 @@ def _compile(spec: BuildSpec, final: Path) -> None:
     print(f"zbccl: building native core {spec.name} (first use, cached in {final})...", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
+        for name, text in spec.generated:
+            (tmp / name).write_text(text)
         cmd = _command(spec, tmp / lib_filename(spec.name))
         t0 = time.perf_counter()
         try:
@@ -186,6 +194,7 @@ def build(
     lang: Lang,
     torch: bool = False,
     extra_flags: Sequence[str] = (),
+    generated: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """Compile ``sources`` into a cached shared object and return its path.
 
@@ -195,11 +204,13 @@ def build(
     against torch's headers and links ``libc10`` (plain C++ library, loaded
     with ctypes); otherwise the result is a CPython extension module.
     Raises :class:`ZbcclSystemError` with the command and the compiler's
-    stderr tail when compilation fails.
+    stderr tail when compilation fails. ``generated``: ``(file name, text)`` headers written
+    beside the objects before compiling (part of the cache key).
     """
     if lang not in _LANG_FLAGS:
         raise ValueError(f"native build: bad lang, expected 'c' or 'c++', got {lang!r}")
-    spec = BuildSpec(name, tuple(Path(s) for s in sources), lang, torch, tuple(extra_flags), find_compiler(lang))
+    spec = BuildSpec(name, tuple(Path(s) for s in sources), lang, torch, tuple(extra_flags), find_compiler(lang),
+                     tuple(generated))
     final = cache_path(spec)
     lib = final / lib_filename(name)
     if lib.exists():

@@ -19,10 +19,11 @@ handshake):
   reduced elsewhere, so freshly reduced lines are read from cache. ``DONE``
   ends the op. No scratch at all. Best for large messages.
 
-Heap tensors take the native fast path: the whole op is one C call
-(``native/csrc/chan_ops.c``) running this same protocol. Its large twoshot
-gathers write with cached or streaming stores, chosen per rank by measuring
-both (``fastpath.StoreKind``; the protocol is the same either way).
+Python checks the arguments, picks the algorithm, stages a tensor that is
+not a contiguous heap tensor, and runs the whole protocol in one native call
+(``native/csrc/chan_ops.c``). Its large twoshot gathers write with cached or
+streaming stores, chosen per rank by measuring both (``tuner.StoreKind``; the
+protocol is the same either way). World size 1: the null backend.
 
 Bitwise identity across ranks: oneshot reduces in rank order on every rank;
 twoshot reduces each slice once and copies it. bf16/fp16 accumulate in fp32
@@ -33,33 +34,23 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..native.abi import OP_ALL_REDUCE
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
+from . import null
 from .args import tensor_error
-from .channel import ERR_NOMEM, Header
-from .dtypes import AVG, CODE_DTYPES, dtype_code, op_name, reduce_op_code
-from .entry import open_op
-from .fastpath import native_channel
+from .channel import OpChannel
+from .dtypes import dtype_code, reduce_op_code
+from .entry import run_op
 from .operands import Operand
-from .plan import ALGO_NAMES, ONESHOT, OP_ALL_REDUCE, choose, nthreads, profiled, slices
+from .tuner import StoreKind, choose
 
 __all__ = ["all_reduce"]
 
 _OP = "all_reduce"
-
-
-def _show(field: int, value: int) -> str:
-    if field == Header.DTYPE:
-        return str(CODE_DTYPES.get(value, value)).removeprefix("torch.")
-    if field == Header.REDOP:
-        return op_name(value)
-    if field == Header.ALGO:
-        return ALGO_NAMES.get(value, str(value))
-    return str(value)
 
 
 @collective("all_reduce")
@@ -81,92 +72,54 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
             red = reduce_op_code(op, tensor.dtype, op=_OP)
         except ZbcclInvalidUsageError as exc:
             error = str(exc)
-    with profiled(_OP, tensor):
-        ch = open_op(comm, OP_ALL_REDUCE, error, op=_OP, timeout=timeout)
-        if ch is not None:
-            seq = ch.seq
-            try:
-                _run(ch, tensor, dt, red)
-            except BaseException as exc:
-                ch.left(seq, exc, op=_OP)
-                raise
+    run_op(comm, OP_ALL_REDUCE, error, _run, null.all_reduce, (tensor, dt, red), op=_OP, timeout=timeout, t=tensor)
     return tensor
 
 
-def _run(ch, tensor: torch.Tensor, dt: int, red: int) -> None:
-    count = tensor.numel()
-    itemsize = tensor.element_size()
-    nbytes = count * itemsize
-    algo, chunk = choose(ch, OP_ALL_REDUCE, tensor.dtype, nbytes)
-    chunk_elems = max(1, chunk // itemsize)
-    nat = native_channel(ch)
-    if nat is not None and nbytes and tensor.is_contiguous():
-        addr = tensor.data_ptr()
-        off = addr - ch.my_base
-        if 0 <= off and off + nbytes <= ch.my_size:
-            # Zero-copy fast path: the whole protocol in one native call.
-            ch.seq += 1
-            timed = nbytes >= nat.stores.MIN_BYTES
-            if timed:
-                nat.stores.before(nbytes)
-            t0 = time.perf_counter_ns() if timed else 0
-            rc = nat.all_reduce(nat.handle, ch.seq, addr, off, count, itemsize, dt, red, algo, chunk_elems)
-            if rc:
-                nat.raise_for(rc, op=_OP, show=_show)
-            if timed:
-                nat.stores.after(nbytes, time.perf_counter_ns() - t0)
+def _run(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
+    contiguous = tensor.is_contiguous()
+    key = (OP_ALL_REDUCE, tensor.data_ptr(), tensor.numel(), dt, red)
+    plan = ch.choices.get(key) if contiguous else None
+    if plan is None:
+        plan = _plan(ch, tensor, dt, red, key) if contiguous else None
+        if plan is None:
+            _staged(ch, tensor, dt, red)
             return
+    nbytes = plan[2]
+    if nbytes < StoreKind.MIN_BYTES:
+        ch.call(plan, op=_OP)
+        return
+    ch.stores.before(nbytes)
+    t0 = time.perf_counter_ns()
+    ch.call(plan, op=_OP)
+    ch.stores.after(nbytes, time.perf_counter_ns() - t0)
+
+
+def _args(ch: OpChannel, tensor: torch.Tensor) -> tuple[int, int, int, int, int]:
+    count, itemsize = tensor.numel(), tensor.element_size()
+    algo, chunk = choose(ch, OP_ALL_REDUCE, tensor.dtype, count * itemsize)
+    return count, itemsize, algo, max(1, chunk // itemsize), count * itemsize
+
+
+def _plan(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int, key: tuple) -> tuple | None:
+    """The prefilled call for a contiguous heap tensor (zero-copy), or None."""
+    count, itemsize, algo, chunk_elems, nbytes = _args(ch, tensor)
+    addr = tensor.data_ptr()
+    off = addr - ch.my_base
+    if not nbytes or not ch.fits(off, nbytes):
+        return None
+    return ch.plan(key, OP_ALL_REDUCE, dt, red, count, count, off, -1, algo, 0, 0, 0, chunk_elems, addr, addr,
+                   itemsize)
+
+
+def _staged(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
+    """A tensor outside the heap, non-contiguous or empty: through a heap block (Operand)."""
+    count, itemsize, algo, chunk_elems, _ = _args(ch, tensor)
     operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=True)
     try:
-        if nat is not None and nbytes and operand.error is None:
-            ch.seq += 1
-            rc = nat.all_reduce(nat.handle, ch.seq, operand.addr, operand.offset, count, itemsize, dt, red,
-                                algo, chunk_elems)
-            if rc:
-                nat.raise_for(rc, op=_OP, show=_show)
-        else:
-            _python_path(ch, operand, count, itemsize, dt, red, algo, chunk_elems)
+        if operand.error is not None:
+            ch.fail(OP_ALL_REDUCE, operand.error, operand.kind, op=_OP)
+        ch.run(OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo, 0, 0, 0, chunk_elems, operand.addr,
+               operand.addr, itemsize, op=_OP)
     finally:
         operand.finish()
-
-
-def _python_path(ch, operand: Operand, count: int, itemsize: int, dt: int, red: int, algo: int,
-                 chunk: int) -> None:
-    """The same protocol in Python: errors, empty tensors, and machines without the native core."""
-    error, kind, scratch = operand.error, operand.kind, 0
-    if algo == ONESHOT and count and error is None:
-        try:  # before ARRIVE: a rank that cannot get its scratch fails the group with the reason
-            scratch = ch.scratch(count * itemsize)
-        except (RuntimeError, MemoryError) as exc:
-            error, kind = f"{_OP}: cannot allocate {count * itemsize} bytes of scratch memory for oneshot: {exc}", \
-                ERR_NOMEM
-    hdrs = ch.begin([0, OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo, 0, 0, 0, 0, chunk],
-                    op=_OP, error=error, kind=kind)
-    ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ALGO, Header.AUX), op=_OP,
-             show=_show)
-    if count == 0:
-        ch.end(op=_OP)
-        return
-    srcs = ch.check_span(hdrs, Header.IN_OFF, count * itemsize, op=_OP)
-    divisor = float(ch.world_size) if red == AVG else 1.0
-    table = np.asarray(srcs, dtype=np.uint64)
-    if algo == ONESHOT:
-        ch.prims.reduce_n(scratch, int(table.ctypes.data), ch.world_size, count, dt, red, divisor, nthreads())
-        ch.end(op=_OP)
-        ch.prims.copy(operand.addr, scratch, count * itemsize, nthreads())
-        return
-    # twoshot, chunk by chunk (the native path pipelines the same steps one chunk apart)
-    W, me, dst = ch.world_size, ch.rank, operand.addr
-    for k, lo in enumerate(range(0, count, chunk)):
-        parts = [(lo + a, lo + b) for a, b in slices(min(chunk, count - lo), W, itemsize)]
-        a, b = parts[me]
-        if b > a:
-            part = np.asarray([s + a * itemsize for s in srcs], dtype=np.uint64)
-            ch.prims.reduce_n(dst + a * itemsize, int(part.ctypes.data), W, b - a, dt, red, divisor, nthreads())
-        ch.phase(k + 1, op=_OP)
-        rows = [(dst + a * itemsize, srcs[q] + a * itemsize, (b - a) * itemsize)
-                for q, (a, b) in enumerate(parts) if q != me and b > a]
-        if rows:
-            t = np.asarray(rows, dtype=np.int64)
-            ch.prims.copy_many(int(t.ctypes.data), len(rows), nthreads())
-    ch.end(op=_OP)

@@ -13,16 +13,16 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..native.abi import OP_BROADCAST
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from .allreduce import _show
+from . import null
 from .args import rank_error, tensor_error, written_error
-from .channel import ERR_USAGE, Header
+from .channel import OpChannel
 from .dtypes import dtype_code
-from .entry import open_op
-from .fastpath import native_channel
+from .entry import run_op
 from .operands import Operand
-from .plan import OP_BROADCAST, choose, nthreads, profiled
+from .tuner import choose
 
 __all__ = ["broadcast", "barrier"]
 
@@ -52,69 +52,37 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
             dt = dtype_code(tensor.dtype, op=_OP)
         except ZbcclInvalidUsageError as exc:
             error = str(exc)
-    with profiled(_OP, tensor):
-        ch = open_op(comm, OP_BROADCAST, error, op=_OP, timeout=timeout)
-        if ch is not None:
-            seq = ch.seq
-            try:
-                if comm.rank == src:
-                    _root(ch, tensor, dt, src)
-                else:
-                    _receive(ch, tensor, dt, src)
-            except BaseException as exc:
-                ch.left(seq, exc, op=_OP)
-                raise
+    run_op(comm, OP_BROADCAST, error, _root if comm.rank == src else _receive, null.broadcast, (tensor, dt, src),
+           op=_OP, timeout=timeout, t=tensor)
     return tensor
 
 
-def _root(ch, tensor: torch.Tensor, dt: int, src: int) -> None:
+def _root(ch: OpChannel, tensor: torch.Tensor, dt: int, src: int) -> None:
     """The root only lends its tensor (staged into the heap if need be) and never writes it."""
+    n, isz = tensor.numel(), tensor.element_size()
+    algo, _ = choose(ch, OP_BROADCAST, tensor.dtype, n * isz)
     operand = Operand(ch, tensor, op=_OP, role="tensor", read=True, write=False)
     try:
-        _call(ch, tensor, operand.addr, operand.offset, dt, src, operand.error, operand.kind)
+        if operand.error is not None:
+            ch.fail(OP_BROADCAST, operand.error, operand.kind, op=_OP)
+        ch.run(OP_BROADCAST, dt, 0, n, n, operand.offset, -1, algo, src, 0, 0, 0, operand.addr, operand.addr, isz,
+               op=_OP)
     finally:
         operand.finish()
 
 
-def _receive(ch, tensor: torch.Tensor, dt: int, src: int) -> None:
+def _receive(ch: OpChannel, tensor: torch.Tensor, dt: int, src: int) -> None:
     """A receiver copies the root's bytes into its tensor (through a contiguous buffer if need be)."""
+    n, isz = tensor.numel(), tensor.element_size()
+    algo, _ = choose(ch, OP_BROADCAST, tensor.dtype, n * isz)
     dst = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    _call(ch, dst, dst.data_ptr(), -1, dt, src, None)
+    ch.run(OP_BROADCAST, dt, 0, n, n, -1, -1, algo, src, 0, 0, 0, 0, dst.data_ptr(), isz, op=_OP)
     if dst is not tensor:
         tensor.copy_(dst)
 
 
-def _call(ch, t: torch.Tensor, addr: int, offset: int, dt: int, src: int, error: str | None,
-          kind: int = ERR_USAGE) -> None:
-    algo, _ = choose(ch, OP_BROADCAST, t.dtype, t.numel() * t.element_size())
-    nat = native_channel(ch)
-    if nat is not None and error is None:
-        ch.seq += 1
-        rc = nat.broadcast(nat.handle, ch.seq, addr, offset, t.numel(), t.element_size(), dt, src, algo)
-        if rc:
-            nat.raise_for(rc, op=_OP, show=_show)
-    else:
-        _python_path(ch, addr, t.numel(), t.numel() * t.element_size(), dt, offset, src, algo, error, kind)
-
-
-def _python_path(ch, addr: int, numel: int, nbytes: int, dt: int, offset: int, src: int, algo: int,
-                 error: str | None, kind: int) -> None:
-    hdrs = ch.begin([0, OP_BROADCAST, dt, 0, numel, numel, offset, -1, algo, src], op="broadcast",
-                    error=error, kind=kind)
-    ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.IN_NUMEL, Header.ROOT, Header.ALGO), op="broadcast",
-             show=_show)
-    if ch.rank != src and nbytes:
-        off = hdrs[src][Header.IN_OFF]
-        if off < 0 or off + nbytes > ch.heap_size[src]:
-            ch.end(op="broadcast")
-            raise ZbcclInvalidUsageError(
-                f"broadcast: root's tensor is outside its heap, got offset {off} + {nbytes} bytes", ranks=(src,))
-        ch.prims.copy(addr, ch.heap_base[src] + off, nbytes, nthreads())
-    ch.end(op="broadcast")
-
-
 @collective("barrier")
 def barrier(*, comm: Communicator | None = None, timeout: float | None = None) -> None:
-    """Collective: return once every rank of ``comm`` entered (see ``Communicator.barrier``)."""
+    """Collective: return once every rank of ``comm`` entered (see ``Communicator.barrier``: a peer
+    that left a collective half-way makes it raise :class:`~zbccl.errors.ZbcclRemoteError`)."""
     comm.barrier(timeout)
-

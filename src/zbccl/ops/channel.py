@@ -1,7 +1,8 @@
-"""The op channel: the per-communicator handshake every collective runs.
+"""The op channel: one communicator's native protocol, driven by one call per op.
 
-Synchronisation protocol (all flags live in the *owner's* comm slot, one
-64-byte line each, and only grow, so they are never reset):
+Synchronisation protocol (run by ``native/csrc/chan.c``; all flags live in
+the *owner's* comm slot, one 64-byte line each, and only grow, so they are
+never reset; line numbers and header fields come from ``native/abi.py``):
 
 * ``ARRIVE`` (slot line 1): a rank writes its op header (line 4-5: sequence
   number, op, dtype, reduce op, sizes, the heap offsets of its operands, the
@@ -13,101 +14,73 @@ Synchronisation protocol (all flags live in the *owner's* comm slot, one
   all reach the same verdict: either every rank proceeds or every rank raises
   :class:`~zbccl.errors.ZbcclInvalidUsageError` naming the disagreement.
 * ``PHASE`` (line 2): mid-op points of multi-phase algorithms (two-shot
-  allreduce: "my reduced slice of chunk ``step-1`` is ready"). Each rank
-  posts its current PHASE value in its header (field ``PHASE_BASE``); step
-  ``k`` of the op is ``max(all posted values) + k``. So the counter only
-  grows, by the op's own number of steps, and no encoding can overflow
-  (the former ``seq << 24 | step`` did after 2^39 ops or 2^24 chunks).
+  allreduce). Each rank posts its current PHASE value in its header
+  (``PHASE_BASE``); step ``k`` of the op is ``max(all posted values) + k``,
+  so the counter only grows and no encoding can overflow.
 * ``DONE`` (line 3): ``DONE = seq`` says "I no longer read your operands and
   mine are final". A rank returns only after every peer's ``DONE >= seq``,
   so the caller may reuse its tensors at once, and no peer can overwrite a
-  header another rank has not read yet (a rank can post ``seq+1`` only after
-  everyone finished ``seq``).
-
+  header another rank has not read yet.
 * ``ABORT`` (line 6): non-zero once this rank left an op half-way (Ctrl-C,
   an unexpected exception): the communicator is broken. Peers waiting for
   this rank read it at every liveness check and raise
-  :class:`~zbccl.errors.ZbcclRemoteError` naming it within seconds, instead
-  of waiting out the timeout.
+  :class:`~zbccl.errors.ZbcclRemoteError` naming it within seconds.
 
-Errors found after ``ARRIVE`` (disagreement, a rank's own bad arguments) are
-raised only after the ``DONE`` handshake, so the group leaves the op in step;
-everything the message needs (a peer's error text, its sizes) is copied
-before ``DONE``, as a peer may overwrite it with its next op right after.
-The header's ``ERROR`` field says what kind of error a rank posts
-(``ERR_USAGE``, ``ERR_NOMEM``).
+Python's part (this module): the op's arguments go into one preallocated
+``zb_op`` struct (layout from ``native/abi.py``) and :meth:`OpChannel.run`
+makes the one native call. An error a rank finds locally (bad arguments,
+staging out of memory) is posted through the same call (:meth:`OpChannel.fail`:
+the text in this rank's size-vector area, the kind in the header's ``ERROR``
+field), so every rank raises together. A result code becomes the error here;
+what the message needs (a peer's text, its sizes) was copied by C before the
+``DONE`` handshake, as a peer may overwrite it with its next op right after.
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import struct
-import time
-import zlib
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..errors import (
-    ZbcclError,
-    ZbcclInvalidUsageError,
-    ZbcclOutOfMemoryError,
-    ZbcclRemoteError,
-    ZbcclTimeoutError,
-)
+from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclSystemError
 from ..heap import layout
-from ..runtime.waits import FlagSet, wait_flags
+from ..native import abi
+from ..native.abi import (
+    ABORT_EXCEPTION,
+    ABORT_INTERRUPT,
+    ERR_NOMEM,
+    ERR_USAGE,
+    L_ABORT,
+    L_ARRIVE,
+    L_DONE,
+    L_HEADER,
+    L_PHASE,
+    L_VECTORS,
+    VEC_CAP,
+)
+from ..runtime.communicator import aborted_why
+from ..runtime.threads import nthreads
+from ..runtime.waits import FlagSet
 from .args import timeout_error
-from .diagnose import late_message
+from .diagnose import error_for
 
 if TYPE_CHECKING:
     from ..runtime.communicator import Communicator
 
-__all__ = ["OpChannel", "Header", "channel_of", "sizes_digest", "ERR_USAGE", "ERR_NOMEM"]
+__all__ = ["OpChannel", "channel_of", "L_ARRIVE", "L_PHASE", "L_DONE", "L_ABORT", "ERR_USAGE", "ERR_NOMEM"]
 
-L_ARRIVE, L_PHASE, L_DONE, L_HEADER, L_ABORT, L_VECTORS = 1, 2, 3, 4, 6, 8
-#: Header ERROR values (chan.h mirrors them): what kind of error a rank posts.
-ERR_USAGE, ERR_NOMEM = 1, 2
-#: ABORT line values: why this rank left an op half-way (the word after the futex waiter count).
-ABORT_INTERRUPT, ABORT_EXCEPTION = 1, 2
-_HDR = struct.Struct("<16q")
-VECTOR_CAPACITY = (layout.SLOT_BYTES - L_VECTORS * layout.LINE) // 8
-
-
-class Header:
-    """Field indices of the op header (16 int64)."""
-
-    SEQ, OP, DTYPE, REDOP, IN_NUMEL, OUT_NUMEL, IN_OFF, OUT_OFF, ALGO, ROOT, ROW, DIGEST, ERROR, AUX, \
-        PHASE_BASE = range(15)
-    NAMES = {OP: "op", DTYPE: "dtype", REDOP: "reduce op", IN_NUMEL: "input numel", OUT_NUMEL: "output numel",
-             ALGO: "algorithm", ROOT: "root rank", ROW: "elements per row", DIGEST: "size vector"}
-
-
-def sizes_digest(sizes) -> int:
-    """A cheap fingerprint of a size vector, compared across ranks."""
-    return zlib.crc32(np.asarray(sizes, dtype=np.int64).tobytes())
-
-
-class _LiveSizes:
-    """Each group rank's heap size, read live at every check (heaps grow; see heap/heap.py)."""
-
-    __slots__ = ("_heap", "_ranks")
-
-    def __init__(self, heap, ranks) -> None:
-        self._heap, self._ranks = heap, tuple(ranks)
-
-    def __getitem__(self, r: int) -> int:
-        return self._heap.heap_size(self._ranks[r])
+_HDR = struct.Struct(f"<{abi.HDR_FIELDS}q")
+_ARGS = struct.Struct(f"<{len(abi.ARGS)}q")
+_A_STAGED = abi.ARGS.index("staged")
+_A_TIMEOUT = abi.ARGS.index("timeout_ns")
 
 
 class OpChannel:
-    """Precomputed addresses and the handshake of one communicator's collectives."""
-
-    @property
-    def my_size(self) -> int:
-        """This rank's live heap size."""
-        return self._heap.heap_bytes
+    """One communicator's native channel: addresses, the argument struct, the op's state."""
 
     def __init__(self, comm: Communicator) -> None:
         ctx = comm._ctx
@@ -115,13 +88,15 @@ class OpChannel:
         if not all(heap.reachable(g) for g in comm.ranks):
             raise ZbcclInvalidUsageError(
                 "collective: this communicator spans hosts, and no inter-host transport is configured yet")
+        if comm.world_size > abi.MAX_WORLD:
+            raise ZbcclInvalidUsageError(
+                f"collective: communicator too large, expected at most {abi.MAX_WORLD} ranks, got {comm.world_size}")
         self.comm, self.ctx, self.prims = comm, ctx, ctx.prims
         self.world_size, self.rank = comm.world_size, comm.rank
         self.seq = 0
-        slot = comm.slot
 
         def line(g: int, i: int) -> int:
-            return heap.ctrl_addr(g, layout.slot_line(slot, i))
+            return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
 
         me = ctx.rank
         peers = [g for g in comm.ranks if g != me]
@@ -131,24 +106,64 @@ class OpChannel:
         #: Every group rank's ABORT, ARRIVE and DONE line and barrier flag (for diagnostics).
         self.lines = {i: [line(g, i) for g in comm.ranks] for i in (L_ABORT, L_ARRIVE, L_DONE, layout.SLOT_BARRIER)}
         self.headers = [(ctypes.c_char * _HDR.size).from_address(line(g, L_HEADER)) for g in comm.ranks]
-        self.vectors = [np.frombuffer((ctypes.c_char * (VECTOR_CAPACITY * 8)).from_address(line(g, L_VECTORS)),
+        self.vectors = [np.frombuffer((ctypes.c_char * (VEC_CAP * 8)).from_address(line(g, L_VECTORS)),
                                       dtype=np.int64) for g in comm.ranks]
-        #: Local address of byte 0 of each group rank's heap, and that heap's size.
-        self.heap_base = [heap.addr(g, 0) for g in comm.ranks]
-        self.heap_size = _LiveSizes(heap, comm.ranks)
-        self.my_base = self.heap_base[self.rank]
-        self._heap = heap
-        self._scratch = torch.empty(0, dtype=torch.uint8)
-        #: (op, dtype, bytes) -> algorithm, filled by ``plan.choose`` (cleared when the table changes).
+        #: Local address of byte 0 of this rank's heap, and its size as last read (it may only grow:
+        #: :meth:`fits` re-reads the published size before refusing an operand).
+        self.my_base = heap.addr(me, 0)
+        self._size_word = heap.ctrl_addr(me, layout.H_HEAP_BYTES)
+        self.my_size = self.prims.load_acquire(self._size_word)
+        #: What this communicator decided per op shape, cleared together when the tuning table changes:
+        #: (op, dtype, bytes) -> (algorithm, chunk) from ``tuner.choose``, and per heap-operand key the
+        #: prefilled ``zb_op`` of that call (:meth:`plan`), so a repeated op only writes its sequence number.
         self.choices: dict = {}
+        self.tuning = None  # the communicator's TuningTable, shared on first use (tuner.table_for)
         self._sizes: dict = {}
         #: Seconds the current op's waits may take (its ``timeout=``, else the communicator's).
         self.timeout = self.default_timeout = ctx.timeout
-        self.phase_base = 0
+        self.timeout_ns = int(self.timeout * 1e9)
         #: Why this communicator is unusable on this rank (an op was left half-way), or None.
         self.broken: str | None = None
+        #: True while nothing per-op needs checking at entry (not broken, the default timeout).
+        self.plain = True
+        self._open(comm)
 
-    # ------------------------------------------------------------- handshake
+    def _open(self, comm: Communicator) -> None:
+        """Create the C channel: per group rank its flag lines, state word, heap base, published heap
+        size word, liveness descriptor, size-vector area and ABORT line."""
+        ctx, heap = self.ctx, self.ctx.heap
+        rows = []
+        for r, g in enumerate(comm.ranks):
+            def line(i: int, g: int = g) -> int:
+                return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
+
+            fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
+            rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
+                         heap.ctrl_addr(g, layout.H_STATE), heap.addr(g, 0), heap.ctrl_addr(g, layout.H_HEAP_BYTES),
+                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT)])
+        table = np.asarray(rows, dtype=np.int64)
+        self.handle = self.prims.chan_new(self.world_size, self.rank, ctx.spin, ctx.liveness_ns, self.timeout_ns,
+                                          nthreads(), int(table.ctypes.data))
+        self._args = (ctypes.c_int64 * len(abi.ARGS))()
+        self._args_addr = ctypes.addressof(self._args)
+        self._chan_run = self.prims.chan_run
+        from .tuner import StoreKind
+
+        self.stores = StoreKind(self)
+
+    def close(self) -> None:
+        """Free the C channel (``Communicator.destroy`` calls it; the handle is unusable afterwards)."""
+        handle, self.handle = self.handle, 0
+        if handle:
+            self.prims.chan_free(handle)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    # ------------------------------------------------------------- the op
     def enter(self, timeout, *, op: str) -> str | None:
         """Start an op: refuse a broken communicator, set the op's timeout; a bad ``timeout`` is
         returned as an error for the handshake (the op then runs with the communicator's)."""
@@ -156,14 +171,63 @@ class OpChannel:
             raise ZbcclInvalidUsageError(f"{op}: this communicator is broken on rank {self.rank}: {self.broken}; "
                                          "finalize and init again", ranks=(self.rank,))
         self.timeout, error = timeout_error(timeout, self.default_timeout, op=op)
+        self.timeout_ns = max(1, int(self.timeout * 1e9))
+        self.plain = self.timeout == self.default_timeout
         return error
+
+    def run(self, opcode: int, dtype: int, redop: int, in_numel: int, out_numel: int, in_off: int, out_off: int,
+            algo: int, root: int, row: int, error: int, aux: int, in_addr: int, out_addr: int, itemsize: int,
+            counts: int = 0, nvec: int = 0, stage_off: int = -1, *, op: str) -> None:
+        """The op in one native call: fill ``zb_op`` (fields as in ``abi.ARGS``), run, raise on a result."""
+        self.seq += 1
+        _ARGS.pack_into(self._args, 0, self.seq, opcode, dtype, redop, in_numel, out_numel, in_off, out_off, algo,
+                        root, row, 0, error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec, stage_off,
+                        self.timeout_ns, 0)
+        rc = self._chan_run(self.handle, self._args_addr)
+        if rc:
+            self.raise_for(rc, op=op)
+
+    def staged(self) -> int:
+        """Bytes the last op staged in C (an exchange's private input, when no algorithm did without)."""
+        return self._args[_A_STAGED]
+
+    def plan(self, key: tuple, opcode: int, dtype: int, redop: int, in_numel: int, out_numel: int, in_off: int,
+             out_off: int, algo: int, root: int, row: int, error: int, aux: int, in_addr: int, out_addr: int,
+             itemsize: int, counts: int = 0, nvec: int = 0, stage_off: int = -1) -> tuple:
+        """A ``zb_op`` prefilled for a call that repeats (heap operands at fixed addresses), cached under
+        ``key``; :meth:`call` runs it. Arguments as in :meth:`run`."""
+        args = (ctypes.c_int64 * len(abi.ARGS))()
+        _ARGS.pack_into(args, 0, 0, opcode, dtype, redop, in_numel, out_numel, in_off, out_off, algo, root, row, 0,
+                        error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec, stage_off, self.timeout_ns, 0)
+        if len(self.choices) > 4096:
+            self.choices.clear()
+        plan = self.choices[key] = (args, ctypes.addressof(args), in_numel * itemsize)
+        return plan
+
+    def call(self, plan: tuple, *, op: str) -> None:
+        """Run a prefilled ``zb_op`` from :meth:`plan` with this op's sequence number and timeout."""
+        self.seq += 1
+        args = plan[0]
+        args[0] = self.seq
+        args[_A_TIMEOUT] = self.timeout_ns
+        rc = self._chan_run(self.handle, plan[1])
+        if rc:
+            self.raise_for(rc, op=op)
+
+    def fail(self, opcode: int, text: str, kind: int = ERR_USAGE, *, op: str) -> None:
+        """This rank cannot run the op (``text`` says why): run the handshake with the error posted so
+        every rank raises (instead of this one raising alone and the others waiting for it)."""
+        raw = text.encode()[: (VEC_CAP - 2) * 8]
+        vec = self.vectors[self.rank]
+        vec[0] = len(raw)
+        vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        self.run(opcode, 0, 0, 0, 0, 0, -1, 0, 0, 0, kind, 0, 0, 0, 1, op=op)
+        raise AssertionError("unreachable: an op whose header carries an error fails")  # pragma: no cover
 
     def left(self, seq: int, exc: BaseException, *, op: str) -> None:
         """An op that started at sequence number ``seq`` is being left by ``exc``: mark the
-        communicator broken (ABORT line) if the op had posted ARRIVE and ``exc`` is not a
-        ZbcclError. Ctrl-C or an unexpected exception mid-op would otherwise leave the peers
-        waiting for this rank until their timeout. Ops call it from ``except BaseException``
-        (free when nothing is raised, unlike a context manager)."""
+        communicator broken (ABORT line) if the op had started and ``exc`` is not a ZbcclError.
+        Ops call it from ``except BaseException`` (free when nothing is raised)."""
         if self.seq != seq and not isinstance(exc, ZbcclError):
             why = ABORT_INTERRUPT if isinstance(exc, KeyboardInterrupt) else ABORT_EXCEPTION
             self.abort(why, f"op #{self.seq} ({op}) was left half-way by {type(exc).__name__}")
@@ -171,137 +235,22 @@ class OpChannel:
     def abort(self, why: int, text: str) -> None:
         """Publish that this rank left an op half-way; every later op on this communicator refuses."""
         self.broken = self.broken or text
+        self.plain = False
         ctypes.c_int64.from_address(self.my_flags[L_ABORT] + 16).value = why
         self.prims.signal(self.my_flags[L_ABORT], self.seq)
 
     def aborted(self, r: int) -> int:
         """Why group rank ``r`` broke this communicator (``ABORT_*``), or 0."""
-        if self.prims.load_acquire(self.lines[L_ABORT][r]) == 0:
-            return 0
-        return ctypes.c_int64.from_address(self.lines[L_ABORT][r] + 16).value or ABORT_EXCEPTION
+        return aborted_why(self.prims, self.lines[L_ABORT][r])
 
-    def wait(self, flags: FlagSet, target: int, *, op: str) -> None:
-        """``wait_flags`` under this op's timeout, checking in slices whether a peer broke the
-        communicator, and naming on timeout what each late rank is doing."""
-        deadline = time.monotonic() + self.timeout
-        slice_s = max(0.25, self.ctx.liveness_ns / 1e9)
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                wait_flags(self.ctx, flags, target, timeout=max(0.0, min(slice_s, left)), op=op)
-                return
-            except ZbcclTimeoutError as exc:
-                for r in exc.ranks:
-                    if self.aborted(r):
-                        raise self.abort_error(r, op=op) from None
-                if left <= slice_s:
-                    raise ZbcclTimeoutError(late_message(self, list(exc.ranks), op=op), ranks=exc.ranks) from None
+    # --------------------------------------------------------- memory
+    def fits(self, off: int, nbytes: int) -> bool:
+        """Whether ``[off, off+nbytes)`` lies in this rank's heap, as large as it is now."""
+        if 0 <= off and off + nbytes <= self.my_size:
+            return True
+        self.my_size = self.prims.load_acquire(self._size_word)  # the heap may have grown
+        return 0 <= off and off + nbytes <= self.my_size
 
-    def abort_error(self, r: int, *, op: str) -> ZbcclRemoteError:
-        why = "was interrupted (Ctrl-C)" if self.aborted(r) == ABORT_INTERRUPT else "hit an unexpected error"
-        return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {r} {why} in the middle of a collective and "
-                                "left it; this communicator is broken", ranks=(r,))
-
-    def begin(self, fields: list[int], *, op: str, vectors: np.ndarray | None = None,
-              error: str | None = None, kind: int = ERR_USAGE) -> list[tuple[int, ...]]:
-        """Post this rank's header, wait for every peer's, return all headers by group rank."""
-        if vectors is not None and error is None and len(vectors) > VECTOR_CAPACITY - 1:
-            error = f"{op}: world too large for per-rank size vectors"
-        self.seq += 1
-        seq = self.seq
-        fields = list(fields) + [0] * (16 - len(fields))
-        fields[Header.SEQ] = seq
-        fields[Header.PHASE_BASE] = self.prims.load_acquire(self.my_flags[L_PHASE])
-        if error is not None:
-            fields[Header.ERROR] = kind
-            raw = error.encode()[: VECTOR_CAPACITY * 8 - 16]
-            self.vectors[self.rank][0] = len(raw)
-            self.vectors[self.rank].view(np.uint8)[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        elif vectors is not None:
-            self.vectors[self.rank][: len(vectors)] = vectors
-        _HDR.pack_into(self.headers[self.rank], 0, *fields)
-        self.prims.signal(self.my_flags[L_ARRIVE], seq)
-        self.wait(self.peer_flags[L_ARRIVE], seq, op=op)
-        headers = [_HDR.unpack_from(h, 0) for h in self.headers]
-        self.phase_base = max(h[Header.PHASE_BASE] for h in headers)
-        bad = [r for r, h in enumerate(headers) if h[Header.SEQ] != seq]
-        if bad:
-            self.end(op=op)
-            raise ZbcclInvalidUsageError(
-                f"{op}: ranks out of step, expected op #{seq} everywhere, got "
-                + ", ".join(f"rank {r} at #{headers[r][Header.SEQ]}" for r in bad), ranks=tuple(bad))
-        return headers
-
-    def phase(self, step: int = 1, *, op: str, wait: bool = True) -> None:
-        """Mid-op rendezvous number ``step`` (1, 2, ...): signal it, then wait for the peers'."""
-        self.prims.signal(self.my_flags[L_PHASE], self.phase_base + step)
-        if wait:
-            self.wait_phase(step, op=op)
-
-    def wait_phase(self, step: int, *, op: str) -> None:
-        """Wait until every peer signalled phase ``step`` of this op."""
-        self.wait(self.peer_flags[L_PHASE], self.phase_base + step, op=op)
-
-    def end(self, *, op: str) -> None:
-        """Final rendezvous: nobody reads anyone's operands any more."""
-        self.prims.signal(self.my_flags[L_DONE], self.seq)
-        self.wait(self.peer_flags[L_DONE], self.seq, op=op)
-
-    def agree(self, headers: list[tuple[int, ...]], fields: tuple[int, ...], *, op: str,
-              show=None) -> None:
-        """Raise on every rank (after ``end``) unless all ranks agree on ``fields``."""
-        errs = [r for r, h in enumerate(headers) if h[Header.ERROR]]
-        if errs:
-            r = errs[0]
-            text = self.error_text(r)  # before DONE: afterwards rank r may post its next op over it
-            self.end(op=op)
-            raise peer_error(op, r, headers[r][Header.ERROR], text, ranks=tuple(errs))
-        for f in fields:
-            values = [h[f] for h in headers]
-            if any(v != values[0] for v in values):
-                self.end(op=op)
-                fmt = show or (lambda _f, v: str(v))
-                got = ", ".join(f"rank {r} {fmt(f, v)}" for r, v in enumerate(values))
-                raise ZbcclInvalidUsageError(f"{op}: ranks disagree on {Header.NAMES.get(f, f)}, got {got}",
-                                             ranks=tuple(range(len(values))))
-
-    def agree_sizes(self, width: int, *, op: str, row: int = 1) -> None:
-        """Raise on every rank (after ``end``) unless every rank posted the same first ``width``
-        entries of its size vector (exact counts, printed in rows when they differ)."""
-        vecs = [v[:width].copy() for v in self.vectors]  # copies: DONE lets peers overwrite them
-        bad = [r for r in range(1, self.world_size) if not np.array_equal(vecs[r], vecs[0])]
-        if bad:
-            self.end(op=op)
-            raise ZbcclInvalidUsageError(sizes_message(op, vecs[0], bad[0], vecs[bad[0]], row),
-                                         ranks=(0, bad[0]))
-
-    def fail_together(self, opcode: int, error: str, *, op: str) -> None:
-        """This rank's arguments are unusable: run the handshake with the error flag so that every
-        rank raises (instead of this one raising alone and the others waiting for it)."""
-        if self.world_size == 1:
-            raise ZbcclInvalidUsageError(error)
-        hdrs = self.begin([0, opcode], op=op, error=error)
-        self.agree(hdrs, (), op=op)
-        raise AssertionError("unreachable: agree() raises when a header carries an error")  # pragma: no cover
-
-    def error_text(self, rank: int) -> str:
-        return text_of(self.vectors[rank])
-
-    def check_span(self, headers, field: int, nbytes: list[int] | int, *, op: str) -> list[int]:
-        """Local addresses of each rank's operand ``field``, bounds-checked against its heap."""
-        out = []
-        for r, h in enumerate(headers):
-            off = h[field]
-            n = nbytes[r] if isinstance(nbytes, list) else nbytes
-            if off < 0 or off + n > self.heap_size[r]:
-                self.end(op=op)
-                raise ZbcclInvalidUsageError(
-                    f"{op}: rank {r}'s operand is outside its heap, expected [0, {self.heap_size[r]}), "
-                    f"got offset {off} + {n} bytes", ranks=(r,))
-            out.append(self.heap_base[r] + off)
-        return out
-
-    # ---------------------------------------------------------------- memory
     def offset_of(self, t: torch.Tensor) -> int:
         """Heap offset of a contiguous tensor's data in this rank's heap, or -1."""
         if not t.is_contiguous():
@@ -310,54 +259,39 @@ class OpChannel:
         if ptr == 0:  # zero-element tensors report 0; their storage still has an address
             ptr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
         off = ptr - self.my_base
-        return off if 0 <= off and off + t.numel() * t.element_size() <= self.my_size else -1
+        return off if self.fits(off, t.numel() * t.element_size()) else -1
 
-    def sizes(self, counts: list[int]) -> tuple[int, int]:
-        """``(digest, address of an int64 copy)`` of a size vector, cached per vector."""
+    def sizes(self, counts: list[int]) -> int:
+        """Address of an int64 copy of a size vector, cached per vector (alive as long as the plans
+        that use it)."""
         key = tuple(counts)
         hit = self._sizes.get(key)
         if hit is None:
-            if len(self._sizes) > 1024:
+            if len(self._sizes) > 1024:  # the plans point into these arrays: they go too
                 self._sizes.clear()
+                self.choices.clear()
             arr = np.asarray(counts, dtype=np.int64)
-            hit = self._sizes[key] = (sizes_digest(counts), int(arr.ctypes.data), arr)
-        return hit[0], hit[1]
+            hit = self._sizes[key] = (int(arr.ctypes.data), arr)
+        return hit[0]
 
-    def scratch(self, nbytes: int) -> int:
-        """Address of a private scratch buffer of at least ``nbytes`` (reused across calls)."""
-        if self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(max(nbytes, 2 * self._scratch.numel()), dtype=torch.uint8)
-        return self._scratch.data_ptr()
-
-
-def text_of(vec: np.ndarray) -> str:
-    """The error text a rank posted in its size-vector area: int64 length, then UTF-8 bytes."""
-    n = max(0, min(int(vec[0]), VECTOR_CAPACITY * 8 - 16))
-    return bytes(vec.view(np.uint8)[8:8 + n]).decode(errors="replace")
+    # --------------------------------------------------------- errors
+    def raise_for(self, rc: int, *, op: str) -> None:
+        """Raise the error of the last op's result code ``rc`` (see :func:`.diagnose.error_for`)."""
+        raise error_for(self, rc, op=op)
 
 
-def peer_error(op: str, r: int, kind: int, text: str, *, ranks: tuple[int, ...]) -> ZbcclError:
-    """The error every rank raises when rank ``r`` posted an error of ``kind`` with ``text``."""
-    if kind == ERR_NOMEM:
-        return ZbcclOutOfMemoryError(f"{op}: rank {r} ran out of memory: {text}", ranks=ranks)
-    return ZbcclInvalidUsageError(f"{op}: rank {r} passed invalid arguments: {text}", ranks=ranks)
-
-
-def sizes_message(op: str, ref: np.ndarray, r: int, got: np.ndarray, row: int) -> str:
-    unit = "elements" if row == 1 else "rows"
-    show = lambda v: str([int(x) // max(1, row) for x in v])  # noqa: E731
-    return (f"{op}: ranks disagree on sizes ({unit} per rank), expected {show(ref)} (rank 0) on every rank, "
-            f"got {show(got)} on rank {r}")
+# The argument order of OpChannel.run is the order of zb_op (abi.ARGS) less what the channel fills.
+assert tuple(inspect.signature(OpChannel.run).parameters)[1:-1] == tuple(
+    "opcode" if a == "op" else a for a in abi.ARGS if a not in ("seq", "digest", "phase_base", "pad", "timeout_ns", "staged")
+), "OpChannel.run's parameters must follow abi.ARGS"
 
 
 def channel_of(comm: Communicator) -> OpChannel:
-    """The communicator's op channel, created on first use."""
-    ch = comm.__dict__.get("_op_channel")
+    """The communicator's op channel (its ``op_state``, which the ops layer owns), created on first use."""
+    ch = comm.op_state
     if ch is None:
-        if not hasattr(comm._ctx.prims, "reduce_n"):
-            from ..errors import ZbcclSystemError
-
+        if not hasattr(comm._ctx.prims, "chan_new"):
             raise ZbcclSystemError(
                 "collective: the native core is not available (no C compiler?); see 'zbccl info' and the README")
-        ch = comm.__dict__["_op_channel"] = OpChannel(comm)
+        ch = comm.op_state = OpChannel(comm)
     return ch

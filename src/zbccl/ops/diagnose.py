@@ -1,30 +1,155 @@
-"""What a late rank is doing, for the timeout messages of both op paths.
+"""What went wrong in an op, for its error: result codes of the native call, late ranks.
 
-"never arrived" must mean exactly that. When an op times out, each late
-rank's flags in its own comm slot tell where it is instead: its ``ARRIVE``
-(the last op it entered), its ``DONE`` (the last op it finished) and its
-barrier epoch. These are read after the timeout, without synchronisation: the
-rank may move on while we read, so the text is a diagnosis, never a decision.
+:func:`error_for` turns the native call's result code into the exception every
+rank raises, from the header and size-vector copies C took before the op's
+DONE handshake. For a timeout, "never arrived" must mean exactly that: each
+late rank's flags in its own comm slot tell where it is instead (its
+``ARRIVE``: the last op it entered, its ``DONE``: the last op it finished, and
+its barrier epoch). These are read after the timeout, without
+synchronisation: the rank may move on while we read, so the text is a
+diagnosis, never a decision.
 """
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from typing import TYPE_CHECKING
 
-from .plan import OP_NAMES
+import numpy as np
+
+from ..errors import (
+    ZbcclError,
+    ZbcclInvalidUsageError,
+    ZbcclOutOfMemoryError,
+    ZbcclRemoteError,
+    ZbcclTimeoutError,
+)
+from ..heap import layout
+from ..native import abi
+from ..native.abi import (
+    ERR_NOMEM,
+    ERR_USAGE,
+    H_ALGO,
+    H_DTYPE,
+    H_IN_OFF,
+    H_OP,
+    H_REDOP,
+    H_ROW,
+    H_SEQ,
+    L_ARRIVE,
+    L_DONE,
+    OP_NAMES,
+    RC_ABORTED,
+    RC_DEAD,
+    RC_GONE,
+    RC_MISMATCH,
+    RC_NOMEM,
+    RC_PEER_ERROR,
+    RC_SIZES,
+    RC_SPLITS,
+    RC_STEP,
+    RC_TIMEOUT,
+    VEC_CAP,
+)
+from ..runtime.communicator import abort_error
+from ..runtime.registry import FINALIZED_WHILE_WAITING
+from .dtypes import CODE_DTYPES, op_name
 
 if TYPE_CHECKING:
     from .channel import OpChannel
 
-__all__ = ["late_message", "describe"]
+__all__ = ["error_for", "late_message", "describe", "show_field", "FIELD_NAMES"]
+
+#: Header fields as error messages name them.
+FIELD_NAMES = {abi.H_OP: "op", H_DTYPE: "dtype", H_REDOP: "reduce op", abi.H_IN_NUMEL: "input numel",
+               abi.H_OUT_NUMEL: "output numel", H_ALGO: "algorithm", abi.H_ROOT: "root rank",
+               H_ROW: "elements per row", abi.H_AUX: "chunk elements"}
+
+
+def show_field(field: int, value: int) -> str:
+    """A header value as error messages print it (dtype and op names, not codes)."""
+    if field == H_DTYPE:
+        return str(CODE_DTYPES.get(value, value)).removeprefix("torch.")
+    if field == H_REDOP:
+        return op_name(value)
+    if field == H_ALGO:
+        return abi.ALGO_NAMES.get(value, str(value))
+    return str(value)
+
+
+def _copies(ch: OpChannel) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Every rank's header and the two size-vector areas as the last op copied them (before DONE)."""
+    res = ch.prims.chan_result(ch.handle)
+    W = ch.world_size
+    hdrs = np.frombuffer((ctypes.c_int64 * (16 * W)).from_address(res[3]), dtype=np.int64).reshape(W, 16)
+    vecs = np.frombuffer((ctypes.c_int64 * (2 * VEC_CAP)).from_address(res[5]), dtype=np.int64)
+    return hdrs.copy(), vecs.reshape(2, VEC_CAP).copy(), res
+
+
+def error_for(ch: OpChannel, rc: int, *, op: str) -> ZbcclError:
+    """The error of the last op's result code ``rc`` on channel ``ch`` (from the copies C took before
+    the op's DONE handshake: a peer may overwrite the originals with its next op right after)."""
+    hdrs, vecs, (_, rank, field, _, late, _) = _copies(ch)
+    W = ch.world_size
+    if rc == RC_TIMEOUT:
+        late = late or [rank]
+        return ZbcclTimeoutError(late_message(ch, late, op=op), ranks=tuple(late))
+    if rc == RC_GONE and rank == ch.rank:  # chan.c check_peers: our own STATE is FINALIZED
+        return ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ch.comm.global_rank,))
+    if rc == RC_ABORTED:
+        return abort_error(rank, ch.aborted(rank), op=op)
+    if rc in (RC_DEAD, RC_GONE):
+        state = ch.ctx.heap.header(ch.comm.ranks[rank], layout.H_STATE)
+        why = {layout.STATE_FINALIZED: "called finalize", layout.STATE_FAILED: "failed"}.get(
+            state, "died (its process exited or was killed)")
+        return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {rank} {why}", ranks=(rank,))
+    if rc == RC_MISMATCH:
+        got = ", ".join(f"rank {r} {show_field(field, int(v))}" for r, v in enumerate(hdrs[:, field]))
+        return ZbcclInvalidUsageError(f"{op}: ranks disagree on {FIELD_NAMES.get(field, field)}, got {got}",
+                                     ranks=tuple(range(W)))
+    if rc in (RC_PEER_ERROR, RC_NOMEM):
+        return _peer_error(op, rank, ERR_NOMEM if rc == RC_NOMEM else ERR_USAGE, _text_of(vecs[0]),
+                          ranks=(rank,))
+    if rc == RC_SIZES:
+        row = max(1, int(hdrs[0, H_ROW]))
+        return ZbcclInvalidUsageError(_sizes_message(op, vecs[0][:W], rank, vecs[1][:W], row), ranks=(0, rank))
+    if rc == RC_SPLITS:
+        q, r = rank, field
+        return ZbcclInvalidUsageError(
+            f"{op}: split sizes disagree, rank {q} sends {int(vecs[0][r]) // max(1, int(hdrs[q, H_ROW]))} "
+            f"rows to rank {r} but rank {r} expects {int(vecs[1][W + q]) // max(1, int(hdrs[r, H_ROW]))}",
+            ranks=(q, r))
+    if rc == RC_STEP:
+        return ZbcclInvalidUsageError(
+            f"{op}: ranks out of step, expected op #{ch.seq} everywhere, got rank {rank} at "
+            f"#{int(hdrs[rank, H_SEQ])}", ranks=(rank,))
+    return ZbcclInvalidUsageError(
+        f"{op}: rank {rank}'s operand is outside its heap (offset {int(hdrs[rank, H_IN_OFF])})", ranks=(rank,))
+
+
+def _text_of(vec: np.ndarray) -> str:
+    """The error text a rank posted in its size-vector area: int64 length, then UTF-8 bytes."""
+    n = max(0, min(int(vec[0]), VEC_CAP * 8 - 16))
+    return bytes(vec.view(np.uint8)[8:8 + n]).decode(errors="replace")
+
+
+def _peer_error(op: str, r: int, kind: int, text: str, *, ranks: tuple[int, ...]) -> ZbcclError:
+    """The error every rank raises when rank ``r`` posted an error of ``kind`` with ``text``."""
+    if kind == ERR_NOMEM:
+        return ZbcclOutOfMemoryError(f"{op}: rank {r} ran out of memory: {text}", ranks=ranks)
+    return ZbcclInvalidUsageError(f"{op}: rank {r} passed invalid arguments: {text}", ranks=ranks)
+
+
+def _sizes_message(op: str, ref: np.ndarray, r: int, got: np.ndarray, row: int) -> str:
+    unit = "elements" if row == 1 else "rows"
+    show = lambda v: str([int(x) // max(1, row) for x in v])  # noqa: E731
+    return (f"{op}: ranks disagree on sizes ({unit} per rank), expected {show(ref)} (rank 0) on every rank, "
+            f"got {show(got)} on rank {r}")
 
 
 def describe(ch: OpChannel, r: int) -> str:
     """One late group rank ``r``, as seen from this rank at op ``ch.seq``."""
-    from ..heap import layout
-    from .channel import L_ARRIVE, L_DONE, Header
-
     load = ch.prims.load_acquire
     arrive, done = load(ch.lines[L_ARRIVE][r]), load(ch.lines[L_DONE][r])
     if arrive == ch.seq:
@@ -32,7 +157,7 @@ def describe(ch: OpChannel, r: int) -> str:
     if load(ch.lines[layout.SLOT_BARRIER][r]) > getattr(ch.comm, "_epoch", 0):
         return f"rank {r} is in a different collective: it waits in barrier()"
     if arrive > done or arrive > ch.seq:
-        opcode = struct.unpack_from("<q", ch.headers[r], Header.OP * 8)[0]
+        opcode = struct.unpack_from("<q", ch.headers[r], H_OP * 8)[0]
         name = OP_NAMES.get(opcode, f"op code {opcode}")
         return (f"rank {r} is in a different collective: {name} #{arrive} (this rank is at #{ch.seq}), "
                 "so an earlier op did not end on every rank")

@@ -1,21 +1,24 @@
-"""dtype and reduce-op codes shared with the native kernels (``csrc/reduce.h``)."""
+"""torch dtypes and reduce ops onto the native kernels' codes (defined once, in ``native/abi.py``)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..native.abi import DTYPES
+from ..native.abi import REDUCE_OPS as _OPS
 
 __all__ = ["DTYPE_CODES", "CODE_DTYPES", "REDUCE_OPS", "dtype_code", "reduce_op_code", "op_name",
            "SUM", "PROD", "MAX", "MIN", "AVG"]
 
 DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3, torch.int8: 4,
-    torch.uint8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.bool: 9,
+    torch.float32: DTYPES["F32"], torch.bfloat16: DTYPES["BF16"], torch.float16: DTYPES["F16"],
+    torch.float64: DTYPES["F64"], torch.int8: DTYPES["I8"], torch.uint8: DTYPES["U8"], torch.int16: DTYPES["I16"],
+    torch.int32: DTYPES["I32"], torch.int64: DTYPES["I64"], torch.bool: DTYPES["BOOL"],
 }
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
-SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
+SUM, PROD, MAX, MIN, AVG = _OPS["SUM"], _OPS["PROD"], _OPS["MAX"], _OPS["MIN"], _OPS["AVG"]
 REDUCE_OPS: dict[str, int] = {"sum": SUM, "prod": PROD, "product": PROD, "max": MAX, "min": MIN,
                               "avg": AVG, "mean": AVG}
 _NAMES = {SUM: "sum", PROD: "product", MAX: "max", MIN: "min", AVG: "avg"}

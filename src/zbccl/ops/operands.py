@@ -14,13 +14,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import env
 from ..errors import ZbcclOutOfMemoryError
 from ..heap.views import wrap_address
-from .channel import ERR_NOMEM, ERR_USAGE, OpChannel
+from ..native.abi import ERR_NOMEM, ERR_USAGE
+
+if TYPE_CHECKING:
+    from .channel import OpChannel
 
 __all__ = ["Operand", "strict_heap", "is_strict"]
 
@@ -59,8 +63,8 @@ class Operand:
         self.nbytes = t.numel() * t.element_size()
         self.block = None
         self.error: str | None = None
-        self.kind = ERR_USAGE  # what kind of error ``error`` is, for the handshake (channel.ERR_*)
-        self.offset = ch.offset_of(t)
+        self.kind = ERR_USAGE  # what kind of error ``error`` is, for the handshake (abi.ERR_*)
+        self.offset = ch.offset_of(t) if self.nbytes else 0  # nothing to move for an empty tensor
         if self.offset < 0:
             if is_strict():
                 self.error = (f"{op}: {role} is not a contiguous tensor in this rank's heap and strict mode is on; "

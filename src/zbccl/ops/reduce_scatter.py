@@ -18,16 +18,16 @@ import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..native.abi import OP_REDUCE_SCATTER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from .allreduce import _show
+from . import null
 from .args import index_list, overlap_error, tensor_error
-from .channel import ERR_USAGE, Header
-from .dtypes import AVG, dtype_code, reduce_op_code
-from .entry import open_op
-from .fastpath import native_channel
+from .channel import OpChannel
+from .dtypes import dtype_code, reduce_op_code
+from .entry import run_op
 from .operands import Operand
-from .plan import OP_REDUCE_SCATTER, choose, nthreads, profiled
+from .tuner import choose
 
 __all__ = ["reduce_scatter_tensor", "reduce_scatter_v"]
 
@@ -89,84 +89,54 @@ def _local_error(op: str, output, input, red_op, counts, rank: int, world: int) 
 
 def _run(comm, op: str, output, input, red_op, counts: list[int], row: int, error: str | None,
          timeout) -> torch.Tensor:
-    W, me = comm.world_size, comm.rank
     dt = red = 0
     if error is None:
-        dt, red, error = _local_error(op, output, input, red_op, counts, me, W)
-    with profiled(op, input):
-        ch = open_op(comm, OP_REDUCE_SCATTER, error, op=op, timeout=timeout)
-        if ch is None:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input.view(output.shape))
-            return output
-        seq = ch.seq
-        try:
-            if not _fast(ch, op, output, input, counts, row, dt, red):
-                _staged(ch, op, output, input, counts, row, dt, red)
-        except BaseException as exc:
-            ch.left(seq, exc, op=op)
-            raise
+        dt, red, error = _local_error(op, output, input, red_op, counts, comm.rank, comm.world_size)
+    run_op(comm, OP_REDUCE_SCATTER, error, _native, null.copy_into, (output, input, op, counts, row, dt, red),
+           op=op, timeout=timeout, t=input)
     return output
 
 
-def _fast(ch, op: str, output: torch.Tensor, input: torch.Tensor, counts: list[int], row: int, dt: int,
-          red: int) -> bool:
-    """The common case in one native call: contiguous tensors, input in the heap."""
-    nat = native_channel(ch)
-    if nat is None or not (input.is_contiguous() and output.is_contiguous()):
-        return False
-    isz = input.element_size()
-    n_in = input.numel()
-    in_off = input.data_ptr() - ch.my_base
-    if not n_in or not 0 <= in_off <= ch.my_size - n_in * isz:
-        return False
+def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int], row: int,
+            dt: int, red: int) -> None:
+    """One native call: prefilled for repeated calls on contiguous tensors with a heap input; else a
+    private input is staged (peers read their slice of it) and the output filled through a buffer."""
+    if input.is_contiguous() and output.is_contiguous():
+        key = (op, input.data_ptr(), output.data_ptr(), input.numel(), dt, red, row, tuple(counts))
+        plan = ch.choices.get(key)
+        if plan is None:
+            plan = _plan(ch, key, output, input, counts, row, dt, red)
+        if plan is not None:
+            ch.call(plan, op=op)
+            return
+    isz, n_in = input.element_size(), input.numel()
     algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
-    digest, counts_addr = ch.sizes(counts)
-    ch.seq += 1
-    rc = nat.reduce_scatter(nat.handle, ch.seq, in_off, output.data_ptr(), counts_addr, n_in, output.numel(),
-                            row, digest, isz, dt, red, algo)
-    if rc:
-        nat.raise_for(rc, op=op, show=_show)
-    return True
-
-
-def _python_path(ch, op: str, src: Operand, out_t, counts, row: int, digest: int, dt: int, red: int, algo: int,
-                 error: str | None) -> None:
-    W, me, isz = ch.world_size, ch.rank, out_t.element_size()
-    hdrs = ch.begin([0, OP_REDUCE_SCATTER, dt, red, src.t.numel(), out_t.numel(), src.offset, -1, algo, 0,
-                     row, digest], op=op, vectors=np.asarray(counts, dtype=np.int64), error=error or src.error,
-                    kind=src.kind if error is None else ERR_USAGE)
-    ch.agree(hdrs, (Header.OP, Header.DTYPE, Header.REDOP, Header.IN_NUMEL, Header.ROW, Header.ALGO), op=op,
-             show=_show)
-    ch.agree_sizes(W, op=op, row=row)
-    srcs = ch.check_span(hdrs, Header.IN_OFF, src.t.numel() * isz, op=op)
-    lo = sum(counts[:me]) * isz
-    if counts[me]:
-        table = np.asarray([s + lo for s in srcs], dtype=np.uint64)
-        ch.prims.reduce_n(out_t.data_ptr(), int(table.ctypes.data), W, counts[me], dt, red,
-                          float(W) if red == AVG else 1.0, nthreads())
-    ch.end(op=op)
-
-
-def _staged(ch, op: str, output, input, counts: list[int], row: int, dt: int, red: int) -> None:
-    """Inputs outside the heap or non-contiguous tensors: stage, then the same protocol."""
-    isz = input.element_size()
-    src = Operand(ch, input, op=op, role="input", read=True, write=False)
+    counts_addr = ch.sizes(counts)
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+    src = Operand(ch, input, op=op, role="input", read=True, write=False)
     try:
-        algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, input.numel() * isz)
-        digest, counts_addr = ch.sizes(counts)
-        nat = native_channel(ch)
-        if nat is not None and src.error is None:
-            ch.seq += 1
-            rc = nat.reduce_scatter(nat.handle, ch.seq, src.offset, out_t.data_ptr(), counts_addr,
-                                    input.numel(), output.numel(), row, digest, isz, dt, red, algo)
-            if rc:
-                nat.raise_for(rc, op=op, show=_show)
-        else:
-            _python_path(ch, op, src, out_t, counts, row, digest, dt, red, algo, None)
+        if src.error is not None:
+            ch.fail(OP_REDUCE_SCATTER, src.error, src.kind, op=op)
+        ch.run(OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), src.offset, -1, algo, 0, row, 0, 0, src.addr,
+               out_t.data_ptr(), isz, counts_addr, ch.world_size, op=op)
     finally:
         src.finish()
+    _copy_back(ch, output, out_t)
+
+
+def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, counts: list[int], row: int,
+          dt: int, red: int) -> tuple | None:
+    """The prefilled call when the input is a contiguous heap tensor (zero-copy), or None."""
+    isz, n_in = input.element_size(), input.numel()
+    in_addr = input.data_ptr()
+    if not n_in or not ch.fits(in_addr - ch.my_base, n_in * isz):
+        return None
+    algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
+    return ch.plan(key, OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), in_addr - ch.my_base, -1, algo, 0, row, 0,
+                   0, in_addr, output.data_ptr(), isz, ch.sizes(counts), ch.world_size)
+
+
+def _copy_back(ch: OpChannel, output: torch.Tensor, out_t: torch.Tensor) -> None:
     if out_t is not output:
         output.copy_(out_t)
-        ch.ctx.sma.record_staged(output.numel() * isz)
+        ch.ctx.sma.record_staged(output.numel() * output.element_size())

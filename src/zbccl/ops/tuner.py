@@ -10,6 +10,9 @@ Every field of a loaded table is validated (:func:`validate_rules`). A bad
 file or ``ZBCCL_ALGO`` on rank 0 is shared through the store in the table's
 place, so every rank raises the same :class:`ZbcclInvalidUsageError` at the
 communicator's first collective instead of rank 0 failing and the rest hanging.
+
+:func:`choose` reads the table (cached per communicator); :class:`StoreKind` is
+the one per-rank tuning decision made at run time (cached or streaming stores).
 """
 
 from __future__ import annotations
@@ -20,15 +23,31 @@ import platform
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import env
 from ..errors import ZbcclInvalidUsageError
-from .plan import ALGO_CODES, OP_ALGOS
+from ..native.abi import ALGO_NAMES, OP_NAMES
 
-__all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "table_for", "host_key",
-           "table_path", "force_algorithm", "validate_rules", "load_file"]
+if TYPE_CHECKING:
+    from .channel import OpChannel
+
+__all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "OP_ALGOS", "ALGO_CODES",
+           "table_for", "host_key", "table_path", "force_algorithm", "validate_rules", "load_file", "choose",
+           "StoreKind"]
+
+#: Algorithm name -> code (``native/abi.py``).
+ALGO_CODES = {v: k for k, v in ALGO_NAMES.items()}
+#: Algorithms each op implements (the first is the fallback).
+OP_ALGOS = {
+    "all_reduce": ("twoshot", "oneshot"),
+    "all_gather": ("pull", "push"),
+    "reduce_scatter": ("pull",),
+    "all_to_all": ("pull", "push"),
+    "broadcast": ("pull",),
+}
 
 #: op -> list of [max_bytes (inclusive), algorithm(, chunk bytes)]; the last rule has max_bytes -1
 #: (any size). The chunk is the pipelining unit of chunked algorithms (twoshot).
@@ -224,3 +243,80 @@ def force_algorithm(comm, op: str, algo: str | None) -> None:
     else:
         table.forced[op] = algo
     ch.choices.clear()
+
+
+def choose(ch: OpChannel, opcode: int, dtype: torch.dtype, nbytes: int) -> tuple[int, int]:
+    """``(algorithm code, chunk bytes)`` for this op and size, from the communicator's shared table."""
+    cache = ch.choices
+    key = (opcode, dtype, nbytes)
+    algo = cache.get(key)
+    if algo is None:
+        if len(cache) > 4096:
+            cache.clear()
+        algo = cache[key] = table_for(ch).choose(OP_NAMES[opcode], dtype, nbytes, ch.world_size)
+    return algo
+
+
+class StoreKind:
+    """Per rank: cached or streaming stores for the gathers of large twoshot all_reduces.
+
+    The gather writes slices of this rank's tensor that the peer has just read. What that
+    costs depends on the host and changes over time (docs/benchmarks.md: on the test VM cached
+    stores win by 15-20% in one state and streaming stores by 2x in the other). So each rank
+    keeps, per power-of-two size bucket, an average of the whole op's ns/byte under both
+    kinds, uses the faster one, and tries the other every ``EXPLORE``-th op of that bucket.
+    Every rank sees the same op sizes in the same order, so ranks explore in step. The choice
+    is local: it changes no byte of the protocol, so ranks may differ.
+    ``ZBCCL_STREAM_STORES=on/off`` fixes it.
+    """
+
+    EXPLORE = 32
+    MARGIN = 0.05  # switch only for a clear win: timing noise must not flip the choice
+    MIN_BYTES = 1 << 20  # ops from this size on are timed and adapt
+    SLICE_BYTES = 256 << 10  # gather slices from this size on stream when streaming is chosen
+
+    def __init__(self, ch) -> None:
+        self.ch = ch  # anything with ``prims.chan_configure`` and ``handle`` (the op channel)
+        #: log2 size bucket -> [avg ns/byte cached, avg ns/byte streaming, ops, ops cached, ops streaming]
+        self.stats: dict[int, list] = {}
+        self.current = 0
+        mode = env.STREAM_STORES.get().lower()
+        self.fixed = {"on": 1, "off": 0}.get(mode)
+        if self.fixed is None and mode != "auto":
+            raise ZbcclInvalidUsageError(f"ZBCCL_STREAM_STORES: expected auto, on or off, got {mode!r}")
+        self._use(self.fixed or 0)
+
+    def _use(self, kind: int) -> None:
+        self.ch.prims.chan_configure(self.ch.handle, self.SLICE_BYTES if kind else 0)
+        self.current = kind
+
+    def before(self, nbytes: int) -> None:
+        """Pick the store kind for an all_reduce of ``nbytes`` (per size bucket)."""
+        if self.fixed is not None or nbytes < self.MIN_BYTES:
+            return
+        st = self.stats.setdefault(nbytes.bit_length(), [None, None, 0, 0, 0])
+        if st[0] is None or st[1] is None:
+            kind = st[2] % 2  # alternate until both kinds have a warmed-up sample
+        else:
+            close = abs(st[1] - st[0]) < self.MARGIN * min(st[0], st[1])
+            best = self.current if close else int(st[1] < st[0])
+            kind = 1 - best if st[2] % self.EXPLORE == self.EXPLORE - 1 else best
+        if kind != self.current:
+            self._use(kind)
+
+    def after(self, nbytes: int, elapsed_ns: int) -> None:
+        """Learn from an all_reduce of ``nbytes`` that took ``elapsed_ns`` with the current kind.
+
+        The first op of each kind in a bucket only warms up (cold caches, first use of the
+        tensor) and is not averaged.
+        """
+        if self.fixed is not None or nbytes < self.MIN_BYTES:
+            return
+        st = self.stats[nbytes.bit_length()]
+        kind = self.current
+        st[2] += 1
+        st[3 + kind] += 1
+        if st[3 + kind] == 1:
+            return
+        rate = elapsed_ns / nbytes
+        st[kind] = rate if st[kind] is None else 0.75 * st[kind] + 0.25 * rate

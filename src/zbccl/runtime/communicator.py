@@ -9,19 +9,26 @@ segment): rank ``r`` raises its own epoch flag to ``e`` (release store, futex
 wake if someone sleeps), then waits until every other member's flag is
 ``>= e``. Epochs only grow, so flags are never reset and back-to-back barriers
 cannot confuse one another; a fast rank may already be at ``e+1``, which still
-satisfies ``>= e``.
+satisfies ``>= e``. While it waits, the barrier also reads the late members'
+``ABORT`` line (the op channel's, :mod:`zbccl.native.abi`): a member that left
+a collective half-way (Ctrl-C) broke the communicator, and the barrier raises
+:class:`~zbccl.errors.ZbcclRemoteError` naming it instead of waiting out the
+timeout.
 """
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import env
 from ..bootstrap.store import StoreBootstrap
-from ..errors import ZbcclInvalidUsageError
+from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..heap.views import HeapHandle, view_heap
+from ..native.abi import ABORT_EXCEPTION, ABORT_INTERRUPT, L_ABORT
 from .oplock import OpLock
 from .registry import guarded
 from .slots import acquire_slot, release_slot, reset_slot
@@ -32,7 +39,23 @@ if TYPE_CHECKING:
 
     from .context import Context
 
-__all__ = ["Communicator", "NonMember"]
+__all__ = ["Communicator", "NonMember", "aborted_why", "abort_error"]
+
+
+def aborted_why(prims, addr: int) -> int:
+    """Why the rank owning the ABORT line at ``addr`` broke its communicator (``ABORT_*``), or 0.
+
+    The line holds the op's sequence number at +0 (non-zero once set) and the reason at +16."""
+    if prims.load_acquire(addr) == 0:
+        return 0
+    return ctypes.c_int64.from_address(addr + 16).value or ABORT_EXCEPTION
+
+
+def abort_error(r: int, why: int, *, op: str) -> ZbcclRemoteError:
+    """What waiting for group rank ``r`` raises once it left a collective half-way for ``why``."""
+    what = "was interrupted (Ctrl-C)" if why == ABORT_INTERRUPT else "hit an unexpected error"
+    return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {r} {what} in the middle of a collective and "
+                            "left it; this communicator is broken", ranks=(r,))
 
 
 def _seconds(timeout: float | None, default: float, op: str) -> float:
@@ -59,6 +82,9 @@ class Communicator:
         self.destroyed = False
         self._op_lock = OpLock()
         self._epoch = 0
+        #: The ops layer's per-communicator state (its op channel), created by the ops on first use.
+        #: :meth:`destroy` calls its ``close()`` and drops it; this layer never looks inside.
+        self.op_state: Any = None
         ctx.comms.add(self)
         #: False once finalize, a fork (in the child) or destroy ended this communicator: the one flag
         #: the ops' fast path reads. Set after joining ``ctx.comms`` so a concurrent finalize sees it.
@@ -70,6 +96,8 @@ class Communicator:
             peers = [r for r in self.ranks if r != ctx.rank]
             self._peer_flags = FlagSet(peers, [ctx.heap.ctrl_addr(r, line) for r in peers],
                                        [self.ranks.index(r) for r in peers])
+            abort = layout.slot_line(slot, L_ABORT)
+            self._abort_lines = {self.ranks.index(r): ctx.heap.ctrl_addr(r, abort) for r in peers}
 
     # ----------------------------------------------------------------- identity
     @property
@@ -170,7 +198,27 @@ class Communicator:
             return
         self._epoch += 1
         ctx.prims.signal(self._my_flag, self._epoch)
-        wait_flags(ctx, self._peer_flags, self._epoch, timeout=timeout, op="barrier")
+        self._wait_barrier(timeout)
+
+    def _wait_barrier(self, timeout: float) -> None:
+        """Wait for the members' epochs in liveness slices, checking between slices whether a late
+        member broke the communicator (its ABORT line)."""
+        ctx = self._ctx
+        deadline = time.monotonic() + timeout
+        slice_s = max(0.25, ctx.liveness_ns / 1e9)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                wait_flags(ctx, self._peer_flags, self._epoch, timeout=max(0.0, min(slice_s, left)), op="barrier")
+                return
+            except ZbcclTimeoutError as exc:
+                for r in exc.ranks:
+                    why = aborted_why(ctx.prims, self._abort_lines[r])
+                    if why:
+                        raise abort_error(r, why, op="barrier") from None
+                if left <= slice_s:
+                    raise ZbcclTimeoutError(f"barrier: timed out after {timeout:.1f}s waiting for ranks "
+                                            f"{list(exc.ranks)}; they never arrived", ranks=exc.ranks) from None
 
     @guarded("all_gather_object")
     def all_gather_object(self, obj: object, *, timeout: float | None = None) -> list:
@@ -243,8 +291,9 @@ class Communicator:
         self.bootstrap.barrier(timeout=_seconds(timeout, self._ctx.timeout, "destroy"), tag="destroy")
         self.destroyed = True
         self._live = False
-        # The ops layer caches its channel (and the native mirror) on the communicator: free it now.
-        self.__dict__.pop("_op_channel", None)
+        state, self.op_state = self.op_state, None
+        if state is not None:  # the ops layer's channel: free its native half now
+            state.close()
         self._op_lock.wake()
         if self.rank == 0:
             release_slot(self._ctx.bootstrap, self.slot)

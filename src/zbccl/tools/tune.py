@@ -72,7 +72,7 @@ def _time_op(comm, op: str, nbytes: int, algo: str, chunk: int | None = None) ->
 
 def _rank(*, rank: int, world_size: int, store, sizes: list[int]) -> dict:
     import zbccl
-    from zbccl.ops.plan import OP_ALGOS
+    from zbccl.ops.tuner import OP_ALGOS
 
     comm = zbccl.init(store=store, rank=rank, world_size=world_size, heap_size=max(sizes) * (world_size + 2) + (64 << 20))
     try:

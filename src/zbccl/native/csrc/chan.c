@@ -1,16 +1,15 @@
 /* zbccl native op channel: waits and the handshake shared by the native ops (chan_ops.c).
  *
- * The native ops are the fast path of zbccl/ops/: each runs a whole
- * collective in one call, with the very protocol of zbccl/ops/channel.py
- * (same header layout, same flags, same checks), so a rank on this path and a
- * rank on the Python path interoperate:
+ * The native ops are the only protocol of zbccl/ops/ at world size >= 2: each
+ * runs a whole collective in one call (chan_run, one zb_op argument struct
+ * whose layout and every constant come from zbccl/native/abi.py):
  *
  *   post header (16 int64) -> ARRIVE=seq -> wait every peer's ARRIVE >= seq
  *   -> check all headers agree -> move bytes (oneshot or twoshot)
  *   -> [PHASE] -> DONE=seq -> wait every peer's DONE >= seq
  *
- * Python decides the algorithm and owns every policy; this file only moves
- * bytes and waits. Waits spin `spin` polls, then yield, then sleep on the
+ * Python validates, decides the algorithm, stages operands that are not in
+ * the heap and owns every policy; this file only moves bytes and waits. Waits spin `spin` polls, then yield, then sleep on the
  * futex (the flag layout of core.c: value at +0, waiter count at +8), and
  * every `liveness_ns` they poll the peers' liveness sockets and read the
  * peers' header STATE and ABORT line: a dead or departed peer, or one that
@@ -189,14 +188,15 @@ int check_headers(zb_chan *c, int64_t seq, const int *fields, int nfields) {
     return RC_OK;
 }
 
-int begin_op(zb_chan *c, int64_t seq, const int64_t *mine, const int *fields, int nfields) {
-    memcpy(c->hdr[c->me] + 1, mine + 1, (HDR_FIELDS - 1) * sizeof(int64_t));
+int begin_op(zb_chan *c, const zb_op *o, const int *fields, int nfields) {
+    /* zb_op leads with the header's fields (abi.py), so this rank's header is a copy of them */
+    memcpy(c->hdr[c->me] + 1, &o->op, (HDR_FIELDS - 1) * sizeof(int64_t));
     c->hdr[c->me][H_PHASE_BASE] = ld(c->phase[c->me]);
-    __atomic_store_n(c->hdr[c->me], seq, __ATOMIC_RELAXED);
-    int rc = sync_on(c, c->arrive, seq);
+    __atomic_store_n(c->hdr[c->me], o->seq, __ATOMIC_RELAXED);
+    int rc = sync_on(c, c->arrive, o->seq);
     if (rc) return rc;
-    rc = check_headers(c, seq, fields, nfields);
-    return rc ? fail_op(c, seq, rc) : RC_OK;
+    rc = check_headers(c, o->seq, fields, nfields);
+    return rc ? fail_op(c, o->seq, rc) : RC_OK;
 }
 
 int fail_op(zb_chan *c, int64_t seq, int rc) {
@@ -215,8 +215,8 @@ int zb_i64(PyObject *o, int64_t *out) {
 }
 
 /* chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle.
- * table: int64[W][10] = arrive, phase, done, header, state addresses, heap base, heap size, fd,
- * size-vector area address, abort line address. */
+ * table: int64[W][10] = arrive, phase, done, header, state addresses, heap base, address of the
+ * published heap size word, fd, size-vector area address, abort line address. */
 static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t a[7];
@@ -252,19 +252,6 @@ static PyObject *py_chan_configure(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
-/* chan_timeout(handle, timeout_ns): the wait budget of the next ops (an op's own timeout=). */
-static PyObject *py_chan_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[2];
-    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_timeout() takes 2 arguments, got %zd", nargs);
-    for (int i = 0; i < 2; i++)
-        if (zb_i64(args[i], &a[i])) return NULL;
-    if (a[1] <= 0) return PyErr_Format(PyExc_ValueError, "chan_timeout: expected a positive timeout, got %lld",
-                                       (long long)a[1]);
-    ((zb_chan *)(uintptr_t)a[0])->timeout_ns = a[1];
-    Py_RETURN_NONE;
-}
-
 static PyObject *py_chan_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 1) return PyErr_Format(PyExc_TypeError, "chan_free() takes 1 argument");
@@ -297,8 +284,6 @@ static PyMethodDef chan_methods[] = {
     {"chan_configure", (PyCFunction)(void (*)(void))py_chan_configure, METH_FASTCALL,
      "chan_configure(handle, stream_bytes): twoshot gathers of at least stream_bytes use streaming "
      "stores (<= 0: never)."},
-    {"chan_timeout", (PyCFunction)(void (*)(void))py_chan_timeout, METH_FASTCALL,
-     "chan_timeout(handle, timeout_ns): the wait budget of the following ops."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
      "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks, vector copies ptr) of the last op."},
     {NULL, NULL, 0, NULL},

@@ -1,10 +1,13 @@
 /* zbccl native collectives: each op in one call, over the handshake of chan.c.
  *
- * Same protocol, header fields and checks as zbccl/ops/ (see the
- * synchronisation notes at the top of each of those files); the Python layer
- * decides the algorithm, stages tensors that are not in the heap, and turns
- * result codes into errors. RC_FALLBACK means "placement needs staging":
- * the op stopped right after the header check and Python continues it.
+ * The protocol of every op (see the synchronisation notes at the top of each
+ * zbccl/ops/ file) exists only here. The Python layer validates, decides the
+ * algorithm, stages tensors that are not in the heap before the call, fills
+ * one zb_op (zb_abi.h) and turns the result code into an error. An error a
+ * rank found locally travels in zb_op.error (its text already in the rank's
+ * size-vector area): the op then only runs the handshake, so every rank fails
+ * together. Operands are bounds-checked against each peer's heap size as
+ * published now (heaps may grow during the job).
  */
 #include "chan.h"
 
@@ -36,19 +39,19 @@ static int ensure_scratch(zb_chan *c, int64_t nbytes) {
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Post an error of `kind` with its text in this rank's header instead of failing alone: every rank
- * then sees it in the handshake and fails together (the Python path's fail_together). */
-static void post_error(zb_chan *c, int64_t *mine, int kind, const char *text) {
+ * then sees it in the handshake and fails together (as ops/channel.py OpChannel.fail does). */
+static void post_error(zb_chan *c, zb_op *o, int kind, const char *text) {
     size_t n = strlen(text);
     if (n > (VEC_CAP - 2) * 8) n = (VEC_CAP - 2) * 8;
     c->vec[c->me][0] = (int64_t)n;
     memcpy((char *)(c->vec[c->me] + 1), text, n);
-    mine[H_ERROR] = kind;
+    o->error = kind;
 }
 
 /* Publish this rank's per-rank sizes (elements) and, after ARRIVE, check that every rank posted the
  * same ones: exact counts, not a checksum. On a difference both vectors are kept for the message. */
-static void post_sizes(zb_chan *c, const int64_t *counts) {
-    memcpy(c->vec[c->me], counts, (size_t)c->W * sizeof(int64_t));
+static void post_sizes(zb_chan *c, const zb_op *o) {
+    memcpy(c->vec[c->me], (const int64_t *)(uintptr_t)o->counts, (size_t)o->nvec * sizeof(int64_t));
 }
 
 static int check_sizes(zb_chan *c, int64_t seq) {
@@ -66,38 +69,40 @@ static int check_sizes(zb_chan *c, int64_t seq) {
 static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
                    int op, double divisor, int nt, int64_t chunk);
 
-static int allreduce(zb_chan *c, int64_t seq, int64_t *mine, char *dst, int64_t count, int64_t itemsize) {
-    int64_t chunk = mine[H_AUX];
+static int allreduce(zb_chan *c, zb_op *o) {
+    int64_t count = o->in_numel, seq = o->seq, itemsize = o->itemsize;
     int64_t nbytes = count * itemsize;
     static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ALGO, H_AUX};
-    if (mine[H_ALGO] == ALGO_ONESHOT && ensure_scratch(c, nbytes)) {
+    if (o->algo == ALGO_ONESHOT && nbytes && ensure_scratch(c, nbytes)) {
         /* before ARRIVE, so the group fails together with the reason instead of hanging on DONE */
         char text[160];
         snprintf(text, sizeof(text), "all_reduce: cannot allocate %lld bytes of scratch memory for the oneshot "
                  "algorithm", (long long)nbytes);
-        post_error(c, mine, ERR_NOMEM, text);
+        post_error(c, o, ERR_NOMEM, text);
     }
-    int rc = begin_op(c, seq, mine, fields, 6);
+    int rc = begin_op(c, o, fields, 6);
     if (rc) return rc;
     const void *srcs[ZB_MAXW];
     for (int r = 0; r < c->W; r++) {
         if (!in_heap(c, r, c->hdrcopy[r][H_IN_OFF], nbytes)) return fail_op(c, seq, RC_SPAN);
         srcs[r] = c->base[r] + c->hdrcopy[r][H_IN_OFF];
     }
-    int dt = (int)mine[H_DTYPE], op = (int)mine[H_REDOP];
+    if (!count) return sync_on(c, c->done, seq);
+    char *dst = (char *)(uintptr_t)o->out_addr;
+    int dt = (int)o->dtype, op = (int)o->redop;
     double divisor = (double)c->W;
     int nt = nthreads_for(c, nbytes);
-    if (mine[H_ALGO] == ALGO_ONESHOT) {
+    if (o->algo == ALGO_ONESHOT) {
         zb_reduce_n(c->scratch, srcs, c->W, count, dt, op, divisor, nt);
         rc = sync_on(c, c->done, seq);
         if (rc) return rc;
         zb_copy(dst, c->scratch, nbytes, nt);
         return RC_OK;
     }
-    return twoshot(c, seq, srcs, dst, count, itemsize, dt, op, divisor, nt, chunk);
+    return twoshot(c, seq, srcs, dst, count, itemsize, dt, op, divisor, nt, o->aux);
 }
 
-/* Slice r of [lo, hi): 64-byte aligned, as zbccl/ops/plan.py slices(). */
+/* Slice r of [lo, hi): 64-byte aligned, so no two ranks write one cache line. */
 static void slice_of(int64_t lo, int64_t hi, int64_t W, int64_t r, int64_t itemsize, int64_t *a, int64_t *b) {
     int64_t align = 64 / itemsize > 0 ? 64 / itemsize : 1;
     int64_t step = (hi - lo + W - 1) / W;
@@ -108,7 +113,7 @@ static void slice_of(int64_t lo, int64_t hi, int64_t W, int64_t r, int64_t items
 
 /* twoshot, pipelined over chunks of `chunk` elements. For chunk k, rank r reduces
  * slice r of the chunk from every input into its own tensor and signals
- * PHASE = phase_base + k+1 (channel.py: the base every rank agreed on in the handshake); then it gathers the peers' slices of chunk k-1 (each
+ * PHASE = phase_base + k+1 (the base every rank agreed on in the handshake); then it gathers the peers' slices of chunk k-1 (each
  * peer signalled it, so those slices are final and nobody reads this rank's
  * copy of them any more). Gathering one chunk behind keeps the peer's freshly
  * reduced lines in cache and overlaps the two phases. */
@@ -154,21 +159,51 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
 
 /* ------------------------------------------------------------ all_gather (even and v) */
 
-/* counts[r]: elements from rank r; output displacement of r = sum(counts[:r]). */
-static int allgather(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char *out, const int64_t *counts,
-                     int64_t isz) {
-    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_OUT_NUMEL};
-    post_sizes(c, counts);
-    int rc = begin_op(c, seq, mine, fields, 4);
-    if (!rc) rc = check_sizes(c, seq);
+/* Exchanges whose inputs are not all in the heap and whose outputs are not all in the heap either:
+ * each rank with a private input copies it into the heap block Python reserved (o->stage_off),
+ * publishes the offset in the last entry of its size-vector area and signals PHASE base+1; once every
+ * rank did, the headers' input offsets are replaced by the staged ones and the op pulls. */
+static int stage_inputs(zb_chan *c, zb_op *o, int64_t nbytes) {
+    if (c->hdrcopy[c->me][H_IN_OFF] < 0) {
+        if (nbytes) zb_copy(c->base[c->me] + o->stage_off, (const char *)(uintptr_t)o->in_addr, nbytes,
+                            nthreads_for(c, nbytes));
+        o->staged = nbytes;
+    }
+    c->vec[c->me][VEC_CAP - 1] = o->stage_off;
+    signal_flag(c->phase[c->me], c->phase_base + 1);
+    int rc = wait_all(c, c->phase, c->phase_base + 1);
     if (rc) return rc;
+    for (int r = 0; r < c->W; r++)
+        if (c->hdrcopy[r][H_IN_OFF] < 0) c->hdrcopy[r][H_IN_OFF] = __atomic_load_n(&c->vec[r][VEC_CAP - 1],
+                                                                                  __ATOMIC_RELAXED);
+    return RC_OK;
+}
+
+/* Whether an exchange pushes (every output in the heap, and the tuner chose push or some input is
+ * private); otherwise it pulls, after staging the private inputs. */
+static int exchange_mode(zb_chan *c, zb_op *o, int64_t in_bytes, int *push) {
     int all_in = 1, all_out = 1;
     for (int r = 0; r < c->W; r++) {
         all_in &= c->hdrcopy[r][H_IN_OFF] >= 0;
         all_out &= c->hdrcopy[r][H_OUT_OFF] >= 0;
     }
-    int push = all_out && (!all_in || mine[H_ALGO] == ALGO_PUSH);
-    if (!all_in && !push) return RC_FALLBACK;
+    *push = all_out && (!all_in || o->algo == ALGO_PUSH);
+    return all_in || *push ? RC_OK : stage_inputs(c, o, in_bytes);
+}
+
+/* counts[r]: elements from rank r; output displacement of r = sum(counts[:r]). */
+static int allgather(zb_chan *c, zb_op *o) {
+    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_OUT_NUMEL};
+    int64_t seq = o->seq, isz = o->itemsize;
+    const int64_t *counts = (const int64_t *)(uintptr_t)o->counts;
+    char *in = (char *)(uintptr_t)o->in_addr, *out = (char *)(uintptr_t)o->out_addr;
+    post_sizes(c, o);
+    int rc = begin_op(c, o, fields, 4);
+    if (!rc) rc = check_sizes(c, seq);
+    if (rc) return rc;
+    int push;
+    rc = exchange_mode(c, o, counts[c->me] * isz, &push);
+    if (rc) return rc;
     int64_t disp[ZB_MAXW + 1], total = 0;
     for (int r = 0; r < c->W; r++) disp[r] = total, total += counts[r];
     int nt = nthreads_for(c, total * isz);
@@ -177,24 +212,27 @@ static int allgather(zb_chan *c, int64_t seq, const int64_t *mine, char *in, cha
         if (push) {
             int64_t off = c->hdrcopy[q][H_OUT_OFF];
             if (!in_heap(c, q, off, total * isz)) return fail_op(c, seq, RC_SPAN);
-            zb_copy(c->base[q] + off + disp[c->me] * isz, in, counts[c->me] * isz, nt);
+            if (counts[c->me]) zb_copy(c->base[q] + off + disp[c->me] * isz, in, counts[c->me] * isz, nt);
         } else {
             int64_t off = c->hdrcopy[q][H_IN_OFF];
             if (!in_heap(c, q, off, counts[q] * isz)) return fail_op(c, seq, RC_SPAN);
-            zb_copy(out + disp[q] * isz, c->base[q] + off, counts[q] * isz, nt);
+            if (counts[q]) zb_copy(out + disp[q] * isz, c->base[q] + off, counts[q] * isz, nt);
         }
     }
     char *mine_dst = out + disp[c->me] * isz;
-    if (mine_dst != in) zb_copy(mine_dst, in, counts[c->me] * isz, nt);
+    if (mine_dst != in && counts[c->me]) zb_copy(mine_dst, in, counts[c->me] * isz, nt);
     return sync_on(c, c->done, seq);
 }
 
 /* ------------------------------------------------------------ all_to_all */
 
 /* Every rank's size vector is [in counts (W) | out counts (W)], in elements. */
-static int alltoall(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char *out, int64_t isz) {
+static int alltoall(zb_chan *c, zb_op *o) {
     static const int fields[] = {H_OP, H_DTYPE, H_ROW};
-    int rc = begin_op(c, seq, mine, fields, 3);
+    int64_t seq = o->seq, isz = o->itemsize;
+    char *in = (char *)(uintptr_t)o->in_addr, *out = (char *)(uintptr_t)o->out_addr;
+    post_sizes(c, o);
+    int rc = begin_op(c, o, fields, 3);
     if (rc) return rc;
     int64_t W = c->W, me = c->me;
     /* every rank's [in | out] splits, read in place: no rank posts its next op before our DONE */
@@ -208,14 +246,9 @@ static int alltoall(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char
                 memcpy(c->veccopy[1], v[r], (size_t)(2 * W) * sizeof(int64_t));
                 return fail_op(c, seq, RC_SPLITS);
             }
-    int all_in = 1, all_out = 1;
-    for (int r = 0; r < W; r++) {
-        all_in &= c->hdrcopy[r][H_IN_OFF] >= 0;
-        all_out &= c->hdrcopy[r][H_OUT_OFF] >= 0;
-    }
-    int push = all_out && (!all_in || mine[H_ALGO] == ALGO_PUSH);
-    if (!all_in && !push) return RC_FALLBACK;
-    rc = RC_OK;
+    int push;
+    rc = exchange_mode(c, o, o->in_numel * isz, &push);
+    if (rc) return rc;
     for (int k = 0; k < W && !rc; k++) {
         int q = (int)((me + k) % W);
         int64_t src_rank = push ? me : q, dst_rank = push ? q : me;
@@ -244,11 +277,13 @@ static int alltoall(zb_chan *c, int64_t seq, const int64_t *mine, char *in, char
 
 /* ------------------------------------------------------------ reduce_scatter */
 
-static int reducescatter(zb_chan *c, int64_t seq, const int64_t *mine, char *out, const int64_t *counts,
-                         int64_t isz) {
+static int reducescatter(zb_chan *c, zb_op *o) {
     static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ROW, H_ALGO};
-    post_sizes(c, counts);
-    int rc = begin_op(c, seq, mine, fields, 6);
+    int64_t seq = o->seq, isz = o->itemsize;
+    const int64_t *counts = (const int64_t *)(uintptr_t)o->counts;
+    char *out = (char *)(uintptr_t)o->out_addr;
+    post_sizes(c, o);
+    int rc = begin_op(c, o, fields, 6);
     if (!rc) rc = check_sizes(c, seq);
     if (rc) return rc;
     int64_t lo = 0;
@@ -256,23 +291,25 @@ static int reducescatter(zb_chan *c, int64_t seq, const int64_t *mine, char *out
     const void *srcs[ZB_MAXW];
     for (int r = 0; r < c->W; r++) {
         int64_t off = c->hdrcopy[r][H_IN_OFF];
-        if (!in_heap(c, r, off, mine[H_IN_NUMEL] * isz)) return fail_op(c, seq, RC_SPAN);
+        if (!in_heap(c, r, off, o->in_numel * isz)) return fail_op(c, seq, RC_SPAN);
         srcs[r] = c->base[r] + off + lo * isz;
     }
     int64_t n = counts[c->me];
-    if (n) zb_reduce_n(out, srcs, c->W, n, (int)mine[H_DTYPE], (int)mine[H_REDOP], (double)c->W,
+    if (n) zb_reduce_n(out, srcs, c->W, n, (int)o->dtype, (int)o->redop, (double)c->W,
                        nthreads_for(c, n * isz));
     return sync_on(c, c->done, seq);
 }
 
 /* ------------------------------------------------------------ broadcast */
 
-static int bcast(zb_chan *c, int64_t seq, const int64_t *mine, char *dst, int64_t isz) {
+static int bcast(zb_chan *c, zb_op *o) {
     static const int fields[] = {H_OP, H_DTYPE, H_IN_NUMEL, H_ROOT, H_ALGO};
-    int rc = begin_op(c, seq, mine, fields, 5);
+    int64_t seq = o->seq;
+    char *dst = (char *)(uintptr_t)o->out_addr;
+    int rc = begin_op(c, o, fields, 5);
     if (rc) return rc;
-    int root = (int)mine[H_ROOT];
-    int64_t nbytes = mine[H_IN_NUMEL] * isz;
+    int root = (int)o->root;
+    int64_t nbytes = o->in_numel * o->itemsize;
     if (root != c->me && nbytes) {
         int64_t off = c->hdrcopy[root][H_IN_OFF];
         if (!in_heap(c, root, off, nbytes)) return fail_op(c, seq, RC_SPAN);
@@ -281,34 +318,47 @@ static int bcast(zb_chan *c, int64_t seq, const int64_t *mine, char *dst, int64_
     return sync_on(c, c->done, seq);
 }
 
-/* ------------------------------------------------------------ Python glue */
+/* ------------------------------------------------------------ one entry for every op */
 
-enum { K_ALL_REDUCE, K_ALL_GATHER, K_ALL_TO_ALL, K_REDUCE_SCATTER, K_BROADCAST };
+/* An op whose arguments failed on this rank (o->error set, the text already in this rank's size-vector
+ * area): only the handshake, which reports the error on every rank. */
+static int failed(zb_chan *c, zb_op *o) {
+    int rc = begin_op(c, o, NULL, 0);
+    return rc ? rc : fail_op(c, o->seq, RC_PEER_ERROR); /* unreachable: our own header carries the error */
+}
 
-typedef struct {
-    int kind;
-    int64_t seq, isz;
-    int64_t mine[HDR_FIELDS];
-    char *in, *out;
-    const int64_t *counts;
-} op_call;
-
-static int dispatch(zb_chan *c, op_call *o) {
-    switch (o->kind) {
-    case K_ALL_REDUCE: return allreduce(c, o->seq, o->mine, o->out, o->mine[H_IN_NUMEL], o->isz);
-    case K_ALL_GATHER: return allgather(c, o->seq, o->mine, o->in, o->out, o->counts, o->isz);
-    case K_ALL_TO_ALL: return alltoall(c, o->seq, o->mine, o->in, o->out, o->isz);
-    case K_REDUCE_SCATTER: return reducescatter(c, o->seq, o->mine, o->out, o->counts, o->isz);
-    default: return bcast(c, o->seq, o->mine, o->out, o->isz);
+int run_op(zb_chan *c, zb_op *o) {
+    if (o->error) return failed(c, o);
+    switch (o->op) {
+    case OP_ALL_REDUCE: return allreduce(c, o);
+    case OP_ALL_GATHER: return allgather(c, o);
+    case OP_ALL_TO_ALL: return alltoall(c, o);
+    case OP_REDUCE_SCATTER: return reducescatter(c, o);
+    default: return bcast(c, o);
     }
 }
 
 /* Small ops keep the GIL while they spin (a long wait releases it); large ones drop it at once. */
-static PyObject *run(zb_chan *c, op_call *o, int64_t nbytes) {
+static PyObject *py_chan_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t a[2];
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_run() takes 2 arguments, got %zd", nargs);
+    if (zb_i64(args[0], &a[0]) || zb_i64(args[1], &a[1])) return NULL;
+    zb_chan *c = (zb_chan *)(uintptr_t)a[0];
+    zb_op *o = (zb_op *)(uintptr_t)a[1];
+    if (o->op < OP_ALL_REDUCE || o->op > OP_BROADCAST || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0)
+        return PyErr_Format(PyExc_ValueError, "chan_run: bad op arguments (op %lld, nvec %lld, timeout %lld ns)",
+                            (long long)o->op, (long long)o->nvec, (long long)o->timeout_ns);
+    if (!o->error && (o->op == OP_ALL_REDUCE || o->op == OP_REDUCE_SCATTER) &&
+        !zb_reduce_valid((int)o->dtype, (int)o->redop))
+        return PyErr_Format(PyExc_ValueError, "chan_run: bad dtype/op %lld/%lld", (long long)o->dtype,
+                            (long long)o->redop);
+    int64_t nbytes = (o->in_numel > o->out_numel ? o->in_numel : o->out_numel) * o->itemsize;
+    c->timeout_ns = o->timeout_ns;
     c->result[0] = c->result[1] = c->result[2] = 0;
     c->gil_held = 1;
     if (nbytes >= (1 << 16)) gil_release(c);
-    int rc = dispatch(c, o);
+    int rc = run_op(c, o);
     if (!c->gil_held) PyEval_RestoreThread(c->saved);
     c->gil_held = 0;
     c->result[0] = rc;
@@ -322,100 +372,9 @@ static PyObject *run(zb_chan *c, op_call *o, int64_t nbytes) {
     return PyLong_FromLong(rc);
 }
 
-static int parse(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int64_t *a, const char *fn) {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments, got %zd", fn, want, nargs);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < nargs; i++)
-        if (zb_i64(args[i], &a[i])) return -1;
-    return 0;
-}
-
-/* chan_all_reduce(handle, seq, dst, offset, count, itemsize, dtype, op, algo, chunk) -> rc */
-static PyObject *py_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[10];
-    if (parse(args, nargs, 10, a, "chan_all_reduce")) return NULL;
-    if (!zb_reduce_valid((int)a[6], (int)a[7])) return PyErr_Format(PyExc_ValueError, "chan_all_reduce: bad dtype/op");
-    op_call o = {K_ALL_REDUCE, a[1], a[5], {0}, NULL, (char *)(uintptr_t)a[2], NULL};
-    int64_t *m = o.mine;
-    m[H_OP] = OP_ALL_REDUCE, m[H_DTYPE] = a[6], m[H_REDOP] = a[7], m[H_IN_NUMEL] = m[H_OUT_NUMEL] = a[4];
-    m[H_IN_OFF] = a[3], m[H_OUT_OFF] = -1, m[H_ALGO] = a[8], m[H_AUX] = a[9];
-    return run((zb_chan *)(uintptr_t)a[0], &o, a[4] * a[5]);
-}
-
-/* chan_all_gather(handle, seq, in, in_off, out, out_off, counts_ptr, in_numel, out_numel, row, digest,
- *                 itemsize, dtype, algo) -> rc */
-static PyObject *py_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[14];
-    if (parse(args, nargs, 14, a, "chan_all_gather")) return NULL;
-    op_call o = {K_ALL_GATHER, a[1], a[11], {0}, (char *)(uintptr_t)a[2], (char *)(uintptr_t)a[4],
-                 (const int64_t *)(uintptr_t)a[6]};
-    int64_t *m = o.mine;
-    m[H_OP] = OP_ALL_GATHER, m[H_DTYPE] = a[12], m[H_IN_NUMEL] = a[7], m[H_OUT_NUMEL] = a[8];
-    m[H_IN_OFF] = a[3], m[H_OUT_OFF] = a[5], m[H_ALGO] = a[13], m[H_ROW] = a[9], m[H_DIGEST] = a[10];
-    return run((zb_chan *)(uintptr_t)a[0], &o, a[8] * a[11]);
-}
-
-/* chan_all_to_all(handle, seq, in, in_off, out, out_off, in_numel, out_numel, row, digest, itemsize, dtype,
- *                 algo) -> rc; this rank's size vector must already be in its vector area. */
-static PyObject *py_all_to_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[13];
-    if (parse(args, nargs, 13, a, "chan_all_to_all")) return NULL;
-    op_call o = {K_ALL_TO_ALL, a[1], a[10], {0}, (char *)(uintptr_t)a[2], (char *)(uintptr_t)a[4], NULL};
-    int64_t *m = o.mine;
-    m[H_OP] = OP_ALL_TO_ALL, m[H_DTYPE] = a[11], m[H_IN_NUMEL] = a[6], m[H_OUT_NUMEL] = a[7];
-    m[H_IN_OFF] = a[3], m[H_OUT_OFF] = a[5], m[H_ALGO] = a[12], m[H_ROW] = a[8], m[H_DIGEST] = a[9];
-    return run((zb_chan *)(uintptr_t)a[0], &o, (a[6] > a[7] ? a[6] : a[7]) * a[10]);
-}
-
-/* chan_reduce_scatter(handle, seq, in_off, out, counts_ptr, in_numel, out_numel, row, digest, itemsize, dtype,
- *                     op, algo) -> rc */
-static PyObject *py_reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[13];
-    if (parse(args, nargs, 13, a, "chan_reduce_scatter")) return NULL;
-    if (!zb_reduce_valid((int)a[10], (int)a[11]))
-        return PyErr_Format(PyExc_ValueError, "chan_reduce_scatter: bad dtype/op");
-    op_call o = {K_REDUCE_SCATTER, a[1], a[9], {0}, NULL, (char *)(uintptr_t)a[3], (const int64_t *)(uintptr_t)a[4]};
-    int64_t *m = o.mine;
-    m[H_OP] = OP_REDUCE_SCATTER, m[H_DTYPE] = a[10], m[H_REDOP] = a[11], m[H_IN_NUMEL] = a[5];
-    m[H_OUT_NUMEL] = a[6], m[H_IN_OFF] = a[2], m[H_OUT_OFF] = -1, m[H_ALGO] = a[12], m[H_ROW] = a[7];
-    m[H_DIGEST] = a[8];
-    return run((zb_chan *)(uintptr_t)a[0], &o, a[5] * a[9]);
-}
-
-/* chan_broadcast(handle, seq, dst, offset, count, itemsize, dtype, root, algo) -> rc
- * offset: this rank's heap offset of the tensor (root), or -1. */
-static PyObject *py_broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[9];
-    if (parse(args, nargs, 9, a, "chan_broadcast")) return NULL;
-    op_call o = {K_BROADCAST, a[1], a[5], {0}, NULL, (char *)(uintptr_t)a[2], NULL};
-    int64_t *m = o.mine;
-    m[H_OP] = OP_BROADCAST, m[H_DTYPE] = a[6], m[H_IN_NUMEL] = m[H_OUT_NUMEL] = a[4], m[H_IN_OFF] = a[3];
-    m[H_OUT_OFF] = -1, m[H_ROOT] = a[7], m[H_ALGO] = a[8];
-    return run((zb_chan *)(uintptr_t)a[0], &o, a[4] * a[5]);
-}
-
-#define FC(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 static PyMethodDef op_methods[] = {
-    FC("chan_all_reduce", py_all_reduce,
-       "chan_all_reduce(handle, seq, dst, offset, count, itemsize, dtype, op, algo, chunk) -> rc"),
-    FC("chan_all_gather", py_all_gather,
-       "chan_all_gather(handle, seq, in, in_off, out, out_off, counts_ptr, in_numel, out_numel, row, digest, "
-       "itemsize, dtype, algo) -> rc"),
-    FC("chan_all_to_all", py_all_to_all,
-       "chan_all_to_all(handle, seq, in, in_off, out, out_off, in_numel, out_numel, row, digest, itemsize, "
-       "dtype, algo) -> rc"),
-    FC("chan_reduce_scatter", py_reduce_scatter,
-       "chan_reduce_scatter(handle, seq, in_off, out, counts_ptr, in_numel, out_numel, row, digest, itemsize, "
-       "dtype, op, algo) -> rc"),
-    FC("chan_broadcast", py_broadcast,
-       "chan_broadcast(handle, seq, dst, offset, count, itemsize, dtype, root, algo) -> rc"),
+    {"chan_run", (PyCFunction)(void (*)(void))py_chan_run, METH_FASTCALL,
+     "chan_run(handle, args_addr) -> result code: run the op described by the zb_op at args_addr."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2,11 +2,8 @@
 #ifndef ZBCCL_REDUCE_H
 #define ZBCCL_REDUCE_H
 
-/* dtype codes: must match zbccl/ops/dtypes.py */
-enum { ZB_DT_F32 = 0, ZB_DT_BF16 = 1, ZB_DT_F16 = 2, ZB_DT_F64 = 3, ZB_DT_I8 = 4, ZB_DT_U8 = 5,
-       ZB_DT_I16 = 6, ZB_DT_I32 = 7, ZB_DT_I64 = 8, ZB_DT_BOOL = 9 };
-/* reduce-op codes: must match zbccl/ops/dtypes.py */
-enum { ZB_OP_SUM = 0, ZB_OP_PROD = 1, ZB_OP_MAX = 2, ZB_OP_MIN = 3, ZB_OP_AVG = 4 };
+/* dtype codes ZB_DT_* and reduce-op codes ZB_OP_*: generated from zbccl/native/abi.py */
+#include "zb_abi.h"
 
 /* 1 if the (dtype, op) pair is supported. */
 int zb_reduce_valid(int dtype, int op);
