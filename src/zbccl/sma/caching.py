@@ -3,27 +3,14 @@
 Size classes and the cache of freed blocks are ``blockcache.py``; this module
 owns the locking, the live-block records, cache tiers and statistics.
 
-Locking protocol. One ``threading.Lock`` guards all state; ``_owner`` holds the id
-of the thread inside a locked operation. The GC may run a tensor finalizer that
-calls ``free`` on a thread already inside ``malloc``; a plain lock would then
-deadlock and an RLock would let the free mutate state mid-operation. So:
-
-* ``free`` tries the lock. If it is busy and owned by this thread, or its owner
-  is not recorded yet (the instant just after acquire or before release), the
-  offset is appended to ``_pending`` (a deque: atomic under the GIL) and ``free``
-  returns. If another thread owns it, ``free`` waits: that thread never waits on us.
-* Every holder drains ``_pending`` before releasing, and after releasing retakes
-  the lock (without blocking) while ``_pending`` is non-empty; a queuing ``free``
-  does the same. Whoever holds the lock when an offset is queued therefore sees
-  it on its way out: a queued free is applied late, never lost.
-* A queued free that turns out invalid (unknown offset, double free) cannot
-  raise in a finalizer: it counts in ``bad_frees`` and is logged.
-* Any other call made from inside a locked operation on the same thread raises
-  ZbcclInvalidUsageError instead of deadlocking.
-* Cache-tier callbacks (``cached``, ``drain``) run with the lock released, so a
-  tier may hold its own lock while calling ``malloc``/``free`` without a
-  lock-order inversion. The ``grow`` callback runs with the lock held (two
-  threads must not grow at once); it may not call back into the allocator.
+Locking: one :class:`~zbccl.sma.deferlock.DeferLock` guards all state. A
+finalizer's ``free`` on a thread already inside ``malloc`` is deferred, never
+lost and never deadlocks (protocol in ``deferlock.py``); a queued free that turns
+out invalid counts in ``bad_frees``. Cache-tier callbacks (``cached``, ``drain``)
+run with the lock released, so a tier may hold its own lock while calling
+``malloc``/``free`` without a lock-order inversion. The ``grow`` callback runs
+with the lock held (two threads must not grow at once); it may not call back
+into the allocator.
 
 Placement and the cache. Only blocks below ``small_threshold`` are cached; a
 large one goes straight back to the arena, so every large placement sees the
@@ -37,22 +24,17 @@ even after the flush grows the heap, up to ``max_bytes``.
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections import deque
 from collections.abc import Callable
-from threading import get_ident
 
 from zbccl.errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 
 from .arena import Arena
 from .blockcache import BlockCache, Record
+from .deferlock import DeferLock
 from .growth import Growth
 from .stats import format_stats
 
 __all__ = ["CachingAllocator"]
-
-_log = logging.getLogger(__name__)
 
 
 def _check_count(op: str, nbytes: int) -> None:
@@ -111,55 +93,20 @@ class CachingAllocator:
             )
         self._growth = Growth(top, grow)
         self._blocks = BlockCache(alignment, cache_limit, self._arena.free)
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._pending: deque[int] = deque()
+        self._guard = DeferLock(self._free_locked)
         # offset -> (size, requested, kind, seq) of live blocks (tier-held included).
         self._live: dict[int, Record] = {}
         self._tiers: dict[str, _Tier] = {}
         self._seq = 0
         self._allocated = self._requested = self._peak = 0
         self._alloc_count = self._free_count = self._cache_hits = self._oom_count = 0
-        self._fallback_allocs = self._fallback_bytes = self._staged_bytes = self._bad_frees = 0
-
-    # -- locking (see module docstring) -----------------------------------------
+        self._fallback_allocs = self._fallback_bytes = self._staged_bytes = 0
 
     def _acquire(self, op: str) -> None:
-        if not self._lock.acquire(False):
-            if self._owner == get_ident():
-                raise ZbcclInvalidUsageError(
-                    f"{op}: reentrant call, expected no allocator call other than free from "
-                    f"inside an allocator operation, got {op}"
-                )
-            self._lock.acquire()
-        self._owner = get_ident()
+        self._guard.acquire(op)
 
     def _release(self) -> None:
-        if self._pending:
-            self._drain_pending()
-        self._owner = None
-        self._lock.release()
-        if self._pending:
-            self._retake()
-
-    def _retake(self) -> None:
-        # A free queued between our last drain and the release: apply it unless
-        # another thread holds the lock now (it will see the queue on its way out).
-        while self._pending and self._lock.acquire(False):
-            self._owner = get_ident()
-            self._drain_pending()
-            self._owner = None
-            self._lock.release()
-
-    def _drain_pending(self) -> None:
-        pending = self._pending
-        while pending:
-            offset = pending.popleft()
-            try:
-                self._free_locked(offset)
-            except ZbcclInvalidUsageError as exc:
-                self._bad_frees += 1
-                _log.warning("zbccl.sma: dropped a queued free: %s", exc)
+        self._guard.release()
 
     # -- sizes --------------------------------------------------------------------
 
@@ -237,23 +184,12 @@ class CachingAllocator:
         Raises ZbcclInvalidUsageError for an unknown offset or a double free when
         applied at once; a free queued behind a busy lock counts in ``bad_frees``.
         """
-        if not self._lock.acquire(False):
-            owner = self._owner
-            if owner is None or owner == get_ident():
-                self._pending.append(offset)  # reentrant (finalizer) or acquire/release instant
-                self._retake()  # the holder may have released before the append
-                return
-            self._lock.acquire()
-        self._owner = get_ident()
+        if not self._guard.enter_or_defer(offset):
+            return
         try:
-            if self._pending:
-                self._drain_pending()
             self._free_locked(offset)
         finally:
-            self._owner = None
-            self._lock.release()
-            if self._pending:
-                self._retake()
+            self._guard.release()
 
     def _free_locked(self, offset: int) -> None:
         rec = self._live.pop(offset, None)
@@ -375,7 +311,7 @@ class CachingAllocator:
                 "fallback_allocs": self._fallback_allocs,
                 "fallback_bytes": self._fallback_bytes,
                 "staged_bytes": self._staged_bytes,
-                "bad_frees": self._bad_frees,
+                "bad_frees": self._guard.bad,
             }
         finally:
             self._release()
@@ -405,14 +341,8 @@ class CachingAllocator:
         ]
 
     def after_fork_in_child(self) -> None:
-        """Re-arm the lock in a child forked while another thread may have held it.
-
-        That thread does not exist in the child, so its lock would block the
-        child's frees (finalizers of inherited heap tensors) for ever. Only for
-        the runtime's at-fork hook: nothing else uses the child's copy.
-        """
-        self._lock = threading.Lock()
-        self._owner = None
+        """Re-arm the lock in a forked child (only for the runtime's at-fork hook)."""
+        self._guard.after_fork_in_child()
 
     def check(self) -> None:
         """Verify internal invariants (arena, cache and counters); raise AssertionError if broken."""
