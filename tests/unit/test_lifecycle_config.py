@@ -211,3 +211,19 @@ def test_comm_of_the_wrong_kind_is_refused(no_dist_env):
         zbccl.all_reduce(t, comm=comm)
     with pytest.raises(zbccl.ZbcclInvalidUsageError, match="barrier: zbccl was finalized"):
         comm.barrier()
+
+
+class _DeadStore(dist.Store):
+    """A store whose server is gone: every call fails the way torch's stores do."""
+
+    def add(self, key, value):
+        raise RuntimeError("Connection reset by peer")
+
+    def set(self, key, value):
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_init_on_a_dead_store_is_a_remote_error(no_dist_env):
+    with pytest.raises(zbccl.ZbcclRemoteError, match="rendezvous store stopped answering.*Connection reset"):
+        zbccl.init(store=_DeadStore(), rank=0, world_size=2, timeout=5)
+    assert not zbccl.is_initialized()

@@ -17,7 +17,7 @@ from .._version import __version__
 from ..bootstrap.rendezvous import resolve
 from ..bootstrap.store import StoreBootstrap
 from ..bootstrap.topology import HostInfo, Topology, local_host_info
-from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
 from ..heap import layout
 from ..heap.capacity import auto_heap_max, check_capacity
 from ..heap.heap import GlobalHeap
@@ -111,7 +111,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
             var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
                       group=group, timeout=seconds)
-        generation = int(rdv.store.add(f"{rdv.namespace}/gen/{rdv.rank}", 1))
+        generation = _generation(rdv)
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
                               members=rdv.members)
         ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds)
@@ -140,6 +140,16 @@ def _agree(boot: StoreBootstrap, error: str | None, *, timeout: float, tag: str)
     for r, err in enumerate(got):
         if err is not None:
             raise ZbcclOutOfMemoryError(f"{err} (reported by rank {boot.members[r]})", ranks=(boot.members[r],))
+
+
+def _generation(rdv) -> int:
+    """This rank's init count on the store (a fresh key prefix per init); a dead store is a remote error."""
+    try:
+        return int(rdv.store.add(f"{rdv.namespace}/gen/{rdv.rank}", 1))
+    except (RuntimeError, OSError) as exc:  # torch's DistError family is RuntimeError
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ZbcclRemoteError(f"init: the rendezvous store stopped answering, expected it reachable, got "
+                               f"{type(exc).__name__}: {first}", ranks=(0,)) from None
 
 
 def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_bytes: int | None,
