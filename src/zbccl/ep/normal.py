@@ -55,10 +55,8 @@ def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
         if len(x) != 2:
             raise Fail(f"x must be a tensor or a (x_fp8, scales) pair, got a tuple of {len(x)}")
         xq = _tensor(x[0], "x[0]", 2, (torch.float8_e4m3fn,))
-        T, H = xq.shape
-        if H % 128:
-            raise Fail(f"x[0] hidden size must be a multiple of 128 with fp8 scales, got {H}")
-        s = _tensor(x[1], "x[1] (scales)", 2, (torch.float32, torch.int32), (T, None))
+        # DeepEP treats the scales as opaque per-token rows of any width (per-128 blocks are the usual case).
+        s = _tensor(x[1], "x[1] (scales)", 2, (torch.float32, torch.int32), (xq.size(0), None))
         return xq, s
     return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
 
@@ -117,7 +115,12 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         in_rank = handle[4]
         if in_rank.shape != (T, R):
             raise Fail(f"x does not match the handle, expected {in_rank.size(0)} tokens, got {T}")
-        fields[F.NRECV] = handle[3].size(0)
+        # A handle from a num_worst_tokens dispatch has num_worst rows (DeepEP's recv_src_idx); the valid
+        # ones are rank_prefix_matrix's last row. A cached dispatch returns as many rows as the handle.
+        rows, valid = handle[3].size(0), int(handle[0][-1, ex.me])
+        if rows < valid:
+            raise Fail(f"the handle is inconsistent, expected >= {valid} rows in handle[3], got {rows}")
+        fields[F.NRECV], fields[F.WORST] = valid, rows if rows != valid else 0
         fields[F.FLAGS] = FLAG_CACHED
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
     else:
@@ -130,6 +133,8 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
     fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
     out_dtype = x.dtype
     if scales is None and a["int8"]:
+        if H % 128:
+            raise Fail(f"int8 needs a hidden size that is a multiple of 128 (per-128 scales), got {H}")
         x, scales = int8_quantize(x)
         fields[F.FLAGS] |= FLAG_INT8
     fields[F.DTYPE] = DTYPE_CODES.get(x.dtype, 5)
@@ -179,7 +184,7 @@ def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
     if K:
         out["i"] = heap_empty(buf.comm, (n, K), torch.int64)
         out["w"] = heap_empty(buf.comm, (n, K), torch.float32)
-    src_idx = torch.empty(num_recv, dtype=torch.int32)
+    src_idx = torch.full((n,), -1, dtype=torch.int32)  # -1 below num_recv (DeepEP: uninitialised)
     fields = {"x": (F.X, int(rows[me, F.XROW])), "s": (F.SCALES, int(rows[me, F.SROW])),
               "i": (F.TOPK, K * 8), "w": (F.W, K * 4)}
     tables, start, head = [], 0, R + E + R * C
@@ -237,7 +242,7 @@ def dispatch(buf, a: dict):
         ex.agree("dispatch", rows, field, what)
     counts, E, C = _counts(buf, rows)
     try:
-        out = _pull(buf, rows, counts, E, C, loc, a["num_worst_tokens"])
+        out = _pull(buf, rows, counts, E, C, loc, int(rows[ex.me, F.WORST]))
         per_expert, recv_chan = _receiver_meta(buf, rows, E, C)
     finally:
         ex.done()
