@@ -101,7 +101,9 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     if flags & FLAG_FP8:
         S = H // 512 if flags & FLAG_UE8M0 else H // 128
         dt = torch.int32 if flags & FLAG_UE8M0 else torch.float32
-        out["scales"] = heap_empty(buf.comm, (L, S, N), dt).transpose(1, 2)
+        # Column-major in the last two dims (DeepEP's TMA layout); with one scale per row that layout is
+        # also row-major, and allocating it so keeps ``.contiguous()`` views viewable as bytes.
+        out["scales"] = heap_empty(buf.comm, (L, S, N), dt).transpose(1, 2) if S > 1 else heap_empty(buf.comm, (L, N, S), dt)
 
     def recv() -> None:
         try:
