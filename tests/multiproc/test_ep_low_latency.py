@@ -118,6 +118,24 @@ def _two_micro_batches(buffer, comm) -> None:
         assert torch.allclose(outs[b][0].float(), expect.expand(T, H), rtol=1e-2)
 
 
+def _logfmt(buffer, comm) -> None:
+    """use_logfmt: DeepEP's LogFMT-10 numbers (lossy for groups with max |y| < 1), exact bf16 otherwise."""
+    from zbccl.ep.layout import logfmt_roundtrip
+
+    me, T, H, E = comm.rank, 10, 256, 2 * comm.world_size
+    torch.manual_seed(me)
+    x = torch.randn(T, H, dtype=torch.bfloat16) * 0.1
+    x[:, 128:] *= 100  # second group: max >= 1, not cast
+    idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)])
+    w = torch.rand(T, 2)
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    exact = buffer.low_latency_combine(recv_x, idx, w, handle)[0]
+    lossy = buffer.low_latency_combine(recv_x, idx, w, handle, use_logfmt=True)[0]
+    ref = (logfmt_roundtrip(x) * w.sum(1, keepdim=True)).to(torch.bfloat16)
+    assert torch.allclose(lossy.float(), ref.float(), rtol=1e-2, atol=1e-3) and not torch.equal(lossy[:, :128], exact[:, :128])
+    assert torch.equal(lossy[:, 128:], exact[:, 128:]) and calc_diff(lossy, exact) < 1e-5
+
+
 def _ll_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
@@ -132,6 +150,7 @@ def _ll_world(ctx, cases):
         buffer.clean_low_latency_buffer(T, H, E)
         _low_latency(buffer, comm, **kw)
         _two_micro_batches(buffer, comm)
+        _logfmt(buffer, comm)
         buffer.destroy()
     zbccl.finalize()
     return True

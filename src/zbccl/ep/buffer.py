@@ -354,7 +354,8 @@ class Buffer:
         ``zero_copy`` the data is taken from :meth:`get_next_low_latency_combine_buffer` instead);
         ``topk_idx``/``topk_weights`` ``[num_tokens, num_topk]``: this rank's routing, as dispatched;
         ``handle``: from this Buffer's ``low_latency_dispatch``; ``out``: optional ``[num_tokens, hidden]``
-        bf16 result tensor. ``use_logfmt`` sends exact bf16. Returns ``(combined_x [num_tokens, hidden]
+        bf16 result tensor. ``use_logfmt``: every expert row is summed after DeepEP's LogFMT-10 cast
+        (per 128 channels, lossy as on a GPU; the bytes moved stay bf16's). Returns ``(combined_x [num_tokens, hidden]
         torch.bfloat16, event, hook)``; with ``return_recv_hook``, ``hook()`` (collective) receives, and
         ``x`` must stay unchanged until it returned.
         """
@@ -364,7 +365,8 @@ class Buffer:
             error = "async_finish and return_recv_hook exclude each other, expected at most one, got both"
         elif zero_copy and use_logfmt:
             error = "zero_copy and use_logfmt exclude each other, expected at most one, got both"
-        flags = (low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
+        flags = ((low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
+                 | (low_latency.FLAG_LOGFMT if use_logfmt else 0))
         with self._lock:
             self.seq += 1
             combined, recv = low_latency.combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,

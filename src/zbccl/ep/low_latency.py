@@ -12,7 +12,9 @@ token (``layout_range[e, r] = begin << 32 | count``); ``src_info`` gives the sou
 Combine is the reverse pull: each rank reads, for every one of its ``(token, slot)`` pairs,
 the expert's output row straight from the owner's ``x`` (or from the zero-copy buffer, or a
 compact staged copy of the valid rows when ``x`` is not a heap tensor) and sums
-``weight * row`` per token in fp32. ``use_logfmt`` is accepted and sends exact bf16.
+``weight * row`` per token in fp32. ``use_logfmt`` applies DeepEP's LogFMT-10 cast to every row
+read (:func:`.layout.logfmt_roundtrip`: the same numbers a GPU combine sums); the rows still
+travel as bf16, so it saves no bytes here.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from .exchange import F, Fail, heap_empty, row_runs, row_table
-from .layout import expert_pairs, fp8_quantize
+from .layout import expert_pairs, fp8_quantize, logfmt_roundtrip
 from .normal import _tensor
 
 __all__ = ["LowLatencyState", "dispatch", "combine", "OP_LL_DISPATCH", "OP_LL_COMBINE"]
 
 OP_LL_DISPATCH, OP_LL_COMBINE = 3, 4
-FLAG_FP8, FLAG_ROUND, FLAG_UE8M0, FLAG_HOOK = 1, 2, 4, 8
+FLAG_FP8, FLAG_ROUND, FLAG_UE8M0, FLAG_HOOK, FLAG_LOGFMT = 1, 2, 4, 8, 16
 
 
 class LowLatencyState:
@@ -184,12 +186,12 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
         fail = exc
     rows = ex.publish("low_latency_combine", fields, fail)
     for field, what in ((F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
-                        (F.FLAGS, "zero_copy/hook")):
+                        (F.FLAGS, "zero_copy/hook/use_logfmt")):
         ex.agree("low_latency_combine", rows, field, what)
 
     def recv() -> None:
         try:
-            acc = _reduce(buf, rows, plan, w, E, H)
+            acc = _reduce(buf, rows, plan, w, E, H, logfmt=bool(flags & FLAG_LOGFMT))
         finally:
             ex.done()
             keep.clear()
@@ -210,7 +212,7 @@ def _place_outputs(ex, src: torch.Tensor, layout: torch.Tensor, keep: list, *, c
     return ex.place(compact, keep, "x (valid rows)"), compact.size(0), counts.cumsum(0) - counts
 
 
-def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Tensor:
+def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: bool = False) -> torch.Tensor:
     """fp32 ``sum_k weight * expert_row`` per token, every row read from its owner's memory."""
     ex, R = buf.ex, buf.ex.R
     L = E // R
@@ -233,7 +235,7 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Ten
         y = buf.scratch("rows_bf16", (hi - lo, H), torch.bfloat16)
         torch.index_select(ex.view(r, int(rows[r, F.X]), (int(rows[r, F.NROWS]), H), torch.bfloat16), 0, row, out=y)
         tmp = buf.scratch("rows", (hi - lo, H), torch.float32)
-        tmp.copy_(y).mul_(wflat[slots[lo:hi]].unsqueeze(1))
+        tmp.copy_(logfmt_roundtrip(y) if logfmt else y).mul_(wflat[slots[lo:hi]].unsqueeze(1))
         acc.index_add_(0, tokens[lo:hi], tmp)
         ex.moved += (hi - lo) * H * 2
     return acc
