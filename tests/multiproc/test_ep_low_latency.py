@@ -136,6 +136,48 @@ def _logfmt(buffer, comm) -> None:
     assert torch.equal(lossy[:, 128:], exact[:, 128:]) and calc_diff(lossy, exact) < 1e-5
 
 
+def _masks(comm) -> None:
+    """Shrink masks (DeepEP's semantics for the ranks that mask): nothing received from a masked rank,
+    combine drops the slots of experts on it; the mask APIs need enable_shrink."""
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    R, me, T, H, E = comm.world_size, comm.rank, 9, 256, 2 * comm.world_size
+    L = E // R
+    plain = deep_ep.Buffer(comm, low_latency_mode=True, explicitly_destroy=True)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="enable_shrink"):
+        plain.low_latency_update_mask_buffer(R - 1, True)
+    plain.destroy()
+    buffer = deep_ep.Buffer(comm, low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
+    x = torch.full((T, H), float(me + 1), dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:3] for _ in range(T)])
+    w = torch.rand(T, 3)
+    all_idx = torch.empty(R * T, 3, dtype=idx.dtype)
+    zbccl.all_gather_into_tensor(all_idx, idx, comm=comm)
+    all_idx = all_idx.view(R, T, 3)
+    dead = R - 1
+    buffer.low_latency_update_mask_buffer(dead, True)
+    status = torch.zeros(R, dtype=torch.int)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.nonzero().flatten().tolist() == [dead]
+    recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    for i in range(L):
+        per_src = (all_idx == me * L + i).sum(dim=[1, 2])
+        per_src[dead] = 0
+        assert int(count[i]) == int(per_src.sum()) and int(handle[1][i, dead] & 0xFFFFFFFF) == 0
+        for j in range(R):
+            b, n = int(handle[1][i, j] >> 32), int(handle[1][i, j] & 0xFFFFFFFF)
+            assert n == int(per_src[j]) and bool((recv_x[i, b:b + n] == j + 1).all())
+    combined = buffer.low_latency_combine(recv_x, idx, w, handle)[0]
+    kept = w.masked_fill(idx // L == dead, 0).sum(1, keepdim=True)
+    if me != dead:
+        assert torch.allclose(combined.float(), (me + 1) * kept.expand(T, H), rtol=1e-2)
+    buffer.low_latency_clean_mask_buffer()
+    buffer.low_latency_query_mask_buffer(status)
+    assert int(status.sum()) == 0
+    buffer.destroy()
+
+
 def _ll_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
@@ -152,6 +194,7 @@ def _ll_world(ctx, cases):
         _two_micro_batches(buffer, comm)
         _logfmt(buffer, comm)
         buffer.destroy()
+    _masks(comm)
     zbccl.finalize()
     return True
 

@@ -40,8 +40,9 @@ class Buffer:
     interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
     nothing (receive tensors are allocated at their exact size after the handshake); they only
     size :meth:`get_local_buffer_tensor`. ``low_latency_mode``, ``num_qps_per_rank``,
-    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``enable_shrink`` and
-    ``comm`` (mpi4py) are accepted and ignored. ``timeout`` (keyword-only, seconds; default the
+    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` (mpi4py)
+    are accepted and ignored; ``enable_shrink`` enables the rank masks
+    (:meth:`low_latency_update_mask_buffer`). ``timeout`` (keyword-only, seconds; default the
     communicator's) bounds every wait of every op. Ops are serialised per Buffer (a lock).
     """
 
@@ -377,13 +378,32 @@ class Buffer:
                 recv()
         return combined, _event(async_finish, (x, topk_idx, topk_weights, combined)), hook
 
+    def _shrink(self, op: str) -> None:
+        if not self.enable_shrink:
+            raise ZbcclInvalidUsageError(f"{op}: shrink mode must be enabled, expected Buffer(..., enable_shrink=True), "
+                                         "got enable_shrink=False")
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Record a rank as masked (shrink mode). zbccl does not shrink groups: every rank still takes part."""
-        self._mask[rank_to_mask] = int(bool(mask))
+        """Local: mask (``mask=True``) or unmask a rank for the following low-latency ops (needs ``enable_shrink``).
+
+        As in DeepEP, this rank then receives nothing from a masked rank in ``low_latency_dispatch``
+        (``recv_count``/``layout_range`` exclude it), and ``low_latency_combine`` drops the top-k
+        slots whose expert lives on a masked rank. Unlike DeepEP, a masked rank must still call
+        every op (zbccl's ops are collective over the whole group: a dead rank raises
+        ``ZbcclRemoteError`` on the others; nothing masks it by timeout).
+        """
+        self._shrink("low_latency_update_mask_buffer")
+        if not 0 <= int(rank_to_mask) < self.group_size:
+            raise ZbcclInvalidUsageError(f"low_latency_update_mask_buffer: rank out of range, expected [0, "
+                                         f"{self.group_size}), got {rank_to_mask}")
+        self._mask[int(rank_to_mask)] = int(bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write the mask ``[num_ranks]`` torch.int (1: masked) into ``mask_status``."""
+        self._shrink("low_latency_query_mask_buffer")
         mask_status.copy_(self._mask)
 
     def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._shrink("low_latency_clean_mask_buffer")
         self._mask.zero_()

@@ -44,7 +44,7 @@ class F:
     """Header field indices."""
 
     OP, SEQ, STATUS, E, H, DTYPE, K, T, META, X, XROW, SCALES, SROW, TOPK, W, HANDLE = range(16)
-    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS = range(16, 23)
+    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS, MASK = range(16, 24)
 
 
 class Fail(Exception):

@@ -77,6 +77,10 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     try:
         if error:
             raise Fail(error)
+        masked = buf._mask.nonzero().flatten().tolist()
+        if masked and R > 63:
+            raise Fail(f"rank masks need at most 63 ranks, got {R}")
+        fields[F.MASK] = sum(1 << r for r in masked)
         x, idx = _check_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags)
         T, H = x.shape
         counts, tokens, slots = expert_pairs(idx, E)
@@ -109,7 +113,7 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
 
     def recv() -> None:
         try:
-            plan["begin"] = _pull(buf, rows, out, E, tmax)
+            plan["begin"] = _pull(buf, rows, out, E, tmax, plan)
         finally:
             ex.done()
             keep.clear()
@@ -121,12 +125,14 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     return out, plan, recv
 
 
-def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
+def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
     """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     L, N = E // R, R * tmax
     C = torch.stack([ex.view(r, int(rows[r, F.META]), (E,), torch.int64) for r in range(R)])  # [src, expert]
-    mine = C[:, me * L:(me + 1) * L]  # [src, local expert]
+    # Shrink masks (DeepEP's enable_shrink): owner o receives nothing from a source it masked (M[o, s]).
+    M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]
+    mine = C[:, me * L:(me + 1) * L].masked_fill(M[me].unsqueeze(1), 0)  # [src, local expert]
     begins = mine.cumsum(0) - mine
     out["count"].copy_(mine.sum(0))
     out["layout"].copy_(((begins << 32) | mine).t())
@@ -152,7 +158,9 @@ def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
             out["scales"][le, slot] = s_r[toks]
             ex.moved += n * int(rows[r, F.SROW])
     ex.copy(tables)
-    return C[:me].sum(0)
+    plan["skip"] = M[:, me] | M[me]  # owners that drop my tokens, or whose rows I drop
+    kept = ~M[torch.arange(E) // L, :me]  # [expert, source < me]: the expert's owner keeps that source
+    return (C[:me].t() * kept).sum(1)
 
 
 def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags: int, error: str | None):
@@ -225,9 +233,10 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: b
     off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
     wflat = w.reshape(-1)
     acc = buf.scratch("acc", (plan["T"], H), torch.float32).zero_()
+    skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
     for r in range(R):
         lo, hi = int(off[r * L]), int(off[(r + 1) * L])
-        if lo == hi:
+        if lo == hi or skip[r]:
             continue
         e = experts[lo:hi]
         bases = ex.view(r, int(rows[r, F.META]), (L,), torch.int64)
