@@ -20,14 +20,10 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``."""
     L = num_experts // num_ranks
     idx = topk_idx.long()
-    valid = idx >= 0
     T = idx.size(0)
-    in_rank = torch.zeros(T, num_ranks, dtype=torch.bool)
-    if idx.numel():
-        ranks = torch.where(valid, idx // L, 0)
-        tok = torch.arange(T).unsqueeze(1).expand_as(idx)
-        in_rank[tok[valid], ranks[valid]] = True
-    per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+    ranks = torch.where(idx >= 0, idx // L, num_ranks)  # -1 goes to a spare column, dropped below
+    in_rank = torch.zeros(T, num_ranks + 1, dtype=torch.bool).scatter_(1, ranks, True)[:, :num_ranks].contiguous()
+    per_expert = torch.bincount(idx.reshape(-1) + 1, minlength=num_experts + 1)[1:].to(torch.int32)
     return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
 
 

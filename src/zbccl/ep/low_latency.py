@@ -97,9 +97,8 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     t0 = time.perf_counter_ns()
     rows = ex.publish("low_latency_dispatch", fields, fail)
     waited = time.perf_counter_ns() - t0
-    for field, what in ((F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
-                        (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")):
-        ex.agree("low_latency_dispatch", rows, field, what)
+    ex.agree("low_latency_dispatch", rows, ((F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
+                        (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")))
     L, N, H = E // R, R * tmax, int(rows[me, F.H])
     out = {"x": heap_empty(buf.comm, (L, N, H), torch.float8_e4m3fn if flags & FLAG_FP8 else torch.bfloat16),
            "count": torch.zeros(L, dtype=torch.int32), "src_info": torch.zeros(L, N, dtype=torch.int32),
@@ -193,9 +192,8 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
     except Fail as exc:
         fail = exc
     rows = ex.publish("low_latency_combine", fields, fail)
-    for field, what in ((F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
-                        (F.FLAGS, "zero_copy/hook/use_logfmt")):
-        ex.agree("low_latency_combine", rows, field, what)
+    ex.agree("low_latency_combine", rows, ((F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
+                        (F.FLAGS, "zero_copy/hook/use_logfmt")))
 
     def recv() -> None:
         try:

@@ -86,7 +86,7 @@ def _layout(a: dict, T: int, R: int):
     idx = w = None
     if a["topk_idx"] is not None or a["topk_weights"] is not None:
         idx, w = _check_topk(a["topk_idx"], a["topk_weights"], T, E)
-        if not torch.equal(torch.bincount(idx[idx >= 0], minlength=E), ntpe.long()):
+        if not torch.equal(torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:], ntpe.long()):
             raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
     elif a["num_worst_tokens"]:
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
@@ -236,10 +236,9 @@ def dispatch(buf, a: dict):
     except Fail as exc:
         fail, loc = exc, None
     rows = ex.publish("dispatch", fields, fail)
-    for field, what in ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
+    ex.agree("dispatch", rows, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
                         (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
-                        (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")):
-        ex.agree("dispatch", rows, field, what)
+                        (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
     counts, E, C = _counts(buf, rows)
     try:
         out = _pull(buf, rows, counts, E, C, loc, int(rows[ex.me, F.WORST]))
@@ -283,9 +282,8 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     except Fail as exc:
         fail = exc
     rows = ex.publish("combine", fields, fail)
-    for field, what in ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
-                        (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")):
-        ex.agree("combine", rows, field, what)
+    ex.agree("combine", rows, ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
+                        (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
     out = heap_empty(buf.comm, (T, H), x.dtype)
     try:
         if getattr(buf.ex.prims, "reduce_n", None) is not None and T:
