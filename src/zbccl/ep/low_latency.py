@@ -85,7 +85,8 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
         T, H = x.shape
         counts, tokens, slots = expert_pairs(idx, E)
         plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T}
-        fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.META: ex.block(torch.cat([counts, tokens]), keep)})
+        fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.META: ex.block(torch.cat([counts, tokens]), keep),
+                       F.NROWS: E + tokens.numel()})
         if flags & FLAG_FP8:
             xq, s = fp8_quantize(x, round_scale=bool(flags & FLAG_ROUND), ue8m0=bool(flags & FLAG_UE8M0))
             fields.update({F.X: ex.place(xq, keep, "x (fp8)"), F.XROW: H, F.SCALES: ex.place(s, keep, "scales"),
@@ -128,7 +129,9 @@ def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
     """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     L, N = E // R, R * tmax
-    C = torch.stack([ex.view(r, int(rows[r, F.META]), (E,), torch.int64) for r in range(R)])  # [src, expert]
+    # One view of each sender's plan block: its counts per expert, then its token lists.
+    metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(R)]
+    C = torch.stack([m[:E] for m in metas])  # [src, expert]
     # Shrink masks (DeepEP's enable_shrink): owner o receives nothing from a source it masked (M[o, s]).
     M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]
     mine = C[:, me * L:(me + 1) * L].masked_fill(M[me].unsqueeze(1), 0)  # [src, local expert]
@@ -143,7 +146,7 @@ def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
         if not n:
             continue
         start = int(C[r, :me * L].sum())
-        toks = ex.view(r, int(rows[r, F.META]) + (E + start) * 8, (n,), torch.int64)
+        toks = metas[r][E + start:E + start + n]
         le = torch.repeat_interleave(torch.arange(L), cnt)
         pos = torch.arange(n) - (cnt.cumsum(0) - cnt)[le]
         slot = begins[r][le] + pos

@@ -129,7 +129,8 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
     counts, tokens = rank_lists(in_rank)
     chan = channel_prefix(in_rank, a["config"].num_channels)
-    fields[F.META] = ex.block(torch.cat([counts, per_expert, chan.long().flatten(), tokens]), keep)
+    meta = torch.cat([counts, per_expert, chan.long().flatten(), tokens])
+    fields[F.META], fields[F.NROWS] = ex.block(meta, keep), meta.numel()
     fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
     out_dtype = x.dtype
     if scales is None and a["int8"]:
@@ -149,11 +150,11 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
     return {"in_rank": in_rank, "chan": chan, "H": H, "out_dtype": out_dtype, "cached": handle is not None}
 
 
-def _counts(buf, rows) -> tuple[torch.Tensor, int, int]:
+def _counts(buf, rows, metas: list) -> tuple[torch.Tensor, int, int]:
     """The global ``[src, dst]`` token counts from every sender's plan block, checked on every rank."""
-    ex, R = buf.ex, buf.ex.R
+    R = buf.ex.R
     E, C = int(rows[0, F.E]), int(rows[0, F.CHANNELS])
-    counts = torch.stack([ex.view(r, int(rows[r, F.META]), (R,), torch.int64) for r in range(R)])
+    counts = torch.stack([m[:R] for m in metas])
     per_dst = counts.sum(0)
     for r in range(R):
         worst = int(rows[r, F.WORST])
@@ -168,7 +169,7 @@ def _counts(buf, rows) -> tuple[torch.Tensor, int, int]:
     return counts, E, C
 
 
-def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
+def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int) -> dict:
     """Allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     H, K, flags = loc["H"], int(rows[me, F.K]), int(rows[me, F.FLAGS])
@@ -192,7 +193,8 @@ def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
         cnt = int(counts[r, me])
         if not cnt:
             continue
-        toks = ex.view(r, int(rows[r, F.META]) + (head + int(counts[r, :me].sum())) * 8, (cnt,), torch.int64)
+        at = head + int(counts[r, :me].sum())
+        toks = metas[r][at:at + cnt]
         src_idx[start:start + cnt] = toks
         T_r, runs = int(rows[r, F.T]), row_runs(toks)
         for key, t in out.items():
@@ -212,17 +214,17 @@ def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
     return out
 
 
-def _receiver_meta(buf, rows, E: int, C: int) -> tuple[list[int], torch.Tensor]:
+def _receiver_meta(buf, metas: list, E: int, C: int) -> tuple[list[int], torch.Tensor]:
     """Per local expert receive counts and ``recv_channel_prefix_matrix`` from the senders' plans."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    R, me = buf.ex.R, buf.ex.me
     L = E // R if E else 0
     per_expert = torch.zeros(L, dtype=torch.int64)
     recv_chan = torch.zeros(R, C, dtype=torch.int32)
     for r in range(R):
-        meta = ex.view(r, int(rows[r, F.META]), (R + E + R * C,), torch.int64)
+        meta = metas[r]
         if L:
             per_expert += meta[R + me * L:R + (me + 1) * L]
-        incl = meta[R + E:].view(R, C)[me]
+        incl = meta[R + E:R + E + R * C].view(R, C)[me]
         recv_chan[r, 1:] = incl[:-1].to(torch.int32)
     return per_expert.tolist(), recv_chan
 
@@ -239,10 +241,12 @@ def dispatch(buf, a: dict):
     ex.agree("dispatch", rows, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
                         (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
                         (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
-    counts, E, C = _counts(buf, rows)
+    # One view of each sender's whole plan block (counts, per expert, per channel, token lists).
+    metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
+    counts, E, C = _counts(buf, rows, metas)
     try:
-        out = _pull(buf, rows, counts, E, C, loc, int(rows[ex.me, F.WORST]))
-        per_expert, recv_chan = _receiver_meta(buf, rows, E, C)
+        out = _pull(buf, rows, metas, counts, E, C, loc, int(rows[ex.me, F.WORST]))
+        per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
     finally:
         ex.done()
     recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
