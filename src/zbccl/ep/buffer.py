@@ -384,14 +384,10 @@ class Buffer:
                                          "got enable_shrink=False")
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Local: mask (``mask=True``) or unmask a rank for the following low-latency ops (needs ``enable_shrink``).
-
-        As in DeepEP, this rank then receives nothing from a masked rank in ``low_latency_dispatch``
-        (``recv_count``/``layout_range`` exclude it), and ``low_latency_combine`` drops the top-k
-        slots whose expert lives on a masked rank. Unlike DeepEP, a masked rank must still call
-        every op (zbccl's ops are collective over the whole group: a dead rank raises
-        ``ZbcclRemoteError`` on the others; nothing masks it by timeout).
-        """
+        """Local (needs ``enable_shrink``): as in DeepEP, this rank then receives nothing from a masked
+        rank in ``low_latency_dispatch`` and its ``low_latency_combine`` drops the top-k slots of experts
+        on it. Unlike DeepEP, a masked rank must still call every op (the group never shrinks; a dead
+        rank raises ``ZbcclRemoteError`` on the others instead of being masked by timeout)."""
         self._shrink("low_latency_update_mask_buffer")
         if not 0 <= int(rank_to_mask) < self.group_size:
             raise ZbcclInvalidUsageError(f"low_latency_update_mask_buffer: rank out of range, expected [0, "
