@@ -63,7 +63,8 @@ def _low_latency(buffer, comm, T: int, H: int, K: int, E: int, seed: int = 1, sk
                     assert n == (all_topk_idx == expert_id).sum().item()
                     if current_x is not x or n == 0:
                         continue
-                    rx = sim[i, :n]
+                    # DeepEP's own per-expert cast back (views the expert's scales as bytes with ue8m0)
+                    rx = (per_token_cast_back(packed_x[0][i], packed_x[1][i]) if dispatch_fp8 else packed_x[i])[:n]
                     assert torch.equal(rx[:, :-128].amin(-1), rx[:, :-128].amax(-1))
                     if round_scale:
                         assert calc_diff(rx[:, -1], si[:n]) < 0.007
@@ -117,6 +118,66 @@ def _two_micro_batches(buffer, comm) -> None:
         assert torch.allclose(outs[b][0].float(), expect.expand(T, H), rtol=1e-2)
 
 
+def _logfmt(buffer, comm) -> None:
+    """use_logfmt: DeepEP's LogFMT-10 numbers (lossy for groups with max |y| < 1), exact bf16 otherwise."""
+    from zbccl.ep.layout import logfmt_roundtrip
+
+    me, T, H, E = comm.rank, 10, 256, 2 * comm.world_size
+    torch.manual_seed(me)
+    x = torch.randn(T, H, dtype=torch.bfloat16) * 0.1
+    x[:, 128:] *= 100  # second group: max >= 1, not cast
+    idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)])
+    w = torch.rand(T, 2)
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    exact = buffer.low_latency_combine(recv_x, idx, w, handle)[0]
+    lossy = buffer.low_latency_combine(recv_x, idx, w, handle, use_logfmt=True)[0]
+    ref = (logfmt_roundtrip(x) * w.sum(1, keepdim=True)).to(torch.bfloat16)
+    assert torch.allclose(lossy.float(), ref.float(), rtol=1e-2, atol=1e-3) and not torch.equal(lossy[:, :128], exact[:, :128])
+    assert torch.equal(lossy[:, 128:], exact[:, 128:]) and calc_diff(lossy, exact) < 1e-5
+
+
+def _masks(comm) -> None:
+    """Shrink masks (DeepEP's semantics for the ranks that mask): nothing received from a masked rank,
+    combine drops the slots of experts on it; the mask APIs need enable_shrink."""
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    R, me, T, H, E = comm.world_size, comm.rank, 9, 256, 2 * comm.world_size
+    L = E // R
+    plain = deep_ep.Buffer(comm, low_latency_mode=True, explicitly_destroy=True)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="enable_shrink"):
+        plain.low_latency_update_mask_buffer(R - 1, True)
+    plain.destroy()
+    buffer = deep_ep.Buffer(comm, low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
+    x = torch.full((T, H), float(me + 1), dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:3] for _ in range(T)])
+    w = torch.rand(T, 3)
+    all_idx = torch.empty(R * T, 3, dtype=idx.dtype)
+    zbccl.all_gather_into_tensor(all_idx, idx, comm=comm)
+    all_idx = all_idx.view(R, T, 3)
+    dead = R - 1
+    buffer.low_latency_update_mask_buffer(dead, True)
+    status = torch.zeros(R, dtype=torch.int)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.nonzero().flatten().tolist() == [dead]
+    recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    for i in range(L):
+        per_src = (all_idx == me * L + i).sum(dim=[1, 2])
+        per_src[dead] = 0
+        assert int(count[i]) == int(per_src.sum()) and int(handle[1][i, dead] & 0xFFFFFFFF) == 0
+        for j in range(R):
+            b, n = int(handle[1][i, j] >> 32), int(handle[1][i, j] & 0xFFFFFFFF)
+            assert n == int(per_src[j]) and bool((recv_x[i, b:b + n] == j + 1).all())
+    combined = buffer.low_latency_combine(recv_x, idx, w, handle)[0]
+    kept = w.masked_fill(idx // L == dead, 0).sum(1, keepdim=True)
+    if me != dead:
+        assert torch.allclose(combined.float(), (me + 1) * kept.expand(T, H), rtol=1e-2)
+    buffer.low_latency_clean_mask_buffer()
+    buffer.low_latency_query_mask_buffer(status)
+    assert int(status.sum()) == 0
+    buffer.destroy()
+
+
 def _ll_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
@@ -131,7 +192,9 @@ def _ll_world(ctx, cases):
         buffer.clean_low_latency_buffer(T, H, E)
         _low_latency(buffer, comm, **kw)
         _two_micro_batches(buffer, comm)
+        _logfmt(buffer, comm)
         buffer.destroy()
+    _masks(comm)
     zbccl.finalize()
     return True
 

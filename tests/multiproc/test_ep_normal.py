@@ -195,6 +195,30 @@ def _uneven(buffer, comm) -> None:
     assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
 
 
+def _worst_handle(buffer, comm) -> None:
+    """A num_worst_tokens handle (DeepEP: num_worst rows in handle[3]) serves combine and cached dispatch;
+    fp8 input with a hidden size that is not a multiple of 128 (scales of any width, as DeepEP)."""
+    me, E, H = comm.rank, 8, 200
+    T, worst = 5 + 3 * me, 64
+    x = (torch.arange(T, dtype=torch.float32).unsqueeze(1) + 32 * me).expand(T, H).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.randperm(E)[:3] for _ in range(T)])
+    w = torch.rand(T, 3)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=topk_idx,
+                topk_weights=w)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **args)
+    wx, _, _, lst, wh, _ = buffer.dispatch(x, num_worst_tokens=worst, **args)
+    n = recv_x.size(0)
+    assert lst == [] and wh[3].size(0) == worst and torch.equal(wh[3][:n], handle[3]) and bool((wh[3][n:] == -1).all())
+    assert torch.equal(buffer.combine(wx, wh)[0], buffer.combine(recv_x, handle)[0])
+    cx = buffer.dispatch(x, handle=wh)[0]
+    assert cx.size(0) == worst and torch.equal(cx[:n], recv_x)
+    xq = (x.to(torch.float8_e4m3fn), torch.ones(T, 2) * me)
+    (rq, rs), *_ = buffer.dispatch(xq, handle=handle)
+    assert torch.equal(rq.float(), recv_x.float().to(torch.float8_e4m3fn).float()) and rs.shape == (n, 2)
+    assert torch.equal(rs[:, 0], recv_x[:, 0].float().div(32).floor())
+
+
 def _normal_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
@@ -207,6 +231,7 @@ def _normal_world(ctx, cases):
         _intranode(buffer, comm, **kw)
     _zero_copy(buffer, comm)
     _uneven(buffer, comm)
+    _worst_handle(buffer, comm)
     buffer.destroy()
     zbccl.finalize()
     return True

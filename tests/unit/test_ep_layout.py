@@ -16,6 +16,7 @@ from zbccl.ep.layout import (
     fp8_quantize,
     int8_dequantize,
     int8_quantize,
+    logfmt_roundtrip,
     rank_lists,
     send_head,
 )
@@ -100,3 +101,19 @@ def test_row_table_coalesces_runs():
     assert t.tolist() == [[1000, 24, 24], [1024, 72, 16], [1040, 16, 8]]
     t = row_table(0, 0, row_runs(torch.tensor([0, 1, 2]), torch.tensor([5, 6, 9])), 4)
     assert t.tolist() == [[20, 0, 8], [36, 8, 4]]
+
+
+def test_logfmt_roundtrip_follows_deepep_cast_rule():
+    torch.manual_seed(0)
+    y = (torch.randn(16, 512) * 0.05).to(torch.bfloat16)
+    y[:, 128:256] *= 100  # max >= 1: stays bf16
+    y[:, 256:384] = 0  # all zero: stays
+    y[3, 384:512] = 0.25  # one value (amin == amax): stays
+    r = logfmt_roundtrip(y)
+    v = y.float()
+    assert torch.equal(r[:, 128:384], v[:, 128:384]) and torch.equal(r[3, 384:], v[3, 384:])
+    cast = r[:, :128]
+    assert not torch.equal(cast, v[:, :128]) and torch.equal(torch.sign(cast), torch.sign(v[:, :128]))
+    # 510 log steps over at most 32 octaves: half a step is under 2.2% relative error
+    nz = v[:, :128] != 0
+    assert bool(((cast - v[:, :128]).abs()[nz] <= v[:, :128].abs()[nz] * 0.0221).all())

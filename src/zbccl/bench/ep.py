@@ -1,5 +1,5 @@
 """Usage: python -m zbccl.bench.ep [-n 2,4] [--tokens 512] [--hidden 2048] [--experts 64] [--topk 8]
-                                [--routing uniform,skewed] [--iters 20] [--json PATH]
+                                [--routing uniform,skewed] [--iters 20] [--ll-tokens 128] [--json PATH]
 
 MoE dispatch+combine benchmark: ``zbccl.ep.Buffer`` (operands in the heap, as when the model
 runs in ``heap_scope``, and private operands, which are staged) against a gloo baseline with
@@ -13,7 +13,10 @@ machine is otherwise idle, as waits that yield cost little), the best dispatch a
 copying at once), and communication memory: zbccl's peak heap bytes during the step
 (receive tensors, plans, staging) against what DeepEP reserves for the same shapes (the
 larger of its dispatch/combine ``Config.get_nvl_buffer_size_hint``, and its low-latency
-``get_low_latency_rdma_size_hint``).
+``get_low_latency_rdma_size_hint``). Rows ``ll-heap``: low-latency mode (the first ``--ll-tokens``
+tokens per rank, bf16, heap operands: ``low_latency_dispatch`` + weighted ``low_latency_combine``)
+against gloo with the same semantics (a row per selected expert, the receiver's per-expert
+``[L, R * T, H]`` layout, the weighted fp32 sum back).
 """
 
 from __future__ import annotations
@@ -73,6 +76,45 @@ class _Gloo:
         return recv_x, acc.to(x.dtype)
 
 
+    def ll_step(self, x, topk_idx, w, E: int):
+        """Low-latency semantics: a token goes once per selected expert, lands in the receiver's
+        ``[L, R * T, H]`` per-expert layout (by source rank, then token), and comes back weighted."""
+        import torch.distributed as dist
+
+        R, L, (T, H), K = self.R, E // self.R, x.shape, topk_idx.size(1)
+        flat = topk_idx.reshape(-1)
+        slots = (flat >= 0).nonzero().flatten()
+        experts = flat[slots]
+        order = torch.sort(experts * (T * K) + slots).indices
+        slots, experts = slots[order], experts[order]
+        tokens = slots // K
+        send = torch.bincount(experts // L, minlength=R)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        ins, outs = send.tolist(), recv.tolist()
+        rx = torch.empty(sum(outs), H, dtype=x.dtype)
+        dist.all_to_all_single(rx, x[tokens], outs, ins)
+        rexp = torch.empty(sum(outs), dtype=torch.int64)
+        dist.all_to_all_single(rexp, experts, outs, ins)
+        local = rexp % L
+        perm = torch.sort(local, stable=True).indices  # by expert, then source rank, then token
+        cnt = torch.bincount(local, minlength=L)
+        pos = torch.arange(len(perm)) - (cnt.cumsum(0) - cnt)[local[perm]]
+        out = torch.empty(L, R * T, H, dtype=x.dtype)
+        out.view(-1, H)[local[perm] * (R * T) + pos] = rx[perm]
+        back = torch.empty(len(tokens), H, dtype=x.dtype)
+        dist.all_to_all_single(back, rx, ins, outs)  # the "expert" is the identity
+        acc = torch.zeros(T, H, dtype=torch.float32)
+        acc.index_add_(0, tokens, back.float() * w.reshape(-1)[slots].unsqueeze(1))
+        return out, acc.to(x.dtype)
+
+
+def _ll_step(buffer, x, topk_idx, w, E: int):
+    recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, x.size(0), E, use_fp8=False)
+    combined, _, _ = buffer.low_latency_combine(recv_x, topk_idx, w, handle)
+    return recv_x, count, combined
+
+
 def _zbccl_step(buffer, x, topk_idx, w, E: int):
     ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
     t0 = time.perf_counter()
@@ -122,11 +164,29 @@ def _case(comm, buffer, gloo, routing: str, o: dict) -> dict:
     cpu = []
     row["gloo"] = {"step_s": _timed(lambda: gloo.step(x_priv, topk_idx, w, E), iters, comm.barrier, cpu),
                    "cpu_s": cpu[0]}
+    _ll_case(comm, buffer, gloo, row, x_heap[:o["ll_tokens"]], idx_heap[:o["ll_tokens"]], w_heap[:o["ll_tokens"]],
+             E, iters)
     recv_bytes = ref_x.numel() * ref_x.element_size()
     src, dst = torch.empty(max(recv_bytes, 1), dtype=torch.uint8), torch.empty(max(recv_bytes, 1), dtype=torch.uint8)
     row["memcpy_s"] = _timed(lambda: dst.copy_(src), iters, comm.barrier)
     row["recv_bytes"] = recv_bytes
     return row
+
+
+def _ll_case(comm, buffer, gloo, row: dict, x, topk_idx, w, E: int, iters: int) -> None:
+    """Low-latency dispatch + combine (bf16, heap operands) against gloo with the same semantics;
+    ``wrong`` counts differing elements of the valid received rows and of the combined tokens."""
+    ref_x, ref_comb = gloo.ll_step(x, topk_idx, w, E)
+    recv_x, count, comb = _ll_step(buffer, x, topk_idx, w, E)
+    wrong = int((comb != ref_comb).sum())
+    for e, c in enumerate(count.tolist()):
+        wrong += int((recv_x[e, :c] != ref_x[e, :c]).sum())
+    cpu: list[float] = []
+    row["ll"] = {"step_s": _timed(lambda: _ll_step(buffer, x, topk_idx, w, E), iters, comm.barrier, cpu),
+                 "cpu_s": cpu[0], "wrong": wrong}
+    cpu = []
+    row["ll_gloo"] = {"step_s": _timed(lambda: gloo.ll_step(x, topk_idx, w, E), iters, comm.barrier, cpu),
+                      "cpu_s": cpu[0]}
 
 
 def _rank(*, rank: int, world_size: int, store, opts: dict) -> dict:
@@ -181,17 +241,25 @@ def _summarise(world: int, ranks: list[list[dict]], opts: dict) -> list[dict]:
                         "dispatch_vs_memcpy": memcpy / disp if disp else 0.0,
                         "heap_peak_MiB": peak / MiB, "deepep_nvl_MiB": reserve / MiB, "deepep_ll_MiB": ll / MiB,
                         "mem_ratio": peak / reserve, "recv_MiB_max": max(p["recv_bytes"] for p in per) / MiB})
+        t, g = _slowest([p["ll"]["step_s"] for p in per]), _slowest([p["ll_gloo"]["step_s"] for p in per])
+        tm, gm = _slowest([p["ll"]["step_s"] for p in per], min), _slowest([p["ll_gloo"]["step_s"] for p in per], min)
+        out.append({"world": world, "routing": routing, "operands": "ll-heap", "step_us": t * 1e6, "gloo_step_us": g * 1e6,
+                    "speedup": g / t, "step_min_us": tm * 1e6, "gloo_min_us": gm * 1e6, "speedup_min": gm / tm,
+                    "dispatch_min_us": 0.0, "cpu_us": max(p["ll"]["cpu_s"] for p in per) * 1e6,
+                    "gloo_cpu_us": max(p["ll_gloo"]["cpu_s"] for p in per) * 1e6,
+                    "wrong": sum(p["ll"]["wrong"] for p in per), "dispatch_vs_memcpy": 0.0, "heap_peak_MiB": 0.0,
+                    "deepep_nvl_MiB": reserve / MiB, "deepep_ll_MiB": ll / MiB, "mem_ratio": 0.0, "recv_MiB_max": 0.0})
     return out
 
 
 def run(*, worlds=(2, 4), tokens: int = 512, hidden: int = 2048, experts: int = 64, topk: int = 8,
-        routing=("uniform", "skewed"), iters: int = 20, out=None) -> list[dict]:
+        routing=("uniform", "skewed"), iters: int = 20, ll_tokens: int = 128, out=None) -> list[dict]:
     """Run the benchmark for each world size and print one table; returns the rows."""
     from ..tools.launch import launch_local
 
     out = out or sys.stdout
     opts = {"tokens": tokens, "hidden": hidden, "experts": experts, "topk": topk, "routing": list(routing),
-            "iters": iters}
+            "iters": iters, "ll_tokens": min(ll_tokens, tokens)}
     rows = []
     for world in worlds:
         res = launch_local(_rank, world, timeout=900, opts=opts)[0]
@@ -215,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--routing", default="uniform,skewed")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ll-tokens", type=int, default=128)
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows = run(worlds=[int(w) for w in a.world_sizes.split(",")], tokens=a.tokens, hidden=a.hidden,
-               experts=a.experts, topk=a.topk, routing=a.routing.split(","), iters=a.iters)
+               experts=a.experts, topk=a.topk, routing=a.routing.split(","), iters=a.iters, ll_tokens=a.ll_tokens)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

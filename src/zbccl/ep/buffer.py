@@ -40,8 +40,9 @@ class Buffer:
     interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
     nothing (receive tensors are allocated at their exact size after the handshake); they only
     size :meth:`get_local_buffer_tensor`. ``low_latency_mode``, ``num_qps_per_rank``,
-    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``enable_shrink`` and
-    ``comm`` (mpi4py) are accepted and ignored. ``timeout`` (keyword-only, seconds; default the
+    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` (mpi4py)
+    are accepted and ignored; ``enable_shrink`` enables the rank masks
+    (:meth:`low_latency_update_mask_buffer`). ``timeout`` (keyword-only, seconds; default the
     communicator's) bounds every wait of every op. Ops are serialised per Buffer (a lock).
     """
 
@@ -354,7 +355,8 @@ class Buffer:
         ``zero_copy`` the data is taken from :meth:`get_next_low_latency_combine_buffer` instead);
         ``topk_idx``/``topk_weights`` ``[num_tokens, num_topk]``: this rank's routing, as dispatched;
         ``handle``: from this Buffer's ``low_latency_dispatch``; ``out``: optional ``[num_tokens, hidden]``
-        bf16 result tensor. ``use_logfmt`` sends exact bf16. Returns ``(combined_x [num_tokens, hidden]
+        bf16 result tensor. ``use_logfmt``: every expert row is summed after DeepEP's LogFMT-10 cast
+        (per 128 channels, lossy as on a GPU; the bytes moved stay bf16's). Returns ``(combined_x [num_tokens, hidden]
         torch.bfloat16, event, hook)``; with ``return_recv_hook``, ``hook()`` (collective) receives, and
         ``x`` must stay unchanged until it returned.
         """
@@ -364,7 +366,8 @@ class Buffer:
             error = "async_finish and return_recv_hook exclude each other, expected at most one, got both"
         elif zero_copy and use_logfmt:
             error = "zero_copy and use_logfmt exclude each other, expected at most one, got both"
-        flags = (low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
+        flags = ((low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
+                 | (low_latency.FLAG_LOGFMT if use_logfmt else 0))
         with self._lock:
             self.seq += 1
             combined, recv = low_latency.combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
@@ -375,13 +378,28 @@ class Buffer:
                 recv()
         return combined, _event(async_finish, (x, topk_idx, topk_weights, combined)), hook
 
+    def _shrink(self, op: str) -> None:
+        if not self.enable_shrink:
+            raise ZbcclInvalidUsageError(f"{op}: shrink mode must be enabled, expected Buffer(..., enable_shrink=True), "
+                                         "got enable_shrink=False")
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Record a rank as masked (shrink mode). zbccl does not shrink groups: every rank still takes part."""
-        self._mask[rank_to_mask] = int(bool(mask))
+        """Local (needs ``enable_shrink``): as in DeepEP, this rank then receives nothing from a masked
+        rank in ``low_latency_dispatch`` and its ``low_latency_combine`` drops the top-k slots of experts
+        on it. Unlike DeepEP, a masked rank must still call every op (the group never shrinks; a dead
+        rank raises ``ZbcclRemoteError`` on the others instead of being masked by timeout)."""
+        self._shrink("low_latency_update_mask_buffer")
+        if not 0 <= int(rank_to_mask) < self.group_size:
+            raise ZbcclInvalidUsageError(f"low_latency_update_mask_buffer: rank out of range, expected [0, "
+                                         f"{self.group_size}), got {rank_to_mask}")
+        self._mask[int(rank_to_mask)] = int(bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write the mask ``[num_ranks]`` torch.int (1: masked) into ``mask_status``."""
+        self._shrink("low_latency_query_mask_buffer")
         mask_status.copy_(self._mask)
 
     def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._shrink("low_latency_clean_mask_buffer")
         self._mask.zero_()

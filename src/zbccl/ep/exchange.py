@@ -44,7 +44,7 @@ class F:
     """Header field indices."""
 
     OP, SEQ, STATUS, E, H, DTYPE, K, T, META, X, XROW, SCALES, SROW, TOPK, W, HANDLE = range(16)
-    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS = range(16, 23)
+    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS, MASK = range(16, 24)
 
 
 class Fail(Exception):
@@ -146,15 +146,21 @@ class Exchange:
             raise cls(f"{op}: {text} (on rank {r})", ranks=tuple(bad))
         return rows
 
-    def agree(self, op: str, rows: torch.Tensor, field: int, what: str) -> None:
-        """Raise on every rank unless every header has the same ``field`` (names the ranks that differ)."""
-        col = rows[:, field]
-        odd = (col != col[0]).nonzero().flatten().tolist()
-        if odd:
-            got = ", ".join(f"{int(col[r])} on rank {r}" for r in odd)
-            raise ZbcclInvalidUsageError(
-                f"{op}: ranks disagree on {what}, expected {int(col[0])} (rank 0's) on every rank, got {got}",
-                ranks=tuple(odd))
+    def agree(self, op: str, rows: torch.Tensor, fields: tuple) -> None:
+        """Raise on every rank unless every header has the same value in each ``(field, what)`` of
+        ``fields`` (one vectorised check; the error names the first field and the ranks that differ)."""
+        cols = [f for f, _ in fields]
+        block = rows[:, cols]
+        if bool((block == block[0]).all()):
+            return
+        for field, what in fields:
+            col = rows[:, field]
+            odd = (col != col[0]).nonzero().flatten().tolist()
+            if odd:
+                got = ", ".join(f"{int(col[r])} on rank {r}" for r in odd)
+                raise ZbcclInvalidUsageError(
+                    f"{op}: ranks disagree on {what}, expected {int(col[0])} (rank 0's) on every rank, got {got}",
+                    ranks=tuple(odd))
 
     def done(self) -> None:
         """Collective: after it no peer reads this rank's published blocks."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["dispatch_layout", "rank_lists", "channel_prefix", "send_head", "expert_pairs",
-           "fp8_quantize", "fp8_dequantize", "int8_quantize", "int8_dequantize", "FP8_MAX"]
+           "fp8_quantize", "fp8_dequantize", "int8_quantize", "int8_dequantize", "logfmt_roundtrip", "FP8_MAX"]
 
 FP8_MAX = 448.0
 
@@ -20,14 +20,10 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``."""
     L = num_experts // num_ranks
     idx = topk_idx.long()
-    valid = idx >= 0
     T = idx.size(0)
-    in_rank = torch.zeros(T, num_ranks, dtype=torch.bool)
-    if idx.numel():
-        ranks = torch.where(valid, idx // L, 0)
-        tok = torch.arange(T).unsqueeze(1).expand_as(idx)
-        in_rank[tok[valid], ranks[valid]] = True
-    per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+    ranks = torch.where(idx >= 0, idx // L, num_ranks)  # -1 goes to a spare column, dropped below
+    in_rank = torch.zeros(T, num_ranks + 1, dtype=torch.bool).scatter_(1, ranks, True)[:, :num_ranks].contiguous()
+    per_expert = torch.bincount(idx.reshape(-1) + 1, minlength=num_experts + 1)[1:].to(torch.int32)
     return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
 
 
@@ -122,3 +118,26 @@ def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     T, H = q.shape
     return (q.float().view(T, H // 128, 128) * scales.view(T, H // 128, 1)).view(T, H).to(dtype)
+
+
+def logfmt_roundtrip(y: torch.Tensor) -> torch.Tensor:
+    """DeepEP's LogFMT-10 combine cast, encoded and decoded: ``[n, H]`` (H % 128 == 0) -> fp32.
+
+    Per token and 128 channels (DeepEP's ``logfmt_encode``/``decode_and_accumulate``): with
+    ``log_amax = log2(max|y|)`` and ``log_amin = max(log2(min|y|), log_amax - 32)``, a group is cast
+    only if ``log_amax < 0`` and ``log_amin < log_amax``; then each magnitude becomes a 9-bit code
+    on a log scale of 510 steps (0: zero), rounded at the linear midpoint, plus a sign bit; other
+    groups stay bf16. fp32 ``log2``/``exp2`` stand in for the GPU's approximate ones.
+    """
+    n, H = y.shape
+    v = y.float().view(n, H // 128, 128)
+    a = v.abs()
+    log_amax = torch.log2(a.amax(2, keepdim=True))
+    log_amin = torch.maximum(torch.log2(a.amin(2, keepdim=True)), log_amax - 32)
+    cast = (log_amax < 0) & (log_amin < log_amax)
+    step = torch.where(cast, (log_amax - log_amin) / 510, 1.0)
+    lo = torch.where(cast, log_amin, 0.0)
+    rounding = 2.0 - torch.log2((1.0 + torch.exp2(step)) * 0.5) / step
+    code = torch.floor((torch.log2(a) / step + rounding - lo / step).clamp(min=0))
+    dec = torch.where(code == 0, 0.0, torch.exp2((code - 1) * step + lo))
+    return torch.where(cast, torch.copysign(dec, v), v).view(n, H)

@@ -12,7 +12,9 @@ token (``layout_range[e, r] = begin << 32 | count``); ``src_info`` gives the sou
 Combine is the reverse pull: each rank reads, for every one of its ``(token, slot)`` pairs,
 the expert's output row straight from the owner's ``x`` (or from the zero-copy buffer, or a
 compact staged copy of the valid rows when ``x`` is not a heap tensor) and sums
-``weight * row`` per token in fp32. ``use_logfmt`` is accepted and sends exact bf16.
+``weight * row`` per token in fp32. ``use_logfmt`` applies DeepEP's LogFMT-10 cast to every row
+read (:func:`.layout.logfmt_roundtrip`: the same numbers a GPU combine sums); the rows still
+travel as bf16, so it saves no bytes here.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from .exchange import F, Fail, heap_empty, row_runs, row_table
-from .layout import expert_pairs, fp8_quantize
+from .layout import expert_pairs, fp8_quantize, logfmt_roundtrip
 from .normal import _tensor
 
 __all__ = ["LowLatencyState", "dispatch", "combine", "OP_LL_DISPATCH", "OP_LL_COMBINE"]
 
 OP_LL_DISPATCH, OP_LL_COMBINE = 3, 4
-FLAG_FP8, FLAG_ROUND, FLAG_UE8M0, FLAG_HOOK = 1, 2, 4, 8
+FLAG_FP8, FLAG_ROUND, FLAG_UE8M0, FLAG_HOOK, FLAG_LOGFMT = 1, 2, 4, 8, 16
 
 
 class LowLatencyState:
@@ -75,11 +77,16 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     try:
         if error:
             raise Fail(error)
+        masked = buf._mask.nonzero().flatten().tolist()
+        if masked and R > 63:
+            raise Fail(f"rank masks need at most 63 ranks, got {R}")
+        fields[F.MASK] = sum(1 << r for r in masked)
         x, idx = _check_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags)
         T, H = x.shape
         counts, tokens, slots = expert_pairs(idx, E)
         plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T}
-        fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.META: ex.block(torch.cat([counts, tokens]), keep)})
+        fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.META: ex.block(torch.cat([counts, tokens]), keep),
+                       F.NROWS: E + tokens.numel()})
         if flags & FLAG_FP8:
             xq, s = fp8_quantize(x, round_scale=bool(flags & FLAG_ROUND), ue8m0=bool(flags & FLAG_UE8M0))
             fields.update({F.X: ex.place(xq, keep, "x (fp8)"), F.XROW: H, F.SCALES: ex.place(s, keep, "scales"),
@@ -91,9 +98,8 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     t0 = time.perf_counter_ns()
     rows = ex.publish("low_latency_dispatch", fields, fail)
     waited = time.perf_counter_ns() - t0
-    for field, what in ((F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
-                        (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")):
-        ex.agree("low_latency_dispatch", rows, field, what)
+    ex.agree("low_latency_dispatch", rows, ((F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
+                        (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")))
     L, N, H = E // R, R * tmax, int(rows[me, F.H])
     out = {"x": heap_empty(buf.comm, (L, N, H), torch.float8_e4m3fn if flags & FLAG_FP8 else torch.bfloat16),
            "count": torch.zeros(L, dtype=torch.int32), "src_info": torch.zeros(L, N, dtype=torch.int32),
@@ -101,11 +107,13 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     if flags & FLAG_FP8:
         S = H // 512 if flags & FLAG_UE8M0 else H // 128
         dt = torch.int32 if flags & FLAG_UE8M0 else torch.float32
-        out["scales"] = heap_empty(buf.comm, (L, S, N), dt).transpose(1, 2)
+        # Column-major in the last two dims (DeepEP's TMA layout); with one scale per row that layout is
+        # also row-major, and allocating it so keeps ``.contiguous()`` views viewable as bytes.
+        out["scales"] = heap_empty(buf.comm, (L, S, N), dt).transpose(1, 2) if S > 1 else heap_empty(buf.comm, (L, N, S), dt)
 
     def recv() -> None:
         try:
-            plan["begin"] = _pull(buf, rows, out, E, tmax)
+            plan["begin"] = _pull(buf, rows, out, E, tmax, plan)
         finally:
             ex.done()
             keep.clear()
@@ -117,12 +125,16 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     return out, plan, recv
 
 
-def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
+def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
     """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     L, N = E // R, R * tmax
-    C = torch.stack([ex.view(r, int(rows[r, F.META]), (E,), torch.int64) for r in range(R)])  # [src, expert]
-    mine = C[:, me * L:(me + 1) * L]  # [src, local expert]
+    # One view of each sender's plan block: its counts per expert, then its token lists.
+    metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(R)]
+    C = torch.stack([m[:E] for m in metas])  # [src, expert]
+    # Shrink masks (DeepEP's enable_shrink): owner o receives nothing from a source it masked (M[o, s]).
+    M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]
+    mine = C[:, me * L:(me + 1) * L].masked_fill(M[me].unsqueeze(1), 0)  # [src, local expert]
     begins = mine.cumsum(0) - mine
     out["count"].copy_(mine.sum(0))
     out["layout"].copy_(((begins << 32) | mine).t())
@@ -134,7 +146,7 @@ def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
         if not n:
             continue
         start = int(C[r, :me * L].sum())
-        toks = ex.view(r, int(rows[r, F.META]) + (E + start) * 8, (n,), torch.int64)
+        toks = metas[r][E + start:E + start + n]
         le = torch.repeat_interleave(torch.arange(L), cnt)
         pos = torch.arange(n) - (cnt.cumsum(0) - cnt)[le]
         slot = begins[r][le] + pos
@@ -148,7 +160,9 @@ def _pull(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
             out["scales"][le, slot] = s_r[toks]
             ex.moved += n * int(rows[r, F.SROW])
     ex.copy(tables)
-    return C[:me].sum(0)
+    plan["skip"] = M[:, me] | M[me]  # owners that drop my tokens, or whose rows I drop
+    kept = ~M[torch.arange(E) // L, :me]  # [expert, source < me]: the expert's owner keeps that source
+    return (C[:me].t() * kept).sum(1)
 
 
 def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags: int, error: str | None):
@@ -181,13 +195,12 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
     except Fail as exc:
         fail = exc
     rows = ex.publish("low_latency_combine", fields, fail)
-    for field, what in ((F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
-                        (F.FLAGS, "zero_copy/hook")):
-        ex.agree("low_latency_combine", rows, field, what)
+    ex.agree("low_latency_combine", rows, ((F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
+                        (F.FLAGS, "zero_copy/hook/use_logfmt")))
 
     def recv() -> None:
         try:
-            acc = _reduce(buf, rows, plan, w, E, H)
+            acc = _reduce(buf, rows, plan, w, E, H, logfmt=bool(flags & FLAG_LOGFMT))
         finally:
             ex.done()
             keep.clear()
@@ -208,7 +221,7 @@ def _place_outputs(ex, src: torch.Tensor, layout: torch.Tensor, keep: list, *, c
     return ex.place(compact, keep, "x (valid rows)"), compact.size(0), counts.cumsum(0) - counts
 
 
-def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Tensor:
+def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: bool = False) -> torch.Tensor:
     """fp32 ``sum_k weight * expert_row`` per token, every row read from its owner's memory."""
     ex, R = buf.ex, buf.ex.R
     L = E // R
@@ -221,9 +234,10 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Ten
     off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
     wflat = w.reshape(-1)
     acc = buf.scratch("acc", (plan["T"], H), torch.float32).zero_()
+    skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
     for r in range(R):
         lo, hi = int(off[r * L]), int(off[(r + 1) * L])
-        if lo == hi:
+        if lo == hi or skip[r]:
             continue
         e = experts[lo:hi]
         bases = ex.view(r, int(rows[r, F.META]), (L,), torch.int64)
@@ -231,7 +245,7 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> torch.Ten
         y = buf.scratch("rows_bf16", (hi - lo, H), torch.bfloat16)
         torch.index_select(ex.view(r, int(rows[r, F.X]), (int(rows[r, F.NROWS]), H), torch.bfloat16), 0, row, out=y)
         tmp = buf.scratch("rows", (hi - lo, H), torch.float32)
-        tmp.copy_(y).mul_(wflat[slots[lo:hi]].unsqueeze(1))
+        tmp.copy_(logfmt_roundtrip(y) if logfmt else y).mul_(wflat[slots[lo:hi]].unsqueeze(1))
         acc.index_add_(0, tokens[lo:hi], tmp)
         ex.moved += (hi - lo) * H * 2
     return acc

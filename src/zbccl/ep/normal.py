@@ -55,10 +55,8 @@ def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
         if len(x) != 2:
             raise Fail(f"x must be a tensor or a (x_fp8, scales) pair, got a tuple of {len(x)}")
         xq = _tensor(x[0], "x[0]", 2, (torch.float8_e4m3fn,))
-        T, H = xq.shape
-        if H % 128:
-            raise Fail(f"x[0] hidden size must be a multiple of 128 with fp8 scales, got {H}")
-        s = _tensor(x[1], "x[1] (scales)", 2, (torch.float32, torch.int32), (T, None))
+        # DeepEP treats the scales as opaque per-token rows of any width (per-128 blocks are the usual case).
+        s = _tensor(x[1], "x[1] (scales)", 2, (torch.float32, torch.int32), (xq.size(0), None))
         return xq, s
     return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
 
@@ -88,7 +86,7 @@ def _layout(a: dict, T: int, R: int):
     idx = w = None
     if a["topk_idx"] is not None or a["topk_weights"] is not None:
         idx, w = _check_topk(a["topk_idx"], a["topk_weights"], T, E)
-        if not torch.equal(torch.bincount(idx[idx >= 0], minlength=E), ntpe.long()):
+        if not torch.equal(torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:], ntpe.long()):
             raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
     elif a["num_worst_tokens"]:
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
@@ -117,7 +115,12 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         in_rank = handle[4]
         if in_rank.shape != (T, R):
             raise Fail(f"x does not match the handle, expected {in_rank.size(0)} tokens, got {T}")
-        fields[F.NRECV] = handle[3].size(0)
+        # A handle from a num_worst_tokens dispatch has num_worst rows (DeepEP's recv_src_idx); the valid
+        # ones are rank_prefix_matrix's last row. A cached dispatch returns as many rows as the handle.
+        rows, valid = handle[3].size(0), int(handle[0][-1, ex.me])
+        if rows < valid:
+            raise Fail(f"the handle is inconsistent, expected >= {valid} rows in handle[3], got {rows}")
+        fields[F.NRECV], fields[F.WORST] = valid, rows if rows != valid else 0
         fields[F.FLAGS] = FLAG_CACHED
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
     else:
@@ -126,10 +129,13 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
     counts, tokens = rank_lists(in_rank)
     chan = channel_prefix(in_rank, a["config"].num_channels)
-    fields[F.META] = ex.block(torch.cat([counts, per_expert, chan.long().flatten(), tokens]), keep)
+    meta = torch.cat([counts, per_expert, chan.long().flatten(), tokens])
+    fields[F.META], fields[F.NROWS] = ex.block(meta, keep), meta.numel()
     fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
     out_dtype = x.dtype
     if scales is None and a["int8"]:
+        if H % 128:
+            raise Fail(f"int8 needs a hidden size that is a multiple of 128 (per-128 scales), got {H}")
         x, scales = int8_quantize(x)
         fields[F.FLAGS] |= FLAG_INT8
     fields[F.DTYPE] = DTYPE_CODES.get(x.dtype, 5)
@@ -144,11 +150,11 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
     return {"in_rank": in_rank, "chan": chan, "H": H, "out_dtype": out_dtype, "cached": handle is not None}
 
 
-def _counts(buf, rows) -> tuple[torch.Tensor, int, int]:
+def _counts(buf, rows, metas: list) -> tuple[torch.Tensor, int, int]:
     """The global ``[src, dst]`` token counts from every sender's plan block, checked on every rank."""
-    ex, R = buf.ex, buf.ex.R
+    R = buf.ex.R
     E, C = int(rows[0, F.E]), int(rows[0, F.CHANNELS])
-    counts = torch.stack([ex.view(r, int(rows[r, F.META]), (R,), torch.int64) for r in range(R)])
+    counts = torch.stack([m[:R] for m in metas])
     per_dst = counts.sum(0)
     for r in range(R):
         worst = int(rows[r, F.WORST])
@@ -163,7 +169,7 @@ def _counts(buf, rows) -> tuple[torch.Tensor, int, int]:
     return counts, E, C
 
 
-def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
+def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int) -> dict:
     """Allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     H, K, flags = loc["H"], int(rows[me, F.K]), int(rows[me, F.FLAGS])
@@ -179,7 +185,7 @@ def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
     if K:
         out["i"] = heap_empty(buf.comm, (n, K), torch.int64)
         out["w"] = heap_empty(buf.comm, (n, K), torch.float32)
-    src_idx = torch.empty(num_recv, dtype=torch.int32)
+    src_idx = torch.full((n,), -1, dtype=torch.int32)  # -1 below num_recv (DeepEP: uninitialised)
     fields = {"x": (F.X, int(rows[me, F.XROW])), "s": (F.SCALES, int(rows[me, F.SROW])),
               "i": (F.TOPK, K * 8), "w": (F.W, K * 4)}
     tables, start, head = [], 0, R + E + R * C
@@ -187,7 +193,8 @@ def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
         cnt = int(counts[r, me])
         if not cnt:
             continue
-        toks = ex.view(r, int(rows[r, F.META]) + (head + int(counts[r, :me].sum())) * 8, (cnt,), torch.int64)
+        at = head + int(counts[r, :me].sum())
+        toks = metas[r][at:at + cnt]
         src_idx[start:start + cnt] = toks
         T_r, runs = int(rows[r, F.T]), row_runs(toks)
         for key, t in out.items():
@@ -207,17 +214,17 @@ def _pull(buf, rows, counts, E: int, C: int, loc: dict, worst: int) -> dict:
     return out
 
 
-def _receiver_meta(buf, rows, E: int, C: int) -> tuple[list[int], torch.Tensor]:
+def _receiver_meta(buf, metas: list, E: int, C: int) -> tuple[list[int], torch.Tensor]:
     """Per local expert receive counts and ``recv_channel_prefix_matrix`` from the senders' plans."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    R, me = buf.ex.R, buf.ex.me
     L = E // R if E else 0
     per_expert = torch.zeros(L, dtype=torch.int64)
     recv_chan = torch.zeros(R, C, dtype=torch.int32)
     for r in range(R):
-        meta = ex.view(r, int(rows[r, F.META]), (R + E + R * C,), torch.int64)
+        meta = metas[r]
         if L:
             per_expert += meta[R + me * L:R + (me + 1) * L]
-        incl = meta[R + E:].view(R, C)[me]
+        incl = meta[R + E:R + E + R * C].view(R, C)[me]
         recv_chan[r, 1:] = incl[:-1].to(torch.int32)
     return per_expert.tolist(), recv_chan
 
@@ -231,14 +238,15 @@ def dispatch(buf, a: dict):
     except Fail as exc:
         fail, loc = exc, None
     rows = ex.publish("dispatch", fields, fail)
-    for field, what in ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
+    ex.agree("dispatch", rows, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
                         (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
-                        (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")):
-        ex.agree("dispatch", rows, field, what)
-    counts, E, C = _counts(buf, rows)
+                        (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
+    # One view of each sender's whole plan block (counts, per expert, per channel, token lists).
+    metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
+    counts, E, C = _counts(buf, rows, metas)
     try:
-        out = _pull(buf, rows, counts, E, C, loc, a["num_worst_tokens"])
-        per_expert, recv_chan = _receiver_meta(buf, rows, E, C)
+        out = _pull(buf, rows, metas, counts, E, C, loc, int(rows[ex.me, F.WORST]))
+        per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
     finally:
         ex.done()
     recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
@@ -278,9 +286,8 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     except Fail as exc:
         fail = exc
     rows = ex.publish("combine", fields, fail)
-    for field, what in ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
-                        (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")):
-        ex.agree("combine", rows, field, what)
+    ex.agree("combine", rows, ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
+                        (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
     out = heap_empty(buf.comm, (T, H), x.dtype)
     try:
         if getattr(buf.ex.prims, "reduce_n", None) is not None and T:
