@@ -282,6 +282,26 @@ def test_errors_reach_the_caller():
     assert run_world(_errors, 2, expect_exit={1: -9})[0] is True
 
 
+def _reinit(ctx):
+    """destroy + init again on the same store: torch reuses group names for other members."""
+    import torch.distributed as dist
+
+    for it in range(2):
+        init_pg(ctx, timeout=timedelta(seconds=20))
+        subs = [[0, 2], [1, 2], [0, 1, 2]] if it == 0 else [[0, 1, 2], [1, 2], [0, 2]]
+        for s, g in [(s, dist.new_group(s)) for s in subs]:
+            if ctx.rank in s:
+                t = torch.ones(2)
+                dist.all_reduce(t, group=g)
+                assert torch.equal(t, torch.full((2,), float(len(s))))
+        dist.destroy_process_group()
+    return True
+
+
+def test_reinit_with_other_groups():
+    assert run_world(_reinit, 3, timeout=60) == [True] * 3
+
+
 def _rendezvous(ctx, how: str):
     import torch.distributed as dist
 
