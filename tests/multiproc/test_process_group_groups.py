@@ -133,6 +133,11 @@ def _fallback_ops(ctx):  # noqa: C901 - one world, many gloo-routed cases
     for r in range(1, W):
         want ^= nc(r).long()
     assert torch.equal(t, want) and "allreduce" in spy.calls
+    r = torch.zeros(3)  # gloo's own p2p Works have no future
+    works = [dist.irecv(r, (me - 1) % W, tag=4), dist.isend(payload(me, 3), (me + 1) % W, tag=4)]
+    for w in works:
+        w.get_future().wait()
+    assert torch.equal(r, payload((me - 1) % W, 3)) and "recv" in spy.calls
     spy.calls.clear()
     t = torch.ones(3)
     dist.all_reduce(t)  # not listed: zbccl runs it
@@ -143,7 +148,7 @@ def _fallback_ops(ctx):  # noqa: C901 - one world, many gloo-routed cases
 
 
 def test_fallback_ops_run_on_gloo():
-    env = {"ZBCCL_FALLBACK_OPS": "allgather, alltoall, reduce_scatter, broadcast"}
+    env = {"ZBCCL_FALLBACK_OPS": "allgather, alltoall, reduce_scatter, broadcast, send"}
     assert run_world(_fallback_ops, 3, env=env) == [True] * 3
 
 

@@ -13,6 +13,9 @@ in ways a caller cannot see:
   inside the call and a zbccl Work returned, so the handle behaves like every
   other zbccl op (see :mod:`.work`: complete when returned; under
   ``async_op=True`` an error travels in the Work);
+* its send/recv Works have no future: here they are wrapped in a
+  :class:`~.work.PendingWork` (still asynchronous: a receive completes when
+  gloo's does);
 * it refuses lists of unequal sizes (``all_gather`` list form, ``all_to_all``
   list form), stacked or 0-dim ``all_gather_into_tensor`` operands, and has no
   ``allgather_into_tensor_coalesced``: here those run on gloo's flat ops.
@@ -25,9 +28,9 @@ from collections.abc import Callable
 import torch
 import torch._C._distributed_c10d as _c10d
 
-from .work import CompletedWork
+from .work import CompletedWork, PendingWork
 
-__all__ = ["Stand", "on_gloo", "allgather_list", "alltoall_list", "allgather_flat"]
+__all__ = ["Stand", "on_gloo", "p2p_work", "allgather_list", "alltoall_list", "allgather_flat"]
 
 
 class Stand:
@@ -112,3 +115,22 @@ def alltoall_list(gloo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
         t.copy_(flat_out[start:start + t.numel()].view(t.shape))
         start += t.numel()
     return None
+
+
+def p2p_work(work, result: list[torch.Tensor], *, default_timeout: float, anysource: bool = False) -> PendingWork:
+    """gloo's send/recv Work as a zbccl Work: the same completion, plus a future and the source rank."""
+    from datetime import timedelta
+
+    def step(timeout: float | None) -> bool:
+        if timeout is None and not work.is_completed():
+            return False
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout))
+        if anysource:
+            pending._source = work._source_rank()
+        return True
+
+    pending = PendingWork(result, step, default_timeout=default_timeout)
+    return pending

@@ -151,6 +151,10 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         """Run an op on the inner gloo group to completion (see :mod:`.gloo_route` for why)."""
         return gloo_route.on_gloo(opts, result, call, sync_done=_SYNC_DONE)
 
+    def _p2p_gloo(self, work, tensors: list[torch.Tensor], anysource: bool = False) -> dist.Work:
+        return gloo_route.p2p_work(work, tensors, default_timeout=self._gloo.options._timeout.total_seconds(),
+                                   anysource=anysource)
+
     # ------------------------------------------------------------ allreduce
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllreduceOptions()
@@ -337,17 +341,17 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     # ------------------------------------------------------------ point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         if self._p2p is None or not self._zb("send"):
-            return self._gloo.send(tensors, dst, tag)
+            return self._p2p_gloo(self._gloo.send(tensors, dst, tag), tensors)
         return self._p2p.send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         if self._p2p is None or not self._zb("recv"):
-            return self._gloo.recv(tensors, src, tag)
+            return self._p2p_gloo(self._gloo.recv(tensors, src, tag), tensors)
         return self._p2p.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         if self._p2p is None or not self._zb("recv"):
-            return self._gloo.recv_anysource(tensors, tag)
+            return self._p2p_gloo(self._gloo.recv_anysource(tensors, tag), tensors, anysource=True)
         return self._p2p.recv(tensors, None, tag)
 
     # ------------------------------------------------------------ lifetime
