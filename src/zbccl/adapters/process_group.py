@@ -43,6 +43,7 @@ from .list_forms import (
     alltoall_list,
     as_bytes,
     as_bytes_rows,
+    as_real,
     gather_list,
     reduce_scatter_list,
     reduce_to,
@@ -55,6 +56,7 @@ __all__ = ["ProcessGroupZbccl", "reduce_op_name"]
 _log = logging.getLogger("zbccl")
 _REDUCE = {"SUM": "sum", "PRODUCT": "product", "MIN": "min", "MAX": "max", "AVG": "avg"}
 _BITWISE = ("BAND", "BOR", "BXOR")
+_RS = "reduce_scatter"
 # How long destroying a sub-group waits for its other members.
 _DESTROY_TIMEOUT_S = 30.0
 
@@ -242,7 +244,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         comm = self._comm
 
         return self._done(opts, outputs, lambda: [
-            reduce_scatter_list(comm, out, ins, red) for out, ins in zip(outputs, input_lists)])
+            reduce_scatter_list(comm, as_real(out, red, op=_RS), [as_real(i, red, op=_RS) for i in ins], red)
+            for out, ins in zip(outputs, input_lists)])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
@@ -250,7 +253,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         if not self._zb("reduce_scatter_tensor") or red == "gloo":
             return self._g(opts, [output], lambda s: self._gloo._reduce_scatter_base(s(output), s(input), opts))
         comm = self._comm
-        return self._done(opts, [output], lambda: reduce_scatter_tensor(output, input, red, comm=comm))
+        return self._done(opts, [output], lambda: reduce_scatter_tensor(
+            as_real(output, red, op=_RS), as_real(input, red, op=_RS), red, comm=comm))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -264,7 +268,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         comm = self._comm
 
         return self._done(opts, outputs, lambda: [
-            reduce_scatter_tensor(out, inp, red, comm=comm) for out, inp in zip(outputs, inputs)])
+            reduce_scatter_tensor(as_real(out, red, op=_RS), as_real(inp, red, op=_RS), red, comm=comm)
+            for out, inp in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -309,7 +314,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, tensors, lambda s: self._gloo.reduce(s.all(tensors), opts))
         comm, root = self._comm, opts.rootRank
 
-        return self._done(opts, tensors, lambda: [reduce_to(comm, root, t, red) for t in tensors])
+        return self._done(opts, tensors, lambda: [
+            reduce_to(comm, root, as_real(t, red, op="reduce"), red) for t in tensors])
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         """Gather to ``opts.rootRank``: an all_to_all in which only the root receives (no extra traffic)."""
