@@ -181,6 +181,30 @@ def _collectives(ctx, gloo, async_op: bool, group=None):  # noqa: C901 - one cas
     return True
 
 
+def _complex(ctx):
+    """Complex tensors in the reducing ops torch does not convert itself (reduce_scatter, reduce)."""
+    import torch.distributed as dist
+
+    import zbccl
+
+    W, me = ctx.world_size, ctx.rank
+
+    def c(r, n):
+        return torch.complex(payload(r, n), -payload(r, n, salt=1))
+
+    total = sum(c(r, 3 * W) for r in range(W))
+    out = torch.zeros(3, dtype=torch.complex64)
+    dist.reduce_scatter_tensor(out, c(me, 3 * W))
+    assert torch.equal(out, total[3 * me:3 * me + 3])
+    dist.reduce_scatter(out, list(c(me, 3 * W).chunk(W)), op=dist.ReduceOp.AVG)
+    assert torch.allclose(out, total[3 * me:3 * me + 3] / W)
+    t = c(me, 3 * W)
+    dist.reduce(t, dst=W - 1)
+    assert torch.equal(t, total if me == W - 1 else c(me, 3 * W))
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="complex tensor, expected SUM or AVG, got MAX"):
+        dist.reduce(t, dst=0, op=dist.ReduceOp.MAX)
+
+
 def _every_method(ctx, modes):
     import torch.distributed as dist
 
@@ -192,6 +216,7 @@ def _every_method(ctx, modes):
     gloo = dist.new_group(backend="gloo")
     for async_op in modes:
         _collectives(ctx, gloo, async_op)
+    _complex(ctx)
     # inside heap_scope every collective is zero-buffer: nothing staged
     before = zbccl.memory_stats()["staged_bytes"]
     with zbccl.heap_scope():

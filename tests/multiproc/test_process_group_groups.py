@@ -65,34 +65,91 @@ def test_sub_groups_three_ranks():
     assert run_world(_sub_groups, 3) == [True] * 3
 
 
-def _fallback_ops(ctx):
-    import torch.distributed as dist
+class _Spy:
+    """Stands in for a group's inner gloo group and records which of its methods ran."""
 
-    from zbccl.adapters.work import CompletedWork
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, set()
+
+    def __getattr__(self, name):
+        self.calls.add(name)
+        return getattr(self.inner, name)
+
+
+def _fallback_ops(ctx):  # noqa: C901 - one world, many gloo-routed cases
+    import torch.distributed as dist
 
     pg = init_pg(ctx)
     assert pg.comm is not None
+    pg._gloo = spy = _Spy(pg._gloo)
     me, W = ctx.rank, ctx.world_size
+
+    def done(work):  # every routed op's Work behaves like zbccl's: complete, with a future
+        assert work.is_completed() and work.exception() is None
+        work.get_future().wait()
+
+    def nc(rank, salt=0):  # a non-contiguous [4, 3] view: gloo alone would read the wrong elements
+        return payload(rank, 24, salt=salt).view(4, 6)[:, ::2]
+
     outs = [torch.zeros(4) for _ in range(W)]
-    work = dist.all_gather(outs, payload(me, 4), async_op=True)
-    assert not isinstance(work, CompletedWork)  # gloo's Work: the op went to the inner gloo group
-    work.wait()
-    assert all(torch.equal(outs[r], payload(r, 4)) for r in range(W))
-    out = torch.zeros(W * 4)
-    assert not isinstance(dist.all_gather_into_tensor(out, payload(me, 4), async_op=True), CompletedWork)
+    done(dist.all_gather(outs, payload(me, 4), async_op=True))
+    assert all(torch.equal(outs[r], payload(r, 4)) for r in range(W)) and "allgather" in spy.calls
+    outs = [torch.zeros(2 + r) for r in range(W)]  # unequal sizes (gloo alone refuses them)
+    dist.all_gather(outs, payload(me, 2 + me))
+    assert all(torch.equal(outs[r], payload(r, 2 + r)) for r in range(W))
+    outs = [torch.zeros(3, 4).t() for _ in range(W)]
+    dist.all_gather(outs, nc(me))
+    assert all(torch.equal(outs[r], nc(r)) for r in range(W))
+    out = torch.zeros(W, 4)  # stacked output, then a 0-dim input
+    done(dist.all_gather_into_tensor(out, payload(me, 4), async_op=True))
+    assert torch.equal(out, torch.stack([payload(r, 4) for r in range(W)]))
+    out = torch.zeros(W)
+    dist.all_gather_into_tensor(out, payload(me, 1).reshape(()))
+    assert torch.equal(out, torch.cat([payload(r, 1) for r in range(W)]))
+    outs = [torch.zeros(W * 4), torch.zeros(W * 2)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o in outs:
+            dist.all_gather_into_tensor(o, payload(me, o.numel() // W))
+    cm.wait()
+    assert torch.equal(outs[1], torch.cat([payload(r, 2) for r in range(W)]))
+    outs = [torch.zeros(1 + r + 2 * me) for r in range(W)]  # uneven all_to_all list form
+    done(dist.all_to_all(outs, [payload(me, 1 + me + 2 * q, salt=q) for q in range(W)], async_op=True))
+    assert all(torch.equal(outs[r], payload(r, 1 + r + 2 * me, salt=me)) for r in range(W))
     o = torch.zeros(W * 2)
-    w = dist.all_to_all_single(o, payload(me, W * 2), async_op=True)
-    assert not isinstance(w, CompletedWork)
-    w.wait()
+    done(dist.all_to_all_single(o, payload(me, W * 2), async_op=True))
+    assert "alltoall_base" in spy.calls
+    out = torch.zeros(3)  # gloo's own reduce_scatter Work has no future
+    done(dist.reduce_scatter_tensor(out, payload(me, 3 * W), async_op=True))
+    assert torch.equal(out, sum(payload(r, 3 * W)[3 * me:3 * me + 3] for r in range(W)))
+    out = torch.zeros(3, 4).t()
+    done(dist.reduce_scatter(out, [nc(me, salt=q) for q in range(W)], async_op=True))
+    assert torch.equal(out, sum(nc(r, salt=me) for r in range(W)))
+    t = nc(me)
+    dist.broadcast(t, src=W - 1)
+    assert torch.equal(t, nc(W - 1))
+    t = nc(me).long()  # a bitwise op runs on gloo whatever the list says
+    done(dist.all_reduce(t, op=dist.ReduceOp.BXOR, async_op=True))
+    want = nc(0).long()
+    for r in range(1, W):
+        want ^= nc(r).long()
+    assert torch.equal(t, want) and "allreduce" in spy.calls
+    r = torch.zeros(3)  # gloo's own p2p Works have no future
+    works = [dist.irecv(r, (me - 1) % W, tag=4), dist.isend(payload(me, 3), (me + 1) % W, tag=4)]
+    for w in works:
+        w.get_future().wait()
+    assert torch.equal(r, payload((me - 1) % W, 3)) and "recv" in spy.calls
+    spy.calls.clear()
     t = torch.ones(3)
-    assert isinstance(dist.all_reduce(t, async_op=True), CompletedWork)  # not listed: zbccl runs it
+    dist.all_reduce(t)  # not listed: zbccl runs it
+    assert torch.equal(t, torch.full((3,), float(W))) and not spy.calls
+    pg._gloo = spy.inner
     dist.destroy_process_group()
     return True
 
 
 def test_fallback_ops_run_on_gloo():
-    env = {"ZBCCL_FALLBACK_OPS": "allgather, alltoall"}
-    assert run_world(_fallback_ops, 2, env=env) == [True, True]
+    env = {"ZBCCL_FALLBACK_OPS": "allgather, alltoall, reduce_scatter, broadcast, send"}
+    assert run_world(_fallback_ops, 3, env=env) == [True] * 3
 
 
 def _bad_fallback_name(ctx):
@@ -228,6 +285,26 @@ def _errors(ctx):
 
 def test_errors_reach_the_caller():
     assert run_world(_errors, 2, expect_exit={1: -9})[0] is True
+
+
+def _reinit(ctx):
+    """destroy + init again on the same store: torch reuses group names for other members."""
+    import torch.distributed as dist
+
+    for it in range(2):
+        init_pg(ctx, timeout=timedelta(seconds=20))
+        subs = [[0, 2], [1, 2], [0, 1, 2]] if it == 0 else [[0, 1, 2], [1, 2], [0, 2]]
+        for s, g in [(s, dist.new_group(s)) for s in subs]:
+            if ctx.rank in s:
+                t = torch.ones(2)
+                dist.all_reduce(t, group=g)
+                assert torch.equal(t, torch.full((2,), float(len(s))))
+        dist.destroy_process_group()
+    return True
+
+
+def test_reinit_with_other_groups():
+    assert run_world(_reinit, 3, timeout=60) == [True] * 3
 
 
 def _rendezvous(ctx, how: str):

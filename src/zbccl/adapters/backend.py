@@ -125,7 +125,7 @@ def _start(store, rank: int, size: int, global_ranks: list[int], seconds: float)
     return comm, False
 
 
-def _agree(store, rank: int, size: int, error: str | None, seconds: float, n: int) -> tuple[int, str] | None:
+def _agree(store, rank: int, size: int, error: str | None, seconds: float, n: str) -> tuple[int, str] | None:
     """Every member's start verdict through the store: ``(group rank, error)`` of the first failure, or None."""
     store.set(f"zbccl-start/{n}/{rank}", (error or "").encode() or b"-")
     keys = [f"zbccl-start/{n}/{r}" for r in range(size)]
@@ -146,8 +146,11 @@ def create(dist_opts, backend_opts=None):
     seconds = _seconds(dist_opts.timeout)
     fallback = parse_fallback_ops(env.FALLBACK_OPS.get())
     strict = env.STRICT.get()
-    # The n-th creation of this group name on this store (a re-initialised job reuses both): fresh keys.
-    n = store.add(f"zbccl-created/{rank}", 1)
+    # Fresh keys when a re-initialised job reuses the store: the n-th creation of this group name
+    # with these members. torch reuses a group name for other members after a re-init, so the
+    # members are in the counter (their counts agree) and in every key (the names' old keys differ).
+    members = ",".join(map(str, global_ranks)) or f"world{size}"
+    n = f"{members}/{store.add(f'zbccl-created/{members}/{rank}', 1)}"
     gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"zbccl-gloo/{n}/", store), rank, size, dist_opts.timeout)
     comm, owns, failure = None, False, None
     try:

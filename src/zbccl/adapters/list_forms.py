@@ -26,7 +26,7 @@ from ..ops import (
 )
 from ..ops.dtypes import DTYPE_CODES
 
-__all__ = ["flat_view", "pack", "Unpacked", "as_bytes", "as_bytes_rows", "check_dtypes", "allgather_list",
+__all__ = ["flat_view", "pack", "Unpacked", "as_bytes", "as_bytes_rows", "as_real", "check_dtypes", "allgather_list",
            "reduce_scatter_list", "alltoall_list", "gather_list", "scatter_list", "reduce_to"]
 
 
@@ -97,6 +97,20 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in DTYPE_CODES or not t.is_contiguous():
         return t
     return t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def as_real(t: torch.Tensor, red: str, *, op: str) -> torch.Tensor:
+    """A complex tensor as its real view (``[..., 2]``) for the reducing ops torch does not convert itself.
+
+    Summing the (real, imag) pairs element-wise is the complex sum, so SUM and
+    AVG are exact; the other reduce ops have no complex meaning and raise.
+    """
+    if not t.is_complex():
+        return t
+    if red not in ("sum", "avg"):
+        raise ZbcclInvalidUsageError(f"{op}: unsupported reduce op for a complex tensor, expected SUM or AVG, "
+                                     f"got {red.upper()}")
+    return torch.view_as_real(t)
 
 
 def as_bytes_rows(t: torch.Tensor) -> torch.Tensor:

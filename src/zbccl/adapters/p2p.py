@@ -85,7 +85,7 @@ class _Box:
 class PointToPoint:
     """send/recv of one communicator's members (group ranks)."""
 
-    def __init__(self, comm, *, incarnation: int = 0) -> None:
+    def __init__(self, comm, *, incarnation: int | str = 0) -> None:
         self.comm = comm
         #: Tells this group's mailboxes from an earlier group's on the same communicator (keys).
         self.incarnation = incarnation

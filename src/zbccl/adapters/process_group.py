@@ -13,11 +13,10 @@ op still completes inside the call and its Work is already complete; an
 error then travels in the Work (``wait()``, ``exception()``, the future)
 instead of raising at the call.
 
-Where zbccl does not run an op (listed in ``ZBCCL_FALLBACK_OPS``, bitwise
-reduce ops, or every op after an initialisation fallback) the group's inner
-gloo group runs it, built from the same store. That gloo group is also
-registered as the group's CPU backend, so torch's C++ paths that cannot reach
-a Python process group (see the README) still work.
+Ops zbccl does not run (``ZBCCL_FALLBACK_OPS``, bitwise reduce ops, all of
+them after an initialisation fallback) run on the group's inner gloo group
+through :mod:`.gloo_route`. That gloo group is also the group's registered
+CPU backend, for torch's C++ paths that cannot reach a Python process group.
 """
 
 from __future__ import annotations
@@ -38,11 +37,13 @@ from ..ops import (
     broadcast,
     reduce_scatter_tensor,
 )
+from . import gloo_route
 from .list_forms import (
     allgather_list,
     alltoall_list,
     as_bytes,
     as_bytes_rows,
+    as_real,
     gather_list,
     reduce_scatter_list,
     reduce_to,
@@ -55,6 +56,7 @@ __all__ = ["ProcessGroupZbccl", "reduce_op_name"]
 _log = logging.getLogger("zbccl")
 _REDUCE = {"SUM": "sum", "PRODUCT": "product", "MIN": "min", "MAX": "max", "AVG": "avg"}
 _BITWISE = ("BAND", "BOR", "BXOR")
+_RS = "reduce_scatter"
 # How long destroying a sub-group waits for its other members.
 _DESTROY_TIMEOUT_S = 30.0
 
@@ -147,55 +149,53 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return CompletedWork(result, exc)
         return CompletedWork(result)
 
+    def _g(self, opts, result: list[torch.Tensor], call) -> dist.Work:
+        """Run an op on the inner gloo group to completion (see :mod:`.gloo_route` for why)."""
+        return gloo_route.on_gloo(opts, result, call, sync_done=_SYNC_DONE)
+
+    def _p2p_gloo(self, work, tensors: list[torch.Tensor], anysource: bool = False) -> dist.Work:
+        return gloo_route.p2p_work(work, tensors, default_timeout=self._gloo.options._timeout.total_seconds(),
+                                   anysource=anysource)
+
     # ------------------------------------------------------------ allreduce
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllreduceOptions()
         red = reduce_op_name(opts.reduceOp, op="allreduce")
         comm = self._comm
         if comm is None or red == "gloo" or "allreduce" in self._fallback:
-            return self._gloo.allreduce(tensors, opts)
+            return self._g(opts, tensors, lambda s: self._gloo.allreduce(s.all(tensors), opts))
         if not opts.asyncOp:  # the hot path of inference engines, inline
             for t in tensors:
                 all_reduce(t, red, comm=comm)
             return _SYNC_DONE
 
-        def run() -> None:
-            for t in tensors:
-                all_reduce(t, red, comm=comm)
-
-        return self._done(opts, tensors, run)
+        return self._done(opts, tensors, lambda: [all_reduce(t, red, comm=comm) for t in tensors])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()
         red = reduce_op_name(opts.reduceOp, op="allreduce_coalesced")
         if not self._zb("allreduce_coalesced") or red == "gloo":
-            return self._gloo.allreduce_coalesced(tensors, opts)
+            return self._g(opts, tensors, lambda s: self._gloo.allreduce_coalesced(s.all(tensors), opts))
         comm = self._comm
 
-        def run() -> None:
-            for t in tensors:
-                all_reduce(t, red, comm=comm)
-
-        return self._done(opts, tensors, run)
+        return self._done(opts, tensors, lambda: [all_reduce(t, red, comm=comm) for t in tensors])
 
     # ------------------------------------------------------------ all_gather
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("allgather"):
-            return self._gloo.allgather(output_lists, inputs, opts)
+            return self._g(opts, [t for o in output_lists for t in o], lambda s: [
+                gloo_route.allgather_list(self._gloo, o, i, s) for o, i in zip(output_lists, inputs)])
         comm = self._comm
 
-        def run() -> None:
-            for outs, inp in zip(output_lists, inputs):
-                allgather_list(comm, outs, inp)
-
-        return self._done(opts, [t for outs in output_lists for t in outs], run)
+        return self._done(opts, [t for outs in output_lists for t in outs], lambda: [
+            allgather_list(comm, outs, inp) for outs, inp in zip(output_lists, inputs)])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("all_gather_into_tensor"):
-            return self._gloo._allgather_base(output, input, opts)
+            return self._g(opts, [output], lambda s: gloo_route.allgather_flat(self._gloo, output, input, s))
         comm = self._comm
         return self._done(opts, [output], lambda: all_gather_into_tensor(as_bytes(output), as_bytes(input),
                                                                          comm=comm))
@@ -206,14 +206,12 @@ class ProcessGroupZbccl(dist.ProcessGroup):
                                     opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("all_gather_into_tensor"):
-            return self._gloo.allgather_into_tensor_coalesced(outputs, inputs, opts)
+            return self._g(opts, outputs, lambda s: [
+                gloo_route.allgather_flat(self._gloo, o, i, s) for o, i in zip(outputs, inputs)])
         comm = self._comm
 
-        def run() -> None:
-            for out, inp in zip(outputs, inputs):
-                all_gather_into_tensor(as_bytes(out), as_bytes(inp), comm=comm)
-
-        return self._done(opts, outputs, run)
+        return self._done(opts, outputs, lambda: [
+            all_gather_into_tensor(as_bytes(out), as_bytes(inp), comm=comm) for out, inp in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -221,7 +219,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
                             opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         if not self._zb("allgather"):
-            return self._gloo.allgather_coalesced(output_lists, inputs, opts)
+            return self._g(opts, [t for o in output_lists for t in o], lambda s: self._gloo.allgather_coalesced(
+                s.nested(output_lists), s.all(inputs), opts))
         comm = self._comm
         # torch's layout: output_lists[r][i] is rank r's inputs[i].
         W = comm.world_size
@@ -241,22 +240,21 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce_scatter")
         if not self._zb("reduce_scatter") or red == "gloo":
-            return self._gloo.reduce_scatter(outputs, input_lists, opts)
+            return self._g(opts, outputs, lambda s: self._gloo.reduce_scatter(s.all(outputs), s.nested(input_lists), opts))
         comm = self._comm
 
-        def run() -> None:
-            for out, ins in zip(outputs, input_lists):
-                reduce_scatter_list(comm, out, ins, red)
-
-        return self._done(opts, outputs, run)
+        return self._done(opts, outputs, lambda: [
+            reduce_scatter_list(comm, as_real(out, red, op=_RS), [as_real(i, red, op=_RS) for i in ins], red)
+            for out, ins in zip(outputs, input_lists)])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce_scatter_tensor")
         if not self._zb("reduce_scatter_tensor") or red == "gloo":
-            return self._gloo._reduce_scatter_base(output, input, opts)
+            return self._g(opts, [output], lambda s: self._gloo._reduce_scatter_base(s(output), s(input), opts))
         comm = self._comm
-        return self._done(opts, [output], lambda: reduce_scatter_tensor(output, input, red, comm=comm))
+        return self._done(opts, [output], lambda: reduce_scatter_tensor(
+            as_real(output, red, op=_RS), as_real(input, red, op=_RS), red, comm=comm))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -265,14 +263,13 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce_scatter_tensor_coalesced")
         if not self._zb("reduce_scatter_tensor") or red == "gloo":
-            return self._gloo.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+            return self._g(opts, outputs, lambda s: [
+                self._gloo._reduce_scatter_base(s(o), s(i), opts) for o, i in zip(outputs, inputs)])
         comm = self._comm
 
-        def run() -> None:
-            for out, inp in zip(outputs, inputs):
-                reduce_scatter_tensor(out, inp, red, comm=comm)
-
-        return self._done(opts, outputs, run)
+        return self._done(opts, outputs, lambda: [
+            reduce_scatter_tensor(as_real(out, red, op=_RS), as_real(inp, red, op=_RS), red, comm=comm)
+            for out, inp in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -281,7 +278,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
                           input_split_sizes: list[int], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllToAllOptions()
         if not self._zb("alltoall_base"):
-            return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+            return self._g(opts, [output], lambda s: self._gloo.alltoall_base(
+                s(output), s(input), output_split_sizes, input_split_sizes, opts))
         comm = self._comm
         outs = list(output_split_sizes) or None
         ins = list(input_split_sizes) or None
@@ -293,7 +291,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllToAllOptions()
         if not self._zb("alltoall"):
-            return self._gloo.alltoall(outputs, inputs, opts)
+            return self._g(opts, outputs, lambda s: gloo_route.alltoall_list(self._gloo, outputs, inputs, s))
         comm = self._comm
 
         return self._done(opts, outputs, lambda: alltoall_list(comm, outputs, inputs))
@@ -302,14 +300,10 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.BroadcastOptions()
         if not self._zb("broadcast"):
-            return self._gloo.broadcast(tensors, opts)
+            return self._g(opts, tensors, lambda s: self._gloo.broadcast(s.all(tensors), opts))
         comm, root = self._comm, opts.rootRank
 
-        def run() -> None:
-            for t in tensors:
-                broadcast(as_bytes(t), root, comm=comm)
-
-        return self._done(opts, tensors, run)
+        return self._done(opts, tensors, lambda: [broadcast(as_bytes(t), root, comm=comm) for t in tensors])
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """Reduce to ``opts.rootRank``: a reduce_scatter then a gather into the root's tensor (see
@@ -317,20 +311,18 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.ReduceOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce")
         if not self._zb("reduce") or red == "gloo":
-            return self._gloo.reduce(tensors, opts)
+            return self._g(opts, tensors, lambda s: self._gloo.reduce(s.all(tensors), opts))
         comm, root = self._comm, opts.rootRank
 
-        def run() -> None:
-            for t in tensors:
-                reduce_to(comm, root, t, red)
-
-        return self._done(opts, tensors, run)
+        return self._done(opts, tensors, lambda: [
+            reduce_to(comm, root, as_real(t, red, op="reduce"), red) for t in tensors])
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         """Gather to ``opts.rootRank``: an all_to_all in which only the root receives (no extra traffic)."""
         opts = opts if opts is not None else _c10d.GatherOptions()
         if not self._zb("gather"):
-            return self._gloo.gather(output_lists, inputs, opts)
+            return self._g(opts, [t for o in output_lists for t in o], lambda s: self._gloo.gather(
+                s.nested(output_lists), s.all(inputs), opts))
         comm, root = self._comm, opts.rootRank
         return self._done(opts, [t for outs in output_lists for t in outs],
                           lambda: gather_list(comm, root, output_lists[0] if output_lists else [], inputs[0]))
@@ -339,7 +331,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         """Scatter from ``opts.rootRank``: an all_to_all in which only the root sends."""
         opts = opts if opts is not None else _c10d.ScatterOptions()
         if not self._zb("scatter"):
-            return self._gloo.scatter(outputs, input_lists, opts)
+            return self._g(opts, outputs, lambda s: self._gloo.scatter(s.all(outputs), s.nested(input_lists), opts))
         comm, root = self._comm, opts.rootRank
         return self._done(opts, outputs,
                           lambda: scatter_list(comm, root, outputs[0], input_lists[0] if input_lists else []))
@@ -347,7 +339,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def barrier(self, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.BarrierOptions()
         if not self._zb("barrier"):
-            return self._gloo.barrier(opts)
+            return self._g(opts, [], lambda s: self._gloo.barrier(opts))
         comm = self._comm
         timeout = timeout_seconds(opts.timeout)  # torch's "unset" is negative: the group's default
         return self._done(opts, [], lambda: barrier(comm=comm, timeout=timeout))
@@ -355,17 +347,17 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     # ------------------------------------------------------------ point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         if self._p2p is None or not self._zb("send"):
-            return self._gloo.send(tensors, dst, tag)
+            return self._p2p_gloo(self._gloo.send(tensors, dst, tag), tensors)
         return self._p2p.send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         if self._p2p is None or not self._zb("recv"):
-            return self._gloo.recv(tensors, src, tag)
+            return self._p2p_gloo(self._gloo.recv(tensors, src, tag), tensors)
         return self._p2p.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         if self._p2p is None or not self._zb("recv"):
-            return self._gloo.recv_anysource(tensors, tag)
+            return self._p2p_gloo(self._gloo.recv_anysource(tensors, tag), tensors, anysource=True)
         return self._p2p.recv(tensors, None, tag)
 
     # ------------------------------------------------------------ lifetime
