@@ -23,4 +23,8 @@ def test_run_bench_end_to_end(tmp_path):
             assert cell[impl]["wrong"] == 0, cell
             assert all(math.isfinite(x) and x > 0 for x in cell[impl]["timing"]["samples_us"])
         assert cell["zbccl"]["staged_bytes"] == 0
+    probes = loaded["host_state"]["all_reduce/fp32"]  # probed at the start and end of the op block
+    for when in ("start", "end"):
+        assert probes[when]["state"] in ("fast", "slow") and probes[when]["shared_ns_per_line"] > 0
+    assert "host state: " in out.getvalue()
     assert "# all_reduce fp32" in out.getvalue() and "every checked cell bit-exact" in out.getvalue()

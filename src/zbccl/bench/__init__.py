@@ -10,8 +10,10 @@ the same table, each with its own correctness column.
 Modules: ``runner`` (the per-rank sweep and :func:`run_bench`), ``timing``
 (calibrated timing, load gating, foreign-CPU accounting, payloads and the
 oracle; torch-only, shared with the vLLM worker), ``baselines`` (gloo,
-memcpy, the vLLM driver), ``report`` (tables, JSON, plot, progress bar),
-``vllm_worker`` (a standalone script for the vLLM venv; not imported here).
+memcpy, the vLLM driver), ``probe`` (the host-state probe: the cost of a
+store into lines the peer core just read, in every run's header), ``report``
+(tables, JSON, plot, progress bar), ``vllm_worker`` (a standalone script
+for the vLLM venv; not imported here).
 """
 
 from .report import algbw_bytes, busbw_factor, format_table, write_json, write_plot

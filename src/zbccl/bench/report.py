@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from ..bootstrap.topology import cpu_model
+from .probe import format_state
 
 __all__ = ["busbw_factor", "algbw_bytes", "bandwidths", "format_table", "print_report", "write_json",
            "write_plot", "machine_info", "Progress"]
@@ -122,7 +123,11 @@ def format_table(doc: dict, op: str, dtype: str) -> str:
     lines = [f"# {op} {dtype}   world {ws}, threads/rank {doc['machine']['threads']}, "
              f"busbw factor {busbw_factor(op, ws):.3g}   load gate: "
              f"{'idle' if gate.get('idle') else 'NOT idle'} after {gate.get('waited_s', 0):.1f} s "
-             f"({gate.get('load_cores', float('nan')):.2f} cores busy)", HEADER]
+             f"({gate.get('load_cores', float('nan')):.2f} cores busy)"]
+    state = (doc.get("host_state") or {}).get(f"{op}/{dtype}")
+    if state:
+        lines += [f"{when:>5}: {format_state(state.get(when))}" for when in ("start", "end")]
+    lines.append(HEADER)
     lines += [format_row(c, ws, doc.get("memcpy"), show_vllm) for c in doc["cells"]
               if c["op"] == op and c["dtype"] == dtype]
     return "\n".join(lines)
@@ -157,6 +162,12 @@ def print_report(doc: dict, out: IO[str]) -> None:
     if m["world_size"] * m["threads"] > m.get("usable_cores", m["cores"]):
         print(f"note: oversubscribed ({m['world_size']} ranks x {m['threads']} thread(s) on "
               f"{m.get('usable_cores', m['cores'])} cores): spinning waits lose whole scheduler ticks", file=out)
+    states = [v.get(w) for v in (doc.get("host_state") or {}).values() for w in ("start", "end")]
+    if any(states):
+        labels = sorted({s["state"] for s in states if s})
+        print(f"{format_state(next(s for s in states if s))}; states seen in this run: {', '.join(labels)} "
+              f"(probed at the start and end of every op block, threshold "
+              f"{next(s for s in states if s)['threshold_ns_per_line']:g} ns/line)", file=out)
     for op in doc["options"]["ops"]:
         for dtype in doc["options"]["dtypes"]:
             print("\n" + format_table(doc, op, dtype), file=out)

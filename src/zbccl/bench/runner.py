@@ -14,6 +14,9 @@ zbccl ops exist, ``zbccl.init``. Order inside the ranks:
    once after a new gate if other processes were busy), and record
    the growth of ``zbccl.memory_stats()["staged_bytes"]`` (must stay 0:
    every operand is a heap tensor).
+   With zbccl running, the host-state probe (``probe.py``: the cost of storing
+   into lines the peer core just read) runs before and after each (op, dtype)
+   block, so a flip of the host's state mid-run shows in the tables.
 
 A cell that raises on any rank is recorded as an error on every rank (the
 ranks agree through the gloo group) and the sweep goes on. all_reduce is
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import IO
@@ -42,6 +46,7 @@ from .baselines import (
     op_numel,
     silence_deprecations,
 )
+from .probe import probe_host_state
 from .timing import (
     DTYPES,
     Control,
@@ -130,6 +135,11 @@ class Harness:
     tcfg: TimingConfig
     regate: Regate | None
     idle_wait: float
+    probe: Callable[[], dict | None] | None = None  # collective host-state probe (None: zbccl not running)
+
+    def host_state(self) -> dict | None:
+        """Collective: the host-state probe's result, or None without zbccl (``probe.py``)."""
+        return self.probe() if self.probe else None
 
     def gate(self, key: str) -> dict:
         """Collective: rank 0 waits for an idle machine (bounded); the others block on the store."""
@@ -188,10 +198,11 @@ def _sweep(impls: list[Impl], opts: dict, h: Harness) -> dict:
 
     n_cells = len(opts["ops"]) * len(opts["dtypes"]) * len(opts["sizes"])
     progress = Progress(n_cells, enabled=h.rank == 0 and opts["progress"])
-    cells, gates = [], {}
+    cells, gates, states = [], {}, {}
     for op in opts["ops"]:
         for dname in opts["dtypes"]:
             gates[f"{op}/{dname}"] = h.gate(f"{op}/{dname}")
+            states[f"{op}/{dname}"] = {"start": h.host_state()}
             for nbytes in opts["sizes"]:
                 progress.step(f"{op} {dname} {nbytes} B")
                 numel = op_numel(op, nbytes, DTYPES[dname].itemsize, h.world_size)
@@ -201,8 +212,10 @@ def _sweep(impls: list[Impl], opts: dict, h: Harness) -> dict:
                     if numel > 0 and impl.supports(op):
                         cell[impl.name] = _measure(impl, op, dname, numel, h)
                 cells.append(cell)
+            states[f"{op}/{dname}"]["end"] = h.host_state()
     progress.close()
-    return {"cells": cells, "gates": gates, "regate_s": h.regate.spent_s if h.regate else 0.0}
+    return {"cells": cells, "gates": gates, "host_state": states,
+            "regate_s": h.regate.spent_s if h.regate else 0.0}
 
 
 def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
@@ -222,6 +235,7 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
             comm = zbccl.init(store=store, rank=rank, world_size=world_size, heap_size=opts["heap_size"],
                               timeout=opts["zbccl_timeout"])
             impls.append(ZbcclImpl(comm, zops))
+            h.probe = lambda c=comm: probe_host_state(c)
             if rank == 0:
                 from .micro import host_overheads
 
@@ -275,7 +289,8 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
 
     Returns the results document (the JSON's content): ``machine``, ``options``,
     ``cells`` (one per op, dtype and size, with ``zbccl``/``gloo``/``vllm``
-    entries), ``memcpy``, ``gates``, ``vllm`` and ``wall_s``. ``zbccl=False``
+    entries), ``memcpy``, ``gates``, ``host_state`` (``"op/dtype"`` -> ``{"start", "end"}``
+    probe results, see ``probe.py``; both None without zbccl), ``vllm`` and ``wall_s``. ``zbccl=False``
     benchmarks the baselines only.
     """
     from ..tools.launch import launch_local, rank_threads
@@ -294,7 +309,8 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
     t0 = time.perf_counter()
     results = launch_local(rank_main, world_size, timeout=budget, threads=nthreads, opts=opts)[0]
     doc = {"machine": report.machine_info(world_size=world_size, threads=results["threads"]), "options": opts,
-           **{k: results[k] for k in ("cells", "gates", "memcpy", "zbccl_ops", "regate_s", "overheads")},
+           **{k: results[k] for k in ("cells", "gates", "host_state", "memcpy", "zbccl_ops", "regate_s",
+                                       "overheads")},
            "vllm": None}
     if "vllm" in opts["baselines"]:
         doc["vllm"] = run_vllm_baseline(doc, world_size=world_size, threads=nthreads, quick=quick,
