@@ -8,7 +8,5 @@ straight from the senders' memory. See :class:`Buffer`.
 from .buffer import Buffer
 from .config import Config, get_low_latency_rdma_size_hint, topk_idx_t
 from .event import EventHandle, EventOverlap
-from .group import register_group_resolver
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "get_low_latency_rdma_size_hint",
-           "register_group_resolver"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "get_low_latency_rdma_size_hint"]

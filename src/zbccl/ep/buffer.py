@@ -32,7 +32,7 @@ class Buffer:
     """DeepEP-compatible expert-parallel buffer over a zbccl communicator.
 
     ``group``: a zbccl :class:`~zbccl.Communicator`, or a torch ProcessGroup: one of the zbccl
-    backend (through the adapter's resolver), or of another backend such as gloo, which runs on
+    backend (its communicator), or of another backend such as gloo, which runs on
     zbccl's default communicator, started from that group's store (``zbccl.init(group=group)``;
     heap: ``ZBCCL_HEAP_SIZE`` if set, else ``num_nvl_bytes + num_rdma_bytes`` up to 1 GiB and half
     the machine's free memory per rank, at least the default) when zbccl is not initialized yet. Construction is collective

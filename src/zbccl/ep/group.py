@@ -1,30 +1,17 @@
 """Which zbccl communicator a ``Buffer`` runs on: a Communicator, or a torch ProcessGroup's.
 
-The process-group adapter sits above ``ep`` (layers flow one way), so it registers a resolver
-here when it is imported instead of being imported from here.
+The process-group adapter sits above ``ep`` (layers flow one way), so it is never imported from
+here: a zbccl process group is recognised by the communicator it carries (its ``comm``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from .. import env
 from ..errors import ZbcclInvalidUsageError
 from ..heap.capacity import shm_capacity
 from ..runtime.communicator import Communicator
 
-__all__ = ["communicator_of", "register_group_resolver"]
-
-#: How a torch ProcessGroup of the zbccl backend maps to its zbccl communicator. Set by the process-group adapter (which
-#: sits above ``ep``, so it registers itself here instead of being imported from here).
-_group_resolver: Callable[[object], Communicator] | None = None
-
-
-def register_group_resolver(fn: Callable[[object], Communicator] | None) -> None:
-    """Let :class:`Buffer` accept torch ProcessGroups: ``fn(pg)`` returns the group's communicator."""
-    global _group_resolver
-    _group_resolver = fn
-
+__all__ = ["communicator_of"]
 
 _MAX_AUTO_HEAP = 1 << 30
 
@@ -59,8 +46,8 @@ def _backend_communicator(group) -> Communicator | None:
 def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]]:
     """``(communicator, members)``: the Buffer runs on ``communicator.new_group(members)``.
 
-    A zbccl Communicator is used with all its ranks. A torch ProcessGroup goes to the resolver the
-    process-group adapter registered, else to its zbccl backend's ``comm``, else to zbccl's default
+    A zbccl Communicator is used with all its ranks. A torch ProcessGroup goes to its zbccl
+    backend's ``comm``, else to zbccl's default
     communicator (whose global ranks are torch's when it spans torch's world, or the group's when
     it was started from this group), and, when zbccl is not initialized yet, to
     ``zbccl.init(group=group)`` (heap: ``ZBCCL_HEAP_SIZE`` if set, else ``want_bytes`` within the
@@ -75,9 +62,6 @@ def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]
     if dist is None or not isinstance(group, dist.ProcessGroup):
         raise ZbcclInvalidUsageError(
             f"Buffer: group must be a zbccl Communicator or a torch ProcessGroup, got {type(group).__name__}")
-    if _group_resolver is not None:
-        comm = _group_resolver(group)
-        return comm, list(range(comm.world_size))
     comm = _backend_communicator(group)
     if comm is not None:
         return comm, list(range(comm.world_size))
