@@ -185,6 +185,7 @@ def test_staging_counts_and_strict_mode():
 
 def _killed_mid_op(ctx):
     import os
+    import select
     import signal
     import threading
     from datetime import timedelta
@@ -201,14 +202,23 @@ def _killed_mid_op(ctx):
         ch = channel_of(comm)
         mine = FlagSet([comm.ranks[1]], [ch.my_flags[L_ARRIVE]])
 
-        def die():  # once this rank posted op #2's ARRIVE: it cannot finish before rank 0 joins
+        def armed():  # once this rank posted op #2's ARRIVE: it cannot finish before rank 0 joins
             wait_flags(comm._ctx, mine, 2, timeout=30, op="test")
-            store.set("ops/armed", b"1")
-            os.kill(os.getpid(), signal.SIGKILL)  # dies after ARRIVE, before DONE
+            store.set("ops/armed", str(os.getpid()).encode())
 
-        threading.Thread(target=die, daemon=True).start()
-        zbccl.all_reduce(t)
+        threading.Thread(target=armed, daemon=True).start()
+        zbccl.all_reduce(t)  # never returns: rank 0 kills this process first
+        raise AssertionError("op #2 finished without rank 0")
     store.wait(["ops/armed"], timedelta(seconds=30))
+    # Rank 0 kills rank 1 itself and waits until it is gone, so rank 1 cannot finish op #2 in the gap
+    # between saying "armed" and dying (which a self-kill leaves open on 2 busy cores).
+    pid = int(store.get("ops/armed"))
+    fd = os.pidfd_open(pid)
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        assert select.select([fd], [], [], 30)[0], "rank 1 did not die"
+    finally:
+        os.close(fd)
     with pytest.raises(zbccl.ZbcclRemoteError, match="died"):
         zbccl.all_reduce(t)
     zbccl.finalize()
