@@ -34,6 +34,7 @@ __all__ = [
     "ALGO",
     "TUNE_FILE",
     "STREAM_STORES",
+    "HOST_PROBE",
     "CXX",
     "LOG_LEVEL",
     "FALLBACK_OPS",
@@ -186,7 +187,13 @@ TUNE_FILE: EnvVar[str] = EnvVar(
 )
 STREAM_STORES: EnvVar[str] = EnvVar(
     "ZBCCL_STREAM_STORES", str, "auto",
-    "Stores of large twoshot all_reduce gathers: auto (per rank, whichever is measured faster), on, off.",
+    "all_reduce's stores into lines peers read: auto (per rank and size, whichever is measured faster, "
+    "re-measured every 200 ms), on (streaming), off (cached).",
+)
+HOST_PROBE: EnvVar[bool] = EnvVar(
+    "ZBCCL_HOST_PROBE", _parse_bool, True,
+    "At init (world >= 2, one host), spend ~5 ms measuring whether stores into lines a peer just read are "
+    "slow here; all_reduce's store kind starts from the verdict (Communicator.host_state).",
 )
 CXX: EnvVar[str] = EnvVar(
     "ZBCCL_CXX", str, "",
@@ -222,6 +229,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ALGO,
     TUNE_FILE,
     STREAM_STORES,
+    HOST_PROBE,
     CXX,
     LOG_LEVEL,
     FALLBACK_OPS,

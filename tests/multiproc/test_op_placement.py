@@ -61,15 +61,15 @@ def _chunked_twoshot_and_placements(ctx):
         table = table_for(ch)
         # small chunks: many pipelined twoshot steps, with ragged last chunks
         table.rules["all_reduce"] = {"*": [[-1, "twoshot", 4096]]}
-        # streaming stores in the native twoshot gather (a policy knob, off by default)
-        ch.prims.chan_configure(ch.handle, 1024)
+        # streaming stores in the native twoshot (a policy knob: mode 1 forces them)
+        ch.prims.chan_configure(ch.handle, 1, 0)
         for dtype in (torch.bfloat16, torch.float32):
             n = 100_003
             t = zbccl.empty(n, dtype=dtype)
             t.copy_(payload(me, n, dtype))
             zbccl.all_reduce(t)
             assert torch.equal(t, all_reduce_ref([payload(r, n, dtype) for r in range(W)], 0)), "stream"
-        ch.prims.chan_configure(ch.handle, 0)
+        ch.configure_stores()
         for mode in ("heap", "mixed"):  # mixed: rank 0's inputs are private (staged or pushed)
             ch.choices.clear()
             # Sequence numbers past 2^39 (every rank jumps alike): PHASE values once encoded

@@ -16,6 +16,8 @@ Header lines are written only by the owner and read by peers:
 * ``STATE``: ``STATE_INIT`` -> ``STATE_READY`` -> ``STATE_FINALIZED`` (clean exit)
   or ``STATE_FAILED`` (the owner hit an error it wants peers to see);
 * ``ERROR``: the :class:`~zbccl.errors.ErrorCode` behind ``STATE_FAILED``;
+* ``PROBE_FLAG`` and the ``PROBE`` area: the host-state probe's flag and the lines
+  it times stores into after a peer read them;
 * ``COOKIE``: a random 63-bit value written by the transport before the
   segment's descriptor is handed to anyone, and published through the store;
   a peer checks it after mapping, so a segment handed over by an impostor
@@ -32,6 +34,7 @@ __all__ = [
     "LINE", "MAGIC_VALUE", "LAYOUT_VERSION", "HEADER_BYTES", "SLOT_BYTES", "MAX_COMMS", "CTRL_BYTES",
     "STATE_INIT", "STATE_READY", "STATE_FINALIZED", "STATE_FAILED",
     "H_MAGIC", "H_VERSION", "H_RANK", "H_HEAP_BYTES", "H_PID", "H_STATE", "H_ERROR", "H_COOKIE",
+    "H_PROBE_FLAG", "H_PROBE", "PROBE_BYTES",
     "slot_offset", "slot_line", "segment_bytes", "SLOT_BARRIER",
 ]
 
@@ -54,6 +57,11 @@ H_PID = 4 * LINE
 H_STATE = 5 * LINE
 H_ERROR = 6 * LINE
 H_COOKIE = 7 * LINE
+#: The host-state probe (``runtime/hoststate.py``): its flag line, and PROBE_BYTES of lines the owner
+#: writes and a peer reads, in the header's unused second half (no heap block, nothing in memory_stats).
+H_PROBE_FLAG = 8 * LINE
+H_PROBE = HEADER_BYTES // 2
+PROBE_BYTES = HEADER_BYTES // 2
 
 STATE_INIT = 0
 STATE_READY = 1

@@ -21,8 +21,8 @@ handshake):
 
 Python checks the arguments, picks the algorithm, stages a tensor that is
 not a contiguous heap tensor, and runs the whole protocol in one native call
-(``native/csrc/chan_ops.c``). Its large twoshot gathers write with cached or
-streaming stores, chosen per rank by measuring both (``tuner.StoreKind``; the
+(``native/csrc/chan_ops.c``). twoshot writes with cached or streaming stores,
+chosen per rank and size by measuring both (``chan_ops.c``, "Store kind"; the
 protocol is the same either way). World size 1: the null backend.
 
 Bitwise identity across ranks: oneshot reduces in rank order on every rank;
@@ -31,8 +31,6 @@ and round once.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -43,10 +41,10 @@ from ..runtime.registry import collective
 from . import null
 from .args import tensor_error
 from .channel import OpChannel
-from .dtypes import dtype_code, reduce_op_code
-from .entry import run_op
+from .dtypes import SUM, dtype_code, reduce_op_code
+from .entry import profiling, run_op
 from .operands import Operand
-from .tuner import StoreKind, choose
+from .tuner import choose
 
 __all__ = ["all_reduce"]
 
@@ -64,6 +62,22 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     communicator's). Blocks the host until every rank finished reading this rank's tensor.
     Every rank gets bitwise identical results.
     """
+    ch = comm.op_state
+    if op == "sum" and timeout is None and ch is not None and ch.plain and type(tensor) is torch.Tensor:
+        # The hot path of a repeated call (a decode step's all_reduce): the tensor is the one a plan was
+        # made for (same heap address, size and dtype, contiguous), so every check already passed.
+        try:
+            plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype))
+        except RuntimeError:  # no storage (a meta tensor): the checks below say why
+            plan = None
+        if plan is not None and tensor.is_contiguous() and not profiling():
+            seq = ch.seq
+            try:
+                ch.call(plan, op=_OP)
+            except BaseException as exc:
+                ch.left(seq, exc, op=_OP)
+                raise
+            return tensor
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
     if error is None:
@@ -85,14 +99,9 @@ def _run(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
         if plan is None:
             _staged(ch, tensor, dt, red)
             return
-    nbytes = plan[2]
-    if nbytes < StoreKind.MIN_BYTES:
-        ch.call(plan, op=_OP)
-        return
-    ch.stores.before(nbytes)
-    t0 = time.perf_counter_ns()
+    if red == SUM:
+        ch.choices[(_OP, key[1], key[2], tensor.dtype)] = plan  # for the hot path in all_reduce
     ch.call(plan, op=_OP)
-    ch.stores.after(nbytes, time.perf_counter_ns() - t0)
 
 
 def _args(ch: OpChannel, tensor: torch.Tensor) -> tuple[int, int, int, int, int]:

@@ -131,7 +131,10 @@ class OpChannel:
     def _open(self, comm: Communicator) -> None:
         """Create the C channel: per group rank its flag lines, state word, heap base, published heap
         size word, liveness descriptor, size-vector area and ABORT line."""
+        from .tuner import store_kind_mode
+
         ctx, heap = self.ctx, self.ctx.heap
+        self._store_mode = store_kind_mode()  # a bad ZBCCL_STREAM_STORES fails before anything is built
         rows = []
         for r, g in enumerate(comm.ranks):
             def line(i: int, g: int = g) -> int:
@@ -147,9 +150,13 @@ class OpChannel:
         self._args = (ctypes.c_int64 * len(abi.ARGS))()
         self._args_addr = ctypes.addressof(self._args)
         self._chan_run = self.prims.chan_run
-        from .tuner import StoreKind
+        self.configure_stores()
 
-        self.stores = StoreKind(self)
+    def configure_stores(self) -> None:
+        """Apply ``ZBCCL_STREAM_STORES`` and the host probe's verdict (the kind auto tries first:
+        streaming in the slow state) to the native store-kind policy; forgets what it learnt."""
+        state = self.ctx.host_state or {}
+        self.prims.chan_configure(self.handle, self._store_mode, int(state.get("state") == "slow"))
 
     def close(self) -> None:
         """Free the C channel (``Communicator.destroy`` calls it; the handle is unusable afterwards)."""

@@ -20,7 +20,7 @@ from ..errors import ZbcclInvalidUsageError
 from .args import timeout_error
 from .channel import ERR_USAGE, OpChannel, channel_of
 
-__all__ = ["run_op", "open_op", "profiled"]
+__all__ = ["run_op", "open_op", "profiled", "profiling"]
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ def run_op(comm, opcode: int, error: str | None, native: Callable[..., None], si
     """Run one collective: ``single(*args)`` at world size 1, else ``native(ch, *args)`` on the
     channel, after ``error`` (this rank's local verdict) failed the op on every rank if set."""
     ch = comm.op_state
-    if ch is not None and ch.plain and error is None and timeout is None and not _profiling():
+    if ch is not None and ch.plain and error is None and timeout is None and not profiling():
         seq = ch.seq  # the common case, inline: nothing to fail, check or set
         try:
             native(ch, *args)
@@ -71,13 +71,13 @@ def run_op(comm, opcode: int, error: str | None, native: Callable[..., None], si
             ch.left(seq, exc, op=op)
             raise
         return None
-    if _profiling():
+    if profiling():
         with profiled(op, t):
             return _run(comm, opcode, error, native, single, args, op, timeout)
     return _run(comm, opcode, error, native, single, args, op, timeout)
 
 
-def _profiling() -> bool:
+def profiling() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 

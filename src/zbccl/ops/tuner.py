@@ -11,8 +11,9 @@ file or ``ZBCCL_ALGO`` on rank 0 is shared through the store in the table's
 place, so every rank raises the same :class:`ZbcclInvalidUsageError` at the
 communicator's first collective instead of rank 0 failing and the rest hanging.
 
-:func:`choose` reads the table (cached per communicator); :class:`StoreKind` is
-the one per-rank tuning decision made at run time (cached or streaming stores).
+:func:`choose` reads the table (cached per communicator). The one per-rank decision made at run
+time, cached or streaming stores for all_reduce, is native (:func:`store_kind_mode`); its first
+guess comes from the host-state probe run at init (``runtime/hoststate.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "OP_ALGOS", "ALGO_CODES",
            "table_for", "host_key", "table_path", "force_algorithm", "validate_rules", "load_file", "choose",
-           "StoreKind"]
+           "store_kind_mode"]
 
 #: Algorithm name -> code (``native/abi.py``).
 ALGO_CODES = {v: k for k, v in ALGO_NAMES.items()}
@@ -257,66 +258,14 @@ def choose(ch: OpChannel, opcode: int, dtype: torch.dtype, nbytes: int) -> tuple
     return algo
 
 
-class StoreKind:
-    """Per rank: cached or streaming stores for the gathers of large twoshot all_reduces.
+def store_kind_mode() -> int:
+    """``ZBCCL_STREAM_STORES`` as the native channel's store-kind mode: -1 auto, 0 cached, 1 streaming.
 
-    The gather writes slices of this rank's tensor that the peer has just read. What that
-    costs depends on the host and changes over time (docs/benchmarks.md: on the test VM cached
-    stores win by 15-20% in one state and streaming stores by 2x in the other). So each rank
-    keeps, per power-of-two size bucket, an average of the whole op's ns/byte under both
-    kinds, uses the faster one, and tries the other every ``EXPLORE``-th op of that bucket.
-    Every rank sees the same op sizes in the same order, so ranks explore in step. The choice
-    is local: it changes no byte of the protocol, so ranks may differ.
-    ``ZBCCL_STREAM_STORES=on/off`` fixes it.
+    The policy itself is native (``chan_ops.c``, "Store kind"): per rank and log2 size bucket, all_reduce
+    times its ops under both kinds and uses the cheaper one, re-measuring the other every 200 ms.
     """
-
-    EXPLORE = 32
-    MARGIN = 0.05  # switch only for a clear win: timing noise must not flip the choice
-    MIN_BYTES = 1 << 20  # ops from this size on are timed and adapt
-    SLICE_BYTES = 256 << 10  # gather slices from this size on stream when streaming is chosen
-
-    def __init__(self, ch) -> None:
-        self.ch = ch  # anything with ``prims.chan_configure`` and ``handle`` (the op channel)
-        #: log2 size bucket -> [avg ns/byte cached, avg ns/byte streaming, ops, ops cached, ops streaming]
-        self.stats: dict[int, list] = {}
-        self.current = 0
-        mode = env.STREAM_STORES.get().lower()
-        self.fixed = {"on": 1, "off": 0}.get(mode)
-        if self.fixed is None and mode != "auto":
-            raise ZbcclInvalidUsageError(f"ZBCCL_STREAM_STORES: expected auto, on or off, got {mode!r}")
-        self._use(self.fixed or 0)
-
-    def _use(self, kind: int) -> None:
-        self.ch.prims.chan_configure(self.ch.handle, self.SLICE_BYTES if kind else 0)
-        self.current = kind
-
-    def before(self, nbytes: int) -> None:
-        """Pick the store kind for an all_reduce of ``nbytes`` (per size bucket)."""
-        if self.fixed is not None or nbytes < self.MIN_BYTES:
-            return
-        st = self.stats.setdefault(nbytes.bit_length(), [None, None, 0, 0, 0])
-        if st[0] is None or st[1] is None:
-            kind = st[2] % 2  # alternate until both kinds have a warmed-up sample
-        else:
-            close = abs(st[1] - st[0]) < self.MARGIN * min(st[0], st[1])
-            best = self.current if close else int(st[1] < st[0])
-            kind = 1 - best if st[2] % self.EXPLORE == self.EXPLORE - 1 else best
-        if kind != self.current:
-            self._use(kind)
-
-    def after(self, nbytes: int, elapsed_ns: int) -> None:
-        """Learn from an all_reduce of ``nbytes`` that took ``elapsed_ns`` with the current kind.
-
-        The first op of each kind in a bucket only warms up (cold caches, first use of the
-        tensor) and is not averaged.
-        """
-        if self.fixed is not None or nbytes < self.MIN_BYTES:
-            return
-        st = self.stats[nbytes.bit_length()]
-        kind = self.current
-        st[2] += 1
-        st[3 + kind] += 1
-        if st[3 + kind] == 1:
-            return
-        rate = elapsed_ns / nbytes
-        st[kind] = rate if st[kind] is None else 0.75 * st[kind] + 0.25 * rate
+    mode = env.STREAM_STORES.get().lower()
+    kind = {"auto": -1, "off": 0, "on": 1}.get(mode)
+    if kind is None:
+        raise ZbcclInvalidUsageError(f"ZBCCL_STREAM_STORES: expected auto, on or off, got {mode!r}")
+    return kind

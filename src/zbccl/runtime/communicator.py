@@ -145,6 +145,12 @@ class Communicator:
         return self._ctx.sma
 
     @property
+    def host_state(self) -> dict | None:
+        """The host-state probe's verdict at init (``runtime/hoststate.py``: ``state`` is ``"fast"`` or
+        ``"slow"``, with the measured ns per line), or None (world size 1, ``ZBCCL_HOST_PROBE=0``)."""
+        return self._ctx.host_state
+
+    @property
     def heap_base(self) -> int:
         return self._ctx.heap.heap_base
 

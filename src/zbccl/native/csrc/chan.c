@@ -228,7 +228,7 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     zb_chan *c = calloc(1, sizeof(zb_chan));
     if (!c) return PyErr_NoMemory();
     c->W = a[0], c->me = a[1], c->spin = a[2], c->liveness_ns = a[3], c->timeout_ns = a[4], c->nthreads = a[5];
-    c->stream_bytes = INT64_MAX;
+    c->kind_mode = 0;
     const int64_t *t = (const int64_t *)(uintptr_t)a[6];
     for (int r = 0; r < c->W; r++, t += 10) {
         c->arrive[r] = (int64_t *)(uintptr_t)t[0], c->phase[r] = (int64_t *)(uintptr_t)t[1];
@@ -240,16 +240,55 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromVoidPtr(c);
 }
 
-/* chan_configure(handle, stream_bytes): policy knobs the Python layer sets. */
+/* chan_configure(handle, kind_mode, kind_prior): the store-kind policy the Python layer sets (mode -1
+ * auto, 0 cached, 1 streaming; prior: the kind auto measures first). Forgets what auto learnt. */
 static PyObject *py_chan_configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
+    int64_t a[3];
+    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "chan_configure() takes 3 arguments, got %zd", nargs);
+    for (int i = 0; i < 3; i++)
+        if (zb_i64(args[i], &a[i])) return NULL;
+    if (a[1] < -1 || a[1] > 1 || a[2] < 0 || a[2] > 1)
+        return PyErr_Format(PyExc_ValueError, "chan_configure: expected mode -1/0/1 and prior 0/1, got %lld/%lld",
+                            (long long)a[1], (long long)a[2]);
+    zb_chan *c = (zb_chan *)(uintptr_t)a[0];
+    c->kind_mode = a[1], c->kind_prior = a[2];
+    memset(c->kinds, 0, sizeof(c->kinds));
+    Py_RETURN_NONE;
+}
+
+/* chan_kinds(handle) -> [(bucket, cached ns/B, streaming ns/B, cached samples, streaming samples), ...]
+ * for the size buckets (log2 bytes) auto has measured. */
+static PyObject *py_chan_kinds(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t h;
+    if (nargs != 1) return PyErr_Format(PyExc_TypeError, "chan_kinds() takes 1 argument, got %zd", nargs);
+    if (zb_i64(args[0], &h)) return NULL;
+    zb_chan *c = (zb_chan *)(uintptr_t)h;
+    PyObject *out = PyList_New(0);
+    for (int b = 0; out && b < KIND_BUCKETS; b++) {
+        zb_kind *k = &c->kinds[b];
+        if (!k->seen[0] && !k->seen[1]) continue;
+        PyObject *row = Py_BuildValue("(iddLL)", b, k->rate[0], k->rate[1], (long long)k->seen[0],
+                                      (long long)k->seen[1]);
+        if (!row || PyList_Append(out, row) < 0) Py_CLEAR(out);
+        Py_XDECREF(row);
+    }
+    return out;
+}
+
+/* chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, wait, gather, done) in ns; on: keep
+ * recording (a few clock reads per op), off: stop. */
+static PyObject *py_chan_phases(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     int64_t a[2];
-    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_configure() takes 2 arguments, got %zd", nargs);
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_phases() takes 2 arguments, got %zd", nargs);
     for (int i = 0; i < 2; i++)
         if (zb_i64(args[i], &a[i])) return NULL;
     zb_chan *c = (zb_chan *)(uintptr_t)a[0];
-    c->stream_bytes = a[1] > 0 ? a[1] : INT64_MAX;
-    Py_RETURN_NONE;
+    c->trace = a[1] != 0;
+    return Py_BuildValue("(LLLLL)", (long long)c->phase_ns[0], (long long)c->phase_ns[1], (long long)c->phase_ns[2],
+                         (long long)c->phase_ns[3], (long long)c->phase_ns[4]);
 }
 
 static PyObject *py_chan_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -282,8 +321,13 @@ static PyMethodDef chan_methods[] = {
      "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle of a native op channel."},
     {"chan_free", (PyCFunction)(void (*)(void))py_chan_free, METH_FASTCALL, "chan_free(handle)."},
     {"chan_configure", (PyCFunction)(void (*)(void))py_chan_configure, METH_FASTCALL,
-     "chan_configure(handle, stream_bytes): twoshot gathers of at least stream_bytes use streaming "
-     "stores (<= 0: never)."},
+     "chan_configure(handle, kind_mode, kind_prior): all_reduce's store kind (-1 auto, 0 cached, 1 streaming) "
+     "and the kind auto tries first."},
+    {"chan_kinds", (PyCFunction)(void (*)(void))py_chan_kinds, METH_FASTCALL,
+     "chan_kinds(handle) -> what the auto store kind measured: (log2 bucket, cached ns/B, streaming ns/B, "
+     "cached samples, streaming samples) per bucket."},
+    {"chan_phases", (PyCFunction)(void (*)(void))py_chan_phases, METH_FASTCALL,
+     "chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, wait, gather, done) ns; on: record."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
      "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks, vector copies ptr) of the last op."},
     {NULL, NULL, 0, NULL},

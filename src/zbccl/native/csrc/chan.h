@@ -9,9 +9,19 @@
 
 #include "zb_abi.h"
 
+/* Per log2 size bucket: each store kind's cost (EWMA of ns per byte), samples taken, time of the last. */
+#define KIND_BUCKETS 64
+typedef struct {
+    double rate[2];
+    int64_t seen[2], last_ns[2];
+} zb_kind;
+
 typedef struct {
     int64_t W, me, spin, liveness_ns, timeout_ns, nthreads;
-    int64_t stream_bytes;   /* twoshot gathers at least this large use streaming stores (Python sets it) */
+    /* Store kind of all_reduce's writes (cached or streaming; see chan_ops.c "Store kind"): mode -1 auto,
+     * 0 cached, 1 streaming; prior: the kind auto tries first (the host probe's verdict) */
+    int64_t kind_mode, kind_prior;
+    zb_kind kinds[KIND_BUCKETS];
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];
     int64_t *abort[ZB_MAXW];   /* each rank's ABORT line: non-zero once it left an op half-way */
     int64_t phase_base;        /* max of every rank's posted PHASE value: step k of this op is base + k */
@@ -28,6 +38,9 @@ typedef struct {
     int64_t veccopy[2][VEC_CAP];
     char *scratch;
     int64_t scratch_bytes;
+    /* chan_phases(handle, 1): all_reduce records where its time goes (ns): arrive, reduce, wait for the
+     * peers' slices, gather, done; summed over an op's chunks, overwritten by the next op */
+    int64_t trace, phase_ns[5];
     int gil_held;           /* 1 while the calling thread still holds the GIL */
     PyThreadState *saved;   /* its thread state once a long wait released the GIL */
 } zb_chan;

@@ -17,6 +17,26 @@
 
 #include "reduce.h"
 
+#define PREFETCH_MAX (64 << 10)
+
+#include <time.h>
+
+/* Phase tracing (chan_phases): add the time since the last mark to phase i. */
+static inline int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+#define MARK(c, i, t)                                     \
+    do {                                                  \
+        if ((c)->trace) {                                 \
+            int64_t _now = mono_ns();                     \
+            (c)->phase_ns[i] += _now - (t);               \
+            (t) = _now;                                   \
+        }                                                 \
+    } while (0)
+enum { PH_ARRIVE, PH_REDUCE, PH_WAIT, PH_GATHER, PH_DONE };
+
 /* 1 if [off, off+nbytes) lies in rank r's heap, else records r and returns 0. The size is read
  * now (acquire): the owner publishes a grown size only after the new range is backed, and any
  * offset we got from it was handed out after that. */
@@ -37,6 +57,13 @@ static int ensure_scratch(zb_chan *c, int64_t nbytes) {
 }
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Ask for a peer's lines all at once, so their cross-core misses overlap instead of following one
+ * another (the hardware prefetcher needs a run of misses before it starts; a small slice is over by then). */
+static void prefetch(const char *p, int64_t nbytes) {
+    if (nbytes > PREFETCH_MAX) nbytes = PREFETCH_MAX;
+    for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
 
 /* Post an error of `kind` with its text in this rank's header instead of failing alone: every rank
  * then sees it in the handshake and fails together (as ops/channel.py OpChannel.fail does). */
@@ -67,7 +94,47 @@ static int check_sizes(zb_chan *c, int64_t seq) {
 }
 
 static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
-                   int op, double divisor, int nt, int64_t chunk);
+                   int op, double divisor, int nt, int64_t chunk, int stream, int64_t t);
+
+/* ------------------------------------------------------------ Store kind
+ *
+ * twoshot writes into lines a peer has just read (its reduced slice, which the peer read in the last
+ * op's gather; the gathered slices, which the peer read in this op's reduce). What a cached store into
+ * such a line costs depends on the host and changes over minutes (docs/benchmarks.md, "Host state
+ * probe": on the test VM ~7 ns a line in the fast state, ~28 in the slow one); a streaming store skips
+ * the read-for-ownership but sends the line to memory, so the peer's next read of it misses. Which is
+ * faster depends on the size and the state, so each rank measures: per log2 size bucket, an EWMA of
+ * the whole op's ns per byte under each kind. It uses the cheaper one and re-measures the other once
+ * its last sample is KIND_STALE_NS old, so a change of state is followed within a few hundred
+ * milliseconds at any op rate. A fresh sample after a stale one replaces the average instead of
+ * blending in. The first op of each kind in a bucket only warms up. The choice is this rank's alone:
+ * either kind writes the same bytes and fences before the next flag, so ranks may differ.
+ * Below KIND_MIN_BYTES the op is all handshake: cached stores, not measured. */
+#define KIND_STALE_NS 200000000LL
+#define KIND_MIN_BYTES 2048
+
+static int kind_bucket(int64_t nbytes) { return 63 - __builtin_clzll((unsigned long long)nbytes); }
+
+static int kind_choose(zb_chan *c, int64_t nbytes, int64_t now) {
+    if (c->kind_mode >= 0) return (int)c->kind_mode;
+    if (nbytes < KIND_MIN_BYTES) return 0;
+    zb_kind *k = &c->kinds[kind_bucket(nbytes)];
+    int first = (int)c->kind_prior;
+    if (k->seen[first] < 2) return first;
+    if (k->seen[1 - first] < 2) return 1 - first;
+    int best = k->rate[1] < k->rate[0];
+    return now - k->last_ns[1 - best] > KIND_STALE_NS ? 1 - best : best;
+}
+
+static void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int64_t now) {
+    if (c->kind_mode >= 0 || nbytes < KIND_MIN_BYTES) return;
+    zb_kind *k = &c->kinds[kind_bucket(nbytes)];
+    double rate = (double)(now - start) / (double)nbytes;
+    int stale = now - k->last_ns[kind] > KIND_STALE_NS;
+    k->last_ns[kind] = now;
+    if (++k->seen[kind] == 1) return; /* warm-up */
+    k->rate[kind] = k->seen[kind] == 2 || stale ? rate : 0.75 * k->rate[kind] + 0.25 * rate;
+}
 
 static int allreduce(zb_chan *c, zb_op *o) {
     int64_t count = o->in_numel, seq = o->seq, itemsize = o->itemsize;
@@ -80,8 +147,11 @@ static int allreduce(zb_chan *c, zb_op *o) {
                  "algorithm", (long long)nbytes);
         post_error(c, o, ERR_NOMEM, text);
     }
+    int64_t t = 0, start = c->kind_mode < 0 || c->trace ? mono_ns() : 0;
+    if (c->trace) memset(c->phase_ns, 0, sizeof(c->phase_ns)), t = start;
     int rc = begin_op(c, o, fields, 6);
     if (rc) return rc;
+    MARK(c, PH_ARRIVE, t);
     const void *srcs[ZB_MAXW];
     for (int r = 0; r < c->W; r++) {
         if (!in_heap(c, r, c->hdrcopy[r][H_IN_OFF], nbytes)) return fail_op(c, seq, RC_SPAN);
@@ -99,7 +169,10 @@ static int allreduce(zb_chan *c, zb_op *o) {
         zb_copy(dst, c->scratch, nbytes, nt);
         return RC_OK;
     }
-    return twoshot(c, seq, srcs, dst, count, itemsize, dt, op, divisor, nt, o->aux);
+    int stream = kind_choose(c, nbytes, start);
+    rc = twoshot(c, seq, srcs, dst, count, itemsize, dt, op, divisor, nt, o->aux, stream, t);
+    if (!rc && start) kind_learn(c, nbytes, stream, start, mono_ns());
+    return rc;
 }
 
 /* Slice r of [lo, hi): 64-byte aligned, so no two ranks write one cache line. */
@@ -118,7 +191,7 @@ static void slice_of(int64_t lo, int64_t hi, int64_t W, int64_t r, int64_t items
  * copy of them any more). Gathering one chunk behind keeps the peer's freshly
  * reduced lines in cache and overlaps the two phases. */
 static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
-                   int op, double divisor, int nt, int64_t chunk) {
+                   int op, double divisor, int nt, int64_t chunk, int stream, int64_t t) {
     if (chunk <= 0) chunk = count;
     int64_t nchunks = (count + chunk - 1) / chunk;
     for (int64_t k = 0; k <= nchunks; k++) {
@@ -127,33 +200,41 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
             slice_of(k * chunk, min64(count, (k + 1) * chunk), c->W, c->me, itemsize, &a, &b);
             if (b > a) {
                 const void *part[ZB_MAXW];
-                for (int r = 0; r < c->W; r++) part[r] = (const char *)srcs[r] + a * itemsize;
                 int64_t n = (b - a) * itemsize;
-                if (n >= c->stream_bytes && ensure_scratch(c, n) == 0) {
+                for (int r = 0; r < c->W; r++) {
+                    part[r] = (const char *)srcs[r] + a * itemsize;
+                    if (r != c->me) prefetch(part[r], n);
+                }
+                if (stream) {
                     /* the peer read these lines in the previous op's gather: reduce in cache, stream out */
-                    zb_reduce_n(c->scratch, part, c->W, b - a, dt, op, divisor, nt);
-                    zb_copy_stream(dst + a * itemsize, c->scratch, n, nt);
+                    zb_reduce_n_stream(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
                 } else {
                     zb_reduce_n(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
                 }
             }
+            MARK(c, PH_REDUCE, t);
             signal_flag(c->phase[c->me], c->phase_base + k + 1);
         }
         if (k >= 1) {
             int rc = wait_all(c, c->phase, c->phase_base + k);
             if (rc) return rc;
+            MARK(c, PH_WAIT, t);
             for (int i = 1; i < c->W; i++) {
                 int64_t q = (c->me + i) % c->W, a, b;
                 slice_of((k - 1) * chunk, min64(count, k * chunk), c->W, q, itemsize, &a, &b);
                 int64_t n = (b - a) * itemsize;
-                if (n >= c->stream_bytes) /* lines peer q just read: stream, no read-for-ownership */
+                prefetch((const char *)srcs[q] + a * itemsize, n);
+                if (stream) /* lines peer q just read: stream, no read-for-ownership */
                     zb_copy_stream(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
                 else if (n > 0)
                     zb_copy(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
             }
+            MARK(c, PH_GATHER, t);
         }
     }
-    return sync_on(c, c->done, seq);
+    int rc = sync_on(c, c->done, seq);
+    MARK(c, PH_DONE, t);
+    return rc;
 }
 
 

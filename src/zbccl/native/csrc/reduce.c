@@ -193,8 +193,31 @@ static void block_bool(uint8_t *dst, const uint8_t *const *srcs, long n, long of
     memcpy(dst + off, acc, (size_t)m);
 }
 
+static long dtype_size(int dtype) {
+    switch (dtype) {
+    case ZB_DT_F32: case ZB_DT_I32: return 4;
+    case ZB_DT_BF16: case ZB_DT_F16: case ZB_DT_I16: return 2;
+    case ZB_DT_F64: case ZB_DT_I64: return 8;
+    default: return 1;
+    }
+}
+
+/* The vector kernel (reduce_simd.c) for float SUM/AVG: how many leading elements it did. */
+static long simd_part(char *dst, const void *const *srcs, long n, long off, long m, int dtype, int op,
+                      double divisor, int stream) {
+    if ((op != ZB_OP_SUM && op != ZB_OP_AVG) || (dtype != ZB_DT_F32 && dtype != ZB_DT_BF16 && dtype != ZB_DT_F16))
+        return 0;
+    long isz = dtype_size(dtype);
+    const void *part[ZB_MAXW];
+    for (long k = 0; k < n; k++) part[k] = (const char *)srcs[k] + off * isz;
+    return zb_simd_sum(dst + off * isz, part, n, m, dtype, op == ZB_OP_AVG, (float)divisor, stream);
+}
+
 static void reduce_block(void *dst, const void *const *srcs, long n, long off, long m, int dtype, int op,
                          double divisor) {
+    long done = simd_part(dst, srcs, n, off, m, dtype, op, divisor, 0);
+    if (done == m) return;
+    off += done, m -= done;
     switch (dtype) {
     case ZB_DT_F32: block_f32(dst, (const float *const *)srcs, n, off, m, op, (float)divisor); break;
     case ZB_DT_BF16: block_half(dst, (const uint16_t *const *)srcs, n, off, m, op, (float)divisor, 1); break;
@@ -272,13 +295,48 @@ static void copy_stream(char *dst, const char *src, long nbytes) {
     memcpy(dst + 16 * n16, src + 16 * n16, (size_t)(nbytes - 16 * n16));
     _mm_sfence();
 }
+static void store_fence(void) { _mm_sfence(); }
 #else
 static void copy_stream(char *dst, const char *src, long nbytes) {
     memcpy(dst, src, (size_t)nbytes);
     __atomic_thread_fence(__ATOMIC_RELEASE);
 }
+static void store_fence(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
 #endif
 
 void zb_copy_stream(void *dst, const void *src, long nbytes, int nthreads) {
     split_copy(dst, src, nbytes, nthreads, copy_stream);
+}
+
+/* One block reduced into an L1-resident buffer, then streamed out: no read-for-ownership of dst's
+ * lines and no wait on the invalidation of a peer's copy (see copy_stream). */
+static void reduce_block_stream(char *dst, const void *const *srcs, long n, long off, long m, int dtype, int op,
+                                double divisor, long isz) {
+    long done = simd_part(dst, srcs, n, off, m, dtype, op, divisor, 1);
+    if (done == m) return;
+    off += done, m -= done;
+    _Alignas(64) char tmp[BLOCK * 8];
+    const void *part[ZB_MAXW];
+    for (long k = 0; k < n; k++) part[k] = (const char *)srcs[k] + off * isz;
+    reduce_block(tmp, part, n, 0, m, dtype, op, divisor);
+    copy_stream(dst + off * isz, tmp, m * isz);
+}
+
+void zb_reduce_n_stream(void *dst, const void *const *srcs, long n, long count, int dtype, int op, double divisor,
+                        int nthreads) {
+    long nblocks = (count + BLOCK - 1) / BLOCK, isz = dtype_size(dtype);
+    if (n > ZB_MAXW) n = ZB_MAXW;
+    if (nthreads > 1 && nblocks > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long b = 0; b < nblocks; b++) {
+            long off = b * BLOCK, m = count - off < BLOCK ? count - off : BLOCK;
+            reduce_block_stream(dst, srcs, n, off, m, dtype, op, divisor, isz);
+        }
+    } else {
+        for (long b = 0; b < nblocks; b++) {
+            long off = b * BLOCK, m = count - off < BLOCK ? count - off : BLOCK;
+            reduce_block_stream(dst, srcs, n, off, m, dtype, op, divisor, isz);
+        }
+    }
+    store_fence();
 }

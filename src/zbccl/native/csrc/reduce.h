@@ -10,6 +10,12 @@ int zb_reduce_valid(int dtype, int op);
 /* dst[i] = op over srcs[0..n-1][i] for i < count (elements); AVG divides by divisor. dst may alias a source. */
 void zb_reduce_n(void *dst, const void *const *srcs, long n, long count, int dtype, int op, double divisor,
                  int nthreads);
+/* zb_reduce_n whose stores are non-temporal (dst's lines are not read for ownership; ends with sfence). */
+void zb_reduce_n_stream(void *dst, const void *const *srcs, long n, long count, int dtype, int op, double divisor,
+                        int nthreads);
+/* reduce_simd.c: dst[i] = sum (or average) of srcs[k][i] for the leading elements of [0, m) it can do with
+ * vector code (float32/bfloat16/float16 only); returns how many (0: none, the caller does the rest). */
+long zb_simd_sum(void *dst, const void *const *srcs, long n, long m, int dtype, int avg, float divisor, int stream);
 /* memcpy split over nthreads for large sizes. */
 void zb_copy(void *dst, const void *src, long nbytes, int nthreads);
 /* The same with non-temporal stores and a closing store fence (large writes into lines peers hold). */

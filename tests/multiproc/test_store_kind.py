@@ -1,0 +1,123 @@
+"""all_reduce's store kind (native policy, ``chan_ops.c`` "Store kind"): both kinds give the reference's
+bits at every size and alignment; auto measures both per size bucket, starts from the host probe's verdict,
+and re-measures the other kind once its sample is stale; the environment fixes it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.multiproc.test_ops import MiB, payload
+from tests.spawn import run_world
+
+STALE_S = 0.2  # KIND_STALE_NS in chan_ops.c
+
+
+def _kinds(ch) -> dict[int, tuple]:
+    """log2 bucket -> (cached ns/B, streaming ns/B, cached samples, streaming samples)."""
+    return {b: tuple(rest) for b, *rest in ch.prims.chan_kinds(ch.handle)}
+
+
+def _both_kinds_exact(ctx):
+    import zbccl
+    from zbccl.ops.channel import channel_of
+    from zbccl.ops.reference import all_reduce_ref
+
+    comm = ctx.init(heap_size=32 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        ch = channel_of(comm)
+        for mode in (0, 1):
+            ch.prims.chan_configure(ch.handle, mode, 0)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for n in (1, 33, 1031, 4099, 70001, 600_001):
+                    for skew in (0, 1):  # an operand that starts off a vector boundary too
+                        block = zbccl.empty(n + skew, dtype=dtype)
+                        t = block[skew:]
+                        t.copy_(payload(me, n, dtype))
+                        zbccl.all_reduce(t)
+                        ref = all_reduce_ref([payload(r, n, dtype) for r in range(W)], 0)
+                        assert torch.equal(t, ref), f"mode {mode} {dtype} n={n} skew={skew}"
+        return True
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_both_store_kinds_are_bit_exact(world_size):
+    assert run_world(_both_kinds_exact, world_size, timeout=120) == [True] * world_size
+
+
+def _auto_policy(ctx):
+    import zbccl
+    from zbccl.ops.channel import channel_of
+
+    comm = ctx.init(heap_size=16 * MiB)
+    try:
+        assert comm.host_state is not None and comm.host_state["state"] in ("fast", "slow")
+        ch = channel_of(comm)
+        t = zbccl.zeros(32 * 1024, dtype=torch.bfloat16)  # 64 KiB: bucket 16
+        # the probe's verdict is the kind tried first: a slow host starts streaming
+        comm._ctx.host_state = {**comm.host_state, "state": "slow"}
+        ch.configure_stores()
+        zbccl.all_reduce(t)
+        first = _kinds(ch)[16]
+        assert first[2:] == (0, 1), first
+        for _ in range(10):
+            zbccl.all_reduce(t)
+        settled = _kinds(ch)[16]
+        assert settled[2] >= 2 and settled[3] >= 2 and settled[0] > 0 and settled[1] > 0, settled
+        # ops below 2 KiB are all handshake: cached, not measured
+        zbccl.all_reduce(zbccl.zeros(16))
+        assert 4 not in _kinds(ch)
+        # the kind not in use is re-measured once its last sample is stale, whatever the op rate
+        comm.barrier()
+        before = _kinds(ch)[16]
+        time.sleep(STALE_S * 1.5)  # lets a sample age past KIND_STALE_NS; no rank waits on another here
+        zbccl.all_reduce(t)
+        zbccl.all_reduce(t)
+        after = _kinds(ch)[16]
+        assert after[2] > before[2] and after[3] > before[3], (before, after)
+        return True
+    finally:
+        zbccl.finalize()
+
+
+def test_auto_store_kind_measures_both_and_follows():
+    assert run_world(_auto_policy, 2, timeout=60) == [True, True]
+
+
+def _fixed(ctx):
+    import zbccl
+    from zbccl.ops.channel import channel_of
+
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        ch = channel_of(comm)
+        t = zbccl.zeros(32 * 1024, dtype=torch.bfloat16)
+        for _ in range(6):
+            zbccl.all_reduce(t)
+        return comm.host_state, _kinds(ch)
+    finally:
+        zbccl.finalize()
+
+
+def test_environment_fixes_the_kind_and_the_probe():
+    for state, kinds in run_world(_fixed, 2, env={"ZBCCL_STREAM_STORES": "on", "ZBCCL_HOST_PROBE": "0"}):
+        assert state is None and kinds == {}  # a fixed kind measures nothing
+
+
+def _bad_mode(ctx):
+    import zbccl
+
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="ZBCCL_STREAM_STORES"):
+        ctx.init(heap_size=8 * MiB)
+        zbccl.all_reduce(zbccl.zeros(16))
+    zbccl.finalize()
+    return True
+
+
+def test_bad_store_kind_setting_is_refused():
+    assert run_world(_bad_mode, 2, env={"ZBCCL_STREAM_STORES": "sometimes"}) == [True, True]
