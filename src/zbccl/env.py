@@ -187,7 +187,7 @@ TUNE_FILE: EnvVar[str] = EnvVar(
 )
 STREAM_STORES: EnvVar[str] = EnvVar(
     "ZBCCL_STREAM_STORES", str, "auto",
-    "all_reduce's stores into lines peers read: auto (per rank and size, whichever is measured faster, "
+    "all_reduce's stores into lines peers read (group rank 0's setting decides): auto (per size, whichever is measured faster, "
     "re-measured every 200 ms), on (streaming), off (cached).",
 )
 HOST_PROBE: EnvVar[bool] = EnvVar(

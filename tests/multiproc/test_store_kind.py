@@ -63,6 +63,15 @@ def _auto_policy(ctx):
         comm._ctx.host_state = {**comm.host_state, "state": "slow"}
         ch.configure_stores()
         zbccl.all_reduce(t)
+        if comm.rank != 0:  # group rank 0 measures and chooses for everyone; the others keep no stats
+            for _ in range(10):
+                zbccl.all_reduce(t)
+            zbccl.all_reduce(zbccl.zeros(16))
+            comm.barrier()
+            zbccl.all_reduce(t)
+            zbccl.all_reduce(t)
+            assert _kinds(ch) == {}
+            return True
         first = _kinds(ch)[16]
         assert first[2:] == (0, 1), first
         for _ in range(10):
@@ -105,6 +114,7 @@ def _fixed(ctx):
 
 
 def test_environment_fixes_the_kind_and_the_probe():
+    # "on" on every rank; rank 0's choice is the one used, and a fixed kind measures nothing
     for state, kinds in run_world(_fixed, 2, env={"ZBCCL_STREAM_STORES": "on", "ZBCCL_HOST_PROBE": "0"}):
         assert state is None and kinds == {}  # a fixed kind measures nothing
 

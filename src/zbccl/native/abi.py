@@ -28,17 +28,18 @@ __all__ = [
     "ERRORS", "ABORTS", "SLOT_LINES", "VEC_CAP", "MAX_WORLD", "STATES", "c_header",
 ]
 
-#: Op header fields, in order (int64 each; 16 slots, the last unused).
+#: Op header fields, in order (int64 each; 16 slots). KIND: the store kind group rank 0 chose for the op
+#: (all_reduce; the others follow it, so the kind it measures is the one every rank used).
 HEADER = ("SEQ", "OP", "DTYPE", "REDOP", "IN_NUMEL", "OUT_NUMEL", "IN_OFF", "OUT_OFF", "ALGO", "ROOT", "ROW",
-          "DIGEST", "ERROR", "AUX", "PHASE_BASE")
+          "DIGEST", "ERROR", "AUX", "PHASE_BASE", "KIND")
 HDR_FIELDS = 16
-#: The argument struct ``zb_op``: the header (16 fields, PAD unused), then what only this rank needs.
+#: The argument struct ``zb_op``: the header (16 fields; C sets KIND), then what only this rank needs.
 #: in_addr/out_addr: local addresses of the operands; itemsize: bytes per element; counts: address of
 #: ``nvec`` int64 sizes this rank posts in its size-vector area (per-rank counts; all_to_all: in | out);
 #: stage_off: a heap block (offset) reserved for this rank's private input, -1 if the input is in the
 #: heap (exchanges copy into it only when no algorithm can do without); timeout_ns: this op's wait
 #: budget; staged (written by C): the bytes it staged.
-ARGS = tuple(h.lower() for h in HEADER) + ("pad", "in_addr", "out_addr", "itemsize", "counts", "nvec",
+ARGS = tuple(h.lower() for h in HEADER) + ("in_addr", "out_addr", "itemsize", "counts", "nvec",
                                            "stage_off", "timeout_ns", "staged")
 
 OPS = {"ALL_REDUCE": 1, "ALL_GATHER": 2, "REDUCE_SCATTER": 3, "ALL_TO_ALL": 4, "BROADCAST": 5}
@@ -82,7 +83,7 @@ def c_header() -> str:
     lines += ["", "/* One op's arguments, filled by Python (ops/channel.py) and passed by address. */",
               "typedef struct {", *(f"    int64_t {a};" for a in ARGS), "} zb_op;",
               f"_Static_assert(sizeof(zb_op) == {len(ARGS)} * 8, \"zb_op is packed int64\");",
-              f"_Static_assert(offsetof(zb_op, pad) == {HDR_FIELDS - 1} * 8, \"header fields lead zb_op\");",
+              f"_Static_assert(offsetof(zb_op, in_addr) == {HDR_FIELDS} * 8, \"header fields lead zb_op\");",
               "", "#endif", ""]
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ and round once.
 from __future__ import annotations
 
 import torch
+import torch.autograd.profiler as _profiler
 
 from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_ALL_REDUCE
@@ -42,7 +43,7 @@ from . import null
 from .args import tensor_error
 from .channel import OpChannel
 from .dtypes import SUM, dtype_code, reduce_op_code
-from .entry import profiling, run_op
+from .entry import run_op
 from .operands import Operand
 from .tuner import choose
 
@@ -70,13 +71,16 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
             plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype))
         except RuntimeError:  # no storage (a meta tensor): the checks below say why
             plan = None
-        if plan is not None and tensor.is_contiguous() and not profiling():
-            seq = ch.seq
+        if plan is not None and tensor.is_contiguous() and not _profiler._is_profiler_enabled:
+            seq = ch.seq  # OpChannel.call, inline
+            ch.seq = plan[0][0] = seq + 1
             try:
-                ch.call(plan, op=_OP)
-            except BaseException as exc:
+                rc = ch._chan_run(ch.handle, plan[1])
+            except BaseException as exc:  # Ctrl-C in a wait: the peers must learn this rank left
                 ch.left(seq, exc, op=_OP)
                 raise
+            if rc:
+                ch.raise_for(rc, op=_OP)
             return tensor
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
@@ -99,8 +103,8 @@ def _run(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
         if plan is None:
             _staged(ch, tensor, dt, red)
             return
-    if red == SUM:
-        ch.choices[(_OP, key[1], key[2], tensor.dtype)] = plan  # for the hot path in all_reduce
+    if red == SUM and ch.plain:  # the plan holds the default timeout: the hot path in all_reduce may use it
+        ch.choices[(_OP, key[1], key[2], tensor.dtype)] = plan
     ch.call(plan, op=_OP)
 
 

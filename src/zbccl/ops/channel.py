@@ -289,7 +289,7 @@ class OpChannel:
 
 # The argument order of OpChannel.run is the order of zb_op (abi.ARGS) less what the channel fills.
 assert tuple(inspect.signature(OpChannel.run).parameters)[1:-1] == tuple(
-    "opcode" if a == "op" else a for a in abi.ARGS if a not in ("seq", "digest", "phase_base", "pad", "timeout_ns", "staged")
+    "opcode" if a == "op" else a for a in abi.ARGS if a not in ("seq", "digest", "phase_base", "kind", "timeout_ns", "staged")
 ), "OpChannel.run's parameters must follow abi.ARGS"
 
 

@@ -143,7 +143,8 @@ def collective(op: str) -> Callable[[F], F]:
             c = _default if comm is None else comm
             try:  # the common case inline, as cheap as it gets: a live, uncontended communicator
                 lock = c._op_lock
-                fast = c._live and not lock.queue and lock.mutex.acquire(False)
+                mutex = lock.mutex
+                fast = c._live and not lock.queue and mutex.acquire(False)
             except AttributeError:
                 fast = False
             if fast:
@@ -151,10 +152,16 @@ def collective(op: str) -> Callable[[F], F]:
                 if not c._live:  # finalize ran in between: see _enter
                     lock.release()
                     check_usable(c, op)
-            else:
-                c = resolve_comm(comm, op=op)
-                lock = c._op_lock
-                _enter(c, op, kwargs.get("timeout"))
+                try:
+                    return fn(*args, comm=c, **kwargs) if kwargs else fn(*args, comm=c)
+                finally:  # OpLock.release, inline: this thread took the mutex above, so depth is 0
+                    lock.owner = None
+                    mutex.release()
+                    if lock.queue or lock._watchers:
+                        lock.wake()
+            c = resolve_comm(comm, op=op)
+            lock = c._op_lock
+            _enter(c, op, kwargs.get("timeout"))
             try:
                 return fn(*args, comm=c, **kwargs)
             finally:

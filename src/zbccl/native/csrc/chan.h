@@ -14,6 +14,7 @@
 typedef struct {
     double rate[2];
     int64_t seen[2], last_ns[2];
+    int64_t ops, explore_at, interval; /* ops of the bucket; the op that re-measures the other kind; backoff */
 } zb_kind;
 
 typedef struct {

@@ -103,15 +103,21 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
  * such a line costs depends on the host and changes over minutes (docs/benchmarks.md, "Host state
  * probe": on the test VM ~7 ns a line in the fast state, ~28 in the slow one); a streaming store skips
  * the read-for-ownership but sends the line to memory, so the peer's next read of it misses. Which is
- * faster depends on the size and the state, so each rank measures: per log2 size bucket, an EWMA of
- * the whole op's ns per byte under each kind. It uses the cheaper one and re-measures the other once
- * its last sample is KIND_STALE_NS old, so a change of state is followed within a few hundred
- * milliseconds at any op rate. A fresh sample after a stale one replaces the average instead of
- * blending in. The first op of each kind in a bucket only warms up. The choice is this rank's alone:
- * either kind writes the same bytes and fences before the next flag, so ranks may differ.
- * Below KIND_MIN_BYTES the op is all handshake: cached stores, not measured. */
+ * faster depends on the size and the state, so group rank 0 measures: per log2 size bucket, an average
+ * of the whole op's ns per byte under each kind (the first op of each kind only warms up; the second
+ * sets the average, later ones move it halfway). It uses the cheaper kind and re-measures the other
+ * after `interval` ops (4, doubling up to KIND_MAX_INTERVAL while the other keeps losing, back to 4
+ * when it wins) or once its last sample is KIND_STALE_NS old, whichever comes first: a change of state
+ * is followed within a few hundred milliseconds at any op rate, and a kind that lost stays cheap to
+ * keep testing (at most 1 op in 64 once settled). A sample after a stale one replaces the average.
+ * Rank 0 posts its choice in its header (H_KIND) and every rank uses it: each rank's op time includes
+ * waiting for the others, so choices made per rank are measured against the peers' choices and cannot
+ * tell the kinds apart (measured: per-rank choices settled on cached stores in the slow state, 10 us
+ * where streaming takes 6.5 at 16 KiB). Either kind writes the same bytes and fences before the next
+ * flag. Below KIND_MIN_BYTES the op is all handshake: cached stores, not measured. */
 #define KIND_STALE_NS 200000000LL
 #define KIND_MIN_BYTES 2048
+#define KIND_MAX_INTERVAL 64
 
 static int kind_bucket(int64_t nbytes) { return 63 - __builtin_clzll((unsigned long long)nbytes); }
 
@@ -123,17 +129,27 @@ static int kind_choose(zb_chan *c, int64_t nbytes, int64_t now) {
     if (k->seen[first] < 2) return first;
     if (k->seen[1 - first] < 2) return 1 - first;
     int best = k->rate[1] < k->rate[0];
-    return now - k->last_ns[1 - best] > KIND_STALE_NS ? 1 - best : best;
+    return k->ops >= k->explore_at || now - k->last_ns[1 - best] > KIND_STALE_NS ? 1 - best : best;
 }
 
 static void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int64_t now) {
     if (c->kind_mode >= 0 || nbytes < KIND_MIN_BYTES) return;
     zb_kind *k = &c->kinds[kind_bucket(nbytes)];
     double rate = (double)(now - start) / (double)nbytes;
-    int stale = now - k->last_ns[kind] > KIND_STALE_NS;
+    int stale = now - k->last_ns[kind] > KIND_STALE_NS, was_best = k->rate[kind] <= k->rate[1 - kind];
     k->last_ns[kind] = now;
+    k->ops++;
     if (++k->seen[kind] == 1) return; /* warm-up */
-    k->rate[kind] = k->seen[kind] == 2 || stale ? rate : 0.75 * k->rate[kind] + 0.25 * rate;
+    k->rate[kind] = k->seen[kind] == 2 || stale ? rate : 0.5 * (k->rate[kind] + rate);
+    if (k->seen[1 - kind] < 2) return;
+    if (!was_best) { /* that op re-measured the kind not in use: back off while it keeps losing */
+        int lost = k->rate[kind] > k->rate[1 - kind];
+        k->interval = lost ? (k->interval * 2 > KIND_MAX_INTERVAL ? KIND_MAX_INTERVAL : k->interval * 2) : 4;
+        k->explore_at = k->ops + k->interval;
+    } else if (!k->interval) {
+        k->interval = 4;
+        k->explore_at = k->ops + 4;
+    }
 }
 
 static int allreduce(zb_chan *c, zb_op *o) {
@@ -149,8 +165,10 @@ static int allreduce(zb_chan *c, zb_op *o) {
     }
     int64_t t = 0, start = c->kind_mode < 0 || c->trace ? mono_ns() : 0;
     if (c->trace) memset(c->phase_ns, 0, sizeof(c->phase_ns)), t = start;
+    o->kind = c->me == 0 ? kind_choose(c, nbytes, start) : 0; /* group rank 0 chooses for everyone */
     int rc = begin_op(c, o, fields, 6);
     if (rc) return rc;
+    int stream = (int)c->hdrcopy[0][H_KIND];
     MARK(c, PH_ARRIVE, t);
     const void *srcs[ZB_MAXW];
     for (int r = 0; r < c->W; r++) {
@@ -169,9 +187,8 @@ static int allreduce(zb_chan *c, zb_op *o) {
         zb_copy(dst, c->scratch, nbytes, nt);
         return RC_OK;
     }
-    int stream = kind_choose(c, nbytes, start);
     rc = twoshot(c, seq, srcs, dst, count, itemsize, dt, op, divisor, nt, o->aux, stream, t);
-    if (!rc && start) kind_learn(c, nbytes, stream, start, mono_ns());
+    if (!rc && start && c->me == 0) kind_learn(c, nbytes, stream, start, mono_ns());
     return rc;
 }
 
