@@ -277,7 +277,7 @@ static PyObject *py_chan_kinds(PyObject *self, PyObject *const *args, Py_ssize_t
     return out;
 }
 
-/* chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, wait, gather, done) in ns; on: keep
+/* chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, push, done) in ns; on: keep
  * recording (a few clock reads per op), off: stop. */
 static PyObject *py_chan_phases(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -287,8 +287,8 @@ static PyObject *py_chan_phases(PyObject *self, PyObject *const *args, Py_ssize_
         if (zb_i64(args[i], &a[i])) return NULL;
     zb_chan *c = (zb_chan *)(uintptr_t)a[0];
     c->trace = a[1] != 0;
-    return Py_BuildValue("(LLLLL)", (long long)c->phase_ns[0], (long long)c->phase_ns[1], (long long)c->phase_ns[2],
-                         (long long)c->phase_ns[3], (long long)c->phase_ns[4]);
+    return Py_BuildValue("(LLLL)", (long long)c->phase_ns[0], (long long)c->phase_ns[1], (long long)c->phase_ns[2],
+                         (long long)c->phase_ns[3]);
 }
 
 static PyObject *py_chan_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -327,7 +327,7 @@ static PyMethodDef chan_methods[] = {
      "chan_kinds(handle) -> what the auto store kind measured: (log2 bucket, cached ns/B, streaming ns/B, "
      "cached samples, streaming samples) per bucket."},
     {"chan_phases", (PyCFunction)(void (*)(void))py_chan_phases, METH_FASTCALL,
-     "chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, wait, gather, done) ns; on: record."},
+     "chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, push, done) ns; on: record."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
      "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks, vector copies ptr) of the last op."},
     {NULL, NULL, 0, NULL},

@@ -11,10 +11,12 @@
 
 /* Per log2 size bucket: each store kind's cost (EWMA of ns per byte), samples taken, time of the last. */
 #define KIND_BUCKETS 64
+#define KIND_HIST 4
 typedef struct {
-    double rate[2];
+    double rate[2], hist[2][KIND_HIST]; /* rate: the least of the last KIND_HIST samples (ns per byte) */
     int64_t seen[2], last_ns[2];
     int64_t ops, explore_at, interval; /* ops of the bucket; the op that re-measures the other kind; backoff */
+    int64_t prev, run;                 /* kind of the last op (+1; 0 none); ops left of an exploring run */
 } zb_kind;
 
 typedef struct {
@@ -39,9 +41,9 @@ typedef struct {
     int64_t veccopy[2][VEC_CAP];
     char *scratch;
     int64_t scratch_bytes;
-    /* chan_phases(handle, 1): all_reduce records where its time goes (ns): arrive, reduce, wait for the
-     * peers' slices, gather, done; summed over an op's chunks, overwritten by the next op */
-    int64_t trace, phase_ns[5];
+    /* chan_phases(handle, 1): all_reduce records where its time goes (ns): arrive, reduce, push, done;
+     * summed over an op's chunks, overwritten by the next op */
+    int64_t trace, phase_ns[4];
     int gil_held;           /* 1 while the calling thread still holds the GIL */
     PyThreadState *saved;   /* its thread state once a long wait released the GIL */
 } zb_chan;

@@ -35,7 +35,7 @@ static inline int64_t mono_ns(void) {
             (t) = _now;                                   \
         }                                                 \
     } while (0)
-enum { PH_ARRIVE, PH_REDUCE, PH_WAIT, PH_GATHER, PH_DONE };
+enum { PH_ARRIVE, PH_REDUCE, PH_PUSH, PH_DONE };
 
 /* 1 if [off, off+nbytes) lies in rank r's heap, else records r and returns 0. The size is read
  * now (acquire): the owner publishes a grown size only after the new range is backed, and any
@@ -98,18 +98,19 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
 
 /* ------------------------------------------------------------ Store kind
  *
- * twoshot writes into lines a peer has just read (its reduced slice, which the peer read in the last
- * op's gather; the gathered slices, which the peer read in this op's reduce). What a cached store into
- * such a line costs depends on the host and changes over minutes (docs/benchmarks.md, "Host state
- * probe": on the test VM ~7 ns a line in the fast state, ~28 in the slow one); a streaming store skips
- * the read-for-ownership but sends the line to memory, so the peer's next read of it misses. Which is
- * faster depends on the size and the state, so group rank 0 measures: per log2 size bucket, an average
- * of the whole op's ns per byte under each kind (the first op of each kind only warms up; the second
- * sets the average, later ones move it halfway). It uses the cheaper kind and re-measures the other
- * after `interval` ops (4, doubling up to KIND_MAX_INTERVAL while the other keeps losing, back to 4
- * when it wins) or once its last sample is KIND_STALE_NS old, whichever comes first: a change of state
- * is followed within a few hundred milliseconds at any op rate, and a kind that lost stays cheap to
- * keep testing (at most 1 op in 64 once settled). A sample after a stale one replaces the average.
+ * twoshot's pushes write into peers' lines this rank has just read. What a cached store into such a
+ * line costs depends on the host and changes over minutes (docs/benchmarks.md, "Host state probe": on
+ * the test VM ~7 ns a line in the fast state, ~28 in the slow one); a streaming store skips the read
+ * for ownership but sends the line to memory, so the next read of it misses. Which is
+ * faster depends on the size and the state, so group rank 0 measures: per log2 size bucket, the whole
+ * op's ns per byte under each kind, as the least of its last KIND_HIST samples (an op that lost its
+ * core to another process must not make a kind look slow). An op costs differently right after the kind changed (it reads lines the previous op
+ * wrote the other way), so the first op of each kind after a switch is not sampled, and the other kind
+ * is re-measured in runs of KIND_RUN ops. It uses the cheaper kind and starts a run of the other after
+ * `interval` ops (4, doubling up to KIND_MAX_INTERVAL while the other keeps losing, back to 4 when it
+ * wins) or once its last sample is KIND_STALE_NS old, whichever comes first: a change of state is
+ * followed within a few hundred milliseconds at any op rate, and a kind that keeps losing costs at most
+ * KIND_RUN ops in KIND_MAX_INTERVAL. A sample after a stale one starts the kind's history afresh.
  * Rank 0 posts its choice in its header (H_KIND) and every rank uses it: each rank's op time includes
  * waiting for the others, so choices made per rank are measured against the peers' choices and cannot
  * tell the kinds apart (measured: per-rank choices settled on cached stores in the slow state, 10 us
@@ -118,6 +119,7 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
 #define KIND_STALE_NS 200000000LL
 #define KIND_MIN_BYTES 2048
 #define KIND_MAX_INTERVAL 64
+#define KIND_RUN 3
 
 static int kind_bucket(int64_t nbytes) { return 63 - __builtin_clzll((unsigned long long)nbytes); }
 
@@ -126,23 +128,36 @@ static int kind_choose(zb_chan *c, int64_t nbytes, int64_t now) {
     if (nbytes < KIND_MIN_BYTES) return 0;
     zb_kind *k = &c->kinds[kind_bucket(nbytes)];
     int first = (int)c->kind_prior;
+    if (k->run > 0) return (int)k->prev - 1;
     if (k->seen[first] < 2) return first;
     if (k->seen[1 - first] < 2) return 1 - first;
     int best = k->rate[1] < k->rate[0];
-    return k->ops >= k->explore_at || now - k->last_ns[1 - best] > KIND_STALE_NS ? 1 - best : best;
+    if (k->ops >= k->explore_at || now - k->last_ns[1 - best] > KIND_STALE_NS) {
+        k->run = KIND_RUN;
+        return 1 - best;
+    }
+    return best;
 }
 
 static void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int64_t now) {
     if (c->kind_mode >= 0 || nbytes < KIND_MIN_BYTES) return;
     zb_kind *k = &c->kinds[kind_bucket(nbytes)];
     double rate = (double)(now - start) / (double)nbytes;
-    int stale = now - k->last_ns[kind] > KIND_STALE_NS, was_best = k->rate[kind] <= k->rate[1 - kind];
-    k->last_ns[kind] = now;
+    int stale = now - k->last_ns[kind] > KIND_STALE_NS, switched = k->prev != kind + 1;
+    int exploring = k->run > 0;
+    k->prev = kind + 1;
     k->ops++;
-    if (++k->seen[kind] == 1) return; /* warm-up */
-    k->rate[kind] = k->seen[kind] == 2 || stale ? rate : 0.5 * (k->rate[kind] + rate);
-    if (k->seen[1 - kind] < 2) return;
-    if (!was_best) { /* that op re-measured the kind not in use: back off while it keeps losing */
+    if (k->run > 0) k->run--;
+    if (switched) return; /* this op read what the other kind wrote: not a sample of either */
+    k->last_ns[kind] = now;
+    double *h = k->hist[kind];
+    if (stale) h[0] = h[1] = h[2] = h[3] = rate;
+    h[k->seen[kind]++ % KIND_HIST] = rate;
+    int n = k->seen[kind] < KIND_HIST ? (int)k->seen[kind] : KIND_HIST;
+    k->rate[kind] = h[0];
+    for (int i = 1; i < n; i++) k->rate[kind] = h[i] < k->rate[kind] ? h[i] : k->rate[kind];
+    if (k->seen[0] < 2 || k->seen[1] < 2 || (exploring && k->run > 0)) return;
+    if (exploring) { /* the run that re-measured the kind not in use ended: back off while it keeps losing */
         int lost = k->rate[kind] > k->rate[1 - kind];
         k->interval = lost ? (k->interval * 2 > KIND_MAX_INTERVAL ? KIND_MAX_INTERVAL : k->interval * 2) : 4;
         k->explore_at = k->ops + k->interval;
@@ -201,53 +216,37 @@ static void slice_of(int64_t lo, int64_t hi, int64_t W, int64_t r, int64_t items
     *b = min64(hi, lo + (r + 1) * step);
 }
 
-/* twoshot, pipelined over chunks of `chunk` elements. For chunk k, rank r reduces
- * slice r of the chunk from every input into its own tensor and signals
- * PHASE = phase_base + k+1 (the base every rank agreed on in the handshake); then it gathers the peers' slices of chunk k-1 (each
- * peer signalled it, so those slices are final and nobody reads this rank's
- * copy of them any more). Gathering one chunk behind keeps the peer's freshly
- * reduced lines in cache and overlaps the two phases. */
+/* twoshot: reduce-scatter, then push. For each chunk (the tuner's chunk size), rank r reduces slice r
+ * of the chunk from every rank's tensor, in rank order, into its own tensor, then writes that reduced
+ * slice into every peer's tensor. Only rank r ever reads or writes slice r of any tensor during the op
+ * (it reads every rank's slice r before it writes any of them), so no step waits on another rank: the
+ * op is ARRIVE, the work, DONE. Rank r's own slice r is written with cached stores into lines no other
+ * core touched since rank r wrote them the last time (they stay in its cache for the next op's read);
+ * the pushes go into peers' lines with the store kind rank 0 chose (streaming skips the read for
+ * ownership of a line this rank just read). DONE: every push into this rank's tensor has landed and
+ * nobody reads it any more. */
 static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
                    int op, double divisor, int nt, int64_t chunk, int stream, int64_t t) {
     if (chunk <= 0) chunk = count;
-    int64_t nchunks = (count + chunk - 1) / chunk;
-    for (int64_t k = 0; k <= nchunks; k++) {
-        if (k < nchunks) {
-            int64_t a, b;
-            slice_of(k * chunk, min64(count, (k + 1) * chunk), c->W, c->me, itemsize, &a, &b);
-            if (b > a) {
-                const void *part[ZB_MAXW];
-                int64_t n = (b - a) * itemsize;
-                for (int r = 0; r < c->W; r++) {
-                    part[r] = (const char *)srcs[r] + a * itemsize;
-                    if (r != c->me) prefetch(part[r], n);
-                }
-                if (stream) {
-                    /* the peer read these lines in the previous op's gather: reduce in cache, stream out */
-                    zb_reduce_n_stream(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
-                } else {
-                    zb_reduce_n(dst + a * itemsize, part, c->W, b - a, dt, op, divisor, nt);
-                }
-            }
-            MARK(c, PH_REDUCE, t);
-            signal_flag(c->phase[c->me], c->phase_base + k + 1);
+    for (int64_t lo = 0; lo < count; lo += chunk) {
+        int64_t a, b;
+        slice_of(lo, min64(count, lo + chunk), c->W, c->me, itemsize, &a, &b);
+        if (b <= a) continue;
+        const void *part[ZB_MAXW];
+        int64_t n = (b - a) * itemsize;
+        for (int r = 0; r < c->W; r++) {
+            part[r] = (const char *)srcs[r] + a * itemsize;
+            if (r != c->me) prefetch(part[r], n);
         }
-        if (k >= 1) {
-            int rc = wait_all(c, c->phase, c->phase_base + k);
-            if (rc) return rc;
-            MARK(c, PH_WAIT, t);
-            for (int i = 1; i < c->W; i++) {
-                int64_t q = (c->me + i) % c->W, a, b;
-                slice_of((k - 1) * chunk, min64(count, k * chunk), c->W, q, itemsize, &a, &b);
-                int64_t n = (b - a) * itemsize;
-                prefetch((const char *)srcs[q] + a * itemsize, n);
-                if (stream) /* lines peer q just read: stream, no read-for-ownership */
-                    zb_copy_stream(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
-                else if (n > 0)
-                    zb_copy(dst + a * itemsize, (const char *)srcs[q] + a * itemsize, n, nt);
-            }
-            MARK(c, PH_GATHER, t);
+        char *mine = dst + a * itemsize;
+        zb_reduce_n(mine, part, c->W, b - a, dt, op, divisor, nt);
+        MARK(c, PH_REDUCE, t);
+        for (int i = 1; i < c->W; i++) {
+            char *to = (char *)part[(c->me + i) % c->W]; /* the peer's slice: we read it, now we own it */
+            if (stream) zb_copy_stream(to, mine, n, nt);
+            else zb_copy(to, mine, n, nt);
         }
+        MARK(c, PH_PUSH, t);
     }
     int rc = sync_on(c, c->done, seq);
     MARK(c, PH_DONE, t);
