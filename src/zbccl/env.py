@@ -34,7 +34,6 @@ __all__ = [
     "ALGO",
     "TUNE_FILE",
     "STREAM_STORES",
-    "HOST_PROBE",
     "CXX",
     "LOG_LEVEL",
     "FALLBACK_OPS",
@@ -187,13 +186,8 @@ TUNE_FILE: EnvVar[str] = EnvVar(
 )
 STREAM_STORES: EnvVar[str] = EnvVar(
     "ZBCCL_STREAM_STORES", str, "auto",
-    "all_reduce's stores into lines peers read (group rank 0's setting decides): auto (per size, whichever is measured faster, "
-    "re-measured every 200 ms), on (streaming), off (cached).",
-)
-HOST_PROBE: EnvVar[bool] = EnvVar(
-    "ZBCCL_HOST_PROBE", _parse_bool, True,
-    "At init (world >= 2, one host), spend ~5 ms measuring whether stores into lines a peer just read are "
-    "slow here; all_reduce's store kind starts from the verdict (Communicator.host_state).",
+    "Stores of all_reduce's pushes into peers' tensors (group rank 0's setting decides): auto (per size, "
+    "whichever is measured faster, re-measured within 64 ops or 200 ms), on (streaming), off (cached).",
 )
 CXX: EnvVar[str] = EnvVar(
     "ZBCCL_CXX", str, "",
@@ -229,7 +223,6 @@ VARIABLES: tuple[EnvVar, ...] = (
     ALGO,
     TUNE_FILE,
     STREAM_STORES,
-    HOST_PROBE,
     CXX,
     LOG_LEVEL,
     FALLBACK_OPS,

@@ -215,38 +215,23 @@ def test_per_op_timeout_names_the_missing_rank():
 
 
 def _elsewhere(ctx):
-    """A late rank in a barrier or in an earlier, unfinished collective is not "never arrived"."""
+    """A late rank in a barrier is named as such, not "never arrived"; the rank that timed out leaves the
+    group broken (its peers hear it within seconds) and refuses further ops."""
     import zbccl
-    from zbccl.ops.channel import L_ARRIVE, L_PHASE, channel_of
-    from zbccl.ops.tuner import force_algorithm
-    from zbccl.runtime.waits import wait_flags
 
     comm = ctx.init(heap_size=4 * MiB, timeout=300)
     store = ctx.store()
-    ch = channel_of(comm)
-    force_algorithm(comm, "all_reduce", "twoshot")
     t = zbccl.zeros(4096)
     try:
         zbccl.all_reduce(t)  # op #1 everywhere
-        if comm.rank == 1:
-            comm.barrier(timeout=60)  # rank 0 comes here only after its all_reduce timed out
-            store.wait(["op-errors/0-timed-out"], timedelta(seconds=60))
-            # op #2: rank 0 posted ARRIVE then left, so this rank passes ARRIVE and waits for its PHASE
-            _expect(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=8),
-                    "rank 0 is in a different collective: all_reduce #3")
-            store.set("op-errors/1-timed-out", b"1")  # rank 0 may finalize now
+        if comm.rank == 1:  # waits in barrier() until rank 0's op times out and marks its ABORT line
+            _expect(zbccl.ZbcclRemoteError, lambda: comm.barrier(timeout=60), "rank 0 timed out", "broken")
+            store.set("op-errors/1-heard", b"1")  # rank 0 may finalize now
             return "late"
         _expect(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=2),
                 "rank 1 is in a different collective: it waits in barrier()")
-        comm.barrier(timeout=60)
-        store.set("op-errors/0-timed-out", b"1")
-        # rank 1 is inside op #2 (it signalled its first PHASE); this rank now tries op #3
-        base = comm._ctx.prims.load_acquire(ch.my_flags[L_PHASE])
-        wait_flags(comm._ctx, ch.peer_flags[L_ARRIVE], 2, timeout=30, op="test")
-        wait_flags(comm._ctx, ch.peer_flags[L_PHASE], base + 1, timeout=30, op="test")
-        _expect(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=2),
-                "rank 1 is in a different collective: all_reduce #2")
-        store.wait(["op-errors/1-timed-out"], timedelta(seconds=60))  # a finalize would end its wait early
+        _expect(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t), "broken", "timed out")
+        store.wait(["op-errors/1-heard"], timedelta(seconds=60))
         return "early"
     finally:
         zbccl.finalize()
@@ -254,6 +239,46 @@ def _elsewhere(ctx):
 
 def test_timeout_says_where_a_late_rank_is():
     assert run_world(_elsewhere, 2, timeout=120) == ["early", "late"]
+
+
+def _late_writer(ctx, op):
+    """twoshot all_reduce and the push exchanges write into peers' tensors. A rank that arrives after its
+    peer timed out and left must not write into the peer's tensor (which the peer may reuse at once)."""
+    import zbccl
+    from tests.multiproc.test_ops import payload
+    from zbccl.ops.tuner import force_algorithm
+
+    comm = ctx.init(heap_size=8 * MiB, timeout=300)
+    store = ctx.store()
+    force_algorithm(comm, "all_reduce", "twoshot")
+    force_algorithm(comm, "all_gather", "push")
+    n, me = 8192, comm.rank
+    t = zbccl.empty(n)
+    out = zbccl.empty(2 * n)
+    try:
+        zbccl.all_reduce(zbccl.zeros(16))  # op #1 everywhere
+        t.copy_(payload(me, n, torch.float32))
+        out.fill_(-1.0)
+        run = (lambda: zbccl.all_reduce(t)) if op == "all_reduce" else (lambda: zbccl.all_gather_into_tensor(out, t))
+        if me == 1:
+            store.wait(["op-errors/0-left"], timedelta(seconds=60))  # arrives only after rank 0 left
+            _expect(zbccl.ZbcclRemoteError, run, "rank 0 timed out")
+            store.set("op-errors/1-tried", b"1")
+            return "late"
+        _expect(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=1) if op == "all_reduce"
+                else zbccl.all_gather_into_tensor(out, t, timeout=1), "never arrived")
+        store.set("op-errors/0-left", b"1")
+        store.wait(["op-errors/1-tried"], timedelta(seconds=60))
+        assert torch.equal(t, payload(0, n, torch.float32)), "a late peer wrote into the tensor of a rank that left"
+        assert bool((out == -1.0).all()), "a late peer pushed into the output of a rank that left"
+        return "left"
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+def test_a_late_rank_never_writes_into_a_rank_that_left(op):
+    assert run_world(_late_writer, 2, op=op, timeout=120) == ["left", "late"]
 
 
 def _interrupted(ctx):

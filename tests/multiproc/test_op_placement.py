@@ -62,7 +62,7 @@ def _chunked_twoshot_and_placements(ctx):
         # small chunks: many pipelined twoshot steps, with ragged last chunks
         table.rules["all_reduce"] = {"*": [[-1, "twoshot", 4096]]}
         # streaming stores in the native twoshot (a policy knob: mode 1 forces them)
-        ch.prims.chan_configure(ch.handle, 1, 0)
+        ch.prims.chan_configure(ch.handle, 1)
         for dtype in (torch.bfloat16, torch.float32):
             n = 100_003
             t = zbccl.empty(n, dtype=dtype)

@@ -57,7 +57,7 @@ H_PID = 4 * LINE
 H_STATE = 5 * LINE
 H_ERROR = 6 * LINE
 H_COOKIE = 7 * LINE
-#: The host-state probe (``runtime/hoststate.py``): its flag line, and PROBE_BYTES of lines the owner
+#: The host-state probe (``bench/probe.py``): its flag line, and PROBE_BYTES of lines the owner
 #: writes and a peer reads, in the header's unused second half (no heap block, nothing in memory_stats).
 H_PROBE_FLAG = 8 * LINE
 H_PROBE = HEADER_BYTES // 2

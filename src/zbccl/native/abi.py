@@ -55,8 +55,8 @@ RESULTS = {"OK": 0, "TIMEOUT": 1, "DEAD": 2, "GONE": 3, "MISMATCH": 4, "STEP": 5
            "SPLITS": 8, "INTERRUPTED": 10, "NOMEM": 11, "SIZES": 12, "ABORTED": 13}
 #: Header ERROR values: what kind of error a rank posts.
 ERRORS = {"USAGE": 1, "NOMEM": 2}
-#: ABORT line reason word (at +16): why a rank left an op half-way.
-ABORTS = {"INTERRUPT": 1, "EXCEPTION": 2}
+#: ABORT line reason word (at +16): why a rank left an op half-way (PEER: a peer died or left first).
+ABORTS = {"INTERRUPT": 1, "EXCEPTION": 2, "TIMEOUT": 3, "PEER": 4}
 #: Lines of a comm slot the op channel uses (line 0 is the communicator's barrier epoch).
 SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "ABORT": 6, "VECTORS": 8}
 #: int64 entries of a rank's size-vector area: the rest of its 8 KiB comm slot.

@@ -153,10 +153,8 @@ class OpChannel:
         self.configure_stores()
 
     def configure_stores(self) -> None:
-        """Apply ``ZBCCL_STREAM_STORES`` and the host probe's verdict (the kind auto tries first:
-        streaming in the slow state) to the native store-kind policy; forgets what it learnt."""
-        state = self.ctx.host_state or {}
-        self.prims.chan_configure(self.handle, self._store_mode, int(state.get("state") == "slow"))
+        """Apply ``ZBCCL_STREAM_STORES`` to the native store-kind policy; forgets what it learnt."""
+        self.prims.chan_configure(self.handle, self._store_mode)
 
     def close(self) -> None:
         """Free the C channel (``Communicator.destroy`` calls it; the handle is unusable afterwards)."""

@@ -56,6 +56,10 @@ from ..runtime.communicator import abort_error
 from ..runtime.registry import FINALIZED_WHILE_WAITING
 from .dtypes import CODE_DTYPES, op_name
 
+#: Results after which this rank left the op half-way (C marked its ABORT line, chan.c leave_op; later ops
+#: see a peer's ABORT again, and a timed-out rank refuses them itself).
+LEAVING = frozenset((RC_TIMEOUT, RC_ABORTED, RC_DEAD, RC_GONE))
+
 if TYPE_CHECKING:
     from .channel import OpChannel
 
@@ -90,7 +94,19 @@ def _copies(ch: OpChannel) -> tuple[np.ndarray, np.ndarray, tuple]:
 def error_for(ch: OpChannel, rc: int, *, op: str) -> ZbcclError:
     """The error of the last op's result code ``rc`` on channel ``ch`` (from the copies C took before
     the op's DONE handshake: a peer may overwrite the originals with its next op right after)."""
-    hdrs, vecs, (_, rank, field, _, late, _) = _copies(ch)
+    hdrs, vecs, (_, rank, field, _, late, _, writer) = _copies(ch)
+    error = _error_for(ch, rc, hdrs, vecs, rank, field, late, op=op)
+    if rc == RC_TIMEOUT:  # this rank gave up on the op (C marked its ABORT line, chan.c leave_op)
+        ch.broken = ch.broken or str(error)
+        ch.plain = False
+    if rc in LEAVING:
+        if writer >= 0:
+            error.args = (f"{error.args[0]}; rank {writer} was still inside the op after this rank left and may "
+                          "still write into its tensors: do not reuse them",)
+    return error
+
+
+def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: list, *, op: str) -> ZbcclError:
     W = ch.world_size
     if rc == RC_TIMEOUT:
         late = late or [rank]

@@ -11,9 +11,9 @@ file or ``ZBCCL_ALGO`` on rank 0 is shared through the store in the table's
 place, so every rank raises the same :class:`ZbcclInvalidUsageError` at the
 communicator's first collective instead of rank 0 failing and the rest hanging.
 
-:func:`choose` reads the table (cached per communicator). The one per-rank decision made at run
-time, cached or streaming stores for all_reduce, is native (:func:`store_kind_mode`); its first
-guess comes from the host-state probe run at init (``runtime/hoststate.py``).
+:func:`choose` reads the table (cached per communicator). The one decision made at run time,
+cached or streaming stores for all_reduce's pushes, is native: group rank 0 measures both and
+chooses for the group (:func:`store_kind_mode`, ``native/csrc/chan_ops.c`` "Store kind").
 """
 
 from __future__ import annotations
@@ -261,8 +261,9 @@ def choose(ch: OpChannel, opcode: int, dtype: torch.dtype, nbytes: int) -> tuple
 def store_kind_mode() -> int:
     """``ZBCCL_STREAM_STORES`` as the native channel's store-kind mode: -1 auto, 0 cached, 1 streaming.
 
-    The policy itself is native (``chan_ops.c``, "Store kind"): per rank and log2 size bucket, all_reduce
-    times its ops under both kinds and uses the cheaper one, re-measuring the other every 200 ms.
+    The policy itself is native (``chan_ops.c``, "Store kind"): per log2 size bucket, group rank 0 times
+    all_reduce under both kinds and uses the cheaper one for the group, re-measuring the other within
+    64 ops or 200 ms.
     """
     mode = env.STREAM_STORES.get().lower()
     kind = {"auto": -1, "off": 0, "on": 1}.get(mode)

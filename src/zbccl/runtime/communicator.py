@@ -28,7 +28,7 @@ from ..bootstrap.store import StoreBootstrap
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..heap.views import HeapHandle, view_heap
-from ..native.abi import ABORT_EXCEPTION, ABORT_INTERRUPT, L_ABORT
+from ..native.abi import ABORT_EXCEPTION, ABORT_INTERRUPT, ABORT_PEER, ABORT_TIMEOUT, L_ABORT
 from .oplock import OpLock
 from .registry import guarded
 from .slots import acquire_slot, release_slot, reset_slot
@@ -53,7 +53,8 @@ def aborted_why(prims, addr: int) -> int:
 
 def abort_error(r: int, why: int, *, op: str) -> ZbcclRemoteError:
     """What waiting for group rank ``r`` raises once it left a collective half-way for ``why``."""
-    what = "was interrupted (Ctrl-C)" if why == ABORT_INTERRUPT else "hit an unexpected error"
+    what = {ABORT_INTERRUPT: "was interrupted (Ctrl-C)", ABORT_TIMEOUT: "timed out",
+            ABORT_PEER: "lost a peer"}.get(why, "hit an unexpected error")
     return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {r} {what} in the middle of a collective and "
                             "left it; this communicator is broken", ranks=(r,))
 
@@ -143,12 +144,6 @@ class Communicator:
     def sma(self):
         """This rank's heap allocator (shared by every communicator of the process)."""
         return self._ctx.sma
-
-    @property
-    def host_state(self) -> dict | None:
-        """The host-state probe's verdict at init (``runtime/hoststate.py``: ``state`` is ``"fast"`` or
-        ``"slow"``, with the measured ns per line), or None (world size 1, ``ZBCCL_HOST_PROBE=0``)."""
-        return self._ctx.host_state
 
     @property
     def heap_base(self) -> int:

@@ -34,8 +34,6 @@ class Context:
     #: How many groups with a given member list this process created (matches keys).
     group_counts: dict[str, int] = field(default_factory=dict)
     finalized: bool = False
-    #: The host-state probe's verdict at init (``runtime/hoststate.py``), or None (world 1, off).
-    host_state: dict | None = None
     #: Set in a process forked after init: it may not touch the shared heap (see state._after_fork_in_child).
     forked: bool = False
     #: Every live communicator over this heap (world and groups): finalize waits for their ops to leave.

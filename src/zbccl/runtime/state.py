@@ -27,7 +27,6 @@ from ..sma import CachingAllocator
 from . import registry
 from .communicator import Communicator
 from .context import Context
-from .hoststate import probe_host_state
 from .registry import get_default, in_forked_child, is_initialized, resolve_comm
 from .threads import set_threads
 
@@ -119,13 +118,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         comm = Communicator(ctx, range(rdv.world_size), 0, boot)
         registry.set_default(comm)
         _register_atexit()
-    if env.HOST_PROBE.get() and comm.world_size > 1 and comm._single_host and getattr(ctx.prims, "native", True):
-        try:  # outside _lock: the probe's barriers take the op lock, and finalize() takes _lock
-            ctx.host_state = probe_host_state(comm)
-        except BaseException:
-            finalize()
-            raise
-    return comm
+        return comm
 
 
 def _hello(boot: StoreBootstrap, nbytes: int, max_bytes: int | None,

@@ -120,6 +120,59 @@ static int check_peers(zb_chan *c, int64_t **flags, int64_t target) {
     return 0;
 }
 
+/* 1 (and result[1] = the rank) if a peer left an op half-way: ranks write into peers' tensors only
+ * after this check, made after their own ARRIVE with a full fence between (see leave_op). */
+int peer_left(zb_chan *c) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int r = 0; r < c->W; r++)
+        if (r != c->me && ld(c->abort[r])) {
+            c->result[1] = r;
+            return 1;
+        }
+    return 0;
+}
+
+/* Whether peer r may still work on op `seq`: it arrived, has not signalled DONE, has not left (ABORT),
+ * is not finalized or failed, and is alive. */
+static int peer_in_op(zb_chan *c, int r, int64_t seq) {
+    if (ld(c->arrive[r]) < seq || ld(c->done[r]) >= seq || ld(c->abort[r])) return 0;
+    int64_t st = ld(c->state[r]);
+    if (st == STATE_FINALIZED || st == STATE_FAILED) return 0;
+    if (c->fd[r] >= 0) {
+        struct pollfd pf = {c->fd[r], POLLIN | POLLRDHUP, 0};
+        if (poll(&pf, 1, 0) > 0 && pf.revents) return 0;
+    }
+    return 1;
+}
+
+/* This rank leaves op `seq` half-way (timeout, interrupt, a lost peer): it marks its ABORT line, then
+ * waits until no peer can still write into its memory (twoshot all_reduce and the push exchanges write
+ * into peers' tensors). Against a peer arriving at the same moment the two orders are fenced as in
+ * Dekker's algorithm: we store ABORT, then load the peer's ARRIVE; the peer stores ARRIVE, then loads
+ * our ABORT (peer_left) before it writes into us. So either it sees our ABORT and writes nothing, or we
+ * see its ARRIVE and wait until it finished (DONE), left too (ABORT), was finalized or died, for at most
+ * LEAVE_WAIT_NS; a peer still in the op after that is reported in result[3] (its rank + 1). */
+#define LEAVE_WAIT_NS 10000000000LL
+void leave_op(zb_chan *c, int64_t seq, int why) {
+    if (!ld(c->abort[c->me])) {
+        c->abort[c->me][2] = why;
+        signal_flag(c->abort[c->me], seq);
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint64_t deadline = now_ns() + (uint64_t)(c->timeout_ns < LEAVE_WAIT_NS ? c->timeout_ns : LEAVE_WAIT_NS);
+    for (int r = 0; r < c->W; r++) {
+        int64_t sleep_ns = 20000;
+        while (r != c->me && peer_in_op(c, r, seq)) {
+            if (now_ns() > deadline) {
+                c->result[3] = r + 1;
+                break;
+            }
+            sleep_on(c->done[r], seq, sleep_ns);
+            sleep_ns = sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2;
+        }
+    }
+}
+
 /* Wait until flags[r] >= target for every peer r. */
 int wait_all(zb_chan *c, int64_t **flags, int64_t target) {
     int r = 0;
@@ -240,19 +293,18 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromVoidPtr(c);
 }
 
-/* chan_configure(handle, kind_mode, kind_prior): the store-kind policy the Python layer sets (mode -1
- * auto, 0 cached, 1 streaming; prior: the kind auto measures first). Forgets what auto learnt. */
+/* chan_configure(handle, kind_mode): the store-kind policy the Python layer sets (-1 auto, 0 cached,
+ * 1 streaming). Forgets what auto learnt. */
 static PyObject *py_chan_configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t a[3];
-    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "chan_configure() takes 3 arguments, got %zd", nargs);
-    for (int i = 0; i < 3; i++)
+    int64_t a[2];
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_configure() takes 2 arguments, got %zd", nargs);
+    for (int i = 0; i < 2; i++)
         if (zb_i64(args[i], &a[i])) return NULL;
-    if (a[1] < -1 || a[1] > 1 || a[2] < 0 || a[2] > 1)
-        return PyErr_Format(PyExc_ValueError, "chan_configure: expected mode -1/0/1 and prior 0/1, got %lld/%lld",
-                            (long long)a[1], (long long)a[2]);
+    if (a[1] < -1 || a[1] > 1)
+        return PyErr_Format(PyExc_ValueError, "chan_configure: expected mode -1, 0 or 1, got %lld", (long long)a[1]);
     zb_chan *c = (zb_chan *)(uintptr_t)a[0];
-    c->kind_mode = a[1], c->kind_prior = a[2];
+    c->kind_mode = a[1];
     memset(c->kinds, 0, sizeof(c->kinds));
     Py_RETURN_NONE;
 }
@@ -299,7 +351,7 @@ static PyObject *py_chan_free(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* chan_result(handle) -> (code, rank, field); chan_headers(handle) -> address of int64[W][16] copies */
+/* chan_result(handle): the last op's outcome and the copies its error message needs (see the docstring) */
 static PyObject *py_chan_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 1) return PyErr_Format(PyExc_TypeError, "chan_result() takes 1 argument");
@@ -312,8 +364,9 @@ static PyObject *py_chan_result(PyObject *self, PyObject *const *args, Py_ssize_
             if (!v || PyList_Append(late, v) < 0) { Py_XDECREF(v); Py_DECREF(late); return NULL; }
             Py_DECREF(v);
         }
-    return Py_BuildValue("(LLLLNL)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
-                         (long long)(intptr_t)c->hdrcopy, late, (long long)(intptr_t)c->veccopy);
+    return Py_BuildValue("(LLLLNLL)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
+                         (long long)(intptr_t)c->hdrcopy, late, (long long)(intptr_t)c->veccopy,
+                         (long long)c->result[3] - 1);
 }
 
 static PyMethodDef chan_methods[] = {
@@ -321,15 +374,15 @@ static PyMethodDef chan_methods[] = {
      "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle of a native op channel."},
     {"chan_free", (PyCFunction)(void (*)(void))py_chan_free, METH_FASTCALL, "chan_free(handle)."},
     {"chan_configure", (PyCFunction)(void (*)(void))py_chan_configure, METH_FASTCALL,
-     "chan_configure(handle, kind_mode, kind_prior): all_reduce's store kind (-1 auto, 0 cached, 1 streaming) "
-     "and the kind auto tries first."},
+     "chan_configure(handle, kind_mode): all_reduce's store kind (-1 auto, 0 cached, 1 streaming)."},
     {"chan_kinds", (PyCFunction)(void (*)(void))py_chan_kinds, METH_FASTCALL,
      "chan_kinds(handle) -> what the auto store kind measured: (log2 bucket, cached ns/B, streaming ns/B, "
      "cached samples, streaming samples) per bucket."},
     {"chan_phases", (PyCFunction)(void (*)(void))py_chan_phases, METH_FASTCALL,
      "chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, push, done) ns; on: record."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
-     "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks, vector copies ptr) of the last op."},
+     "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks, vector copies ptr, rank that may "
+     "still write into this rank's memory or -1) of the last op."},
     {NULL, NULL, 0, NULL},
 };
 

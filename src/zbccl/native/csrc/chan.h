@@ -21,9 +21,8 @@ typedef struct {
 
 typedef struct {
     int64_t W, me, spin, liveness_ns, timeout_ns, nthreads;
-    /* Store kind of all_reduce's writes (cached or streaming; see chan_ops.c "Store kind"): mode -1 auto,
-     * 0 cached, 1 streaming; prior: the kind auto tries first (the host probe's verdict) */
-    int64_t kind_mode, kind_prior;
+    /* Store kind of all_reduce's pushes (see chan_ops.c "Store kind"): -1 auto, 0 cached, 1 streaming */
+    int64_t kind_mode;
     zb_kind kinds[KIND_BUCKETS];
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];
     int64_t *abort[ZB_MAXW];   /* each rank's ABORT line: non-zero once it left an op half-way */
@@ -33,7 +32,7 @@ typedef struct {
      * job, never shrink, so operands are checked against the size read (acquire) at check time */
     int64_t *size[ZB_MAXW];
     int fd[ZB_MAXW];
-    int64_t result[4];            /* code, rank, field, 0 */
+    int64_t result[4];            /* code, rank, field, rank still writing into us + 1 (leave_op) */
     int64_t late_mask[ZB_MAXW / 64];  /* on RC_TIMEOUT: the peers whose flag never reached the target */
     int64_t hdrcopy[ZB_MAXW][HDR_FIELDS];
     /* size-vector areas a failed op's message needs, copied before its DONE handshake (a peer may
@@ -60,6 +59,10 @@ int check_headers(zb_chan *c, int64_t seq, const int *fields, int nfields);
 /* Post this rank's header (the leading header fields of `o`, then SEQ), ARRIVE, and check `fields`.
  * On a disagreement the DONE handshake is done before returning the code. */
 int begin_op(zb_chan *c, const zb_op *o, const int *fields, int nfields);
+/* 1 (result[1] = rank) if a peer left an op half-way (its ABORT line); call before writing into peers. */
+int peer_left(zb_chan *c);
+/* This rank leaves op `seq` half-way for `why` (ABORT_*): mark ABORT, wait until no peer writes into us. */
+void leave_op(zb_chan *c, int64_t seq, int why);
 /* End an op that failed after ARRIVE: DONE handshake, then the original code. */
 int fail_op(zb_chan *c, int64_t seq, int rc);
 /* Run one op described by `o` (dispatch on o->op); returns an RC_* code. */

@@ -127,10 +127,9 @@ static int kind_choose(zb_chan *c, int64_t nbytes, int64_t now) {
     if (c->kind_mode >= 0) return (int)c->kind_mode;
     if (nbytes < KIND_MIN_BYTES) return 0;
     zb_kind *k = &c->kinds[kind_bucket(nbytes)];
-    int first = (int)c->kind_prior;
     if (k->run > 0) return (int)k->prev - 1;
-    if (k->seen[first] < 2) return first;
-    if (k->seen[1 - first] < 2) return 1 - first;
+    if (k->seen[0] < 2) return 0; /* cached first: it won in both host states (docs/benchmarks.md) */
+    if (k->seen[1] < 2) return 1;
     int best = k->rate[1] < k->rate[0];
     if (k->ops >= k->explore_at || now - k->last_ns[1 - best] > KIND_STALE_NS) {
         k->run = KIND_RUN;
@@ -184,6 +183,7 @@ static int allreduce(zb_chan *c, zb_op *o) {
     int rc = begin_op(c, o, fields, 6);
     if (rc) return rc;
     int stream = (int)c->hdrcopy[0][H_KIND];
+    if (peer_left(c)) return RC_ABORTED; /* twoshot writes into peers: only while every one is in */
     MARK(c, PH_ARRIVE, t);
     const void *srcs[ZB_MAXW];
     for (int r = 0; r < c->W; r++) {
@@ -285,6 +285,7 @@ static int exchange_mode(zb_chan *c, zb_op *o, int64_t in_bytes, int *push) {
         all_out &= c->hdrcopy[r][H_OUT_OFF] >= 0;
     }
     *push = all_out && (!all_in || o->algo == ALGO_PUSH);
+    if (*push && peer_left(c)) return RC_ABORTED; /* a push writes into peers: only while every one is in */
     return all_in || *push ? RC_OK : stage_inputs(c, o, in_bytes);
 }
 
@@ -452,20 +453,21 @@ static PyObject *py_chan_run(PyObject *self, PyObject *const *args, Py_ssize_t n
                             (long long)o->redop);
     int64_t nbytes = (o->in_numel > o->out_numel ? o->in_numel : o->out_numel) * o->itemsize;
     c->timeout_ns = o->timeout_ns;
-    c->result[0] = c->result[1] = c->result[2] = 0;
+    c->result[0] = c->result[1] = c->result[2] = c->result[3] = 0;
     c->gil_held = 1;
     if (nbytes >= (1 << 16)) gil_release(c);
     int rc = run_op(c, o);
+    if (rc == RC_INTERRUPTED || rc == RC_TIMEOUT || rc == RC_ABORTED || rc == RC_DEAD || rc == RC_GONE) {
+        /* This rank leaves the op half-way and its sequence number has advanced: tell the peers now
+         * (they read ABORT at each liveness check) instead of letting them wait out the timeout, and
+         * return only once no peer can still write into this rank's memory (chan.c leave_op). */
+        if (c->gil_held) gil_release(c);
+        leave_op(c, o->seq, rc == RC_INTERRUPTED ? ABORT_INTERRUPT : rc == RC_TIMEOUT ? ABORT_TIMEOUT : ABORT_PEER);
+    }
     if (!c->gil_held) PyEval_RestoreThread(c->saved);
     c->gil_held = 0;
     c->result[0] = rc;
-    if (rc == RC_INTERRUPTED) {
-        /* This rank leaves the op half-way and its sequence number has advanced: tell the peers now
-         * (they read ABORT at each liveness check) instead of letting them wait out the timeout. */
-        c->abort[c->me][2] = ABORT_INTERRUPT;
-        signal_flag(c->abort[c->me], o->seq);
-        return NULL; /* the signal handler's exception (KeyboardInterrupt) is set */
-    }
+    if (rc == RC_INTERRUPTED) return NULL; /* the signal handler's exception (KeyboardInterrupt) is set */
     return PyLong_FromLong(rc);
 }
 
