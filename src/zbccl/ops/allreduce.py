@@ -72,15 +72,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
         except RuntimeError:  # no storage (a meta tensor): the checks below say why
             plan = None
         if plan is not None and tensor.is_contiguous() and not _profiler._is_profiler_enabled:
-            seq = ch.seq  # OpChannel.call, inline
-            ch.seq = plan[0][0] = seq + 1
-            try:
-                rc = ch._chan_run(ch.handle, plan[1])
-            except BaseException as exc:  # Ctrl-C in a wait: the peers must learn this rank left
-                ch.left(seq, exc, op=_OP)
-                raise
-            if rc:
-                ch.raise_for(rc, op=_OP)
+            ch.call_hot(plan, _OP)
             return tensor
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
