@@ -10,24 +10,30 @@ handshake):
   order, into a private scratch buffer; ``DONE`` (nobody reads the inputs any
   more); copy scratch into the tensor. Two rendezvous, reads N·W, writes 2N.
   Best for small messages.
-* ``twoshot``: the tensor is cut into chunks (the tuner's chunk size). For
-  chunk k, rank r reduces slice r of the chunk from all N inputs straight
-  into slice r of its own tensor (only rank r ever reads slice r, so writing
-  it in place is safe) and signals ``PHASE = base + k+1``; once every
-  peer signalled chunk k, rank r copies their reduced slices of chunk k into
-  its own tensor. The native path gathers chunk k-1 while chunk k is being
-  reduced elsewhere, so freshly reduced lines are read from cache. ``DONE``
-  ends the op. No scratch at all. Best for large messages.
+* ``twoshot`` (reduce-scatter, then push): the tensor is cut into chunks (the
+  tuner's chunk size). For each chunk, rank r reduces slice r from all N
+  inputs, in rank order, into slice r of its own tensor, then writes it into
+  slice r of every peer's tensor. Only rank r reads or writes slice r of any
+  tensor during the op, and it reads them all before it writes any, so no step
+  waits for another rank: ``ARRIVE``, the work, ``DONE`` (every push into this
+  rank's tensor landed). Its own slice stays in lines only its core holds
+  (cached for the next read); the pushes use the store kind group rank 0
+  measured to be cheaper. No scratch at all. The default at every size.
 
 Python checks the arguments, picks the algorithm, stages a tensor that is
 not a contiguous heap tensor, and runs the whole protocol in one native call
-(``native/csrc/chan_ops.c``). twoshot writes with cached or streaming stores,
-chosen per rank and size by measuring both (``chan_ops.c``, "Store kind"; the
-protocol is the same either way). World size 1: the null backend.
+(``native/csrc/chan_ops.c``). twoshot pushes with cached or streaming stores,
+chosen per size by group rank 0, which measures both (``chan_ops.c``, "Store
+kind"; the protocol is the same either way). World size 1: the null backend.
 
 Bitwise identity across ranks: oneshot reduces in rank order on every rank;
 twoshot reduces each slice once and copies it. bf16/fp16 accumulate in fp32
 and round once.
+
+A rank that leaves an op half-way (timeout, Ctrl-C, a lost peer) marks its
+ABORT line and returns only once no peer can still push into its tensor; a
+peer checks ABORT after its own ARRIVE before it pushes (``chan.c``
+``leave_op``). A timed-out rank refuses later ops (the group is out of step).
 """
 
 from __future__ import annotations
