@@ -20,9 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
-from ..ops.dtypes import SUM
-from ..runtime.threads import nthreads
+from . import fast
 from .exchange import F, Fail, heap_empty, row_runs, row_table
 from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
 
@@ -150,11 +148,10 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
     return {"in_rank": in_rank, "chan": chan, "H": H, "out_dtype": out_dtype, "cached": handle is not None}
 
 
-def _counts(buf, rows, metas: list) -> tuple[torch.Tensor, int, int]:
-    """The global ``[src, dst]`` token counts from every sender's plan block, checked on every rank."""
-    R = buf.ex.R
-    E, C = int(rows[0, F.E]), int(rows[0, F.CHANNELS])
-    counts = torch.stack([m[:R] for m in metas])
+def _check_counts(rows, counts: torch.Tensor) -> None:
+    """Check the global ``[src, dst]`` token counts against every rank's ``num_worst_tokens`` and handle
+    (every rank holds the same counts and headers, so all raise together)."""
+    R = counts.size(0)
     per_dst = counts.sum(0)
     for r in range(R):
         worst = int(rows[r, F.WORST])
@@ -166,15 +163,12 @@ def _counts(buf, rows, metas: list) -> tuple[torch.Tensor, int, int]:
             raise ZbcclInvalidUsageError(
                 f"dispatch: the handle on rank {r} does not match this routing, expected {int(rows[r, F.NRECV])} "
                 f"received tokens, got {int(per_dst[r])}", ranks=(r,))
-    return counts, E, C
 
 
-def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int) -> dict:
-    """Allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+def _alloc(buf, rows, loc: dict, n: int) -> dict:
+    """The exact-size outputs of a dispatch (``n`` rows): ``x`` (int8 staging for int8), ``s``, ``i``, ``w``."""
+    me = buf.ex.me
     H, K, flags = loc["H"], int(rows[me, F.K]), int(rows[me, F.FLAGS])
-    num_recv = int(counts[:, me].sum())
-    n = worst or num_recv
     code = int(rows[me, F.DTYPE])
     int8 = bool(flags & FLAG_INT8)
     x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
@@ -185,6 +179,23 @@ def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int)
     if K:
         out["i"] = heap_empty(buf.comm, (n, K), torch.int64)
         out["w"] = heap_empty(buf.comm, (n, K), torch.float32)
+    return out
+
+
+def _dequantize(buf, out: dict, loc: dict) -> None:
+    if out["x"].dtype == torch.int8 and loc["out_dtype"] != torch.int8:
+        n, H = out["x"].shape
+        out["x"] = heap_empty(buf.comm, (n, H), loc["out_dtype"]).copy_(int8_dequantize(out["x"], out.pop("s"),
+                                                                                          loc["out_dtype"]))
+
+
+def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int) -> dict:
+    """Torch path: allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    K = int(rows[me, F.K])
+    num_recv = int(counts[:, me].sum())
+    n = worst or num_recv
+    out = _alloc(buf, rows, loc, n)
     src_idx = torch.full((n,), -1, dtype=torch.int32)  # -1 below num_recv (DeepEP: uninitialised)
     fields = {"x": (F.X, int(rows[me, F.XROW])), "s": (F.SCALES, int(rows[me, F.SROW])),
               "i": (F.TOPK, K * 8), "w": (F.W, K * 4)}
@@ -207,9 +218,8 @@ def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int)
         out["i"].copy_(torch.where((local >= 0) & (local < E // R), local, -1))
         out["w"].masked_fill_(out["i"] < 0, 0.0)
         out["i"][num_recv:] = -1
-    if int8:
-        out["x"] = heap_empty(buf.comm, (n, H), loc["out_dtype"]).copy_(int8_dequantize(out["x"], out.pop("s"),
-                                                                                          loc["out_dtype"]))
+        out["w"][num_recv:] = 0.0
+    _dequantize(buf, out, loc)
     out["src_idx"] = src_idx
     return out
 
@@ -241,12 +251,23 @@ def dispatch(buf, a: dict):
     ex.agree("dispatch", rows, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
                         (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
                         (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
-    # One view of each sender's whole plan block (counts, per expert, per channel, token lists).
-    metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
-    counts, E, C = _counts(buf, rows, metas)
+    E, C, worst = int(rows[0, F.E]), int(rows[0, F.CHANNELS]), int(rows[ex.me, F.WORST])
+    if fast.available(ex.prims):
+        rl = rows.tolist()
+        counts, per_expert, recv_chan, metas = fast.plan(buf, rl)
+    else:  # one view of each sender's whole plan block (counts, per expert, per channel, token lists)
+        metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
+        counts = torch.stack([m[:ex.R] for m in metas])
+    _check_counts(rows, counts)
     try:
-        out = _pull(buf, rows, metas, counts, E, C, loc, int(rows[ex.me, F.WORST]))
-        per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
+        if fast.available(ex.prims):
+            num_recv = int(counts[:, ex.me].sum())
+            out = _alloc(buf, rows, loc, worst or num_recv)
+            out["src_idx"] = fast.pull(buf, rl, counts, metas, out, num_recv)
+            _dequantize(buf, out, loc)
+        else:
+            out = _pull(buf, rows, metas, counts, E, C, loc, worst)
+            per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
     finally:
         ex.done()
     recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
@@ -290,8 +311,8 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
                         (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
     out = heap_empty(buf.comm, (T, H), x.dtype)
     try:
-        if getattr(buf.ex.prims, "reduce_n", None) is not None and T:
-            accw = _reduce_native(buf, rows, handle, out, biases, K)
+        if fast.available(ex.prims) and T:
+            accw = fast.combine_sum(buf, rows.tolist(), handle, out, biases, K)
         else:
             acc, accw = _reduce(buf, rows, handle, T, H, K, x.dtype)
             for b in biases:
@@ -300,50 +321,6 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     finally:
         ex.done()
     return out, accw
-
-
-def _reduce_native(buf, rows, handle, out: torch.Tensor, biases: list, K: int) -> torch.Tensor | None:
-    """Combine with the native N-way sum (fp32 accumulation, one rounding): one call per run of
-    consecutive tokens sent to the same ranks, summing those ranks' rows (read in place) and the
-    biases straight into ``out``. Returns the summed weights ``[T, K]`` float32 (or None)."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    rpm, in_rank, head = handle[0], handle[4], handle[5]
-    T, H = out.shape
-    masks = (in_rank.long() << torch.arange(R)).sum(1)
-    brk = torch.ones(T, dtype=torch.bool)
-    brk[1:] = masks[1:] != masks[:-1]
-    starts = brk.nonzero().flatten()
-    lens = torch.diff(starts, append=torch.tensor([T]))
-    sel = in_rank[starts]
-    order = torch.sort((~sel).to(torch.uint8), dim=1, stable=True).indices  # present ranks first, in rank order
-    nsrc = sel.sum(1)
-    base = torch.tensor([int(rpm[me - 1, r]) if me else 0 for r in range(R)])
-    rows_at = (base + head[starts].long()).gather(1, order)
-    ranks = order
-    fn, nt = ex.prims.reduce_n, nthreads()
-    jobs = [(out, [b.data_ptr() for b in biases], F.X, H)]
-    accw = None
-    if K:
-        accw = torch.empty(T, K, dtype=torch.float32)
-        jobs.append((accw, [], F.W, K))
-    for dst, extra, field, width in jobs:
-        isz = dst.element_size()
-        row = width * isz
-        peer = torch.tensor([ex.addr(r, int(rows[r, field]), int(rows[r, F.NRECV]) * row) for r in range(R)])
-        srcs = peer[ranks] + rows_at * row
-        if extra:
-            srcs = torch.cat([torch.tensor(extra).unsqueeze(0) + starts.unsqueeze(1) * row, srcs], 1)
-        srcs = srcs.contiguous()
-        n = (nsrc + len(extra)).tolist()
-        width_n = srcs.size(1)
-        code = NATIVE_DTYPES[dst.dtype]
-        for i, (t0, ln) in enumerate(zip(starts.tolist(), lens.tolist())):
-            if n[i]:
-                fn(dst.data_ptr() + t0 * row, srcs.data_ptr() + i * width_n * 8, n[i], ln * width, code, SUM, 1.0, nt)
-            else:
-                dst[t0:t0 + ln].zero_()
-        ex.moved += int((nsrc * lens).sum()) * row
-    return accw
 
 
 def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):

@@ -1,0 +1,108 @@
+"""The native path of normal dispatch and combine: one C call each for the plan read, the row pull and the
+fp32 combine sum (``native/csrc/ep.c``), so that an op's Python cost does not grow with its rows.
+
+Same protocol and results as the torch path in :mod:`.normal` (which is the reference and the fallback
+when the core lacks these kernels): the calls run between the handshake all_gather and the closing
+barrier, read peers' published blocks only through addresses bounds-checked here for the whole block,
+and the kernels check every row index they take from a peer against that block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError
+from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
+from .exchange import F
+
+__all__ = ["available", "plan", "pull", "combine_sum"]
+
+_FIELDS = (("x", F.X, F.XROW), ("s", F.SCALES, F.SROW), ("i", F.TOPK, None), ("w", F.W, None))
+
+
+def available(prims) -> bool:
+    """Whether the native core has the EP kernels (else :mod:`.normal` runs its torch path)."""
+    return getattr(prims, "ep_combine", None) is not None
+
+
+def _args(values: list) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def plan(buf, rows: list) -> tuple[torch.Tensor, list[int], torch.Tensor, list[tuple[int, int]]]:
+    """``(counts [R, R] int64, per local expert counts, recv_channel_prefix [R, C] int32, plan blocks)``
+    read from every sender's published plan block; ``plan blocks``: ``(address, int64 length)`` per rank."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    E, C = rows[0][F.E], rows[0][F.CHANNELS]
+    L = E // R if E else 0
+    counts = torch.empty(R, R, dtype=torch.int64)
+    per_expert = torch.empty(L, dtype=torch.int64)
+    recv_chan = torch.empty(R, C, dtype=torch.int32)
+    metas = [(ex.addr(r, rows[r][F.META], rows[r][F.NROWS] * 8), rows[r][F.NROWS]) for r in range(R)]
+    a = _args([R, me, E, C, L, counts.data_ptr(), per_expert.data_ptr(), recv_chan.data_ptr()]
+              + [v for m in metas for v in m])
+    bad = ex.prims.ep_plan(a.data_ptr())
+    if bad >= 0:
+        raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s plan block is malformed, expected "
+                                     f">= {R + E + R * C} int64 with counts >= 0", ranks=(bad,))
+    return counts, per_expert.tolist(), recv_chan, metas
+
+
+def pull(buf, rows: list, counts: torch.Tensor, metas: list, out: dict, num_recv: int) -> torch.Tensor:
+    """Copy every sender's rows into ``out`` (``x``, optional ``s``, ``i``, ``w``); returns ``src_idx``
+    ``[rows of out["x"]]`` int32 (-1 past ``num_recv``). Top-k become local expert ids (-1: another rank's)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    E, Cn, K = rows[me][F.E], rows[me][F.CHANNELS], rows[me][F.K]
+    n = out["x"].size(0)
+    src_idx = torch.full((n,), -1, dtype=torch.int32)
+    widths = {"i": K * 8, "w": K * 4}
+    a = [R, me, R + E + R * Cn, E // R if E else 0, K, num_recv, src_idx.data_ptr()]
+    row_of = []
+    for key, _, row_field in _FIELDS:
+        t = out.get(key)
+        row = (rows[me][row_field] if row_field is not None else widths[key]) if t is not None else 0
+        row_of.append(row)
+        a += [t.data_ptr() if t is not None else 0, row]
+    for r in range(R):
+        T_r = rows[r][F.T]
+        a += [metas[r][0], metas[r][1], T_r]
+        for (_, field, _), row in zip(_FIELDS, row_of):
+            a.append(ex.addr(r, rows[r][field], T_r * row) if row and T_r else 0)
+    args = _args(a)  # kept alive across the call
+    moved = ex.prims.ep_pull(args.data_ptr())
+    if moved < 0:
+        bad = -moved - 1
+        raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s token list is out of range, expected indices in "
+                                     f"[0, {rows[bad][F.T]}) and {num_recv} rows in all", ranks=(bad,))
+    ex.moved += moved
+    if K and n > num_recv:  # num_worst_tokens padding: no expert, weight 0
+        out["i"][num_recv:] = -1
+        out["w"][num_recv:] = 0.0
+    return src_idx
+
+
+def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int) -> torch.Tensor | None:
+    """Sum in fp32, into ``out`` ``[T, H]``, the rows each rank holds for this rank's tokens (in rank order,
+    then the biases); returns the summed weights ``[T, K]`` float32, or None without them."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    rpm, in_rank, head = handle[0], handle[4].contiguous(), handle[5].contiguous()
+    T, H = out.shape
+    base = rpm[me - 1].tolist() if me else [0] * R
+    accw = torch.empty(T, K, dtype=torch.float32) if K else None
+    a = [R, T, in_rank.data_ptr(), head.data_ptr()]
+    extras = [b.data_ptr() for b in biases] + [0, 0]
+    a += [out.data_ptr(), H, out.element_size(), NATIVE_DTYPES[out.dtype], len(biases)] + extras[:2]
+    a += [accw.data_ptr(), K, 4, NATIVE_DTYPES[torch.float32], 0, 0, 0] if K else [0] * 7
+    for r in range(R):
+        nrows = rows[r][F.NRECV]
+        xa = ex.addr(r, rows[r][F.X], nrows * rows[r][F.XROW]) if nrows else 0
+        wa = ex.addr(r, rows[r][F.W], nrows * K * 4) if K and nrows else 0
+        a += [base[r], nrows, xa, wa]
+    args = _args(a)
+    moved = ex.prims.ep_combine(args.data_ptr())
+    if moved < 0:
+        bad = -moved - 1
+        raise ZbcclInvalidUsageError(f"combine: the handle's rows for rank {bad} are out of range, expected < "
+                                     f"{rows[bad][F.NRECV]} (its x rows)", ranks=(bad,))
+    ex.moved += moved
+    return accw
