@@ -13,9 +13,9 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
-from .exchange import F
+from .exchange import F, heap_empty
 
-__all__ = ["available", "plan", "pull", "combine_sum"]
+__all__ = ["available", "layout", "route", "plan", "pull", "combine_sum"]
 
 _FIELDS = (("x", F.X, F.XROW), ("s", F.SCALES, F.SROW), ("i", F.TOPK, None), ("w", F.W, None))
 
@@ -106,3 +106,42 @@ def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int
                                      f"{rows[bad][F.NRECV]} (its x rows)", ranks=(bad,))
     ex.moved += moved
     return accw
+
+
+def layout(prims, topk_idx: torch.Tensor, num_experts: int, R: int, *, in_rank: bool = True):
+    """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)`` of
+    :func:`.layout.dispatch_layout` in one native pass (``in_rank=False``: only the per-expert counts, the
+    others None); None when an entry is outside ``[-1, E)`` (the caller raises with the torch path's text)."""
+    idx = topk_idx.contiguous()
+    T, K = idx.shape
+    per_rank = torch.empty(R, dtype=torch.int32) if in_rank else None
+    per_expert = torch.empty(num_experts, dtype=torch.int32)
+    where = torch.empty(T, R, dtype=torch.bool) if in_rank else None
+    args = _args([idx.data_ptr(), T, K, num_experts, R, int(idx.dtype == torch.int32),
+                  per_rank.data_ptr() if in_rank else 0, per_expert.data_ptr(), where.data_ptr() if in_rank else 0])
+    if prims.ep_layout(args.data_ptr()) >= 0:
+        return None
+    return per_rank, per_expert, where
+
+
+def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Tensor, C: int, keep: list):
+    """A sender's published plan block (see :mod:`.normal`) and its handle parts: ``(block offset, block
+    int64 length, channel_prefix_matrix [R, C] int32, send_head [T, R] int32)``; ``counts`` ``[R]`` int64 are
+    the tokens per rank (already checked against ``in_rank``)."""
+    ex = buf.ex
+    T, R = in_rank.shape
+    E = per_expert.numel()
+    n = R + E + R * C + int(counts.sum())
+    block = heap_empty(buf.comm, (n,), torch.int64, fallback=False)
+    keep.append(block)
+    if E:
+        block[R:R + E] = per_expert
+    head = torch.empty(T, R, dtype=torch.int32)
+    where = in_rank.contiguous()
+    expect = counts.contiguous()
+    args = _args([where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(), expect.data_ptr()])
+    bad = ex.prims.ep_route(args.data_ptr())
+    if bad >= 0:
+        raise AssertionError(f"ep_route: rank {bad}'s count differs from is_token_in_rank's")
+    chan = block[R + E:R + E + R * C].view(R, C).to(torch.int32)
+    return ex.offset_of(block), n, chan, head

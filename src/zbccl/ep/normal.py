@@ -59,19 +59,29 @@ def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
 
 
-def _check_topk(topk_idx, topk_weights, T: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None):
+    """Checked ``(topk_idx int64, topk_weights, num_tokens_per_expert [E] int32 when prims has the native
+    kernels, else None)``."""
     if (topk_idx is None) != (topk_weights is None):
         raise Fail("topk_idx and topk_weights go together, expected both or neither, got one")
     idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, None))
     K = idx.size(1)
     w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, K))
-    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E):
+    per_expert = None
+    if fast.available(prims):
+        got = fast.layout(prims, idx, E, 1, in_rank=False)
+        per_expert = got[1] if got is not None else None
+        bad = got is None
+    else:
+        bad = idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E)
+    if bad:
         raise Fail(f"topk_idx out of range, expected -1 or [0, {E}), got values in [{int(idx.min())}, {int(idx.max())}]")
-    return idx.long(), w
+    return idx.long(), w, per_expert
 
 
-def _layout(a: dict, T: int, R: int):
-    """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)`` of a non-cached dispatch."""
+def _layout(a: dict, T: int, R: int, prims):
+    """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, tokens per rank)`` of a
+    non-cached dispatch."""
     for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
         if a[name] is None:
             raise Fail(f"{name} is required without a handle, expected a tensor, got None")
@@ -83,8 +93,10 @@ def _layout(a: dict, T: int, R: int):
         raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
     idx = w = None
     if a["topk_idx"] is not None or a["topk_weights"] is not None:
-        idx, w = _check_topk(a["topk_idx"], a["topk_weights"], T, E)
-        if not torch.equal(torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:], ntpe.long()):
+        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, prims)
+        if got is None:
+            got = torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:]
+        if not torch.equal(got, ntpe.to(got.dtype)):
             raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
     elif a["num_worst_tokens"]:
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
@@ -94,7 +106,7 @@ def _layout(a: dict, T: int, R: int):
     if not torch.equal(counts, ntpr.long()):
         raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
                    f"got {ntpr.tolist()}")
-    return in_rank, ntpe.long(), idx, w
+    return in_rank, ntpe.long(), idx, w, counts
 
 
 def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
@@ -121,14 +133,20 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         fields[F.NRECV], fields[F.WORST] = valid, rows if rows != valid else 0
         fields[F.FLAGS] = FLAG_CACHED
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
+        counts = in_rank.sum(0)
     else:
-        in_rank, per_expert, idx, w = _layout(a, T, R)
+        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.prims)
         E = per_expert.numel()
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
-    counts, tokens = rank_lists(in_rank)
-    chan = channel_prefix(in_rank, a["config"].num_channels)
-    meta = torch.cat([counts, per_expert, chan.long().flatten(), tokens])
-    fields[F.META], fields[F.NROWS] = ex.block(meta, keep), meta.numel()
+    head = None
+    if fast.available(ex.prims):
+        fields[F.META], fields[F.NROWS], chan, head = fast.route(buf, in_rank, counts, per_expert,
+                                                                 a["config"].num_channels, keep)
+    else:
+        counts, tokens = rank_lists(in_rank)
+        chan = channel_prefix(in_rank, a["config"].num_channels)
+        meta = torch.cat([counts, per_expert, chan.long().flatten(), tokens])
+        fields[F.META], fields[F.NROWS] = ex.block(meta, keep), meta.numel()
     fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
     out_dtype = x.dtype
     if scales is None and a["int8"]:
@@ -145,7 +163,8 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         fields[F.DTYPE] |= DTYPE_CODES[torch.float32] << 8 if s.dtype == torch.float32 else 6 << 8
     if idx is not None:
         fields[F.TOPK], fields[F.W] = ex.place(idx, keep, "topk_idx"), ex.place(w, keep, "topk_weights")
-    return {"in_rank": in_rank, "chan": chan, "H": H, "out_dtype": out_dtype, "cached": handle is not None}
+    return {"in_rank": in_rank, "chan": chan, "head": head, "H": H, "out_dtype": out_dtype,
+            "cached": handle is not None}
 
 
 def _check_counts(rows, counts: torch.Tensor) -> None:
@@ -276,7 +295,7 @@ def dispatch(buf, a: dict):
     align = a["expert_alignment"]
     lst = [] if a["num_worst_tokens"] else [-(-c // align) * align for c in per_expert]
     handle = (counts.cumsum(0).to(torch.int32), loc["chan"], recv_chan, out["src_idx"], loc["in_rank"],
-              send_head(loc["in_rank"]))
+              loc["head"] if loc["head"] is not None else send_head(loc["in_rank"]))
     buf.register(handle[3])
     return recv_x, out.get("i"), out.get("w"), lst, handle
 

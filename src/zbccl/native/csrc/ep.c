@@ -200,7 +200,101 @@ static PyObject *py_ep_combine(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLongLong(rc);
 }
 
+/* ep_layout(args): a = [idx (int64 or int32 [T, K]), T, K, E, R, idx_is_int32, per_rank_out (int32 [R] or 0),
+ * per_expert_out (int32 [E]), in_rank_out (bool [T, R] or 0)]: get_dispatch_layout in one pass (a token counts
+ * once per rank, -1 selects nothing). Returns -1, or the flat index of the first entry outside [-1, E) (then
+ * the outputs are undefined). */
+static i64 ep_layout(const i64 *a) {
+    i64 T = a[1], K = a[2], E = a[3], R = a[4], L = E / R;
+    const i64 *idx64 = (const i64 *)(uintptr_t)a[0];
+    const int32_t *idx32 = (const int32_t *)(uintptr_t)a[0];
+    int32_t *per_rank = (int32_t *)(uintptr_t)a[6], *per_expert = (int32_t *)(uintptr_t)a[7];
+    uint8_t *in_rank = (uint8_t *)(uintptr_t)a[8];
+    uint8_t seen[64 + 1];
+    if (R > 64 || L < 1) return 0;
+    for (i64 e = 0; e < E; e++) per_expert[e] = 0;
+    if (per_rank)
+        for (i64 r = 0; r < R; r++) per_rank[r] = 0;
+    for (i64 t = 0; t < T; t++) {
+        memset(seen, 0, (size_t)R);
+        for (i64 k = 0; k < K; k++) {
+            i64 e = a[5] ? idx32[t * K + k] : idx64[t * K + k];
+            if (e < -1 || e >= E) return t * K + k;
+            if (e < 0) continue;
+            per_expert[e]++;
+            seen[e / L] = 1;
+        }
+        for (i64 r = 0; r < R; r++) {
+            if (per_rank) per_rank[r] += seen[r];
+            if (in_rank) in_rank[t * R + r] = seen[r];
+        }
+    }
+    return -1;
+}
+
+static PyObject *py_ep_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a;
+    if (get_arr(args, nargs, "ep_layout", &a) < 0) return NULL;
+    return PyLong_FromLongLong(ep_layout(a));
+}
+
+/* ep_route(args): a = [in_rank (bool [T, R]), T, R, C, E, meta (int64 block), meta_len, head_out (int32 [T, R]),
+ * expect (int64 [R]: the tokens per rank the caller sized the block for)]: a sender's plan block
+ * counts[R] | (per expert, left to the caller) | chan[R * C] (inclusive prefix over DeepEP's channels: channel c
+ * owns tokens [c * ceil(T / C), ...)) | tokens (per rank, ascending), and the handle's send_head (position of a
+ * token among those sent to a rank, -1: not sent). Returns -1, or the first rank whose count differs from
+ * expect (nothing written past the counts then). */
+static i64 ep_route(const i64 *a) {
+    const uint8_t *in_rank = (const uint8_t *)(uintptr_t)a[0];
+    i64 T = a[1], R = a[2], C = a[3], E = a[4], len = a[6];
+    i64 *meta = (i64 *)(uintptr_t)a[5], *expect = (i64 *)(uintptr_t)a[8];
+    int32_t *head = (int32_t *)(uintptr_t)a[7];
+    i64 at[64], total = 0;
+    if (R > 64 || C < 1) return 0;
+    for (i64 r = 0; r < R; r++) meta[r] = 0;
+    for (i64 t = 0; t < T; t++)
+        for (i64 r = 0; r < R; r++) meta[r] += in_rank[t * R + r] != 0;
+    for (i64 r = 0; r < R; r++) {
+        if (meta[r] != expect[r]) return r;
+        at[r] = R + E + R * C + total;
+        total += meta[r];
+    }
+    if (R + E + R * C + total > len) return 0;
+    i64 *chan = meta + R + E, per = (T + C - 1) / C;
+    if (per < 1) per = 1;
+    for (i64 i = 0; i < R * C; i++) chan[i] = 0;
+    i64 first[64];
+    for (i64 r = 0; r < R; r++) first[r] = at[r];
+    for (i64 t = 0; t < T; t++) {
+        i64 c = t / per;
+        for (i64 r = 0; r < R; r++) {
+            if (in_rank[t * R + r]) {
+                head[t * R + r] = (int32_t)(at[r] - first[r]);
+                meta[at[r]++] = t;
+                chan[r * C + c]++;
+            } else {
+                head[t * R + r] = -1;
+            }
+        }
+    }
+    for (i64 r = 0; r < R; r++)
+        for (i64 c = 1; c < C; c++) chan[r * C + c] += chan[r * C + c - 1];
+    return -1;
+}
+
+static PyObject *py_ep_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a;
+    if (get_arr(args, nargs, "ep_route", &a) < 0) return NULL;
+    return PyLong_FromLongLong(ep_route(a));
+}
+
 static PyMethodDef ep_methods[] = {
+    {"ep_layout", (PyCFunction)(void (*)(void))py_ep_layout, METH_FASTCALL,
+     "ep_layout(args_ptr) -> -1 or the first bad top-k entry: get_dispatch_layout's counts (layout in ep.c)."},
+    {"ep_route", (PyCFunction)(void (*)(void))py_ep_route, METH_FASTCALL,
+     "ep_route(args_ptr) -> -1 or a rank whose count differs: a sender's plan block and send_head (ep.c)."},
     {"ep_plan", (PyCFunction)(void (*)(void))py_ep_plan, METH_FASTCALL,
      "ep_plan(args_ptr) -> -1 or a bad rank: the [R, R] counts, per local expert counts and receive channel "
      "prefix of a dispatch, read from every sender's plan block (layout in ep.c)."},
