@@ -33,7 +33,7 @@ from ..heap.views import HeapHandle, wrap_address
 from ..ops import all_gather_into_tensor
 from ..runtime.threads import nthreads
 
-__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "row_runs", "row_table"]
+__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "heap_empty_many", "row_runs", "row_table"]
 
 HDR_LEN = 64
 _MSG_AT, _MSG_BYTES = 32, 256
@@ -72,6 +72,20 @@ def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> tor
     buf = wrap_address(comm.heap_base + offset, nbytes)
     weakref.finalize(buf, sma.free, offset)
     return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
+def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
+    """:func:`heap_empty` of several tensors in one heap block (64-byte aligned parts, one allocation):
+    the block is freed when the last view of any part dies."""
+    offs, total = [], 0
+    for shape, dtype in specs:
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        offs.append((total, n))
+        total += -(-n // 64) * 64
+    raw = heap_empty(comm, (max(total, 1),), torch.uint8)
+    return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
 
 
 class Exchange:
@@ -138,7 +152,7 @@ class Exchange:
             h[_MSG_AT:].view(torch.uint8).copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
         all_gather_into_tensor(self._all, h, comm=self.comm, timeout=self.timeout)
         rows = self._all.view(self.R, HDR_LEN).clone()
-        bad = (rows[:, F.STATUS] != STATUS_OK).nonzero().flatten().tolist()
+        bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:
             r = bad[0]
             text = bytes(rows[r, _MSG_AT:].contiguous().view(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
@@ -149,10 +163,10 @@ class Exchange:
     def agree(self, op: str, rows: torch.Tensor, fields: tuple) -> None:
         """Raise on every rank unless every header has the same value in each ``(field, what)`` of
         ``fields`` (one vectorised check; the error names the first field and the ranks that differ)."""
-        cols = [f for f, _ in fields]
-        block = rows[:, cols]
-        if bool((block == block[0]).all()):
+        rl = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+        if all(r[f] == rl[0][f] for f, _ in fields for r in rl):
             return
+        rows = torch.tensor(rl)
         for field, what in fields:
             col = rows[:, field]
             odd = (col != col[0]).nonzero().flatten().tolist()

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from . import fast
-from .exchange import F, Fail, heap_empty, row_runs, row_table
+from .exchange import F, Fail, heap_empty, heap_empty_many, row_runs, row_table
 from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
 
 __all__ = ["dispatch", "combine", "DTYPE_CODES", "OP_DISPATCH", "OP_COMBINE"]
@@ -170,18 +170,17 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
 def _check_counts(rows, counts: torch.Tensor) -> None:
     """Check the global ``[src, dst]`` token counts against every rank's ``num_worst_tokens`` and handle
     (every rank holds the same counts and headers, so all raise together)."""
-    R = counts.size(0)
-    per_dst = counts.sum(0)
-    for r in range(R):
-        worst = int(rows[r, F.WORST])
-        if worst and int(per_dst[r]) > worst:
+    per_dst = counts.sum(0).tolist()
+    for r, h in enumerate(rows.tolist()):
+        worst = h[F.WORST]
+        if worst and per_dst[r] > worst:
             raise ZbcclInvalidUsageError(
-                f"dispatch: num_worst_tokens too small on rank {r}, expected >= {int(per_dst[r])}, got {worst}",
+                f"dispatch: num_worst_tokens too small on rank {r}, expected >= {per_dst[r]}, got {worst}",
                 ranks=(r,))
-        if rows[r, F.FLAGS] & FLAG_CACHED and int(rows[r, F.NRECV]) != int(per_dst[r]):
+        if h[F.FLAGS] & FLAG_CACHED and h[F.NRECV] != per_dst[r]:
             raise ZbcclInvalidUsageError(
-                f"dispatch: the handle on rank {r} does not match this routing, expected {int(rows[r, F.NRECV])} "
-                f"received tokens, got {int(per_dst[r])}", ranks=(r,))
+                f"dispatch: the handle on rank {r} does not match this routing, expected {h[F.NRECV]} "
+                f"received tokens, got {per_dst[r]}", ranks=(r,))
 
 
 def _alloc(buf, rows, loc: dict, n: int) -> dict:
@@ -192,12 +191,15 @@ def _alloc(buf, rows, loc: dict, n: int) -> dict:
     int8 = bool(flags & FLAG_INT8)
     x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
     s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
-    out = {"x": (torch.empty if int8 else lambda *s, dtype: heap_empty(buf.comm, s, dtype))(n, H, dtype=x_dtype)}
+    # One heap block for the received rows, top-k and weights (one allocation; int8 rows are private staging).
+    specs = {} if int8 else {"x": ((n, H), x_dtype)}
+    if K:
+        specs.update(i=((n, K), torch.int64), w=((n, K), torch.float32))
+    out = dict(zip(specs, heap_empty_many(buf.comm, list(specs.values())))) if specs else {}
+    if int8:
+        out["x"] = torch.empty(n, H, dtype=x_dtype)
     if code >> 8:
         out["s"] = torch.empty(n, int(rows[me, F.SROW]) // 4, dtype=s_dtype)
-    if K:
-        out["i"] = heap_empty(buf.comm, (n, K), torch.int64)
-        out["w"] = heap_empty(buf.comm, (n, K), torch.float32)
     return out
 
 
