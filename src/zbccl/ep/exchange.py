@@ -98,6 +98,7 @@ class Exchange:
         self.prims = comm.heap.prims
         self._hdr = heap_empty(comm, (HDR_LEN,), torch.int64, fallback=False)
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
+        self._plan: torch.Tensor | None = None
         #: Payload bytes this rank copied or read from peers' memory since the last publish.
         self.moved = 0
 
@@ -136,6 +137,14 @@ class Exchange:
         t.copy_(values)
         keep.append(t)
         return self.offset_of(t) if t.numel() else 0
+
+    def plan_block(self, n: int) -> torch.Tensor:
+        """This rank's reusable int64 plan block of ``n`` entries (grown as needed; one op uses it at a
+        time, and each op's closing barrier ends the peers' reads before the next op rewrites it)."""
+        if self._plan is None or self._plan.numel() < n:
+            self._plan = None
+            self._plan = heap_empty(self.comm, (max(n, 1024),), torch.int64, fallback=False)
+        return self._plan[:n]
 
     # ------------------------------------------------------------------ the handshake
     def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:

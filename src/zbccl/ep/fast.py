@@ -9,11 +9,13 @@ and the kernels check every row index they take from a peer against that block.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from ..errors import ZbcclInvalidUsageError
 from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
-from .exchange import F, heap_empty
+from .exchange import F, Fail
 
 __all__ = ["available", "layout", "route", "plan", "pull", "combine_sum"]
 
@@ -25,8 +27,10 @@ def available(prims) -> bool:
     return getattr(prims, "ep_combine", None) is not None
 
 
-def _args(values: list) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+def _call(fn, values: list) -> int:
+    """``fn(address of values as int64[])``; the array lives until the call returns."""
+    arr = array("q", values)
+    return fn(arr.buffer_info()[0])
 
 
 def plan(buf, rows: list) -> tuple[torch.Tensor, list[int], torch.Tensor, list[tuple[int, int]]]:
@@ -39,9 +43,8 @@ def plan(buf, rows: list) -> tuple[torch.Tensor, list[int], torch.Tensor, list[t
     per_expert = torch.empty(L, dtype=torch.int64)
     recv_chan = torch.empty(R, C, dtype=torch.int32)
     metas = [(ex.addr(r, rows[r][F.META], rows[r][F.NROWS] * 8), rows[r][F.NROWS]) for r in range(R)]
-    a = _args([R, me, E, C, L, counts.data_ptr(), per_expert.data_ptr(), recv_chan.data_ptr()]
-              + [v for m in metas for v in m])
-    bad = ex.prims.ep_plan(a.data_ptr())
+    bad = _call(ex.prims.ep_plan, [R, me, E, C, L, counts.data_ptr(), per_expert.data_ptr(), recv_chan.data_ptr()]
+                + [v for m in metas for v in m])
     if bad >= 0:
         raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s plan block is malformed, expected "
                                      f">= {R + E + R * C} int64 with counts >= 0", ranks=(bad,))
@@ -68,8 +71,7 @@ def pull(buf, rows: list, counts: torch.Tensor, metas: list, out: dict, num_recv
         a += [metas[r][0], metas[r][1], T_r]
         for (_, field, _), row in zip(_FIELDS, row_of):
             a.append(ex.addr(r, rows[r][field], T_r * row) if row and T_r else 0)
-    args = _args(a)  # kept alive across the call
-    moved = ex.prims.ep_pull(args.data_ptr())
+    moved = _call(ex.prims.ep_pull, a)
     if moved < 0:
         bad = -moved - 1
         raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s token list is out of range, expected indices in "
@@ -98,8 +100,7 @@ def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int
         xa = ex.addr(r, rows[r][F.X], nrows * rows[r][F.XROW]) if nrows else 0
         wa = ex.addr(r, rows[r][F.W], nrows * K * 4) if K and nrows else 0
         a += [base[r], nrows, xa, wa]
-    args = _args(a)
-    moved = ex.prims.ep_combine(args.data_ptr())
+    moved = _call(ex.prims.ep_combine, a)
     if moved < 0:
         bad = -moved - 1
         raise ZbcclInvalidUsageError(f"combine: the handle's rows for rank {bad} are out of range, expected < "
@@ -117,31 +118,32 @@ def layout(prims, topk_idx: torch.Tensor, num_experts: int, R: int, *, in_rank: 
     per_rank = torch.empty(R, dtype=torch.int32) if in_rank else None
     per_expert = torch.empty(num_experts, dtype=torch.int32)
     where = torch.empty(T, R, dtype=torch.bool) if in_rank else None
-    args = _args([idx.data_ptr(), T, K, num_experts, R, int(idx.dtype == torch.int32),
-                  per_rank.data_ptr() if in_rank else 0, per_expert.data_ptr(), where.data_ptr() if in_rank else 0])
-    if prims.ep_layout(args.data_ptr()) >= 0:
+    if _call(prims.ep_layout, [idx.data_ptr(), T, K, num_experts, R, int(idx.dtype == torch.int32),
+                               per_rank.data_ptr() if in_rank else 0, per_expert.data_ptr(),
+                               where.data_ptr() if in_rank else 0]) >= 0:
         return None
     return per_rank, per_expert, where
 
 
-def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Tensor, C: int, keep: list):
+def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Tensor, C: int):
     """A sender's published plan block (see :mod:`.normal`) and its handle parts: ``(block offset, block
-    int64 length, channel_prefix_matrix [R, C] int32, send_head [T, R] int32)``; ``counts`` ``[R]`` int64 are
-    the tokens per rank (already checked against ``in_rank``)."""
+    int64 length, channel_prefix_matrix [R, C] int32, send_head [T, R] int32)``. ``counts`` ``[R]`` are the
+    tokens per rank the caller expects (``num_tokens_per_rank``); :class:`Fail` if ``in_rank`` disagrees.
+    The block is the Exchange's reusable plan block: the op's closing barrier ends every peer's reads."""
     ex = buf.ex
     T, R = in_rank.shape
     E = per_expert.numel()
-    n = R + E + R * C + int(counts.sum())
-    block = heap_empty(buf.comm, (n,), torch.int64, fallback=False)
-    keep.append(block)
+    expect = counts.to(torch.int64).contiguous()
+    n = R + E + R * C + int(expect.clamp(min=0).sum())
+    block = ex.plan_block(n)
     if E:
         block[R:R + E] = per_expert
     head = torch.empty(T, R, dtype=torch.int32)
     where = in_rank.contiguous()
-    expect = counts.contiguous()
-    args = _args([where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(), expect.data_ptr()])
-    bad = ex.prims.ep_route(args.data_ptr())
-    if bad >= 0:
-        raise AssertionError(f"ep_route: rank {bad}'s count differs from is_token_in_rank's")
+    if _call(ex.prims.ep_route, [where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(),
+                                 expect.data_ptr()]) >= 0:
+        got = in_rank.sum(0)
+        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {got.tolist()}, "
+                   f"got {counts.tolist()}")
     chan = block[R + E:R + E + R * C].view(R, C).to(torch.int32)
     return ex.offset_of(block), n, chan, head

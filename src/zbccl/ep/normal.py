@@ -102,11 +102,12 @@ def _layout(a: dict, T: int, R: int, prims):
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
     if a["expert_alignment"] < 1:
         raise Fail(f"expert_alignment must be >= 1, got {a['expert_alignment']}")
-    counts = in_rank.sum(0)
-    if not torch.equal(counts, ntpr.long()):
-        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
-                   f"got {ntpr.tolist()}")
-    return in_rank, ntpe.long(), idx, w, counts
+    if not fast.available(prims):  # the native plan checks it (fast.route)
+        counts = in_rank.sum(0)
+        if not torch.equal(counts, ntpr.long()):
+            raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
+                       f"got {ntpr.tolist()}")
+    return in_rank, ntpe.long(), idx, w, ntpr
 
 
 def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
@@ -141,7 +142,7 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
     head = None
     if fast.available(ex.prims):
         fields[F.META], fields[F.NROWS], chan, head = fast.route(buf, in_rank, counts, per_expert,
-                                                                 a["config"].num_channels, keep)
+                                                                 a["config"].num_channels)
     else:
         counts, tokens = rank_lists(in_rank)
         chan = channel_prefix(in_rank, a["config"].num_channels)

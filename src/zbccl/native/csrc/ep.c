@@ -215,11 +215,12 @@ static i64 ep_layout(const i64 *a) {
     for (i64 e = 0; e < E; e++) per_expert[e] = 0;
     if (per_rank)
         for (i64 r = 0; r < R; r++) per_rank[r] = 0;
+    int is32 = a[5] != 0;
     for (i64 t = 0; t < T; t++) {
         memset(seen, 0, (size_t)R);
         for (i64 k = 0; k < K; k++) {
-            i64 e = a[5] ? idx32[t * K + k] : idx64[t * K + k];
-            if (e < -1 || e >= E) return t * K + k;
+            i64 e = is32 ? idx32[t * K + k] : idx64[t * K + k];
+            if ((uint64_t)(e + 1) > (uint64_t)E) return t * K + k; /* outside [-1, E) */
             if (e < 0) continue;
             per_expert[e]++;
             seen[e / L] = 1;
