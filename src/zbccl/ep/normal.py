@@ -186,9 +186,8 @@ def _check_counts(rows, counts: torch.Tensor) -> None:
 
 def _alloc(buf, rows, loc: dict, n: int) -> dict:
     """The exact-size outputs of a dispatch (``n`` rows): ``x`` (int8 staging for int8), ``s``, ``i``, ``w``."""
-    me = buf.ex.me
-    H, K, flags = loc["H"], int(rows[me, F.K]), int(rows[me, F.FLAGS])
-    code = int(rows[me, F.DTYPE])
+    h = rows[buf.ex.me].tolist()
+    H, K, flags, code = loc["H"], h[F.K], h[F.FLAGS], h[F.DTYPE]
     int8 = bool(flags & FLAG_INT8)
     x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
     s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
@@ -200,7 +199,7 @@ def _alloc(buf, rows, loc: dict, n: int) -> dict:
     if int8:
         out["x"] = torch.empty(n, H, dtype=x_dtype)
     if code >> 8:
-        out["s"] = torch.empty(n, int(rows[me, F.SROW]) // 4, dtype=s_dtype)
+        out["s"] = torch.empty(n, h[F.SROW] // 4, dtype=s_dtype)
     return out
 
 
