@@ -191,13 +191,11 @@ def _alloc(buf, rows, loc: dict, n: int) -> dict:
     int8 = bool(flags & FLAG_INT8)
     x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
     s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
-    # One heap block for the received rows, top-k and weights (one allocation; int8 rows are private staging).
-    specs = {} if int8 else {"x": ((n, H), x_dtype)}
+    # The received rows in a heap block of their own (exact size; int8 rows are private staging), the
+    # top-k and weights together in a second one (one allocation fewer, a small block's rounding).
+    out = {"x": torch.empty(n, H, dtype=x_dtype) if int8 else heap_empty(buf.comm, (n, H), x_dtype)}
     if K:
-        specs.update(i=((n, K), torch.int64), w=((n, K), torch.float32))
-    out = dict(zip(specs, heap_empty_many(buf.comm, list(specs.values())))) if specs else {}
-    if int8:
-        out["x"] = torch.empty(n, H, dtype=x_dtype)
+        out["i"], out["w"] = heap_empty_many(buf.comm, [((n, K), torch.int64), ((n, K), torch.float32)])
     if code >> 8:
         out["s"] = torch.empty(n, h[F.SROW] // 4, dtype=s_dtype)
     return out
