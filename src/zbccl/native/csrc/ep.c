@@ -8,7 +8,8 @@
  * kernels check each row index they read from a peer (token indices, handle rows) against that block,
  * so a bad plan or handle gives an error code, never an out-of-bounds read or write.
  *
- * Argument layout: one int64 array per call (see each function), filled by zbccl/ep/native.py.
+ * Argument layout: one int64 array per call (see each function), filled by zbccl/ep/fast.py. Group sizes
+ * up to ZB_MAXW (abi.MAX_WORLD) ranks.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -138,7 +139,7 @@ static PyObject *py_ep_pull(PyObject *self, PyObject *const *args, Py_ssize_t na
 static i64 ep_sum(char *dst, i64 T, i64 R, i64 width, i64 isz, int dtype, const uint8_t *in_rank,
                   const int32_t *head, const i64 *base, const i64 *nrows, const i64 *peer, const i64 *extra,
                   i64 nextra) {
-    const void *srcs[64 + 4];
+    const void *srcs[ZB_MAXW + 2];
     i64 row = width * isz, moved = 0;
     for (i64 t0 = 0; t0 < T;) {
         i64 t1 = t0 + 1;
@@ -172,8 +173,8 @@ static i64 ep_combine(const i64 *a) {
     const uint8_t *in_rank = (const uint8_t *)(uintptr_t)a[2];
     const int32_t *head = (const int32_t *)(uintptr_t)a[3];
     const i64 *per = a + 4 + 2 * 7;
-    i64 base[64], nrows[64], peer[64], moved = 0;
-    if (R > 64) return -1;
+    i64 base[ZB_MAXW], nrows[ZB_MAXW], peer[ZB_MAXW], moved = 0;
+    if (R > ZB_MAXW) return -1;
     for (i64 r = 0; r < R; r++) {
         base[r] = per[4 * r];
         nrows[r] = per[4 * r + 1];
@@ -210,8 +211,8 @@ static i64 ep_layout(const i64 *a) {
     const int32_t *idx32 = (const int32_t *)(uintptr_t)a[0];
     int32_t *per_rank = (int32_t *)(uintptr_t)a[6], *per_expert = (int32_t *)(uintptr_t)a[7];
     uint8_t *in_rank = (uint8_t *)(uintptr_t)a[8];
-    uint8_t seen[64 + 1];
-    if (R > 64 || L < 1) return 0;
+    uint8_t seen[ZB_MAXW];
+    if (R > ZB_MAXW || L < 1) return 0;
     for (i64 e = 0; e < E; e++) per_expert[e] = 0;
     if (per_rank)
         for (i64 r = 0; r < R; r++) per_rank[r] = 0;
@@ -251,8 +252,8 @@ static i64 ep_route(const i64 *a) {
     i64 T = a[1], R = a[2], C = a[3], E = a[4], len = a[6];
     i64 *meta = (i64 *)(uintptr_t)a[5], *expect = (i64 *)(uintptr_t)a[8];
     int32_t *head = (int32_t *)(uintptr_t)a[7];
-    i64 at[64], total = 0;
-    if (R > 64 || C < 1) return 0;
+    i64 at[ZB_MAXW], first[ZB_MAXW], total = 0;
+    if (R > ZB_MAXW || C < 1) return 0;
     for (i64 r = 0; r < R; r++) meta[r] = 0;
     for (i64 t = 0; t < T; t++)
         for (i64 r = 0; r < R; r++) meta[r] += in_rank[t * R + r] != 0;
@@ -265,7 +266,6 @@ static i64 ep_route(const i64 *a) {
     i64 *chan = meta + R + E, per = (T + C - 1) / C;
     if (per < 1) per = 1;
     for (i64 i = 0; i < R * C; i++) chan[i] = 0;
-    i64 first[64];
     for (i64 r = 0; r < R; r++) first[r] = at[r];
     for (i64 t = 0; t < T; t++) {
         i64 c = t / per;
