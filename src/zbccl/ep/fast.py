@@ -134,7 +134,11 @@ def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Te
     T, R = in_rank.shape
     E = per_expert.numel()
     expect = counts.to(torch.int64).contiguous()
-    n = R + E + R * C + int(expect.clamp(min=0).sum())
+    total = int(expect.clamp(min=0).sum())
+    if total > T * R:  # before sizing the block by it (the kernel checks each count exactly)
+        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {in_rank.sum(0).tolist()}, "
+                   f"got {counts.tolist()}")
+    n = R + E + R * C + total
     block = ex.plan_block(n)
     if E:
         block[R:R + E] = per_expert
