@@ -59,6 +59,8 @@ def _bad_inputs(ctx):
                 topk_idx=topk_idx, topk_weights=w)
     bad_idx = topk_idx.clone()
     bad_idx[3, 1] = E + 5
+    shift = torch.zeros_like(ntpr)
+    shift[0], shift[-1] = 1, -1
     cases = [  # (what rank 1 passes instead, the message every rank must see)
         (dict(topk_idx=bad_idx), "topk_idx out of range"),
         (dict(topk_idx=topk_idx.float()), "topk_idx has the wrong dtype"),
@@ -67,6 +69,8 @@ def _bad_inputs(ctx):
         (dict(topk_weights=None), "topk_idx and topk_weights go together"),
         (dict(num_tokens_per_expert=torch.zeros(2 * E, dtype=torch.int32)), "does not match topk_idx"),
         (dict(num_tokens_per_rank=ntpr + 1), "num_tokens_per_rank does not match"),
+        (dict(num_tokens_per_rank=ntpr.long() + (1 << 40)), "num_tokens_per_rank does not match"),  # not a size
+        (dict(num_tokens_per_rank=ntpr + shift), "num_tokens_per_rank does not match"),  # right sum, wrong split
         (dict(x=x.to(torch.int32)), "x has the wrong dtype"),
     ]
     for change, match in cases:

@@ -219,6 +219,85 @@ def _worst_handle(buffer, comm) -> None:
     assert torch.equal(rs[:, 0], recv_x[:, 0].float().div(32).floor())
 
 
+def _both_paths(buffer, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the native EP kernels, then with the plain-torch path (a core without them)."""
+    got = fn(*args, **kwargs)
+    prims = buffer.ex.prims
+    buffer.ex.prims = object()
+    try:
+        return got, fn(*args, **kwargs)
+    finally:
+        buffer.ex.prims = prims
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, (a, b)
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    elif isinstance(a, (tuple, list)):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b)
+        for u, v in zip(a, b):
+            _same(u, v)
+    else:
+        assert a == b, (a, b)
+
+
+def _native_matches_torch(buffer, comm) -> None:
+    """The native plan/pull/sum (ep.c) give bit for bit what the torch reference path gives: scattered token
+    lists (skewed routing, -1 entries), fp8 with scales, num_worst_tokens, alignment, cached, weights, bias;
+    and a handle whose rows point outside a peer's block is refused, not read."""
+    import zbccl
+
+    R, me, E, H, K = comm.world_size, comm.rank, 16, 256, 4
+    T = 40 + 7 * me
+    torch.manual_seed(50 + me)
+    scores = torch.rand(T, E)
+    scores[torch.rand(T) < 0.7, :K] += 10
+    topk_idx = torch.topk(scores, K).indices
+    topk_idx[torch.rand(T, K) < 0.2] = -1
+    w = torch.rand(T, K)
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    layout = _both_paths(buffer, buffer.get_dispatch_layout, topk_idx, E)
+    _same(layout[0][:4], layout[1][:4])
+    ntpr, _, ntpe, in_rank, _ = layout[0]
+    kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+    for extra in (dict(topk_idx=topk_idx, topk_weights=w, expert_alignment=4), dict(),
+                  dict(topk_idx=topk_idx, topk_weights=w, num_worst_tokens=sum(40 + 7 * r for r in range(R)) + 3)):
+        for xx in (per_token_cast_to_fp8(x), x):  # a: the bf16 dispatch's results, used below
+            a, b = (r[:5] for r in _both_paths(buffer, buffer.dispatch, xx, **kw, **extra))
+            n = int(a[4][0][-1, me])  # rows past num_recv (num_worst_tokens) are undefined, as in DeepEP
+            for u, v in zip(a[:3], b[:3]):
+                _same(u if u is None else (u[0][:n], u[1][:n]) if isinstance(u, tuple) else u[:n],
+                      v if v is None else (v[0][:n], v[1][:n]) if isinstance(v, tuple) else v[:n])
+            _same(a[3], b[3])
+            if a[1] is not None:
+                _same(a[1][n:], b[1][n:])  # -1: no expert, weight 0
+                _same(a[2][n:], b[2][n:])
+            _same(a[4][:4], b[4][:4])  # the handles' tensors (b's send_head comes from torch)
+            _same(a[4][5], b[4][5])
+        cached = _both_paths(buffer, buffer.dispatch, x, handle=a[4])
+        _same(cached[0][0][:n], cached[1][0][:n])
+        if "num_worst_tokens" not in extra:
+            rx = a[0] * 2
+            bias = torch.randn(T, H, dtype=torch.bfloat16)
+            rw = a[2] if a[2] is not None else None
+            comb = _both_paths(buffer, buffer.combine, rx, a[4], topk_weights=rw, bias=bias)
+            _same(comb[0][:2], comb[1][:2])
+    # a handle whose rows point past a peer's block: refused by the native sum on that rank only
+    rx, _, _, _, handle, _ = buffer.dispatch(x, **kw, topk_idx=topk_idx, topk_weights=w)
+    bad = list(handle)
+    if me == 0:
+        bad[5] = torch.where(handle[5] >= 0, handle[5] + 10_000, handle[5])
+    try:
+        buffer.combine(rx, tuple(bad))
+        assert me != 0 or not bool(in_rank.any()), "rank 0 read rows outside a peer's block"
+    except zbccl.ZbcclInvalidUsageError as exc:
+        assert me == 0 and "out of range" in str(exc), exc
+    combined, _, _ = buffer.combine(rx, handle)  # the group is still in step
+    assert torch.equal(combined, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+
+
 def _normal_world(ctx, cases):
     import zbccl
     import zbccl.ep as deep_ep
@@ -232,6 +311,7 @@ def _normal_world(ctx, cases):
     _zero_copy(buffer, comm)
     _uneven(buffer, comm)
     _worst_handle(buffer, comm)
+    _native_matches_torch(buffer, comm)
     buffer.destroy()
     zbccl.finalize()
     return True

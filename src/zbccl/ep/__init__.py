@@ -1,8 +1,9 @@
 """``zbccl.ep``: DeepEP-compatible MoE expert parallelism (``import zbccl.ep as deep_ep``).
 
-Dispatch and combine over the shared heap with exact-size receive tensors: a small header
-all_gather publishes every rank's counts and heap offsets, then each receiver pulls its rows
-straight from the senders' memory. See :class:`Buffer`.
+Dispatch and combine over the shared heap with exact-size receive tensors: every rank publishes a
+small header (its counts and heap offsets) in its heap, a barrier makes them visible, then each
+receiver pulls its rows straight from the senders' memory (native kernels in ``native/csrc/ep.c``,
+plain torch without them). See :class:`Buffer`.
 """
 
 from .buffer import Buffer

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from . import low_latency, normal
+from . import fast, low_latency, normal
 from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
 from .event import EventHandle, EventOverlap
 from .event import completed as _event
@@ -195,18 +195,20 @@ class Buffer:
         per rank however many of its experts live there.
         """
         R = self.group_size
-        error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
+        error, got = _stream_error(previous_event, async_finish, allocate_on_comm_stream), None
         if error is None:
             try:
                 normal._tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32))
                 if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
                     raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {num_experts!r}")
-                normal._check_topk(topk_idx, torch.zeros(topk_idx.shape), topk_idx.size(0), num_experts)
+                got = fast.layout(self.ex.prims, topk_idx, num_experts, R) if fast.available(self.ex.prims) else None
+                if got is None:  # the torch path, or the native one found a bad entry: the checks say which
+                    normal._check_topk(topk_idx, torch.zeros(topk_idx.shape), topk_idx.size(0), num_experts)
             except Fail as exc:
                 error = str(exc)
         if error is not None:
             raise ZbcclInvalidUsageError(f"get_dispatch_layout: {error}")
-        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, R)
+        per_rank, per_expert, in_rank = got if got is not None else dispatch_layout(topk_idx, num_experts, R)
         return per_rank, None, per_expert, in_rank, _event(async_finish)
 
     def dispatch(self, x, handle: tuple | None = None, num_tokens_per_rank: torch.Tensor | None = None,

@@ -3,9 +3,11 @@
 1. **Prepare** (local). A rank checks its arguments, stages what peers must read but is not a
    contiguous heap tensor (a heap block, counted in ``memory_stats()["staged_bytes"]``), and
    writes its plan (counts, per-destination token lists) into a heap block of its own.
-2. **Publish**: one ``all_gather_into_tensor`` of a fixed 64-int64 header per rank: status and
-   error text, shapes, dtypes, heap offsets of its operands and plan. The all_gather is the
-   release/acquire point: once it returns, every rank may read every peer's published blocks.
+2. **Publish**: each rank writes a fixed 64-int64 header (status and error text, shapes, dtypes,
+   heap offsets of its operands and plan) into its heap, enters a barrier, and copies every peer's
+   header out of the peer's heap (the offsets were gathered once, when the Buffer was built). The
+   barrier is the release/acquire point: once it returns, every rank may read every peer's
+   published blocks. Headers alternate between two slots (see ``Exchange.__init__``).
    If any rank posted an error, every rank raises the same error (``ZbcclInvalidUsageError``,
    or ``ZbcclOutOfMemoryError`` for a block that did not fit) and nothing is read or written.
    Disagreements between ranks (experts, hidden size, dtype, a handle from another dispatch)
@@ -33,7 +35,7 @@ from ..heap.views import HeapHandle, wrap_address
 from ..ops import all_gather_into_tensor
 from ..runtime.threads import nthreads
 
-__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "row_runs", "row_table"]
+__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "heap_empty_many", "row_runs", "row_table"]
 
 HDR_LEN = 64
 _MSG_AT, _MSG_BYTES = 32, 256
@@ -74,6 +76,20 @@ def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> tor
     return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
+def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
+    """:func:`heap_empty` of several tensors in one heap block (64-byte aligned parts, one allocation):
+    the block is freed when the last view of any part dies."""
+    offs, total = [], 0
+    for shape, dtype in specs:
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        offs.append((total, n))
+        total += -(-n // 64) * 64
+    raw = heap_empty(comm, (max(total, 1),), torch.uint8)
+    return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
+
+
 class Exchange:
     """Publish/pull/barrier over one communicator; one per ``Buffer``."""
 
@@ -82,8 +98,17 @@ class Exchange:
         self.R, self.me = comm.world_size, comm.rank
         self.timeout = timeout
         self.prims = comm.heap.prims
-        self._hdr = heap_empty(comm, (HDR_LEN,), torch.int64, fallback=False)
+        # Two header slots, used by alternate ops: a rank writes slot s of op n + 2 only after op n + 1's
+        # barrier, which every peer enters only after it copied op n's headers out of slot s.
+        self._hdr = heap_empty(comm, (2, HDR_LEN), torch.int64, fallback=False)
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
+        self._slot = 0
+        # The peers' header offsets, once (the Buffer's construction is collective).
+        offs = torch.full((self.R,), self.offset_of(self._hdr), dtype=torch.int64)
+        all_gather_into_tensor(offs, offs[self.me:self.me + 1].clone(), comm=comm, timeout=timeout)
+        self._hdr_off = offs.tolist()
+        self._table = torch.empty(self.R, 3, dtype=torch.int64)
+        self._plan: torch.Tensor | None = None
         #: Payload bytes this rank copied or read from peers' memory since the last publish.
         self.moved = 0
 
@@ -123,11 +148,20 @@ class Exchange:
         keep.append(t)
         return self.offset_of(t) if t.numel() else 0
 
+    def plan_block(self, n: int) -> torch.Tensor:
+        """This rank's reusable int64 plan block of ``n`` entries (grown as needed; one op uses it at a
+        time, and each op's closing barrier ends the peers' reads before the next op rewrites it)."""
+        if self._plan is None or self._plan.numel() < n:
+            self._plan = None
+            self._plan = heap_empty(self.comm, (max(n, 1024),), torch.int64, fallback=False)
+        return self._plan[:n]
+
     # ------------------------------------------------------------------ the handshake
     def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:
         """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed."""
         self.moved = 0
-        h = self._hdr
+        slot, self._slot = self._slot, self._slot ^ 1
+        h = self._hdr[slot]
         vals = [0] * HDR_LEN
         for k, v in fields.items():
             vals[k] = int(v)
@@ -136,9 +170,14 @@ class Exchange:
             h[F.STATUS] = fail.status
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
             h[_MSG_AT:].view(torch.uint8).copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
-        all_gather_into_tensor(self._all, h, comm=self.comm, timeout=self.timeout)
+        # The handshake: a barrier (release/acquire), then each peer's header copied out of its heap.
+        self.comm.barrier(timeout=self.timeout)
+        nbytes = HDR_LEN * 8
+        self._table.copy_(torch.tensor([[self._all.data_ptr() + r * nbytes, self.addr(r, off + slot * nbytes, nbytes),
+                                         nbytes] for r, off in enumerate(self._hdr_off)]))
+        self.copy([self._table], count=False)
         rows = self._all.view(self.R, HDR_LEN).clone()
-        bad = (rows[:, F.STATUS] != STATUS_OK).nonzero().flatten().tolist()
+        bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:
             r = bad[0]
             text = bytes(rows[r, _MSG_AT:].contiguous().view(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
@@ -149,10 +188,10 @@ class Exchange:
     def agree(self, op: str, rows: torch.Tensor, fields: tuple) -> None:
         """Raise on every rank unless every header has the same value in each ``(field, what)`` of
         ``fields`` (one vectorised check; the error names the first field and the ranks that differ)."""
-        cols = [f for f, _ in fields]
-        block = rows[:, cols]
-        if bool((block == block[0]).all()):
+        rl = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+        if all(r[f] == rl[0][f] for f, _ in fields for r in rl):
             return
+        rows = torch.tensor(rl)
         for field, what in fields:
             col = rows[:, field]
             odd = (col != col[0]).nonzero().flatten().tolist()
@@ -182,13 +221,15 @@ class Exchange:
                             dtype=str(dtype).removeprefix("torch."))
         return self.comm.peer_tensor(r, handle)
 
-    def copy(self, table: list[torch.Tensor]) -> None:
-        """Run row copies: each entry an int64 ``[n, 3]`` table of (dst, src, nbytes)."""
+    def copy(self, table: list[torch.Tensor], *, count: bool = True) -> None:
+        """Run row copies: each entry an int64 ``[n, 3]`` table of (dst, src, nbytes); ``count``: add them
+        to :attr:`moved` (the payload, not the handshake)."""
         table = [t for t in table if t.numel()]
         if not table:
             return
-        t = torch.cat(table).contiguous()
-        self.moved += int(t[:, 2].sum())
+        t = torch.cat(table).contiguous() if len(table) > 1 else table[0].contiguous()
+        if count:
+            self.moved += int(t[:, 2].sum())
         fn = getattr(self.prims, "copy_many", None)
         if fn is not None:
             fn(t.data_ptr(), t.size(0), nthreads())

@@ -20,10 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
-from ..ops.dtypes import SUM
-from ..runtime.threads import nthreads
-from .exchange import F, Fail, heap_empty, row_runs, row_table
+from . import fast
+from .exchange import F, Fail, heap_empty, heap_empty_many, row_runs, row_table
 from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
 
 __all__ = ["dispatch", "combine", "DTYPE_CODES", "OP_DISPATCH", "OP_COMBINE"]
@@ -61,19 +59,29 @@ def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
 
 
-def _check_topk(topk_idx, topk_weights, T: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None):
+    """Checked ``(topk_idx int64, topk_weights, num_tokens_per_expert [E] int32 when prims has the native
+    kernels, else None)``."""
     if (topk_idx is None) != (topk_weights is None):
         raise Fail("topk_idx and topk_weights go together, expected both or neither, got one")
     idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, None))
     K = idx.size(1)
     w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, K))
-    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E):
+    per_expert = None
+    if fast.available(prims):
+        got = fast.layout(prims, idx, E, 1, in_rank=False)
+        per_expert = got[1] if got is not None else None
+        bad = got is None
+    else:
+        bad = idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E)
+    if bad:
         raise Fail(f"topk_idx out of range, expected -1 or [0, {E}), got values in [{int(idx.min())}, {int(idx.max())}]")
-    return idx.long(), w
+    return idx.long(), w, per_expert
 
 
-def _layout(a: dict, T: int, R: int):
-    """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)`` of a non-cached dispatch."""
+def _layout(a: dict, T: int, R: int, prims):
+    """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, tokens per rank)`` of a
+    non-cached dispatch."""
     for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
         if a[name] is None:
             raise Fail(f"{name} is required without a handle, expected a tensor, got None")
@@ -85,18 +93,21 @@ def _layout(a: dict, T: int, R: int):
         raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
     idx = w = None
     if a["topk_idx"] is not None or a["topk_weights"] is not None:
-        idx, w = _check_topk(a["topk_idx"], a["topk_weights"], T, E)
-        if not torch.equal(torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:], ntpe.long()):
+        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, prims)
+        if got is None:
+            got = torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:]
+        if not torch.equal(got, ntpe.to(got.dtype)):
             raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
     elif a["num_worst_tokens"]:
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
     if a["expert_alignment"] < 1:
         raise Fail(f"expert_alignment must be >= 1, got {a['expert_alignment']}")
-    counts = in_rank.sum(0)
-    if not torch.equal(counts, ntpr.long()):
-        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
-                   f"got {ntpr.tolist()}")
-    return in_rank, ntpe.long(), idx, w
+    if not fast.available(prims):  # the native plan checks it (fast.route)
+        counts = in_rank.sum(0)
+        if not torch.equal(counts, ntpr.long()):
+            raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
+                       f"got {ntpr.tolist()}")
+    return in_rank, ntpe.long(), idx, w, ntpr
 
 
 def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
@@ -123,14 +134,20 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         fields[F.NRECV], fields[F.WORST] = valid, rows if rows != valid else 0
         fields[F.FLAGS] = FLAG_CACHED
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
+        counts = in_rank.sum(0)
     else:
-        in_rank, per_expert, idx, w = _layout(a, T, R)
+        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.prims)
         E = per_expert.numel()
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
-    counts, tokens = rank_lists(in_rank)
-    chan = channel_prefix(in_rank, a["config"].num_channels)
-    meta = torch.cat([counts, per_expert, chan.long().flatten(), tokens])
-    fields[F.META], fields[F.NROWS] = ex.block(meta, keep), meta.numel()
+    head = None
+    if fast.available(ex.prims):
+        fields[F.META], fields[F.NROWS], chan, head = fast.route(buf, in_rank, counts, per_expert,
+                                                                 a["config"].num_channels)
+    else:
+        counts, tokens = rank_lists(in_rank)
+        chan = channel_prefix(in_rank, a["config"].num_channels)
+        meta = torch.cat([counts, per_expert, chan.long().flatten(), tokens])
+        fields[F.META], fields[F.NROWS] = ex.block(meta, keep), meta.numel()
     fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
     out_dtype = x.dtype
     if scales is None and a["int8"]:
@@ -147,44 +164,57 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         fields[F.DTYPE] |= DTYPE_CODES[torch.float32] << 8 if s.dtype == torch.float32 else 6 << 8
     if idx is not None:
         fields[F.TOPK], fields[F.W] = ex.place(idx, keep, "topk_idx"), ex.place(w, keep, "topk_weights")
-    return {"in_rank": in_rank, "chan": chan, "H": H, "out_dtype": out_dtype, "cached": handle is not None}
+    return {"in_rank": in_rank, "chan": chan, "head": head, "H": H, "out_dtype": out_dtype,
+            "cached": handle is not None}
 
 
-def _counts(buf, rows, metas: list) -> tuple[torch.Tensor, int, int]:
-    """The global ``[src, dst]`` token counts from every sender's plan block, checked on every rank."""
-    R = buf.ex.R
-    E, C = int(rows[0, F.E]), int(rows[0, F.CHANNELS])
-    counts = torch.stack([m[:R] for m in metas])
-    per_dst = counts.sum(0)
-    for r in range(R):
-        worst = int(rows[r, F.WORST])
-        if worst and int(per_dst[r]) > worst:
+def _check_counts(rows, counts: torch.Tensor) -> None:
+    """Check the global ``[src, dst]`` token counts against every rank's ``num_worst_tokens`` and handle
+    (every rank holds the same counts and headers, so all raise together)."""
+    per_dst = counts.sum(0).tolist()
+    for r, h in enumerate(rows.tolist()):
+        worst = h[F.WORST]
+        if worst and per_dst[r] > worst:
             raise ZbcclInvalidUsageError(
-                f"dispatch: num_worst_tokens too small on rank {r}, expected >= {int(per_dst[r])}, got {worst}",
+                f"dispatch: num_worst_tokens too small on rank {r}, expected >= {per_dst[r]}, got {worst}",
                 ranks=(r,))
-        if rows[r, F.FLAGS] & FLAG_CACHED and int(rows[r, F.NRECV]) != int(per_dst[r]):
+        if h[F.FLAGS] & FLAG_CACHED and h[F.NRECV] != per_dst[r]:
             raise ZbcclInvalidUsageError(
-                f"dispatch: the handle on rank {r} does not match this routing, expected {int(rows[r, F.NRECV])} "
-                f"received tokens, got {int(per_dst[r])}", ranks=(r,))
-    return counts, E, C
+                f"dispatch: the handle on rank {r} does not match this routing, expected {h[F.NRECV]} "
+                f"received tokens, got {per_dst[r]}", ranks=(r,))
 
 
-def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int) -> dict:
-    """Allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    H, K, flags = loc["H"], int(rows[me, F.K]), int(rows[me, F.FLAGS])
-    num_recv = int(counts[:, me].sum())
-    n = worst or num_recv
-    code = int(rows[me, F.DTYPE])
+def _alloc(buf, rows, loc: dict, n: int) -> dict:
+    """The exact-size outputs of a dispatch (``n`` rows): ``x`` (int8 staging for int8), ``s``, ``i``, ``w``."""
+    h = rows[buf.ex.me].tolist()
+    H, K, flags, code = loc["H"], h[F.K], h[F.FLAGS], h[F.DTYPE]
     int8 = bool(flags & FLAG_INT8)
     x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
     s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
-    out = {"x": (torch.empty if int8 else lambda *s, dtype: heap_empty(buf.comm, s, dtype))(n, H, dtype=x_dtype)}
-    if code >> 8:
-        out["s"] = torch.empty(n, int(rows[me, F.SROW]) // 4, dtype=s_dtype)
+    # The received rows in a heap block of their own (exact size; int8 rows are private staging), the
+    # top-k and weights together in a second one (one allocation fewer, a small block's rounding).
+    out = {"x": torch.empty(n, H, dtype=x_dtype) if int8 else heap_empty(buf.comm, (n, H), x_dtype)}
     if K:
-        out["i"] = heap_empty(buf.comm, (n, K), torch.int64)
-        out["w"] = heap_empty(buf.comm, (n, K), torch.float32)
+        out["i"], out["w"] = heap_empty_many(buf.comm, [((n, K), torch.int64), ((n, K), torch.float32)])
+    if code >> 8:
+        out["s"] = torch.empty(n, h[F.SROW] // 4, dtype=s_dtype)
+    return out
+
+
+def _dequantize(buf, out: dict, loc: dict) -> None:
+    if out["x"].dtype == torch.int8 and loc["out_dtype"] != torch.int8:
+        n, H = out["x"].shape
+        out["x"] = heap_empty(buf.comm, (n, H), loc["out_dtype"]).copy_(int8_dequantize(out["x"], out.pop("s"),
+                                                                                          loc["out_dtype"]))
+
+
+def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int) -> dict:
+    """Torch path: allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    K = int(rows[me, F.K])
+    num_recv = int(counts[:, me].sum())
+    n = worst or num_recv
+    out = _alloc(buf, rows, loc, n)
     src_idx = torch.full((n,), -1, dtype=torch.int32)  # -1 below num_recv (DeepEP: uninitialised)
     fields = {"x": (F.X, int(rows[me, F.XROW])), "s": (F.SCALES, int(rows[me, F.SROW])),
               "i": (F.TOPK, K * 8), "w": (F.W, K * 4)}
@@ -207,9 +237,8 @@ def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int)
         out["i"].copy_(torch.where((local >= 0) & (local < E // R), local, -1))
         out["w"].masked_fill_(out["i"] < 0, 0.0)
         out["i"][num_recv:] = -1
-    if int8:
-        out["x"] = heap_empty(buf.comm, (n, H), loc["out_dtype"]).copy_(int8_dequantize(out["x"], out.pop("s"),
-                                                                                          loc["out_dtype"]))
+        out["w"][num_recv:] = 0.0
+    _dequantize(buf, out, loc)
     out["src_idx"] = src_idx
     return out
 
@@ -241,12 +270,23 @@ def dispatch(buf, a: dict):
     ex.agree("dispatch", rows, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
                         (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
                         (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
-    # One view of each sender's whole plan block (counts, per expert, per channel, token lists).
-    metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
-    counts, E, C = _counts(buf, rows, metas)
+    E, C, worst = int(rows[0, F.E]), int(rows[0, F.CHANNELS]), int(rows[ex.me, F.WORST])
+    if fast.available(ex.prims):
+        rl = rows.tolist()
+        counts, per_expert, recv_chan, metas = fast.plan(buf, rl)
+    else:  # one view of each sender's whole plan block (counts, per expert, per channel, token lists)
+        metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
+        counts = torch.stack([m[:ex.R] for m in metas])
+    _check_counts(rows, counts)
     try:
-        out = _pull(buf, rows, metas, counts, E, C, loc, int(rows[ex.me, F.WORST]))
-        per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
+        if fast.available(ex.prims):
+            num_recv = int(counts[:, ex.me].sum())
+            out = _alloc(buf, rows, loc, worst or num_recv)
+            out["src_idx"] = fast.pull(buf, rl, counts, metas, out, num_recv)
+            _dequantize(buf, out, loc)
+        else:
+            out = _pull(buf, rows, metas, counts, E, C, loc, worst)
+            per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
     finally:
         ex.done()
     recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
@@ -255,7 +295,7 @@ def dispatch(buf, a: dict):
     align = a["expert_alignment"]
     lst = [] if a["num_worst_tokens"] else [-(-c // align) * align for c in per_expert]
     handle = (counts.cumsum(0).to(torch.int32), loc["chan"], recv_chan, out["src_idx"], loc["in_rank"],
-              send_head(loc["in_rank"]))
+              loc["head"] if loc["head"] is not None else send_head(loc["in_rank"]))
     buf.register(handle[3])
     return recv_x, out.get("i"), out.get("w"), lst, handle
 
@@ -290,8 +330,8 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
                         (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
     out = heap_empty(buf.comm, (T, H), x.dtype)
     try:
-        if getattr(buf.ex.prims, "reduce_n", None) is not None and T:
-            accw = _reduce_native(buf, rows, handle, out, biases, K)
+        if fast.available(ex.prims) and T:
+            accw = fast.combine_sum(buf, rows.tolist(), handle, out, biases, K)
         else:
             acc, accw = _reduce(buf, rows, handle, T, H, K, x.dtype)
             for b in biases:
@@ -300,50 +340,6 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     finally:
         ex.done()
     return out, accw
-
-
-def _reduce_native(buf, rows, handle, out: torch.Tensor, biases: list, K: int) -> torch.Tensor | None:
-    """Combine with the native N-way sum (fp32 accumulation, one rounding): one call per run of
-    consecutive tokens sent to the same ranks, summing those ranks' rows (read in place) and the
-    biases straight into ``out``. Returns the summed weights ``[T, K]`` float32 (or None)."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    rpm, in_rank, head = handle[0], handle[4], handle[5]
-    T, H = out.shape
-    masks = (in_rank.long() << torch.arange(R)).sum(1)
-    brk = torch.ones(T, dtype=torch.bool)
-    brk[1:] = masks[1:] != masks[:-1]
-    starts = brk.nonzero().flatten()
-    lens = torch.diff(starts, append=torch.tensor([T]))
-    sel = in_rank[starts]
-    order = torch.sort((~sel).to(torch.uint8), dim=1, stable=True).indices  # present ranks first, in rank order
-    nsrc = sel.sum(1)
-    base = torch.tensor([int(rpm[me - 1, r]) if me else 0 for r in range(R)])
-    rows_at = (base + head[starts].long()).gather(1, order)
-    ranks = order
-    fn, nt = ex.prims.reduce_n, nthreads()
-    jobs = [(out, [b.data_ptr() for b in biases], F.X, H)]
-    accw = None
-    if K:
-        accw = torch.empty(T, K, dtype=torch.float32)
-        jobs.append((accw, [], F.W, K))
-    for dst, extra, field, width in jobs:
-        isz = dst.element_size()
-        row = width * isz
-        peer = torch.tensor([ex.addr(r, int(rows[r, field]), int(rows[r, F.NRECV]) * row) for r in range(R)])
-        srcs = peer[ranks] + rows_at * row
-        if extra:
-            srcs = torch.cat([torch.tensor(extra).unsqueeze(0) + starts.unsqueeze(1) * row, srcs], 1)
-        srcs = srcs.contiguous()
-        n = (nsrc + len(extra)).tolist()
-        width_n = srcs.size(1)
-        code = NATIVE_DTYPES[dst.dtype]
-        for i, (t0, ln) in enumerate(zip(starts.tolist(), lens.tolist())):
-            if n[i]:
-                fn(dst.data_ptr() + t0 * row, srcs.data_ptr() + i * width_n * 8, n[i], ln * width, code, SUM, 1.0, nt)
-            else:
-                dst[t0:t0 + ln].zero_()
-        ex.moved += int((nsrc * lens).sum()) * row
-    return accw
 
 
 def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):

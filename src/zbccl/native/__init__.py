@@ -33,7 +33,7 @@ _CSRC = Path(__file__).parent / "csrc"
 #: includes ``zb_abi.h``, generated from :mod:`.abi` (see :data:`GENERATED`).
 LIBRARIES: dict[str, tuple] = {
     "core": ((_CSRC / "core.c", _CSRC / "reduce.c", _CSRC / "reduce_simd.c", _CSRC / "reduce_py.c", _CSRC / "chan.c",
-              _CSRC / "chan_ops.c", _CSRC / "reduce.h", _CSRC / "chan.h", _CSRC / "arch.h"), "c", False,
+              _CSRC / "chan_ops.c", _CSRC / "ep.c", _CSRC / "reduce.h", _CSRC / "chan.h", _CSRC / "arch.h"), "c", False,
              ("-fopenmp",)),
     "cpu_alloc_hook": ((_CSRC / "cpu_alloc_hook.cpp",), "c++", True),
 }

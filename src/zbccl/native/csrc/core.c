@@ -346,13 +346,14 @@ static struct PyModuleDef core_module = {
 int zb_add_reduce_methods(PyObject *module);
 /* chan.c: chan_new, chan_free, chan_all_reduce, chan_result */
 int zb_add_chan_methods(PyObject *module);
+int zb_add_ep_methods(PyObject *module); /* ep.c: ep_plan, ep_pull, ep_combine */
 
 PyMODINIT_FUNC PyInit__native_core(void) {
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "FLAG_BYTES", FLAG_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "WAITERS_OFFSET", WAITERS_OFFSET) < 0 ||
-        zb_add_reduce_methods(m) < 0 || zb_add_chan_methods(m) < 0) {
+        zb_add_reduce_methods(m) < 0 || zb_add_chan_methods(m) < 0 || zb_add_ep_methods(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

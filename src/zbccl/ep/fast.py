@@ -1,0 +1,153 @@
+"""The native path of normal dispatch and combine: one C call each for the plan read, the row pull and the
+fp32 combine sum (``native/csrc/ep.c``), so that an op's Python cost does not grow with its rows.
+
+Same protocol and results as the torch path in :mod:`.normal` (which is the reference and the fallback
+when the core lacks these kernels): the calls run between the handshake all_gather and the closing
+barrier, read peers' published blocks only through addresses bounds-checked here for the whole block,
+and the kernels check every row index they take from a peer against that block.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError
+from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
+from .exchange import F, Fail
+
+__all__ = ["available", "layout", "route", "plan", "pull", "combine_sum"]
+
+_FIELDS = (("x", F.X, F.XROW), ("s", F.SCALES, F.SROW), ("i", F.TOPK, None), ("w", F.W, None))
+
+
+def available(prims) -> bool:
+    """Whether the native core has the EP kernels (else :mod:`.normal` runs its torch path)."""
+    return getattr(prims, "ep_combine", None) is not None
+
+
+def _call(fn, values: list) -> int:
+    """``fn(address of values as int64[])``; the array lives until the call returns."""
+    arr = array("q", values)
+    return fn(arr.buffer_info()[0])
+
+
+def plan(buf, rows: list) -> tuple[torch.Tensor, list[int], torch.Tensor, list[tuple[int, int]]]:
+    """``(counts [R, R] int64, per local expert counts, recv_channel_prefix [R, C] int32, plan blocks)``
+    read from every sender's published plan block; ``plan blocks``: ``(address, int64 length)`` per rank."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    E, C = rows[0][F.E], rows[0][F.CHANNELS]
+    L = E // R if E else 0
+    counts = torch.empty(R, R, dtype=torch.int64)
+    per_expert = torch.empty(L, dtype=torch.int64)
+    recv_chan = torch.empty(R, C, dtype=torch.int32)
+    metas = [(ex.addr(r, rows[r][F.META], rows[r][F.NROWS] * 8), rows[r][F.NROWS]) for r in range(R)]
+    bad = _call(ex.prims.ep_plan, [R, me, E, C, L, counts.data_ptr(), per_expert.data_ptr(), recv_chan.data_ptr()]
+                + [v for m in metas for v in m])
+    if bad >= 0:
+        raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s plan block is malformed, expected "
+                                     f">= {R + E + R * C} int64 with counts >= 0", ranks=(bad,))
+    return counts, per_expert.tolist(), recv_chan, metas
+
+
+def pull(buf, rows: list, counts: torch.Tensor, metas: list, out: dict, num_recv: int) -> torch.Tensor:
+    """Copy every sender's rows into ``out`` (``x``, optional ``s``, ``i``, ``w``); returns ``src_idx``
+    ``[rows of out["x"]]`` int32 (-1 past ``num_recv``). Top-k become local expert ids (-1: another rank's)."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    E, Cn, K = rows[me][F.E], rows[me][F.CHANNELS], rows[me][F.K]
+    n = out["x"].size(0)
+    src_idx = torch.full((n,), -1, dtype=torch.int32)
+    widths = {"i": K * 8, "w": K * 4}
+    a = [R, me, R + E + R * Cn, E // R if E else 0, K, num_recv, src_idx.data_ptr()]
+    row_of = []
+    for key, _, row_field in _FIELDS:
+        t = out.get(key)
+        row = (rows[me][row_field] if row_field is not None else widths[key]) if t is not None else 0
+        row_of.append(row)
+        a += [t.data_ptr() if t is not None else 0, row]
+    for r in range(R):
+        T_r = rows[r][F.T]
+        a += [metas[r][0], metas[r][1], T_r]
+        for (_, field, _), row in zip(_FIELDS, row_of):
+            a.append(ex.addr(r, rows[r][field], T_r * row) if row and T_r else 0)
+    moved = _call(ex.prims.ep_pull, a)
+    if moved < 0:
+        bad = -moved - 1
+        raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s token list is out of range, expected indices in "
+                                     f"[0, {rows[bad][F.T]}) and {num_recv} rows in all", ranks=(bad,))
+    ex.moved += moved
+    if K and n > num_recv:  # num_worst_tokens padding: no expert, weight 0
+        out["i"][num_recv:] = -1
+        out["w"][num_recv:] = 0.0
+    return src_idx
+
+
+def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int) -> torch.Tensor | None:
+    """Sum in fp32, into ``out`` ``[T, H]``, the rows each rank holds for this rank's tokens (in rank order,
+    then the biases); returns the summed weights ``[T, K]`` float32, or None without them."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    rpm, in_rank, head = handle[0], handle[4].contiguous(), handle[5].contiguous()
+    T, H = out.shape
+    base = rpm[me - 1].tolist() if me else [0] * R
+    accw = torch.empty(T, K, dtype=torch.float32) if K else None
+    a = [R, T, in_rank.data_ptr(), head.data_ptr()]
+    extras = [b.data_ptr() for b in biases] + [0, 0]
+    a += [out.data_ptr(), H, out.element_size(), NATIVE_DTYPES[out.dtype], len(biases)] + extras[:2]
+    a += [accw.data_ptr(), K, 4, NATIVE_DTYPES[torch.float32], 0, 0, 0] if K else [0] * 7
+    for r in range(R):
+        nrows = rows[r][F.NRECV]
+        xa = ex.addr(r, rows[r][F.X], nrows * rows[r][F.XROW]) if nrows else 0
+        wa = ex.addr(r, rows[r][F.W], nrows * K * 4) if K and nrows else 0
+        a += [base[r], nrows, xa, wa]
+    moved = _call(ex.prims.ep_combine, a)
+    if moved < 0:
+        bad = -moved - 1
+        raise ZbcclInvalidUsageError(f"combine: the handle's rows for rank {bad} are out of range, expected < "
+                                     f"{rows[bad][F.NRECV]} (its x rows)", ranks=(bad,))
+    ex.moved += moved
+    return accw
+
+
+def layout(prims, topk_idx: torch.Tensor, num_experts: int, R: int, *, in_rank: bool = True):
+    """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)`` of
+    :func:`.layout.dispatch_layout` in one native pass (``in_rank=False``: only the per-expert counts, the
+    others None); None when an entry is outside ``[-1, E)`` (the caller raises with the torch path's text)."""
+    idx = topk_idx.contiguous()
+    T, K = idx.shape
+    per_rank = torch.empty(R, dtype=torch.int32) if in_rank else None
+    per_expert = torch.empty(num_experts, dtype=torch.int32)
+    where = torch.empty(T, R, dtype=torch.bool) if in_rank else None
+    if _call(prims.ep_layout, [idx.data_ptr(), T, K, num_experts, R, int(idx.dtype == torch.int32),
+                               per_rank.data_ptr() if in_rank else 0, per_expert.data_ptr(),
+                               where.data_ptr() if in_rank else 0]) >= 0:
+        return None
+    return per_rank, per_expert, where
+
+
+def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Tensor, C: int):
+    """A sender's published plan block (see :mod:`.normal`) and its handle parts: ``(block offset, block
+    int64 length, channel_prefix_matrix [R, C] int32, send_head [T, R] int32)``. ``counts`` ``[R]`` are the
+    tokens per rank the caller expects (``num_tokens_per_rank``); :class:`Fail` if ``in_rank`` disagrees.
+    The block is the Exchange's reusable plan block: the op's closing barrier ends every peer's reads."""
+    ex = buf.ex
+    T, R = in_rank.shape
+    E = per_expert.numel()
+    expect = counts.to(torch.int64).contiguous()
+    total = int(expect.clamp(min=0).sum())
+    if total > T * R:  # before sizing the block by it (the kernel checks each count exactly)
+        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {in_rank.sum(0).tolist()}, "
+                   f"got {counts.tolist()}")
+    n = R + E + R * C + total
+    block = ex.plan_block(n)
+    if E:
+        block[R:R + E] = per_expert
+    head = torch.empty(T, R, dtype=torch.int32)
+    where = in_rank.contiguous()
+    if _call(ex.prims.ep_route, [where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(),
+                                 expect.data_ptr()]) >= 0:
+        got = in_rank.sum(0)
+        raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {got.tolist()}, "
+                   f"got {counts.tolist()}")
+    chan = block[R + E:R + E + R * C].view(R, C).to(torch.int32)
+    return ex.offset_of(block), n, chan, head

@@ -1,0 +1,310 @@
+/* zbccl native EP kernels (zbccl.ep normal mode): the plan read, the dispatch pull and the combine sum,
+ * one call each, so that a dispatch or a combine costs a handful of Python steps whatever its size.
+ *
+ * Synchronisation: none here. Python calls these between the handshake all_gather (after it every
+ * peer's published plan block and operands are readable) and the closing barrier (after it no peer
+ * reads this rank's blocks); these functions only read peers' memory and write this rank's outputs.
+ * Every peer address comes from Python already bounds-checked for the whole published block; the
+ * kernels check each row index they read from a peer (token indices, handle rows) against that block,
+ * so a bad plan or handle gives an error code, never an out-of-bounds read or write.
+ *
+ * Argument layout: one int64 array per call (see each function), filled by zbccl/ep/fast.py. Group sizes
+ * up to ZB_MAXW (abi.MAX_WORLD) ranks.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "reduce.h"
+
+typedef long long i64;
+
+static int get_arr(PyObject *const *args, Py_ssize_t nargs, const char *fn, i64 **a) {
+    if (nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 1 argument (the int64 argument array's address), got %zd", fn,
+                     nargs);
+        return -1;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLong(args[0]);
+    if (p == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *a = (i64 *)(uintptr_t)p;
+    return 0;
+}
+
+/* ep_plan(args): a = [R, me, E, C, L, counts_out, per_expert_out, recv_chan_out, then per rank r: meta_addr,
+ * meta_len].
+ * Sender r's plan block (int64) is counts[R] | per_expert[E] | chan[R * C] (inclusive prefix) | tokens.
+ * Writes counts_out[r * R + d] = counts_r[d] (int64 [R, R]), per_expert_out[l] = sum_r per_expert_r[me * L + l]
+ * (int64 [L]), recv_chan_out[r * C + c] = chan_r[me][c - 1] (int32 [R, C], column 0 is 0).
+ * Returns -1, or the first rank whose block is too short or holds a negative count. */
+static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a;
+    if (get_arr(args, nargs, "ep_plan", &a) < 0) return NULL;
+    i64 R = a[0], me = a[1], E = a[2], C = a[3], L = a[4];
+    i64 *counts = (i64 *)(uintptr_t)a[5], *per_expert = (i64 *)(uintptr_t)a[6];
+    int32_t *recv_chan = (int32_t *)(uintptr_t)a[7];
+    for (i64 l = 0; l < L; l++) per_expert[l] = 0;
+    for (i64 r = 0; r < R; r++) {
+        const i64 *meta = (const i64 *)(uintptr_t)a[8 + 2 * r];
+        i64 len = a[9 + 2 * r];
+        if (len < R + E + R * C) return PyLong_FromLongLong(r);
+        for (i64 d = 0; d < R; d++) {
+            if (meta[d] < 0) return PyLong_FromLongLong(r);
+            counts[r * R + d] = meta[d];
+        }
+        for (i64 l = 0; l < L; l++) per_expert[l] += meta[R + me * L + l];
+        const i64 *chan = meta + R + E + me * C;
+        recv_chan[r * C] = 0;
+        for (i64 c = 1; c < C; c++) recv_chan[r * C + c] = (int32_t)chan[c - 1];
+    }
+    return PyLong_FromLongLong(-1);
+}
+
+#define EP_FIELDS 4 /* x, scales, topk_idx, topk_weights */
+
+/* ep_pull(args): a = [R, me, head, L, K, n_recv, src_idx_out, then per field f < 4: dst_f, row_f (bytes, 0: field
+ * absent), then per rank r: meta_addr, meta_len, T_r, src_0 .. src_3].
+ * Copies, for each sender r in rank order, the rows of its tokens for this rank (token list at head +
+ * sum(counts_r[:me]) of its plan block, ascending) into consecutive output rows, merging runs of consecutive
+ * tokens into one memcpy; writes src_idx_out[i] (int32) = the source token. With K: topk_idx (int64) becomes
+ * local expert ids (-1 where not this rank's, weight 0). Returns the bytes copied, or -(1 + r) for the first
+ * sender r whose token list is out of bounds or whose counts add up to more than n_recv. */
+static i64 ep_pull(const i64 *a) {
+    i64 R = a[0], me = a[1], head = a[2], L = a[3], K = a[4], n_recv = a[5];
+    int32_t *src_idx = (int32_t *)(uintptr_t)a[6];
+    char *dst[EP_FIELDS];
+    i64 row[EP_FIELDS];
+    for (int f = 0; f < EP_FIELDS; f++) {
+        dst[f] = (char *)(uintptr_t)a[7 + 2 * f];
+        row[f] = a[8 + 2 * f];
+    }
+    const i64 *per = a + 7 + 2 * EP_FIELDS;
+    i64 start = 0, moved = 0;
+    for (i64 r = 0; r < R; r++) {
+        const i64 *p = per + r * (3 + EP_FIELDS);
+        const i64 *meta = (const i64 *)(uintptr_t)p[0];
+        i64 len = p[1], T_r = p[2];
+        if (len < head) return -(1 + r);
+        i64 cnt = meta[me], at = head;
+        for (i64 d = 0; d < me; d++) at += meta[d];
+        if (cnt < 0 || at < head || at + cnt > len || start + cnt > n_recv) return -(1 + r);
+        const i64 *toks = meta + at;
+        for (i64 j = 0; j < cnt; j++)
+            if (toks[j] < 0 || toks[j] >= T_r) return -(1 + r);
+        for (i64 j = 0; j < cnt;) {
+            i64 j1 = j + 1;
+            while (j1 < cnt && toks[j1] == toks[j1 - 1] + 1) j1++;
+            for (int f = 0; f < EP_FIELDS; f++) {
+                if (!row[f]) continue;
+                const char *src = (const char *)(uintptr_t)p[3 + f];
+                memcpy(dst[f] + (start + j) * row[f], src + toks[j] * row[f], (size_t)((j1 - j) * row[f]));
+                moved += (j1 - j) * row[f];
+            }
+            j = j1;
+        }
+        for (i64 j = 0; j < cnt; j++) src_idx[start + j] = (int32_t)toks[j];
+        start += cnt;
+    }
+    if (K && row[2] && row[3]) {
+        i64 *idx = (i64 *)dst[2];
+        float *w = (float *)dst[3];
+        i64 lo = me * L;
+        for (i64 i = 0; i < start * K; i++) {
+            i64 e = idx[i] - lo;
+            if (e < 0 || e >= L) {
+                idx[i] = -1;
+                w[i] = 0.0f;
+            } else {
+                idx[i] = e;
+            }
+        }
+    }
+    return moved;
+}
+
+static PyObject *py_ep_pull(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a, rc;
+    if (get_arr(args, nargs, "ep_pull", &a) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ep_pull(a);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(rc);
+}
+
+/* One fp32-accumulated sum per run of consecutive tokens sent to the same ranks (their rows are consecutive in
+ * each of those ranks' blocks): dst rows [t0, t0 + n) = sum over the present ranks (rank order) and the extras. */
+static i64 ep_sum(char *dst, i64 T, i64 R, i64 width, i64 isz, int dtype, const uint8_t *in_rank,
+                  const int32_t *head, const i64 *base, const i64 *nrows, const i64 *peer, const i64 *extra,
+                  i64 nextra) {
+    const void *srcs[ZB_MAXW + 2];
+    i64 row = width * isz, moved = 0;
+    for (i64 t0 = 0; t0 < T;) {
+        i64 t1 = t0 + 1;
+        while (t1 < T && !memcmp(in_rank + t1 * R, in_rank + t0 * R, (size_t)R)) t1++;
+        long n = 0;
+        for (i64 k = 0; k < nextra; k++) srcs[n++] = (const char *)(uintptr_t)extra[k] + t0 * row;
+        for (i64 r = 0; r < R; r++) {
+            if (!in_rank[t0 * R + r]) continue;
+            i64 first = base[r] + head[t0 * R + r], last = base[r] + head[(t1 - 1) * R + r];
+            if (head[t0 * R + r] < 0 || first < 0 || last != first + (t1 - 1 - t0) || last >= nrows[r])
+                return -(1 + r);
+            srcs[n++] = (const char *)(uintptr_t)peer[r] + first * row;
+            moved += (t1 - t0) * row;
+        }
+        if (n)
+            zb_reduce_n(dst + t0 * row, srcs, n, (long)((t1 - t0) * width), dtype, ZB_OP_SUM, 1.0, 1);
+        else
+            memset(dst + t0 * row, 0, (size_t)((t1 - t0) * row));
+        t0 = t1;
+    }
+    return moved;
+}
+
+/* ep_combine(args): a = [R, T, in_rank (bool [T, R]), head (int32 [T, R]), then per job j < 2 (x, weights):
+ * dst_j (0: no job), width_j (elements per row), itemsize_j, dtype_j, nextra_j, extra_j0, extra_j1; then per
+ * rank r: base_r (first row of this rank's tokens in r's block), nrows_r (rows r published), x_r, w_r].
+ * The rows are [base_r + head[t, r]] of each rank r with in_rank[t, r]. Returns the bytes read from the
+ * ranks, or -(1 + r) for the first rank r whose row index is out of its block. */
+static i64 ep_combine(const i64 *a) {
+    i64 R = a[0], T = a[1];
+    const uint8_t *in_rank = (const uint8_t *)(uintptr_t)a[2];
+    const int32_t *head = (const int32_t *)(uintptr_t)a[3];
+    const i64 *per = a + 4 + 2 * 7;
+    i64 base[ZB_MAXW], nrows[ZB_MAXW], peer[ZB_MAXW], moved = 0;
+    if (R > ZB_MAXW) return -1;
+    for (i64 r = 0; r < R; r++) {
+        base[r] = per[4 * r];
+        nrows[r] = per[4 * r + 1];
+    }
+    for (int j = 0; j < 2; j++) {
+        const i64 *job = a + 4 + 7 * j;
+        if (!job[0]) continue;
+        for (i64 r = 0; r < R; r++) peer[r] = per[4 * r + 2 + j];
+        i64 m = ep_sum((char *)(uintptr_t)job[0], T, R, job[1], job[2], (int)job[3], in_rank, head, base, nrows,
+                       peer, job + 5, job[4]);
+        if (m < 0) return m;
+        moved += m;
+    }
+    return moved;
+}
+
+static PyObject *py_ep_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a, rc;
+    if (get_arr(args, nargs, "ep_combine", &a) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ep_combine(a);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(rc);
+}
+
+/* ep_layout(args): a = [idx (int64 or int32 [T, K]), T, K, E, R, idx_is_int32, per_rank_out (int32 [R] or 0),
+ * per_expert_out (int32 [E]), in_rank_out (bool [T, R] or 0)]: get_dispatch_layout in one pass (a token counts
+ * once per rank, -1 selects nothing). Returns -1, or the flat index of the first entry outside [-1, E) (then
+ * the outputs are undefined). */
+static i64 ep_layout(const i64 *a) {
+    i64 T = a[1], K = a[2], E = a[3], R = a[4], L = E / R;
+    const i64 *idx64 = (const i64 *)(uintptr_t)a[0];
+    const int32_t *idx32 = (const int32_t *)(uintptr_t)a[0];
+    int32_t *per_rank = (int32_t *)(uintptr_t)a[6], *per_expert = (int32_t *)(uintptr_t)a[7];
+    uint8_t *in_rank = (uint8_t *)(uintptr_t)a[8];
+    uint8_t seen[ZB_MAXW];
+    if (R > ZB_MAXW || L < 1) return 0;
+    for (i64 e = 0; e < E; e++) per_expert[e] = 0;
+    if (per_rank)
+        for (i64 r = 0; r < R; r++) per_rank[r] = 0;
+    int is32 = a[5] != 0;
+    for (i64 t = 0; t < T; t++) {
+        memset(seen, 0, (size_t)R);
+        for (i64 k = 0; k < K; k++) {
+            i64 e = is32 ? idx32[t * K + k] : idx64[t * K + k];
+            if ((uint64_t)(e + 1) > (uint64_t)E) return t * K + k; /* outside [-1, E) */
+            if (e < 0) continue;
+            per_expert[e]++;
+            seen[e / L] = 1;
+        }
+        for (i64 r = 0; r < R; r++) {
+            if (per_rank) per_rank[r] += seen[r];
+            if (in_rank) in_rank[t * R + r] = seen[r];
+        }
+    }
+    return -1;
+}
+
+static PyObject *py_ep_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a;
+    if (get_arr(args, nargs, "ep_layout", &a) < 0) return NULL;
+    return PyLong_FromLongLong(ep_layout(a));
+}
+
+/* ep_route(args): a = [in_rank (bool [T, R]), T, R, C, E, meta (int64 block), meta_len, head_out (int32 [T, R]),
+ * expect (int64 [R]: the tokens per rank the caller sized the block for)]: a sender's plan block
+ * counts[R] | (per expert, left to the caller) | chan[R * C] (inclusive prefix over DeepEP's channels: channel c
+ * owns tokens [c * ceil(T / C), ...)) | tokens (per rank, ascending), and the handle's send_head (position of a
+ * token among those sent to a rank, -1: not sent). Returns -1, or the first rank whose count differs from
+ * expect (nothing written past the counts then). */
+static i64 ep_route(const i64 *a) {
+    const uint8_t *in_rank = (const uint8_t *)(uintptr_t)a[0];
+    i64 T = a[1], R = a[2], C = a[3], E = a[4], len = a[6];
+    i64 *meta = (i64 *)(uintptr_t)a[5], *expect = (i64 *)(uintptr_t)a[8];
+    int32_t *head = (int32_t *)(uintptr_t)a[7];
+    i64 at[ZB_MAXW], first[ZB_MAXW], total = 0;
+    if (R > ZB_MAXW || C < 1) return 0;
+    for (i64 r = 0; r < R; r++) meta[r] = 0;
+    for (i64 t = 0; t < T; t++)
+        for (i64 r = 0; r < R; r++) meta[r] += in_rank[t * R + r] != 0;
+    for (i64 r = 0; r < R; r++) {
+        if (meta[r] != expect[r]) return r;
+        at[r] = R + E + R * C + total;
+        total += meta[r];
+    }
+    if (R + E + R * C + total > len) return 0;
+    i64 *chan = meta + R + E, per = (T + C - 1) / C;
+    if (per < 1) per = 1;
+    for (i64 i = 0; i < R * C; i++) chan[i] = 0;
+    for (i64 r = 0; r < R; r++) first[r] = at[r];
+    for (i64 t = 0; t < T; t++) {
+        i64 c = t / per;
+        for (i64 r = 0; r < R; r++) {
+            if (in_rank[t * R + r]) {
+                head[t * R + r] = (int32_t)(at[r] - first[r]);
+                meta[at[r]++] = t;
+                chan[r * C + c]++;
+            } else {
+                head[t * R + r] = -1;
+            }
+        }
+    }
+    for (i64 r = 0; r < R; r++)
+        for (i64 c = 1; c < C; c++) chan[r * C + c] += chan[r * C + c - 1];
+    return -1;
+}
+
+static PyObject *py_ep_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a;
+    if (get_arr(args, nargs, "ep_route", &a) < 0) return NULL;
+    return PyLong_FromLongLong(ep_route(a));
+}
+
+static PyMethodDef ep_methods[] = {
+    {"ep_layout", (PyCFunction)(void (*)(void))py_ep_layout, METH_FASTCALL,
+     "ep_layout(args_ptr) -> -1 or the first bad top-k entry: get_dispatch_layout's counts (layout in ep.c)."},
+    {"ep_route", (PyCFunction)(void (*)(void))py_ep_route, METH_FASTCALL,
+     "ep_route(args_ptr) -> -1 or a rank whose count differs: a sender's plan block and send_head (ep.c)."},
+    {"ep_plan", (PyCFunction)(void (*)(void))py_ep_plan, METH_FASTCALL,
+     "ep_plan(args_ptr) -> -1 or a bad rank: the [R, R] counts, per local expert counts and receive channel "
+     "prefix of a dispatch, read from every sender's plan block (layout in ep.c)."},
+    {"ep_pull", (PyCFunction)(void (*)(void))py_ep_pull, METH_FASTCALL,
+     "ep_pull(args_ptr) -> bytes copied, or -(1 + bad rank): a dispatch's row copies from every sender "
+     "(layout in ep.c)."},
+    {"ep_combine", (PyCFunction)(void (*)(void))py_ep_combine, METH_FASTCALL,
+     "ep_combine(args_ptr) -> bytes read, or -(1 + bad rank): a combine's fp32 sums (layout in ep.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+int zb_add_ep_methods(PyObject *module) { return PyModule_AddFunctions(module, ep_methods); }

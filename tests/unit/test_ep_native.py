@@ -1,0 +1,85 @@
+"""The native EP plan kernels (native/csrc/ep.c) against the torch oracle in zbccl.ep.layout."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+
+from zbccl import native
+from zbccl.ep.layout import channel_prefix, dispatch_layout, rank_lists, send_head
+
+
+@pytest.fixture(scope="module")
+def core():
+    return native.core()
+
+
+def _call(fn, values) -> int:
+    arr = array("q", values)
+    return fn(arr.buffer_info()[0])
+
+
+def _routing(T: int, E: int, K: int, seed: int, skew: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=g)
+    if skew:
+        scores[:, :K] += 10 * (torch.rand(T, 1, generator=g) < 0.8)
+    idx = torch.topk(scores, K, dim=1).indices
+    if T:
+        idx[torch.randint(0, T, (max(T // 4, 1),), generator=g), torch.randint(0, K, (max(T // 4, 1),), generator=g)] = -1
+    return idx
+
+
+CASES = [(2, 8, 50, 3, False), (4, 16, 33, 5, True), (3, 9, 0, 2, False), (8, 64, 200, 8, True), (2, 64, 512, 8, False)]
+
+
+@pytest.mark.parametrize("R,E,T,K,skew", CASES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_ep_layout_matches_torch(core, R, E, T, K, skew, dtype):
+    idx = _routing(T, E, K, R * 100 + T, skew).to(dtype)
+    per_rank, per_expert = torch.empty(R, dtype=torch.int32), torch.empty(E, dtype=torch.int32)
+    in_rank = torch.empty(T, R, dtype=torch.bool)
+    rc = _call(core.ep_layout, [idx.data_ptr(), T, K, E, R, int(dtype == torch.int32), per_rank.data_ptr(),
+                                per_expert.data_ptr(), in_rank.data_ptr()])
+    assert rc == -1
+    ref = dispatch_layout(idx, E, R)
+    assert torch.equal(per_rank, ref[0]) and torch.equal(per_expert, ref[1]) and torch.equal(in_rank, ref[2])
+
+
+def test_ep_layout_reports_the_first_bad_entry(core):
+    idx = torch.zeros(4, 3, dtype=torch.int64)
+    idx[2, 1], idx[3, 0] = 8, -2
+    out = torch.empty(8, dtype=torch.int32)
+    assert _call(core.ep_layout, [idx.data_ptr(), 4, 3, 8, 2, 0, 0, out.data_ptr(), 0]) == 2 * 3 + 1
+    idx[2, 1] = 7
+    assert _call(core.ep_layout, [idx.data_ptr(), 4, 3, 8, 2, 0, 0, out.data_ptr(), 0]) == 3 * 3 + 0
+
+
+@pytest.mark.parametrize("R,E,T,K,skew", CASES)
+@pytest.mark.parametrize("C", [1, 3, 24])
+def test_ep_route_matches_torch(core, R, E, T, K, skew, C):
+    _, _, in_rank = dispatch_layout(_routing(T, E, K, R + T + C, skew), E, R)
+    counts, tokens = rank_lists(in_rank)
+    n = R + E + R * C + int(counts.sum())
+    block = torch.full((n,), -7, dtype=torch.int64)
+    head = torch.empty(T, R, dtype=torch.int32)
+    rc = _call(core.ep_route, [in_rank.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(),
+                               counts.data_ptr()])
+    assert rc == -1
+    assert torch.equal(block[:R], counts)
+    assert (block[R:R + E] == -7).all()  # the per-expert counts are the caller's to write
+    assert torch.equal(block[R + E:R + E + R * C].view(R, C), channel_prefix(in_rank, C).long())
+    assert torch.equal(block[R + E + R * C:], tokens)
+    assert torch.equal(head, send_head(in_rank))
+
+
+def test_ep_route_rejects_wrong_counts_without_writing_past_them(core):
+    in_rank = torch.ones(6, 2, dtype=torch.bool)
+    wrong = torch.tensor([6, 5])
+    block = torch.full((2 + 2 + 11,), -7, dtype=torch.int64)
+    head = torch.zeros(6, 2, dtype=torch.int32)
+    assert _call(core.ep_route, [in_rank.data_ptr(), 6, 2, 1, 0, block.data_ptr(), block.numel(), head.data_ptr(),
+                                 wrong.data_ptr()]) == 1
+    assert (block[2:] == -7).all() and (head == 0).all()
