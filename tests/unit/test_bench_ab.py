@@ -156,3 +156,12 @@ def test_missing_vllm_reruns_under_the_vllm_venv(monkeypatch, tmp_path):
     assert doc["cells"][0]["ab"]["rounds"] == 3 and (tmp_path / "r.json").exists()
     assert out.getvalue().startswith("zbccl bench: this python") and str(tmp_path / "python") in out.getvalue()
     assert seen["baselines"] == ["vllm"] and seen["quick"] is True and "json_path" not in seen
+
+
+def test_overheads_report_the_python_part_of_a_small_all_reduce():
+    from zbccl.bench.micro import format_overheads
+
+    o = {"alloc": [], "native_ns": {"signal": 30.0},
+         "small_call": {"bytes": 4096, "dtype": "fp32", "whole_ns": 10000.0, "python_ns": 1200.0,
+                        "python_share": 0.12}}
+    assert format_overheads(o)[-1].startswith("all_reduce 4096 B fp32: whole call 10.00 us, Python part 1200 ns (12%")

@@ -255,11 +255,14 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
                               timeout=opts["zbccl_timeout"])
             impls.append(ZbcclImpl(comm, zops))
             h.probe = lambda c=comm: probe_host_state(c)
-            if rank == 0:
-                from .micro import host_overheads
+            from .micro import host_overheads, small_call_overhead
 
+            if rank == 0:
                 overheads = host_overheads(comm, quick=opts["timing"]["reps"] < 5)
             dist.barrier()
+            if "all_reduce" in zops:
+                small = small_call_overhead(comm, ctl=h.ctl, quick=opts["timing"]["reps"] < 5)
+                overheads = overheads and {**overheads, "small_call": small}
         if "vllm" in opts["baselines"] and set(opts["ops"]) & set(VLLM_OPS):
             impls.append(VllmImpl(rank=rank, world_size=world_size, shm_name=opts["vllm_shm_name"]))
         if "gloo" in opts["baselines"]:
