@@ -165,3 +165,41 @@ def test_overheads_report_the_python_part_of_a_small_all_reduce():
          "small_call": {"bytes": 4096, "dtype": "fp32", "whole_ns": 10000.0, "python_ns": 1200.0,
                         "python_share": 0.12}}
     assert format_overheads(o)[-1].startswith("all_reduce 4096 B fp32: whole call 10.00 us, Python part 1200 ns (12%")
+
+
+def test_one_interleaved_baseline_per_run():
+    with pytest.raises(ValueError, match=r"one interleaved baseline per run, expected one of \['vllm', 'mpi'\]"):
+        runner._options(2, ["all_reduce"], ["fp32"], "4K", "64K", ["vllm", "mpi"], True, 0.0)
+    assert runner._options(2, ["all_reduce"], ["fp32"], "4K", "64K", ["mpi"], True, 0.0)["baselines"] == ["mpi"]
+
+
+def test_missing_mpi_fails_clearly_with_the_install_command(monkeypatch):
+    from zbccl.bench import mpi
+
+    monkeypatch.setattr(mpi.shutil, "which", lambda name: None)
+    assert mpi.mpi_available().startswith("mpirun")
+    with pytest.raises(ValueError, match=r"--baselines mpi needs Open MPI and mpi4py.*got no mpirun.*openmpi-bin"):
+        runner.run_bench(ops=["all_reduce"], dtypes=["fp32"], baselines=["mpi"], quick=True, out=io.StringIO())
+
+
+def test_mpi_impl_is_fp32_only():
+    pytest.importorskip("mpi4py", reason="needs the mpi extra")
+    from zbccl.bench.mpi import MpiImpl
+
+    impl = MpiImpl()
+    assert impl.supports("all_gather") and not impl.supports("reduce_scatter") and impl.dtypes == ("fp32",)
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="mpi: MPI has no datatype for torch.bfloat16, expected torch.float32"):
+        impl.bind("all_reduce", t, t)
+
+
+def test_mpi_columns_replace_the_vllm_ones():
+    doc = _ab_doc()
+    cell = doc["cells"][0]
+    cell["mpi"] = cell.pop("vllm")
+    doc["vllm"], doc["mpi"] = None, {"library": "Open MPI v4.1.4", "mpi4py": "4.1.2", "dtypes": ["fp32"]}
+    text = report.format_table(doc, "all_reduce", "bf16")
+    assert "mpi/zbccl" in text and "vllm" not in text and "1.25..3.00" in text
+    out = io.StringIO()
+    report.print_report(doc, out)
+    assert "mpi: Open MPI v4.1.4" in out.getvalue() and "fp32 only" in out.getvalue()

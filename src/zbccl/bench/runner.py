@@ -77,6 +77,9 @@ from .timing import (
     wait_for_idle,
 )
 
+#: baselines timed interleaved with zbccl round by round (``ab.py``); at most one per run
+AB_BASELINES: tuple[str, ...] = ("vllm", "mpi")
+
 __all__ = ["ZBCCL_FUNCS", "ZbcclImpl", "Harness", "zbccl_ops_available", "size_ladder", "run_bench", "rank_main"]
 
 # bench op name -> zbccl function name (torch.distributed spelling)
@@ -224,11 +227,12 @@ def _sweep(impls: list[Impl], opts: dict, h: Harness) -> dict:
                 numel = op_numel(op, nbytes, DTYPES[dname].itemsize, h.world_size)
                 cell = {"op": op, "dtype": dname, "size": numel * DTYPES[dname].itemsize, "count": numel,
                         "nominal": nbytes}  # size is nominal rounded down to whole chunks per rank
-                pair = [i for i in impls if i.name in ("zbccl", "vllm") and i.supports(op)]
-                if numel > 0 and len(pair) == 2:
+                usable = [i for i in impls if i.supports(op) and dname in getattr(i, "dtypes", DTYPES)]
+                pair = [i for i in usable if i.name in ("zbccl", *AB_BASELINES)][:2]
+                if numel > 0 and len(pair) == 2 and pair[0].name == "zbccl":
                     cell.update(measure_ab(pair, op, dname, numel, h))
-                for impl in impls:
-                    if numel > 0 and impl.supports(op) and impl.name not in cell:
+                for impl in usable:
+                    if numel > 0 and impl.name not in cell:
                         cell[impl.name] = _measure(impl, op, dname, numel, h)
                 cells.append(cell)
             states[f"{op}/{dname}"]["end"] = h.host_state()
@@ -265,6 +269,10 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
                 overheads = overheads and {**overheads, "small_call": small}
         if "vllm" in opts["baselines"] and set(opts["ops"]) & set(VLLM_OPS):
             impls.append(VllmImpl(rank=rank, world_size=world_size, shm_name=opts["vllm_shm_name"]))
+        if "mpi" in opts["baselines"]:
+            from .mpi import MpiImpl
+
+            impls.append(MpiImpl())
         if "gloo" in opts["baselines"]:
             impls.append(GlooImpl())
         memcpy = _memcpy_block(opts["sizes"], h) if "memcpy" in opts["baselines"] else None
@@ -304,10 +312,13 @@ def _options(world_size: int, ops, dtypes, min_size, max_size, baselines, quick:
 
     ops, dtypes, baselines = list(ops), list(dtypes), list(baselines)
     for kind, given, known in (("op", ops, OPS + EXTRA_OPS), ("dtype", dtypes, tuple(DTYPES)),
-                               ("baseline", baselines, ("gloo", "memcpy", "vllm"))):
+                               ("baseline", baselines, ("gloo", "memcpy", *AB_BASELINES))):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"bench: unknown {kind} {bad}, expected some of {list(known)}")
+    if len(set(baselines) & set(AB_BASELINES)) > 1:
+        raise ValueError(f"bench: one interleaved baseline per run, expected one of {list(AB_BASELINES)}, "
+                         f"got {sorted(set(baselines) & set(AB_BASELINES))}")
     if not 1 <= world_size <= 8:
         raise ValueError(f"bench: world size out of range, expected 1..8, got {world_size}")
     sizes = size_ladder(parse_size(min_size), parse_size(max_size), factor=16 if quick else 4,
@@ -355,12 +366,17 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
     else:
         t0 = time.perf_counter()
         try:
-            results = launch_local(rank_main, world_size, timeout=budget, threads=nthreads, opts=opts)[0]
+            if "mpi" in opts["baselines"]:
+                from .mpi import run_under_mpirun
+
+                results = run_under_mpirun(opts, world_size=world_size, threads=nthreads, out=out, timeout=budget)
+            else:
+                results = launch_local(rank_main, world_size, timeout=budget, threads=nthreads, opts=opts)[0]
         finally:
             unlink_vllm_segments(opts["vllm_shm_name"], world_size)
         doc = {"machine": report.machine_info(world_size=world_size, threads=results["threads"]), "options": opts,
                **{k: results[k] for k in ("cells", "gates", "host_state", "memcpy", "zbccl_ops", "regate_s",
-                                           "overheads", "vllm")}}
+                                           "overheads", "vllm")}, "mpi": results.get("mpi")}
         doc["wall_s"] = round(time.perf_counter() - t0, 1)
         report.print_report(doc, out)
     if json_path:
