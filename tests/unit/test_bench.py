@@ -159,12 +159,3 @@ def test_noisy_timing_is_redone_after_a_gate():
     assert t.attempts == 2 and gates == [1]
     t = timing.time_quietly(lambda: None, **quiet, regate=lambda: False, noise_limit=-1.0)  # budget spent
     assert t.attempts == 1
-
-
-def test_vllm_baseline_without_its_venv_names_the_setup_script(monkeypatch):
-    from zbccl.bench import baselines
-
-    monkeypatch.setattr(baselines, "find_vllm_python", lambda: None)
-    out = io.StringIO()
-    got = baselines.run_vllm_baseline({"options": {}}, world_size=2, threads=1, quick=True, idle_wait=0.0, out=out)
-    assert "scripts/setup_vllm_baseline.sh" in got["skipped"] and "scripts/setup_vllm_baseline.sh" in out.getvalue()

@@ -1,5 +1,5 @@
 """Usage: zbccl bench [-n N] [--ops OPS] [--dtypes fp32,bf16] [--min-size 4K] [--max-size 64M]
-                   [--baselines gloo,memcpy[,vllm]] [--json PATH] [--plot PATH] [--quick] [--threads T]
+                   [--baselines gloo,memcpy[,vllm|,mpi]] [--json PATH] [--plot PATH] [--quick] [--threads T]
                    [--idle-wait S] [--no-zbccl]
 
 The zbccl benchmark: nccl-tests-style rows (``size count dtype time_us algbw
@@ -9,11 +9,11 @@ the same table, each with its own correctness column.
 
 Modules: ``runner`` (the per-rank sweep and :func:`run_bench`), ``timing``
 (calibrated timing, load gating, foreign-CPU accounting, payloads and the
-oracle; torch-only, shared with the vLLM worker), ``baselines`` (gloo,
-memcpy, the vLLM driver), ``probe`` (the host-state probe: the cost of a
+oracle; torch-only), ``baselines`` (gloo, memcpy), ``ab`` (vLLM's shm ops
+interleaved with zbccl round by round in the same ranks), ``probe`` (the host-state probe: the cost of a
 store into lines the peer core just read, in every run's header), ``report``
-(tables, JSON, plot, progress bar), ``vllm_worker`` (a standalone script
-for the vLLM venv; not imported here).
+(tables, JSON, plot, progress bar), ``micro`` (host overheads: allocator,
+native call floor, the Python part of a small all_reduce).
 """
 
 from .report import algbw_bytes, busbw_factor, format_table, write_json, write_plot

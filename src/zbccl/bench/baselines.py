@@ -3,7 +3,8 @@
 An implementation (:class:`Impl`) allocates the cell's tensors, binds an op
 to them as a zero-argument call, and offers its own barrier for the timing
 loop. :class:`GlooImpl` is torch.distributed's gloo backend on private
-tensors; the zbccl implementation lives in ``runner.py`` (it needs zbccl).
+tensors; the zbccl implementation lives in ``runner.py`` (it needs zbccl),
+vLLM's in ``ab.py`` (it needs vLLM).
 
 The memcpy limit (:func:`copy_call`, :func:`memcpy_solo`) is ``dst.copy_(src)`` of the cell's
 per-rank byte count, timed two ways:
@@ -26,22 +27,15 @@ in the cache).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import tempfile
 import warnings
 from collections.abc import Callable
-from pathlib import Path
-from typing import IO, Protocol
+from typing import Protocol
 
 import torch
 
 from .timing import LocalControl, Timed, TimingConfig, time_calls
 
-__all__ = ["OPS", "Impl", "silence_deprecations", "GlooImpl", "op_numel", "op_buffers", "copy_call", "memcpy_solo",
-           "VLLM_OPS", "find_vllm_python", "run_vllm_baseline"]
+__all__ = ["OPS", "Impl", "silence_deprecations", "GlooImpl", "op_numel", "op_buffers", "copy_call", "memcpy_solo"]
 
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 #: Opt-in variants: all_gather whose input is this rank's slice of the output (the zero-copy way
@@ -155,80 +149,3 @@ def memcpy_solo(nbytes: int, *, cfg: TimingConfig) -> Timed:
         return time_calls(copy_call(nbytes), ctl=LocalControl(), sync=lambda: None, cfg=cfg)
     finally:
         torch.set_num_threads(threads)
-
-
-# ----------------------------------------------------------------------------- vLLM (its own venv)
-VLLM_OPS: tuple[str, ...] = ("all_reduce", "all_gather")
-VLLM_SETUP = "scripts/setup_vllm_baseline.sh"
-
-
-def find_vllm_python() -> Path | None:
-    """``.venv-vllm/bin/python`` in the repository root (or the working directory), if built."""
-    repo_root = Path(__file__).resolve().parents[3]
-    for base in (repo_root, Path.cwd()):
-        py = base / ".venv-vllm" / "bin" / "python"
-        if py.exists():
-            return py
-    return None
-
-
-def _run_worker(cmd: list[str], *, cwd: str, timeout: float) -> tuple[int | str, str]:
-    """Run the worker in its own session; on timeout kill that whole process group.
-
-    vLLM's shm ops spin without a timeout, so a stuck rank must not outlive us.
-    """
-    # the vLLM venv is self-contained: our PYTHONPATH (another numpy, zbccl) must not leak in
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, output
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return f"did not finish in {timeout:.0f}s", output
-    finally:
-        if proc.poll() is None:  # interrupted: leave no spinning rank behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def run_vllm_baseline(doc: dict, *, world_size: int, threads: int, quick: bool, idle_wait: float,
-                      out: IO[str], timeout: float | None = None) -> dict:
-    """Run ``vllm_worker.py`` under the vLLM venv's python and merge its cells into ``doc["cells"]``.
-
-    Sequential (after the zbccl/gloo world has exited), so the two never share
-    the cores. Returns ``{"skipped": why}``, ``{"error": ...}`` or the worker's
-    metadata (vLLM and torch versions, gates); never raises for a vLLM failure.
-    """
-    py = find_vllm_python()
-    if py is None:
-        msg = f"vLLM baseline skipped: .venv-vllm not found; build it first with: {VLLM_SETUP}"
-        print(msg, file=out)
-        return {"skipped": msg}
-    opts = doc["options"]
-    ops = [op for op in opts["ops"] if op in VLLM_OPS]
-    if not ops:
-        return {"skipped": f"vLLM has CPU shm ops only for {list(VLLM_OPS)}"}
-    with tempfile.TemporaryDirectory(prefix="zbccl-bench-vllm-") as tmp:
-        result_path = Path(tmp) / "vllm.json"
-        cmd = [str(py), str(Path(__file__).with_name("vllm_worker.py")), "--world-size", str(world_size),
-               "--sizes", ",".join(map(str, opts["sizes"])), "--dtypes", ",".join(opts["dtypes"]),
-               "--ops", ",".join(ops), "--threads", str(threads), "--idle-wait", str(idle_wait)]
-        n_blocks = len(ops) * len(opts["dtypes"])
-        budget = timeout or 300 + 40 * n_blocks * len(opts["sizes"]) + n_blocks * idle_wait + 120
-        cmd += ["--out", str(result_path), "--timeout", str(budget - 30)] + (["--quick"] if quick else [])
-        print(f"running the vLLM baseline ({py}) ...", file=out, flush=True)
-        code, output = _run_worker(cmd, cwd=tmp, timeout=budget)
-        if code != 0 or not result_path.exists():
-            tail = output[-3000:]
-            print(f"vLLM baseline failed ({code}):\n{tail}", file=out)
-            return {"error": f"vllm_worker: {code}", "output_tail": tail}
-        got = json.loads(result_path.read_text())
-    by_key = {(c["op"], c["dtype"], c["size"]): c for c in got.pop("cells")}
-    for cell in doc["cells"]:
-        v = by_key.get((cell["op"], cell["dtype"], cell["size"]))
-        if v is not None:
-            cell["vllm"] = {"wrong": v["wrong"], "timing": v["timing"]}
-    return got

@@ -8,7 +8,18 @@
   atomic load, a flag signal, a satisfied wait, a 64-element bf16 reduction),
   the floor under every small-message collective (the cost of an empty Python
   call through the same loop is subtracted).
+* ``small_call`` (:func:`small_call_overhead`, collective): ``zbccl.all_reduce``
+  of 4 KiB fp32 on a heap tensor, the whole call (every rank, back-to-back,
+  slowest rank) against its Python part alone: the same call on every rank at
+  once with the channel's native ``chan_run`` replaced by a stub that returns
+  0, so only the Python steps between the call and the native op remain (the
+  stub's own cost, an empty Python call, is subtracted; the ctypes crossing
+  itself is ``native_ns``). The Python part is timed in thread CPU time
+  (nothing waits once the native op is stubbed, so a busy machine's
+  preemptions do not count); the whole call in wall time (it waits for the
+  peers). The channel's sequence number is restored after.
 """
+
 
 from __future__ import annotations
 
@@ -18,18 +29,18 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["host_overheads", "format_overheads"]
+__all__ = ["host_overheads", "small_call_overhead", "format_overheads"]
 
 _ALLOC_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 
 
-def _ns_per_call(fn, iters: int, reps: int = 5) -> float:
+def _ns_per_call(fn, iters: int, reps: int = 5, clock=time.perf_counter) -> float:
     samples = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(iters):
             fn()
-        samples.append((time.perf_counter() - t0) / iters * 1e9)
+        samples.append((clock() - t0) / iters * 1e9)
     return statistics.median(samples)
 
 
@@ -75,6 +86,34 @@ def host_overheads(comm, *, quick: bool = False) -> dict:
     return {"alloc": alloc, "native_ns": {k: round(v, 1) for k, v in native.items()}}
 
 
+def small_call_overhead(comm, *, ctl, nbytes: int = 4096, quick: bool = False) -> dict:
+    """Collective: the Python part of ``zbccl.all_reduce`` (``nbytes`` fp32) against the whole call, in ns."""
+    import zbccl
+
+    from .timing import TimingConfig, time_calls
+
+    t = zbccl.zeros(nbytes // 4, dtype=torch.float32, comm=comm)
+    call = lambda: zbccl.all_reduce(t, comm=comm)  # noqa: E731
+    cfg = TimingConfig(target_s=0.01 if quick else 0.05, reps=3 if quick else 5, warmup=20)
+    whole = time_calls(call, ctl=ctl, sync=comm.barrier, cfg=cfg).stats["median"] * 1e3
+    ch = comm.op_state
+    iters = 2000 if quick else 20000
+    comm.barrier()
+    seq, real = ch.seq, ch._chan_run
+    ch._chan_run = lambda handle, args: 0
+    try:
+        # CPU time of this thread: nothing waits with the stub, and a busy machine's preemptions don't count
+        stub_ns = _ns_per_call(lambda: (lambda handle, args: 0)(0, 0), iters, clock=time.thread_time)
+        python_ns = _ns_per_call(call, iters, clock=time.thread_time) - stub_ns
+    finally:
+        ch._chan_run, ch.seq = real, seq
+    python_ns = ctl.max([python_ns])[0]
+    comm.barrier()
+    call()  # the channel still works: one more real call on every rank
+    return {"bytes": nbytes, "dtype": "fp32", "whole_ns": round(whole, 1), "python_ns": round(python_ns, 1),
+            "python_share": round(python_ns / whole, 3) if whole else None}
+
+
 def format_overheads(o: dict) -> list[str]:
     lines = ["# host overheads (rank 0)", "heap_scope allocator: torch.empty(n, uint8) + del, scope vs default",
              f"{'bytes':>10} {'default_ns':>11} {'scope_ns':>9} {'ratio':>6}"]
@@ -82,4 +121,9 @@ def format_overheads(o: dict) -> list[str]:
         lines.append(f"{row['bytes']:>10} {row['default_ns']:>11.0f} {row['scope_ns']:>9.0f} {row['ratio']:>6.2f}")
     lines.append("native core, ns per call from Python: "
                  + ", ".join(f"{k} {v:.0f}" for k, v in o["native_ns"].items()))
+    sc = o.get("small_call")
+    if sc:
+        lines.append(f"all_reduce {sc['bytes']} B {sc['dtype']}: whole call {sc['whole_ns'] / 1e3:.2f} us, "
+                     f"Python part {sc['python_ns']:.0f} ns ({100 * sc['python_share']:.0f}%; "
+                     f"native chan_run stubbed, CPU time, slowest rank)")
     return lines

