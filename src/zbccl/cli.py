@@ -55,7 +55,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--min-size", default="4K", help="smallest bytes per rank input (default 4K; x4 steps)")
     b.add_argument("--max-size", default="64M", help="largest bytes per rank input (default 64M)")
     b.add_argument("--baselines", default="gloo,memcpy",
-                   help="of gloo,memcpy,vllm (default gloo,memcpy; vllm needs scripts/setup_vllm_baseline.sh)")
+                   help="of gloo,memcpy,vllm,mpi (default gloo,memcpy; vllm and mpi are timed interleaved with "
+                        "zbccl in the same ranks; vllm needs 'make vllm-baseline', mpi the 'mpi' extra and Open MPI; "
+                        "one of the two per run)")
     b.add_argument("--json", metavar="PATH", help="write every cell, all samples and machine info")
     b.add_argument("--plot", metavar="PATH", help="PNG of busbw vs size (needs matplotlib)")
     b.add_argument("--quick", action="store_true", help="3 sizes (x16 steps), short timing: a smoke run")
@@ -77,7 +79,7 @@ def _bench(args) -> int:
     except ValueError as exc:
         print(f"zbccl bench: {exc}", file=sys.stderr)
         return 2
-    bad = [c for c in doc["cells"] for k in ("zbccl", "gloo", "vllm")
+    bad = [c for c in doc["cells"] for k in ("zbccl", "gloo", "vllm", "mpi")
            if c.get(k) and (c[k].get("error") or c[k].get("wrong"))]
     return 1 if bad else 0
 
