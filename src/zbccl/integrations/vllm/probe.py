@@ -68,13 +68,12 @@ def _timed(key: str, fn):
 
 
 def vllm_shm_bytes(world_size: int, threads: int | None = None) -> int:
-    """vLLM 0.32's shm buffers of one group and rank (csrc/cpu/shm.cpp): round64(threads * 4352) +
-    threads * 4 MiB (one per-thread context line block and one 4 MiB buffer per thread).
-
-    ``world_size`` is kept for the caller's table: vLLM's per-rank figure does not depend on it.
+    """vLLM 0.32's shm segment of one group and rank (csrc/cpu/shm.cpp):
+    round64(threads * sizeof(ThreadSHMContext)) + threads * 4 MiB, with sizeof taken as 256 B (a
+    1-thread segment measures 4 MiB + 256 B in /dev/shm). Independent of ``world_size``.
     """
     threads = torch.get_num_threads() if threads is None else threads
-    ctx = threads * 4352
+    ctx = threads * 256
     return ((ctx + 63) // 64) * 64 + threads * (4 << 20)
 
 
