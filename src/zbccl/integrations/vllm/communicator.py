@@ -49,8 +49,8 @@ _warned: list[str] = []
 
 def start_group(global_ranks: list[int]):
     """Collective over ``global_ranks``: the zbccl communicator of these vLLM ranks (starts zbccl first)."""
-    import zbccl
-    from zbccl.runtime.registry import get_default
+    from ...runtime.registry import get_default
+    from ...runtime.state import init
 
     if list(global_ranks) != sorted(global_ranks):
         raise ValueError(f"vllm group: ranks must be ascending for zbccl, expected sorted ranks, "
@@ -58,7 +58,7 @@ def start_group(global_ranks: list[int]):
     world = get_default()
     if world is None:
         store = dist.PrefixStore("zbccl-vllm/", dist.distributed_c10d._get_default_store())
-        world = zbccl.init(store=store, rank=dist.get_rank(), world_size=dist.get_world_size())
+        world = init(store=store, rank=dist.get_rank(), world_size=dist.get_world_size())
         if world.local_world_size != world.world_size:
             raise ValueError(f"vllm group: zbccl has no inter-host transport, expected one host, "
                              f"got {len(world.topology.hosts)}")

@@ -40,8 +40,8 @@ def patch_model_forward() -> None:
 def _scoped(inner):
     @functools.wraps(inner)
     def run(self, *args, **kwargs):
-        from zbccl import heap_scope
-        from zbccl.runtime.registry import get_default
+        from ...adapters.scope import heap_scope
+        from ...runtime.registry import get_default
 
         if get_default() is None:
             return inner(self, *args, **kwargs)

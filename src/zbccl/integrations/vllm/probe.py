@@ -24,13 +24,12 @@ _staged = [0]
 
 
 def _staged_bytes() -> int:
-    from zbccl.runtime.registry import get_default
+    from ...adapters.tensors import memory_stats
+    from ...runtime.registry import get_default
 
     if get_default() is None:
         return 0
-    import zbccl
-
-    return int(zbccl.memory_stats()["staged_bytes"])
+    return int(memory_stats()["staged_bytes"])
 
 
 def _groups():
@@ -93,7 +92,8 @@ def _dev_shm_bytes(word: str) -> int:
 
 def stats(worker=None) -> dict:
     """This worker's communication times, communicator kinds, zbccl heap stats and vLLM shm bytes."""
-    from zbccl.runtime.registry import get_default
+    from ...adapters.tensors import memory_stats
+    from ...runtime.registry import get_default
 
     out = {"times": {k: tuple(v) for k, v in _times.items()},
            "groups": {g.unique_name: type(g.device_communicator).__name__ + (
@@ -102,9 +102,7 @@ def stats(worker=None) -> dict:
            "vllm_shm_bytes": sum(vllm_shm_bytes(g.world_size) for g in _groups()),
            "threads": torch.get_num_threads(), "dev_shm_cpushm_bytes": _dev_shm_bytes("cpushm")}
     if get_default() is not None:
-        import zbccl
-
         out["staged_bytes_timed"] = _staged_bytes() - _staged[0]
 
-        out["zbccl"] = {k: v for k, v in zbccl.memory_stats().items() if isinstance(v, (int, float))}
+        out["zbccl"] = {k: v for k, v in memory_stats().items() if isinstance(v, (int, float))}
     return out
