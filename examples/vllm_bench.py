@@ -10,7 +10,8 @@ rounds), the communication time per step (the communicators' summed host time pe
 ``zbccl.integrations.vllm.probe``, divided by the steps; ``min`` is the rank that waited least,
 which is the closest to the transfer itself, ``mean`` includes waiting for the slower rank), its
 share of a step, identical tokens against the first own run, and the communication memory
-(vLLM's /dev/shm segments per rank; zbccl's staged bytes during the timed generation).
+(vLLM's /dev/shm segment per group and rank, ``probe.vllm_shm_bytes``; zbccl's staged bytes during
+the timed generation).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main() -> None:
             cmean = statistics.median(comm_ms(r)[1] for r in rs)
             same = all(r["tokens"] == ref for r in rs)
             w = rs[0]["workers"][0]
-            mem = (f"{w['dev_shm_cpushm_bytes'] / 2 / 2**20:.2f} MiB /dev/shm" if name == "vllm" else
+            mem = (f"{w['vllm_shm_bytes']} B /dev/shm" if name == "vllm" else
                    f"{max(x.get('staged_bytes_timed', 0) for r in rs for x in r['workers'])} B staged")
             print(f"| {batch} | {name} | {tps:.1f} | {mpt:.1f} | {cmin:.2f} | {cmean:.2f} | "
                   f"{100 * cmin / mpt:.1f}% | {same} | {mem} |")
