@@ -37,7 +37,7 @@ vllm-e2e: vllm-baseline native
 	.venv-vllm/bin/pip install -q --no-deps -e .
 	.venv-vllm/bin/python -c "from importlib.metadata import entry_points as e; \
 	  assert any(p.value == 'zbccl.integrations.vllm:register' for p in e(group='vllm.general_plugins'))"
-	$(PY) -m pytest -q -m vllm tests/integration/test_vllm_plugin.py
+	$(PY) -m pytest -q -m vllm tests/integration
 
 test: native
 	$(PY) -m pytest -q
