@@ -54,14 +54,22 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 
 def run_one(a, model: str, batch: int) -> dict:
     """One engine: build the model, generate greedily, collect tokens, logprobs and worker probes."""
+    shm_before = set(os.listdir("/dev/shm"))
+    result = {"model": model, "hidden": a.hidden, "layers": a.layers, "batch": batch, "tp": a.tp, "pp": a.pp,
+              "zbccl_vllm": os.environ.get("ZBCCL_VLLM", "0")}
+    try:
+        _engine_run(a, model, batch, result)
+    finally:
+        _drop_vllm_segments(shm_before, result)
+    return result
+
+
+def _engine_run(a, model: str, batch: int, result: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from zbccl.integrations.vllm import probe
 
-    shm_before = set(os.listdir("/dev/shm"))
-    result = {"model": model, "hidden": a.hidden, "layers": a.layers, "batch": batch, "tp": a.tp, "pp": a.pp,
-              "zbccl_vllm": os.environ.get("ZBCCL_VLLM", "0")}
     with tempfile.TemporaryDirectory(prefix="zbccl-vllm-") as path:
         write_config(path, model=model, hidden=a.hidden, layers=a.layers, vocab=a.vocab, weights=a.weights)
         llm = LLM(model=path, load_format="dummy" if a.weights == "dummy" else "auto", skip_tokenizer_init=True,
@@ -89,8 +97,11 @@ def run_one(a, model: str, batch: int) -> dict:
         finally:
             llm.llm_engine.engine_core.shutdown()  # engine core and workers exit here
             del llm
-    # vLLM 0.32 leaves its CPU shm segments (``vllm_dist_<ident>-<group>-cpushm_<rank>``) behind at
-    # exit; report what this run added to /dev/shm, and remove vLLM's own leftovers of this run.
+
+
+def _drop_vllm_segments(shm_before: set[str], result: dict) -> None:
+    """vLLM 0.32 leaves its CPU shm segments (``vllm_dist_<ident>-<group>-cpushm_<rank>``) behind at
+    exit (also when the engine died): record what this run added to /dev/shm, remove vLLM's own."""
     added = sorted(set(os.listdir("/dev/shm")) - shm_before)
     result["dev_shm_added"] = added
     for name in added:
@@ -99,7 +110,6 @@ def run_one(a, model: str, batch: int) -> dict:
                 os.unlink(os.path.join("/dev/shm", name))
             except OSError:
                 pass
-    return result
 
 
 def main() -> None:
