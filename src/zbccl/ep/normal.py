@@ -59,15 +59,18 @@ def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
 
 
-def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None):
+def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None, known: torch.Tensor | None = None):
     """Checked ``(topk_idx int64, topk_weights, num_tokens_per_expert [E] int32 when prims has the native
-    kernels, else None)``."""
+    kernels, else None)``; ``known``: those counts, already computed from this unchanged ``topk_idx``
+    (range checked then), so the pass over ``topk_idx`` is skipped."""
     if (topk_idx is None) != (topk_weights is None):
         raise Fail("topk_idx and topk_weights go together, expected both or neither, got one")
     idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, None))
     K = idx.size(1)
     w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, K))
     per_expert = None
+    if known is not None:
+        return idx.long(), w, known
     if fast.available(prims):
         got = fast.layout(prims, idx, E, 1, in_rank=False)
         per_expert = got[1] if got is not None else None
@@ -79,9 +82,19 @@ def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None):
     return idx.long(), w, per_expert
 
 
-def _layout(a: dict, T: int, R: int, prims):
+def _memo_counts(memo, topk_idx, ntpe) -> torch.Tensor | None:
+    """``num_tokens_per_expert`` when it is, unchanged, what :meth:`Buffer.get_dispatch_layout` computed from
+    this very ``topk_idx``, itself unchanged since (in-place writes bump a tensor's version); else None."""
+    if memo is None or topk_idx is not memo[0] or ntpe is not memo[2]:
+        return None
+    if topk_idx._version != memo[1] or ntpe._version != memo[3] or topk_idx.data_ptr() != memo[4]:
+        return None
+    return ntpe
+
+
+def _layout(a: dict, T: int, R: int, prims, memo=None):
     """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, tokens per rank)`` of a
-    non-cached dispatch."""
+    non-cached dispatch (``memo``: the Buffer's last native layout, see :func:`_memo_counts`)."""
     for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
         if a[name] is None:
             raise Fail(f"{name} is required without a handle, expected a tensor, got None")
@@ -93,10 +106,11 @@ def _layout(a: dict, T: int, R: int, prims):
         raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
     idx = w = None
     if a["topk_idx"] is not None or a["topk_weights"] is not None:
-        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, prims)
+        known = _memo_counts(memo, a["topk_idx"], ntpe) if fast.available(prims) else None
+        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, prims, known)
         if got is None:
             got = torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:]
-        if not torch.equal(got, ntpe.to(got.dtype)):
+        if known is None and not torch.equal(got, ntpe.to(got.dtype)):
             raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
     elif a["num_worst_tokens"]:
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
@@ -136,7 +150,7 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
         counts = in_rank.sum(0)
     else:
-        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.prims)
+        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.prims, getattr(buf, "layout_memo", None))
         E = per_expert.numel()
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
     head = None
