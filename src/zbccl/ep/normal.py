@@ -184,9 +184,9 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
 
 def _check_counts(rows, counts: torch.Tensor) -> None:
     """Check the global ``[src, dst]`` token counts against every rank's ``num_worst_tokens`` and handle
-    (every rank holds the same counts and headers, so all raise together)."""
+    (every rank holds the same counts and headers, so all raise together); ``rows``: tensor or its list."""
     per_dst = counts.sum(0).tolist()
-    for r, h in enumerate(rows.tolist()):
+    for r, h in enumerate(rows.tolist() if isinstance(rows, torch.Tensor) else rows):
         worst = h[F.WORST]
         if worst and per_dst[r] > worst:
             raise ZbcclInvalidUsageError(
@@ -200,7 +200,7 @@ def _check_counts(rows, counts: torch.Tensor) -> None:
 
 def _alloc(buf, rows, loc: dict, n: int) -> dict:
     """The exact-size outputs of a dispatch (``n`` rows): ``x`` (int8 staging for int8), ``s``, ``i``, ``w``."""
-    h = rows[buf.ex.me].tolist()
+    h = rows[buf.ex.me].tolist() if isinstance(rows, torch.Tensor) else rows[buf.ex.me]
     H, K, flags, code = loc["H"], h[F.K], h[F.FLAGS], h[F.DTYPE]
     int8 = bool(flags & FLAG_INT8)
     x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
@@ -281,21 +281,21 @@ def dispatch(buf, a: dict):
     except Fail as exc:
         fail, loc = exc, None
     rows = ex.publish("dispatch", fields, fail)
-    ex.agree("dispatch", rows, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
+    rl = rows.tolist()
+    ex.agree("dispatch", rl, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
                         (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
                         (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
-    E, C, worst = int(rows[0, F.E]), int(rows[0, F.CHANNELS]), int(rows[ex.me, F.WORST])
+    E, C, worst = rl[0][F.E], rl[0][F.CHANNELS], rl[ex.me][F.WORST]
     if fast.available(ex.prims):
-        rl = rows.tolist()
         counts, per_expert, recv_chan, metas = fast.plan(buf, rl)
     else:  # one view of each sender's whole plan block (counts, per expert, per channel, token lists)
         metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
         counts = torch.stack([m[:ex.R] for m in metas])
-    _check_counts(rows, counts)
+    _check_counts(rl, counts)
     try:
         if fast.available(ex.prims):
             num_recv = int(counts[:, ex.me].sum())
-            out = _alloc(buf, rows, loc, worst or num_recv)
+            out = _alloc(buf, rl, loc, worst or num_recv)
             out["src_idx"] = fast.pull(buf, rl, counts, metas, out, num_recv)
             _dequantize(buf, out, loc)
         else:
