@@ -102,6 +102,7 @@ class Buffer:
         self._local.clear()
         self.layout_memo = None
         self._ll = low_latency.LowLatencyState()
+        self.ex.drop_reused()
         self.ex = None
         self.comm.destroy()
 

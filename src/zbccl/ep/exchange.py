@@ -91,6 +91,11 @@ def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.
     return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
 
 
+def _use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (tensors and storage objects viewing it)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class Exchange:
     """Publish/pull/barrier over one communicator; one per ``Buffer``."""
 
@@ -109,6 +114,7 @@ class Exchange:
         all_gather_into_tensor(offs, offs[self.me:self.me + 1].clone(), comm=comm, timeout=timeout)
         self._hdr_off = offs.tolist()
         self._plan: torch.Tensor | None = None
+        self._reuse: dict[str, tuple[torch.Tensor, int]] = {}
         #: Payload bytes this rank copied or read from peers' memory since the last publish.
         self.moved = 0
 
@@ -155,6 +161,32 @@ class Exchange:
             self._plan = None
             self._plan = heap_empty(self.comm, (max(n, 1024),), torch.int64, fallback=False)
         return self._plan[:n]
+
+    def reuse(self, role: str, specs: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
+        """:func:`heap_empty_many` of ``specs``, in the block this role got last time when its size is the same
+        and nothing but this cache holds a view of it any more (the caller dropped the previous outputs, so
+        no peer reads them either); saves the allocation and the view set-up of a repeated step. The cache
+        keeps one block per role (at most one step's outputs) until the Buffer is destroyed."""
+        offs, total = [], 0
+        for shape, dtype in specs:
+            n = dtype.itemsize
+            for d in shape:
+                n *= int(d)
+            offs.append((total, n))
+            total += -(-n // 64) * 64
+        total = max(total, 1)
+        hit = self._reuse.get(role)
+        if hit is not None and hit[0].numel() == total and _use_count(hit[0]) == hit[1]:
+            raw = hit[0]
+        else:
+            self._reuse.pop(role, None)  # an idle block of another size goes back to the heap first
+            raw = heap_empty(self.comm, (total,), torch.uint8)
+            self._reuse[role] = (raw, _use_count(raw))
+        return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
+
+    def drop_reused(self) -> None:
+        """Give the cached output blocks of :meth:`reuse` back (those still in use live on with their views)."""
+        self._reuse.clear()
 
     # ------------------------------------------------------------------ the handshake
     def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from . import fast
-from .exchange import F, Fail, heap_empty, heap_empty_many, row_runs, row_table
+from .exchange import F, Fail, heap_empty, row_runs, row_table
 from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
 
 __all__ = ["dispatch", "combine", "DTYPE_CODES", "OP_DISPATCH", "OP_COMBINE"]
@@ -207,9 +207,10 @@ def _alloc(buf, rows, loc: dict, n: int) -> dict:
     s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
     # The received rows in a heap block of their own (exact size; int8 rows are private staging), the
     # top-k and weights together in a second one (one allocation fewer, a small block's rounding).
-    out = {"x": torch.empty(n, H, dtype=x_dtype) if int8 else heap_empty(buf.comm, (n, H), x_dtype)}
+    # Both reuse the previous step's blocks when their sizes repeat and the caller dropped them (Exchange.reuse).
+    out = {"x": torch.empty(n, H, dtype=x_dtype) if int8 else buf.ex.reuse("recv_x", [((n, H), x_dtype)])[0]}
     if K:
-        out["i"], out["w"] = heap_empty_many(buf.comm, [((n, K), torch.int64), ((n, K), torch.float32)])
+        out["i"], out["w"] = buf.ex.reuse("recv_topk", [((n, K), torch.int64), ((n, K), torch.float32)])
     if code >> 8:
         out["s"] = torch.empty(n, h[F.SROW] // 4, dtype=s_dtype)
     return out
@@ -342,7 +343,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     rows = ex.publish("combine", fields, fail)
     ex.agree("combine", rows, ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
                         (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
-    out = heap_empty(buf.comm, (T, H), x.dtype)
+    out = ex.reuse("combined_x", [((T, H), x.dtype)])[0]
     try:
         if fast.available(ex.prims) and T:
             accw = fast.combine_sum(buf, rows.tolist(), handle, out, biases, K)
