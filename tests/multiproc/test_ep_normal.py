@@ -203,7 +203,7 @@ def _reused_outputs(buffer, comm) -> None:
     w = torch.rand(T, 2)
 
     def step(k: int):
-        x = (torch.arange(T, dtype=torch.float32).unsqueeze(1) + 100 * k + 16 * me).expand(T, H).to(torch.bfloat16)
+        x = (torch.arange(T, dtype=torch.float32).unsqueeze(1) + 32 * k + 16 * me).expand(T, H).to(torch.bfloat16)
         ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
         rx, ri, rw, _, h, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
@@ -219,7 +219,7 @@ def _reused_outputs(buffer, comm) -> None:
     assert not ptrs & {t.data_ptr() for t in again[:4]}
     for a, b in zip(held[:4], saved):
         assert torch.equal(a, b)
-    assert torch.equal(again[0].float() - 200, held[0].float())
+    assert torch.equal(again[0].float() - 64, held[0].float())  # all values exact in bf16 (< 128, sums < 256)
 
 
 def _worst_handle(buffer, comm) -> None:
