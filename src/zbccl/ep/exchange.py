@@ -91,9 +91,13 @@ def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.
     return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _use_count(t: torch.Tensor) -> int:
-    """References to ``t``'s storage (tensors and storage objects viewing it)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    """References to ``t``'s storage (tensors and storage objects viewing it); -1 (never reused) when this
+    torch does not tell."""
+    return _STORAGE_USE_COUNT(t.untyped_storage()._cdata) if _STORAGE_USE_COUNT is not None else -1
 
 
 class Exchange:
@@ -176,7 +180,7 @@ class Exchange:
             total += -(-n // 64) * 64
         total = max(total, 1)
         hit = self._reuse.get(role)
-        if hit is not None and hit[0].numel() == total and _use_count(hit[0]) == hit[1]:
+        if hit is not None and hit[0].numel() == total and hit[1] >= 0 and _use_count(hit[0]) == hit[1]:
             raw = hit[0]
         else:
             self._reuse.pop(role, None)  # an idle block of another size goes back to the heap first
