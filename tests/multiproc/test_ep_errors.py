@@ -94,6 +94,15 @@ def _bad_inputs(ctx):
                        "does not match the handle")
     with pytest.raises(zbccl.ZbcclInvalidUsageError, match="get_dispatch_layout: topk_idx out of range"):
         buffer.get_dispatch_layout(bad_idx, E)  # local: only the caller is involved
+    # dispatch skips re-checking the topk_idx get_dispatch_layout just checked; an in-place change since is seen
+    for change, match in (((3, 1), E + 5), "topk_idx out of range"), (((3, 1), None), "does not match topk_idx"):
+        idx3 = topk_idx.clone()
+        ntpr3, _, ntpe3, in_rank3, _ = buffer.get_dispatch_layout(idx3, E)
+        if me == 1:
+            where, value = change
+            idx3[where] = value if value is not None else (int(idx3[where]) + 1) % E
+        _expect_everywhere(lambda i=idx3, a=ntpr3, b=in_rank3, c=ntpe3: buffer.dispatch(
+            x, num_tokens_per_rank=a, is_token_in_rank=b, num_tokens_per_expert=c, topk_idx=i, topk_weights=w), match)
     # low-latency: num_max_dispatch_tokens_per_rank exceeded on one rank
     tmax = T if me == 1 else T
     xx = torch.cat([x, x]) if me == 1 else x

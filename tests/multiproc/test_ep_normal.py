@@ -195,6 +195,33 @@ def _uneven(buffer, comm) -> None:
     assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
 
 
+def _reused_outputs(buffer, comm) -> None:
+    """Repeated same-size steps reuse the output blocks only once the caller dropped them: outputs still
+    held keep their values (value = f(rank, token, step)) and the next step gets fresh blocks."""
+    me, E, H, T = comm.rank, 8, 128, 12
+    topk_idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)])
+    w = torch.rand(T, 2)
+
+    def step(k: int):
+        x = (torch.arange(T, dtype=torch.float32).unsqueeze(1) + 32 * k + 16 * me).expand(T, H).to(torch.bfloat16)
+        ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+        rx, ri, rw, _, h, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
+        comb, cw, _ = buffer.combine(rx, h, topk_weights=rw)
+        assert torch.equal(comb.float(), x.float() * in_rank.sum(1, keepdim=True))
+        return rx, ri, rw, comb, h
+
+    held = step(0)
+    saved = [t.clone() for t in held[:4]]
+    ptrs = {t.data_ptr() for t in held[:4]}
+    step(1)  # its outputs are dropped on return ...
+    again = step(2)  # ... so this step may reuse them, never the held ones
+    assert not ptrs & {t.data_ptr() for t in again[:4]}
+    for a, b in zip(held[:4], saved):
+        assert torch.equal(a, b)
+    assert torch.equal(again[0].float() - 64, held[0].float())  # all values exact in bf16 (< 128, sums < 256)
+
+
 def _worst_handle(buffer, comm) -> None:
     """A num_worst_tokens handle (DeepEP: num_worst rows in handle[3]) serves combine and cached dispatch;
     fp8 input with a hidden size that is not a multiple of 128 (scales of any width, as DeepEP)."""
@@ -310,6 +337,7 @@ def _normal_world(ctx, cases):
         _intranode(buffer, comm, **kw)
     _zero_copy(buffer, comm)
     _uneven(buffer, comm)
+    _reused_outputs(buffer, comm)
     _worst_handle(buffer, comm)
     _native_matches_torch(buffer, comm)
     buffer.destroy()

@@ -67,6 +67,7 @@ class Buffer:
         self.ex = Exchange(self.comm, timeout)
         self.runtime = self
         self.seq = 0
+        self.layout_memo = None  # (topk_idx, its version, num_tokens_per_expert, its version, data_ptr)
         self._lock = threading.RLock()
         self._handles: dict[int, tuple] = {}
         self._local: dict[bool, torch.Tensor] = {}
@@ -99,7 +100,9 @@ class Buffer:
             return
         self.runtime = None
         self._local.clear()
+        self.layout_memo = None
         self._ll = low_latency.LowLatencyState()
+        self.ex.drop_reused()
         self.ex = None
         self.comm.destroy()
 
@@ -209,6 +212,9 @@ class Buffer:
         if error is not None:
             raise ZbcclInvalidUsageError(f"get_dispatch_layout: {error}")
         per_rank, per_expert, in_rank = got if got is not None else dispatch_layout(topk_idx, num_experts, R)
+        # dispatch skips re-checking topk_idx against num_tokens_per_expert when both are these, unchanged.
+        self.layout_memo = ((topk_idx, topk_idx._version, per_expert, per_expert._version, topk_idx.data_ptr())
+                            if got is not None else None)
         return per_rank, None, per_expert, in_rank, _event(async_finish)
 
     def dispatch(self, x, handle: tuple | None = None, num_tokens_per_rank: torch.Tensor | None = None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from array import array
 
 import torch
 
@@ -90,6 +91,15 @@ def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.
     return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (tensors and storage objects viewing it); -1 (never reused) when this
+    torch does not tell."""
+    return _STORAGE_USE_COUNT(t.untyped_storage()._cdata) if _STORAGE_USE_COUNT is not None else -1
+
+
 class Exchange:
     """Publish/pull/barrier over one communicator; one per ``Buffer``."""
 
@@ -107,8 +117,8 @@ class Exchange:
         offs = torch.full((self.R,), self.offset_of(self._hdr), dtype=torch.int64)
         all_gather_into_tensor(offs, offs[self.me:self.me + 1].clone(), comm=comm, timeout=timeout)
         self._hdr_off = offs.tolist()
-        self._table = torch.empty(self.R, 3, dtype=torch.int64)
         self._plan: torch.Tensor | None = None
+        self._reuse: dict[str, tuple[torch.Tensor, int]] = {}
         #: Payload bytes this rank copied or read from peers' memory since the last publish.
         self.moved = 0
 
@@ -156,6 +166,32 @@ class Exchange:
             self._plan = heap_empty(self.comm, (max(n, 1024),), torch.int64, fallback=False)
         return self._plan[:n]
 
+    def reuse(self, role: str, specs: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
+        """:func:`heap_empty_many` of ``specs``, in the block this role got last time when its size is the same
+        and nothing but this cache holds a view of it any more (the caller dropped the previous outputs, so
+        no peer reads them either); saves the allocation and the view set-up of a repeated step. The cache
+        keeps one block per role (at most one step's outputs) until the Buffer is destroyed."""
+        offs, total = [], 0
+        for shape, dtype in specs:
+            n = dtype.itemsize
+            for d in shape:
+                n *= int(d)
+            offs.append((total, n))
+            total += -(-n // 64) * 64
+        total = max(total, 1)
+        hit = self._reuse.get(role)
+        if hit is not None and hit[0].numel() == total and hit[1] >= 0 and _use_count(hit[0]) == hit[1]:
+            raw = hit[0]
+        else:
+            self._reuse.pop(role, None)  # an idle block of another size goes back to the heap first
+            raw = heap_empty(self.comm, (total,), torch.uint8)
+            self._reuse[role] = (raw, _use_count(raw))
+        return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
+
+    def drop_reused(self) -> None:
+        """Give the cached output blocks of :meth:`reuse` back (those still in use live on with their views)."""
+        self._reuse.clear()
+
     # ------------------------------------------------------------------ the handshake
     def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:
         """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed."""
@@ -165,7 +201,8 @@ class Exchange:
         vals = [0] * HDR_LEN
         for k, v in fields.items():
             vals[k] = int(v)
-        h.copy_(torch.tensor(vals, dtype=torch.int64))
+        hdr = array("q", vals)  # one memmove instead of a tensor build and copy (a few µs per op)
+        ctypes.memmove(h.data_ptr(), hdr.buffer_info()[0], HDR_LEN * 8)
         if fail is not None:
             h[F.STATUS] = fail.status
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
@@ -173,9 +210,15 @@ class Exchange:
         # The handshake: a barrier (release/acquire), then each peer's header copied out of its heap.
         self.comm.barrier(timeout=self.timeout)
         nbytes = HDR_LEN * 8
-        self._table.copy_(torch.tensor([[self._all.data_ptr() + r * nbytes, self.addr(r, off + slot * nbytes, nbytes),
-                                         nbytes] for r, off in enumerate(self._hdr_off)]))
-        self.copy([self._table], count=False)
+        base = self._all.data_ptr()
+        table = array("q", [v for r, off in enumerate(self._hdr_off)
+                            for v in (base + r * nbytes, self.addr(r, off + slot * nbytes, nbytes), nbytes)])
+        fn = getattr(self.prims, "copy_many", None)
+        if fn is not None:
+            fn(table.buffer_info()[0], self.R, 1)
+        else:  # no native core: the Python stand-in
+            for i in range(0, len(table), 3):
+                ctypes.memmove(table[i], table[i + 1], table[i + 2])
         rows = self._all.view(self.R, HDR_LEN).clone()
         bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:

@@ -133,8 +133,9 @@ def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Te
     ex = buf.ex
     T, R = in_rank.shape
     E = per_expert.numel()
-    expect = counts.to(torch.int64).contiguous()
-    total = int(expect.clamp(min=0).sum())
+    cl = counts.tolist()
+    expect = array("q", cl)  # int64 for the kernel without a tensor conversion
+    total = sum(c for c in cl if c > 0)
     if total > T * R:  # before sizing the block by it (the kernel checks each count exactly)
         raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {in_rank.sum(0).tolist()}, "
                    f"got {counts.tolist()}")
@@ -145,7 +146,7 @@ def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Te
     head = torch.empty(T, R, dtype=torch.int32)
     where = in_rank.contiguous()
     if _call(ex.prims.ep_route, [where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(),
-                                 expect.data_ptr()]) >= 0:
+                                 expect.buffer_info()[0]]) >= 0:
         got = in_rank.sum(0)
         raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {got.tolist()}, "
                    f"got {counts.tolist()}")

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError
 from . import fast
-from .exchange import F, Fail, heap_empty, heap_empty_many, row_runs, row_table
+from .exchange import F, Fail, heap_empty, row_runs, row_table
 from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
 
 __all__ = ["dispatch", "combine", "DTYPE_CODES", "OP_DISPATCH", "OP_COMBINE"]
@@ -59,15 +59,18 @@ def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
 
 
-def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None):
+def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None, known: torch.Tensor | None = None):
     """Checked ``(topk_idx int64, topk_weights, num_tokens_per_expert [E] int32 when prims has the native
-    kernels, else None)``."""
+    kernels, else None)``; ``known``: those counts, already computed from this unchanged ``topk_idx``
+    (range checked then), so the pass over ``topk_idx`` is skipped."""
     if (topk_idx is None) != (topk_weights is None):
         raise Fail("topk_idx and topk_weights go together, expected both or neither, got one")
     idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, None))
     K = idx.size(1)
     w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, K))
     per_expert = None
+    if known is not None:
+        return idx.long(), w, known
     if fast.available(prims):
         got = fast.layout(prims, idx, E, 1, in_rank=False)
         per_expert = got[1] if got is not None else None
@@ -79,9 +82,19 @@ def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None):
     return idx.long(), w, per_expert
 
 
-def _layout(a: dict, T: int, R: int, prims):
+def _memo_counts(memo, topk_idx, ntpe) -> torch.Tensor | None:
+    """``num_tokens_per_expert`` when it is, unchanged, what :meth:`Buffer.get_dispatch_layout` computed from
+    this very ``topk_idx``, itself unchanged since (in-place writes bump a tensor's version); else None."""
+    if memo is None or topk_idx is not memo[0] or ntpe is not memo[2]:
+        return None
+    if topk_idx._version != memo[1] or ntpe._version != memo[3] or topk_idx.data_ptr() != memo[4]:
+        return None
+    return ntpe
+
+
+def _layout(a: dict, T: int, R: int, prims, memo=None):
     """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, tokens per rank)`` of a
-    non-cached dispatch."""
+    non-cached dispatch (``memo``: the Buffer's last native layout, see :func:`_memo_counts`)."""
     for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
         if a[name] is None:
             raise Fail(f"{name} is required without a handle, expected a tensor, got None")
@@ -93,10 +106,11 @@ def _layout(a: dict, T: int, R: int, prims):
         raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
     idx = w = None
     if a["topk_idx"] is not None or a["topk_weights"] is not None:
-        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, prims)
+        known = _memo_counts(memo, a["topk_idx"], ntpe) if fast.available(prims) else None
+        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, prims, known)
         if got is None:
             got = torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:]
-        if not torch.equal(got, ntpe.to(got.dtype)):
+        if known is None and not torch.equal(got, ntpe.to(got.dtype)):
             raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
     elif a["num_worst_tokens"]:
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
@@ -136,7 +150,7 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
         counts = in_rank.sum(0)
     else:
-        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.prims)
+        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.prims, getattr(buf, "layout_memo", None))
         E = per_expert.numel()
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
     head = None
@@ -170,9 +184,9 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
 
 def _check_counts(rows, counts: torch.Tensor) -> None:
     """Check the global ``[src, dst]`` token counts against every rank's ``num_worst_tokens`` and handle
-    (every rank holds the same counts and headers, so all raise together)."""
+    (every rank holds the same counts and headers, so all raise together); ``rows``: tensor or its list."""
     per_dst = counts.sum(0).tolist()
-    for r, h in enumerate(rows.tolist()):
+    for r, h in enumerate(rows.tolist() if isinstance(rows, torch.Tensor) else rows):
         worst = h[F.WORST]
         if worst and per_dst[r] > worst:
             raise ZbcclInvalidUsageError(
@@ -186,16 +200,17 @@ def _check_counts(rows, counts: torch.Tensor) -> None:
 
 def _alloc(buf, rows, loc: dict, n: int) -> dict:
     """The exact-size outputs of a dispatch (``n`` rows): ``x`` (int8 staging for int8), ``s``, ``i``, ``w``."""
-    h = rows[buf.ex.me].tolist()
+    h = rows[buf.ex.me].tolist() if isinstance(rows, torch.Tensor) else rows[buf.ex.me]
     H, K, flags, code = loc["H"], h[F.K], h[F.FLAGS], h[F.DTYPE]
     int8 = bool(flags & FLAG_INT8)
     x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
     s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
     # The received rows in a heap block of their own (exact size; int8 rows are private staging), the
     # top-k and weights together in a second one (one allocation fewer, a small block's rounding).
-    out = {"x": torch.empty(n, H, dtype=x_dtype) if int8 else heap_empty(buf.comm, (n, H), x_dtype)}
+    # Both reuse the previous step's blocks when their sizes repeat and the caller dropped them (Exchange.reuse).
+    out = {"x": torch.empty(n, H, dtype=x_dtype) if int8 else buf.ex.reuse("recv_x", [((n, H), x_dtype)])[0]}
     if K:
-        out["i"], out["w"] = heap_empty_many(buf.comm, [((n, K), torch.int64), ((n, K), torch.float32)])
+        out["i"], out["w"] = buf.ex.reuse("recv_topk", [((n, K), torch.int64), ((n, K), torch.float32)])
     if code >> 8:
         out["s"] = torch.empty(n, h[F.SROW] // 4, dtype=s_dtype)
     return out
@@ -267,21 +282,21 @@ def dispatch(buf, a: dict):
     except Fail as exc:
         fail, loc = exc, None
     rows = ex.publish("dispatch", fields, fail)
-    ex.agree("dispatch", rows, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
+    rl = rows.tolist()
+    ex.agree("dispatch", rl, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
                         (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
                         (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
-    E, C, worst = int(rows[0, F.E]), int(rows[0, F.CHANNELS]), int(rows[ex.me, F.WORST])
+    E, C, worst = rl[0][F.E], rl[0][F.CHANNELS], rl[ex.me][F.WORST]
     if fast.available(ex.prims):
-        rl = rows.tolist()
         counts, per_expert, recv_chan, metas = fast.plan(buf, rl)
     else:  # one view of each sender's whole plan block (counts, per expert, per channel, token lists)
         metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
         counts = torch.stack([m[:ex.R] for m in metas])
-    _check_counts(rows, counts)
+    _check_counts(rl, counts)
     try:
         if fast.available(ex.prims):
             num_recv = int(counts[:, ex.me].sum())
-            out = _alloc(buf, rows, loc, worst or num_recv)
+            out = _alloc(buf, rl, loc, worst or num_recv)
             out["src_idx"] = fast.pull(buf, rl, counts, metas, out, num_recv)
             _dequantize(buf, out, loc)
         else:
@@ -328,7 +343,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     rows = ex.publish("combine", fields, fail)
     ex.agree("combine", rows, ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
                         (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
-    out = heap_empty(buf.comm, (T, H), x.dtype)
+    out = ex.reuse("combined_x", [((T, H), x.dtype)])[0]
     try:
         if fast.available(ex.prims) and T:
             accw = fast.combine_sum(buf, rows.tolist(), handle, out, biases, K)
