@@ -289,6 +289,14 @@ static int exchange_mode(zb_chan *c, zb_op *o, int64_t in_bytes, int *push) {
     return all_in || *push ? RC_OK : stage_inputs(c, o, in_bytes);
 }
 
+/* A block too large to stay in this core's caches is written with streaming stores: cached ones would
+ * first read every destination line from memory (docs/benchmarks.md: all_gather at 16-64 MiB). */
+#define BIG_COPY_BYTES (8 << 20)
+static void big_copy(void *dst, const void *src, int64_t n, int nt) {
+    if (n >= BIG_COPY_BYTES) zb_copy_stream(dst, src, n, nt);
+    else zb_copy(dst, src, n, nt);
+}
+
 /* counts[r]: elements from rank r; output displacement of r = sum(counts[:r]). */
 static int allgather(zb_chan *c, zb_op *o) {
     static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_OUT_NUMEL};
@@ -310,15 +318,15 @@ static int allgather(zb_chan *c, zb_op *o) {
         if (push) {
             int64_t off = c->hdrcopy[q][H_OUT_OFF];
             if (!in_heap(c, q, off, total * isz)) return fail_op(c, seq, RC_SPAN);
-            if (counts[c->me]) zb_copy(c->base[q] + off + disp[c->me] * isz, in, counts[c->me] * isz, nt);
+            if (counts[c->me]) big_copy(c->base[q] + off + disp[c->me] * isz, in, counts[c->me] * isz, nt);
         } else {
             int64_t off = c->hdrcopy[q][H_IN_OFF];
             if (!in_heap(c, q, off, counts[q] * isz)) return fail_op(c, seq, RC_SPAN);
-            if (counts[q]) zb_copy(out + disp[q] * isz, c->base[q] + off, counts[q] * isz, nt);
+            if (counts[q]) big_copy(out + disp[q] * isz, c->base[q] + off, counts[q] * isz, nt);
         }
     }
     char *mine_dst = out + disp[c->me] * isz;
-    if (mine_dst != in && counts[c->me]) zb_copy(mine_dst, in, counts[c->me] * isz, nt);
+    if (mine_dst != in && counts[c->me]) big_copy(mine_dst, in, counts[c->me] * isz, nt);
     return sync_on(c, c->done, seq);
 }
 
