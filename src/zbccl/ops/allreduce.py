@@ -38,11 +38,14 @@ peer checks ABORT after its own ARRIVE before it pushes (``chan.c``
 
 from __future__ import annotations
 
+from threading import get_ident
+
 import torch
 import torch.autograd.profiler as _profiler
 
 from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_ALL_REDUCE
+from ..runtime import registry
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
@@ -58,7 +61,6 @@ __all__ = ["all_reduce"]
 _OP = "all_reduce"
 
 
-@collective("all_reduce")
 def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = None,
                timeout: float | None = None) -> torch.Tensor:
     """Collective: reduce ``tensor`` over all ranks, in place; returns ``tensor``.
@@ -69,17 +71,35 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     communicator's). Blocks the host until every rank finished reading this rank's tensor.
     Every rank gets bitwise identical results.
     """
-    ch = comm.op_state
-    if op == "sum" and timeout is None and ch is not None and ch.plain and type(tensor) is torch.Tensor:
-        # The hot path of a repeated call (a decode step's all_reduce): the tensor is the one a plan was
-        # made for (same heap address, size and dtype, contiguous), so every check already passed.
+    # The hot path of a repeated call (a decode step's all_reduce), with registry.collective's
+    # uncontended op lock inline: the tensor is the one a plan was made for (same heap address, size
+    # and dtype, contiguous), so every check already passed. Anything else takes _all_reduce.
+    c = registry._default if comm is None else comm
+    if op == "sum" and timeout is None and type(tensor) is torch.Tensor:
         try:
-            plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype))
-        except RuntimeError:  # no storage (a meta tensor): the checks below say why
+            ch, lock = c.op_state, c._op_lock
+            plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype)) if ch.plain else None
+        except (AttributeError, RuntimeError):  # no communicator or channel yet; a tensor without storage
             plan = None
-        if plan is not None and tensor.is_contiguous() and not _profiler._is_profiler_enabled:
-            ch.call_hot(plan, _OP)
-            return tensor
+        if (plan is not None and c._live and tensor.is_contiguous() and not _profiler._is_profiler_enabled
+                and not lock.queue and lock.mutex.acquire(False)):
+            lock.owner = get_ident()
+            try:
+                if c._live:  # finalize did not run in between (see registry._enter)
+                    ch.call_hot(plan, _OP)
+                    return tensor
+            finally:
+                lock.owner = None
+                lock.mutex.release()
+                if lock.queue or lock._watchers:
+                    lock.wake()
+    return _all_reduce(tensor, op, comm=comm, timeout=timeout)
+
+
+@collective("all_reduce")
+def _all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = None,
+                timeout: float | None = None) -> torch.Tensor:
+    """:func:`all_reduce` with the op lock held: every check, then the op."""
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
     if error is None:
