@@ -80,6 +80,12 @@ def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> tor
 def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
     """:func:`heap_empty` of several tensors in one heap block (64-byte aligned parts, one allocation):
     the block is freed when the last view of any part dies."""
+    offs, total = _parts(specs)
+    return _views(heap_empty(comm, (total,), torch.uint8), offs, specs)
+
+
+def _parts(specs: list[tuple[tuple, torch.dtype]]) -> tuple[list[tuple[int, int]], int]:
+    """``(offset, bytes)`` of each part of a block holding ``specs`` (64-byte aligned) and its size (>= 1)."""
     offs, total = [], 0
     for shape, dtype in specs:
         n = dtype.itemsize
@@ -87,7 +93,10 @@ def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.
             n *= int(d)
         offs.append((total, n))
         total += -(-n // 64) * 64
-    raw = heap_empty(comm, (max(total, 1),), torch.uint8)
+    return offs, max(total, 1)
+
+
+def _views(raw: torch.Tensor, offs: list[tuple[int, int]], specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
     return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
 
 
@@ -171,14 +180,7 @@ class Exchange:
         and nothing but this cache holds a view of it any more (the caller dropped the previous outputs, so
         no peer reads them either); saves the allocation and the view set-up of a repeated step. The cache
         keeps one block per role (at most one step's outputs) until the Buffer is destroyed."""
-        offs, total = [], 0
-        for shape, dtype in specs:
-            n = dtype.itemsize
-            for d in shape:
-                n *= int(d)
-            offs.append((total, n))
-            total += -(-n // 64) * 64
-        total = max(total, 1)
+        offs, total = _parts(specs)
         hit = self._reuse.get(role)
         if hit is not None and hit[0].numel() == total and hit[1] >= 0 and _use_count(hit[0]) == hit[1]:
             raw = hit[0]
@@ -186,7 +188,7 @@ class Exchange:
             self._reuse.pop(role, None)  # an idle block of another size goes back to the heap first
             raw = heap_empty(self.comm, (total,), torch.uint8)
             self._reuse[role] = (raw, _use_count(raw))
-        return [raw[o:o + n].view(dtype).view(tuple(int(d) for d in shape)) for (o, n), (shape, dtype) in zip(offs, specs)]
+        return _views(raw, offs, specs)
 
     def drop_reused(self) -> None:
         """Give the cached output blocks of :meth:`reuse` back (those still in use live on with their views)."""
