@@ -149,16 +149,16 @@ def collective(op: str) -> Callable[[F], F]:
                 fast = False
             if fast:
                 lock.owner = get_ident()
-                if not c._live:  # finalize ran in between: see _enter
-                    lock.release()
-                    check_usable(c, op)
-                try:
-                    return fn(*args, comm=c, **kwargs) if kwargs else fn(*args, comm=c)
-                finally:  # OpLock.release, inline: this thread took the mutex above, so depth is 0
-                    lock.owner = None
-                    mutex.release()
-                    if lock.queue or lock._watchers:
-                        lock.wake()
+                if c._live:
+                    try:
+                        return fn(*args, comm=c, **kwargs) if kwargs else fn(*args, comm=c)
+                    finally:  # OpLock.release, inline: this thread took the mutex above, so depth is 0
+                        lock.owner = None
+                        mutex.release()
+                        if lock.queue or lock._watchers:
+                            lock.wake()
+                lock.release()  # finalize ran in between (see _enter): the checks below say so
+                check_usable(c, op)
             c = resolve_comm(comm, op=op)
             lock = c._op_lock
             _enter(c, op, kwargs.get("timeout"))
