@@ -6,10 +6,12 @@ runs (own, zbccl, own, zbccl, ...), each run a fresh engine through ``examples/v
 (a warm-up generation, then one timed generation of ``--new-tokens`` greedy tokens per prompt).
 
 Prints per batch size and communicator: output tokens/s and ms per output token (median of the
-rounds), the communication time per step (the communicators' summed host time per op, from
-``zbccl.integrations.vllm.probe``, divided by the steps; ``min`` is the rank that waited least,
-which is the closest to the transfer itself, ``mean`` includes waiting for the slower rank), its
-share of a step, identical tokens against the first own run, and the communication memory
+rounds), the communication time per step (from ``zbccl.integrations.vllm.probe``, divided by the
+steps): ``last arrival`` sums, per call, the time from the last rank's entry to the last rank's
+exit (``probe.last_arrival_ns``: the collective itself, without the ranks' compute skew, which
+neither communicator can shorten); ``min`` and ``mean`` are the ranks' summed host time inside
+the calls (the rank that waited least, and the mean, which includes waiting for the slower rank).
+Then its share of a step (by ``last arrival``), identical tokens against the first own run, and the communication memory
 (vLLM's /dev/shm segment per group and rank, ``probe.vllm_shm_bytes``; zbccl's staged bytes during
 the timed generation).
 """
@@ -25,6 +27,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:  # the driver may run outside the venv that holds zbccl
+    sys.path.insert(0, str(ROOT / "src"))
+
+from zbccl.integrations.vllm.probe import last_arrival_ns  # noqa: E402
 
 
 def run(py: str, args: argparse.Namespace, *, zbccl: bool) -> list[dict]:
@@ -40,10 +46,22 @@ def run(py: str, args: argparse.Namespace, *, zbccl: bool) -> list[dict]:
     return [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
 
 
-def comm_ms(r: dict) -> tuple[float, float]:
-    """(min over ranks, mean over ranks) of the summed communicator time, ms per step."""
+def comm_ms(r: dict) -> tuple[float, float, float]:
+    """(last arrival, min over ranks, mean over ranks) of the communicator time, ms per step."""
     per_rank = [sum(ns for _, ns in w["times"].values()) / 1e6 / r["new_tokens"] for w in r["workers"]]
-    return min(per_rank), statistics.mean(per_rank)
+    last = sum(last_arrival_ns(r["workers"]).values()) / 1e6 / r["new_tokens"]
+    return last, min(per_rank), statistics.mean(per_rank)
+
+
+def _per_call_us(rs: list[dict]) -> dict[str, float]:
+    """Median over runs of each op's last-arrival time per call, by op name (group prefix dropped)."""
+    out: dict[str, list[float]] = {}
+    for r in rs:
+        counts = {k.split(".", 1)[-1]: v[0] for k, v in r["workers"][0]["times"].items()}
+        for key, ns in last_arrival_ns(r["workers"]).items():
+            op = key.split(".", 1)[-1]
+            out.setdefault(op, []).append(ns / 1e3 / max(counts.get(op, 1), 1))
+    return {op: statistics.median(v) for op, v in out.items()}
 
 
 def main() -> None:
@@ -66,23 +84,29 @@ def main() -> None:
                 runs.setdefault((name, r["batch"]), []).append(r)
     print(f"# vLLM TP=2 {a.model} hidden {a.hidden} layers {a.layers}, {a.new_tokens} new tokens, "
           f"{a.rounds} interleaved rounds (median)")
-    print("| batch | comm | tok/s | ms/token | comm ms/step (min rank) | (mean rank) | comm share | "
-          "same tokens | comm memory per rank |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| batch | comm | tok/s | ms/token | comm ms/step (last arrival) | (min rank) | (mean rank) | "
+          "comm share | same tokens | comm memory per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for batch in sorted({b for _, b in runs}):
         ref = runs[("vllm", batch)][0]["tokens"]
         for name in ("vllm", "zbccl"):
             rs = runs[(name, batch)]
             tps = statistics.median(r["tokens_per_s"] for r in rs)
             mpt = statistics.median(r["ms_per_token"] for r in rs)
-            cmin = statistics.median(comm_ms(r)[0] for r in rs)
-            cmean = statistics.median(comm_ms(r)[1] for r in rs)
+            clast, cmin, cmean = (statistics.median(comm_ms(r)[i] for r in rs) for i in range(3))
             same = all(r["tokens"] == ref for r in rs)
             w = rs[0]["workers"][0]
             mem = (f"{w['vllm_shm_bytes']} B /dev/shm" if name == "vllm" else
                    f"{max(x.get('staged_bytes_timed', 0) for r in rs for x in r['workers'])} B staged")
-            print(f"| {batch} | {name} | {tps:.1f} | {mpt:.1f} | {cmin:.2f} | {cmean:.2f} | "
-                  f"{100 * cmin / mpt:.1f}% | {same} | {mem} |")
+            print(f"| {batch} | {name} | {tps:.1f} | {mpt:.1f} | {clast:.3f} | {cmin:.2f} | {cmean:.2f} | "
+                  f"{100 * clast / mpt:.1f}% | {same} | {mem} |")
+    for batch in sorted({b for _, b in runs}):
+        last = {n: statistics.median(comm_ms(r)[0] for r in runs[(n, batch)]) for n in ("vllm", "zbccl")}
+        per_op = {n: _per_call_us(runs[(n, batch)]) for n in ("vllm", "zbccl")}
+        ops = ", ".join(f"{op} {per_op['vllm'][op]:.1f} vs {per_op['zbccl'].get(op, float('nan')):.1f} us"
+                        for op in sorted(per_op["vllm"]))
+        print(f"batch {batch}: per-step communication (last arrival) zbccl/vllm "
+              f"{last['zbccl'] / last['vllm']:.2f}x; per call, vllm vs zbccl: {ops}")
     if a.json:
         Path(a.json).write_text(json.dumps({f"{k[0]}-{k[1]}": v for k, v in runs.items()}))
 

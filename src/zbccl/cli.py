@@ -65,6 +65,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--idle-wait", type=float, default=None,
                    help="max seconds to wait for an idle machine before each op block (default 30; quick 5)")
     b.add_argument("--no-zbccl", action="store_true", help="baselines only")
+    b.add_argument("--gap-ms", type=float, default=0.0,
+                   help="time each call as in a model step: this many ms of matmuls before it, every rank "
+                        "entering at one instant (default 0: back-to-back calls; needs a core per rank)")
 
 
 def _bench(args) -> int:
@@ -75,7 +78,7 @@ def _bench(args) -> int:
         doc = run_bench(world_size=args.world_size, ops=split(args.ops), dtypes=split(args.dtypes),
                         min_size=args.min_size, max_size=args.max_size, baselines=split(args.baselines),
                         json_path=args.json, plot_path=args.plot, quick=args.quick, threads=args.threads,
-                        idle_wait=args.idle_wait, zbccl=not args.no_zbccl)
+                        idle_wait=args.idle_wait, zbccl=not args.no_zbccl, gap_ms=args.gap_ms)
     except ValueError as exc:
         print(f"zbccl bench: {exc}", file=sys.stderr)
         return 2

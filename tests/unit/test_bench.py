@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -144,6 +146,32 @@ def test_bad_options_are_rejected():
         runner.run_bench(ops=["all_reduce", "gather"], out=io.StringIO())
     with pytest.raises(ValueError, match="world size"):
         runner.run_bench(world_size=0, out=io.StringIO())
+    with pytest.raises(ValueError, match="gap out of range"):
+        runner.run_bench(gap_ms=-1, out=io.StringIO())
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="needs a core per rank"):
+        runner.run_bench(world_size=min(cores + 1, 8), gap_ms=1, out=io.StringIO())
+
+
+def test_calls_inside_a_model_step_start_at_one_instant_after_the_gap():
+    """--gap-ms: each call follows gap_ms of matmuls and starts at the agreed instant, not earlier."""
+    starts: list[int] = []
+    ends: list[int] = []
+
+    def call():
+        starts.append(time.perf_counter_ns())
+        ends.append(time.perf_counter_ns())
+
+    cfg = timing.TimingConfig(target_s=0.01, reps=2, warmup=1, gap_ms=0.3)
+    t = timing.time_calls(call, ctl=timing.LocalControl(), sync=lambda: None, cfg=cfg)
+    assert len(t.samples_us) == 2 and t.iters >= 10
+    gapped = starts[-2 * t.iters:]
+    # consecutive calls are at least the gap apart (the matmuls ran in between) ...
+    assert min(b - a for a, b in zip(gapped, gapped[1:])) >= 0.3e6
+    # ... and a call's time counts from the common start, so it is at least the call itself
+    assert all(s >= 0 for s in t.samples_us)
+    timing.gap_compute(0.1)  # the weight is made once
+    assert len(timing._GAP_WEIGHT) == 2 and timing._GAP_WEIGHT[0].dtype == torch.bfloat16
 
 
 def test_every_bench_op_has_its_zbccl_function():

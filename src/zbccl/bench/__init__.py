@@ -1,11 +1,13 @@
 """Usage: zbccl bench [-n N] [--ops OPS] [--dtypes fp32,bf16] [--min-size 4K] [--max-size 64M]
                    [--baselines gloo,memcpy[,vllm|,mpi]] [--json PATH] [--plot PATH] [--quick] [--threads T]
-                   [--idle-wait S] [--no-zbccl]
+                   [--idle-wait S] [--no-zbccl] [--gap-ms MS]
 
 The zbccl benchmark: nccl-tests-style rows (``size count dtype time_us algbw
 busbw #wrong``) for all_reduce, all_gather, reduce_scatter, all_to_all and
 broadcast, with gloo, the memcpy limit and (opt-in) vLLM's CPU shm ops in
-the same table, each with its own correctness column.
+the same table, each with its own correctness column. ``--gap-ms`` times
+each call as an inference step makes it: after that much matmul work, every
+rank entering at one instant (``timing``, "Calls inside a model step").
 
 Modules: ``runner`` (the per-rank sweep and :func:`run_bench`), ``timing``
 (calibrated timing, load gating, foreign-CPU accounting, payloads and the

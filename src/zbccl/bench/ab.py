@@ -40,7 +40,17 @@ from typing import IO
 import torch
 
 from .baselines import Impl, op_buffers
-from .timing import DTYPES, Timed, _block, _calibrate, count_wrong, expected, payload, read_cpu_times
+from .timing import (
+    DTYPES,
+    Timed,
+    _calibrate,
+    _gap_iters,
+    _timed_block,
+    count_wrong,
+    expected,
+    payload,
+    read_cpu_times,
+)
 
 __all__ = ["VLLM_OPS", "VLLM_SETUP", "VllmImpl", "vllm_importable", "find_vllm_python", "ratio_stats",
            "measure_ab", "run_in_vllm_venv", "ab_rounds", "unlink_vllm_segments", "vllm_notice"]
@@ -175,12 +185,16 @@ def measure_ab(pair: list[Impl], op: str, dname: str, numel: int, h) -> dict:
             for _ in range(h.tcfg.warmup):
                 fns[name]()
             iters[name] = _calibrate(fns[name], h.ctl, sync, h.tcfg)[0]
+        per_call = {n: h.tcfg.target_s / iters[n] for n in names}
+        if h.tcfg.gap_ms > 0:
+            iters = {n: _gap_iters(h.tcfg, max(per_call.values())) for n in names}
         cpu0, stat0 = time.process_time(), read_cpu_times()
         for r in range(rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 checked(name)
                 sync()
-                samples[name].append(_block(fns[name], iters[name]) / iters[name] * 1e6)
+                t = _timed_block(fns[name], iters[name], h.ctl, h.tcfg, max(per_call.values()))
+                samples[name].append(t / iters[name] * 1e6)
         cpu1, stat1 = time.process_time(), read_cpu_times()
     except Exception as exc:  # noqa: BLE001 - a rank that raises mid-round leaves its peers in a collective
         error = f"rank {h.rank}: {type(exc).__name__}: {exc}"

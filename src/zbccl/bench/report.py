@@ -183,6 +183,10 @@ def print_report(doc: dict, out: IO[str]) -> None:
     if m["world_size"] * m["threads"] > m.get("usable_cores", m["cores"]):
         print(f"note: oversubscribed ({m['world_size']} ranks x {m['threads']} thread(s) on "
               f"{m.get('usable_cores', m['cores'])} cores): spinning waits lose whole scheduler ticks", file=out)
+    gap = doc["options"].get("timing", {}).get("gap_ms", 0.0)
+    if gap:
+        print(f"calls inside a model step: {gap:g} ms of bf16 matmuls before each call, every rank entering at "
+              f"one instant; time_us = entry to the slowest rank's exit (cold caches, no skew)", file=out)
     states = [v.get(w) for v in (doc.get("host_state") or {}).values() for w in ("start", "end")]
     if any(states):
         labels = sorted({s["state"] for s in states if s})

@@ -29,6 +29,7 @@ timed on zeros after its check, so repeated in-place sums stay finite.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -307,7 +308,7 @@ def _vllm_meta(impls: list[Impl]) -> dict | None:
 
 # ----------------------------------------------------------------------------- the entry point
 def _options(world_size: int, ops, dtypes, min_size, max_size, baselines, quick: bool,
-             idle_wait: float | None) -> dict:
+             idle_wait: float | None, gap_ms: float = 0.0) -> dict:
     from ..env import parse_size
 
     ops, dtypes, baselines = list(ops), list(dtypes), list(baselines)
@@ -321,11 +322,18 @@ def _options(world_size: int, ops, dtypes, min_size, max_size, baselines, quick:
                          f"got {sorted(set(baselines) & set(AB_BASELINES))}")
     if not 1 <= world_size <= 8:
         raise ValueError(f"bench: world size out of range, expected 1..8, got {world_size}")
+    if gap_ms < 0 or gap_ms > 1000:
+        raise ValueError(f"bench: gap out of range, expected 0..1000 ms, got {gap_ms}")
+    cores = len(os.sched_getaffinity(0))
+    if gap_ms > 0 and world_size > cores:
+        raise ValueError(f"bench: --gap-ms needs a core per rank (ranks wait for a common start in a busy "
+                         f"loop), expected at most {cores} ranks, got {world_size}")
     sizes = size_ladder(parse_size(min_size), parse_size(max_size), factor=16 if quick else 4,
                         limit=3 if quick else None)
     tcfg = TimingConfig(target_s=0.02, reps=3, warmup=1, cap_s=2.0) if quick else TimingConfig()
     return {"ops": ops, "dtypes": dtypes, "sizes": sizes, "baselines": baselines,
-            "timing": {k: getattr(tcfg, k) for k in ("target_s", "reps", "warmup", "cap_s", "max_iters")},
+            "timing": {**{k: getattr(tcfg, k) for k in ("target_s", "reps", "warmup", "cap_s", "max_iters")},
+                       "gap_ms": float(gap_ms)},
             "idle_wait": (5.0 if quick else 30.0) if idle_wait is None else float(idle_wait),
             "regate_budget": 10.0 if quick else 120.0}
 
@@ -334,7 +342,7 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
               max_size: int | str = "64M", baselines=("gloo", "memcpy"), json_path: str | None = None,
               plot_path: str | None = None, quick: bool = False, threads: int | None = None,
               idle_wait: float | None = None, timeout: float | None = None, zbccl: bool = True,
-              progress: bool = True, out: IO[str] | None = None) -> dict:
+              progress: bool = True, out: IO[str] | None = None, gap_ms: float = 0.0) -> dict:
     """Run the sweep, print the tables to ``out`` (None: stdout), write ``json_path``/``plot_path``.
 
     Returns the results document (the JSON's content): ``machine``, ``options``,
@@ -349,7 +357,7 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
     from . import report
 
     out = out or sys.stdout
-    opts = _options(world_size, ops, dtypes, min_size, max_size, baselines, quick, idle_wait)
+    opts = _options(world_size, ops, dtypes, min_size, max_size, baselines, quick, idle_wait, gap_ms)
     nthreads = threads or rank_threads(world_size)
     max_bytes = max(opts["sizes"])
     opts.update(zbccl=zbccl, progress=progress, zbccl_timeout=60.0, vllm_shm_name=f"zbccl-ab-{uuid.uuid4().hex[:8]}",
@@ -361,7 +369,8 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
     if "vllm" in opts["baselines"] and not vllm_importable():
         doc = _rerun_in_vllm_venv(dict(world_size=world_size, ops=list(ops), dtypes=list(dtypes), min_size=min_size,
                                        max_size=max_size, baselines=list(baselines), quick=quick, threads=threads,
-                                       idle_wait=idle_wait, timeout=timeout, zbccl=zbccl, progress=progress),
+                                       idle_wait=idle_wait, timeout=timeout, zbccl=zbccl, progress=progress,
+                                       gap_ms=gap_ms),
                                   out=out, timeout=budget + 120)
     else:
         t0 = time.perf_counter()

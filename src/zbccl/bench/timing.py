@@ -25,6 +25,19 @@ Timing protocol (:func:`time_calls`), run by every rank of a world at once:
    idle machine again (:class:`Regate`, bounded by a sweep-wide budget) and
    re-time once; the quieter attempt is kept, ``attempts`` says it happened.
 
+Calls inside a model step (``TimingConfig.gap_ms`` > 0, ``zbccl bench
+--gap-ms``): back-to-back calls keep the code, the flags and the operands in
+cache, but an inference engine calls a collective after milliseconds of
+matmuls that evicted them all. With a gap, every call of a repetition is
+preceded by ``gap_ms`` of bf16 matmuls on this rank (:func:`gap_compute`);
+then every rank enters the call at one instant, a ``CLOCK_MONOTONIC`` target
+agreed through ``ctl`` (``perf_counter_ns`` is one clock for every process of
+the host), and the call counts from that instant to this rank's exit. The
+slowest rank's median call is the repetition's value: the cost of a
+collective in a step, without the ranks' compute skew (which no library can
+shorten). Ranks wait for the target in a busy loop, so this mode needs a
+core per rank (the runner refuses it otherwise).
+
 Every decision is taken from values reduced over the ranks, so all ranks
 take the same number of calls: a collective never waits for a peer that
 decided to stop.
@@ -178,6 +191,7 @@ class TimingConfig:
     warmup: int = 2
     cap_s: float = 10.0  # at most this much timed work per cell and implementation
     max_iters: int = 100_000
+    gap_ms: float = 0.0  # > 0: each call after this much compute, all ranks entering at one instant
 
 
 @dataclass
@@ -211,6 +225,53 @@ def _block(fn: Callable[[], object], iters: int) -> float:
     for _ in range(iters):
         fn()
     return time.perf_counter() - t0
+
+
+_GAP_WEIGHT: list[torch.Tensor] = []
+
+
+def gap_compute(ms: float) -> None:
+    """Run bf16 matmuls (a decode step's GEMV on a 4 MiB weight) for at least ``ms`` milliseconds."""
+    if not _GAP_WEIGHT:
+        gen = torch.Generator().manual_seed(0)
+        _GAP_WEIGHT[:] = [torch.randn(2048, 1024, generator=gen).to(torch.bfloat16),
+                          torch.randn(1, 2048, generator=gen).to(torch.bfloat16)]
+    w, x = _GAP_WEIGHT
+    end = time.perf_counter_ns() + int(ms * 1e6)
+    while time.perf_counter_ns() < end:
+        torch.mm(x, w)
+
+
+def _gapped_block(fn: Callable[[], object], iters: int, ctl: Control, cfg: TimingConfig,
+                  per_call_s: float) -> float:
+    """Collective: ``iters`` calls, each after :func:`gap_compute` and entered by every rank at one
+    agreed instant; returns ``iters`` times this rank's median call, from that instant to its exit
+    (the median: a call that a descheduled rank entered late must not stand for the step)."""
+    period = int((cfg.gap_ms * 1.25 + 0.5) * 1e6 + 20 * per_call_s * 1e9)
+    base = int(ctl.max([float(time.perf_counter_ns() + 5_000_000)])[0])
+    calls = []
+    for k in range(iters):
+        gap_compute(cfg.gap_ms)
+        start = base + (k + 1) * period
+        while time.perf_counter_ns() < start:  # every rank has a core (checked by the runner)
+            pass
+        fn()
+        calls.append(time.perf_counter_ns() - start)
+    return statistics.median(calls) * iters / 1e9
+
+
+def _timed_block(fn: Callable[[], object], iters: int, ctl: Control, cfg: TimingConfig,
+                 per_call_s: float) -> float:
+    """Seconds for ``iters`` calls: back to back, or each in a model step (``cfg.gap_ms``)."""
+    if cfg.gap_ms > 0:
+        return _gapped_block(fn, iters, ctl, cfg, per_call_s)
+    return _block(fn, iters)
+
+
+def _gap_iters(cfg: TimingConfig, per_call_s: float) -> int:
+    """Calls per repetition with a gap: about ``target_s`` of steps, at least 10."""
+    step = cfg.gap_ms * 1.25e-3 + 5e-4 + 20 * per_call_s
+    return max(10, min(200, round(cfg.target_s / step)))
 
 
 def _calibrate(fn: Callable[[], object], ctl: Control, sync: Callable[[], object],
@@ -247,11 +308,14 @@ def time_calls(fn: Callable[[], object], *, ctl: Control, sync: Callable[[], obj
     for _ in range(cfg.warmup):
         fn()
     iters, reps = _calibrate(fn, ctl, sync, cfg)
+    per_call = cfg.target_s / iters
+    if cfg.gap_ms > 0:
+        iters = _gap_iters(cfg, per_call)
     local: list[float] = []
     cpu0, stat0 = time.process_time(), read_cpu_times()
     for _ in range(reps):
         sync()
-        local.append(_block(fn, iters) / iters * 1e6)
+        local.append(_timed_block(fn, iters, ctl, cfg, per_call) / iters * 1e6)
     cpu1, stat1 = time.process_time(), read_cpu_times()
     wall = max(stat1.wall - stat0.wall, 1e-9)
     reduced = ctl.max(local + [(stat1.busy - stat0.busy) / wall, (stat1.steal - stat0.steal) / wall])

@@ -2,7 +2,11 @@
 
 * :func:`start_timing` wraps the TP/PP device communicators of the calling worker (vLLM's own or
   zbccl's) so that every collective's host time is summed per op (``time.perf_counter_ns``
-  around the call: the communication time of a step, for either communicator alike).
+  around the call: the communication time of a step, for either communicator alike), and each
+  call's entry and exit times are kept (up to :data:`MAX_SPANS` per op). ``perf_counter_ns`` is
+  ``CLOCK_MONOTONIC``, one clock for every process of the host, so the ranks' spans of the i-th
+  call of an op line up: :func:`last_arrival_ns` turns them into the time from the last rank's
+  entry to the last rank's exit, the op's own cost without the ranks' compute skew.
 * :func:`stats` returns those sums, the communicator class per group, zbccl's
   ``memory_stats()`` (``staged_bytes``: bytes copied into the heap because an operand was not a
   heap tensor) and the bytes vLLM's shm buffers take for the same groups.
@@ -15,11 +19,15 @@ import time
 
 import torch
 
-__all__ = ["start_timing", "stats", "vllm_shm_bytes"]
+__all__ = ["MAX_SPANS", "last_arrival_ns", "start_timing", "stats", "vllm_shm_bytes"]
+
+MAX_SPANS = 1 << 16
+"""Calls per op whose (entry, exit) times are kept; later calls are summed only."""
 
 _OPS = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "gather",
         "broadcast", "send", "recv", "send_tensor_dict", "recv_tensor_dict")
 _times: dict[str, list[int]] = {}
+_spans: dict[str, list[tuple[int, int]]] = {}
 _staged = [0]
 
 
@@ -41,6 +49,7 @@ def _groups():
 def start_timing(worker=None) -> None:
     """Collective-free: from now on sum each op's host time on this worker's TP/PP communicators."""
     _times.clear()
+    _spans.clear()
     _staged[0] = _staged_bytes()
     for g in _groups():
         dc = g.device_communicator
@@ -58,12 +67,33 @@ def _timed(key: str, fn):
         try:
             return fn(*args, **kwargs)
         finally:
+            t1 = time.perf_counter_ns()
             rec = _times.setdefault(key, [0, 0])
             rec[0] += 1
-            rec[1] += time.perf_counter_ns() - t0
+            rec[1] += t1 - t0
+            spans = _spans.setdefault(key, [])
+            if len(spans) < MAX_SPANS:
+                spans.append((t0, t1))
 
     run._zbccl_timed = True
     return run
+
+
+def last_arrival_ns(workers: list[dict]) -> dict[str, int]:
+    """Per op, the summed time from the last rank's entry to the last rank's exit, from :func:`stats`.
+
+    ``workers`` are the ranks' :func:`stats` of one group (every rank calls the group's collectives in
+    the same order, so the i-th span of an op is the same call everywhere). Waiting for a rank
+    whose compute finished later is not counted; what is left is the collective itself plus the
+    communicator's entry and exit on the rank that came last. Ops that not every rank recorded
+    (send/recv, a rank over :data:`MAX_SPANS`) count only their common calls.
+    """
+    keys = set.intersection(*(set(w.get("spans", {})) for w in workers)) if workers else set()
+    out = {}
+    for key in sorted(keys):
+        calls = zip(*(w["spans"][key] for w in workers))
+        out[key] = sum(max(t1 for _, t1 in call) - max(t0 for t0, _ in call) for call in calls)
+    return out
 
 
 def vllm_shm_bytes(world_size: int, threads: int | None = None) -> int:
@@ -96,6 +126,7 @@ def stats(worker=None) -> dict:
     from ...runtime.registry import get_default
 
     out = {"times": {k: tuple(v) for k, v in _times.items()},
+           "spans": {k: list(v) for k, v in _spans.items()},
            "groups": {g.unique_name: type(g.device_communicator).__name__ + (
                "[zbccl]" if getattr(g.device_communicator, "zb", None) is not None else "")
                for g in _groups()},
