@@ -6,7 +6,8 @@
   call's entry and exit times are kept (up to :data:`MAX_SPANS` per op). ``perf_counter_ns`` is
   ``CLOCK_MONOTONIC``, one clock for every process of the host, so the ranks' spans of the i-th
   call of an op line up: :func:`last_arrival_ns` turns them into the time from the last rank's
-  entry to the last rank's exit, the op's own cost without the ranks' compute skew.
+  entry to the last rank's exit, the op's own cost without the ranks' compute skew. With zbccl it
+  also counts the all_reduce calls that missed the hot path (no plan for that tensor yet).
 * :func:`stats` returns those sums, the communicator class per group, zbccl's
   ``memory_stats()`` (``staged_bytes``: bytes copied into the heap because an operand was not a
   heap tensor) and the bytes vLLM's shm buffers take for the same groups.
@@ -29,6 +30,7 @@ _OPS = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_sca
 _times: dict[str, list[int]] = {}
 _spans: dict[str, list[tuple[int, int]]] = {}
 _staged = [0]
+_slow = [0]
 
 
 def _staged_bytes() -> int:
@@ -51,6 +53,7 @@ def start_timing(worker=None) -> None:
     _times.clear()
     _spans.clear()
     _staged[0] = _staged_bytes()
+    _count_slow_all_reduce()
     for g in _groups():
         dc = g.device_communicator
         for name in _OPS:
@@ -58,6 +61,27 @@ def start_timing(worker=None) -> None:
             if fn is None or getattr(fn, "_zbccl_timed", False):
                 continue
             setattr(dc, name, _timed(f"{g.unique_name}.{name}", fn))
+
+
+def _count_slow_all_reduce() -> None:
+    """Count zbccl all_reduce calls that miss the hot path (a tensor no plan was made for yet)."""
+    from ...ops import allreduce
+    from ...runtime.registry import get_default
+
+    _slow[0] = 0
+    if get_default() is None:
+        return
+    slow = allreduce._all_reduce
+    if getattr(slow, "_zbccl_counted", False):
+        return
+
+    @functools.wraps(slow)
+    def counted(*args, **kwargs):
+        _slow[0] += 1
+        return slow(*args, **kwargs)
+
+    counted._zbccl_counted = True
+    allreduce._all_reduce = counted
 
 
 def _timed(key: str, fn):
@@ -134,6 +158,7 @@ def stats(worker=None) -> dict:
            "threads": torch.get_num_threads(), "dev_shm_cpushm_bytes": _dev_shm_bytes("cpushm")}
     if get_default() is not None:
         out["staged_bytes_timed"] = _staged_bytes() - _staged[0]
+        out["all_reduce_slow_path_calls"] = _slow[0]
 
         out["zbccl"] = {k: v for k, v in memory_stats().items() if isinstance(v, (int, float))}
     return out
