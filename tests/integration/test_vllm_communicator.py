@@ -83,3 +83,52 @@ def test_communicator_ops_match_references(tmp_path):
             raise
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"OK {r}" in out, f"rank {r} (rc {p.returncode}):\n{out[-4000:]}"
+
+
+_FALLBACK_CHILD = r"""
+import sys, warnings, torch, torch.distributed as dist
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+from zbccl.integrations.vllm.communicator import ZbcclCpuCommunicator
+g = dist.new_group([0, 1], backend="gloo")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    c = ZbcclCpuCommunicator(g, torch.device("cpu"), g, "tp:0")
+    c2 = ZbcclCpuCommunicator(g, torch.device("cpu"), g, "pp:0")
+ours = [str(w.message) for w in caught if "zbccl" in str(w.message)]
+assert c.zb is None and c2.zb is None, "zbccl started although a rank could not"
+assert len(ours) == 1 and "falls back to vLLM's own CPU communicator" in ours[0], ours
+x = (torch.arange(12, dtype=torch.float32) * 10 + rank).reshape(3, 4)
+ref = (torch.arange(12, dtype=torch.float32) * 20 + 1).reshape(3, 4)
+assert torch.equal(c.all_reduce(x.clone()), ref)
+import zbccl.runtime.registry as reg
+assert reg.get_default() is None  # nothing of zbccl is left running
+dist.barrier(); dist.destroy_process_group()
+print("OK", rank, ours[0])
+"""
+
+
+def test_a_rank_that_cannot_start_zbccl_sends_every_rank_back_to_vllm(tmp_path):
+    """One rank's heap cannot be created: both ranks run vLLM's own communicator, one warning each."""
+    py = _venv_python()
+    if py is None:
+        pytest.skip("needs .venv-vllm (make vllm-e2e)")
+    store = tmp_path / "store"
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        env.pop("ZBCCL_VLLM", None)
+        if r == 1:
+            env["ZBCCL_HEAP_SIZE"] = "64T"  # more shared memory than any host has: init fails on every rank
+        procs.append(subprocess.Popen([str(py), "-c", _FALLBACK_CHILD, str(r), str(store)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"OK {r}" in out, f"rank {r} (rc {p.returncode}):\n{out[-4000:]}"
