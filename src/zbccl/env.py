@@ -187,8 +187,9 @@ TUNE_FILE: EnvVar[str] = EnvVar(
 )
 STREAM_STORES: EnvVar[str] = EnvVar(
     "ZBCCL_STREAM_STORES", str, "auto",
-    "Stores of all_reduce's pushes into peers' tensors (group rank 0's setting decides): auto (per size, "
-    "whichever is measured faster, re-measured within 64 ops or 200 ms), on (streaming), off (cached).",
+    "Stores of all_reduce's pushes into peers' tensors (group rank 0's setting decides) and of EP dispatch's "
+    "received rows (each rank's own): auto (whichever is measured faster, re-measured within 64 ops (EP: 32) "
+    "or 200 ms), on (streaming), off (cached).",
 )
 CXX: EnvVar[str] = EnvVar(
     "ZBCCL_CXX", str, "",

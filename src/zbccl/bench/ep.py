@@ -16,7 +16,12 @@ larger of its dispatch/combine ``Config.get_nvl_buffer_size_hint``, and its low-
 ``get_low_latency_rdma_size_hint``). Rows ``ll-heap``: low-latency mode (the first ``--ll-tokens``
 tokens per rank, bf16, heap operands: ``low_latency_dispatch`` + weighted ``low_latency_combine``)
 against gloo with the same semantics (a row per selected expert, the receiver's per-expert
-``[L, R * T, H]`` layout, the weighted fp32 sum back).
+``[L, R * T, H]`` layout, the weighted fp32 sum back). Each (routing) block also says what the host
+was like: ``state``, the host-state probe (``bench/probe.py``: the cost of a store into lines the
+peer core just read, fast or slow), and ``cpu_ref_us``, the slowest rank's best time for a fixed
+local workload (ten 128x128 fp32 matmuls and a 2 MiB copy): this VM also has a state in which every
+local computation takes about twice as long, which the cross-core probe does not see, and a step
+whose phases are all local (plan, pull, sum) slows with it.
 """
 
 from __future__ import annotations
@@ -139,8 +144,24 @@ def _timed(fn, iters: int, sync, cpu: list | None = None) -> list[float]:
     return out
 
 
+def _cpu_ref_s() -> float:
+    """Best of 5 runs of a fixed local workload (compute and copy), seconds."""
+    a, b = torch.ones(128, 128), torch.ones(128, 128)
+    src, dst = torch.ones(1 << 19), torch.empty(1 << 19)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            torch.mm(a, b)
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _case(comm, buffer, gloo, routing: str, o: dict) -> dict:
     import zbccl
+
+    from .probe import probe_host_state
 
     T, H, E, K, iters = o["tokens"], o["hidden"], o["experts"], o["topk"], o["iters"]
     me = comm.rank
@@ -150,7 +171,8 @@ def _case(comm, buffer, gloo, routing: str, o: dict) -> dict:
     with zbccl.heap_scope():
         x_heap, idx_heap, w_heap = x_priv.clone(), topk_idx.clone(), w.clone()
     ref_x, ref_comb = gloo.step(x_priv, topk_idx, w, E)
-    row = {"routing": routing}
+    probe = probe_host_state(comm)
+    row = {"routing": routing, "state": probe["state"] if probe else "-", "cpu_ref_s": _cpu_ref_s()}
     for mode, args in (("heap", (x_heap, idx_heap, w_heap)), ("private", (x_priv, topk_idx, w))):
         recv_x, comb, _ = _zbccl_step(buffer, *args, E)
         wrong = int((recv_x != ref_x).sum()) + int((comb != ref_comb).sum()) if recv_x.shape == ref_x.shape else -1
@@ -228,13 +250,14 @@ def _summarise(world: int, ranks: list[list[dict]], opts: dict) -> list[dict]:
         gloo = _slowest([p["gloo"]["step_s"] for p in per])
         gloo_min = _slowest([p["gloo"]["step_s"] for p in per], min)
         memcpy = _slowest([p["memcpy_s"] for p in per], min)
+        host = {"state": per[0]["state"], "cpu_ref_us": max(p["cpu_ref_s"] for p in per) * 1e6}
         for mode in ("heap", "private"):
             step = _slowest([p[mode]["step_s"] for p in per])
             step_min = _slowest([p[mode]["step_s"] for p in per], min)
             disp = _slowest([p[mode]["dispatch_s"] for p in per], min)
             peak = max(p[mode]["heap_peak_bytes"] for p in per)
             cpu, gloo_cpu = max(p[mode]["cpu_s"] for p in per), max(p["gloo"]["cpu_s"] for p in per)
-            out.append({"world": world, "routing": routing, "operands": mode, "step_us": step * 1e6,
+            out.append({"world": world, "routing": routing, "operands": mode, **host, "step_us": step * 1e6,
                         "gloo_step_us": gloo * 1e6, "speedup": gloo / step, "step_min_us": step_min * 1e6,
                         "gloo_min_us": gloo_min * 1e6, "speedup_min": gloo_min / step_min, "dispatch_min_us": disp * 1e6,
                         "cpu_us": cpu * 1e6, "gloo_cpu_us": gloo_cpu * 1e6,
@@ -244,7 +267,8 @@ def _summarise(world: int, ranks: list[list[dict]], opts: dict) -> list[dict]:
                         "mem_ratio": peak / reserve, "recv_MiB_max": max(p["recv_bytes"] for p in per) / MiB})
         t, g = _slowest([p["ll"]["step_s"] for p in per]), _slowest([p["ll_gloo"]["step_s"] for p in per])
         tm, gm = _slowest([p["ll"]["step_s"] for p in per], min), _slowest([p["ll_gloo"]["step_s"] for p in per], min)
-        out.append({"world": world, "routing": routing, "operands": "ll-heap", "step_us": t * 1e6, "gloo_step_us": g * 1e6,
+        out.append({"world": world, "routing": routing, "operands": "ll-heap", **host, "step_us": t * 1e6,
+                    "gloo_step_us": g * 1e6,
                     "speedup": g / t, "step_min_us": tm * 1e6, "gloo_min_us": gm * 1e6, "speedup_min": gm / tm,
                     "dispatch_min_us": 0.0, "cpu_us": max(p["ll"]["cpu_s"] for p in per) * 1e6,
                     "gloo_cpu_us": max(p["ll_gloo"]["cpu_s"] for p in per) * 1e6,
@@ -265,7 +289,7 @@ def run(*, worlds=(2, 4), tokens: int = 512, hidden: int = 2048, experts: int = 
     for world in worlds:
         res = launch_local(_rank, world, timeout=900, opts=opts)[0]
         rows += _summarise(world, res["ranks"], opts)
-    cols = ("world", "routing", "operands", "step_us", "gloo_step_us", "speedup", "step_min_us", "gloo_min_us",
+    cols = ("world", "routing", "operands", "state", "cpu_ref_us", "step_us", "gloo_step_us", "speedup", "step_min_us", "gloo_min_us",
             "speedup_min", "cpu_us", "gloo_cpu_us", "wrong", "dispatch_min_us", "dispatch_vs_memcpy", "heap_peak_MiB", "deepep_nvl_MiB",
             "mem_ratio", "deepep_ll_MiB")
     print(f"# ep dispatch+combine: tokens/rank={tokens} hidden={hidden} experts={experts} topk={topk} bf16", file=out)

@@ -35,6 +35,7 @@ from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..heap.views import HeapHandle, wrap_address
 from ..ops import all_gather_into_tensor
 from ..runtime.threads import nthreads
+from .stores import PullStores
 
 __all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "heap_empty_many", "row_runs", "row_table"]
 
@@ -130,6 +131,8 @@ class Exchange:
         self._reuse: dict[str, tuple[torch.Tensor, int]] = {}
         #: Payload bytes this rank copied or read from peers' memory since the last publish.
         self.moved = 0
+        #: The store kind of this rank's dispatch pulls, measured (``ep/stores.py``).
+        self.stores = PullStores()
 
     # ------------------------------------------------------------------ local side
     def offset_of(self, t: torch.Tensor) -> int:

@@ -9,6 +9,7 @@ and the kernels check every row index they take from a peer against that block.
 
 from __future__ import annotations
 
+import time
 from array import array
 
 import torch
@@ -59,7 +60,9 @@ def pull(buf, rows: list, counts: torch.Tensor, metas: list, out: dict, num_recv
     n = out["x"].size(0)
     src_idx = torch.full((n,), -1, dtype=torch.int32)
     widths = {"i": K * 8, "w": K * 4}
-    a = [R, me, R + E + R * Cn, E // R if E else 0, K, num_recv, src_idx.data_ptr()]
+    xbytes = out["x"].numel() * out["x"].element_size()
+    stream = ex.stores.choose(xbytes)
+    a = [R, me, R + E + R * Cn, E // R if E else 0, K, num_recv, src_idx.data_ptr(), stream]
     row_of = []
     for key, _, row_field in _FIELDS:
         t = out.get(key)
@@ -71,7 +74,9 @@ def pull(buf, rows: list, counts: torch.Tensor, metas: list, out: dict, num_recv
         a += [metas[r][0], metas[r][1], T_r]
         for (_, field, _), row in zip(_FIELDS, row_of):
             a.append(ex.addr(r, rows[r][field], T_r * row) if row and T_r else 0)
+    t0 = time.perf_counter_ns()
     moved = _call(ex.prims.ep_pull, a)
+    ex.stores.record(stream, xbytes, time.perf_counter_ns() - t0)
     if moved < 0:
         bad = -moved - 1
         raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s token list is out of range, expected indices in "

@@ -64,8 +64,15 @@ static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 #define EP_FIELDS 4 /* x, scales, topk_idx, topk_weights */
 
-/* ep_pull(args): a = [R, me, head, L, K, n_recv, src_idx_out, then per field f < 4: dst_f, row_f (bytes, 0: field
- * absent), then per rank r: meta_addr, meta_len, T_r, src_0 .. src_3].
+/* Runs of x rows at least this long are copied with streaming stores when the caller asks (stream = 1). */
+#define EP_STREAM_MIN 256
+
+/* ep_pull(args): a = [R, me, head, L, K, n_recv, src_idx_out, stream, then per field f < 4: dst_f, row_f (bytes,
+ * 0: field absent), then per rank r: meta_addr, meta_len, T_r, src_0 .. src_3].
+ * stream = 1: the x rows go to memory with streaming stores (zb_copy_stream), which do not wait on the
+ * invalidation of a peer core's copy of each destination line: the reused receive block was read by the peers
+ * in the last combine, and in the host's slow cross-core state a cached store into such a line costs ~28 ns
+ * (docs/benchmarks.md). The caller measures both kinds (ep/stores.py).
  * Copies, for each sender r in rank order, the rows of its tokens for this rank (token list at head +
  * sum(counts_r[:me]) of its plan block, ascending) into consecutive output rows, merging runs of consecutive
  * tokens into one memcpy; writes src_idx_out[i] (int32) = the source token. With K: topk_idx (int64) becomes
@@ -74,13 +81,14 @@ static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
 static i64 ep_pull(const i64 *a) {
     i64 R = a[0], me = a[1], head = a[2], L = a[3], K = a[4], n_recv = a[5];
     int32_t *src_idx = (int32_t *)(uintptr_t)a[6];
+    int stream = a[7] != 0;
     char *dst[EP_FIELDS];
     i64 row[EP_FIELDS];
     for (int f = 0; f < EP_FIELDS; f++) {
-        dst[f] = (char *)(uintptr_t)a[7 + 2 * f];
-        row[f] = a[8 + 2 * f];
+        dst[f] = (char *)(uintptr_t)a[8 + 2 * f];
+        row[f] = a[9 + 2 * f];
     }
-    const i64 *per = a + 7 + 2 * EP_FIELDS;
+    const i64 *per = a + 8 + 2 * EP_FIELDS;
     i64 start = 0, moved = 0;
     for (i64 r = 0; r < R; r++) {
         const i64 *p = per + r * (3 + EP_FIELDS);
@@ -99,7 +107,11 @@ static i64 ep_pull(const i64 *a) {
             for (int f = 0; f < EP_FIELDS; f++) {
                 if (!row[f]) continue;
                 const char *src = (const char *)(uintptr_t)p[3 + f];
-                memcpy(dst[f] + (start + j) * row[f], src + toks[j] * row[f], (size_t)((j1 - j) * row[f]));
+                i64 n = (j1 - j) * row[f];
+                if (stream && f == 0 && n >= EP_STREAM_MIN)
+                    zb_copy_stream(dst[f] + (start + j) * row[f], src + toks[j] * row[f], n, 1);
+                else
+                    memcpy(dst[f] + (start + j) * row[f], src + toks[j] * row[f], (size_t)n);
                 moved += (j1 - j) * row[f];
             }
             j = j1;
