@@ -12,9 +12,11 @@ Unlike all_reduce's store kind (chosen by group rank 0 from whole-op times, ``ch
 is purely local work (it reads peers' published rows and writes this rank's block, with no wait in
 between), so a rank's own timing measures its own choice, and the kinds give bitwise identical
 rows, so ranks need not agree. Policy (:class:`PullStores`): pulls under ``MIN_BYTES`` are cached;
-otherwise the kind with the lower rate (the least of its last ``SAMPLES`` ns/byte samples) runs,
-cached first, and the other kind is sampled again once ``EXPLORE_OPS`` pulls or ``STALE_S`` seconds
-passed since its last sample. ``ZBCCL_STREAM_STORES=on|off`` fixes the kind (the same variable as
+otherwise each kind is first sampled ``FIRST_SAMPLES`` times, alternating, cached first (a first
+pull into a fresh block is slower than the steady state, and one such sample must not decide),
+then the kind with the lower rate (the least of its last ``SAMPLES`` ns/byte samples) runs, and the
+other kind is sampled again once ``EXPLORE_OPS`` pulls or ``STALE_S`` seconds passed since its last
+sample. ``ZBCCL_STREAM_STORES=on|off`` fixes the kind (the same variable as
 all_reduce's).
 """
 
@@ -25,9 +27,10 @@ from collections import deque
 
 from ..ops.tuner import store_kind_mode
 
-__all__ = ["PullStores", "MIN_BYTES", "SAMPLES", "EXPLORE_OPS", "STALE_S"]
+__all__ = ["PullStores", "MIN_BYTES", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_OPS", "STALE_S"]
 
 MIN_BYTES = 256 << 10
+FIRST_SAMPLES = 2
 SAMPLES = 4
 EXPLORE_OPS = 32
 STALE_S = 0.2
@@ -50,9 +53,10 @@ class PullStores:
             return self.mode
         if nbytes < MIN_BYTES:
             return 0
-        for kind in (0, 1):
-            if not self._rates[kind]:
-                return kind
+        for n in range(FIRST_SAMPLES):
+            for kind in (0, 1):
+                if len(self._rates[kind]) <= n:
+                    return kind
         best = min((0, 1), key=lambda k: min(self._rates[k]))
         other = 1 - best
         if self._since[other] >= EXPLORE_OPS or self._clock() - self._at[other] >= STALE_S:
