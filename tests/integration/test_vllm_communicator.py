@@ -64,15 +64,17 @@ print("OK", rank)
 """
 
 
-def test_communicator_ops_match_references(tmp_path):
+def _run_two(child: str, store, extra_env: dict[int, dict[str, str]] | None = None) -> list[str]:
+    """Run ``child`` as ranks 0 and 1 under ``.venv-vllm`` (skip without it); each must print ``OK <rank>``."""
     py = _venv_python()
     if py is None:
         pytest.skip("needs .venv-vllm (make vllm-e2e)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    env.pop("ZBCCL_VLLM", None)
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([str(py), "-c", _CHILD, str(r), str(store)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(extra_env or {}).get(r, {}))
+        env.pop("ZBCCL_VLLM", None)
+        procs.append(subprocess.Popen([str(py), "-c", child, str(r), str(store)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
     outs = []
     for p in procs:
         try:
@@ -83,6 +85,11 @@ def test_communicator_ops_match_references(tmp_path):
             raise
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"OK {r}" in out, f"rank {r} (rc {p.returncode}):\n{out[-4000:]}"
+    return outs
+
+
+def test_communicator_ops_match_references(tmp_path):
+    _run_two(_CHILD, tmp_path / "store")
 
 
 _FALLBACK_CHILD = r"""
@@ -110,25 +117,5 @@ print("OK", rank, ours[0])
 
 def test_a_rank_that_cannot_start_zbccl_sends_every_rank_back_to_vllm(tmp_path):
     """One rank's heap cannot be created: both ranks run vLLM's own communicator, one warning each."""
-    py = _venv_python()
-    if py is None:
-        pytest.skip("needs .venv-vllm (make vllm-e2e)")
-    store = tmp_path / "store"
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-        env.pop("ZBCCL_VLLM", None)
-        if r == 1:
-            env["ZBCCL_HEAP_SIZE"] = "64T"  # more shared memory than any host has: init fails on every rank
-        procs.append(subprocess.Popen([str(py), "-c", _FALLBACK_CHILD, str(r), str(store)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"OK {r}" in out, f"rank {r} (rc {p.returncode}):\n{out[-4000:]}"
+    # more shared memory than any host has: init fails on every rank
+    _run_two(_FALLBACK_CHILD, tmp_path / "store", {1: {"ZBCCL_HEAP_SIZE": "64T"}})
