@@ -108,6 +108,10 @@ def _bad_inputs(ctx):
     xx = torch.cat([x, x]) if me == 1 else x
     ii = torch.cat([topk_idx, topk_idx]) if me == 1 else topk_idx
     _expect_everywhere(lambda: buffer.low_latency_dispatch(xx, ii, tmax, E, use_fp8=False), "too many tokens")
+    dup = topk_idx.clone()
+    if me == 1:
+        dup[2, 1] = dup[2, 0]  # one expert twice in a token: more rows than it has slots
+    _expect_everywhere(lambda: buffer.low_latency_dispatch(x, dup, T, E, use_fp8=False), "an expert twice")
     _expect_everywhere(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, async_finish=True,
                                                            return_recv_hook=me == 1), "exclude each other")
     _, _, h, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)

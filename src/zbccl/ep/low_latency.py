@@ -20,6 +20,7 @@ travel as bf16, so it saves no bytes here.
 from __future__ import annotations
 
 import time
+from array import array
 
 import torch
 
@@ -62,6 +63,13 @@ def _check_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flag
         raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
     if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E):
         raise Fail(f"topk_idx out of range, expected -1 or [0, {E}), got values in [{int(idx.min())}, {int(idx.max())}]")
+    if idx.size(1) > 1:  # an expert twice in one token would give it more rows than its N slots
+        srt = idx.sort(dim=1).values
+        dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(1).nonzero()
+        if dup.numel():
+            t = int(dup[0])
+            raise Fail(f"topk_idx names an expert twice in one token, expected distinct experts (or -1) per token, "
+                       f"got {idx[t].tolist()} for token {t}")
     if stats is not None:
         _tensor(stats, "cumulative_local_expert_recv_stats", 1, (torch.int32,), (E // R,))
     if wait_stats is not None:
@@ -135,6 +143,9 @@ def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
     # Shrink masks (DeepEP's enable_shrink): owner o receives nothing from a source it masked (M[o, s]).
     M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]
     mine = C[:, me * L:(me + 1) * L].masked_fill(M[me].unsqueeze(1), 0)  # [src, local expert]
+    if mine.numel() and int(mine.sum(0).max()) > N:  # each sender checked its own; a peer's block must not overflow
+        raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected at "
+                                     f"most {N}, got {int(mine.sum(0).max())}", ranks=tuple(range(R)))
     begins = mine.cumsum(0) - mine
     out["count"].copy_(mine.sum(0))
     out["layout"].copy_(((begins << 32) | mine).t())
@@ -199,12 +210,17 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
                         (F.FLAGS, "zero_copy/hook/use_logfmt")))
 
     def recv() -> None:
+        acc = None
         try:
-            acc = _reduce(buf, rows, plan, w, E, H, logfmt=bool(flags & FLAG_LOGFMT))
+            if flags & FLAG_LOGFMT or getattr(ex.prims, "ep_ll_combine", None) is None:
+                acc = _reduce(buf, rows, plan, w, E, H, logfmt=bool(flags & FLAG_LOGFMT))
+            else:
+                _reduce_native(buf, rows, plan, w, E, H, combined)
         finally:
             ex.done()
             keep.clear()
-        combined.copy_(acc)
+        if acc is not None:
+            combined.copy_(acc)
 
     return combined, recv
 
@@ -221,20 +237,54 @@ def _place_outputs(ex, src: torch.Tensor, layout: torch.Tensor, keep: list, *, c
     return ex.place(compact, keep, "x (valid rows)"), compact.size(0), counts.cumsum(0) - counts
 
 
+def _owner_rows(buf, rows, plan: dict, E: int):
+    """``(experts of the sorted (token, slot) pairs, their offsets per expert, ranks to skip)``."""
+    if "begin" not in plan:
+        raise ZbcclInvalidUsageError("low_latency_combine: the dispatch's receive hook was never called, "
+                                     "expected hook() before combine, got a pending dispatch")
+    experts = plan["topk_idx"].view(-1)[plan["slots"]]
+    off = torch.zeros(E + 1, dtype=torch.int64)
+    off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
+    return experts, off, plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
+
+
+def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: torch.Tensor) -> None:
+    """:func:`_reduce` in one native pass (``ep_ll_combine``), written into ``out`` (bf16 [T, H], contiguous):
+    every row address is checked against its owner's published block here, and each token's rows are
+    summed in ascending expert order, as the torch path does, so the results are bitwise the same."""
+    ex, R = buf.ex, buf.ex.R
+    L, T, K = E // R, plan["T"], plan["topk_idx"].size(1)
+    experts, off, skip = _owner_rows(buf, rows, plan, E)
+    slots, begin = plan["slots"], plan["begin"]
+    addr = torch.zeros(T * K, dtype=torch.int64)
+    for r in range(R):
+        lo, hi = int(off[r * L]), int(off[(r + 1) * L])
+        if lo == hi or skip[r]:
+            continue
+        e = experts[lo:hi]
+        bases = ex.view(r, int(rows[r, F.META]), (L,), torch.int64)
+        row = bases[e - r * L] + begin[e] + (torch.arange(lo, hi) - off[e])
+        nrows = int(rows[r, F.NROWS])
+        if int(row.min()) < 0 or int(row.max()) >= nrows:
+            raise ZbcclInvalidUsageError(f"low_latency_combine: rank {r}'s expert rows are out of its block, "
+                                         f"expected rows in [0, {nrows}), got {int(row.min())}..{int(row.max())}",
+                                         ranks=(r,))
+        addr[slots[lo:hi]] = ex.addr(r, int(rows[r, F.X]), nrows * H * 2) + row * (H * 2)
+    order = plan["topk_idx"].argsort(dim=1, stable=True)  # no expert (-1) first: address 0, skipped
+    addr = addr.view(T, K).gather(1, order).contiguous()
+    wk = w.gather(1, order).contiguous()
+    args = array("q", [T, K, H, out.data_ptr(), addr.data_ptr(), wk.data_ptr()])
+    ex.moved += ex.prims.ep_ll_combine(args.buffer_info()[0])
+
+
 def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: bool = False) -> torch.Tensor:
     """fp32 ``sum_k weight * expert_row`` per token, every row read from its owner's memory."""
     ex, R = buf.ex, buf.ex.R
     L = E // R
-    if "begin" not in plan:
-        raise ZbcclInvalidUsageError("low_latency_combine: the dispatch's receive hook was never called, "
-                                     "expected hook() before combine, got a pending dispatch")
+    experts, off, skip = _owner_rows(buf, rows, plan, E)
     tokens, slots, begin = plan["tokens"], plan["slots"], plan["begin"]
-    experts = plan["topk_idx"].view(-1)[slots]
-    off = torch.zeros(E + 1, dtype=torch.int64)
-    off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
     wflat = w.reshape(-1)
     acc = buf.scratch("acc", (plan["T"], H), torch.float32).zero_()
-    skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
     for r in range(R):
         lo, hi = int(off[r * L]), int(off[(r + 1) * L])
         if lo == hi or skip[r]:

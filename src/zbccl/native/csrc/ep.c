@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "reduce.h"
@@ -203,6 +204,33 @@ static i64 ep_combine(const i64 *a) {
     return moved;
 }
 
+/* ep_ll_combine(args): a = [T, K, H, dst (bf16 [T, H]), src (int64 [T * K] row addresses, 0: none), w (float
+ * [T * K])]. The low-latency combine's weighted fp32 sum per token (zb_weighted_rows_bf16); the caller has
+ * checked every row address against its owner's published block. Returns the bytes read. */
+static i64 ep_ll_combine(const i64 *a) {
+    i64 T = a[0], K = a[1], H = a[2];
+    const i64 *src = (const i64 *)(uintptr_t)a[4];
+    float *acc = malloc((size_t)(H > 0 ? H : 1) * sizeof(float));
+    if (!acc) return -1;
+    zb_weighted_rows_bf16((uint16_t *)(uintptr_t)a[3], (const uint16_t *const *)src, (const float *)(uintptr_t)a[5],
+                          (long)T, (long)K, (long)H, acc);
+    free(acc);
+    i64 rows = 0;
+    for (i64 i = 0; i < T * K; i++) rows += src[i] != 0;
+    return rows * H * 2;
+}
+
+static PyObject *py_ep_ll_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    i64 *a, rc;
+    if (get_arr(args, nargs, "ep_ll_combine", &a) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ep_ll_combine(a);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(rc);
+}
+
 static PyObject *py_ep_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     i64 *a, rc;
@@ -316,6 +344,8 @@ static PyMethodDef ep_methods[] = {
      "(layout in ep.c)."},
     {"ep_combine", (PyCFunction)(void (*)(void))py_ep_combine, METH_FASTCALL,
      "ep_combine(args_ptr) -> bytes read, or -(1 + bad rank): a combine's fp32 sums (layout in ep.c)."},
+    {"ep_ll_combine", (PyCFunction)(void (*)(void))py_ep_ll_combine, METH_FASTCALL,
+     "ep_ll_combine(args_ptr) -> bytes read: the low-latency combine's weighted fp32 sums (layout in ep.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -46,6 +46,26 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
+/* dst[t] = bf16(sum over j < k of w[t * k + j] * src[t * k + j][0 .. width)), each product rounded to fp32 and
+ * added in j order to an fp32 accumulator that starts at 0 (torch's mul_ then index_add_, bit for bit); a
+ * null source is skipped. acc: fp32 scratch of width elements. */
+void zb_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k,
+                           long width, float *acc) {
+    for (long t = 0; t < tokens; t++) {
+        for (long i = 0; i < width; i++) acc[i] = 0.0f;
+        for (long j = 0; j < k; j++) {
+            const uint16_t *row = src[t * k + j];
+            if (!row) continue;
+            float wj = w[t * k + j];
+            for (long i = 0; i < width; i++) {
+                float p = bf16_to_f32(row[i]) * wj;
+                acc[i] += p;
+            }
+        }
+        for (long i = 0; i < width; i++) dst[t * width + i] = f32_to_bf16(acc[i]);
+    }
+}
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__FLT16_MAX__)
     _Float16 v;

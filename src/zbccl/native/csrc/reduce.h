@@ -3,6 +3,8 @@
 #define ZBCCL_REDUCE_H
 
 /* dtype codes ZB_DT_* and reduce-op codes ZB_OP_*: generated from zbccl/native/abi.py */
+#include <stdint.h>
+
 #include "zb_abi.h"
 
 /* 1 if the (dtype, op) pair is supported. */
@@ -16,6 +18,10 @@ void zb_reduce_n_stream(void *dst, const void *const *srcs, long n, long count, 
 /* reduce_simd.c: dst[i] = sum (or average) of srcs[k][i] for the leading elements of [0, m) it can do with
  * vector code (float32/bfloat16/float16 only); returns how many (0: none, the caller does the rest). */
 long zb_simd_sum(void *dst, const void *const *srcs, long n, long m, int dtype, int avg, float divisor, int stream);
+/* Weighted bf16 row sums in fp32 (EP low-latency combine): dst[t] = bf16(sum_j w[t*k+j] * src[t*k+j]), products
+ * and sums rounded to fp32 in j order, null sources skipped; acc: fp32 scratch of width elements. */
+void zb_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k,
+                           long width, float *acc);
 /* memcpy split over nthreads for large sizes. */
 void zb_copy(void *dst, const void *src, long nbytes, int nthreads);
 /* The same with non-temporal stores and a closing store fence (large writes into lines peers hold). */
