@@ -238,32 +238,34 @@ def _place_outputs(ex, src: torch.Tensor, layout: torch.Tensor, keep: list, *, c
 
 
 def _owner_rows(buf, rows, plan: dict, E: int):
-    """``(experts of the sorted (token, slot) pairs, their offsets per expert, ranks to skip)``."""
+    """Yield ``(r, lo, hi, row)`` per owner rank ``r`` not skipped: the expert-sorted ``(token, slot)`` pairs
+    ``lo:hi`` whose expert is on ``r``, and their row indices in ``r``'s published block."""
     if "begin" not in plan:
         raise ZbcclInvalidUsageError("low_latency_combine: the dispatch's receive hook was never called, "
                                      "expected hook() before combine, got a pending dispatch")
+    ex, R = buf.ex, buf.ex.R
+    L, begin = E // R, plan["begin"]
     experts = plan["topk_idx"].view(-1)[plan["slots"]]
     off = torch.zeros(E + 1, dtype=torch.int64)
     off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
-    return experts, off, plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
-
-
-def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: torch.Tensor) -> None:
-    """:func:`_reduce` in one native pass (``ep_ll_combine``), written into ``out`` (bf16 [T, H], contiguous):
-    every row address is checked against its owner's published block here, and each token's rows are
-    summed in ascending expert order, as the torch path does, so the results are bitwise the same."""
-    ex, R = buf.ex, buf.ex.R
-    L, T, K = E // R, plan["T"], plan["topk_idx"].size(1)
-    experts, off, skip = _owner_rows(buf, rows, plan, E)
-    slots, begin = plan["slots"], plan["begin"]
-    addr = torch.zeros(T * K, dtype=torch.int64)
+    skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
     for r in range(R):
         lo, hi = int(off[r * L]), int(off[(r + 1) * L])
         if lo == hi or skip[r]:
             continue
         e = experts[lo:hi]
         bases = ex.view(r, int(rows[r, F.META]), (L,), torch.int64)
-        row = bases[e - r * L] + begin[e] + (torch.arange(lo, hi) - off[e])
+        yield r, lo, hi, bases[e - r * L] + begin[e] + (torch.arange(lo, hi) - off[e])
+
+
+def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: torch.Tensor) -> None:
+    """:func:`_reduce` in one native pass (``ep_ll_combine``), written into ``out`` (bf16 [T, H], contiguous):
+    every row address is checked against its owner's published block here, and each token's rows are
+    summed in ascending expert order, as the torch path does, so the results are bitwise the same."""
+    ex, T, K = buf.ex, plan["T"], plan["topk_idx"].size(1)
+    slots = plan["slots"]
+    addr = torch.zeros(T * K, dtype=torch.int64)
+    for r, lo, hi, row in _owner_rows(buf, rows, plan, E):
         nrows = int(rows[r, F.NROWS])
         if int(row.min()) < 0 or int(row.max()) >= nrows:
             raise ZbcclInvalidUsageError(f"low_latency_combine: rank {r}'s expert rows are out of its block, "
@@ -279,19 +281,11 @@ def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: 
 
 def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: bool = False) -> torch.Tensor:
     """fp32 ``sum_k weight * expert_row`` per token, every row read from its owner's memory."""
-    ex, R = buf.ex, buf.ex.R
-    L = E // R
-    experts, off, skip = _owner_rows(buf, rows, plan, E)
-    tokens, slots, begin = plan["tokens"], plan["slots"], plan["begin"]
+    ex = buf.ex
+    tokens, slots = plan["tokens"], plan["slots"]
     wflat = w.reshape(-1)
     acc = buf.scratch("acc", (plan["T"], H), torch.float32).zero_()
-    for r in range(R):
-        lo, hi = int(off[r * L]), int(off[(r + 1) * L])
-        if lo == hi or skip[r]:
-            continue
-        e = experts[lo:hi]
-        bases = ex.view(r, int(rows[r, F.META]), (L,), torch.int64)
-        row = bases[e - r * L] + begin[e] + (torch.arange(lo, hi) - off[e])
+    for r, lo, hi, row in _owner_rows(buf, rows, plan, E):
         y = buf.scratch("rows_bf16", (hi - lo, H), torch.bfloat16)
         torch.index_select(ex.view(r, int(rows[r, F.X]), (int(rows[r, F.NROWS]), H), torch.bfloat16), 0, row, out=y)
         tmp = buf.scratch("rows", (hi - lo, H), torch.float32)
