@@ -24,17 +24,19 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:  # the driver may run outside the venv that holds zbccl
     sys.path.insert(0, str(ROOT / "src"))
 
+from zbccl.integrations.vllm import plugin_pythonpath  # noqa: E402
 from zbccl.integrations.vllm.probe import last_arrival_ns  # noqa: E402
 
 
 def run(py: str, args: argparse.Namespace, *, zbccl: bool) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + args.extra_path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(args.pythonpath))
     env.pop("ZBCCL_VLLM", None)
     if zbccl:
         env["ZBCCL_VLLM"] = "1"
@@ -43,7 +45,12 @@ def run(py: str, args: argparse.Namespace, *, zbccl: bool) -> list[dict]:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         sys.exit(f"vllm_bench: run failed (ZBCCL_VLLM={int(zbccl)}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    results = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    want = "ZbcclCpuCommunicator[zbccl]" if zbccl else "CpuCommunicator"
+    got = {g for r in results for w in r["workers"] for g in w["groups"].values()}
+    if got != {want}:  # a run on the other communicator would be compared with itself
+        sys.exit(f"vllm_bench: the {'zbccl' if zbccl else 'vLLM'} runs used {sorted(got)}, expected {want}")
+    return results
 
 
 def comm_ms(r: dict) -> tuple[float, float, float]:
@@ -76,6 +83,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    tmp = tempfile.TemporaryDirectory(prefix="zbccl-vllm-plugin-")
+    a.pythonpath = plugin_pythonpath(a.python, [str(ROOT / "src")] + a.extra_path, tmp.name)
     runs: dict[tuple[str, int], list[dict]] = {}
     for _ in range(a.rounds):
         for name, zb in (("vllm", False), ("zbccl", True)):

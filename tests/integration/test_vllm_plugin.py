@@ -49,16 +49,9 @@ def _venv_python() -> Path | None:
 
 def _plugin_path(py: Path, tmp: Path) -> str:
     """A PYTHONPATH entry declaring the plugin's entry point when the venv's zbccl does not (dev checkouts)."""
-    probe = ("from importlib.metadata import entry_points as e; "
-             "print(any(p.value == 'zbccl.integrations.vllm:register' for p in e(group='vllm.general_plugins')))")
-    out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip()
-    if out == "True":
-        return ""
-    info = tmp / "site" / "zbccl_vllm_test-0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zbccl-vllm-test\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nzbccl = zbccl.integrations.vllm:register\n")
-    return str(tmp / "site")
+    from zbccl.integrations.vllm import plugin_pythonpath
+
+    return os.pathsep.join(plugin_pythonpath(str(py), [str(ROOT / "src")], str(tmp / "site"))[1:])
 
 
 def _tagged(tag: str) -> list[int]:

