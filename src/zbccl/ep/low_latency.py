@@ -275,7 +275,8 @@ def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: 
     order = plan["topk_idx"].argsort(dim=1, stable=True)  # no expert (-1) first: address 0, skipped
     addr = addr.view(T, K).gather(1, order).contiguous()
     wk = w.gather(1, order).contiguous()
-    args = array("q", [T, K, H, out.data_ptr(), addr.data_ptr(), wk.data_ptr()])
+    acc = buf.scratch("acc_row", (H,), torch.float32)
+    args = array("q", [T, K, H, out.data_ptr(), addr.data_ptr(), wk.data_ptr(), acc.data_ptr()])
     ex.moved += ex.prims.ep_ll_combine(args.buffer_info()[0])
 
 

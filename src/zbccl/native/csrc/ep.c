@@ -14,7 +14,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "reduce.h"
@@ -137,14 +136,19 @@ static i64 ep_pull(const i64 *a) {
     return moved;
 }
 
-static PyObject *py_ep_pull(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* A kernel over an int64 argument array that only touches raw memory: run it without the GIL. */
+static PyObject *call_nogil(PyObject *const *args, Py_ssize_t nargs, const char *name, i64 (*fn)(const i64 *)) {
     i64 *a, rc;
-    if (get_arr(args, nargs, "ep_pull", &a) < 0) return NULL;
+    if (get_arr(args, nargs, name, &a) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = ep_pull(a);
+    rc = fn(a);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(rc);
+}
+
+static PyObject *py_ep_pull(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return call_nogil(args, nargs, "ep_pull", ep_pull);
 }
 
 /* One fp32-accumulated sum per run of consecutive tokens sent to the same ranks (their rows are consecutive in
@@ -205,16 +209,14 @@ static i64 ep_combine(const i64 *a) {
 }
 
 /* ep_ll_combine(args): a = [T, K, H, dst (bf16 [T, H]), src (int64 [T * K] row addresses, 0: none), w (float
- * [T * K])]. The low-latency combine's weighted fp32 sum per token (zb_weighted_rows_bf16); the caller has
- * checked every row address against its owner's published block. Returns the bytes read. */
+ * [T * K]), acc (float [H] scratch)]. The low-latency combine's weighted fp32 sum per token
+ * (zb_weighted_rows_bf16); the caller has checked every row address against its owner's published block.
+ * Returns the bytes read. */
 static i64 ep_ll_combine(const i64 *a) {
     i64 T = a[0], K = a[1], H = a[2];
     const i64 *src = (const i64 *)(uintptr_t)a[4];
-    float *acc = malloc((size_t)(H > 0 ? H : 1) * sizeof(float));
-    if (!acc) return -1;
     zb_weighted_rows_bf16((uint16_t *)(uintptr_t)a[3], (const uint16_t *const *)src, (const float *)(uintptr_t)a[5],
-                          (long)T, (long)K, (long)H, acc);
-    free(acc);
+                          (long)T, (long)K, (long)H, (float *)(uintptr_t)a[6]);
     i64 rows = 0;
     for (i64 i = 0; i < T * K; i++) rows += src[i] != 0;
     return rows * H * 2;
@@ -222,23 +224,12 @@ static i64 ep_ll_combine(const i64 *a) {
 
 static PyObject *py_ep_ll_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    i64 *a, rc;
-    if (get_arr(args, nargs, "ep_ll_combine", &a) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ep_ll_combine(a);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) return PyErr_NoMemory();
-    return PyLong_FromLongLong(rc);
+    return call_nogil(args, nargs, "ep_ll_combine", ep_ll_combine);
 }
 
 static PyObject *py_ep_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    i64 *a, rc;
-    if (get_arr(args, nargs, "ep_combine", &a) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ep_combine(a);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(rc);
+    return call_nogil(args, nargs, "ep_combine", ep_combine);
 }
 
 /* ep_layout(args): a = [idx (int64 or int32 [T, K]), T, K, E, R, idx_is_int32, per_rank_out (int32 [R] or 0),
