@@ -185,15 +185,15 @@ def measure_ab(pair: list[Impl], op: str, dname: str, numel: int, h) -> dict:
             for _ in range(h.tcfg.warmup):
                 fns[name]()
             iters[name] = _calibrate(fns[name], h.ctl, sync, h.tcfg)[0]
-        per_call = {n: h.tcfg.target_s / iters[n] for n in names}
+        per_call = max(h.tcfg.target_s / iters[n] for n in names)  # the slower impl sets a gapped step
         if h.tcfg.gap_ms > 0:
-            iters = {n: _gap_iters(h.tcfg, max(per_call.values())) for n in names}
+            iters = dict.fromkeys(names, _gap_iters(h.tcfg, per_call))
         cpu0, stat0 = time.process_time(), read_cpu_times()
         for r in range(rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 checked(name)
                 sync()
-                t = _timed_block(fns[name], iters[name], h.ctl, h.tcfg, max(per_call.values()))
+                t = _timed_block(fns[name], iters[name], h.ctl, h.tcfg, per_call)
                 samples[name].append(t / iters[name] * 1e6)
         cpu1, stat1 = time.process_time(), read_cpu_times()
     except Exception as exc:  # noqa: BLE001 - a rank that raises mid-round leaves its peers in a collective

@@ -247,12 +247,12 @@ def _gapped_block(fn: Callable[[], object], iters: int, ctl: Control, cfg: Timin
     """Collective: ``iters`` calls, each after :func:`gap_compute` and entered by every rank at one
     agreed instant; returns ``iters`` times this rank's median call, from that instant to its exit
     (the median: a call that a descheduled rank entered late must not stand for the step)."""
-    period = int((cfg.gap_ms * 1.25 + 0.5) * 1e6 + 20 * per_call_s * 1e9)
-    base = int(ctl.max([float(time.perf_counter_ns() + 5_000_000)])[0])
+    period = int(_gap_step_s(cfg, per_call_s) * 1e9)
     calls = []
-    for k in range(iters):
+    for _ in range(iters):
+        # agreed per call (untimed): a rank that was descheduled once does not start every later call late
+        start = int(ctl.max([float(time.perf_counter_ns() + period)])[0])
         gap_compute(cfg.gap_ms)
-        start = base + (k + 1) * period
         while time.perf_counter_ns() < start:  # every rank has a core (checked by the runner)
             pass
         fn()
@@ -268,10 +268,15 @@ def _timed_block(fn: Callable[[], object], iters: int, ctl: Control, cfg: Timing
     return _block(fn, iters)
 
 
+def _gap_step_s(cfg: TimingConfig, per_call_s: float) -> float:
+    """Seconds from agreeing on a call's start to that start: the gap, with room for a slow matmul and
+    the agreement itself, plus room for the previous call."""
+    return cfg.gap_ms * 1.25e-3 + 5e-4 + 20 * per_call_s
+
+
 def _gap_iters(cfg: TimingConfig, per_call_s: float) -> int:
     """Calls per repetition with a gap: about ``target_s`` of steps, at least 10."""
-    step = cfg.gap_ms * 1.25e-3 + 5e-4 + 20 * per_call_s
-    return max(10, min(200, round(cfg.target_s / step)))
+    return max(10, min(200, round(cfg.target_s / _gap_step_s(cfg, per_call_s))))
 
 
 def _calibrate(fn: Callable[[], object], ctl: Control, sync: Callable[[], object],
