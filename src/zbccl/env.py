@@ -26,6 +26,7 @@ __all__ = [
     "CACHE_DIR",
     "PREFAULT",
     "WAIT_SPIN",
+    "WAIT_POLL_US",
     "LIVENESS_INTERVAL",
     "SMA_CACHE_LIMIT",
     "SKIP_SHM_CHECK",
@@ -155,6 +156,11 @@ WAIT_SPIN: EnvVar[int] = EnvVar(
     "Polls a wait spins before it yields; -1 picks by load (0 when the local ranks' affinity masks "
     "give them fewer CPUs than ranks).",
 )
+WAIT_POLL_US: EnvVar[float] = EnvVar(
+    "ZBCCL_WAIT_POLL_US", float, -1.0,
+    "Microseconds a wait keeps polling (yielding the core between polls, GIL released) before it sleeps "
+    "on a futex; -1 picks by load (2000 when every local rank has its own core, else 50, the least).",
+)
 LIVENESS_INTERVAL: EnvVar[float] = EnvVar(
     "ZBCCL_LIVENESS_INTERVAL", lambda t: parse_seconds(t, what="liveness interval"), 0.05,
     "Seconds between checks for dead peers while a rank waits.",
@@ -221,6 +227,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     CACHE_DIR,
     PREFAULT,
     WAIT_SPIN,
+    WAIT_POLL_US,
     LIVENESS_INTERVAL,
     SMA_CACHE_LIMIT,
     SKIP_SHM_CHECK,

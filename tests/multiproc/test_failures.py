@@ -138,12 +138,13 @@ def test_capacity_check_fails_clearly_on_every_rank():
     assert all("not enough shared memory" in m for m in msgs)
 
 
-def _op_timeout(ctx):
+def _op_timeout(ctx, algo):
     from datetime import timedelta
 
     import zbccl
+    from zbccl.ops.tuner import force_algorithm
 
-    ctx.init(heap_size=MiB, timeout=3)
+    force_algorithm(ctx.init(heap_size=MiB, timeout=3), "all_reduce", algo)
     store = ctx.store()
     try:
         t = zbccl.zeros(256)
@@ -161,18 +162,21 @@ def _op_timeout(ctx):
         zbccl.finalize()
 
 
-def test_op_timeout_names_the_missing_rank():
-    out = run_world(_op_timeout, 3, timeout=90)
+@pytest.mark.parametrize("algo", ["twoshot", "oneshot"])
+def test_op_timeout_names_the_missing_rank(algo):
+    out = run_world(_op_timeout, 3, algo=algo, timeout=90)
     assert out[2] is None and all(o for o in out[:2])
 
 
-def _interrupted(ctx):
+def _interrupted(ctx, algo):
     import zbccl
     from zbccl.heap import layout
     from zbccl.ops.channel import L_ARRIVE, channel_of
+    from zbccl.ops.tuner import force_algorithm
     from zbccl.runtime.waits import wait_flags
 
     comm = ctx.init(heap_size=4 * MiB, timeout=60)
+    force_algorithm(comm, "all_reduce", algo)
     try:
         t = zbccl.zeros(1 << 16)
         zbccl.all_reduce(t)  # op #1 on both ranks
@@ -191,8 +195,38 @@ def _interrupted(ctx):
         zbccl.finalize()
 
 
-def test_ctrl_c_interrupts_a_blocked_collective():
-    assert run_world(_interrupted, 2, timeout=60) == ["sent", "interrupted"]
+@pytest.mark.parametrize("algo", ["twoshot", "oneshot"])
+def test_ctrl_c_interrupts_a_blocked_collective(algo):
+    assert run_world(_interrupted, 2, algo=algo, timeout=60) == ["sent", "interrupted"]
+
+
+def _killed_in_oneshot(ctx, victim):
+    """A rank killed while its peers loop the oneshot all_reduce: a peer waiting on the election word,
+    or one that claimed the op, notices the death instead of waiting out the timeout."""
+    import zbccl
+    from zbccl.ops.tuner import force_algorithm
+
+    comm = ctx.init(heap_size=2 * MiB, timeout=60)
+    force_algorithm(comm, "all_reduce", "oneshot")
+    t = zbccl.zeros(1024)
+    zbccl.all_reduce(t)
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(zbccl.ZbcclRemoteError) as info:
+        for _ in range(100_000):
+            zbccl.all_reduce(t)
+    msg = str(info.value)
+    # a third rank may learn it from the peer that noticed first and left the op (its ABORT line)
+    assert (info.value.ranks == (victim,) and "died" in msg) or "lost a peer" in msg, msg
+    zbccl.finalize()
+    return "died" in msg
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_killed_rank_is_noticed_by_oneshot_waiters(world_size):
+    # the world's timeout (45 s) is below the op's (60 s): a pass proves the death was noticed
+    out = run_world(_killed_in_oneshot, world_size, victim=1, expect_exit={1: -signal.SIGKILL}, timeout=45)
+    assert any(o for i, o in enumerate(out) if i != 1), out  # some rank saw the death itself
 
 
 def _subgroup_peer_killed(ctx):

@@ -312,6 +312,7 @@ def _pinned(ctx, pins):
 
     os.environ.pop("ZBCCL_THREADS", None)
     os.environ.pop("ZBCCL_WAIT_SPIN", None)
+    os.environ.pop("ZBCCL_WAIT_POLL_US", None)
     os.sched_setaffinity(0, pins[ctx.rank])
     torch.set_num_threads(3)  # the user's (or engine's) choice: zbccl must leave it
     comm = ctx.init(heap_size=2 * MiB)
@@ -321,8 +322,8 @@ def _pinned(ctx, pins):
         zbccl.all_reduce(t)
         assert torch.equal(t, torch.full((100,), 3.0))
         c = comm._ctx
-        return {"oversubscribed": c.topology.oversubscribed, "spin": c.spin, "threads": nthreads(),
-                "torch": torch.get_num_threads()}
+        return {"oversubscribed": c.topology.oversubscribed, "spin": c.spin, "poll_ns": c.poll_ns,
+                "threads": nthreads(), "torch": torch.get_num_threads()}
     finally:
         zbccl.finalize()
 
@@ -334,10 +335,24 @@ def test_pinned_ranks_decide_from_every_mask(case):
     out = run_world(_pinned, 2, pins=pins)
     for o in out:
         assert o["threads"] == 1 and o["torch"] == 3, o
-        if case == "same-core":
-            assert o["oversubscribed"] and o["spin"] == 0, o
-        else:
-            assert not o["oversubscribed"] and o["spin"] > 0, o
+        if case == "same-core":  # waits yield at once and sleep after the least polling
+            assert o["oversubscribed"] and o["spin"] == 0 and o["poll_ns"] == 50_000, o
+        else:  # a rank with its own core polls through a model step's skew before it sleeps
+            assert not o["oversubscribed"] and o["spin"] > 0 and o["poll_ns"] == 2_000_000, o
+
+
+def _poll_override(ctx):
+    comm = ctx.init(heap_size=MiB)
+    try:
+        return comm._ctx.poll_ns
+    finally:
+        import zbccl
+
+        zbccl.finalize()
+
+
+def test_wait_poll_is_set_by_the_environment():
+    assert run_world(_poll_override, 2, env={"ZBCCL_WAIT_POLL_US": "125"}) == [125_000, 125_000]
 
 
 def _many_groups(ctx, n_groups):

@@ -8,6 +8,7 @@ be bit-exact against :mod:`zbccl.ops.reference` and identical on every rank.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 import torch
@@ -262,10 +263,11 @@ def test_world_size_4_oversubscribed():
     assert run_world(_oversubscribed, 4, timeout=180) == [True] * 4
 
 
-def _mismatch(ctx):
+def _mismatch(ctx, algo):
     import zbccl
 
     comm = ctx.init(heap_size=8 * MiB)
+    force(comm, "all_reduce", algo)
     try:
         me = comm.rank
         errors = []
@@ -307,9 +309,55 @@ def _mismatch(ctx):
         zbccl.finalize()
 
 
-def test_mismatched_arguments_fail_on_every_rank():
-    a, b = run_world(_mismatch, 2, timeout=60)
+@pytest.mark.parametrize("algo", ["twoshot", "oneshot"])
+def test_mismatched_arguments_fail_on_every_rank(algo):
+    """With oneshot, a rank that posted an error or called another op takes the common handshake while
+    its peer waits on the oneshot's election word: it must release that peer with the verdict."""
+    a, b = run_world(_mismatch, 2, algo=algo, timeout=60)
     assert len(a) == len(b) == 11
+
+
+def _skewed_oneshot(ctx):
+    """oneshot with the ranks arriving in turn late (the late one reduces for all), early, or together;
+    other ops in between; payloads encode rank and index; every rank's result checked every time."""
+    import zbccl
+    from zbccl.ops.channel import channel_of
+    from zbccl.ops.reference import all_reduce_ref
+
+    comm = ctx.init(heap_size=8 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        force(comm, "all_reduce", "oneshot")
+        zbccl.all_reduce(zbccl.zeros(1))  # the channel exists
+        ch = channel_of(comm)
+        ch.prims.chan_phases(ch.handle, 1)
+        claimed = 0
+        for i in range(60):
+            n = (1, 257, 4099, 70001)[i % 4]
+            dtype = (torch.float32, torch.bfloat16)[i % 2]
+            t = zbccl.empty(n, dtype=dtype)
+            t.copy_(payload(me + i, n, dtype))
+            if i % (W + 1) == me:  # this rank arrives late (skew, not synchronisation)
+                time.sleep(0.002)
+            zbccl.all_reduce(t)
+            ref = all_reduce_ref([payload(r + i, n, dtype) for r in range(W)], 0)
+            assert torch.equal(t, ref), f"oneshot step {i} n={n} {dtype}"
+            claimed += ch.prims.chan_phases(ch.handle, 1)[1] > 0  # only the claimant reduces
+            if i % 7 == 0:
+                x = zbccl.empty(33).fill_(me + i)
+                out = torch.empty(33 * W)
+                zbccl.all_gather_into_tensor(out, x)
+                assert out.view(W, 33)[:, 0].tolist() == [float(r + i) for r in range(W)]
+        return claimed
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_oneshot_under_skew(world_size):
+    claimed = run_world(_skewed_oneshot, world_size, timeout=120)
+    assert sum(claimed) == 60, claimed  # exactly one claimant per op
+    assert all(c >= 10 for c in claimed), claimed  # each rank claimed the ops where it came late
 
 
 def _against_gloo(ctx):

@@ -58,7 +58,8 @@ ERRORS = {"USAGE": 1, "NOMEM": 2}
 #: ABORT line reason word (at +16): why a rank left an op half-way (PEER: a peer died or left first).
 ABORTS = {"INTERRUPT": 1, "EXCEPTION": 2, "TIMEOUT": 3, "PEER": 4}
 #: Lines of a comm slot the op channel uses (line 0 is the communicator's barrier epoch).
-SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "ABORT": 6, "VECTORS": 8}
+#: ELECT: group rank 0's line only, the oneshot all_reduce's election word (chan_ops.c "oneshot").
+SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "ABORT": 6, "ELECT": 7, "VECTORS": 8}
 #: int64 entries of a rank's size-vector area: the rest of its 8 KiB comm slot.
 VEC_CAP = (8192 - SLOT_LINES["VECTORS"] * 64) // 8
 #: Largest communicator the native channel serves.

@@ -6,10 +6,14 @@ is staged through a heap block (counted in ``staged_bytes``).
 Algorithms (chosen by the tuner, identical on every rank, checked in the
 handshake):
 
-* ``oneshot``: after ``ARRIVE``, every rank reduces all N inputs, in rank
-  order, into a private scratch buffer; ``DONE`` (nobody reads the inputs any
-  more); copy scratch into the tensor. Two rendezvous, reads N·W, writes 2N.
-  Best for small messages.
+* ``oneshot`` (the last to arrive reduces for all): every rank posts its
+  header and ``ARRIVE``; the rank that sees every peer arrived claims the op
+  in the group's election word (a CAS: exactly one rank), reduces all N
+  inputs, in rank order, into its scratch, copies the result into every
+  rank's tensor and releases the word; the others only wait for the release.
+  The late rank of a step never waits for an early one (which may be asleep
+  by then). Reads N·W and writes N·W, all by one rank: for small messages
+  whose ranks arrive apart, as in a model step.
 * ``twoshot`` (reduce-scatter, then push): the tensor is cut into chunks (the
   tuner's chunk size). For each chunk, rank r reduces slice r from all N
   inputs, in rank order, into slice r of its own tensor, then writes it into
@@ -26,8 +30,8 @@ not a contiguous heap tensor, and runs the whole protocol in one native call
 chosen per size by group rank 0, which measures both (``chan_ops.c``, "Store
 kind"; the protocol is the same either way). World size 1: the null backend.
 
-Bitwise identity across ranks: oneshot reduces in rank order on every rank;
-twoshot reduces each slice once and copies it. bf16/fp16 accumulate in fp32
+Bitwise identity across ranks: oneshot reduces once and copies the result;
+twoshot reduces each slice once and copies it. Both reduce in rank order. bf16/fp16 accumulate in fp32
 and round once.
 
 A rank that leaves an op half-way (timeout, Ctrl-C, a lost peer) marks its

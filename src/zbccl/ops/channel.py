@@ -57,6 +57,7 @@ from ..native.abi import (
     L_ABORT,
     L_ARRIVE,
     L_DONE,
+    L_ELECT,
     L_HEADER,
     L_PHASE,
     L_VECTORS,
@@ -130,7 +131,7 @@ class OpChannel:
 
     def _open(self, comm: Communicator) -> None:
         """Create the C channel: per group rank its flag lines, state word, heap base, published heap
-        size word, liveness descriptor, size-vector area and ABORT line."""
+        size word, liveness descriptor, size-vector area, ABORT and ELECT lines."""
         from .tuner import store_kind_mode
 
         ctx, heap = self.ctx, self.ctx.heap
@@ -143,10 +144,10 @@ class OpChannel:
             fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
             rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
                          heap.ctrl_addr(g, layout.H_STATE), heap.addr(g, 0), heap.ctrl_addr(g, layout.H_HEAP_BYTES),
-                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT)])
+                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT), line(L_ELECT)])
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.prims.chan_new(self.world_size, self.rank, ctx.spin, ctx.liveness_ns, self.timeout_ns,
-                                          nthreads(), int(table.ctypes.data))
+                                          nthreads(), int(table.ctypes.data), ctx.poll_ns)
         self._args = (ctypes.c_int64 * len(abi.ARGS))()
         self._args_addr = ctypes.addressof(self._args)
         self._chan_run = self.prims.chan_run

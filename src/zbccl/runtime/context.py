@@ -29,6 +29,8 @@ class Context:
     timeout: float
     spin: int
     liveness_ns: int
+    #: How long a native wait polls, yielding between polls, before it sleeps on a futex (ns).
+    poll_ns: int
     #: Every rank's heap size at init (live sizes: ``heap.heap_size(rank)``; heaps grow).
     heap_sizes: list[int]
     #: How many groups with a given member list this process created (matches keys).

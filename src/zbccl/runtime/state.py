@@ -41,6 +41,11 @@ _finalize_hooks: list[Callable[[GlobalHeap], None]] = []
 _fork_hooks: list[Callable[[GlobalHeap], None]] = []
 # Spin polls before yielding when every local rank has its own core.
 _DEFAULT_SPIN = 4096
+# How long a wait polls before it sleeps on a futex when every local rank has its own core: through the
+# skew of a typical decode step's ranks (a wake-up from the futex costs 20-90 us, docs/benchmarks.md).
+_DEFAULT_POLL_US = 2000.0
+# ... and when ranks share cores: the least (the yield phase only).
+_SHARED_POLL_US = 50.0
 # finalize waits this long (at least) for ops of other threads to leave before it unmaps the heap.
 _LEAVE_MIN_S = 2.0
 
@@ -107,7 +112,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
         max_bytes = _heap_max(heap_max, nbytes)
-        for var in (env.LIVENESS_INTERVAL, env.WAIT_SPIN, env.THREADS):
+        for var in (env.LIVENESS_INTERVAL, env.WAIT_SPIN, env.WAIT_POLL_US, env.THREADS):
             var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
                       group=group, timeout=seconds)
@@ -181,11 +186,17 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
     spin = env.WAIT_SPIN.get()
     if spin < 0:
         spin = 0 if topo.oversubscribed else _DEFAULT_SPIN
+    poll_us = env.WAIT_POLL_US.get()
+    if poll_us < 0:
+        poll_us = _SHARED_POLL_US if topo.oversubscribed else _DEFAULT_POLL_US
+    poll_ns = int(poll_us * 1000)
+    if hasattr(heap.prims, "set_wait_poll"):
+        heap.prims.set_wait_poll(poll_ns)
     set_threads(frozenset(topo.infos[topo.rank].cpus), topo.local_masks)
     sma = CachingAllocator(nbytes, alignment=64, cache_limit=env.SMA_CACHE_LIMIT.get(), max_bytes=max_bytes,
                            grow=_grower(heap) if max_bytes > nbytes else None)
     return Context(rendezvous=rdv, bootstrap=boot, topology=topo, heap=heap, sma=sma, job_id=job_id,
-                   generation=generation, timeout=timeout, spin=spin,
+                   generation=generation, timeout=timeout, spin=spin, poll_ns=poll_ns,
                    liveness_ns=int(env.LIVENESS_INTERVAL.get() * 1e9), heap_sizes=heap_sizes)
 
 

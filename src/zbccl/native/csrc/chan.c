@@ -9,8 +9,8 @@
  *   -> [PHASE] -> DONE=seq -> wait every peer's DONE >= seq
  *
  * Python validates, decides the algorithm, stages operands that are not in
- * the heap and owns every policy; this file only moves bytes and waits. Waits spin `spin` polls, then yield, then sleep on the
- * futex (the flag layout of core.c: value at +0, waiter count at +8), and
+ * the heap and owns every policy; this file only moves bytes and waits. Waits spin `spin` polls, then yield between polls for
+ * `poll_ns` (at least 50 us; the GIL released after the first 50), then sleep on the futex (the flag layout of core.c: value at +0, waiter count at +8), and
  * every `liveness_ns` they poll the peers' liveness sockets and read the
  * peers' header STATE and ABORT line: a dead or departed peer, or one that
  * left an op half-way (Ctrl-C), ends the wait at once with its rank. An op
@@ -202,6 +202,9 @@ int wait_all(zb_chan *c, int64_t **flags, int64_t target) {
         }
         if (t - start < 50000) {
             sched_yield();
+        } else if (t - start < (uint64_t)c->poll_ns) { /* a rank with its own core: keep polling, let threads run */
+            gil_release(c);
+            sched_yield();
         } else {
             gil_release(c);
             sleep_on(flags[r], target, sleep_ns);
@@ -241,15 +244,34 @@ int check_headers(zb_chan *c, int64_t seq, const int *fields, int nfields) {
     return RC_OK;
 }
 
-int begin_op(zb_chan *c, const zb_op *o, const int *fields, int nfields) {
+void post_header(zb_chan *c, const zb_op *o) {
     /* zb_op leads with the header's fields (abi.py), so this rank's header is a copy of them */
     memcpy(c->hdr[c->me] + 1, &o->op, (HDR_FIELDS - 1) * sizeof(int64_t));
     c->hdr[c->me][H_PHASE_BASE] = ld(c->phase[c->me]);
     __atomic_store_n(c->hdr[c->me], o->seq, __ATOMIC_RELAXED);
+}
+
+int elect_claim(zb_chan *c, int64_t seq) {
+    int64_t v = __atomic_load_n(c->elect, __ATOMIC_SEQ_CST);
+    while (v < 2 * seq)
+        if (__atomic_compare_exchange_n(c->elect, &v, 2 * seq, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return 1;
+    return 0;
+}
+
+void elect_release(zb_chan *c, int64_t seq, int rc) {
+    c->elect[2] = rc, c->elect[3] = c->result[1], c->elect[4] = c->result[2];
+    signal_flag(c->elect, 2 * seq + 1); /* seq_cst: the verdict is visible with it */
+}
+
+int begin_op(zb_chan *c, const zb_op *o, const int *fields, int nfields) {
+    post_header(c, o);
     int rc = sync_on(c, c->arrive, o->seq);
     if (rc) return rc;
     rc = check_headers(c, o->seq, fields, nfields);
-    return rc ? fail_op(c, o->seq, rc) : RC_OK;
+    if (!rc) return RC_OK;
+    /* a peer running the oneshot all_reduce may wait on the election word instead of our DONE */
+    if (elect_claim(c, o->seq)) elect_release(c, o->seq, rc);
+    return fail_op(c, o->seq, rc);
 }
 
 int fail_op(zb_chan *c, int64_t seq, int rc) {
@@ -267,28 +289,31 @@ int zb_i64(PyObject *o, int64_t *out) {
     return 0;
 }
 
-/* chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle.
- * table: int64[W][10] = arrive, phase, done, header, state addresses, heap base, address of the
- * published heap size word, fd, size-vector area address, abort line address. */
+/* chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr, poll_ns) -> handle.
+ * table: int64[W][11] = arrive, phase, done, header, state addresses, heap base, address of the
+ * published heap size word, fd, size-vector area address, abort line address, elect line address
+ * (group rank 0's is the group's election word). */
 static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t a[7];
-    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "chan_new() takes 7 arguments, got %zd", nargs);
-    for (int i = 0; i < 7; i++)
+    int64_t a[8];
+    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "chan_new() takes 8 arguments, got %zd", nargs);
+    for (int i = 0; i < 8; i++)
         if (zb_i64(args[i], &a[i])) return NULL;
     if (a[0] < 1 || a[0] > ZB_MAXW || a[1] < 0 || a[1] >= a[0])
         return PyErr_Format(PyExc_ValueError, "chan_new: world size must be in [1, %d]", ZB_MAXW);
     zb_chan *c = calloc(1, sizeof(zb_chan));
     if (!c) return PyErr_NoMemory();
     c->W = a[0], c->me = a[1], c->spin = a[2], c->liveness_ns = a[3], c->timeout_ns = a[4], c->nthreads = a[5];
+    c->poll_ns = a[7];
     c->kind_mode = 0;
     const int64_t *t = (const int64_t *)(uintptr_t)a[6];
-    for (int r = 0; r < c->W; r++, t += 10) {
+    for (int r = 0; r < c->W; r++, t += 11) {
         c->arrive[r] = (int64_t *)(uintptr_t)t[0], c->phase[r] = (int64_t *)(uintptr_t)t[1];
         c->done[r] = (int64_t *)(uintptr_t)t[2], c->hdr[r] = (int64_t *)(uintptr_t)t[3];
         c->state[r] = (int64_t *)(uintptr_t)t[4], c->base[r] = (char *)(uintptr_t)t[5];
         c->size[r] = (int64_t *)(uintptr_t)t[6], c->fd[r] = (int)t[7], c->vec[r] = (int64_t *)(uintptr_t)t[8];
         c->abort[r] = (int64_t *)(uintptr_t)t[9];
+        if (r == 0) c->elect = (int64_t *)(uintptr_t)t[10];
     }
     return PyLong_FromVoidPtr(c);
 }
@@ -371,7 +396,8 @@ static PyObject *py_chan_result(PyObject *self, PyObject *const *args, Py_ssize_
 
 static PyMethodDef chan_methods[] = {
     {"chan_new", (PyCFunction)(void (*)(void))py_chan_new, METH_FASTCALL,
-     "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr) -> handle of a native op channel."},
+     "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr, poll_ns) -> handle of a native op "
+     "channel."},
     {"chan_free", (PyCFunction)(void (*)(void))py_chan_free, METH_FASTCALL, "chan_free(handle)."},
     {"chan_configure", (PyCFunction)(void (*)(void))py_chan_configure, METH_FASTCALL,
      "chan_configure(handle, kind_mode): all_reduce's store kind (-1 auto, 0 cached, 1 streaming)."},

@@ -21,11 +21,15 @@ typedef struct {
 
 typedef struct {
     int64_t W, me, spin, liveness_ns, timeout_ns, nthreads;
+    int64_t poll_ns; /* how long a wait polls (yielding between polls) before it sleeps on the futex */
     /* Store kind of all_reduce's pushes (see chan_ops.c "Store kind"): -1 auto, 0 cached, 1 streaming */
     int64_t kind_mode;
     zb_kind kinds[KIND_BUCKETS];
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];
     int64_t *abort[ZB_MAXW];   /* each rank's ABORT line: non-zero once it left an op half-way */
+    /* group rank 0's ELECT line (oneshot all_reduce, chan_ops.c): +0 2*seq once a rank claimed op seq,
+     * 2*seq+1 once it finished (futex waiters at +8); +16 its result code, +24 rank, +32 field */
+    int64_t *elect;
     int64_t phase_base;        /* max of every rank's posted PHASE value: step k of this op is base + k */
     char *base[ZB_MAXW];
     /* each rank's published heap size word (segment header HEAP_BYTES): heaps may grow during the
@@ -56,6 +60,12 @@ int wait_all(zb_chan *c, int64_t **flags, int64_t target);
 int sync_on(zb_chan *c, int64_t **flags, int64_t seq);
 /* Copy every header, check sequence numbers, error flags and agreement on `fields`. */
 int check_headers(zb_chan *c, int64_t seq, const int *fields, int nfields);
+/* The oneshot all_reduce's election word (chan_ops.c): claim op `seq` (1 for exactly one rank), and
+ * release it with the claimant's verdict `rc` (result[1], result[2] with it). */
+int elect_claim(zb_chan *c, int64_t seq);
+void elect_release(zb_chan *c, int64_t seq, int rc);
+/* Post this rank's header: the leading header fields of `o`, then SEQ (the caller signals ARRIVE). */
+void post_header(zb_chan *c, const zb_op *o);
 /* Post this rank's header (the leading header fields of `o`, then SEQ), ARRIVE, and check `fields`.
  * On a disagreement the DONE handshake is done before returning the code. */
 int begin_op(zb_chan *c, const zb_op *o, const int *fields, int nfields);

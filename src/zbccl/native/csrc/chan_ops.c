@@ -166,6 +166,80 @@ static void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int6
     }
 }
 
+/* ------------------------------------------------------------ oneshot: the last to arrive reduces for all
+ *
+ * Every rank posts its header and ARRIVE, then looks at the peers' ARRIVE. A rank that sees them all
+ * claims the op in the group's election word (group rank 0's ELECT line, a CAS from below 2*seq to
+ * 2*seq: exactly one rank wins). The store of ARRIVE and the loads of the peers' are sequentially
+ * consistent, so the rank that arrived last always sees everyone: some rank claims. The claimant checks
+ * every header, reduces all W tensors, in rank order, into its scratch, copies the result into every
+ * rank's tensor (its own first), signals its DONE, and releases the word at 2*seq+1 with its verdict
+ * (+16 code, +24 rank, +32 field). It returns without waiting for anyone. Every other rank only waits
+ * for the release, then signals its DONE. So the late rank of a step never waits for an early one
+ * (which may sleep on a futex by then): with skewed ranks the op costs the late rank one reduction and
+ * W copies. Reads N*W and writes N*W, all by one rank: for small messages.
+ * Errors: the claimant posts the code; the others copy the headers for the message and every rank ends
+ * with the DONE handshake (fail_op), as after begin_op. A rank that took begin_op instead (it posted an
+ * error, or called another op or algorithm) finds the headers disagree and claims and releases the word
+ * with that verdict, so a rank waiting here is never left behind (chan.c begin_op). A peer that left (ABORT) is checked by the
+ * claimant before it writes into anyone. The word is zeroed with the comm slot (slots.reset_slot). */
+static int all_arrived(zb_chan *c, int64_t seq) {
+    for (int r = 0; r < c->W; r++)
+        if (r != c->me && __atomic_load_n(c->arrive[r], __ATOMIC_SEQ_CST) < seq) return 0;
+    return 1;
+}
+
+static int oneshot(zb_chan *c, zb_op *o, const int *fields, int nfields, int64_t t) {
+    int64_t seq = o->seq, count = o->in_numel, nbytes = count * o->itemsize;
+    post_header(c, o);
+    signal_flag(c->arrive[c->me], seq);
+    if (all_arrived(c, seq) && elect_claim(c, seq)) {
+        int rc = check_headers(c, seq, fields, nfields);
+        for (int r = 0; !rc && r < c->W; r++)
+            if (!in_heap(c, r, c->hdrcopy[r][H_IN_OFF], nbytes)) rc = RC_SPAN;
+        if (!rc && peer_left(c)) rc = RC_ABORTED; /* before writing into any peer */
+        if (rc) {
+            elect_release(c, seq, rc);
+            return rc == RC_ABORTED ? rc : fail_op(c, seq, rc);
+        }
+        MARK(c, PH_ARRIVE, t);
+        const void *srcs[ZB_MAXW];
+        for (int r = 0; r < c->W; r++) srcs[r] = c->base[r] + c->hdrcopy[r][H_IN_OFF];
+        int nt = nthreads_for(c, nbytes);
+        if (count) {
+            zb_reduce_n(c->scratch, srcs, c->W, count, (int)o->dtype, (int)o->redop, (double)c->W, nt);
+            MARK(c, PH_REDUCE, t);
+            for (int i = 0; i < c->W; i++) zb_copy((void *)srcs[(c->me + i) % c->W], c->scratch, nbytes, nt);
+            MARK(c, PH_PUSH, t);
+        }
+        signal_flag(c->done[c->me], seq);
+        elect_release(c, seq, RC_OK);
+        return RC_OK;
+    }
+    int64_t *word[ZB_MAXW];
+    for (int r = 0; r < c->W; r++) word[r] = c->elect;
+    int rc = wait_all(c, word, 2 * seq + 1);
+    MARK(c, PH_DONE, t);
+    if (rc == RC_TIMEOUT) { /* name the ranks that never arrived (if all did, the claimant is late) */
+        int64_t late[ZB_MAXW / 64] = {0};
+        int any = 0;
+        for (int r = 0; r < c->W; r++)
+            if (r != c->me && __atomic_load_n(c->arrive[r], __ATOMIC_ACQUIRE) < seq)
+                late[r / 64] |= 1ull << (r % 64), any = 1;
+        if (any) memcpy(c->late_mask, late, sizeof(late));
+    }
+    if (rc) return rc;
+    rc = (int)__atomic_load_n(&c->elect[2], __ATOMIC_RELAXED);
+    if (rc == RC_OK) {
+        signal_flag(c->done[c->me], seq);
+        return RC_OK;
+    }
+    c->result[1] = c->elect[3], c->result[2] = c->elect[4];
+    if (rc == RC_ABORTED) return rc;
+    int mine = check_headers(c, seq, fields, nfields); /* the headers for the message (same verdict) */
+    return fail_op(c, seq, mine ? mine : rc);
+}
+
 static int allreduce(zb_chan *c, zb_op *o) {
     int64_t count = o->in_numel, seq = o->seq, itemsize = o->itemsize;
     int64_t nbytes = count * itemsize;
@@ -176,9 +250,14 @@ static int allreduce(zb_chan *c, zb_op *o) {
         snprintf(text, sizeof(text), "all_reduce: cannot allocate %lld bytes of scratch memory for the oneshot "
                  "algorithm", (long long)nbytes);
         post_error(c, o, ERR_NOMEM, text);
+        return run_op(c, o);
     }
     int64_t t = 0, start = c->kind_mode < 0 || c->trace ? mono_ns() : 0;
     if (c->trace) memset(c->phase_ns, 0, sizeof(c->phase_ns)), t = start;
+    if (o->algo == ALGO_ONESHOT) {
+        o->kind = 0;
+        return oneshot(c, o, fields, 6, t);
+    }
     o->kind = c->me == 0 ? kind_choose(c, nbytes, start) : 0; /* group rank 0 chooses for everyone */
     int rc = begin_op(c, o, fields, 6);
     if (rc) return rc;
@@ -193,16 +272,8 @@ static int allreduce(zb_chan *c, zb_op *o) {
     if (!count) return sync_on(c, c->done, seq);
     char *dst = (char *)(uintptr_t)o->out_addr;
     int dt = (int)o->dtype, op = (int)o->redop;
-    double divisor = (double)c->W;
-    int nt = nthreads_for(c, nbytes);
-    if (o->algo == ALGO_ONESHOT) {
-        zb_reduce_n(c->scratch, srcs, c->W, count, dt, op, divisor, nt);
-        rc = sync_on(c, c->done, seq);
-        if (rc) return rc;
-        zb_copy(dst, c->scratch, nbytes, nt);
-        return RC_OK;
-    }
-    rc = twoshot(c, seq, srcs, dst, count, itemsize, dt, op, divisor, nt, o->aux, stream, t);
+    rc = twoshot(c, seq, srcs, dst, count, itemsize, dt, op, (double)c->W, nthreads_for(c, nbytes), o->aux, stream,
+                 t);
     if (!rc && start && c->me == 0) kind_learn(c, nbytes, stream, start, mono_ns());
     return rc;
 }

@@ -21,8 +21,8 @@
  * by the kernel compare, so every sleep is bounded (50 us doubling to 2 ms).
  *
  * Waits poll `spin` times with a CPU relax instruction while holding the GIL,
- * then release the GIL and sched_yield() between polls for ~50 us, then sleep
- * on the futex. spin=0 yields at once (ranks outnumber cores). Flags waited on
+ * then release the GIL and sched_yield() between polls for the process's poll
+ * phase (set_wait_poll; at least 50 us), then sleep on the futex. spin=0 yields at once (ranks outnumber cores). Flags waited on
  * by wait_ge are expected to be monotonic: a flag seen satisfied is not re-read.
  */
 #define PY_SSIZE_T_CLEAN
@@ -147,10 +147,14 @@ static int futex_sleep_once(const waitset *w, Py_ssize_t i, uint64_t deadline, i
     return expired;
 }
 
+/* How long a wait keeps polling (yielding the core between polls) before it sleeps on the futex:
+ * set_wait_poll, once per process at init (runtime/state.py picks it from the ranks' cores). */
+static int64_t poll_phase_ns = YIELD_PHASE_NS;
+
 /* Yield then futex phases, called without the GIL. Returns first unsatisfied index or n. */
 static Py_ssize_t wait_nogil(const waitset *w, Py_ssize_t i, uint64_t deadline) {
     uint64_t t = mono_ns();
-    uint64_t yield_end = t + YIELD_PHASE_NS;
+    uint64_t yield_end = t + (uint64_t)__atomic_load_n(&poll_phase_ns, __ATOMIC_RELAXED);
     while (t < deadline && t < yield_end) {
         sched_yield();
         i = scan(w, i);
@@ -315,6 +319,14 @@ static PyObject *py_memset(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_wait_poll(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t ns;
+    if (check_nargs("set_wait_poll", nargs, 1) || get_i64("set_wait_poll", args[0], &ns)) return NULL;
+    if (ns < 0) return PyErr_Format(PyExc_ValueError, "set_wait_poll: expected ns >= 0, got %lld", (long long)ns);
+    __atomic_store_n(&poll_phase_ns, ns < YIELD_PHASE_NS ? YIELD_PHASE_NS : ns, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 #define FASTCALL(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 
 static PyMethodDef core_methods[] = {
@@ -331,6 +343,9 @@ static PyMethodDef core_methods[] = {
              "budget_ns passed (budget_ns < 0: no limit; 0: poll once). Releases the GIL once spin is spent."),
     FASTCALL("wait_eq", py_wait_eq,
              "wait_eq(addr, value, spin, budget_ns) -> bool: wait until the flag == value; False on timeout."),
+    FASTCALL("set_wait_poll", py_set_wait_poll,
+             "set_wait_poll(ns): how long waits poll (yielding between polls, GIL released) before they sleep on "
+             "the futex; at least 50 us. Process-wide."),
     FASTCALL("now_ns", py_now_ns, "now_ns() -> int: CLOCK_MONOTONIC in nanoseconds."),
     FASTCALL("memcpy", py_memcpy, "memcpy(dst, src, nbytes): raw copy; releases the GIL from 256 KiB."),
     FASTCALL("memset", py_memset, "memset(dst, byte, nbytes): raw fill; releases the GIL from 256 KiB."),
