@@ -1,5 +1,5 @@
 """Usage: python examples/vllm_bench.py [--python .venv-vllm/bin/python] [--rounds 2] [--batch 1,8]
-       [--hidden 2048] [--layers 4] [--new-tokens 32] [--json PATH]
+       [--hidden 2048] [--layers 4] [--new-tokens 32] [--json PATH] [--variant NAME:VAR=VALUE;...]
 
 vLLM's own CPU communicator against zbccl (``ZBCCL_VLLM=1``), same model and prompts, interleaved
 runs (own, zbccl, own, zbccl, ...), each run a fresh engine through ``examples/vllm_tp.py --bench``
@@ -14,6 +14,10 @@ the calls (the rank that waited least, and the mean, which includes waiting for 
 Then its share of a step (by ``last arrival``), identical tokens against the first own run, and the communication memory
 (vLLM's /dev/shm segment per group and rank, ``probe.vllm_shm_bytes``; zbccl's staged bytes during
 the timed generation).
+
+``--variant oneshot:ZBCCL_ALGO=all_reduce=oneshot`` adds a zbccl run with those environment variables
+(``;`` between several) to every round, as row ``zbccl[oneshot]``: configurations compared in the same
+rounds instead of separate runs on a host whose state changes over minutes.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ from zbccl.integrations.vllm import plugin_pythonpath  # noqa: E402
 from zbccl.integrations.vllm.probe import last_arrival_ns  # noqa: E402
 
 
-def run(py: str, args: argparse.Namespace, *, zbccl: bool) -> list[dict]:
+def run(py: str, args: argparse.Namespace, *, zbccl: bool, extra_env: dict | None = None) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(args.pythonpath))
     env.pop("ZBCCL_VLLM", None)
     if zbccl:
         env["ZBCCL_VLLM"] = "1"
+        env.update(extra_env or {})
     cmd = [py, str(ROOT / "examples" / "vllm_tp.py"), "--bench", "--model", args.model, "--batch", args.batch,
            "--hidden", str(args.hidden), "--layers", str(args.layers), "--new-tokens", str(args.new_tokens)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -71,6 +76,15 @@ def _per_call_us(rs: list[dict]) -> dict[str, float]:
     return {op: statistics.median(v) for op, v in out.items()}
 
 
+def variant(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:VAR=VALUE;VAR=VALUE`` -> (name, environment)."""
+    name, _, items = text.partition(":")
+    env = dict(item.split("=", 1) for item in items.split(";") if item)
+    if not name or not env or not all(k.startswith("ZBCCL_") for k in env):
+        raise argparse.ArgumentTypeError(f"expected NAME:ZBCCL_VAR=VALUE[;ZBCCL_VAR=VALUE...], got {text!r}")
+    return name, env
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -82,13 +96,17 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--json", default=None)
+    p.add_argument("--variant", type=variant, action="append", default=[],
+                   help="NAME:ZBCCL_VAR=VALUE[;...]: one more zbccl run per round, with that environment")
     a = p.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="zbccl-vllm-plugin-")
     a.pythonpath = plugin_pythonpath(a.python, [str(ROOT / "src")] + a.extra_path, tmp.name)
     runs: dict[tuple[str, int], list[dict]] = {}
+    configs = [("vllm", False, None), ("zbccl", True, None)] + [(f"zbccl[{n}]", True, e) for n, e in a.variant]
+    names = [c[0] for c in configs]
     for _ in range(a.rounds):
-        for name, zb in (("vllm", False), ("zbccl", True)):
-            for r in run(a.python, a, zbccl=zb):
+        for name, zb, extra in configs:
+            for r in run(a.python, a, zbccl=zb, extra_env=extra):
                 r["new_tokens"] = a.new_tokens
                 runs.setdefault((name, r["batch"]), []).append(r)
     print(f"# vLLM TP=2 {a.model} hidden {a.hidden} layers {a.layers}, {a.new_tokens} new tokens, "
@@ -98,7 +116,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for batch in sorted({b for _, b in runs}):
         ref = runs[("vllm", batch)][0]["tokens"]
-        for name in ("vllm", "zbccl"):
+        for name in names:
             rs = runs[(name, batch)]
             tps = statistics.median(r["tokens_per_s"] for r in rs)
             mpt = statistics.median(r["ms_per_token"] for r in rs)
@@ -110,12 +128,13 @@ def main() -> None:
             print(f"| {batch} | {name} | {tps:.1f} | {mpt:.1f} | {clast:.3f} | {cmin:.2f} | {cmean:.2f} | "
                   f"{100 * clast / mpt:.1f}% | {same} | {mem} |")
     for batch in sorted({b for _, b in runs}):
-        last = {n: statistics.median(comm_ms(r)[0] for r in runs[(n, batch)]) for n in ("vllm", "zbccl")}
-        per_op = {n: _per_call_us(runs[(n, batch)]) for n in ("vllm", "zbccl")}
-        ops = ", ".join(f"{op} {per_op['vllm'][op]:.1f} vs {per_op['zbccl'].get(op, float('nan')):.1f} us"
-                        for op in sorted(per_op["vllm"]))
-        print(f"batch {batch}: per-step communication (last arrival) zbccl/vllm "
-              f"{last['zbccl'] / last['vllm']:.2f}x; per call, vllm vs zbccl: {ops}")
+        last = {n: statistics.median(comm_ms(r)[0] for r in runs[(n, batch)]) for n in names}
+        per_op = {n: _per_call_us(runs[(n, batch)]) for n in names}
+        for n in names[1:]:
+            ops = ", ".join(f"{op} {per_op['vllm'][op]:.1f} vs {per_op[n].get(op, float('nan')):.1f} us"
+                            for op in sorted(per_op["vllm"]))
+            print(f"batch {batch}: per-step communication (last arrival) {n}/vllm "
+                  f"{last[n] / last['vllm']:.2f}x; per call, vllm vs {n}: {ops}")
     if a.json:
         Path(a.json).write_text(json.dumps({f"{k[0]}-{k[1]}": v for k, v in runs.items()}))
 
