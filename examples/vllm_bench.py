@@ -77,6 +77,23 @@ def _per_call_us(rs: list[dict]) -> dict[str, float]:
     return {op: statistics.median(v) for op, v in out.items()}
 
 
+def _python_share(rs: list[dict]) -> tuple[float, float] | None:
+    """(Python µs, native µs) per collective call, over runs and ranks: the communicator's host time
+    around zbccl's native op calls (``probe`` "native"), and the native calls' own."""
+    py, nat = [], []
+    for r in rs:
+        for w in r["workers"]:
+            calls = sum(c for c, _ in w["times"].values())
+            native = w.get("native", {})
+            n_calls, n_ns = sum(c for c, _ in native.values()), sum(ns for _, ns in native.values())
+            if not calls or not n_calls:
+                continue
+            total = sum(ns for _, ns in w["times"].values())
+            py.append((total - n_ns) / calls / 1e3)
+            nat.append(n_ns / n_calls / 1e3)
+    return (statistics.median(py), statistics.median(nat)) if py else None
+
+
 def variant(text: str) -> tuple[str, dict[str, str]]:
     """``NAME:VAR=VALUE;VAR=VALUE`` -> (name, environment)."""
     name, _, items = text.partition(":")
@@ -133,6 +150,10 @@ def main() -> None:
         last = {n: statistics.median(comm_ms(r)[0] for r in runs[(n, batch)]) for n in names}
         per_op = {n: _per_call_us(runs[(n, batch)]) for n in names}
         for n in names[1:]:
+            split = _python_share(runs[(n, batch)])
+            if split:
+                print(f"batch {batch}: {n}: per call, {split[0]:.1f} us in Python around {split[1]:.1f} us in the "
+                      "native op (ranks' mean host time, waiting included)")
             ops = ", ".join(f"{op} {per_op['vllm'][op]:.1f} vs {per_op[n].get(op, float('nan')):.1f} us"
                             for op in sorted(per_op["vllm"]))
             print(f"batch {batch}: per-step communication (last arrival) {n}/vllm "

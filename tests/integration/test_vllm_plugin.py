@@ -107,5 +107,7 @@ def test_vllm_tp2_tokens_identical_with_zbccl(tmp_path):
         for w in b["workers"]:
             assert w["groups"] == {"tp:0": "ZbcclCpuCommunicator[zbccl]"}, w["groups"]
             assert w["staged_bytes_timed"] == 0, f"{model}: staged {w['staged_bytes_timed']} B while generating"
+            calls = sum(c for c, _ in w["times"].values())
+            assert w["native"]["tp:0"][0] == calls, (w["native"], w["times"])  # one native op per collective
             assert w["dev_shm_cpushm_bytes"] == 0 or not any("cpushm" in n for n in b["dev_shm_added"])
         assert not [n for n in b["dev_shm_added"] if "zbccl" in n or "cpushm" in n], b["dev_shm_added"]

@@ -7,7 +7,9 @@
   ``CLOCK_MONOTONIC``, one clock for every process of the host, so the ranks' spans of the i-th
   call of an op line up: :func:`last_arrival_ns` turns them into the time from the last rank's
   entry to the last rank's exit, the op's own cost without the ranks' compute skew. With zbccl it
-  also counts the all_reduce calls that missed the hot path (no plan for that tensor yet).
+  also counts the all_reduce calls that missed the hot path (no plan for that tensor yet), and
+  times each group's native op calls (``native``: calls and summed ns), so that a step's
+  communication splits into the native op and the Python around it.
 * :func:`stats` returns those sums, the communicator class per group, zbccl's
   ``memory_stats()`` (``staged_bytes``: bytes copied into the heap because an operand was not a
   heap tensor) and the bytes vLLM's shm buffers take for the same groups.
@@ -31,6 +33,8 @@ _times: dict[str, list[int]] = {}
 _spans: dict[str, list[tuple[int, int]]] = {}
 _staged = [0]
 _slow = [0]
+_native: dict[str, list[int]] = {}
+_native_spans: dict[str, list[tuple[int, int]]] = {}
 
 
 def _staged_bytes() -> int:
@@ -52,15 +56,47 @@ def start_timing(worker=None) -> None:
     """Collective-free: from now on sum each op's host time on this worker's TP/PP communicators."""
     _times.clear()
     _spans.clear()
+    _native.clear()
+    _native_spans.clear()
     _staged[0] = _staged_bytes()
     _count_slow_all_reduce()
     for g in _groups():
         dc = g.device_communicator
+        if getattr(dc, "zb", None) is not None:
+            _time_native(g.unique_name, dc.zb)
         for name in _OPS:
             fn = getattr(dc, name, None)
             if fn is None or getattr(fn, "_zbccl_timed", False):
                 continue
             setattr(dc, name, _timed(f"{g.unique_name}.{name}", fn))
+
+
+def _time_native(key: str, comm) -> None:
+    """Sum the time of ``comm``'s native op calls (its channel's ``chan_run``) under ``key``."""
+    from ...ops.channel import channel_of
+
+    ch = channel_of(comm)
+    run = ch._chan_run
+    if getattr(run, "_zbccl_timed", False):
+        run = run.__wrapped__
+    rec = _native.setdefault(key, [0, 0])
+    spans = _native_spans.setdefault(key, [])
+    clock = time.perf_counter_ns
+
+    def timed(handle, args):
+        t0 = clock()
+        try:
+            return run(handle, args)
+        finally:
+            t1 = clock()
+            rec[0] += 1
+            rec[1] += t1 - t0
+            if len(spans) < MAX_SPANS:
+                spans.append((t0, t1))
+
+    timed._zbccl_timed = True
+    timed.__wrapped__ = run
+    ch._chan_run = timed
 
 
 def _count_slow_all_reduce() -> None:
@@ -151,6 +187,8 @@ def stats(worker=None) -> dict:
 
     out = {"times": {k: tuple(v) for k, v in _times.items()},
            "spans": {k: list(v) for k, v in _spans.items()},
+           "native": {k: tuple(v) for k, v in _native.items()},
+           "native_spans": {k: list(v) for k, v in _native_spans.items()},
            "groups": {g.unique_name: type(g.device_communicator).__name__ + (
                "[zbccl]" if getattr(g.device_communicator, "zb", None) is not None else "")
                for g in _groups()},
