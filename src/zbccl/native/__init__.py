@@ -7,6 +7,9 @@ and then return the same loaded object for the life of the process.
 * ``core``: a CPython extension module ``zbccl._native_core`` (METH_FASTCALL).
 * ``cpu_alloc_hook``: a plain C++ library against ``libc10``, loaded with
   ctypes; it is never unloaded because torch keeps a pointer to its allocator.
+* ``hot``: a CPython extension module ``zbccl._native_hot`` against torch's C++ API
+  (``libtorch_python``): the all_reduce entry that takes the tensor itself (``csrc/hot.cpp``).
+  Optional: :func:`hot` returns None when it cannot be built, and the Python path serves.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.util
+import logging
 import sys
+import sysconfig
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +29,7 @@ from ..errors import ZbcclSystemError
 from . import abi
 from . import build as _b  # the package attribute ``build`` stays the module
 
-__all__ = ["GENERATED", "LIBRARIES", "alloc_hook", "build_all", "core", "status"]
+__all__ = ["GENERATED", "LIBRARIES", "alloc_hook", "build_all", "core", "hot", "status"]
 
 _CSRC = Path(__file__).parent / "csrc"
 
@@ -36,6 +41,8 @@ LIBRARIES: dict[str, tuple] = {
               _CSRC / "chan_ops.c", _CSRC / "ep.c", _CSRC / "reduce.h", _CSRC / "chan.h", _CSRC / "arch.h"), "c", False,
              ("-fopenmp",)),
     "cpu_alloc_hook": ((_CSRC / "cpu_alloc_hook.cpp",), "c++", True),
+    "hot": ((_CSRC / "hot.cpp",), "c++", True,
+            (f"-I{sysconfig.get_paths()['include']}", "-Wl,--no-as-needed", "-ltorch_python")),
 }
 
 #: name -> generated headers ``(file name, text)`` of that library.
@@ -52,8 +59,7 @@ def _build(name: str) -> Path:
                     generated=GENERATED.get(name, ()))
 
 
-def _load_core(path: Path) -> ModuleType:
-    modname = "zbccl._native_core"
+def _load_core(path: Path, modname: str = "zbccl._native_core") -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(modname, str(path))
     spec = importlib.util.spec_from_file_location(modname, str(path), loader=loader)
     if spec is None:
@@ -97,6 +103,22 @@ def alloc_hook() -> ctypes.CDLL:
 
                 lib = _loaded["cpu_alloc_hook"] = ctypes.CDLL(str(_build("cpu_alloc_hook")))
     return lib
+
+
+def hot() -> ModuleType | None:
+    """The native hot-entry module (built on first use), or None where it cannot be built or loaded
+    (no C++ compiler, torch without its headers): the Python path then serves every call."""
+    if "hot" not in _loaded:
+        with _lock:
+            if "hot" not in _loaded:
+                try:
+                    import torch  # noqa: F401  (libtorch_python must be loaded first)
+
+                    _loaded["hot"] = _load_core(_build("hot"), "zbccl._native_hot")
+                except Exception as exc:  # noqa: BLE001 - optional: the Python path does the same
+                    logging.getLogger("zbccl").info("zbccl: native hot entry unavailable (%s)", exc)
+                    _loaded["hot"] = None
+    return _loaded["hot"]
 
 
 def build_all() -> dict[str, Path]:

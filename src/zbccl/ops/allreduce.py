@@ -60,7 +60,7 @@ from .entry import run_op
 from .operands import Operand
 from .tuner import choose
 
-__all__ = ["all_reduce"]
+__all__ = ["all_reduce", "run_hot"]
 
 _OP = "all_reduce"
 
@@ -80,6 +80,9 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     # and dtype, contiguous), so every check already passed. Anything else takes _all_reduce.
     c = registry._default if comm is None else comm
     if op == "sum" and timeout is None and type(tensor) is torch.Tensor:
+        hot = getattr(getattr(c, "op_state", None), "hot", None)
+        if hot is not None and run_hot(c.op_state, hot, tensor):
+            return tensor
         try:
             ch, lock = c.op_state, c._op_lock
             plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype)) if ch.plain else None
@@ -91,6 +94,8 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
             try:
                 if c._live:  # finalize did not run in between (see registry._enter)
                     ch.call_hot(plan, _OP)
+                    if ch.hot is not None:  # the hot entry did not serve it: its table lost the tensor
+                        ch.hot_register(tensor, plan)
                     return tensor
             finally:
                 lock.owner = None
@@ -98,6 +103,19 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
                 if lock.queue or lock._watchers:
                     lock.wake()
     return _all_reduce(tensor, op, comm=comm, timeout=timeout)
+
+
+def run_hot(ch: OpChannel, hot, tensor: torch.Tensor) -> bool:
+    """Try the native hot entry (``OpChannel.hot``) on ``tensor``: True if it ran the sum all_reduce,
+    False if it did not serve it (the caller takes the Python path). Raises the op's error."""
+    try:
+        rc = hot(tensor)
+    except BaseException as exc:  # Ctrl-C in the op's wait: the peers must learn this rank left
+        ch.left(ch.seq - 1, exc, op=_OP)
+        raise
+    if rc > 0:
+        ch.raise_for(rc, op=_OP)
+    return rc == 0
 
 
 @collective("all_reduce")
@@ -125,8 +143,9 @@ def _run(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
         if plan is None:
             _staged(ch, tensor, dt, red)
             return
-    if red == SUM and ch.plain:  # the plan holds the default timeout: the hot path in all_reduce may use it
+    if red == SUM and ch.plain:  # the plan holds the default timeout: the hot paths may use it
         ch.choices[(_OP, key[1], key[2], tensor.dtype)] = plan
+        ch.hot_register(tensor, plan)
     ch.call(plan, op=_OP)
 
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .. import native
 from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclSystemError
 from ..heap import layout
 from ..native import abi
@@ -83,6 +84,10 @@ _A_TIMEOUT = abi.ARGS.index("timeout_ns")
 class OpChannel:
     """One communicator's native channel: addresses, the argument struct, the op's state."""
 
+    #: ``entry(tensor) -> 0 | -1 | result code``: a repeated sum all_reduce of a registered heap tensor in one
+    #: native call (-1: not served, take the Python path); None without the native hot module (set in _open).
+    hot = None
+
     def __init__(self, comm: Communicator) -> None:
         ctx = comm._ctx
         heap = ctx.heap
@@ -94,7 +99,8 @@ class OpChannel:
                 f"collective: communicator too large, expected at most {abi.MAX_WORLD} ranks, got {comm.world_size}")
         self.comm, self.ctx, self.prims = comm, ctx, ctx.prims
         self.world_size, self.rank = comm.world_size, comm.rank
-        self.seq = 0
+        #: The op sequence number's storage: the native hot table's word once there is one (:meth:`_open`).
+        self._seq = ctypes.c_int64(0)
 
         def line(g: int, i: int) -> int:
             return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
@@ -152,6 +158,63 @@ class OpChannel:
         self._args_addr = ctypes.addressof(self._args)
         self._chan_run = self.prims.chan_run
         self.configure_stores()
+        # The native hot entry (native/csrc/hot.cpp): its table holds the channel's lock and sequence
+        # number, so every op, hot or not, takes that lock and counts there.
+        hot = native.hot() if hasattr(self.prims, "chan_call_addr") else None
+        self._hot_mod, self._hot_plans = hot, {}
+        self.hot_table = hot.hot_new(self.handle, self.prims.chan_call_addr()) if hot is not None else 0
+        if self.hot_table:
+            self._seq = ctypes.c_int64.from_address(self.hot_table + hot.SEQ_OFFSET)
+            self._acquire, self._release = hot.hot_acquire, hot.hot_release
+        self.hot = hot.hot_entry(self.hot_table) if self.hot_table else None
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the last op this rank started on the channel."""
+        return self._seq.value
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self._seq.value = value
+
+    def _lock(self) -> None:
+        """Take the channel's native lock (held by a hot call of another thread at most for its op)."""
+        if self.hot_table and not self._acquire(self.hot_table, self.timeout_ns + 15_000_000_000):
+            raise ZbcclInvalidUsageError(f"collective: another thread's op on this communicator did not finish "
+                                         f"within {self.timeout + 15:.0f}s", ranks=(self.rank,))
+
+    def _unlock(self) -> None:
+        if self.hot_table:
+            self._release(self.hot_table)
+
+    def hot_register(self, tensor: torch.Tensor, plan: tuple) -> None:
+        """Let :attr:`hot` serve ``tensor`` (a contiguous heap tensor) with ``plan``'s prefilled op."""
+        if not self.hot_table or self.broken is not None:
+            return
+        self._lock()
+        try:
+            slot = self._hot_mod.hot_register(self.hot_table, tensor, plan[1])
+            if slot >= 0:
+                self._hot_plans[slot] = plan  # the native table points into it
+        finally:
+            self._unlock()
+
+    def forget_plans(self) -> None:
+        """Drop every cached plan (the tuning table changed, or too many): the hot table's too."""
+        if self.hot_table:
+            self._lock()
+            try:
+                self._hot_mod.hot_clear(self.hot_table)
+                self._hot_plans.clear()
+            finally:
+                self._unlock()
+        self.choices.clear()
+
+    def disable(self, timeout: float) -> bool:
+        """No more hot calls; wait up to ``timeout`` seconds until none runs (False if one still does)."""
+        if not self.hot_table:
+            return True
+        return bool(self._hot_mod.hot_disable(self.hot_table, max(0, int(timeout * 1e9))))
 
     def configure_stores(self) -> None:
         """Apply ``ZBCCL_STREAM_STORES`` to the native store-kind policy; forgets what it learnt."""
@@ -161,6 +224,8 @@ class OpChannel:
         """Free the C channel (``Communicator.destroy`` calls it; the handle is unusable afterwards)."""
         handle, self.handle = self.handle, 0
         if handle:
+            if not self.disable(self.timeout + 15):
+                return  # a hot call still runs on it: leave the channel allocated rather than free it under the op
             self.prims.chan_free(handle)
 
     def __del__(self) -> None:
@@ -185,11 +250,15 @@ class OpChannel:
             algo: int, root: int, row: int, error: int, aux: int, in_addr: int, out_addr: int, itemsize: int,
             counts: int = 0, nvec: int = 0, stage_off: int = -1, *, op: str) -> None:
         """The op in one native call: fill ``zb_op`` (fields as in ``abi.ARGS``), run, raise on a result."""
-        self.seq += 1
-        _ARGS.pack_into(self._args, 0, self.seq, opcode, dtype, redop, in_numel, out_numel, in_off, out_off, algo,
-                        root, row, 0, error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec, stage_off,
-                        self.timeout_ns, 0)
-        rc = self._chan_run(self.handle, self._args_addr)
+        self._lock()
+        try:
+            self.seq += 1
+            _ARGS.pack_into(self._args, 0, self.seq, opcode, dtype, redop, in_numel, out_numel, in_off, out_off,
+                            algo, root, row, 0, error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec,
+                            stage_off, self.timeout_ns, 0)
+            rc = self._chan_run(self.handle, self._args_addr)
+        finally:
+            self._unlock()
         if rc:
             self.raise_for(rc, op=op)
 
@@ -206,30 +275,37 @@ class OpChannel:
         _ARGS.pack_into(args, 0, 0, opcode, dtype, redop, in_numel, out_numel, in_off, out_off, algo, root, row, 0,
                         error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec, stage_off, self.timeout_ns, 0)
         if len(self.choices) > 4096:
-            self.choices.clear()
+            self.forget_plans()
         plan = self.choices[key] = (args, ctypes.addressof(args), in_numel * itemsize)
         return plan
 
     def call(self, plan: tuple, *, op: str) -> None:
         """Run a prefilled ``zb_op`` from :meth:`plan` with this op's sequence number and timeout."""
-        self.seq += 1
-        args = plan[0]
-        args[0] = self.seq
-        args[_A_TIMEOUT] = self.timeout_ns
-        rc = self._chan_run(self.handle, plan[1])
+        self._lock()
+        try:
+            self.seq += 1
+            args = plan[0]
+            args[0] = self.seq
+            args[_A_TIMEOUT] = self.timeout_ns
+            rc = self._chan_run(self.handle, plan[1])
+        finally:
+            self._unlock()
         if rc:
             self.raise_for(rc, op=op)
 
     def call_hot(self, plan: tuple, op: str) -> None:
         """:meth:`call` for an op's hot path (a repeated call on the tensors a plan was made for, at the
         default timeout): the same steps, fewer lookups, and :meth:`left` if the op is left half-way."""
+        self._lock()
         seq = self.seq
         self.seq = plan[0][0] = seq + 1
         try:
             rc = self._chan_run(self.handle, plan[1])
         except BaseException as exc:  # Ctrl-C in a wait: the peers must learn this rank left
+            self._unlock()
             self.left(seq, exc, op=op)
             raise
+        self._unlock()
         if rc:
             self.raise_for(rc, op=op)
 
@@ -253,10 +329,15 @@ class OpChannel:
 
     def abort(self, why: int, text: str) -> None:
         """Publish that this rank left an op half-way; every later op on this communicator refuses."""
-        self.broken = self.broken or text
-        self.plain = False
+        self.mark_broken(text)
         ctypes.c_int64.from_address(self.my_flags[L_ABORT] + 16).value = why
         self.prims.signal(self.my_flags[L_ABORT], self.seq)
+
+    def mark_broken(self, text: str) -> None:
+        """Every later op on this rank refuses (:meth:`enter`), the hot entry's included."""
+        self.broken = self.broken or text
+        self.plain = False
+        self.disable(0)
 
     def aborted(self, r: int) -> int:
         """Why group rank ``r`` broke this communicator (``ABORT_*``), or 0."""
@@ -288,7 +369,7 @@ class OpChannel:
         if hit is None:
             if len(self._sizes) > 1024:  # the plans point into these arrays: they go too
                 self._sizes.clear()
-                self.choices.clear()
+                self.forget_plans()
             arr = np.asarray(counts, dtype=np.int64)
             hit = self._sizes[key] = (int(arr.ctypes.data), arr)
         return hit[0]

@@ -97,8 +97,7 @@ def error_for(ch: OpChannel, rc: int, *, op: str) -> ZbcclError:
     hdrs, vecs, (_, rank, field, _, late, _, writer) = _copies(ch)
     error = _error_for(ch, rc, hdrs, vecs, rank, field, late, op=op)
     if rc == RC_TIMEOUT:  # this rank gave up on the op (C marked its ABORT line, chan.c leave_op)
-        ch.broken = ch.broken or str(error)
-        ch.plain = False
+        ch.mark_broken(str(error))
     if rc in LEAVING:
         if writer >= 0:
             error.args = (f"{error.args[0]}; rank {writer} was still inside the op after this rank left and may "

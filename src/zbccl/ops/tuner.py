@@ -243,7 +243,7 @@ def force_algorithm(comm, op: str, algo: str | None) -> None:
         table.forced.pop(op, None)
     else:
         table.forced[op] = algo
-    ch.choices.clear()
+    ch.forget_plans()
 
 
 def choose(ch: OpChannel, opcode: int, dtype: torch.dtype, nbytes: int) -> tuple[int, int]:

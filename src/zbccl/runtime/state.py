@@ -243,6 +243,8 @@ def finalize() -> None:
         ctx.finalized = True
         for c in list(ctx.comms):
             c._live = False
+            if getattr(c.op_state, "disable", None) is not None:
+                c.op_state.disable(0)  # the native hot entry serves no more calls (it skips _live)
         if ctx.forked:
             return  # the parent's heap and header: not ours to touch (see _after_fork_in_child)
         heap = ctx.heap
@@ -277,6 +279,8 @@ def _wait_ops_left(ctx: Context) -> bool:
         c._op_lock.wake()
     mine = [c for c in comms if c._op_lock.held_by_me()]
     stuck = [c for c in comms if not c._op_lock.wait_idle(deadline)]
+    stuck += [c for c in comms if c not in stuck and getattr(c.op_state, "disable", None) is not None
+              and not c.op_state.disable(max(0.0, deadline - time.monotonic()))]  # hot calls left too
     if mine or stuck:
         _log.warning("zbccl: finalize: ops still running on communicators %s after %.1fs; keeping the heap "
                      "mapped so that they cannot fault", [list(c.ranks) for c in mine + stuck],

@@ -55,7 +55,7 @@ def _time_op(comm, op: str, nbytes: int, algo: str, chunk: int | None = None) ->
 
         ch = channel_of(comm)
         table_for(ch).rules[op] = {"*": [[-1, algo, chunk]]}
-        ch.choices.clear()
+        ch.forget_plans()
     call()
     iters = max(3, min(1000, int(5e7 // max(nbytes, 4096))))
     reps = []

@@ -64,6 +64,8 @@ def start_timing(worker=None) -> None:
         dc = g.device_communicator
         if getattr(dc, "zb", None) is not None:
             _time_native(g.unique_name, dc.zb)
+            if getattr(dc, "_hot", None) is not None:
+                dc._hot = _time_native_fn(g.unique_name, dc._hot)
         for name in _OPS:
             fn = getattr(dc, name, None)
             if fn is None or getattr(fn, "_zbccl_timed", False):
@@ -71,32 +73,42 @@ def start_timing(worker=None) -> None:
             setattr(dc, name, _timed(f"{g.unique_name}.{name}", fn))
 
 
+def _native_timer(key: str, run):
+    """``run`` (a native call) with its time summed under ``key`` and its span kept. A hot-entry
+    call that did not serve the tensor (-1) is not counted: the Python path's own call is."""
+    rec = _native.setdefault(key, [0, 0])
+    spans = _native_spans.setdefault(key, [])
+    clock = time.perf_counter_ns
+
+    def timed(*args):
+        t0 = clock()
+        rc = -1
+        try:
+            rc = run(*args)
+            return rc
+        finally:
+            if rc != -1:
+                t1 = clock()
+                rec[0] += 1
+                rec[1] += t1 - t0
+                if len(spans) < MAX_SPANS:
+                    spans.append((t0, t1))
+
+    timed._zbccl_timed = True
+    timed.__wrapped__ = run
+    return timed
+
+
+def _time_native_fn(key: str, fn):
+    return _native_timer(key, getattr(fn, "__wrapped__", fn))
+
+
 def _time_native(key: str, comm) -> None:
     """Sum the time of ``comm``'s native op calls (its channel's ``chan_run``) under ``key``."""
     from ...ops.channel import channel_of
 
     ch = channel_of(comm)
-    run = ch._chan_run
-    if getattr(run, "_zbccl_timed", False):
-        run = run.__wrapped__
-    rec = _native.setdefault(key, [0, 0])
-    spans = _native_spans.setdefault(key, [])
-    clock = time.perf_counter_ns
-
-    def timed(handle, args):
-        t0 = clock()
-        try:
-            return run(handle, args)
-        finally:
-            t1 = clock()
-            rec[0] += 1
-            rec[1] += t1 - t0
-            if len(spans) < MAX_SPANS:
-                spans.append((t0, t1))
-
-    timed._zbccl_timed = True
-    timed.__wrapped__ = run
-    ch._chan_run = timed
+    ch._chan_run = _native_timer(key, getattr(ch._chan_run, "__wrapped__", ch._chan_run))
 
 
 def _count_slow_all_reduce() -> None:

@@ -515,21 +515,21 @@ int run_op(zb_chan *c, zb_op *o) {
     }
 }
 
-/* Small ops keep the GIL while they spin (a long wait releases it); large ones drop it at once. */
-static PyObject *py_chan_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[2];
-    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_run() takes 2 arguments, got %zd", nargs);
-    if (zb_i64(args[0], &a[0]) || zb_i64(args[1], &a[1])) return NULL;
-    zb_chan *c = (zb_chan *)(uintptr_t)a[0];
-    zb_op *o = (zb_op *)(uintptr_t)a[1];
-    if (o->op < OP_ALL_REDUCE || o->op > OP_BROADCAST || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0)
-        return PyErr_Format(PyExc_ValueError, "chan_run: bad op arguments (op %lld, nvec %lld, timeout %lld ns)",
-                            (long long)o->op, (long long)o->nvec, (long long)o->timeout_ns);
+/* Small ops keep the GIL while they spin (a long wait releases it); large ones drop it at once.
+ * Called with the GIL held; returns an RC_* code, or -1 with a Python exception set (bad arguments,
+ * or the signal handler's exception after an interrupted wait). Also the native hot entry's
+ * (hot.cpp) way into the channel, through chan_call_addr(). */
+int zb_chan_call(zb_chan *c, zb_op *o) {
+    if (o->op < OP_ALL_REDUCE || o->op > OP_BROADCAST || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0) {
+        PyErr_Format(PyExc_ValueError, "chan_run: bad op arguments (op %lld, nvec %lld, timeout %lld ns)",
+                     (long long)o->op, (long long)o->nvec, (long long)o->timeout_ns);
+        return -1;
+    }
     if (!o->error && (o->op == OP_ALL_REDUCE || o->op == OP_REDUCE_SCATTER) &&
-        !zb_reduce_valid((int)o->dtype, (int)o->redop))
-        return PyErr_Format(PyExc_ValueError, "chan_run: bad dtype/op %lld/%lld", (long long)o->dtype,
-                            (long long)o->redop);
+        !zb_reduce_valid((int)o->dtype, (int)o->redop)) {
+        PyErr_Format(PyExc_ValueError, "chan_run: bad dtype/op %lld/%lld", (long long)o->dtype, (long long)o->redop);
+        return -1;
+    }
     int64_t nbytes = (o->in_numel > o->out_numel ? o->in_numel : o->out_numel) * o->itemsize;
     c->timeout_ns = o->timeout_ns;
     c->result[0] = c->result[1] = c->result[2] = c->result[3] = 0;
@@ -546,13 +546,29 @@ static PyObject *py_chan_run(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (!c->gil_held) PyEval_RestoreThread(c->saved);
     c->gil_held = 0;
     c->result[0] = rc;
-    if (rc == RC_INTERRUPTED) return NULL; /* the signal handler's exception (KeyboardInterrupt) is set */
-    return PyLong_FromLong(rc);
+    return rc == RC_INTERRUPTED ? -1 : rc; /* the signal handler's exception (KeyboardInterrupt) is set */
+}
+
+static PyObject *py_chan_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t a[2];
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_run() takes 2 arguments, got %zd", nargs);
+    if (zb_i64(args[0], &a[0]) || zb_i64(args[1], &a[1])) return NULL;
+    int rc = zb_chan_call((zb_chan *)(uintptr_t)a[0], (zb_op *)(uintptr_t)a[1]);
+    return rc < 0 ? NULL : PyLong_FromLong(rc);
+}
+
+static PyObject *py_chan_call_addr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self, (void)args;
+    if (nargs != 0) return PyErr_Format(PyExc_TypeError, "chan_call_addr() takes no arguments, got %zd", nargs);
+    return PyLong_FromVoidPtr((void *)zb_chan_call);
 }
 
 static PyMethodDef op_methods[] = {
     {"chan_run", (PyCFunction)(void (*)(void))py_chan_run, METH_FASTCALL,
      "chan_run(handle, args_addr) -> result code: run the op described by the zb_op at args_addr."},
+    {"chan_call_addr", (PyCFunction)(void (*)(void))py_chan_call_addr, METH_FASTCALL,
+     "chan_call_addr() -> address of int zb_chan_call(zb_chan *, zb_op *): chan_run for native callers."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,240 @@
+/* zbccl native hot entry: a repeated all_reduce in one C call from the tensor object.
+ *
+ * Inside a model step every call of zbccl's Python entry finds the interpreter, the communicator
+ * and the tensor's accessors evicted by the layer's matmuls (docs/benchmarks.md, "the cold Python
+ * entry"). This entry takes the torch tensor itself: it reads contiguity, data pointer, element
+ * count and dtype through the torch C++ API, finds the prefilled zb_op (the plan the Python layer
+ * made and registered for exactly that tensor), takes the sequence number and runs the op through
+ * the core's zb_chan_call. Anything it cannot serve (another tensor, a non-contiguous one, the
+ * profiler on, the channel busy or disabled) returns -1 and the caller takes the Python path,
+ * which does every check.
+ *
+ * One table per op channel (ops/channel.py), never freed (a few KiB per communicator; a caller
+ * may hold its entry function after the channel closed):
+ *   enabled  0 once the channel closed, broke, or the process forked (pthread_atfork child)
+ *   busy     the channel's native lock: every op on the channel, hot or from Python, holds it
+ *   seq      the channel's op sequence number (OpChannel.seq is a view of this word)
+ * The hot entry takes `busy` (CAS, never waits) before it reads `enabled`; a closing channel clears
+ * `enabled` before it waits for `busy` to drop: so either the entry sees the channel disabled or
+ * the close waits for its op (both sequentially consistent). Registrations and clears run with
+ * `busy` held by the Python layer.
+ */
+#include <Python.h>
+
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+
+#include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+constexpr int kSlots = 32;
+
+struct Entry {
+    int64_t ptr, numel, dtype, op;
+};
+
+struct Table {
+    int64_t enabled, busy, seq, chan, call, next, pad[2];
+    Entry e[kSlots];
+};
+
+using ChanCall = int (*)(void *, void *);
+
+std::mutex g_tables_lock;
+std::vector<Table *> g_tables;
+
+void disable_all_in_child() {
+    for (Table *t : g_tables) t->enabled = 0; /* a forked child may not touch the parent's heap */
+}
+
+uint64_t now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+bool try_lock(Table *t) {
+    int64_t z = 0;
+    return __atomic_compare_exchange_n(&t->busy, &z, 1, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+void unlock(Table *t) { __atomic_store_n(&t->busy, 0, __ATOMIC_SEQ_CST); }
+
+/* Wait (GIL released) until `busy` can be taken (take = true) or is 0; false at the deadline. */
+bool wait_busy(Table *t, int64_t timeout_ns, bool take) {
+    auto ready = [&] { return take ? try_lock(t) : __atomic_load_n(&t->busy, __ATOMIC_SEQ_CST) == 0; };
+    if (ready()) return true;
+    bool ok = false;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t deadline = now_ns() + (uint64_t)timeout_ns;
+    long sleep_ns = 1000;
+    while (!(ok = ready()) && now_ns() < deadline) {
+        timespec ts = {0, sleep_ns};
+        nanosleep(&ts, nullptr);
+        sleep_ns = sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2;
+    }
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+Table *table_of(PyObject *o) {
+    void *p = PyLong_AsVoidPtr(o);
+    if (!p && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "hot: null table");
+    return (Table *)p;
+}
+
+/* The tensor's key, or false when the hot entry cannot serve it. */
+bool key_of(PyObject *obj, Entry *k) {
+    if (!THPVariable_Check(obj)) return false;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.numel() == 0) return false;
+    k->ptr = (int64_t)(uintptr_t)t.const_data_ptr();
+    k->numel = t.numel();
+    k->dtype = (int64_t)t.scalar_type();
+    return true;
+}
+
+/* entry(tensor) -> 0 done, -1 not served (take the Python path), > 0 the op's result code. */
+PyObject *hot_call(PyObject *self, PyObject *tensor) {
+    Table *t = (Table *)PyCapsule_GetPointer(self, nullptr);
+    if (!t) return nullptr;
+    Entry k;
+    if (!key_of(tensor, &k) || torch::autograd::profiler::profilerEnabled()) return PyLong_FromLong(-1);
+    if (!try_lock(t)) return PyLong_FromLong(-1);
+    if (!__atomic_load_n(&t->enabled, __ATOMIC_SEQ_CST)) {
+        unlock(t);
+        return PyLong_FromLong(-1);
+    }
+    int64_t *op = nullptr;
+    for (int i = 0; i < kSlots; i++) {
+        const Entry &e = t->e[i];
+        if (e.op && e.ptr == k.ptr && e.numel == k.numel && e.dtype == k.dtype) {
+            op = (int64_t *)(uintptr_t)e.op;
+            break;
+        }
+    }
+    if (!op) {
+        unlock(t);
+        return PyLong_FromLong(-1);
+    }
+    op[0] = ++t->seq; /* zb_op leads with SEQ */
+    int rc = ((ChanCall)(uintptr_t)t->call)((void *)(uintptr_t)t->chan, (void *)op);
+    unlock(t);
+    return rc < 0 ? nullptr : PyLong_FromLong(rc);
+}
+
+PyMethodDef hot_call_def = {"hot_all_reduce", (PyCFunction)hot_call, METH_O,
+                            "entry(tensor) -> 0 done, -1 not served here, > 0 the op's result code."};
+
+PyObject *py_new(PyObject *, PyObject *args) {
+    long long chan, call;
+    if (!PyArg_ParseTuple(args, "LL", &chan, &call)) return nullptr;
+    Table *t = (Table *)calloc(1, sizeof(Table));
+    if (!t) return PyErr_NoMemory();
+    t->chan = chan, t->call = call, t->enabled = 1;
+    {
+        std::lock_guard<std::mutex> g(g_tables_lock);
+        g_tables.push_back(t);
+    }
+    return PyLong_FromVoidPtr(t);
+}
+
+PyObject *py_entry(PyObject *, PyObject *addr) {
+    Table *t = table_of(addr);
+    if (!t) return nullptr;
+    PyObject *cap = PyCapsule_New(t, nullptr, nullptr);
+    if (!cap) return nullptr;
+    PyObject *fn = PyCFunction_New(&hot_call_def, cap);
+    Py_DECREF(cap);
+    return fn;
+}
+
+PyObject *py_register(PyObject *, PyObject *args) {
+    PyObject *addr, *tensor;
+    long long op;
+    if (!PyArg_ParseTuple(args, "OOL", &addr, &tensor, &op)) return nullptr;
+    Table *t = table_of(addr);
+    if (!t) return nullptr;
+    Entry k;
+    if (!key_of(tensor, &k)) return PyLong_FromLong(-1);
+    int slot = -1;
+    for (int i = 0; i < kSlots && slot < 0; i++)
+        if (t->e[i].op && t->e[i].ptr == k.ptr && t->e[i].numel == k.numel && t->e[i].dtype == k.dtype) slot = i;
+    if (slot < 0) slot = (int)(t->next++ % kSlots);
+    k.op = op;
+    t->e[slot] = k;
+    return PyLong_FromLong(slot);
+}
+
+PyObject *py_clear(PyObject *, PyObject *addr) {
+    Table *t = table_of(addr);
+    if (!t) return nullptr;
+    for (int i = 0; i < kSlots; i++) t->e[i] = Entry{0, 0, 0, 0};
+    t->next = 0;
+    Py_RETURN_NONE;
+}
+
+PyObject *py_acquire(PyObject *, PyObject *args) {
+    PyObject *addr;
+    long long timeout_ns;
+    if (!PyArg_ParseTuple(args, "OL", &addr, &timeout_ns)) return nullptr;
+    Table *t = table_of(addr);
+    if (!t) return nullptr;
+    return PyBool_FromLong(wait_busy(t, timeout_ns, true));
+}
+
+PyObject *py_release(PyObject *, PyObject *addr) {
+    Table *t = table_of(addr);
+    if (!t) return nullptr;
+    unlock(t);
+    Py_RETURN_NONE;
+}
+
+PyObject *py_disable(PyObject *, PyObject *args) {
+    PyObject *addr;
+    long long timeout_ns;
+    if (!PyArg_ParseTuple(args, "OL", &addr, &timeout_ns)) return nullptr;
+    Table *t = table_of(addr);
+    if (!t) return nullptr;
+    __atomic_store_n(&t->enabled, 0, __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(timeout_ns <= 0 || wait_busy(t, timeout_ns, false));
+}
+
+PyMethodDef methods[] = {
+    {"hot_new", py_new, METH_VARARGS, "hot_new(chan_handle, chan_call_addr) -> table address (enabled)."},
+    {"hot_entry", py_entry, METH_O, "hot_entry(table) -> entry(tensor) -> 0 | -1 | result code."},
+    {"hot_register", py_register, METH_VARARGS,
+     "hot_register(table, tensor, zb_op address) -> slot, or -1 if the tensor cannot be served (busy held)."},
+    {"hot_clear", py_clear, METH_O, "hot_clear(table): forget every registered op (busy held)."},
+    {"hot_acquire", py_acquire, METH_VARARGS,
+     "hot_acquire(table, timeout_ns) -> bool: take the channel's native lock, waiting without the GIL."},
+    {"hot_release", py_release, METH_O, "hot_release(table): drop the channel's native lock."},
+    {"hot_disable", py_disable, METH_VARARGS,
+     "hot_disable(table, timeout_ns) -> bool: no more hot calls; then wait (GIL released) until none runs."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "zbccl._native_hot",
+                      "zbccl native hot entry: a repeated all_reduce in one call from the tensor.", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native_hot(void) {
+    static std::once_flag once;
+    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, disable_all_in_child); });
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return nullptr;
+    if (PyModule_AddIntConstant(m, "SEQ_OFFSET", offsetof(Table, seq)) < 0 ||
+        PyModule_AddIntConstant(m, "ENABLED_OFFSET", offsetof(Table, enabled)) < 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}

@@ -1,0 +1,191 @@
+"""The native hot entry of all_reduce (``OpChannel.hot``, ``native/csrc/hot.cpp``).
+
+A repeated sum all_reduce of a heap tensor zbccl already made a plan for runs in one native
+call from the tensor object. These tests check that it serves exactly those calls (bit-exact
+against the reference, payloads encoding rank and step), that everything else falls back to
+the Python path with its checks, and that it respects the channel's lifecycle: threads,
+finalize, fork and a broken communicator.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from tests.multiproc.test_ops import payload
+from tests.spawn import run_world
+
+MiB = 1 << 20
+
+
+def _counting(ch):
+    """Count the Python path's native calls on ``ch`` (the hot entry does not go through them)."""
+    calls = [0]
+    real = ch._chan_run
+
+    def counted(handle, args):
+        calls[0] += 1
+        return real(handle, args)
+
+    ch._chan_run = counted
+    return calls
+
+
+def _served(ctx):
+    import zbccl
+    from zbccl.ops.channel import channel_of
+    from zbccl.ops.reference import all_reduce_ref
+
+    comm = ctx.init(heap_size=16 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        ch = channel_of(comm)
+        if ch.hot is None:
+            pytest.skip("the native hot entry is not available here")
+        calls = _counting(ch)
+        # more tensors than the table's 32 slots: entries are replaced, never confused
+        shapes = [(n, dt) for n in (1, 300, 2048, 4099) for dt in
+                  (torch.float32, torch.bfloat16, torch.float16, torch.int32)] * 3
+        tensors = [(zbccl.empty(n, dtype=dt), dt) for n, dt in shapes]
+        for step in range(3):
+            for i, (t, dt) in enumerate(tensors):
+                t.copy_(payload(me + 7 * step + i, t.numel(), dt))
+                zbccl.all_reduce(t)
+                ref = all_reduce_ref([payload(r + 7 * step + i, t.numel(), dt) for r in range(W)], 0)
+                assert torch.equal(t, ref), f"step {step} tensor {i} {dt}"
+        python_calls = calls[0]
+        # the first round made the plans; later rounds of the same tensors in a working set the table
+        # holds run hot
+        hot_set = tensors[:8]
+        for t, _ in hot_set:  # registered again (the table's slots went to later tensors)
+            zbccl.all_reduce(t)
+        calls[0] = 0
+        for step in range(5):
+            for i, (t, dt) in enumerate(hot_set):
+                t.copy_(payload(me + step + i, t.numel(), dt))
+                zbccl.all_reduce(t)
+                assert torch.equal(t, all_reduce_ref([payload(r + step + i, t.numel(), dt) for r in range(W)], 0))
+        assert calls[0] == 0, f"{calls[0]} calls took the Python path"
+        # not served: a non-contiguous view, another dtype at the same address, a private tensor, max
+        base = zbccl.empty(64, dtype=torch.float32)
+        base.copy_(payload(me, 64, torch.float32))
+        zbccl.all_reduce(base)
+        calls[0] = 0
+        view = base.view(8, 8).t()
+        view.copy_(payload(me, 64, torch.float32).view(8, 8).t())
+        zbccl.all_reduce(view)
+        assert torch.equal(view, all_reduce_ref([payload(r, 64, torch.float32).view(8, 8).t() for r in range(W)], 0))
+        as_int = base.view(torch.int32)
+        as_int.copy_(payload(me, 64, torch.int32))
+        zbccl.all_reduce(as_int)
+        assert torch.equal(as_int, all_reduce_ref([payload(r, 64, torch.int32) for r in range(W)], 0))
+        private = payload(me, 64, torch.float32)
+        zbccl.all_reduce(private)
+        assert torch.equal(private, all_reduce_ref([payload(r, 64, torch.float32) for r in range(W)], 0))
+        base.copy_(payload(me, 64, torch.float32))
+        zbccl.all_reduce(base, "max")
+        assert torch.equal(base, all_reduce_ref([payload(r, 64, torch.float32) for r in range(W)], 2))
+        assert calls[0] >= 4, calls[0]
+        # the profiler sees every call: the Python path records it
+        calls[0] = 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            zbccl.all_reduce(base)
+        assert calls[0] == 1 and any("all_reduce" in e.name for e in prof.events())
+        return python_calls
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hot_entry_serves_registered_tensors_only(world_size):
+    out = run_world(_served, world_size, timeout=180)
+    assert all(n > 0 for n in out)
+
+
+def _threads(ctx):
+    """Two threads of each rank, each on its own communicator over the same ranks, both hot; and one
+    communicator used by two threads in turn (the channel's native lock passes between them)."""
+    import zbccl
+    from zbccl.ops.reference import all_reduce_ref
+
+    comm = ctx.init(heap_size=16 * MiB)
+    other = comm.new_group([0, 1])
+    W, me = comm.world_size, comm.rank
+    errors = []
+
+    def loop(c, salt):
+        try:
+            t = zbccl.empty(1000, dtype=torch.float32)
+            for step in range(300):
+                t.copy_(payload(me + salt + step, 1000, torch.float32))
+                zbccl.all_reduce(t, comm=c)
+                want = all_reduce_ref([payload(r + salt + step, 1000, torch.float32) for r in range(W)], 0)
+                assert torch.equal(t, want), f"salt {salt} step {step}"
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(comm, 0)), threading.Thread(target=loop, args=(other, 100))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    # one communicator, two threads one after the other
+    for salt in (200, 300):
+        th = threading.Thread(target=loop, args=(comm, salt))
+        th.start()
+        th.join(120)
+    assert not errors, errors
+    other.destroy()
+    zbccl.finalize()
+    return True
+
+
+def test_hot_entry_under_threads():
+    assert run_world(_threads, 2, timeout=180) == [True, True]
+
+
+def _lifecycle(ctx):
+    """A hot entry held past finalize serves nothing (and does not touch the unmapped heap); in a forked
+    child it serves nothing either; a communicator broken by a timeout refuses hot calls too."""
+    import zbccl
+    from zbccl.ops.allreduce import run_hot
+    from zbccl.ops.channel import channel_of
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=2)
+    t = zbccl.empty(512, dtype=torch.float32).fill_(1)
+    zbccl.all_reduce(t)
+    zbccl.all_reduce(t)
+    ch = channel_of(comm)
+    hot = ch.hot
+    if hot is None:
+        zbccl.finalize()
+        pytest.skip("the native hot entry is not available here")
+    assert hot(t) == 0  # served, both ranks in step
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's channel is not ours
+        os._exit(0 if hot(t) == -1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, "a forked child's hot call was served"
+    store = ctx.store()
+    if ctx.rank == 1:  # skips the next op: rank 0's hot call times out and breaks the channel
+        store.wait(["hot/timed-out"])
+    else:
+        with pytest.raises(zbccl.ZbcclTimeoutError, match="rank 1 never arrived"):
+            run_hot(ch, hot, t)
+        assert hot(t) == -1  # broken: the Python path refuses with the reason
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="broken"):
+            zbccl.all_reduce(t)
+        store.set("hot/timed-out", b"1")
+    zbccl.finalize()
+    assert hot(t) == -1
+    with pytest.raises(zbccl.ZbcclInvalidUsageError):
+        zbccl.all_reduce(t)
+    return True
+
+
+def test_hot_entry_lifecycle():
+    assert run_world(_lifecycle, 2, timeout=120) == [True, True]
