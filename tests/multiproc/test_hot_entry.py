@@ -105,6 +105,47 @@ def test_hot_entry_serves_registered_tensors_only(world_size):
     assert all(n > 0 for n in out)
 
 
+def _gather(ctx):
+    """all_gather_into_tensor through the hot entry: the registered (output, input) pair only, bit-exact;
+    another output, another dtype or a wrong-sized output take the Python path and its checks."""
+    import zbccl
+    from zbccl.ops.channel import channel_of
+
+    comm = ctx.init(heap_size=16 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        ch = channel_of(comm)
+        if ch.hot_gather is None:
+            pytest.skip("the native hot entry is not available here")
+        calls = _counting(ch)
+        pairs = [(zbccl.empty(n, dtype=dt), torch.empty(W * n, dtype=dt), dt) for n in (1, 513, 4096)
+                 for dt in (torch.float32, torch.bfloat16)]
+        for step in range(4):
+            calls[0] = 0
+            for i, (x, out, dt) in enumerate(pairs):
+                x.copy_(payload(me + step + i, x.numel(), dt))
+                out.fill_(-1)
+                zbccl.all_gather_into_tensor(out, x)
+                want = torch.cat([payload(r + step + i, x.numel(), dt) for r in range(W)])
+                assert torch.equal(out, want), f"step {step} pair {i}"
+            if step:
+                assert calls[0] == 0, f"{calls[0]} gathers took the Python path"
+        x, out, dt = pairs[1]
+        other = torch.empty_like(out)
+        zbccl.all_gather_into_tensor(other, x)  # a new output: a new plan, through Python
+        assert calls[0] == 1 and torch.equal(other, out)
+        with pytest.raises(zbccl.ZbcclInvalidUsageError):
+            zbccl.all_gather_into_tensor(torch.empty(W * x.numel() + 1, dtype=dt), x)
+        return True
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hot_entry_gathers_registered_pairs_only(world_size):
+    assert run_world(_gather, world_size, timeout=120) == [True] * world_size
+
+
 def _threads(ctx):
     """Two threads of each rank, each on its own communicator over the same ranks, both hot; and one
     communicator used by two threads in turn (the channel's native lock passes between them)."""

@@ -105,16 +105,16 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     return _all_reduce(tensor, op, comm=comm, timeout=timeout)
 
 
-def run_hot(ch: OpChannel, hot, tensor: torch.Tensor) -> bool:
-    """Try the native hot entry (``OpChannel.hot``) on ``tensor``: True if it ran the sum all_reduce,
-    False if it did not serve it (the caller takes the Python path). Raises the op's error."""
+def run_hot(ch: OpChannel, hot, *tensors: torch.Tensor, op: str = _OP) -> bool:
+    """Try a native hot entry (``OpChannel.hot``: the tensor; ``hot_gather``: output, input): True if it
+    ran the op, False if it did not serve it (the caller takes the Python path). Raises the op's error."""
     try:
-        rc = hot(tensor)
+        rc = hot(*tensors)
     except BaseException as exc:  # Ctrl-C in the op's wait: the peers must learn this rank left
-        ch.left(ch.seq - 1, exc, op=_OP)
+        ch.left(ch.seq - 1, exc, op=op)
         raise
     if rc > 0:
-        ch.raise_for(rc, op=_OP)
+        ch.raise_for(rc, op=op)
     return rc == 0
 
 

@@ -87,6 +87,8 @@ class OpChannel:
     #: ``entry(tensor) -> 0 | -1 | result code``: a repeated sum all_reduce of a registered heap tensor in one
     #: native call (-1: not served, take the Python path); None without the native hot module (set in _open).
     hot = None
+    #: The same for a repeated even ``all_gather_into_tensor``: ``entry(output, input)``.
+    hot_gather = None
 
     def __init__(self, comm: Communicator) -> None:
         ctx = comm._ctx
@@ -166,7 +168,8 @@ class OpChannel:
         if self.hot_table:
             self._seq = ctypes.c_int64.from_address(self.hot_table + hot.SEQ_OFFSET)
             self._acquire, self._release = hot.hot_acquire, hot.hot_release
-        self.hot = hot.hot_entry(self.hot_table) if self.hot_table else None
+        if self.hot_table:
+            self.hot, self.hot_gather = hot.hot_entry(self.hot_table, False), hot.hot_entry(self.hot_table, True)
 
     @property
     def seq(self) -> int:
@@ -187,13 +190,14 @@ class OpChannel:
         if self.hot_table:
             self._release(self.hot_table)
 
-    def hot_register(self, tensor: torch.Tensor, plan: tuple) -> None:
-        """Let :attr:`hot` serve ``tensor`` (a contiguous heap tensor) with ``plan``'s prefilled op."""
+    def hot_register(self, tensor: torch.Tensor, plan: tuple, output: torch.Tensor | None = None) -> None:
+        """Let :attr:`hot` serve ``tensor`` (a contiguous heap tensor) with ``plan``'s prefilled op, or with
+        ``output``, :attr:`hot_gather` serve the pair."""
         if not self.hot_table or self.broken is not None:
             return
         self._lock()
         try:
-            slot = self._hot_mod.hot_register(self.hot_table, tensor, plan[1])
+            slot = self._hot_mod.hot_register(self.hot_table, tensor, plan[1], output)
             if slot >= 0:
                 self._hot_plans[slot] = plan  # the native table points into it
         finally:

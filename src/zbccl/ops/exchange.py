@@ -31,6 +31,7 @@ from ..native.abi import OP_ALL_GATHER, OP_ALL_TO_ALL
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
+from .allreduce import run_hot
 from .args import check_exchange, even_gather_code, index_list, splits, tensor_error
 from .channel import ERR_NOMEM, ERR_USAGE, OpChannel
 from .entry import run_op
@@ -58,6 +59,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
     """
     ch = comm.op_state
     if timeout is None and ch is not None and ch.plain and type(input) is torch.Tensor and type(output) is torch.Tensor:
+        if ch.hot_gather is not None and run_hot(ch, ch.hot_gather, output, input, op="all_gather"):
+            return output  # the native hot entry (ops/allreduce.py run_hot)
         # the hot path of a repeated call on the tensors a plan was made for (every check passed then)
         try:
             plan = ch.choices.get((_HOT_AG, input.data_ptr(), output.data_ptr(), input.numel(), output.numel(),
@@ -66,6 +69,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
             plan = None
         if plan is not None and input.is_contiguous() and output.is_contiguous() and not _profiler._is_profiler_enabled:
             ch.call_hot(plan, "all_gather")
+            if ch.hot_gather is not None:  # the hot entry did not serve it: its table lost the pair
+                ch.hot_register(input, plan, output)
             return output
     W = comm.world_size
     dt = even_gather_code(output, input, W, comm.rank)
@@ -102,6 +107,7 @@ def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, c
             plan = _plan(ch, key, output, input, counts, out_counts, row, dt)
             if plan is not None and op == "all_gather" and counts is None and ch.plain:
                 ch.choices[(_HOT_AG, key[1], key[2], key[3], key[4], input.dtype, output.dtype)] = plan
+                ch.hot_register(input, plan, output)
         if plan is not None:
             ch.call(plan, op=op)
             return

@@ -1,4 +1,4 @@
-/* zbccl native hot entry: a repeated all_reduce in one C call from the tensor object.
+/* zbccl native hot entries: a repeated all_reduce or all_gather in one C call from the tensor objects.
  *
  * Inside a model step every call of zbccl's Python entry finds the interpreter, the communicator
  * and the tensor's accessors evicted by the layer's matmuls (docs/benchmarks.md, "the cold Python
@@ -36,8 +36,10 @@ namespace {
 
 constexpr int kSlots = 32;
 
+/* A registered op: its input's key, its zb_op, and for an all_gather the output's address and size
+ * (0 for an all_reduce, which is in place). */
 struct Entry {
-    int64_t ptr, numel, dtype, op;
+    int64_t ptr, numel, dtype, op, out_ptr, out_numel;
 };
 
 struct Table {
@@ -101,13 +103,9 @@ bool key_of(PyObject *obj, Entry *k) {
     return true;
 }
 
-/* entry(tensor) -> 0 done, -1 not served (take the Python path), > 0 the op's result code. */
-PyObject *hot_call(PyObject *self, PyObject *tensor) {
-    Table *t = (Table *)PyCapsule_GetPointer(self, nullptr);
-    if (!t) return nullptr;
-    Entry k;
-    if (!key_of(tensor, &k) || torch::autograd::profiler::profilerEnabled()) return PyLong_FromLong(-1);
-    if (!try_lock(t)) return PyLong_FromLong(-1);
+/* Run the registered op matching `k` (input key, output address and size), or -1 if none. */
+PyObject *run(Table *t, const Entry &k) {
+    if (torch::autograd::profiler::profilerEnabled() || !try_lock(t)) return PyLong_FromLong(-1);
     if (!__atomic_load_n(&t->enabled, __ATOMIC_SEQ_CST)) {
         unlock(t);
         return PyLong_FromLong(-1);
@@ -115,7 +113,8 @@ PyObject *hot_call(PyObject *self, PyObject *tensor) {
     int64_t *op = nullptr;
     for (int i = 0; i < kSlots; i++) {
         const Entry &e = t->e[i];
-        if (e.op && e.ptr == k.ptr && e.numel == k.numel && e.dtype == k.dtype) {
+        if (e.op && e.ptr == k.ptr && e.numel == k.numel && e.dtype == k.dtype && e.out_ptr == k.out_ptr &&
+            e.out_numel == k.out_numel) {
             op = (int64_t *)(uintptr_t)e.op;
             break;
         }
@@ -130,8 +129,29 @@ PyObject *hot_call(PyObject *self, PyObject *tensor) {
     return rc < 0 ? nullptr : PyLong_FromLong(rc);
 }
 
+/* all_reduce entry(tensor) -> 0 done, -1 not served (take the Python path), > 0 the op's result code. */
+PyObject *hot_call(PyObject *self, PyObject *tensor) {
+    Table *t = (Table *)PyCapsule_GetPointer(self, nullptr);
+    if (!t) return nullptr;
+    Entry k{};
+    if (!key_of(tensor, &k)) return PyLong_FromLong(-1);
+    return run(t, k);
+}
+
+/* all_gather entry(output, input): as hot_call; the output must be the registered one, same dtype. */
+PyObject *hot_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Table *t = (Table *)PyCapsule_GetPointer(self, nullptr);
+    if (!t) return nullptr;
+    Entry k{}, o{};
+    if (nargs != 2 || !key_of(args[1], &k) || !key_of(args[0], &o) || o.dtype != k.dtype) return PyLong_FromLong(-1);
+    k.out_ptr = o.ptr, k.out_numel = o.numel;
+    return run(t, k);
+}
+
 PyMethodDef hot_call_def = {"hot_all_reduce", (PyCFunction)hot_call, METH_O,
                             "entry(tensor) -> 0 done, -1 not served here, > 0 the op's result code."};
+PyMethodDef hot_gather_def = {"hot_all_gather", (PyCFunction)(void (*)(void))hot_gather, METH_FASTCALL,
+                              "entry(output, input) -> 0 done, -1 not served here, > 0 the op's result code."};
 
 PyObject *py_new(PyObject *, PyObject *args) {
     long long chan, call;
@@ -146,27 +166,38 @@ PyObject *py_new(PyObject *, PyObject *args) {
     return PyLong_FromVoidPtr(t);
 }
 
-PyObject *py_entry(PyObject *, PyObject *addr) {
+PyObject *py_entry(PyObject *, PyObject *args) {
+    PyObject *addr;
+    int gather;
+    if (!PyArg_ParseTuple(args, "Op", &addr, &gather)) return nullptr;
     Table *t = table_of(addr);
     if (!t) return nullptr;
     PyObject *cap = PyCapsule_New(t, nullptr, nullptr);
     if (!cap) return nullptr;
-    PyObject *fn = PyCFunction_New(&hot_call_def, cap);
+    PyObject *fn = PyCFunction_New(gather ? &hot_gather_def : &hot_call_def, cap);
     Py_DECREF(cap);
     return fn;
 }
 
 PyObject *py_register(PyObject *, PyObject *args) {
-    PyObject *addr, *tensor;
+    PyObject *addr, *tensor, *out = Py_None;
     long long op;
-    if (!PyArg_ParseTuple(args, "OOL", &addr, &tensor, &op)) return nullptr;
+    if (!PyArg_ParseTuple(args, "OOL|O", &addr, &tensor, &op, &out)) return nullptr;
     Table *t = table_of(addr);
     if (!t) return nullptr;
-    Entry k;
+    Entry k{}, o{};
     if (!key_of(tensor, &k)) return PyLong_FromLong(-1);
+    if (out != Py_None) {
+        if (!key_of(out, &o) || o.dtype != k.dtype) return PyLong_FromLong(-1);
+        k.out_ptr = o.ptr, k.out_numel = o.numel;
+    }
     int slot = -1;
-    for (int i = 0; i < kSlots && slot < 0; i++)
-        if (t->e[i].op && t->e[i].ptr == k.ptr && t->e[i].numel == k.numel && t->e[i].dtype == k.dtype) slot = i;
+    for (int i = 0; i < kSlots && slot < 0; i++) {
+        const Entry &e = t->e[i];
+        if (e.op && e.ptr == k.ptr && e.numel == k.numel && e.dtype == k.dtype && e.out_ptr == k.out_ptr &&
+            e.out_numel == k.out_numel)
+            slot = i;
+    }
     if (slot < 0) slot = (int)(t->next++ % kSlots);
     k.op = op;
     t->e[slot] = k;
@@ -176,7 +207,7 @@ PyObject *py_register(PyObject *, PyObject *args) {
 PyObject *py_clear(PyObject *, PyObject *addr) {
     Table *t = table_of(addr);
     if (!t) return nullptr;
-    for (int i = 0; i < kSlots; i++) t->e[i] = Entry{0, 0, 0, 0};
+    for (int i = 0; i < kSlots; i++) t->e[i] = Entry{};
     t->next = 0;
     Py_RETURN_NONE;
 }
@@ -209,9 +240,11 @@ PyObject *py_disable(PyObject *, PyObject *args) {
 
 PyMethodDef methods[] = {
     {"hot_new", py_new, METH_VARARGS, "hot_new(chan_handle, chan_call_addr) -> table address (enabled)."},
-    {"hot_entry", py_entry, METH_O, "hot_entry(table) -> entry(tensor) -> 0 | -1 | result code."},
+    {"hot_entry", py_entry, METH_VARARGS,
+     "hot_entry(table, gather) -> all_reduce entry(tensor), or all_gather entry(output, input) when gather; "
+     "each -> 0 | -1 | result code."},
     {"hot_register", py_register, METH_VARARGS,
-     "hot_register(table, tensor, zb_op address) -> slot, or -1 if the tensor cannot be served (busy held)."},
+     "hot_register(table, input, zb_op address[, output]) -> slot, or -1 if it cannot be served (busy held)."},
     {"hot_clear", py_clear, METH_O, "hot_clear(table): forget every registered op (busy held)."},
     {"hot_acquire", py_acquire, METH_VARARGS,
      "hot_acquire(table, timeout_ns) -> bool: take the channel's native lock, waiting without the GIL."},
