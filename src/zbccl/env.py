@@ -35,6 +35,7 @@ __all__ = [
     "ALGO",
     "TUNE_FILE",
     "STREAM_STORES",
+    "HOT_ENTRY",
     "CXX",
     "LOG_LEVEL",
     "FALLBACK_OPS",
@@ -158,8 +159,8 @@ WAIT_SPIN: EnvVar[int] = EnvVar(
 )
 WAIT_POLL_US: EnvVar[float] = EnvVar(
     "ZBCCL_WAIT_POLL_US", float, -1.0,
-    "Microseconds a wait keeps polling (yielding the core between polls, GIL released) before it sleeps "
-    "on a futex; -1 picks by load (2000 when every local rank has its own core, else 50, the least).",
+    "Microseconds a wait keeps polling (yielding the core between polls) before it releases the GIL and "
+    "sleeps on a futex; -1 picks by load (2000 when every local rank has its own core, else 50, the least).",
 )
 LIVENESS_INTERVAL: EnvVar[float] = EnvVar(
     "ZBCCL_LIVENESS_INTERVAL", lambda t: parse_seconds(t, what="liveness interval"), 0.05,
@@ -190,6 +191,18 @@ ALGO: EnvVar[str] = EnvVar(
 TUNE_FILE: EnvVar[str] = EnvVar(
     "ZBCCL_TUNE_FILE", str, "",
     "Tuning table to load instead of the one 'zbccl tune' saved under ZBCCL_CACHE_DIR for this host.",
+)
+def _parse_hot(text: str) -> str:
+    low = text.strip().lower()
+    if low not in ("all", "all_reduce", "off"):
+        raise ValueError(f"expected one of all/all_reduce/off, got {text!r}")
+    return low
+
+
+HOT_ENTRY: EnvVar[str] = EnvVar(
+    "ZBCCL_HOT_ENTRY", _parse_hot, "all",
+    "The native hot entries that serve a repeated op from the tensor objects: all (all_reduce and "
+    "all_gather), all_reduce, off (every call through the Python path).",
 )
 STREAM_STORES: EnvVar[str] = EnvVar(
     "ZBCCL_STREAM_STORES", str, "auto",
@@ -236,6 +249,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ALGO,
     TUNE_FILE,
     STREAM_STORES,
+    HOT_ENTRY,
     CXX,
     LOG_LEVEL,
     FALLBACK_OPS,

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .. import native
+from .. import env, native
 from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclSystemError
 from ..heap import layout
 from ..native import abi
@@ -162,14 +162,16 @@ class OpChannel:
         self.configure_stores()
         # The native hot entry (native/csrc/hot.cpp): its table holds the channel's lock and sequence
         # number, so every op, hot or not, takes that lock and counts there.
-        hot = native.hot() if hasattr(self.prims, "chan_call_addr") else None
+        which = env.HOT_ENTRY.get()
+        hot = native.hot() if which != "off" and hasattr(self.prims, "chan_call_addr") else None
         self._hot_mod, self._hot_plans = hot, {}
         self.hot_table = hot.hot_new(self.handle, self.prims.chan_call_addr()) if hot is not None else 0
         if self.hot_table:
             self._seq = ctypes.c_int64.from_address(self.hot_table + hot.SEQ_OFFSET)
             self._acquire, self._release = hot.hot_acquire, hot.hot_release
         if self.hot_table:
-            self.hot, self.hot_gather = hot.hot_entry(self.hot_table, False), hot.hot_entry(self.hot_table, True)
+            self.hot = hot.hot_entry(self.hot_table, False)
+            self.hot_gather = hot.hot_entry(self.hot_table, True) if which == "all" else None
 
     @property
     def seq(self) -> int:

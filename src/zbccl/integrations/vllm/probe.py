@@ -104,11 +104,14 @@ def _time_native_fn(key: str, fn):
 
 
 def _time_native(key: str, comm) -> None:
-    """Sum the time of ``comm``'s native op calls (its channel's ``chan_run``) under ``key``."""
+    """Sum the time of ``comm``'s native op calls (its channel's ``chan_run`` and all_gather hot entry)
+    under ``key``."""
     from ...ops.channel import channel_of
 
     ch = channel_of(comm)
     ch._chan_run = _native_timer(key, getattr(ch._chan_run, "__wrapped__", ch._chan_run))
+    if ch.hot_gather is not None:  # the all_gather hot entry (the all_reduce one is the communicator's)
+        ch.hot_gather = _time_native_fn(key, ch.hot_gather)
 
 
 def _count_slow_all_reduce() -> None:

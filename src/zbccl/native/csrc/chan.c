@@ -10,7 +10,7 @@
  *
  * Python validates, decides the algorithm, stages operands that are not in
  * the heap and owns every policy; this file only moves bytes and waits. Waits spin `spin` polls, then yield between polls for
- * `poll_ns` (at least 50 us; the GIL released after the first 50), then sleep on the futex (the flag layout of core.c: value at +0, waiter count at +8), and
+ * `poll_ns` (at least 50 us; the GIL kept), then release the GIL and sleep on the futex (the flag layout of core.c: value at +0, waiter count at +8), and
  * every `liveness_ns` they poll the peers' liveness sockets and read the
  * peers' header STATE and ABORT line: a dead or departed peer, or one that
  * left an op half-way (Ctrl-C), ends the wait at once with its rank. An op
@@ -202,8 +202,9 @@ int wait_all(zb_chan *c, int64_t **flags, int64_t target) {
         }
         if (t - start < 50000) {
             sched_yield();
-        } else if (t - start < (uint64_t)c->poll_ns) { /* a rank with its own core: keep polling, let threads run */
-            gil_release(c);
+        } else if (t - start < (uint64_t)c->poll_ns) {
+            /* a rank with its own core keeps polling, and keeps the GIL: another thread of the process that
+             * took it (an engine's output thread) could delay this op's return by a switch interval (5 ms) */
             sched_yield();
         } else {
             gil_release(c);
