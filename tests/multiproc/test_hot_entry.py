@@ -21,6 +21,24 @@ from tests.spawn import run_world
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _needs_hot_entry():
+    from zbccl import native
+
+    if native.hot() is None:  # no C++ compiler or torch headers: the Python path serves everything
+        pytest.skip("the native hot entry cannot be built here")
+
+
+def _start(ctx, heap_size: int):
+    """Init, and the world's channel with its Python-path native calls counted."""
+    from zbccl.ops.channel import channel_of
+
+    comm = ctx.init(heap_size=heap_size)
+    ch = channel_of(comm)
+    assert ch.hot is not None and ch.hot_gather is not None
+    return comm, ch, _counting(ch)
+
+
 def _counting(ch):
     """Count the Python path's native calls on ``ch`` (the hot entry does not go through them)."""
     calls = [0]
@@ -36,16 +54,11 @@ def _counting(ch):
 
 def _served(ctx):
     import zbccl
-    from zbccl.ops.channel import channel_of
     from zbccl.ops.reference import all_reduce_ref
 
-    comm = ctx.init(heap_size=16 * MiB)
+    comm, ch, calls = _start(ctx, 16 * MiB)
     try:
         W, me = comm.world_size, comm.rank
-        ch = channel_of(comm)
-        if ch.hot is None:
-            pytest.skip("the native hot entry is not available here")
-        calls = _counting(ch)
         # more tensors than the table's 32 slots: entries are replaced, never confused
         shapes = [(n, dt) for n in (1, 300, 2048, 4099) for dt in
                   (torch.float32, torch.bfloat16, torch.float16, torch.int32)] * 3
@@ -109,15 +122,10 @@ def _gather(ctx):
     """all_gather_into_tensor through the hot entry: the registered (output, input) pair only, bit-exact;
     another output, another dtype or a wrong-sized output take the Python path and its checks."""
     import zbccl
-    from zbccl.ops.channel import channel_of
 
-    comm = ctx.init(heap_size=16 * MiB)
+    comm, ch, calls = _start(ctx, 16 * MiB)
     try:
         W, me = comm.world_size, comm.rank
-        ch = channel_of(comm)
-        if ch.hot_gather is None:
-            pytest.skip("the native hot entry is not available here")
-        calls = _counting(ch)
         pairs = [(zbccl.empty(n, dtype=dt), torch.empty(W * n, dtype=dt), dt) for n in (1, 513, 4096)
                  for dt in (torch.float32, torch.bfloat16)]
         for step in range(4):
@@ -202,9 +210,6 @@ def _lifecycle(ctx):
     zbccl.all_reduce(t)
     ch = channel_of(comm)
     hot = ch.hot
-    if hot is None:
-        zbccl.finalize()
-        pytest.skip("the native hot entry is not available here")
     assert hot(t) == 0  # served, both ranks in step
     pid = os.fork()
     if pid == 0:  # the child: the parent's channel is not ours

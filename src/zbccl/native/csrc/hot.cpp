@@ -212,13 +212,17 @@ PyObject *py_clear(PyObject *, PyObject *addr) {
     Py_RETURN_NONE;
 }
 
-PyObject *py_acquire(PyObject *, PyObject *args) {
+/* (table, timeout_ns) arguments of acquire and disable. */
+Table *table_and_timeout(PyObject *args, long long *timeout_ns) {
     PyObject *addr;
+    if (!PyArg_ParseTuple(args, "OL", &addr, timeout_ns)) return nullptr;
+    return table_of(addr);
+}
+
+PyObject *py_acquire(PyObject *, PyObject *args) {
     long long timeout_ns;
-    if (!PyArg_ParseTuple(args, "OL", &addr, &timeout_ns)) return nullptr;
-    Table *t = table_of(addr);
-    if (!t) return nullptr;
-    return PyBool_FromLong(wait_busy(t, timeout_ns, true));
+    Table *t = table_and_timeout(args, &timeout_ns);
+    return t ? PyBool_FromLong(wait_busy(t, timeout_ns, true)) : nullptr;
 }
 
 PyObject *py_release(PyObject *, PyObject *addr) {
@@ -229,10 +233,8 @@ PyObject *py_release(PyObject *, PyObject *addr) {
 }
 
 PyObject *py_disable(PyObject *, PyObject *args) {
-    PyObject *addr;
     long long timeout_ns;
-    if (!PyArg_ParseTuple(args, "OL", &addr, &timeout_ns)) return nullptr;
-    Table *t = table_of(addr);
+    Table *t = table_and_timeout(args, &timeout_ns);
     if (!t) return nullptr;
     __atomic_store_n(&t->enabled, 0, __ATOMIC_SEQ_CST);
     return PyBool_FromLong(timeout_ns <= 0 || wait_busy(t, timeout_ns, false));
