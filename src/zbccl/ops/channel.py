@@ -169,7 +169,6 @@ class OpChannel:
         if self.hot_table:
             self._seq = ctypes.c_int64.from_address(self.hot_table + hot.SEQ_OFFSET)
             self._acquire, self._release = hot.hot_acquire, hot.hot_release
-        if self.hot_table:
             self.hot = hot.hot_entry(self.hot_table, False)
             self.hot_gather = hot.hot_entry(self.hot_table, True) if which == "all" else None
 
@@ -304,8 +303,8 @@ class OpChannel:
         default timeout): the same steps, fewer lookups, and :meth:`left` if the op is left half-way."""
         self._lock()
         seq = self.seq
-        self.seq = plan[0][0] = seq + 1
         try:
+            self.seq = plan[0][0] = seq + 1
             rc = self._chan_run(self.handle, plan[1])
         except BaseException as exc:  # Ctrl-C in a wait: the peers must learn this rank left
             self._unlock()
