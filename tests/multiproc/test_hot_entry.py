@@ -201,7 +201,6 @@ def _lifecycle(ctx):
     """A hot entry held past finalize serves nothing (and does not touch the unmapped heap); in a forked
     child it serves nothing either; a communicator broken by a timeout refuses hot calls too."""
     import zbccl
-    from zbccl.ops.allreduce import run_hot
     from zbccl.ops.channel import channel_of
 
     comm = ctx.init(heap_size=4 * MiB, timeout=2)
@@ -221,7 +220,7 @@ def _lifecycle(ctx):
         store.wait(["hot/timed-out"])
     else:
         with pytest.raises(zbccl.ZbcclTimeoutError, match="rank 1 never arrived"):
-            run_hot(ch, hot, t)
+            ch.run_hot(hot, t, op="all_reduce")
         assert hot(t) == -1  # broken: the Python path refuses with the reason
         with pytest.raises(zbccl.ZbcclInvalidUsageError, match="broken"):
             zbccl.all_reduce(t)

@@ -60,7 +60,7 @@ from .entry import run_op
 from .operands import Operand
 from .tuner import choose
 
-__all__ = ["all_reduce", "run_hot"]
+__all__ = ["all_reduce"]
 
 _OP = "all_reduce"
 
@@ -80,8 +80,8 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     # and dtype, contiguous), so every check already passed. Anything else takes _all_reduce.
     c = registry._default if comm is None else comm
     if op == "sum" and timeout is None and type(tensor) is torch.Tensor:
-        hot = getattr(getattr(c, "op_state", None), "hot", None)
-        if hot is not None and run_hot(c.op_state, hot, tensor):
+        ch = getattr(c, "op_state", None)
+        if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, tensor, op=_OP):
             return tensor
         try:
             ch, lock = c.op_state, c._op_lock
@@ -103,19 +103,6 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
                 if lock.queue or lock._watchers:
                     lock.wake()
     return _all_reduce(tensor, op, comm=comm, timeout=timeout)
-
-
-def run_hot(ch: OpChannel, hot, *tensors: torch.Tensor, op: str = _OP) -> bool:
-    """Try a native hot entry (``OpChannel.hot``: the tensor; ``hot_gather``: output, input): True if it
-    ran the op, False if it did not serve it (the caller takes the Python path). Raises the op's error."""
-    try:
-        rc = hot(*tensors)
-    except BaseException as exc:  # Ctrl-C in the op's wait: the peers must learn this rank left
-        ch.left(ch.seq - 1, exc, op=op)
-        raise
-    if rc > 0:
-        ch.raise_for(rc, op=op)
-    return rc == 0
 
 
 @collective("all_reduce")

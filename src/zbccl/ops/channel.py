@@ -298,6 +298,19 @@ class OpChannel:
         if rc:
             self.raise_for(rc, op=op)
 
+    def run_hot(self, entry, *tensors: torch.Tensor, op: str) -> bool:
+        """Offer the op to a native hot entry (:attr:`hot`: the tensor; :attr:`hot_gather`: output, input):
+        True if it ran it, False if it did not serve it (the caller takes the Python path). Raises the op's
+        error; an interrupted op marks this rank's ABORT line, as :meth:`call_hot` does."""
+        try:
+            rc = entry(*tensors)
+        except BaseException as exc:  # Ctrl-C in the op's wait: the peers must learn this rank left
+            self.left(self.seq - 1, exc, op=op)
+            raise
+        if rc > 0:
+            self.raise_for(rc, op=op)
+        return rc == 0
+
     def call_hot(self, plan: tuple, op: str) -> None:
         """:meth:`call` for an op's hot path (a repeated call on the tensors a plan was made for, at the
         default timeout): the same steps, fewer lookups, and :meth:`left` if the op is left half-way."""

@@ -31,7 +31,6 @@ from ..native.abi import OP_ALL_GATHER, OP_ALL_TO_ALL
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
-from .allreduce import run_hot
 from .args import check_exchange, even_gather_code, index_list, splits, tensor_error
 from .channel import ERR_NOMEM, ERR_USAGE, OpChannel
 from .entry import run_op
@@ -59,8 +58,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
     """
     ch = comm.op_state
     if timeout is None and ch is not None and ch.plain and type(input) is torch.Tensor and type(output) is torch.Tensor:
-        if ch.hot_gather is not None and run_hot(ch, ch.hot_gather, output, input, op="all_gather"):
-            return output  # the native hot entry (ops/allreduce.py run_hot)
+        if ch.hot_gather is not None and ch.run_hot(ch.hot_gather, output, input, op="all_gather"):
+            return output  # the native hot entry
         # the hot path of a repeated call on the tensors a plan was made for (every check passed then)
         try:
             plan = ch.choices.get((_HOT_AG, input.data_ptr(), output.data_ptr(), input.numel(), output.numel(),

@@ -20,11 +20,11 @@ communicator of the group's members:
   vLLM's shm ops do. send/recv (and the tensor-dict forms of CPU pipeline
   parallelism) use the heap-to-heap mailboxes of ``adapters/p2p.py``; a send of
   a private tensor is staged (counted in ``staged_bytes``) and returns at once.
-* **Hot entry.** all_reduce first offers the tensor to the channel's native hot
-  entry (``OpChannel.hot``, ``native/csrc/hot.cpp``): a tensor zbccl already made
-  a plan for (the same heap activation every step) runs in one native call,
-  without the Python entry that a layer's matmuls leave cold; anything else takes
-  ``zbccl.all_reduce``.
+* **Hot entry.** ``zbccl.all_reduce`` and ``all_gather_into_tensor`` first offer
+  the tensors to the channel's native hot entries (``OpChannel.hot``,
+  ``native/csrc/hot.cpp``): tensors zbccl already made a plan for (the same heap
+  activation every step) run in one native call, without the Python entry that
+  a layer's matmuls leave cold.
 
 Other groups (``dcp``, ``ep``, ...) are vLLM's ``CpuCommunicator`` unchanged.
 """
@@ -44,8 +44,6 @@ from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicat
 from ... import ops
 from ...adapters.list_forms import gather_list
 from ...adapters.p2p import PointToPoint
-from ...ops.allreduce import run_hot
-from ...ops.channel import channel_of
 
 __all__ = ["ZbcclCpuCommunicator", "start_group"]
 
@@ -83,7 +81,6 @@ class ZbcclCpuCommunicator(CpuCommunicator):
                                         use_all2all=use_all2all)
         self.zb = None
         self.p2p: PointToPoint | None = None
-        self._ch = self._hot = None
         if not unique_name.startswith(("tp", "pp")) or use_all2all:
             CpuCommunicator.__init__(self, cpu_group, device, device_group, unique_name, use_all2all)
             return
@@ -97,9 +94,6 @@ class ZbcclCpuCommunicator(CpuCommunicator):
         if int(ok.item()) == 1:
             self.zb = comm
             self.p2p = PointToPoint(comm, incarnation=f"vllm-{unique_name}")
-            if comm.world_size > 1:
-                self._ch = channel_of(comm)
-                self._hot = self._ch.hot
             self.dist_module = None
             self.supports_tensor_dict = True
             _log.info("zbccl: vLLM group %s runs on zbccl (ranks %s)", unique_name, self.ranks)
@@ -113,9 +107,6 @@ class ZbcclCpuCommunicator(CpuCommunicator):
 
     # ------------------------------------------------------------ collectives
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        hot = self._hot
-        if hot is not None and run_hot(self._ch, hot, input_):
-            return input_
         if self.zb is None:
             return super().all_reduce(input_)
         ops.all_reduce(input_, comm=self.zb)

@@ -64,8 +64,6 @@ def start_timing(worker=None) -> None:
         dc = g.device_communicator
         if getattr(dc, "zb", None) is not None:
             _time_native(g.unique_name, dc.zb)
-            if getattr(dc, "_hot", None) is not None:
-                dc._hot = _time_native_fn(g.unique_name, dc._hot)
         for name in _OPS:
             fn = getattr(dc, name, None)
             if fn is None or getattr(fn, "_zbccl_timed", False):
@@ -99,19 +97,15 @@ def _native_timer(key: str, run):
     return timed
 
 
-def _time_native_fn(key: str, fn):
-    return _native_timer(key, getattr(fn, "__wrapped__", fn))
-
-
 def _time_native(key: str, comm) -> None:
-    """Sum the time of ``comm``'s native op calls (its channel's ``chan_run`` and all_gather hot entry)
-    under ``key``."""
+    """Sum the time of ``comm``'s native op calls (its channel's ``chan_run`` and hot entries) under ``key``."""
     from ...ops.channel import channel_of
 
     ch = channel_of(comm)
-    ch._chan_run = _native_timer(key, getattr(ch._chan_run, "__wrapped__", ch._chan_run))
-    if ch.hot_gather is not None:  # the all_gather hot entry (the all_reduce one is the communicator's)
-        ch.hot_gather = _time_native_fn(key, ch.hot_gather)
+    for name in ("_chan_run", "hot", "hot_gather"):  # every way into a native op
+        fn = getattr(ch, name)
+        if fn is not None:
+            setattr(ch, name, _native_timer(key, getattr(fn, "__wrapped__", fn)))
 
 
 def _count_slow_all_reduce() -> None:
