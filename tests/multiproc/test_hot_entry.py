@@ -154,6 +154,47 @@ def test_hot_entry_gathers_registered_pairs_only(world_size):
     assert run_world(_gather, world_size, timeout=120) == [True] * world_size
 
 
+def _gather_dim(ctx):
+    """all_gather_into_tensor(dim=-1) through the hot entry (vLLM's logits): served after the first call,
+    bit-exact; an output of the same storage and size but another shape, or another dim, is not the
+    registered gather: the Python path checks it (and refuses the wrong shape on every rank)."""
+    import zbccl
+
+    comm, ch, calls = _start(ctx, 16 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        for shape in ((1, 1000), (8, 1000), (2, 3, 50)):
+            x = zbccl.empty(shape, dtype=torch.bfloat16)
+            out = zbccl.empty(shape[:-1] + (W * shape[-1],), dtype=torch.bfloat16)
+            for step in range(4):
+                calls[0] = 0
+                x.copy_(payload(me + 3 * step, x.numel(), torch.bfloat16).view(shape))
+                zbccl.all_gather_into_tensor(out, x, dim=-1)
+                want = torch.cat([payload(r + 3 * step, x.numel(), torch.bfloat16).view(shape) for r in range(W)],
+                                 dim=-1)
+                assert torch.equal(out, want), f"{shape} step {step}"
+                assert calls[0] == (1 if step == 0 else 0), f"{shape} step {step}: {calls[0]} Python-path calls"
+        x = zbccl.empty(8, 1000, dtype=torch.bfloat16)
+        out = zbccl.empty(8, 1000 * W, dtype=torch.bfloat16)
+        x.copy_(payload(me, 8000, torch.bfloat16).view(8, 1000))
+        zbccl.all_gather_into_tensor(out, x, dim=1)
+        calls[0] = 0
+        wrong = out.view(4, 2000 * W)  # same storage and numel, not a gather along dim 1 of x
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="wrong output shape"):
+            zbccl.all_gather_into_tensor(wrong, x, dim=1)
+        assert calls[0] == 1  # the handshake that failed the op on every rank
+        zbccl.all_gather_into_tensor(out, x, dim=1)  # still in step
+        assert torch.equal(out, torch.cat([payload(r, 8000, torch.bfloat16).view(8, 1000) for r in range(W)], 1))
+        return True
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hot_entry_gathers_along_a_dimension(world_size):
+    assert run_world(_gather_dim, world_size, timeout=120) == [True] * world_size
+
+
 def _threads(ctx):
     """Two threads of each rank, each on its own communicator over the same ranks, both hot; and one
     communicator used by two threads in turn (the channel's native lock passes between them)."""

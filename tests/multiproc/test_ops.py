@@ -124,6 +124,62 @@ def _gather_cases(comm):
     return True
 
 
+def _gather_dim_cases(comm):
+    """all_gather_into_tensor(dim=d): rank r's input lands at slice r along d (torch.cat of the inputs),
+    every placement, written in place into the output's columns; repeated calls (the plan, the hot entry)."""
+    import zbccl
+
+    W, me = comm.world_size, comm.rank
+
+    def src(r, shape, dtype):
+        return payload(r, int(torch.tensor(shape).prod()), dtype).view(shape)
+
+    st0 = zbccl.memory_stats()["staged_bytes"]
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        for shape, dim in (((5, 7), 1), ((5, 7), -1), ((3, 4, 6), 1), ((3, 4, 6), 2), ((1, 9), -1), ((2, 0, 3), 1)):
+            d = dim % len(shape)
+            full = torch.cat([src(r, shape, dtype) for r in range(W)], dim=d)
+            oshape = full.shape
+            for _ in range(3):  # the first call checks and plans; the others take the hot entry or the plan
+                x = zbccl.empty(shape, dtype=dtype)  # pull: heap input, private output
+                x.copy_(src(me, shape, dtype))
+                out = torch.full(oshape, 7, dtype=dtype)
+                zbccl.all_gather_into_tensor(out, x, dim=dim)
+                assert torch.equal(out, full), f"gather dim={dim} pull {dtype} {shape}"
+            outh = zbccl.empty(oshape, dtype=dtype)  # push: private input, heap output
+            zbccl.all_gather_into_tensor(outh, src(me, shape, dtype), dim=dim)
+            assert torch.equal(outh, full), f"gather dim={dim} push {dtype} {shape}"
+    assert zbccl.memory_stats()["staged_bytes"] == st0, "heap operands must not be staged"
+    # the same heap pair served again and again (vLLM's logits): the hot entry, bit-exact each time
+    x, out = zbccl.empty(8, 100, dtype=torch.bfloat16), zbccl.empty(8, 100 * W, dtype=torch.bfloat16)
+    for k in range(5):
+        x.copy_(src(me, (8, 100), torch.bfloat16) + k)
+        zbccl.all_gather_into_tensor(out, x, dim=-1)
+        assert torch.equal(out, torch.cat([src(r, (8, 100), torch.bfloat16) + k for r in range(W)], dim=1))
+    # the same tensors gathered along dim 0 must not take dim -1's plan (nor the reverse)
+    out0 = zbccl.empty(8 * W, 100, dtype=torch.bfloat16)
+    zbccl.all_gather_into_tensor(out0, x)
+    assert torch.equal(out0, torch.cat([src(r, (8, 100), torch.bfloat16) + 4 for r in range(W)]))
+    flat = out.view(8 * W, 100)  # dim 0 into dim -1's output storage, then dim -1 again
+    zbccl.all_gather_into_tensor(flat, x)
+    assert torch.equal(flat, out0)
+    zbccl.all_gather_into_tensor(out, x, dim=1)
+    assert torch.equal(out, torch.cat([src(r, (8, 100), torch.bfloat16) + 4 for r in range(W)], dim=1))
+    # forced push with both in the heap; neither in the heap (staged); a non-contiguous output
+    force(comm, "all_gather", "push")
+    zbccl.all_gather_into_tensor(out, x, dim=1)
+    assert torch.equal(out, torch.cat([src(r, (8, 100), torch.bfloat16) + 4 for r in range(W)], dim=1))
+    force(comm, "all_gather", None)
+    p = src(me, (6, 33), torch.float32)
+    o = torch.empty(6, 33 * W)
+    zbccl.all_gather_into_tensor(o, p, dim=1)
+    assert torch.equal(o, torch.cat([src(r, (6, 33), torch.float32) for r in range(W)], dim=1))
+    ot = torch.empty(33 * W, 6, dtype=torch.bfloat16).t()  # non-contiguous output and input
+    zbccl.all_gather_into_tensor(ot, x[:6, :33], dim=1)
+    assert torch.equal(ot, torch.cat([(src(r, (8, 100), torch.bfloat16) + 4)[:6, :33] for r in range(W)], dim=1))
+    return True
+
+
 def _reduce_scatter_cases(comm):
     import zbccl
     from zbccl.ops.reference import reduce_scatter_ref
@@ -214,7 +270,7 @@ def _suite(ctx):
     try:
         digests = _all_reduce_cases(comm)
         assert zbccl.memory_stats()["staged_bytes"] == 0, "heap tensors must never be staged"
-        assert _gather_cases(comm) and _reduce_scatter_cases(comm)  # each checks its own staged_bytes
+        assert _gather_cases(comm) and _gather_dim_cases(comm) and _reduce_scatter_cases(comm)  # each checks staged_bytes
         assert _all_to_all_cases(comm) and _broadcast_cases(comm)
         every = comm.all_gather_object(digests)
         assert all(d == every[0] for d in every), "ranks got different bits"
@@ -300,6 +356,11 @@ def _mismatch(ctx, algo):
         cplx = torch.zeros(8, dtype=torch.complex64 if me else torch.float32)
         expect(lambda: zbccl.all_gather_into_tensor(torch.empty(16, dtype=cplx.dtype), cplx),
                "unsupported dtype|invalid arguments")
+        # all_gather along a dimension: ranks that gather along different dims, or a dim out of range
+        x = zbccl.zeros(4, 2)
+        o = torch.empty(4, 2 * comm.world_size) if me else torch.empty(4 * comm.world_size, 2)
+        expect(lambda: zbccl.all_gather_into_tensor(o, x, dim=1 if me else 0), "disagree on the gathered dimension")
+        expect(lambda: zbccl.all_gather_into_tensor(o, x, dim=2 if me else 0), "dim out of range|invalid arguments")
         # after all of that, the group is still in step
         t = zbccl.zeros(3).fill_(me + 1)
         zbccl.all_reduce(t)
@@ -314,7 +375,7 @@ def test_mismatched_arguments_fail_on_every_rank(algo):
     """With oneshot, a rank that posted an error or called another op takes the common handshake while
     its peer waits on the oneshot's election word: it must release that peer with the verdict."""
     a, b = run_world(_mismatch, 2, algo=algo, timeout=60)
-    assert len(a) == len(b) == 11
+    assert len(a) == len(b) == 13
 
 
 def _skewed_oneshot(ctx):

@@ -18,7 +18,7 @@ from ..errors import ZbcclInvalidUsageError
 from .dtypes import DTYPE_CODES, dtype_code
 
 __all__ = ["tensor_error", "written_error", "index_list", "rank_error", "timeout_error", "span", "overlap_error", "splits",
-           "check_exchange", "even_gather_code"]
+           "check_exchange", "even_gather_code", "gather_dim_error"]
 
 
 def tensor_error(t, role: str, *, op: str, written: bool = False) -> str | None:
@@ -201,6 +201,26 @@ def check_exchange(op: str, output: torch.Tensor, input: torch.Tensor, counts: l
         exact = out_counts is None and b0 == a0 + sum(counts[:rank]) * isz
         return dt, None if exact else overlap_error(output, input, op=op)
     return dt, overlap_error(output, input, op=op)
+
+
+def gather_dim_error(output: torch.Tensor, input: torch.Tensor, dim: int, world: int, *,
+                     op: str) -> tuple[int, str | None]:
+    """``(blocks, error)`` for all_gather_into_tensor along ``dim``: ``output``'s shape must be
+    ``input``'s with ``dim`` ``world`` times longer, and the two may not share a byte (rank r's slice
+    is strided, so no input is ever exactly it). ``blocks``: the product of the sizes before ``dim``."""
+    nd = input.dim()
+    d = dim + nd if isinstance(dim, int) and dim < 0 else dim
+    if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= d < nd:
+        return 1, f"{op}: dim out of range, expected an int in [{-nd}, {nd}) for a {nd}-d input, got {dim!r}"
+    want = (*input.shape[:d], world * input.shape[d], *input.shape[d + 1:])
+    if tuple(output.shape) != want:
+        return 1, (f"{op}: wrong output shape for a gather along dim {dim}, expected {list(want)} "
+                   f"(input {list(input.shape)}), got {list(output.shape)}")
+    if input.dtype == output.dtype and input.numel() and output.numel():
+        error = overlap_error(output, input, op=op)
+        if error:
+            return 1, error
+    return math.prod(input.shape[:d]), None
 
 
 def even_gather_code(output, input, world: int, rank: int) -> int | None:

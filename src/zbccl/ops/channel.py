@@ -191,14 +191,16 @@ class OpChannel:
         if self.hot_table:
             self._release(self.hot_table)
 
-    def hot_register(self, tensor: torch.Tensor, plan: tuple, output: torch.Tensor | None = None) -> None:
+    def hot_register(self, tensor: torch.Tensor, plan: tuple, output: torch.Tensor | None = None,
+                     blocks: int = 1) -> None:
         """Let :attr:`hot` serve ``tensor`` (a contiguous heap tensor) with ``plan``'s prefilled op, or with
-        ``output``, :attr:`hot_gather` serve the pair."""
+        ``output``, :attr:`hot_gather` serve the pair (``blocks`` > 1: gathered along an inner dimension,
+        as many rows as that; the entry is then called with the dimension)."""
         if not self.hot_table or self.broken is not None:
             return
         self._lock()
         try:
-            slot = self._hot_mod.hot_register(self.hot_table, tensor, plan[1], output)
+            slot = self._hot_mod.hot_register(self.hot_table, tensor, plan[1], output, blocks)
             if slot >= 0:
                 self._hot_plans[slot] = plan  # the native table points into it
         finally:

@@ -121,7 +121,10 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
         return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {rank} {why}", ranks=(rank,))
     if rc == RC_MISMATCH:
         got = ", ".join(f"rank {r} {show_field(field, int(v))}" for r, v in enumerate(hdrs[:, field]))
-        return ZbcclInvalidUsageError(f"{op}: ranks disagree on {FIELD_NAMES.get(field, field)}, got {got}",
+        name = FIELD_NAMES.get(field, field)
+        if field == abi.H_AUX and op.startswith("all_gather"):
+            name = "the gathered dimension (rows before it, 0: dim 0)"
+        return ZbcclInvalidUsageError(f"{op}: ranks disagree on {name}, got {got}",
                                      ranks=tuple(range(W)))
     if rc in (RC_PEER_ERROR, RC_NOMEM):
         return _peer_error(op, rank, ERR_NOMEM if rc == RC_NOMEM else ERR_USAGE, _text_of(vecs[0]),

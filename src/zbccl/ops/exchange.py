@@ -31,7 +31,7 @@ from ..native.abi import OP_ALL_GATHER, OP_ALL_TO_ALL
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
-from .args import check_exchange, even_gather_code, index_list, splits, tensor_error
+from .args import check_exchange, even_gather_code, gather_dim_error, index_list, splits, tensor_error
 from .channel import ERR_NOMEM, ERR_USAGE, OpChannel
 from .entry import run_op
 from .operands import is_strict
@@ -47,23 +47,32 @@ def _row_elems(t: torch.Tensor) -> int:
 
 
 @collective("all_gather_into_tensor")
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: Communicator | None = None,
-                           timeout: float | None = None) -> torch.Tensor:
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, dim: int = 0,
+                           comm: Communicator | None = None, timeout: float | None = None) -> torch.Tensor:
     """Collective: ``output`` (``world_size * input.numel()`` elements) gets every rank's ``input``
     in rank order. Pull-based when inputs are heap tensors (the output may be private); an
     ``input`` that is exactly this rank's slice of a contiguous ``output`` costs no copy for that
     slice; any other overlap of the two is refused on every rank. ``timeout``: seconds this op may
     wait (default: the communicator's). Blocks the host until the op is complete on this rank and
     no peer reads ``input`` any more.
+
+    ``dim``: gather along that dimension instead. ``output``'s shape must be ``input``'s with
+    ``dim`` ``world_size`` times longer, and rank r's input becomes its r-th slice along ``dim``
+    (``torch.cat`` of the inputs along ``dim``; what vLLM's ``all_gather(input, dim)`` returns).
+    Each rank's rows are copied straight into their columns of ``output``: no gather into a
+    staging order and no reordering copy afterwards. Every rank must pass the same ``dim``;
+    ``output`` and ``input`` may not overlap at all.
     """
     ch = comm.op_state
+    if dim:
+        return _gather_along(comm, ch, output, input, dim, timeout)
     if timeout is None and ch is not None and ch.plain and type(input) is torch.Tensor and type(output) is torch.Tensor:
         if ch.hot_gather is not None and ch.run_hot(ch.hot_gather, output, input, op="all_gather"):
             return output  # the native hot entry
         # the hot path of a repeated call on the tensors a plan was made for (every check passed then)
         try:
             plan = ch.choices.get((_HOT_AG, input.data_ptr(), output.data_ptr(), input.numel(), output.numel(),
-                                   input.dtype, output.dtype))
+                                   input.dtype, output.dtype, 1))
         except RuntimeError:  # no storage (a meta tensor): the checks below say why
             plan = None
         if plan is not None and input.is_contiguous() and output.is_contiguous() and not _profiler._is_profiler_enabled:
@@ -80,37 +89,56 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, comm: C
     return _start(comm, "all_gather", output, input, counts, None, 1, error, timeout)
 
 
+def _gather_along(comm, ch: OpChannel | None, output, input, dim: int, timeout) -> torch.Tensor:
+    """all_gather_into_tensor along ``dim`` != 0: the native op writes rank r's rows at column block r
+    of each of ``blocks`` output rows (``blocks``: the product of the sizes before ``dim``)."""
+    op = "all_gather"
+    if (timeout is None and ch is not None and ch.plain and ch.hot_gather is not None and type(input) is torch.Tensor
+            and type(output) is torch.Tensor and ch.run_hot(ch.hot_gather, output, input, dim, op=op)):
+        return output  # the native hot entry (it checked the shapes)
+    W = comm.world_size
+    error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
+    blocks = 1
+    if error is None:
+        blocks, error = gather_dim_error(output, input, dim, W, op=op)
+    counts = [0] * W if error else [input.numel()] * W
+    return _start(comm, op, output, input, counts, None, 1, error, timeout, blocks=blocks)
+
+
 def _start(comm, op: str, output, input, counts, out_counts, row: int, error: str | None, timeout, *,
-           dt: int | None = None) -> torch.Tensor:
+           dt: int | None = None, blocks: int = 1) -> torch.Tensor:
     """Check locally (unless ``dt`` says the caller did), then run the op (or fail it on every rank).
-    ``counts`` None: an even all_gather, already checked."""
+    ``counts`` None: an even all_gather, already checked. ``blocks`` > 1: a gather along an inner
+    dimension (posted as the header's AUX; the layouts of ``blocks`` 0 and 1 are the same)."""
     W = comm.world_size
     if dt is None:
         dt = 0
         if error is None:
             dt, error = check_exchange(op, output, input, counts, out_counts, W, comm.rank)
     opcode = OP_ALL_GATHER if out_counts is None else OP_ALL_TO_ALL
-    run_op(comm, opcode, error, _native, null.copy_into, (output, input, op, counts, out_counts, row, dt),
-           op=op, timeout=timeout, t=input)
+    run_op(comm, opcode, error, _native, null.copy_into,
+           (output, input, op, counts, out_counts, row, dt, blocks if blocks > 1 else 0), op=op, timeout=timeout,
+           t=input)
     return output
 
 
 def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int] | None,
-            out_counts: list[int] | None, row: int, dt: int) -> None:
+            out_counts: list[int] | None, row: int, dt: int, aux: int) -> None:
     """One native call: prefilled for repeated calls on contiguous heap inputs, else :func:`_general`."""
     if input.is_contiguous() and output.is_contiguous():
         key = (op, input.data_ptr(), output.data_ptr(), input.numel(), output.numel(), dt, row,
-               None if counts is None else tuple(counts), None if out_counts is None else tuple(out_counts))
+               None if counts is None else tuple(counts), None if out_counts is None else tuple(out_counts), aux)
         plan = ch.choices.get(key)
         if plan is None:
-            plan = _plan(ch, key, output, input, counts, out_counts, row, dt)
-            if plan is not None and op == "all_gather" and counts is None and ch.plain:
-                ch.choices[(_HOT_AG, key[1], key[2], key[3], key[4], input.dtype, output.dtype)] = plan
-                ch.hot_register(input, plan, output)
+            plan = _plan(ch, key, output, input, counts, out_counts, row, dt, aux)
+            if plan is not None and op == "all_gather" and ch.plain:  # even: the hot entries may serve it
+                if counts is None:  # the Python hot path of all_gather_into_tensor (dim 0)
+                    ch.choices[(_HOT_AG, key[1], key[2], key[3], key[4], input.dtype, output.dtype, 1)] = plan
+                ch.hot_register(input, plan, output, max(aux, 1))
         if plan is not None:
             ch.call(plan, op=op)
             return
-    _general(ch, output, input, op, counts, out_counts, row, dt)
+    _general(ch, output, input, op, counts, out_counts, row, dt, aux)
 
 
 def _shape(ch: OpChannel, input: torch.Tensor, n_out: int, counts: list[int] | None,
@@ -132,7 +160,7 @@ def _out_offset(ch: OpChannel, out: torch.Tensor) -> int:
 
 
 def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, counts, out_counts, row: int,
-          dt: int) -> tuple | None:
+          dt: int, aux: int) -> tuple | None:
     """The prefilled call for contiguous tensors whose input is in the heap (zero-copy), or None."""
     n_in, n_out, isz = input.numel(), output.numel(), input.element_size()
     in_addr = input.data_ptr()
@@ -140,11 +168,11 @@ def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, 
         return None
     opcode, algo, counts_addr, nvec = _shape(ch, input, n_out, counts, out_counts)
     return ch.plan(key, opcode, dt, 0, n_in, n_out, in_addr - ch.my_base, _out_offset(ch, output), algo, 0, row, 0,
-                   0, in_addr, output.data_ptr(), isz, counts_addr, nvec)
+                   aux, in_addr, output.data_ptr(), isz, counts_addr, nvec)
 
 
 def _general(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int] | None,
-             out_counts: list[int] | None, row: int, dt: int) -> None:
+             out_counts: list[int] | None, row: int, dt: int, aux: int) -> None:
     """Any placement: a private input gets a heap block to be staged into, a non-contiguous output is
     filled through a contiguous buffer."""
     isz, n_in, n_out = input.element_size(), input.numel(), output.numel()
@@ -154,10 +182,10 @@ def _general(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, 
     out_off = _out_offset(ch, out_t) if out_t is output else -1
     in_addr = input.data_ptr()
     if n_in and input.is_contiguous() and ch.fits(in_addr - ch.my_base, n_in * isz):
-        ch.run(opcode, dt, 0, n_in, n_out, in_addr - ch.my_base, out_off, algo, 0, row, 0, 0, in_addr, out_addr, isz,
-               counts_addr, nvec, op=op)
+        ch.run(opcode, dt, 0, n_in, n_out, in_addr - ch.my_base, out_off, algo, 0, row, 0, aux, in_addr, out_addr,
+               isz, counts_addr, nvec, op=op)
     else:
-        _private_input(ch, opcode, op, input, n_out, out_off, out_addr, (algo, row, dt, counts_addr, nvec))
+        _private_input(ch, opcode, op, input, n_out, out_off, out_addr, (algo, row, dt, counts_addr, nvec, aux))
     if out_t is not output:
         output.copy_(out_t)
         ch.ctx.sma.record_staged(n_out * isz)
@@ -205,10 +233,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 
 
 def _private_input(ch: OpChannel, opcode: int, op: str, input: torch.Tensor, n_out: int, out_off: int, out_addr: int,
-                   rest: tuple[int, int, int, int, int]) -> None:
+                   rest: tuple[int, int, int, int, int, int]) -> None:
     """An input outside the heap: reserve a heap block the native op copies it into if no algorithm can
     do without (push needs every output in the heap); the copy is counted in ``staged_bytes``."""
-    algo, row, dt, counts_addr, nvec = rest
+    algo, row, dt, counts_addr, nvec, aux = rest
     keep = input.contiguous()  # alive until the op ends
     isz, n_in = input.element_size(), input.numel()
     nbytes = n_in * isz
@@ -223,7 +251,7 @@ def _private_input(ch: OpChannel, opcode: int, op: str, input: torch.Tensor, n_o
     try:
         if error is not None:
             ch.fail(opcode, error, kind or ERR_USAGE, op=op)
-        ch.run(opcode, dt, 0, n_in, n_out, -1, out_off, algo, 0, row, 0, 0, keep.data_ptr(), out_addr, isz,
+        ch.run(opcode, dt, 0, n_in, n_out, -1, out_off, algo, 0, row, 0, aux, keep.data_ptr(), out_addr, isz,
                counts_addr, nvec, block, op=op)
         if ch.staged():
             sma.record_staged(ch.staged())

@@ -127,10 +127,10 @@ class ZbcclCpuCommunicator(CpuCommunicator):
             return super().all_gather(input_, dim)
         dim = dim + input_.dim() if dim < 0 else dim
         size = input_.size()
-        out = torch.empty((self.world_size * size[0],) + size[1:], dtype=input_.dtype)
-        ops.all_gather_into_tensor(out, input_.contiguous(), comm=self.zb)
-        out = out.reshape((self.world_size,) + size).movedim(0, dim)
-        return out.reshape(size[:dim] + (self.world_size * size[dim],) + size[dim + 1:])
+        # each rank's rows straight into their columns: no gather along dim 0 and reordering copy after
+        out = torch.empty(size[:dim] + (self.world_size * size[dim],) + size[dim + 1:], dtype=input_.dtype)
+        ops.all_gather_into_tensor(out, input_, dim=dim, comm=self.zb)
+        return out
 
     def all_gatherv(self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0,
                     sizes: list[int] | None = None) -> torch.Tensor | list[torch.Tensor]:

@@ -363,41 +363,50 @@ static int exchange_mode(zb_chan *c, zb_op *o, int64_t in_bytes, int *push) {
 /* A block too large to stay in this core's caches is written with streaming stores: cached ones would
  * first read every destination line from memory (docs/benchmarks.md: all_gather at 16-64 MiB). */
 #define BIG_COPY_BYTES (8 << 20)
-static void big_copy(void *dst, const void *src, int64_t n, int nt) {
-    if (n >= BIG_COPY_BYTES) zb_copy_stream(dst, src, n, nt);
-    else zb_copy(dst, src, n, nt);
-}
+static inline int big_copy(int64_t nbytes) { return nbytes >= BIG_COPY_BYTES; }
 
-/* counts[r]: elements from rank r; output displacement of r = sum(counts[:r]). */
+/* counts[r]: elements from rank r. AUX = blocks > 1: a gather along an inner dimension; every input is
+ * `blocks` rows of counts[r] / blocks elements, and row i of rank r lands at row i, column disp[r] of
+ * the output (rows of total / blocks elements, disp[r] = sum of the row lengths before r). Otherwise
+ * the output is the inputs end to end (the displacement of r is sum(counts[:r])). */
 static int allgather(zb_chan *c, zb_op *o) {
-    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_OUT_NUMEL};
-    int64_t seq = o->seq, isz = o->itemsize;
+    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_OUT_NUMEL, H_AUX};
+    int64_t seq = o->seq, isz = o->itemsize, blocks = o->aux > 1 ? o->aux : 1;
     const int64_t *counts = (const int64_t *)(uintptr_t)o->counts;
     char *in = (char *)(uintptr_t)o->in_addr, *out = (char *)(uintptr_t)o->out_addr;
     post_sizes(c, o);
-    int rc = begin_op(c, o, fields, 4);
+    int rc = begin_op(c, o, fields, 5);
     if (!rc) rc = check_sizes(c, seq);
     if (rc) return rc;
+    int64_t disp[ZB_MAXW + 1], total = 0;
+    for (int r = 0; r < c->W; r++) {
+        if (counts[r] % blocks) return fail_op(c, seq, RC_SPAN); /* Python never posts it: a row that does not fit */
+        disp[r] = total, total += counts[r] / blocks;
+    }
     int push;
     rc = exchange_mode(c, o, counts[c->me] * isz, &push);
     if (rc) return rc;
-    int64_t disp[ZB_MAXW + 1], total = 0;
-    for (int r = 0; r < c->W; r++) disp[r] = total, total += counts[r];
-    int nt = nthreads_for(c, total * isz);
+    int64_t out_row = total * isz; /* output row stride (bytes); total * blocks elements in all */
+    int nt = nthreads_for(c, total * blocks * isz);
+    int64_t mine = counts[c->me] / blocks * isz;
     for (int k = 1; k < c->W; k++) {
         int q = (int)((c->me + k) % c->W);
         if (push) {
             int64_t off = c->hdrcopy[q][H_OUT_OFF];
-            if (!in_heap(c, q, off, total * isz)) return fail_op(c, seq, RC_SPAN);
-            if (counts[c->me]) big_copy(c->base[q] + off + disp[c->me] * isz, in, counts[c->me] * isz, nt);
+            if (!in_heap(c, q, off, total * blocks * isz)) return fail_op(c, seq, RC_SPAN);
+            if (mine)
+                zb_copy_rows(c->base[q] + off + disp[c->me] * isz, out_row, in, mine, blocks, mine, nt,
+                             big_copy(mine * blocks));
         } else {
-            int64_t off = c->hdrcopy[q][H_IN_OFF];
+            int64_t off = c->hdrcopy[q][H_IN_OFF], theirs = counts[q] / blocks * isz;
             if (!in_heap(c, q, off, counts[q] * isz)) return fail_op(c, seq, RC_SPAN);
-            if (counts[q]) big_copy(out + disp[q] * isz, c->base[q] + off, counts[q] * isz, nt);
+            if (theirs)
+                zb_copy_rows(out + disp[q] * isz, out_row, c->base[q] + off, theirs, blocks, theirs, nt,
+                             big_copy(theirs * blocks));
         }
     }
     char *mine_dst = out + disp[c->me] * isz;
-    if (mine_dst != in && counts[c->me]) big_copy(mine_dst, in, counts[c->me] * isz, nt);
+    if (mine_dst != in && mine) zb_copy_rows(mine_dst, out_row, in, mine, blocks, mine, nt, big_copy(mine * blocks));
     return sync_on(c, c->done, seq);
 }
 

@@ -37,10 +37,16 @@ namespace {
 constexpr int kSlots = 32;
 
 /* A registered op: its input's key, its zb_op, and for an all_gather the output's address and size
- * (0 for an all_reduce, which is in place). */
+ * (0 for an all_reduce, which is in place) and its blocks (the product of the input's sizes before the
+ * gathered dimension; 1 for a gather along dim 0). */
 struct Entry {
-    int64_t ptr, numel, dtype, op, out_ptr, out_numel;
+    int64_t ptr, numel, dtype, op, out_ptr, out_numel, blocks;
 };
+
+bool same_key(const Entry &e, const Entry &k) {
+    return e.op && e.ptr == k.ptr && e.numel == k.numel && e.dtype == k.dtype && e.out_ptr == k.out_ptr &&
+           e.out_numel == k.out_numel && e.blocks == k.blocks;
+}
 
 struct Table {
     int64_t enabled, busy, seq, chan, call, next, pad[2];
@@ -112,10 +118,8 @@ PyObject *run(Table *t, const Entry &k) {
     }
     int64_t *op = nullptr;
     for (int i = 0; i < kSlots; i++) {
-        const Entry &e = t->e[i];
-        if (e.op && e.ptr == k.ptr && e.numel == k.numel && e.dtype == k.dtype && e.out_ptr == k.out_ptr &&
-            e.out_numel == k.out_numel) {
-            op = (int64_t *)(uintptr_t)e.op;
+        if (same_key(t->e[i], k)) {
+            op = (int64_t *)(uintptr_t)t->e[i].op;
             break;
         }
     }
@@ -138,20 +142,43 @@ PyObject *hot_call(PyObject *self, PyObject *tensor) {
     return run(t, k);
 }
 
-/* all_gather entry(output, input): as hot_call; the output must be the registered one, same dtype. */
+/* The blocks of a gather of `in` into `out` along `dim` (the product of in's sizes before dim), or -1
+ * when the shapes are not a gather along dim (every size equal but dim's) or dim is out of range. */
+int64_t blocks_of(PyObject *out, PyObject *in, PyObject *dim_obj) {
+    long dim = PyLong_AsLong(dim_obj);
+    if (dim == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    const at::Tensor &o = THPVariable_Unpack(out), &i = THPVariable_Unpack(in);
+    int64_t nd = i.dim();
+    if (dim < 0) dim += nd;
+    if (dim < 0 || dim >= nd || o.dim() != nd) return -1;
+    int64_t blocks = 1;
+    for (int64_t j = 0; j < nd; j++) {
+        if (j != dim && o.size(j) != i.size(j)) return -1;
+        if (j < dim) blocks *= i.size(j);
+    }
+    return blocks;
+}
+
+/* all_gather entry(output, input[, dim]): as hot_call; the output must be the registered one, same
+ * dtype; with dim, the shapes must be a gather along it (the registered output size fixes dim's size). */
 PyObject *hot_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Table *t = (Table *)PyCapsule_GetPointer(self, nullptr);
     if (!t) return nullptr;
     Entry k{}, o{};
-    if (nargs != 2 || !key_of(args[1], &k) || !key_of(args[0], &o) || o.dtype != k.dtype) return PyLong_FromLong(-1);
-    k.out_ptr = o.ptr, k.out_numel = o.numel;
+    if (nargs < 2 || nargs > 3 || !key_of(args[1], &k) || !key_of(args[0], &o) || o.dtype != k.dtype)
+        return PyLong_FromLong(-1);
+    k.out_ptr = o.ptr, k.out_numel = o.numel, k.blocks = 1;
+    if (nargs == 3 && (k.blocks = blocks_of(args[0], args[1], args[2])) < 0) return PyLong_FromLong(-1);
     return run(t, k);
 }
 
 PyMethodDef hot_call_def = {"hot_all_reduce", (PyCFunction)hot_call, METH_O,
                             "entry(tensor) -> 0 done, -1 not served here, > 0 the op's result code."};
 PyMethodDef hot_gather_def = {"hot_all_gather", (PyCFunction)(void (*)(void))hot_gather, METH_FASTCALL,
-                              "entry(output, input) -> 0 done, -1 not served here, > 0 the op's result code."};
+                              "entry(output, input[, dim]) -> 0 done, -1 not served here, > 0 the op's result code."};
 
 PyObject *py_new(PyObject *, PyObject *args) {
     long long chan, call;
@@ -181,23 +208,20 @@ PyObject *py_entry(PyObject *, PyObject *args) {
 
 PyObject *py_register(PyObject *, PyObject *args) {
     PyObject *addr, *tensor, *out = Py_None;
-    long long op;
-    if (!PyArg_ParseTuple(args, "OOL|O", &addr, &tensor, &op, &out)) return nullptr;
+    long long op, blocks = 1;
+    if (!PyArg_ParseTuple(args, "OOL|OL", &addr, &tensor, &op, &out, &blocks)) return nullptr;
     Table *t = table_of(addr);
     if (!t) return nullptr;
     Entry k{}, o{};
     if (!key_of(tensor, &k)) return PyLong_FromLong(-1);
     if (out != Py_None) {
         if (!key_of(out, &o) || o.dtype != k.dtype) return PyLong_FromLong(-1);
-        k.out_ptr = o.ptr, k.out_numel = o.numel;
+        k.out_ptr = o.ptr, k.out_numel = o.numel, k.blocks = blocks;
     }
     int slot = -1;
-    for (int i = 0; i < kSlots && slot < 0; i++) {
-        const Entry &e = t->e[i];
-        if (e.op && e.ptr == k.ptr && e.numel == k.numel && e.dtype == k.dtype && e.out_ptr == k.out_ptr &&
-            e.out_numel == k.out_numel)
-            slot = i;
-    }
+    k.op = 1; /* compared as registered */
+    for (int i = 0; i < kSlots && slot < 0; i++)
+        if (same_key(t->e[i], k)) slot = i;
     if (slot < 0) slot = (int)(t->next++ % kSlots);
     k.op = op;
     t->e[slot] = k;
@@ -246,7 +270,8 @@ PyMethodDef methods[] = {
      "hot_entry(table, gather) -> all_reduce entry(tensor), or all_gather entry(output, input) when gather; "
      "each -> 0 | -1 | result code."},
     {"hot_register", py_register, METH_VARARGS,
-     "hot_register(table, input, zb_op address[, output]) -> slot, or -1 if it cannot be served (busy held)."},
+     "hot_register(table, input, zb_op address[, output[, blocks]]) -> slot, or -1 if it cannot be served "
+     "(busy held)."},
     {"hot_clear", py_clear, METH_O, "hot_clear(table): forget every registered op (busy held)."},
     {"hot_acquire", py_acquire, METH_VARARGS,
      "hot_acquire(table, timeout_ns) -> bool: take the channel's native lock, waiting without the GIL."},

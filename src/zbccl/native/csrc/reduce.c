@@ -328,6 +328,22 @@ void zb_copy_stream(void *dst, const void *src, long nbytes, int nthreads) {
     split_copy(dst, src, nbytes, nthreads, copy_stream);
 }
 
+void zb_copy_rows(void *dst, long dst_stride, const void *src, long src_stride, long rows, long rowbytes,
+                  int nthreads, int stream) {
+    void (*fn)(char *, const char *, long) = stream ? copy_stream : copy_plain;
+    if (rows == 1 || rowbytes >= (2L << 20)) { /* few large rows: each split over the threads */
+        for (long i = 0; i < rows; i++)
+            split_copy((char *)dst + i * dst_stride, (const char *)src + i * src_stride, rowbytes, nthreads, fn);
+        return;
+    }
+    if (nthreads > 1 && rows * rowbytes >= (2L << 20)) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long i = 0; i < rows; i++) fn((char *)dst + i * dst_stride, (const char *)src + i * src_stride, rowbytes);
+        return;
+    }
+    for (long i = 0; i < rows; i++) fn((char *)dst + i * dst_stride, (const char *)src + i * src_stride, rowbytes);
+}
+
 /* One block reduced into an L1-resident buffer, then streamed out: no read-for-ownership of dst's
  * lines and no wait on the invalidation of a peer's copy (see copy_stream). */
 static void reduce_block_stream(char *dst, const void *const *srcs, long n, long off, long m, int dtype, int op,

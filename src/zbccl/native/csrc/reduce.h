@@ -26,5 +26,9 @@ void zb_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const floa
 void zb_copy(void *dst, const void *src, long nbytes, int nthreads);
 /* The same with non-temporal stores and a closing store fence (large writes into lines peers hold). */
 void zb_copy_stream(void *dst, const void *src, long nbytes, int nthreads);
+/* rows blocks of rowbytes: row i from src + i*src_stride to dst + i*dst_stride (stream: non-temporal
+ * stores and a closing fence, as zb_copy_stream); large copies split over nthreads. */
+void zb_copy_rows(void *dst, long dst_stride, const void *src, long src_stride, long rows, long rowbytes,
+                  int nthreads, int stream);
 
 #endif
