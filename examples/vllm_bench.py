@@ -147,6 +147,8 @@ def main() -> None:
             print(f"| {batch} | {name} | {tps:.1f} | {mpt:.1f} | {clast:.3f} | {cmin:.2f} | {cmean:.2f} | "
                   f"{100 * clast / mpt:.1f}% | {same} | {mem} |")
     for batch in sorted({b for _, b in runs}):
+        _print_divergence(batch, [(f"{n}#{i}", r) for n in names for i, r in enumerate(runs[(n, batch)])])
+    for batch in sorted({b for _, b in runs}):
         last = {n: statistics.median(comm_ms(r)[0] for r in runs[(n, batch)]) for n in names}
         per_op = {n: _per_call_us(runs[(n, batch)]) for n in names}
         for n in names[1:]:
@@ -160,6 +162,20 @@ def main() -> None:
                   f"{last[n] / last['vllm']:.2f}x; per call, vllm vs {n}: {ops}")
     if a.json:
         Path(a.json).write_text(json.dumps({f"{k[0]}-{k[1]}": v for k, v in runs.items()}))
+
+
+def _print_divergence(batch: int, runs: list[tuple[str, dict]]) -> None:
+    """Each run whose output differs from the common one: the prompts, and the first position whose
+    logprob differs (0: the prefill's own output already differed, not a token picked later)."""
+    every = [json.dumps(r["tokens"]) for _, r in runs]
+    common = next(r for _, r in runs if json.dumps(r["tokens"]) == max(set(every), key=every.count))
+    for name, r in runs:
+        firsts = [(p, next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+                  for p, (a, b) in enumerate(zip(common["logprobs"], r["logprobs"]))]
+        firsts = [(p, i) for p, i in firsts if i is not None]
+        if firsts:
+            print(f"batch {batch}: {name} differs from the common output: prompts {[p for p, _ in firsts]}, "
+                  f"first differing logprob at positions {[i for _, i in firsts]}")
 
 
 if __name__ == "__main__":
