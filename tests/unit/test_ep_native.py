@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zbccl import native
-from zbccl.ep.layout import channel_prefix, dispatch_layout, rank_lists, send_head
+from zbccl.ep.layout import channel_prefix, dispatch_layout, expert_pairs, rank_lists, send_head
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +83,32 @@ def test_ep_route_rejects_wrong_counts_without_writing_past_them(core):
     assert _call(core.ep_route, [in_rank.data_ptr(), 6, 2, 1, 0, block.data_ptr(), block.numel(), head.data_ptr(),
                                  wrong.data_ptr()]) == 1
     assert (block[2:] == -7).all() and (head == 0).all()
+
+
+def _ll_plan(core, idx: torch.Tensor, E: int):
+    T, K = idx.shape
+    counts, tokens, slots, err = (torch.full((n,), -7, dtype=torch.int64) for n in (E, T * K, T * K, 2))
+    n = _call(core.ep_ll_plan, [T, K, E, idx.data_ptr(), counts.data_ptr(), tokens.data_ptr(), slots.data_ptr(),
+                                err.data_ptr()])
+    return n, counts, tokens, slots, err
+
+
+@pytest.mark.parametrize("R,E,T,K,skew", CASES)
+def test_ep_ll_plan_matches_torch(core, R, E, T, K, skew):
+    """The counting sort gives expert_pairs' pairs in the same order (expert, then token), -1 skipped."""
+    idx = _routing(T, E, K, R * 7 + T, skew).contiguous()
+    n, counts, tokens, slots, _ = _ll_plan(core, idx, E)
+    ref = expert_pairs(idx, E)
+    assert n == ref[1].numel()
+    assert torch.equal(counts, ref[0]) and torch.equal(tokens[:n], ref[1]) and torch.equal(slots[:n], ref[2])
+
+
+def test_ep_ll_plan_refuses_bad_entries(core):
+    idx = torch.tensor([[0, 1], [2, -1], [3, 3], [9, 0]])
+    n, _, _, _, err = _ll_plan(core, idx, 8)
+    assert n == -2 and err.tolist() == [2, 3]  # token 2 names expert 3 twice
+    idx[2, 1] = 4
+    n, _, _, _, err = _ll_plan(core, idx, 8)
+    assert n == -1 and err.tolist() == [3, 9]  # token 3: 9 is outside [-1, 8)
+    idx[3, 0] = -2
+    assert _ll_plan(core, idx, 8)[0] == -1

@@ -61,6 +61,15 @@ def _check_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flag
         raise Fail(f"hidden size must be a multiple of {512 if flags & FLAG_UE8M0 else 128}, got {H}")
     if E <= 0 or E % R:
         raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
+    if stats is not None:
+        _tensor(stats, "cumulative_local_expert_recv_stats", 1, (torch.int32,), (E // R,))
+    if wait_stats is not None:
+        _tensor(wait_stats, "dispatch_wait_recv_cost_stats", 1, (torch.int64,), (R,))
+    return x, idx.long().contiguous()
+
+
+def _check_topk(idx: torch.Tensor, E: int) -> None:
+    """Raise :class:`Fail` for an entry outside [-1, E), or an expert named twice in one token."""
     if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E):
         raise Fail(f"topk_idx out of range, expected -1 or [0, {E}), got values in [{int(idx.min())}, {int(idx.max())}]")
     if idx.size(1) > 1:  # an expert twice in one token would give it more rows than its N slots
@@ -70,11 +79,25 @@ def _check_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flag
             t = int(dup[0])
             raise Fail(f"topk_idx names an expert twice in one token, expected distinct experts (or -1) per token, "
                        f"got {idx[t].tolist()} for token {t}")
-    if stats is not None:
-        _tensor(stats, "cumulative_local_expert_recv_stats", 1, (torch.int32,), (E // R,))
-    if wait_stats is not None:
-        _tensor(wait_stats, "dispatch_wait_recv_cost_stats", 1, (torch.int64,), (R,))
-    return x, idx.long()
+
+
+def _pairs(ex, idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`.layout.expert_pairs` of a checked-shape int64 ``idx``, after :func:`_check_topk`'s checks:
+    one native pass (a counting sort, ``ep_ll_plan``) when the core has it, the same pairs in the same order."""
+    plan = getattr(ex.prims, "ep_ll_plan", None)
+    if plan is None:
+        _check_topk(idx, E)
+        return expert_pairs(idx, E)
+    T, K = idx.shape
+    counts, pairs, err = torch.empty(E, dtype=torch.int64), torch.empty(2, T * K, dtype=torch.int64), [0, 0]
+    errs = array("q", err)
+    args = array("q", [T, K, E, idx.data_ptr(), counts.data_ptr(), pairs[0].data_ptr(), pairs[1].data_ptr(),
+                       errs.buffer_info()[0]])
+    n = plan(args.buffer_info()[0])
+    if n < 0:
+        _check_topk(idx, E)  # the exact message
+        raise Fail(f"topk_idx: bad entry {errs[1]} in token {errs[0]}")  # pragma: no cover - the check raised
+    return counts, pairs[0, :n], pairs[1, :n]
 
 
 def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int, error: str | None):
@@ -91,7 +114,7 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
         fields[F.MASK] = sum(1 << r for r in masked)
         x, idx = _check_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags)
         T, H = x.shape
-        counts, tokens, slots = expert_pairs(idx, E)
+        counts, tokens, slots = _pairs(ex, idx, E)
         plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T}
         fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.META: ex.block(torch.cat([counts, tokens]), keep),
                        F.NROWS: E + tokens.numel()})
@@ -136,12 +159,52 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
 def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
     """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]: owner drops source
+    plan["skip"] = M[:, me] | M[me]  # owners that drop my tokens, or whose rows I drop
+    if getattr(ex.prims, "ep_ll_pull", None) is not None:
+        return _pull_native(buf, rows, out, E, tmax)
+    return _pull_torch(buf, rows, out, E, tmax, M)
+
+
+def _pull_native(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
+    """:func:`_pull_torch` in one native pass (``ep_ll_pull``): the same rows, slots and outputs. Every peer
+    address comes bounds-checked for its whole block (plan block, x, scales); the kernel checks each count
+    and token it reads against them."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
+    L, N, xrow = E // R, R * tmax, int(rows[me, F.XROW])
+    mask = rows[:, F.MASK].tolist()
+    keep_of = array("q", [~m for m in mask])
+    begin, err = torch.empty(E, dtype=torch.int64), array("q", [0, 0])
+    scales = out.get("scales")
+    srow = int(rows[me, F.SROW]) if scales is not None else 0
+    sa = [0, 0, 0, 0] if scales is None else [scales.data_ptr(), *(st * 4 for st in scales.stride())]
+    args = array("q", [R, me, L, N, E, xrow, out["x"].data_ptr(), out["count"].data_ptr(),
+                       out["src_info"].data_ptr(), out["layout"].data_ptr(), begin.data_ptr(), mask[me],
+                       keep_of.buffer_info()[0], srow, *sa, err.buffer_info()[0]])
+    for r in range(R):
+        T_r, nrows = int(rows[r, F.T]), int(rows[r, F.NROWS])
+        args.extend([ex.addr(r, int(rows[r, F.META]), nrows * 8), nrows,
+                     ex.addr(r, int(rows[r, F.X]), T_r * xrow) if T_r else 0, T_r,
+                     ex.addr(r, int(rows[r, F.SCALES]), T_r * srow) if srow and T_r else 0])
+    moved = ex.prims.ep_ll_pull(args.buffer_info()[0])
+    if moved == -2:
+        raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected at "
+                                     f"most {N}, got {err[1]}", ranks=tuple(range(R)))
+    if moved < 0:
+        raise ZbcclInvalidUsageError(f"low_latency_dispatch: rank {err[0]}'s published plan is out of bounds "
+                                     "(its counts or token indices)", ranks=(err[0],))
+    ex.moved += moved
+    return begin
+
+
+def _pull_torch(buf, rows, out: dict, E: int, tmax: int, M: torch.Tensor) -> torch.Tensor:
+    """:func:`_pull` without the native core, in torch ops."""
+    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     L, N = E // R, R * tmax
     # One view of each sender's plan block: its counts per expert, then its token lists.
     metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(R)]
     C = torch.stack([m[:E] for m in metas])  # [src, expert]
     # Shrink masks (DeepEP's enable_shrink): owner o receives nothing from a source it masked (M[o, s]).
-    M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]
     mine = C[:, me * L:(me + 1) * L].masked_fill(M[me].unsqueeze(1), 0)  # [src, local expert]
     if mine.numel() and int(mine.sum(0).max()) > N:  # each sender checked its own; a peer's block must not overflow
         raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected at "
@@ -171,7 +234,6 @@ def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
             out["scales"][le, slot] = s_r[toks]
             ex.moved += n * int(rows[r, F.SROW])
     ex.copy(tables)
-    plan["skip"] = M[:, me] | M[me]  # owners that drop my tokens, or whose rows I drop
     kept = ~M[torch.arange(E) // L, :me]  # [expert, source < me]: the expert's owner keeps that source
     return (C[:me].t() * kept).sum(1)
 
@@ -263,6 +325,47 @@ def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: 
     every row address is checked against its owner's published block here, and each token's rows are
     summed in ascending expert order, as the torch path does, so the results are bitwise the same."""
     ex, T, K = buf.ex, plan["T"], plan["topk_idx"].size(1)
+    if getattr(ex.prims, "ep_ll_addrs", None) is not None:
+        addr, wk = _addrs_native(buf, rows, plan, w, E, H)
+    else:
+        addr, wk = _addrs_torch(buf, rows, plan, w, E, H)
+    acc = buf.scratch("acc_row", (H,), torch.float32)
+    args = array("q", [T, K, H, out.data_ptr(), addr.data_ptr(), wk.data_ptr(), acc.data_ptr()])
+    ex.moved += ex.prims.ep_ll_combine(args.buffer_info()[0])
+
+
+def _addrs_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_addrs_torch` in one native pass (``ep_ll_addrs``): each owner's block and first-row table come
+    bounds-checked from Python, the kernel checks every row it computes against the owner's rows."""
+    if "begin" not in plan:
+        raise ZbcclInvalidUsageError("low_latency_combine: the dispatch's receive hook was never called, "
+                                     "expected hook() before combine, got a pending dispatch")
+    ex, R, T, K = buf.ex, buf.ex.R, plan["T"], plan["topk_idx"].size(1)
+    L = E // R
+    skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
+    addr, wk, err = torch.empty(T * K, dtype=torch.int64), torch.empty(T * K, dtype=torch.float32), array("q", [0, 0])
+    wc = w.contiguous()
+    args = array("q", [T, K, E, L, R, H * 2, plan["topk_idx"].data_ptr(), wc.data_ptr(), plan["begin"].data_ptr(),
+                       addr.data_ptr(), wk.data_ptr(), err.buffer_info()[0]])
+    for r, skipped in enumerate(skip.tolist()):
+        nrows = int(rows[r, F.NROWS])
+        if skipped or not nrows:
+            args.extend([0, 0, -1 if skipped else 0])
+            continue
+        args.extend([ex.addr(r, int(rows[r, F.META]), L * 8), ex.addr(r, int(rows[r, F.X]), nrows * H * 2), nrows])
+    rc = ex.prims.ep_ll_addrs(args.buffer_info()[0])
+    if rc == -1:
+        raise ZbcclInvalidUsageError(f"low_latency_combine: rank {err[0]}'s expert rows are out of its block, "
+                                     f"expected rows in [0, {int(rows[err[0], F.NROWS])}), got {err[1]}",
+                                     ranks=(err[0],))
+    if rc < 0:
+        raise MemoryError("low_latency_combine: no memory for the row tables")
+    return addr, wk
+
+
+def _addrs_torch(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' addresses ``[T, K]`` (0: none) and weights, each token's in ascending expert order."""
+    ex, T, K = buf.ex, plan["T"], plan["topk_idx"].size(1)
     slots = plan["slots"]
     addr = torch.zeros(T * K, dtype=torch.int64)
     for r, lo, hi, row in _owner_rows(buf, rows, plan, E):
@@ -273,11 +376,7 @@ def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: 
                                          ranks=(r,))
         addr[slots[lo:hi]] = ex.addr(r, int(rows[r, F.X]), nrows * H * 2) + row * (H * 2)
     order = plan["topk_idx"].argsort(dim=1, stable=True)  # no expert (-1) first: address 0, skipped
-    addr = addr.view(T, K).gather(1, order).contiguous()
-    wk = w.gather(1, order).contiguous()
-    acc = buf.scratch("acc_row", (H,), torch.float32)
-    args = array("q", [T, K, H, out.data_ptr(), addr.data_ptr(), wk.data_ptr(), acc.data_ptr()])
-    ex.moved += ex.prims.ep_ll_combine(args.buffer_info()[0])
+    return addr.view(T, K).gather(1, order).contiguous(), w.gather(1, order).contiguous()
 
 
 def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: bool = False) -> torch.Tensor:

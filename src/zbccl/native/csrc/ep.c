@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "reduce.h"
@@ -222,6 +223,236 @@ static i64 ep_ll_combine(const i64 *a) {
     return rows * H * 2;
 }
 
+/* ep_ll_plan(args): a = [T, K, E, idx (int64 [T, K]), counts_out (int64 [E]), tokens_out (int64 [T * K]),
+ * slots_out (int64 [T * K]), err_out (int64 [2])]. The low-latency dispatch's plan in one pass (a counting
+ * sort): the valid (token, slot) pairs sorted by expert, then slot (so by token), with counts per expert;
+ * slot is the flat index t * K + k. Returns the number of pairs, or -1 (err_out = token, value: an entry
+ * outside [-1, E)) or -2 (err_out = token, expert: an expert named twice in one token). */
+static i64 ep_ll_plan(const i64 *a) {
+    i64 T = a[0], K = a[1], E = a[2];
+    const i64 *idx = (const i64 *)(uintptr_t)a[3];
+    i64 *counts = (i64 *)(uintptr_t)a[4], *tokens = (i64 *)(uintptr_t)a[5], *slots = (i64 *)(uintptr_t)a[6];
+    i64 *err = (i64 *)(uintptr_t)a[7];
+    memset(counts, 0, (size_t)E * sizeof(i64));
+    for (i64 t = 0; t < T; t++)
+        for (i64 k = 0; k < K; k++) {
+            i64 v = idx[t * K + k];
+            if (v < -1 || v >= E) {
+                err[0] = t, err[1] = v;
+                return -1;
+            }
+            if (v < 0) continue;
+            for (i64 j = 0; j < k; j++)
+                if (idx[t * K + j] == v) {
+                    err[0] = t, err[1] = v;
+                    return -2;
+                }
+            counts[v]++;
+        }
+    /* counts -> each expert's next position (exclusive prefix), restored to counts at the end */
+    i64 n = 0;
+    for (i64 e = 0; e < E; e++) {
+        i64 c = counts[e];
+        counts[e] = n;
+        n += c;
+    }
+    for (i64 t = 0; t < T; t++)
+        for (i64 k = 0; k < K; k++) {
+            i64 v = idx[t * K + k];
+            if (v < 0) continue;
+            i64 p = counts[v]++;
+            tokens[p] = t, slots[p] = t * K + k;
+        }
+    for (i64 e = E - 1; e > 0; e--) counts[e] -= counts[e - 1]; /* counts[e] is now the end of e */
+    return n;
+}
+
+static PyObject *py_ep_ll_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return call_nogil(args, nargs, "ep_ll_plan", ep_ll_plan);
+}
+
+/* ep_ll_pull(args): a = [R, me, L, N, E, xrow, out_x, count_out (int32 [L]), src_info_out (int32 [L, N]),
+ * layout_out (int64 [L, R]), begin_out (int64 [E]), masked (bit s: this rank drops source s), keep_mask_of
+ * (int64 [R]: bit s of entry o set when owner o keeps source s), srow (scale row bytes, 0: no scales), s_out,
+ * s_stride_e, s_stride_slot, s_stride_j (bytes; 4-byte scale elements), err_out (int64 [2]), then per rank r:
+ * meta_addr, meta_len, x_addr, T_r, scales_addr].
+ * The low-latency dispatch's receive half for this rank (experts me*L .. me*L+L-1), in one pass:
+ * sender r's plan block is counts[E] | tokens (its (token, slot) pairs sorted by expert, then token). Rows of
+ * local expert l come in source rank order, then source token: slot = begin_r[l] + position, row l * N + slot of
+ * out_x gets row t of r's x (runs of consecutive rows merged into one memcpy), src_info[l, slot] = t, and the
+ * scale row of t goes to s_out + l * s_stride_e + slot * s_stride_slot + j * s_stride_j. count_out[l] = rows of l,
+ * layout_out[l, r] = begin << 32 | rows from r. begin_out[e] = the rows of global expert e that senders before
+ * this rank put on e's owner (which keeps them: keep_mask_of), i.e. where this rank's rows of e start there.
+ * Returns the bytes copied, or -1 (err_out = rank r, 0: r's plan block is short or its counts negative, or one of
+ * its tokens is outside [0, T_r)), -2 (err_out = local expert l, its rows: more rows than its N slots) or -3 (no
+ * memory for its tables). */
+static i64 ep_ll_pull_with(const i64 *a, i64 *mine_tab, i64 *at);
+static i64 ep_ll_pull(const i64 *a) {
+    i64 R = a[0], L = a[2];
+    i64 *tab = (i64 *)malloc((size_t)(R + 1) * (size_t)L * sizeof(i64));
+    if (!tab) return -3;
+    i64 rc = ep_ll_pull_with(a, tab, tab + R * L);
+    free(tab);
+    return rc;
+}
+
+static i64 ep_ll_pull_with(const i64 *a, i64 *mine_tab, i64 *at) {
+    i64 R = a[0], me = a[1], L = a[2], N = a[3], E = a[4], xrow = a[5];
+    char *out_x = (char *)(uintptr_t)a[6];
+    int32_t *count = (int32_t *)(uintptr_t)a[7], *src_info = (int32_t *)(uintptr_t)a[8];
+    i64 *layout = (i64 *)(uintptr_t)a[9], *begin_out = (i64 *)(uintptr_t)a[10];
+    i64 masked = a[11];
+    const i64 *keep_of = (const i64 *)(uintptr_t)a[12];
+    i64 srow = a[13], s_e = a[15], s_slot = a[16], s_j = a[17];
+    char *s_out = (char *)(uintptr_t)a[14];
+    i64 *err = (i64 *)(uintptr_t)a[18];
+    const i64 *per = a + 19;
+#define mine(r, l) mine_tab[(r) * L + (l)]
+#define DROPS(r) ((r) < 63 && ((masked >> (r)) & 1))         /* this rank drops source r */
+#define KEEPS(o, s) ((s) >= 63 || ((keep_of[o] >> (s)) & 1)) /* owner o keeps source s */
+    /* every sender's block: long enough, counts non-negative */
+    for (i64 r = 0; r < R; r++) {
+        const i64 *meta = (const i64 *)(uintptr_t)per[5 * r];
+        i64 len = per[5 * r + 1], n = 0;
+        if (len < E) goto short_block;
+        for (i64 e = 0; e < E; e++) {
+            if (meta[e] < 0) goto short_block;
+            n += meta[e];
+        }
+        if (E + n > len) goto short_block;
+        for (i64 l = 0; l < L; l++) mine(r, l) = DROPS(r) ? 0 : meta[me * L + l];
+        continue;
+    short_block:
+        err[0] = r, err[1] = 0;
+        return -1;
+    }
+    for (i64 l = 0; l < L; l++) {
+        i64 c = 0;
+        for (i64 r = 0; r < R; r++) {
+            layout[l * R + r] = (c << 32) | mine(r, l);
+            c += mine(r, l);
+        }
+        if (c > N) {
+            err[0] = l, err[1] = c;
+            return -2;
+        }
+        count[l] = (int32_t)c;
+    }
+    for (i64 e = 0; e < E; e++) {
+        i64 o = e / L, b = 0;
+        for (i64 s = 0; s < me; s++)
+            if (KEEPS(o, s)) b += ((const i64 *)(uintptr_t)per[5 * s])[e];
+        begin_out[e] = b;
+    }
+    i64 moved = 0;
+    for (i64 r = 0; r < R; r++) {
+        const i64 *meta = (const i64 *)(uintptr_t)per[5 * r];
+        const char *x = (const char *)(uintptr_t)per[5 * r + 2], *sc = (const char *)(uintptr_t)per[5 * r + 4];
+        i64 T_r = per[5 * r + 3], start = E;
+        if (DROPS(r)) continue;
+        for (i64 e = 0; e < me * L; e++) start += meta[e];
+        for (i64 l = 0; l < L; l++) at[l] = layout[l * R + r] >> 32;
+        for (i64 l = 0; l < L; l++) {
+            const i64 *toks = meta + start;
+            i64 n = mine(r, l);
+            for (i64 j = 0; j < n; j++)
+                if (toks[j] < 0 || toks[j] >= T_r) {
+                    err[0] = r, err[1] = 0;
+                    return -1;
+                }
+            for (i64 j = 0; j < n;) {
+                i64 j1 = j + 1;
+                while (j1 < n && toks[j1] == toks[j1 - 1] + 1) j1++;
+                memcpy(out_x + (l * N + at[l] + j) * xrow, x + toks[j] * xrow, (size_t)((j1 - j) * xrow));
+                j = j1;
+            }
+            for (i64 j = 0; j < n; j++) {
+                i64 slot = at[l] + j;
+                src_info[l * N + slot] = (int32_t)toks[j];
+                if (srow)
+                    for (i64 q = 0; q < srow / 4; q++)
+                        memcpy(s_out + l * s_e + slot * s_slot + q * s_j, sc + toks[j] * srow + 4 * q, 4);
+            }
+            moved += n * (xrow + srow);
+            start += n;
+        }
+    }
+    return moved;
+#undef mine
+#undef DROPS
+#undef KEEPS
+}
+
+static PyObject *py_ep_ll_pull(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return call_nogil(args, nargs, "ep_ll_pull", ep_ll_pull);
+}
+
+/* ep_ll_addrs(args): a = [T, K, E, L, R, row_bytes, idx (int64 [T, K]), w (float [T, K]), begin (int64 [E]),
+ * addr_out (int64 [T, K]), w_out (float [T, K]), err_out (int64 [2]), then per owner r: bases (int64 [L]: the
+ * first row of each of r's local experts in its published block), x (its block's address), nrows (its rows;
+ * -1: skip the slots of experts on r)].
+ * The low-latency combine's row addresses: the slot of token t naming expert e (owner r = e / L) reads row
+ * bases_r[e - r * L] + begin[e] + (t's position among this rank's tokens naming e) of r's block. Each token's
+ * slots are written in ascending expert order (no expert first; a stable sort, as torch's argsort(stable=True)),
+ * with their weights, address 0 for no expert or a skipped owner (ep_ll_combine skips those). Returns 0, -1
+ * (err_out = owner r, the row) for a row outside r's block, or -3 (no memory for its tables). */
+static i64 ep_ll_addrs(const i64 *a) {
+    i64 T = a[0], K = a[1], E = a[2], L = a[3], R = a[4], rb = a[5];
+    const i64 *idx = (const i64 *)(uintptr_t)a[6], *begin = (const i64 *)(uintptr_t)a[8];
+    const float *w = (const float *)(uintptr_t)a[7];
+    i64 *addr = (i64 *)(uintptr_t)a[9], *err = (i64 *)(uintptr_t)a[11];
+    float *w_out = (float *)(uintptr_t)a[10];
+    const i64 *per = a + 12;
+    i64 *seen = (i64 *)calloc((size_t)E + 1, sizeof(i64));
+    int *order = (int *)malloc((size_t)K * sizeof(int) + 1);
+    i64 rc = 0;
+    if (!seen || !order) {
+        rc = -3;
+        goto out;
+    }
+    for (i64 t = 0; t < T && !rc; t++) {
+        const i64 *it = idx + t * K;
+        for (int k = 0; k < K; k++) { /* insertion sort of the slots by expert, stable */
+            int j = k;
+            while (j > 0 && it[order[j - 1]] > it[k]) {
+                order[j] = order[j - 1];
+                j--;
+            }
+            order[j] = k;
+        }
+        for (int j = 0; j < K; j++) {
+            int k = order[j];
+            i64 e = it[k], r = e >= 0 ? e / L : -1, v = 0;
+            w_out[t * K + j] = w[t * K + k];
+            if (e >= 0) {
+                i64 pos = seen[e]++, nrows = per[3 * r + 2];
+                if (nrows >= 0) {
+                    i64 row = nrows ? ((const i64 *)(uintptr_t)per[3 * r])[e - r * L] + begin[e] + pos : pos;
+                    if (row < 0 || row >= nrows) {
+                        err[0] = r, err[1] = row;
+                        rc = -1;
+                        break;
+                    }
+                    v = per[3 * r + 1] + row * rb;
+                }
+            }
+            addr[t * K + j] = v;
+        }
+    }
+out:
+    free(seen);
+    free(order);
+    (void)R;
+    return rc;
+}
+
+static PyObject *py_ep_ll_addrs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return call_nogil(args, nargs, "ep_ll_addrs", ep_ll_addrs);
+}
+
 static PyObject *py_ep_ll_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     return call_nogil(args, nargs, "ep_ll_combine", ep_ll_combine);
@@ -335,6 +566,15 @@ static PyMethodDef ep_methods[] = {
      "(layout in ep.c)."},
     {"ep_combine", (PyCFunction)(void (*)(void))py_ep_combine, METH_FASTCALL,
      "ep_combine(args_ptr) -> bytes read, or -(1 + bad rank): a combine's fp32 sums (layout in ep.c)."},
+    {"ep_ll_plan", (PyCFunction)(void (*)(void))py_ep_ll_plan, METH_FASTCALL,
+     "ep_ll_plan(args_ptr) -> pairs, or -1 (entry out of range) / -2 (expert twice in a token): the low-latency "
+     "dispatch's expert-sorted (token, slot) pairs (layout in ep.c)."},
+    {"ep_ll_pull", (PyCFunction)(void (*)(void))py_ep_ll_pull, METH_FASTCALL,
+     "ep_ll_pull(args_ptr) -> bytes copied, or -1 (a bad sender block) / -2 (an expert over its slots): the "
+     "low-latency dispatch's receive half (layout in ep.c)."},
+    {"ep_ll_addrs", (PyCFunction)(void (*)(void))py_ep_ll_addrs, METH_FASTCALL,
+     "ep_ll_addrs(args_ptr) -> 0, or -1 (a row outside its owner's block): the low-latency combine's row "
+     "addresses and weights in per-token expert order (layout in ep.c)."},
     {"ep_ll_combine", (PyCFunction)(void (*)(void))py_ep_ll_combine, METH_FASTCALL,
      "ep_ll_combine(args_ptr) -> bytes read: the low-latency combine's weighted fp32 sums (layout in ep.c)."},
     {NULL, NULL, 0, NULL},
