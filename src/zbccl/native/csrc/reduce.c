@@ -51,6 +51,7 @@ static inline uint16_t f32_to_bf16(float f) {
  * null source is skipped. acc: fp32 scratch of width elements. */
 void zb_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k,
                            long width, float *acc) {
+    if (zb_simd_weighted_rows_bf16(dst, src, w, tokens, k, width, acc)) return;
     for (long t = 0; t < tokens; t++) {
         for (long i = 0; i < width; i++) acc[i] = 0.0f;
         for (long j = 0; j < k; j++) {

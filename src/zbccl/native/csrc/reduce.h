@@ -22,6 +22,9 @@ long zb_simd_sum(void *dst, const void *const *srcs, long n, long m, int dtype, 
  * and sums rounded to fp32 in j order, null sources skipped; acc: fp32 scratch of width elements. */
 void zb_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k,
                            long width, float *acc);
+/* The same with AVX-512 (bitwise equal); 0 when this CPU has no such kernel (the caller runs the scalar one). */
+int zb_simd_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k,
+                               long width, float *acc);
 /* memcpy split over nthreads for large sizes. */
 void zb_copy(void *dst, const void *src, long nbytes, int nthreads);
 /* The same with non-temporal stores and a closing store fence (large writes into lines peers hold). */

@@ -184,6 +184,50 @@ static int simd_level(void) {
     return level;
 }
 
+/* The EP low-latency combine's weighted rows (reduce.c zb_weighted_rows_bf16), 16 lanes at a time: the same
+ * fp32 product and sum per element, in the same order (mul and add with explicit rounding: never fused into an
+ * FMA), and the same bf16 rounding, so the result is bitwise the scalar kernel's. */
+T512 static void wrows512(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k, long width,
+                          float *acc) {
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    long vw = width & ~15L;
+    for (long t = 0; t < tokens; t++) {
+        for (long i = 0; i < width; i++) acc[i] = 0.0f;
+        for (long j = 0; j < k; j++) {
+            const uint16_t *row = src[t * k + j];
+            if (!row) continue;
+            float wj = w[t * k + j];
+            __m512 vwj = _mm512_set1_ps(wj);
+            for (long i = 0; i < vw; i += 16) {
+                __m512 p = _mm512_mul_round_ps(ld512(row + i, ZB_DT_BF16), vwj, rn);
+                _mm512_storeu_ps(acc + i, _mm512_add_round_ps(_mm512_loadu_ps(acc + i), p, rn));
+            }
+            for (long i = vw; i < width; i++) {
+                uint32_t u = (uint32_t)row[i] << 16;
+                float x, p;
+                memcpy(&x, &u, 4);
+                p = x * wj;
+                __asm__("" : "+x"(p)); /* keep the product rounded on its own: no contraction with the add */
+                acc[i] += p;
+            }
+        }
+        long i = 0;
+        for (; i < vw; i += 16) _mm256_storeu_si256((__m256i *)(dst + t * width + i), bf16_512(_mm512_loadu_ps(acc + i)));
+        if (i < width) {
+            __mmask16 m = (__mmask16)((1u << (width - i)) - 1);
+            __m512 v = _mm512_maskz_loadu_ps(m, acc + i);
+            _mm256_mask_storeu_epi16(dst + t * width + i, m, bf16_512(v));
+        }
+    }
+}
+
+int zb_simd_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k,
+                               long width, float *acc) {
+    if (simd_level() != 2) return 0;
+    wrows512(dst, src, w, tokens, k, width, acc);
+    return 1;
+}
+
 long zb_simd_sum(void *dst, const void *const *srcs, long n, long m, int dtype, int avg, float divisor, int stream) {
     if (dtype != ZB_DT_F32 && dtype != ZB_DT_BF16 && dtype != ZB_DT_F16) return 0;
     long isz = dtype == ZB_DT_F32 ? 4 : 2;
@@ -196,6 +240,11 @@ long zb_simd_sum(void *dst, const void *const *srcs, long n, long m, int dtype, 
     return SUMS[level - 1][dtype][stream ? 1 : 0]((char *)dst, s, n, m, isz, avg, divisor);
 }
 #else
+int zb_simd_weighted_rows_bf16(uint16_t *dst, const uint16_t *const *src, const float *w, long tokens, long k,
+                               long width, float *acc) {
+    (void)dst, (void)src, (void)w, (void)tokens, (void)k, (void)width, (void)acc;
+    return 0;
+}
 long zb_simd_sum(void *dst, const void *const *srcs, long n, long m, int dtype, int avg, float divisor, int stream) {
     (void)dst, (void)srcs, (void)n, (void)m, (void)dtype, (void)avg, (void)divisor, (void)stream;
     return 0;
