@@ -160,3 +160,54 @@ def test_peer_death_is_a_remote_error(where):
     # The world's timeout (40 s) is below the Buffer's (60 s): a pass proves the death was noticed.
     out = run_world(_peer_dies, 2, where=where, expect_exit={1: -signal.SIGKILL}, timeout=40)
     assert out[0] is True
+
+
+def _hostile_plan(ctx, native: bool):
+    """A peer whose published low-latency plan names a token it does not have (a hostile or corrupt
+    rank; its own checks are bypassed here): the receiver of that row (rank 0: the token is in the
+    list of expert 0) refuses the block, naming the rank, instead of reading past the peer's x; the
+    Buffer stays usable. Native and torch receive halves."""
+    import types
+
+    import zbccl
+    import zbccl.ep as deep_ep
+    from zbccl.ep import low_latency
+
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=32 * MiB)
+    me = comm.rank
+    buffer = deep_ep.Buffer(comm, timeout=30, explicitly_destroy=True, low_latency_mode=True)
+    prims = buffer.ex.prims
+    if not native:
+        buffer.ex.prims = types.SimpleNamespace(**{k: getattr(prims, k) for k in dir(prims) if not k.startswith("_")
+                                                  and k not in ("ep_ll_pull", "ep_ll_plan", "ep_ll_addrs")})
+    x, topk_idx, w = _inputs(me, comm.world_size)
+    real = low_latency._pairs
+    if me == 1:
+        def corrupt(ex, idx, n_exp):
+            counts, tokens, slots = real(ex, idx, n_exp)
+            tokens = tokens.clone()
+            tokens[0] = T + 1000  # past the end of this rank's x, in the list of expert 0 (rank 0's)
+            return counts, tokens, slots
+
+        low_latency._pairs = corrupt
+    try:
+        if me == 0:
+            _expect_everywhere(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False),
+                               "rank 1's published plan is out of bounds")
+        else:
+            buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    finally:
+        low_latency._pairs = real
+    buffer.ex.prims = prims
+    recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)  # still in step
+    combined = buffer.low_latency_combine(recv_x, topk_idx, w, handle)[0]
+    assert torch.equal(combined, (x.float() * K).to(torch.bfloat16))
+    buffer.destroy()
+    zbccl.finalize()
+    return True
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_peers_out_of_bounds_plan_is_refused(native):
+    assert all(run_world(_hostile_plan, 2, native=native, timeout=120))

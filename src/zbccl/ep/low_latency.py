@@ -221,11 +221,14 @@ def _pull_torch(buf, rows, out: dict, E: int, tmax: int, M: torch.Tensor) -> tor
             continue
         start = int(C[r, :me * L].sum())
         toks = metas[r][E + start:E + start + n]
+        T_r = int(rows[r, F.T])
+        if toks.numel() != n or int(toks.min()) < 0 or int(toks.max()) >= T_r:  # a peer's block is read, not trusted
+            raise ZbcclInvalidUsageError(f"low_latency_dispatch: rank {r}'s published plan is out of bounds "
+                                         "(its counts or token indices)", ranks=(r,))
         le = torch.repeat_interleave(torch.arange(L), cnt)
         pos = torch.arange(n) - (cnt.cumsum(0) - cnt)[le]
         slot = begins[r][le] + pos
         dst = le * N + slot
-        T_r = int(rows[r, F.T])
         tables.append(row_table(out["x"].data_ptr(), ex.addr(r, int(rows[r, F.X]), T_r * xrow), row_runs(toks, dst),
                                 xrow))
         out["src_info"].view(-1)[dst] = toks.to(torch.int32)

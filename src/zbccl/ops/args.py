@@ -209,9 +209,13 @@ def gather_dim_error(output: torch.Tensor, input: torch.Tensor, dim: int, world:
     ``input``'s with ``dim`` ``world`` times longer, and the two may not share a byte (rank r's slice
     is strided, so no input is ever exactly it). ``blocks``: the product of the sizes before ``dim``."""
     nd = input.dim()
-    d = dim + nd if isinstance(dim, int) and dim < 0 else dim
-    if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= d < nd:
+    try:
+        d = operator.index(dim) if not isinstance(dim, bool) else None
+    except TypeError:
+        d = None
+    if d is None or not -nd <= d < nd:
         return 1, f"{op}: dim out of range, expected an int in [{-nd}, {nd}) for a {nd}-d input, got {dim!r}"
+    d += nd if d < 0 else 0
     want = (*input.shape[:d], world * input.shape[d], *input.shape[d + 1:])
     if tuple(output.shape) != want:
         return 1, (f"{op}: wrong output shape for a gather along dim {dim}, expected {list(want)} "
