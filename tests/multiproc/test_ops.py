@@ -174,6 +174,19 @@ def _gather_dim_cases(comm):
     o = torch.empty(6, 33 * W)
     zbccl.all_gather_into_tensor(o, p, dim=1)
     assert torch.equal(o, torch.cat([src(r, (6, 33), torch.float32) for r in range(W)], dim=1))
+    # all_gather_v along an inner dimension: per-rank sizes (one rank sends nothing), heap and private
+    sizes = [(r * 2 + 1) % 4 for r in range(W)]  # 1, 3, 1, ...: W=2 [1, 3], W=3 [1, 3, 1]
+    sizes[-1] = 0 if W > 2 else sizes[-1]
+    for dim in (1, -1, 2):
+        d = 1 if dim in (1, -2) else 2
+        shape = lambda r, d=d: (3, sizes[r], 5) if d == 1 else (3, 5, sizes[r])  # noqa: E731
+        want = torch.cat([src(r, shape(r), torch.float32) for r in range(W)], dim=d)
+        xv = zbccl.empty(shape(me), dtype=torch.float32)
+        xv.copy_(src(me, shape(me), torch.float32))
+        for inp in (xv, src(me, shape(me), torch.float32)):
+            ov = torch.full(want.shape, -1.0)
+            zbccl.all_gather_v(ov, inp, sizes, dim=dim)
+            assert torch.equal(ov, want), f"all_gather_v dim={dim} sizes={sizes}"
     ot = torch.empty(33 * W, 6, dtype=torch.bfloat16).t()  # non-contiguous output and input
     zbccl.all_gather_into_tensor(ot, x[:6, :33], dim=1)
     assert torch.equal(ot, torch.cat([(src(r, (8, 100), torch.bfloat16) + 4)[:6, :33] for r in range(W)], dim=1))
@@ -361,6 +374,10 @@ def _mismatch(ctx, algo):
         o = torch.empty(4, 2 * comm.world_size) if me else torch.empty(4 * comm.world_size, 2)
         expect(lambda: zbccl.all_gather_into_tensor(o, x, dim=1 if me else 0), "disagree on the gathered dimension")
         expect(lambda: zbccl.all_gather_into_tensor(o, x, dim=2 if me else 0), "dim out of range|invalid arguments")
+        ov = torch.empty(4, 4)  # each rank consistent on its own, the sizes lists differ
+        xv = zbccl.zeros(4, 1 + me)
+        expect(lambda: zbccl.all_gather_v(ov, xv, [2, 2] if me else [1, 3], dim=1),
+               r"disagree on sizes.*expected \[1, 3\]")
         # after all of that, the group is still in step
         t = zbccl.zeros(3).fill_(me + 1)
         zbccl.all_reduce(t)
@@ -375,7 +392,7 @@ def test_mismatched_arguments_fail_on_every_rank(algo):
     """With oneshot, a rank that posted an error or called another op takes the common handshake while
     its peer waits on the oneshot's election word: it must release that peer with the verdict."""
     a, b = run_world(_mismatch, 2, algo=algo, timeout=60)
-    assert len(a) == len(b) == 13
+    assert len(a) == len(b) == 14
 
 
 def _skewed_oneshot(ctx):

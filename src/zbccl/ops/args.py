@@ -203,11 +203,12 @@ def check_exchange(op: str, output: torch.Tensor, input: torch.Tensor, counts: l
     return dt, overlap_error(output, input, op=op)
 
 
-def gather_dim_error(output: torch.Tensor, input: torch.Tensor, dim: int, world: int, *,
-                     op: str) -> tuple[int, str | None]:
-    """``(blocks, error)`` for all_gather_into_tensor along ``dim``: ``output``'s shape must be
-    ``input``'s with ``dim`` ``world`` times longer, and the two may not share a byte (rank r's slice
-    is strided, so no input is ever exactly it). ``blocks``: the product of the sizes before ``dim``."""
+def gather_dim_error(output: torch.Tensor, input: torch.Tensor, dim: int, world: int, *, op: str,
+                     sizes: list[int] | None = None, rank: int = 0) -> tuple[int, str | None]:
+    """``(blocks, error)`` for an all_gather along ``dim``: ``output``'s shape must be ``input``'s with
+    ``dim`` ``world`` times longer (with per-rank ``sizes``: ``input`` has ``sizes[rank]`` there and
+    ``output`` their sum), and the two may not share a byte (rank r's slice is strided, so no input is
+    ever exactly it). ``blocks``: the product of the sizes before ``dim``."""
     nd = input.dim()
     try:
         d = operator.index(dim) if not isinstance(dim, bool) else None
@@ -216,7 +217,10 @@ def gather_dim_error(output: torch.Tensor, input: torch.Tensor, dim: int, world:
     if d is None or not -nd <= d < nd:
         return 1, f"{op}: dim out of range, expected an int in [{-nd}, {nd}) for a {nd}-d input, got {dim!r}"
     d += nd if d < 0 else 0
-    want = (*input.shape[:d], world * input.shape[d], *input.shape[d + 1:])
+    if sizes is not None and input.shape[d] != sizes[rank]:
+        return 1, (f"{op}: the input disagrees with sizes, expected {sizes[rank]} along dim {dim} (sizes[{rank}]), "
+                   f"got input {list(input.shape)}")
+    want = (*input.shape[:d], world * input.shape[d] if sizes is None else sum(sizes), *input.shape[d + 1:])
     if tuple(output.shape) != want:
         return 1, (f"{op}: wrong output shape for a gather along dim {dim}, expected {list(want)} "
                    f"(input {list(input.shape)}), got {list(output.shape)}")

@@ -23,6 +23,9 @@ push, that my output is complete.
 
 from __future__ import annotations
 
+import math
+import operator
+
 import numpy as np
 import torch
 import torch.autograd.profiler as _profiler
@@ -192,21 +195,34 @@ def _general(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, 
 
 
 @collective("all_gather_v")
-def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
+def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *, dim: int = 0,
                  comm: Communicator | None = None, timeout: float | None = None) -> torch.Tensor:
-    """Collective: all-gather with per-rank sizes along dim 0.
+    """Collective: all-gather with per-rank sizes along ``dim`` (default 0).
 
     ``sizes[r]`` rows come from rank r; ``input`` is ``[sizes[rank], *rest]`` and ``output`` is
     ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes`` (integers). Aliasing and
-    ``timeout`` as in :func:`all_gather_into_tensor`.
+    ``timeout`` as in :func:`all_gather_into_tensor`. With ``dim`` != 0, ``input`` has ``sizes[rank]``
+    along ``dim`` and ``output`` is ``torch.cat`` of the inputs along it (each rank's rows written
+    straight into their columns, as :func:`all_gather_into_tensor` with ``dim``); no overlap at all.
     """
     op = "all_gather_v"
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
     rows, size_error = index_list(sizes, "sizes", op=op)
     error = error or size_error
-    row = _row_elems(output) if error is None else 1
+    blocks = 1
+    if error is None and len(rows) != comm.world_size:
+        error = f"{op}: expected {comm.world_size} sizes, got {len(rows)}"
+    if error is None and dim:
+        blocks, error = gather_dim_error(output, input, dim, comm.world_size, op=op, sizes=rows, rank=comm.rank)
+    if error is not None:
+        row = 1
+    elif dim:  # the elements of one size unit: a column block of every row before dim
+        d = operator.index(dim) % input.dim()
+        row = blocks * math.prod(input.shape[d + 1:])
+    else:
+        row = _row_elems(output)
     counts = [0] * comm.world_size if error else [s * row for s in rows]
-    return _start(comm, op, output, input, counts, None, row, error, timeout)
+    return _start(comm, op, output, input, counts, None, row, error, timeout, blocks=blocks)
 
 
 @collective("all_to_all_single")

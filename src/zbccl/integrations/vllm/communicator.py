@@ -141,13 +141,10 @@ class ZbcclCpuCommunicator(CpuCommunicator):
         if sizes is None:
             return self.all_gather(input_, dim)
         dim = dim + input_.dim() if dim < 0 else dim
-        if len(sizes) != self.world_size or input_.shape[dim] != sizes[self.rank_in_group]:
-            raise ValueError(f"all_gatherv: sizes disagree with the input, expected {self.world_size} sizes "
-                             f"with sizes[{self.rank_in_group}] == {input_.shape[dim]}, got {list(sizes)}")
-        inp = input_.movedim(dim, 0).contiguous()
-        out = torch.empty((sum(sizes),) + inp.shape[1:], dtype=inp.dtype)
-        ops.all_gather_v(out, inp, list(sizes), comm=self.zb)
-        return out.movedim(0, dim)
+        size = input_.size()  # sizes that disagree with the input fail in zbccl, on every rank
+        out = torch.empty(size[:dim] + (sum(sizes),) + size[dim + 1:], dtype=input_.dtype)
+        ops.all_gather_v(out, input_, list(sizes), dim=dim, comm=self.zb)  # rows straight into their columns
+        return out
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.zb is None:
