@@ -8,6 +8,7 @@ be bit-exact against :mod:`zbccl.ops.reference` and identical on every rank.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 
 import pytest
@@ -226,6 +227,30 @@ def _reduce_scatter_cases(comm):
                              [s * 3 for s in sizes], me)
     assert torch.equal(out.view(-1), ref)
     assert zbccl.memory_stats()["staged_bytes"] == st0
+    # along an inner dimension (even and per-rank sizes): rank r's chunk of every input's columns
+    from zbccl.ops.reference import reduce_ref
+
+    sizes_v = [3] + [0] * (W - 2) + [7]  # per-rank sizes along dim 1, a middle rank (W=3) gets none
+    for dtype, opname, code in ((torch.bfloat16, "sum", 0), (torch.float32, "max", 2), (torch.int32, "sum", 0)):
+        for shape, dim, sizes in (((4, 6 * W), -1, None), ((2, 3 * W, 5), 1, None), ((3, 2, 4 * W), 2, None),
+                                  ((3, 10), 1, sizes_v)):
+            d = dim % len(shape)
+            parts = sizes if sizes is not None else [shape[d] // W] * W
+            inputs = [payload(r, math.prod(shape), dtype).view(shape) for r in range(W)]
+            lo = sum(parts[:me])
+            want = reduce_ref([t.narrow(d, lo, parts[me]).contiguous().view(-1) for t in inputs], code)
+            want = want.view(*shape[:d], parts[me], *shape[d + 1:])
+            for heap in (True, False):
+                x = zbccl.empty(shape, dtype=dtype) if heap else torch.empty(shape, dtype=dtype)
+                x.copy_(inputs[me])
+                o = torch.full(want.shape, 3, dtype=dtype)
+                st = zbccl.memory_stats()["staged_bytes"]
+                if sizes is None:
+                    zbccl.reduce_scatter_tensor(o, x, opname, dim=dim)
+                else:
+                    zbccl.reduce_scatter_v(o, x, sizes, opname, dim=dim)
+                assert torch.equal(o, want), f"reduce_scatter dim={dim} {shape} {dtype} {opname} sizes={sizes}"
+                assert not heap or zbccl.memory_stats()["staged_bytes"] == st, "a heap input must not be staged"
     return True
 
 
@@ -374,6 +399,9 @@ def _mismatch(ctx, algo):
         o = torch.empty(4, 2 * comm.world_size) if me else torch.empty(4 * comm.world_size, 2)
         expect(lambda: zbccl.all_gather_into_tensor(o, x, dim=1 if me else 0), "disagree on the gathered dimension")
         expect(lambda: zbccl.all_gather_into_tensor(o, x, dim=2 if me else 0), "dim out of range|invalid arguments")
+        xr = zbccl.zeros(4, 4)
+        expect(lambda: zbccl.reduce_scatter_tensor(torch.empty(4, 2) if me else torch.empty(2, 4), xr, dim=me),
+               "disagree on the scattered dimension")
         ov = torch.empty(4, 4)  # each rank consistent on its own, the sizes lists differ
         xv = zbccl.zeros(4, 1 + me)
         expect(lambda: zbccl.all_gather_v(ov, xv, [2, 2] if me else [1, 3], dim=1),
@@ -392,7 +420,7 @@ def test_mismatched_arguments_fail_on_every_rank(algo):
     """With oneshot, a rank that posted an error or called another op takes the common handshake while
     its peer waits on the oneshot's election word: it must release that peer with the verdict."""
     a, b = run_world(_mismatch, 2, algo=algo, timeout=60)
-    assert len(a) == len(b) == 14
+    assert len(a) == len(b) == 15
 
 
 def _skewed_oneshot(ctx):

@@ -122,8 +122,8 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
     if rc == RC_MISMATCH:
         got = ", ".join(f"rank {r} {show_field(field, int(v))}" for r, v in enumerate(hdrs[:, field]))
         name = FIELD_NAMES.get(field, field)
-        if field == abi.H_AUX and op.startswith("all_gather"):
-            name = "the gathered dimension (rows before it, 0: dim 0)"
+        if field == abi.H_AUX and op.startswith(("all_gather", "reduce_scatter")):
+            name = f"the {'gathered' if op.startswith('all_gather') else 'scattered'} dimension (rows before it, 0: dim 0)"
         return ZbcclInvalidUsageError(f"{op}: ranks disagree on {name}, got {got}",
                                      ranks=tuple(range(W)))
     if rc in (RC_PEER_ERROR, RC_NOMEM):

@@ -14,6 +14,9 @@ are compared exactly. bf16/fp16 accumulate in fp32 and round once.
 
 from __future__ import annotations
 
+import math
+import operator
+
 import numpy as np
 import torch
 
@@ -35,38 +38,82 @@ _RS = "reduce_scatter"
 
 
 @collective("reduce_scatter_tensor")
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *,
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *, dim: int = 0,
                           comm: Communicator | None = None, timeout: float | None = None) -> torch.Tensor:
     """Collective: ``output`` (``input.numel() / world_size`` elements) gets slice ``rank`` of the
     element-wise reduction of every rank's ``input``. ``op`` as in :func:`all_reduce`.
     ``output`` may be exactly slice ``rank`` of ``input`` (in place); any other overlap is refused.
     ``timeout``: seconds this op may wait (default: the communicator's).
     Blocks the host until no peer reads this rank's ``input`` any more.
+
+    ``dim``: scatter along that dimension instead: ``output``'s shape is ``input``'s with ``dim``
+    ``world_size`` times shorter, and gets the reduction of every input's r-th chunk along ``dim``
+    (what vLLM's ``reduce_scatter(input, dim)`` returns), reduced straight from the peers' columns
+    with no reordering copy before or after. Every rank must pass the same ``dim``; no overlap at all.
     """
+    W = comm.world_size
     error = tensor_error(output, "output", op=_RS, written=True) or tensor_error(input, "input", op=_RS)
-    counts = [0] * comm.world_size if error else [output.numel()] * comm.world_size
+    if error is None and dim:
+        return _along(comm, _RS, output, input, op, dim, None, timeout)
+    counts = [0] * W if error else [output.numel()] * W
     return _run(comm, _RS, output, input, op, counts, 1, error, timeout)
 
 
 @collective("reduce_scatter_v")
-def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], op="sum", *,
+def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], op="sum", *, dim: int = 0,
                      comm: Communicator | None = None, timeout: float | None = None) -> torch.Tensor:
-    """Collective: reduce-scatter with per-rank sizes along dim 0.
+    """Collective: reduce-scatter with per-rank sizes along ``dim`` (default 0).
 
-    ``input`` is ``[sum(sizes), *rest]`` on every rank; ``output`` is ``[sizes[rank], *rest]``.
-    Every rank must pass the same ``sizes`` (integers). Aliasing and ``timeout`` as in
-    :func:`reduce_scatter_tensor`.
+    ``input`` is ``[sum(sizes), *rest]`` on every rank; ``output`` is ``[sizes[rank], *rest]``
+    (with ``dim``: those sizes along ``dim``, every other dimension equal). Every rank must pass the
+    same ``sizes`` (integers). Aliasing and ``timeout`` as in :func:`reduce_scatter_tensor`.
     """
     op_name = "reduce_scatter_v"
     error = tensor_error(output, "output", op=op_name, written=True) or tensor_error(input, "input", op=op_name)
     rows, size_error = index_list(sizes, "sizes", op=op_name)
     error = error or size_error
+    if error is None and dim:
+        return _along(comm, op_name, output, input, op, dim, rows, timeout)
     row = int(np.prod(input.shape[1:])) if error is None and input.dim() > 1 else 1
     counts = [0] * comm.world_size if error else [s * row for s in rows]
     return _run(comm, op_name, output, input, op, counts, row, error, timeout)
 
 
-def _local_error(op: str, output, input, red_op, counts, rank: int, world: int) -> tuple[int, int, str | None]:
+def _along(comm, op: str, output, input, red_op, dim, sizes: list[int] | None, timeout) -> torch.Tensor:
+    """reduce-scatter along ``dim`` != 0 (``sizes`` None: even): rank r reduces columns block r of each of
+    the ``blocks`` rows before ``dim`` (the header's AUX), straight into its output."""
+    W, nd = comm.world_size, input.dim()
+    try:
+        d = operator.index(dim) if not isinstance(dim, bool) else None
+    except TypeError:
+        d = None
+    error, blocks, row, counts = None, 1, 1, [0] * W
+    if d is None or not -nd <= d < nd:
+        error = f"{op}: dim out of range, expected an int in [{-nd}, {nd}) for a {nd}-d input, got {dim!r}"
+    else:
+        d += nd if d < 0 else 0
+        if sizes is None and input.shape[d] % W:
+            error = f"{op}: dim {dim} does not split evenly, expected a multiple of {W}, got {input.shape[d]}"
+        elif sizes is not None and (len(sizes) != W or sum(sizes) != input.shape[d]):
+            error = (f"{op}: sizes disagree with the input, expected {W} sizes summing to {input.shape[d]} "
+                     f"(dim {dim}), got {list(sizes)}")
+        else:
+            sizes = [input.shape[d] // W] * W if sizes is None else sizes
+            want = (*input.shape[:d], sizes[comm.rank], *input.shape[d + 1:])
+            if tuple(output.shape) != want:
+                error = (f"{op}: wrong output shape for a reduce-scatter along dim {dim}, expected {list(want)} "
+                         f"(input {list(input.shape)}), got {list(output.shape)}")
+            elif input.numel() and output.numel() and input.dtype == output.dtype:
+                error = overlap_error(output, input, op=op)  # a strided slice: no in-place form
+            blocks = math.prod(input.shape[:d])
+            row = blocks * math.prod(input.shape[d + 1:])
+            if error is None:
+                counts = [s * row for s in sizes]
+    return _run(comm, op, output, input, red_op, counts, row, error, timeout, blocks=blocks if blocks > 1 else 0)
+
+
+def _local_error(op: str, output, input, red_op, counts, rank: int, world: int,
+                 aux: int = 0) -> tuple[int, int, str | None]:
     """``(dtype code, reduce op code, error)`` from this rank's arguments alone."""
     try:
         dt = dtype_code(input.dtype, op=op)
@@ -82,30 +129,31 @@ def _local_error(op: str, output, input, red_op, counts, rank: int, world: int) 
                          f"got {input.numel()} and {output.numel()}")
     # Supported aliasing: the output is exactly this rank's slice of a contiguous input (only this
     # rank reads that slice, and it reads it before writing each element).
-    exact = (input.is_contiguous() and output.is_contiguous()
+    exact = (not aux and input.is_contiguous() and output.is_contiguous()
              and output.data_ptr() == input.data_ptr() + sum(counts[:rank]) * input.element_size())
     return dt, red, overlap_error(output, input, op=op, allowed=exact)
 
 
 def _run(comm, op: str, output, input, red_op, counts: list[int], row: int, error: str | None,
-         timeout) -> torch.Tensor:
+         timeout, *, blocks: int = 0) -> torch.Tensor:
+    """``blocks`` (> 1): along an inner dimension, posted as the header's AUX (0 and 1 are dim 0's layout)."""
     dt = red = 0
     if error is None:
-        dt, red, error = _local_error(op, output, input, red_op, counts, comm.rank, comm.world_size)
-    run_op(comm, OP_REDUCE_SCATTER, error, _native, null.copy_into, (output, input, op, counts, row, dt, red),
-           op=op, timeout=timeout, t=input)
+        dt, red, error = _local_error(op, output, input, red_op, counts, comm.rank, comm.world_size, blocks)
+    run_op(comm, OP_REDUCE_SCATTER, error, _native, null.copy_into,
+           (output, input, op, counts, row, dt, red, blocks), op=op, timeout=timeout, t=input)
     return output
 
 
 def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int], row: int,
-            dt: int, red: int) -> None:
+            dt: int, red: int, aux: int) -> None:
     """One native call: prefilled for repeated calls on contiguous tensors with a heap input; else a
     private input is staged (peers read their slice of it) and the output filled through a buffer."""
     if input.is_contiguous() and output.is_contiguous():
-        key = (op, input.data_ptr(), output.data_ptr(), input.numel(), dt, red, row, tuple(counts))
+        key = (op, input.data_ptr(), output.data_ptr(), input.numel(), dt, red, row, tuple(counts), aux)
         plan = ch.choices.get(key)
         if plan is None:
-            plan = _plan(ch, key, output, input, counts, row, dt, red)
+            plan = _plan(ch, key, output, input, counts, row, dt, red, aux)
         if plan is not None:
             ch.call(plan, op=op)
             return
@@ -117,7 +165,7 @@ def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, c
     try:
         if src.error is not None:
             ch.fail(OP_REDUCE_SCATTER, src.error, src.kind, op=op)
-        ch.run(OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), src.offset, -1, algo, 0, row, 0, 0, src.addr,
+        ch.run(OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), src.offset, -1, algo, 0, row, 0, aux, src.addr,
                out_t.data_ptr(), isz, counts_addr, ch.world_size, op=op)
     finally:
         src.finish()
@@ -125,7 +173,7 @@ def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, c
 
 
 def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, counts: list[int], row: int,
-          dt: int, red: int) -> tuple | None:
+          dt: int, red: int, aux: int) -> tuple | None:
     """The prefilled call when the input is a contiguous heap tensor (zero-copy), or None."""
     isz, n_in = input.element_size(), input.numel()
     in_addr = input.data_ptr()
@@ -133,7 +181,7 @@ def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, 
         return None
     algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
     return ch.plan(key, OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), in_addr - ch.my_base, -1, algo, 0, row, 0,
-                   0, in_addr, output.data_ptr(), isz, ch.sizes(counts), ch.world_size)
+                   aux, in_addr, output.data_ptr(), isz, ch.sizes(counts), ch.world_size)
 
 
 def _copy_back(ch: OpChannel, output: torch.Tensor, out_t: torch.Tensor) -> None:

@@ -156,20 +156,17 @@ class ZbcclCpuCommunicator(CpuCommunicator):
         if self.zb is None:
             return super().reduce_scatterv(input_, dim, sizes)
         dim = dim + input_.dim() if dim < 0 else dim
-        inp = input_.movedim(dim, 0).contiguous()
+        size = input_.size()
+        # each rank reduces its chunk straight from the peers' columns: no reordering copies; sizes that do
+        # not fit the input fail in zbccl, on every rank
         if sizes is None:
-            if inp.shape[0] % self.world_size:
-                raise ValueError(f"reduce_scatter: dim {dim} does not split evenly, expected a multiple of "
-                                 f"{self.world_size}, got {inp.shape[0]}")
-            out = torch.empty((inp.shape[0] // self.world_size,) + inp.shape[1:], dtype=inp.dtype)
-            ops.reduce_scatter_tensor(out, inp, comm=self.zb)
+            out = torch.empty(size[:dim] + (size[dim] // self.world_size,) + size[dim + 1:], dtype=input_.dtype)
+            ops.reduce_scatter_tensor(out, input_, dim=dim, comm=self.zb)
         else:
-            if len(sizes) != self.world_size or sum(sizes) != inp.shape[0]:
-                raise ValueError(f"reduce_scatterv: sizes disagree with the input, expected {self.world_size} "
-                                 f"sizes summing to {inp.shape[0]}, got {list(sizes)}")
-            out = torch.empty((sizes[self.rank_in_group],) + inp.shape[1:], dtype=inp.dtype)
-            ops.reduce_scatter_v(out, inp, list(sizes), comm=self.zb)
-        return out.movedim(0, dim).contiguous()
+            mine = sizes[self.rank_in_group] if len(sizes) == self.world_size else 0
+            out = torch.empty(size[:dim] + (mine,) + size[dim + 1:], dtype=input_.dtype)
+            ops.reduce_scatter_v(out, input_, list(sizes), dim=dim, comm=self.zb)
+        return out
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         if self.zb is None:

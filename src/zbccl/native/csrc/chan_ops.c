@@ -370,7 +370,8 @@ static inline int big_copy(int64_t nbytes) { return nbytes >= BIG_COPY_BYTES; }
  * the output (rows of total / blocks elements, disp[r] = sum of the row lengths before r). Otherwise
  * the output is the inputs end to end (the displacement of r is sum(counts[:r])). */
 static int allgather(zb_chan *c, zb_op *o) {
-    static const int fields[] = {H_OP, H_DTYPE, H_ROW, H_OUT_NUMEL, H_AUX};
+    /* AUX (the dimension) before ROW (its rows): a disagreement names the dimension */
+    static const int fields[] = {H_OP, H_DTYPE, H_AUX, H_ROW, H_OUT_NUMEL};
     int64_t seq = o->seq, isz = o->itemsize, blocks = o->aux > 1 ? o->aux : 1;
     const int64_t *counts = (const int64_t *)(uintptr_t)o->counts;
     char *in = (char *)(uintptr_t)o->in_addr, *out = (char *)(uintptr_t)o->out_addr;
@@ -463,26 +464,38 @@ static int alltoall(zb_chan *c, zb_op *o) {
 
 /* ------------------------------------------------------------ reduce_scatter */
 
+/* counts[r]: elements of rank r's slice. AUX = blocks > 1: a reduce-scatter along an inner dimension; every
+ * input is `blocks` rows of sum(counts) / blocks elements, and rank r's slice is columns lo_r .. lo_r +
+ * counts[r] / blocks of each row (lo_r = the row lengths before r), its output `blocks` rows of those. */
 static int reducescatter(zb_chan *c, zb_op *o) {
-    static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_ROW, H_ALGO};
-    int64_t seq = o->seq, isz = o->itemsize;
+    /* AUX (the dimension) before ROW (its rows): a disagreement names the dimension */
+    static const int fields[] = {H_OP, H_DTYPE, H_REDOP, H_IN_NUMEL, H_AUX, H_ROW, H_ALGO};
+    int64_t seq = o->seq, isz = o->itemsize, blocks = o->aux > 1 ? o->aux : 1;
     const int64_t *counts = (const int64_t *)(uintptr_t)o->counts;
     char *out = (char *)(uintptr_t)o->out_addr;
     post_sizes(c, o);
-    int rc = begin_op(c, o, fields, 6);
+    int rc = begin_op(c, o, fields, 7);
     if (!rc) rc = check_sizes(c, seq);
     if (rc) return rc;
-    int64_t lo = 0;
-    for (int r = 0; r < c->me; r++) lo += counts[r];
-    const void *srcs[ZB_MAXW];
+    int64_t lo = 0, total = 0;
+    for (int r = 0; r < c->W; r++) {
+        if (counts[r] % blocks) return fail_op(c, seq, RC_SPAN); /* Python never posts it */
+        if (r < c->me) lo += counts[r] / blocks;
+        total += counts[r] / blocks;
+    }
+    const char *base[ZB_MAXW];
     for (int r = 0; r < c->W; r++) {
         int64_t off = c->hdrcopy[r][H_IN_OFF];
         if (!in_heap(c, r, off, o->in_numel * isz)) return fail_op(c, seq, RC_SPAN);
-        srcs[r] = c->base[r] + off + lo * isz;
+        base[r] = c->base[r] + off + lo * isz;
     }
-    int64_t n = counts[c->me];
-    if (n) zb_reduce_n(out, srcs, c->W, n, (int)o->dtype, (int)o->redop, (double)c->W,
-                       nthreads_for(c, n * isz));
+    int64_t n = counts[c->me] / blocks;
+    int nt = nthreads_for(c, n * isz);
+    const void *srcs[ZB_MAXW];
+    for (int64_t b = 0; n && b < blocks; b++) {
+        for (int r = 0; r < c->W; r++) srcs[r] = base[r] + b * total * isz;
+        zb_reduce_n(out + b * n * isz, srcs, c->W, n, (int)o->dtype, (int)o->redop, (double)c->W, nt);
+    }
     return sync_on(c, c->done, seq);
 }
 
