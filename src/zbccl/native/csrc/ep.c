@@ -317,7 +317,7 @@ static i64 ep_ll_pull_with(const i64 *a, i64 *mine_tab, i64 *at) {
         i64 len = per[5 * r + 1], n = 0;
         if (len < E) goto short_block;
         for (i64 e = 0; e < E; e++) {
-            if (meta[e] < 0) goto short_block;
+            if (meta[e] < 0 || meta[e] > len) goto short_block; /* (no overflow of the sum below) */
             n += meta[e];
         }
         if (E + n > len) goto short_block;
