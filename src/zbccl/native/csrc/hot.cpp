@@ -216,10 +216,9 @@ PyObject *py_register(PyObject *, PyObject *args) {
     if (!key_of(tensor, &k)) return PyLong_FromLong(-1);
     if (out != Py_None) {
         if (!key_of(out, &o) || o.dtype != k.dtype) return PyLong_FromLong(-1);
-        k.out_ptr = o.ptr, k.out_numel = o.numel, k.blocks = blocks;
+        k.out_ptr = o.ptr, k.out_numel = o.numel, k.blocks = blocks > 1 ? blocks : 1;
     }
     int slot = -1;
-    k.op = 1; /* compared as registered */
     for (int i = 0; i < kSlots && slot < 0; i++)
         if (same_key(t->e[i], k)) slot = i;
     if (slot < 0) slot = (int)(t->next++ % kSlots);
