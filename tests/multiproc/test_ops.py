@@ -402,6 +402,9 @@ def _mismatch(ctx, algo):
         xr = zbccl.zeros(4, 4)
         expect(lambda: zbccl.reduce_scatter_tensor(torch.empty(4, 2) if me else torch.empty(2, 4), xr, dim=me),
                "disagree on the scattered dimension")
+        og = zbccl.empty(4, 2 * comm.world_size)  # dim 0's in-place slice is not rank r's strided slice
+        expect(lambda: zbccl.all_gather_into_tensor(og, og.view(-1)[me * 8:(me + 1) * 8].view(4, 2), dim=1),
+               "overlap")
         ov = torch.empty(4, 4)  # each rank consistent on its own, the sizes lists differ
         xv = zbccl.zeros(4, 1 + me)
         expect(lambda: zbccl.all_gather_v(ov, xv, [2, 2] if me else [1, 3], dim=1),
@@ -420,7 +423,7 @@ def test_mismatched_arguments_fail_on_every_rank(algo):
     """With oneshot, a rank that posted an error or called another op takes the common handshake while
     its peer waits on the oneshot's election word: it must release that peer with the verdict."""
     a, b = run_world(_mismatch, 2, algo=algo, timeout=60)
-    assert len(a) == len(b) == 15
+    assert len(a) == len(b) == 16
 
 
 def _skewed_oneshot(ctx):

@@ -89,8 +89,7 @@ def _pairs(ex, idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, t
         _check_topk(idx, E)
         return expert_pairs(idx, E)
     T, K = idx.shape
-    counts, pairs, err = torch.empty(E, dtype=torch.int64), torch.empty(2, T * K, dtype=torch.int64), [0, 0]
-    errs = array("q", err)
+    counts, pairs, errs = torch.empty(E, dtype=torch.int64), torch.empty(2, T * K, dtype=torch.int64), array("q", [0, 0])
     args = array("q", [T, K, E, idx.data_ptr(), counts.data_ptr(), pairs[0].data_ptr(), pairs[1].data_ptr(),
                        errs.buffer_info()[0]])
     n = plan(args.buffer_info()[0])
@@ -158,21 +157,21 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
 
 def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
     """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]: owner drops source
-    plan["skip"] = M[:, me] | M[me]  # owners that drop my tokens, or whose rows I drop
+    ex, me = buf.ex, buf.ex.me
+    mask = rows[:, F.MASK].tolist()  # bit s of mask[o]: owner o drops source s (DeepEP's shrink masks)
+    # owners that drop my tokens, or whose rows I drop
+    plan["skip"] = torch.tensor([bool((m >> me) & 1 or (mask[me] >> o) & 1) for o, m in enumerate(mask)])
     if getattr(ex.prims, "ep_ll_pull", None) is not None:
-        return _pull_native(buf, rows, out, E, tmax)
-    return _pull_torch(buf, rows, out, E, tmax, M)
+        return _pull_native(buf, rows, out, E, tmax, mask)
+    return _pull_torch(buf, rows, out, E, tmax)
 
 
-def _pull_native(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
+def _pull_native(buf, rows, out: dict, E: int, tmax: int, mask: list[int]) -> torch.Tensor:
     """:func:`_pull_torch` in one native pass (``ep_ll_pull``): the same rows, slots and outputs. Every peer
     address comes bounds-checked for its whole block (plan block, x, scales); the kernel checks each count
     and token it reads against them."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     L, N, xrow = E // R, R * tmax, int(rows[me, F.XROW])
-    mask = rows[:, F.MASK].tolist()
     keep_of = array("q", [~m for m in mask])
     begin, err = torch.empty(E, dtype=torch.int64), array("q", [0, 0])
     scales = out.get("scales")
@@ -197,10 +196,11 @@ def _pull_native(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
     return begin
 
 
-def _pull_torch(buf, rows, out: dict, E: int, tmax: int, M: torch.Tensor) -> torch.Tensor:
+def _pull_torch(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
     """:func:`_pull` without the native core, in torch ops."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     L, N = E // R, R * tmax
+    M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]: owner drops source
     # One view of each sender's plan block: its counts per expert, then its token lists.
     metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(R)]
     C = torch.stack([m[:E] for m in metas])  # [src, expert]

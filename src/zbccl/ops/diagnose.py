@@ -69,6 +69,9 @@ __all__ = ["error_for", "late_message", "describe", "show_field", "FIELD_NAMES"]
 FIELD_NAMES = {abi.H_OP: "op", H_DTYPE: "dtype", H_REDOP: "reduce op", abi.H_IN_NUMEL: "input numel",
                abi.H_OUT_NUMEL: "output numel", H_ALGO: "algorithm", abi.H_ROOT: "root rank",
                H_ROW: "elements per row", abi.H_AUX: "chunk elements"}
+#: What AUX carries where it is not all_reduce's chunk, by the header's op code.
+AUX_NAMES = {abi.OP_ALL_GATHER: "the gathered dimension (rows before it, 0: dim 0)",
+             abi.OP_REDUCE_SCATTER: "the scattered dimension (rows before it, 0: dim 0)"}
 
 
 def show_field(field: int, value: int) -> str:
@@ -122,8 +125,8 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
     if rc == RC_MISMATCH:
         got = ", ".join(f"rank {r} {show_field(field, int(v))}" for r, v in enumerate(hdrs[:, field]))
         name = FIELD_NAMES.get(field, field)
-        if field == abi.H_AUX and op.startswith(("all_gather", "reduce_scatter")):
-            name = f"the {'gathered' if op.startswith('all_gather') else 'scattered'} dimension (rows before it, 0: dim 0)"
+        if field == abi.H_AUX:  # the ops agree on OP before AUX: rank 0's is every rank's
+            name = AUX_NAMES.get(int(hdrs[0, abi.H_OP]), name)
         return ZbcclInvalidUsageError(f"{op}: ranks disagree on {name}, got {got}",
                                      ranks=tuple(range(W)))
     if rc in (RC_PEER_ERROR, RC_NOMEM):

@@ -24,7 +24,6 @@ push, that my output is complete.
 from __future__ import annotations
 
 import math
-import operator
 
 import numpy as np
 import torch
@@ -34,7 +33,15 @@ from ..native.abi import OP_ALL_GATHER, OP_ALL_TO_ALL
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
-from .args import check_exchange, even_gather_code, gather_dim_error, index_list, splits, tensor_error
+from .args import (
+    check_exchange,
+    dim_index,
+    even_gather_code,
+    gather_dim_error,
+    index_list,
+    splits,
+    tensor_error,
+)
 from .channel import ERR_NOMEM, ERR_USAGE, OpChannel
 from .entry import run_op
 from .operands import is_strict
@@ -63,8 +70,9 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, dim: in
     ``dim`` ``world_size`` times longer, and rank r's input becomes its r-th slice along ``dim``
     (``torch.cat`` of the inputs along ``dim``; what vLLM's ``all_gather(input, dim)`` returns).
     Each rank's rows are copied straight into their columns of ``output``: no gather into a
-    staging order and no reordering copy afterwards. Every rank must pass the same ``dim``;
-    ``output`` and ``input`` may not overlap at all.
+    staging order and no reordering copy afterwards. Every rank must pass the same ``dim``.
+    Rank r's slice is then strided, so there is no in-place form: ``output`` and ``input`` may not
+    overlap (unless every size before ``dim`` is 1, which is dim 0's layout).
     """
     ch = comm.op_state
     if dim:
@@ -117,7 +125,7 @@ def _start(comm, op: str, output, input, counts, out_counts, row: int, error: st
     if dt is None:
         dt = 0
         if error is None:
-            dt, error = check_exchange(op, output, input, counts, out_counts, W, comm.rank)
+            dt, error = check_exchange(op, output, input, counts, out_counts, W, comm.rank, blocks)
     opcode = OP_ALL_GATHER if out_counts is None else OP_ALL_TO_ALL
     run_op(comm, opcode, error, _native, null.copy_into,
            (output, input, op, counts, out_counts, row, dt, blocks if blocks > 1 else 0), op=op, timeout=timeout,
@@ -203,7 +211,7 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     ``[sum(sizes), *rest]``. Every rank must pass the same ``sizes`` (integers). Aliasing and
     ``timeout`` as in :func:`all_gather_into_tensor`. With ``dim`` != 0, ``input`` has ``sizes[rank]``
     along ``dim`` and ``output`` is ``torch.cat`` of the inputs along it (each rank's rows written
-    straight into their columns, as :func:`all_gather_into_tensor` with ``dim``); no overlap at all.
+    straight into their columns, as :func:`all_gather_into_tensor` with ``dim``, and its overlap rule).
     """
     op = "all_gather_v"
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
@@ -217,7 +225,7 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     if error is not None:
         row = 1
     elif dim:  # the elements of one size unit: a column block of every row before dim
-        d = operator.index(dim) % input.dim()
+        d = dim_index(dim, input.dim(), op=op)[0]
         row = blocks * math.prod(input.shape[d + 1:])
     else:
         row = _row_elems(output)

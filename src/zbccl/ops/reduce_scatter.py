@@ -15,7 +15,6 @@ are compared exactly. bf16/fp16 accumulate in fp32 and round once.
 from __future__ import annotations
 
 import math
-import operator
 
 import numpy as np
 import torch
@@ -25,7 +24,7 @@ from ..native.abi import OP_REDUCE_SCATTER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
-from .args import index_list, overlap_error, tensor_error
+from .args import dim_index, index_list, overlap_error, tensor_error
 from .channel import OpChannel
 from .dtypes import dtype_code, reduce_op_code
 from .entry import run_op
@@ -49,7 +48,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *
     ``dim``: scatter along that dimension instead: ``output``'s shape is ``input``'s with ``dim``
     ``world_size`` times shorter, and gets the reduction of every input's r-th chunk along ``dim``
     (what vLLM's ``reduce_scatter(input, dim)`` returns), reduced straight from the peers' columns
-    with no reordering copy before or after. Every rank must pass the same ``dim``; no overlap at all.
+    with no reordering copy before or after. Every rank must pass the same ``dim``; no in-place form
+    (``output`` and ``input`` may not overlap unless every size before ``dim`` is 1: dim 0's layout).
     """
     W = comm.world_size
     error = tensor_error(output, "output", op=_RS, written=True) or tensor_error(input, "input", op=_RS)
@@ -82,16 +82,10 @@ def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int]
 def _along(comm, op: str, output, input, red_op, dim, sizes: list[int] | None, timeout) -> torch.Tensor:
     """reduce-scatter along ``dim`` != 0 (``sizes`` None: even): rank r reduces columns block r of each of
     the ``blocks`` rows before ``dim`` (the header's AUX), straight into its output."""
-    W, nd = comm.world_size, input.dim()
-    try:
-        d = operator.index(dim) if not isinstance(dim, bool) else None
-    except TypeError:
-        d = None
-    error, blocks, row, counts = None, 1, 1, [0] * W
-    if d is None or not -nd <= d < nd:
-        error = f"{op}: dim out of range, expected an int in [{-nd}, {nd}) for a {nd}-d input, got {dim!r}"
-    else:
-        d += nd if d < 0 else 0
+    W = comm.world_size
+    blocks, row, counts = 1, 1, [0] * W
+    d, error = dim_index(dim, input.dim(), op=op)
+    if error is None:
         if sizes is None and input.shape[d] % W:
             error = f"{op}: dim {dim} does not split evenly, expected a multiple of {W}, got {input.shape[d]}"
         elif sizes is not None and (len(sizes) != W or sum(sizes) != input.shape[d]):
@@ -100,11 +94,9 @@ def _along(comm, op: str, output, input, red_op, dim, sizes: list[int] | None, t
         else:
             sizes = [input.shape[d] // W] * W if sizes is None else sizes
             want = (*input.shape[:d], sizes[comm.rank], *input.shape[d + 1:])
-            if tuple(output.shape) != want:
+            if tuple(output.shape) != want:  # (overlap: _local_error, no in-place form when blocks > 1)
                 error = (f"{op}: wrong output shape for a reduce-scatter along dim {dim}, expected {list(want)} "
                          f"(input {list(input.shape)}), got {list(output.shape)}")
-            elif input.numel() and output.numel() and input.dtype == output.dtype:
-                error = overlap_error(output, input, op=op)  # a strided slice: no in-place form
             blocks = math.prod(input.shape[:d])
             row = blocks * math.prod(input.shape[d + 1:])
             if error is None:

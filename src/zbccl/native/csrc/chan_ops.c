@@ -363,7 +363,7 @@ static int exchange_mode(zb_chan *c, zb_op *o, int64_t in_bytes, int *push) {
 /* A block too large to stay in this core's caches is written with streaming stores: cached ones would
  * first read every destination line from memory (docs/benchmarks.md: all_gather at 16-64 MiB). */
 #define BIG_COPY_BYTES (8 << 20)
-static inline int big_copy(int64_t nbytes) { return nbytes >= BIG_COPY_BYTES; }
+static inline int streamed(int64_t nbytes) { return nbytes >= BIG_COPY_BYTES; }
 
 /* counts[r]: elements from rank r. AUX = blocks > 1: a gather along an inner dimension; every input is
  * `blocks` rows of counts[r] / blocks elements, and row i of rank r lands at row i, column disp[r] of
@@ -397,17 +397,17 @@ static int allgather(zb_chan *c, zb_op *o) {
             if (!in_heap(c, q, off, total * blocks * isz)) return fail_op(c, seq, RC_SPAN);
             if (mine)
                 zb_copy_rows(c->base[q] + off + disp[c->me] * isz, out_row, in, mine, blocks, mine, nt,
-                             big_copy(mine * blocks));
+                             streamed(mine * blocks));
         } else {
             int64_t off = c->hdrcopy[q][H_IN_OFF], theirs = counts[q] / blocks * isz;
             if (!in_heap(c, q, off, counts[q] * isz)) return fail_op(c, seq, RC_SPAN);
             if (theirs)
                 zb_copy_rows(out + disp[q] * isz, out_row, c->base[q] + off, theirs, blocks, theirs, nt,
-                             big_copy(theirs * blocks));
+                             streamed(theirs * blocks));
         }
     }
     char *mine_dst = out + disp[c->me] * isz;
-    if (mine_dst != in && mine) zb_copy_rows(mine_dst, out_row, in, mine, blocks, mine, nt, big_copy(mine * blocks));
+    if (mine_dst != in && mine) zb_copy_rows(mine_dst, out_row, in, mine, blocks, mine, nt, streamed(mine * blocks));
     return sync_on(c, c->done, seq);
 }
 
