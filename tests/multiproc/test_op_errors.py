@@ -241,6 +241,15 @@ def test_timeout_says_where_a_late_rank_is():
     assert run_world(_elsewhere, 2, timeout=120) == ["early", "late"]
 
 
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Assert equal; otherwise say how many elements differ, where, and what they hold."""
+    bad = (got != want).nonzero().flatten()
+    if len(bad):
+        i = bad[:4].tolist()
+        raise AssertionError(f"{what}: {len(bad)} of {got.numel()} elements differ, first at {i}: "
+                             f"{got[i].tolist()} where {want[i].tolist()} was expected")
+
+
 def _late_writer(ctx, op):
     """twoshot all_reduce and the push exchanges write into peers' tensors. A rank that arrives after its
     peer timed out and left must not write into the peer's tensor (which the peer may reuse at once)."""
@@ -269,8 +278,8 @@ def _late_writer(ctx, op):
                 else zbccl.all_gather_into_tensor(out, t, timeout=1), "never arrived")
         store.set("op-errors/0-left", b"1")
         store.wait(["op-errors/1-tried"], timedelta(seconds=60))
-        assert torch.equal(t, payload(0, n, torch.float32)), "a late peer wrote into the tensor of a rank that left"
-        assert bool((out == -1.0).all()), "a late peer pushed into the output of a rank that left"
+        _same(t, payload(0, n, torch.float32), "a late peer wrote into the tensor of a rank that left")
+        _same(out, torch.full_like(out, -1.0), "a late peer pushed into the output of a rank that left")
         return "left"
     finally:
         zbccl.finalize()
