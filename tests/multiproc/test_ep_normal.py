@@ -377,3 +377,38 @@ def _gloo_group(ctx):
 
 def test_buffer_on_a_gloo_process_group():
     assert all(run_world(_gloo_group, 2, timeout=120))
+
+
+def _gloo_subgroups(ctx):
+    """Buffers on torch sub-groups of a gloo world (the TP x EP layout). zbccl started from a pair's group
+    cannot serve a group across pairs: every rank is told so (it used to run on the wrong peers, silently).
+    Started over torch's world, it serves any group, each rank in its group's place."""
+    import torch.distributed as dist
+
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pair, across = pairs[ctx.rank // 2], strided[ctx.rank % 2]
+    buffer = deep_ep.Buffer(pair, int(1e7), explicitly_destroy=True)  # starts zbccl over this pair only
+    _intranode(buffer, buffer.comm, T=12, H=128, K=2, E=4, seed=1)
+    buffer.destroy()
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match=r"cannot map the ProcessGroup's ranks \[\d, \d\]"):
+        deep_ep.Buffer(across, int(1e7), explicitly_destroy=True)
+    zbccl.finalize()
+    zbccl.init(group=dist.group.WORLD, heap_size=64 * MiB)
+    for group in (across, pair):
+        buffer = deep_ep.Buffer(group, int(1e7), explicitly_destroy=True)
+        assert buffer.rank == dist.get_rank(group) and buffer.comm.ranks == tuple(dist.get_process_group_ranks(group))
+        _intranode(buffer, buffer.comm, T=12, H=128, K=2, E=4, seed=2)
+        buffer.destroy()
+    zbccl.finalize()
+    dist.destroy_process_group()
+    return True
+
+
+def test_buffers_on_torch_subgroups_map_their_ranks():
+    assert all(run_world(_gloo_subgroups, 4, timeout=180))

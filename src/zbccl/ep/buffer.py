@@ -35,7 +35,10 @@ class Buffer:
     backend (its communicator), or of another backend such as gloo, which runs on
     zbccl's default communicator, started from that group's store (``zbccl.init(group=group)``;
     heap: ``ZBCCL_HEAP_SIZE`` if set, else ``num_nvl_bytes + num_rdma_bytes`` up to 1 GiB and half
-    the machine's free memory per rank, at least the default) when zbccl is not initialized yet. Construction is collective
+    the machine's free memory per rank, at least the default) when zbccl is not initialized yet. A world started
+    from one group reaches only that group's ranks: a Buffer on a group with others raises
+    :class:`~zbccl.errors.ZbcclInvalidUsageError` on every rank; start zbccl over torch's world first
+    (``zbccl.init(group=torch.distributed.group.WORLD)``) when Buffers use several groups. Construction is collective
     over the group: the Buffer takes a private sub-communicator of its ranks, so its ops never
     interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
     nothing (receive tensors are allocated at their exact size after the handshake); they only

@@ -48,8 +48,9 @@ def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]
 
     A zbccl Communicator is used with all its ranks. A torch ProcessGroup goes to its zbccl
     backend's ``comm``, else to zbccl's default
-    communicator (whose global ranks are torch's when it spans torch's world, or the group's when
-    it was started from this group), and, when zbccl is not initialized yet, to
+    communicator (whose global ranks are torch's when it spans torch's world, or the ranks of the group
+    it was started from: a group with other ranks raises, see :func:`_torch_ranks`), and, when zbccl is
+    not initialized yet, to
     ``zbccl.init(group=group)`` (heap: ``ZBCCL_HEAP_SIZE`` if set, else ``want_bytes`` within the
     machine's room, see :func:`_heap_bytes`): a gloo group works that way.
     """
@@ -72,10 +73,20 @@ def communicator_of(group, want_bytes: int = 0) -> tuple[Communicator, list[int]
         comm = init(group=group, heap_size=_heap_bytes(want_bytes, group.size()))
         return comm, list(range(comm.world_size))
     members = dist.get_process_group_ranks(group)
-    if comm.world_size == dist.get_world_size() and all(m < comm.world_size for m in members):
-        return comm, members
-    if comm.world_size == group.size():
-        return comm, list(range(comm.world_size))
+    world = _torch_ranks(comm, dist)
+    if world is not None and all(m in world for m in members):
+        return comm, [world.index(m) for m in members]
     raise ZbcclInvalidUsageError(
-        f"Buffer: cannot map the ProcessGroup's ranks {members} onto zbccl's world of {comm.world_size}, expected "
-        "zbccl initialized over torch's world or over this group, got neither")
+        f"Buffer: cannot map the ProcessGroup's ranks {members} onto zbccl's world, expected zbccl initialized over "
+        f"torch's world or over a group holding these ranks, got a world of torch ranks "
+        f"{'unknown' if world is None else list(world)} (zbccl runs one world per process: start it over torch's "
+        "world first, e.g. with zbccl.init(group=torch.distributed.group.WORLD), when Buffers use several groups)")
+
+
+def _torch_ranks(comm: Communicator, dist) -> list[int] | None:
+    """The torch global rank of each of zbccl's world ranks: the group's ranks when zbccl was started from a
+    ProcessGroup, torch's ranks when it was started otherwise over a world of torch's size, else None."""
+    rdv = comm._ctx.rendezvous
+    if rdv.how == "group":
+        return list(rdv.members)
+    return list(range(comm.world_size)) if comm.world_size == dist.get_world_size() else None
