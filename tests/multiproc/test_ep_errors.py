@@ -211,3 +211,50 @@ def _hostile_plan(ctx, native: bool):
 @pytest.mark.parametrize("native", [True, False])
 def test_a_peers_out_of_bounds_plan_is_refused(native):
     assert all(run_world(_hostile_plan, 2, native=native, timeout=120))
+
+
+def _out_of_step(ctx):
+    """Ranks whose EP calls do not match: rank 0 skips a receive hook and dispatches again (its publish meets
+    rank 1's hook barrier); then a clean against a dispatch. Every rank raises at that barrier, naming each
+    rank's op and phase, instead of reading stale headers or waiting out the timeout; the Buffer then refuses
+    every op, and a new Buffer works."""
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=32 * MiB)
+    me = comm.rank
+    x, topk_idx, _ = _inputs(me, comm.world_size)
+    buffer = deep_ep.Buffer(comm, explicitly_destroy=True, timeout=120)  # a timeout would be another error
+    _, _, _, _, hook = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="out of step") as info:
+        if me == 0:
+            buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+        else:
+            hook()
+    text = str(info.value)
+    assert "rank 0 in op #2 low_latency_dispatch, its publish" in text, text
+    assert "rank 1 in op #1 low_latency_dispatch, its closing barrier" in text, text
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="destroy this Buffer"):
+        _good_round(buffer, comm)
+    buffer.destroy()
+
+    buffer = deep_ep.Buffer(comm, explicitly_destroy=True, timeout=120)
+    _good_round(buffer, comm)
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="out of step") as info:
+        if me == 0:
+            buffer.clean_low_latency_buffer(T, H, E)
+        else:
+            _good_round(buffer, comm)
+    assert "clean_low_latency_buffer, its barrier" in str(info.value) and "op #3 dispatch, its publish" in str(info.value)
+    buffer.destroy()
+    buffer = deep_ep.Buffer(comm, explicitly_destroy=True, timeout=120)
+    _good_round(buffer, comm)
+    buffer.clean_low_latency_buffer(T, H, E)
+    buffer.destroy()
+    zbccl.finalize()
+    return True
+
+
+def test_ranks_out_of_step_fail_at_once_on_every_rank():
+    assert all(run_world(_out_of_step, 2, timeout=120))

@@ -21,11 +21,13 @@ from .config import Config, combine_config, dispatch_config, get_low_latency_rdm
 from .event import EventHandle, EventOverlap
 from .event import completed as _event
 from .event import stream_error as _stream_error
-from .exchange import Exchange, Fail, heap_empty
+from .exchange import PHASE_CLEAN, Exchange, Fail, heap_empty
 from .group import communicator_of as _communicator_of
 from .layout import dispatch_layout
 
 __all__ = ["Buffer"]
+
+OP_CLEAN = 5  # the tag of clean_low_latency_buffer's barrier (exchange._OP_NAMES)
 
 
 class Buffer:
@@ -288,7 +290,7 @@ class Buffer:
         """Collective: a barrier (there are no signalling areas to zero; kept for DeepEP code)."""
         self._live()
         with self._lock:
-            self.comm.barrier(timeout=self.ex.timeout)
+            self.ex.sync("clean_low_latency_buffer", OP_CLEAN, self.seq, PHASE_CLEAN)
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The heap tensor ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``

@@ -19,6 +19,13 @@
    blocks are freed and the caller may reuse its inputs. It runs even when this rank's pull
    failed, so such a failure stays on its rank and the group stays in step.
 
+Every barrier is tagged (:meth:`Exchange.sync`): before it a rank writes which op (its number and
+kind) and which phase (publish, the closing barrier, clean) it is in, and after it reads the
+peers' tags. Ranks whose calls do not match (one skipped a receive hook, or ran another op) would
+otherwise pair one rank's publish with another's closing barrier and read stale headers; they all
+raise ``ZbcclInvalidUsageError`` at that barrier instead, naming each rank's op, and the Buffer
+refuses further ops.
+
 Both waits take the Buffer's timeout; a dead peer raises ``ZbcclRemoteError`` within a
 liveness interval, a missing one ``ZbcclTimeoutError`` naming it (the ops' own guarantees).
 """
@@ -37,11 +44,17 @@ from ..ops import all_gather_into_tensor
 from ..runtime.threads import nthreads
 from .stores import PullStores
 
-__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "heap_empty", "heap_empty_many", "row_runs", "row_table"]
+__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "PHASE_CLEAN", "heap_empty", "heap_empty_many", "row_runs", "row_table"]
 
 HDR_LEN = 64
 _MSG_AT, _MSG_BYTES = 32, 256
 STATUS_OK, STATUS_USAGE, STATUS_NOMEM = 0, 1, 2
+#: The phases a tagged barrier (:meth:`Exchange.sync`) can be in.
+PHASE_PUBLISH, PHASE_DONE, PHASE_CLEAN = 0, 1, 2
+_OP_NAMES = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine",
+             5: "clean_low_latency_buffer"}
+_PHASE_NAMES = {PHASE_PUBLISH: "its publish", PHASE_DONE: "its closing barrier (the receive hook, if any)",
+                PHASE_CLEAN: "its barrier"}
 
 
 class F:
@@ -119,14 +132,23 @@ class Exchange:
         self.timeout = timeout
         self.prims = comm.heap.prims
         # Two header slots, used by alternate ops: a rank writes slot s of op n + 2 only after op n + 1's
-        # barrier, which every peer enters only after it copied op n's headers out of slot s.
-        self._hdr = heap_empty(comm, (2, HDR_LEN), torch.int64, fallback=False)
+        # barrier, which every peer enters only after it copied op n's headers out of slot s. After them,
+        # the two tag words of the tagged barriers (sync: barrier k writes word k % 2, by the same argument).
+        block = heap_empty(comm, (2 * HDR_LEN + 8,), torch.int64, fallback=False)
+        self._hdr = block[:2 * HDR_LEN].view(2, HDR_LEN)
+        self._tags = block[2 * HDR_LEN:2 * HDR_LEN + 2]
+        self._tags.fill_(-1)
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
         self._slot = 0
         # The peers' header offsets, once (the Buffer's construction is collective).
         offs = torch.full((self.R,), self.offset_of(self._hdr), dtype=torch.int64)
         all_gather_into_tensor(offs, offs[self.me:self.me + 1].clone(), comm=comm, timeout=timeout)
         self._hdr_off = offs.tolist()
+        # Each peer's tag words (the block lies in the heap's initial range: its addresses never move).
+        self._tag_addr = [self.addr(r, off + 2 * HDR_LEN * 8, 16) for r, off in enumerate(self._hdr_off)]
+        self._nsync = 0
+        #: Set once the ranks were found out of step: the Buffer refuses every later op with it.
+        self.broken: str | None = None
         self._plan: torch.Tensor | None = None
         self._reuse: dict[str, tuple[torch.Tensor, int]] = {}
         #: Payload bytes this rank copied or read from peers' memory since the last publish.
@@ -198,8 +220,27 @@ class Exchange:
         self._reuse.clear()
 
     # ------------------------------------------------------------------ the handshake
+    def sync(self, op: str, code: int, seq: int, phase: int) -> None:
+        """Collective: a barrier tagged with this rank's op ``code`` (its number ``seq``) and ``phase``; raises
+        :class:`ZbcclInvalidUsageError` on every rank when the ranks' tags differ (their calls do not match)."""
+        if self.broken:
+            raise ZbcclInvalidUsageError(f"{op}: {self.broken}")
+        k, self._nsync = self._nsync & 1, self._nsync + 1
+        tag = (seq << 10) | (code << 2) | phase
+        ctypes.c_int64.from_address(self._tag_addr[self.me] + 8 * k).value = tag
+        self.comm.barrier(timeout=self.timeout)
+        tags = [ctypes.c_int64.from_address(a + 8 * k).value for a in self._tag_addr]
+        if any(t != tag for t in tags):
+            where = "; ".join(f"rank {r} in {_describe(t)}" for r, t in enumerate(tags))
+            self.broken = (f"the Buffer's ranks went out of step ({where}), expected every rank in the same op and "
+                           "phase: every rank must run the same EP ops in the same order and call every receive "
+                           "hook; destroy this Buffer")
+            raise ZbcclInvalidUsageError(f"{op}: {self.broken}", ranks=tuple(r for r, t in enumerate(tags) if t != tag))
+
     def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:
         """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed."""
+        if self.broken:
+            raise ZbcclInvalidUsageError(f"{op}: {self.broken}")
         self.moved = 0
         slot, self._slot = self._slot, self._slot ^ 1
         h = self._hdr[slot]
@@ -213,7 +254,7 @@ class Exchange:
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
             h[_MSG_AT:].view(torch.uint8).copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
         # The handshake: a barrier (release/acquire), then each peer's header copied out of its heap.
-        self.comm.barrier(timeout=self.timeout)
+        self.sync(op, int(fields[F.OP]), int(fields[F.SEQ]), PHASE_PUBLISH)
         nbytes = HDR_LEN * 8
         base = self._all.data_ptr()
         table = array("q", [v for r, off in enumerate(self._hdr_off)
@@ -249,9 +290,10 @@ class Exchange:
                     f"{op}: ranks disagree on {what}, expected {int(col[0])} (rank 0's) on every rank, got {got}",
                     ranks=tuple(odd))
 
-    def done(self) -> None:
-        """Collective: after it no peer reads this rank's published blocks."""
-        self.comm.barrier(timeout=self.timeout)
+    def done(self, op: str, fields: dict[int, int]) -> None:
+        """Collective: the closing barrier of the op published with ``fields``; after it no peer reads this
+        rank's published blocks."""
+        self.sync(op, int(fields[F.OP]), int(fields[F.SEQ]), PHASE_DONE)
 
     # ------------------------------------------------------------------ the peer side
     def addr(self, r: int, offset: int, nbytes: int) -> int:
@@ -284,6 +326,14 @@ class Exchange:
         else:  # no native core: the Python stand-in
             for dst, src, n in t.tolist():
                 ctypes.memmove(dst, src, n)
+
+
+def _describe(tag: int) -> str:
+    """A tag of :meth:`Exchange.sync` in words."""
+    if tag < 0:
+        return "no op yet"
+    seq, code, phase = tag >> 10, (tag >> 2) & 0xFF, tag & 3
+    return f"op #{seq} {_OP_NAMES.get(code, f'(code {code})')}, {_PHASE_NAMES.get(phase, f'phase {phase}')}"
 
 
 def row_runs(rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -145,7 +145,7 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
         try:
             plan["begin"] = _pull(buf, rows, out, E, tmax, plan)
         finally:
-            ex.done()
+            ex.done("low_latency_dispatch", fields)
             keep.clear()
         if stats is not None:
             stats.add_(out["count"])
@@ -282,7 +282,7 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
             else:
                 _reduce_native(buf, rows, plan, w, E, H, combined)
         finally:
-            ex.done()
+            ex.done("low_latency_combine", fields)
             keep.clear()
         if acc is not None:
             combined.copy_(acc)

@@ -303,7 +303,7 @@ def dispatch(buf, a: dict):
             out = _pull(buf, rows, metas, counts, E, C, loc, worst)
             per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
     finally:
-        ex.done()
+        ex.done("dispatch", fields)
     recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
     if loc["cached"]:
         return recv_x, None, None, None, None
@@ -353,7 +353,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
                 acc += b.float()
             out.copy_(acc)
     finally:
-        ex.done()
+        ex.done("combine", fields)
     return out, accw
 
 
