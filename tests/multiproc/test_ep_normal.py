@@ -220,6 +220,12 @@ def _reused_outputs(buffer, comm) -> None:
     for a, b in zip(held[:4], saved):
         assert torch.equal(a, b)
     assert torch.equal(again[0].float() - 64, held[0].float())  # all values exact in bf16 (< 128, sums < 256)
+    # only the storages kept (torch keeps one Python object per storage, so the tensors' count misses them)
+    del held, again
+    kept = [t.untyped_storage() for t in step(3)[:4]]
+    saved = [bytes(st) for st in kept]
+    step(4)
+    assert [bytes(st) for st in kept] == saved, "a block whose storage the caller still holds was reused"
 
 
 def _worst_handle(buffer, comm) -> None:

@@ -33,6 +33,7 @@ liveness interval, a missing one ``ZbcclTimeoutError`` naming it (the ops' own g
 from __future__ import annotations
 
 import ctypes
+import sys
 import weakref
 from array import array
 
@@ -117,10 +118,15 @@ def _views(raw: torch.Tensor, offs: list[tuple[int, int]], specs: list[tuple[tup
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _use_count(t: torch.Tensor) -> int:
-    """References to ``t``'s storage (tensors and storage objects viewing it); -1 (never reused) when this
-    torch does not tell."""
-    return _STORAGE_USE_COUNT(t.untyped_storage()._cdata) if _STORAGE_USE_COUNT is not None else -1
+def _holders(t: torch.Tensor) -> tuple[int, int] | None:
+    """Who holds ``t``'s storage: ``(references to the storage, from tensors viewing it and its Python object,
+    references to that Python object)``. A kept ``untyped_storage()`` shows only in the second: torch keeps
+    one Python object per storage, which holds one reference however many hold it. None (never reused) when
+    this torch does not tell."""
+    if _STORAGE_USE_COUNT is None:
+        return None
+    st = t.untyped_storage()
+    return _STORAGE_USE_COUNT(st._cdata), sys.getrefcount(st)
 
 
 class Exchange:
@@ -207,12 +213,12 @@ class Exchange:
         keeps one block per role (at most one step's outputs) until the Buffer is destroyed."""
         offs, total = _parts(specs)
         hit = self._reuse.get(role)
-        if hit is not None and hit[0].numel() == total and hit[1] >= 0 and _use_count(hit[0]) == hit[1]:
+        if hit is not None and hit[0].numel() == total and hit[1] is not None and _holders(hit[0]) == hit[1]:
             raw = hit[0]
         else:
             self._reuse.pop(role, None)  # an idle block of another size goes back to the heap first
             raw = heap_empty(self.comm, (total,), torch.uint8)
-            self._reuse[role] = (raw, _use_count(raw))
+            self._reuse[role] = (raw, _holders(raw))
         return _views(raw, offs, specs)
 
     def drop_reused(self) -> None:
