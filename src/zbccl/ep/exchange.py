@@ -286,15 +286,21 @@ class Exchange:
         rl = rows.tolist() if isinstance(rows, torch.Tensor) else rows
         if all(r[f] == rl[0][f] for f, _ in fields for r in rl):
             return
-        rows = torch.tensor(rl)
         for field, what in fields:
-            col = rows[:, field]
-            odd = (col != col[0]).nonzero().flatten().tolist()
-            if odd:
-                got = ", ".join(f"{int(col[r])} on rank {r}" for r in odd)
+            col = [r[field] for r in rl]
+            if all(v == col[0] for v in col):
+                continue
+            # the value most ranks hold is the expected one; with no strict majority every rank is named
+            common = max(set(col), key=col.count)
+            if 2 * col.count(common) > len(col):
+                odd = [r for r, v in enumerate(col) if v != common]
+                got = ", ".join(f"{col[r]} on rank {r}" for r in odd)
                 raise ZbcclInvalidUsageError(
-                    f"{op}: ranks disagree on {what}, expected {int(col[0])} (rank 0's) on every rank, got {got}",
+                    f"{op}: ranks disagree on {what}, expected {common} (as on the other ranks), got {got}",
                     ranks=tuple(odd))
+            got = ", ".join(f"{v} on rank {r}" for r, v in enumerate(col))
+            raise ZbcclInvalidUsageError(f"{op}: ranks disagree on {what}, expected one value on every rank, got {got}",
+                                         ranks=tuple(range(len(col))))
 
     def done(self, op: str, fields: dict[int, int]) -> None:
         """Collective: the closing barrier of the op published with ``fields``; after it no peer reads this
