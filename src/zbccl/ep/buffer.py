@@ -237,7 +237,11 @@ class Buffer:
             handle: a previous dispatch's handle: re-send the same routing (no top-k arguments).
             num_tokens_per_rank ``[num_ranks]`` torch.int, is_token_in_rank ``[num_tokens, num_ranks]``
                 torch.bool, num_tokens_per_expert ``[num_experts]`` torch.int: from
-                :meth:`get_dispatch_layout` (required without ``handle``).
+                :meth:`get_dispatch_layout` (required without ``handle``). They are checked against
+                ``topk_idx``, except when they are that call's very tensors for this very ``topk_idx``, unchanged
+                since by torch's version counter: a write that bypasses it (through ``.numpy()`` or ``.data``)
+                goes unseen, and the outputs then disagree with each other (no peer memory is at risk: every
+                receiver maps expert ids outside its range to -1).
             topk_idx ``[num_tokens, num_topk]`` topk_idx_t (``-1``: none) and topk_weights
                 ``[num_tokens, num_topk]`` torch.float: optional, both or neither.
             expert_alignment: the per-expert counts in the returned list are rounded up to it.
