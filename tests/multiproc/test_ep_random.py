@@ -4,8 +4,8 @@ Each case draws, from its seed, every rank's token count (0 included), the hidde
 top-k, routing (uniform, one hot expert, one hot rank, masked slots), dtype (bf16, fp32, fp8 pairs),
 ``expert_alignment`` and ``num_worst_tokens``. Every rank rebuilds every rank's inputs from the seed,
 so it holds the whole reference: the rows it must receive (by source rank, then token), their
-local top-k ids and weights, the aligned per-expert list, the combine (``x`` times the number of
-ranks the token went to; exact for bf16 inputs and up to 4 ranks), and a cached re-dispatch.
+local top-k ids and weights, the aligned per-expert list, the combine (``x`` summed in fp32 once per
+rank the token went to, in rank order: bitwise), and a cached re-dispatch.
 """
 
 from __future__ import annotations
@@ -97,7 +97,10 @@ def _check_case(buffer, comm, case: dict) -> None:
         back = torch.cat([back, torch.zeros(worst - n, back.size(1), dtype=back.dtype)])
     combined, _, _ = buffer.combine(back, handle)
     mine = per_token_cast_back(x[0], x[1].contiguous()) if isinstance(x, tuple) else x
-    want = (mine.float() * in_rank.sum(1, keepdim=True)).to(mine.dtype)
+    acc, sent_to = torch.zeros(mine.shape), in_rank.sum(1, keepdim=True)
+    for c in range(R):  # fp32 sums in rank order, as combine adds them (x + x + x rounds like that, not as 3x)
+        acc += torch.where(sent_to > c, mine.float(), torch.zeros(()))
+    want = acc.to(mine.dtype)
     assert torch.equal(combined, want), f"combine differs: {where}"
 
 

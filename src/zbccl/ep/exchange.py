@@ -142,8 +142,7 @@ class Exchange:
         # the two tag words of the tagged barriers (sync: barrier k writes word k % 2, by the same argument).
         block = heap_empty(comm, (2 * HDR_LEN + 8,), torch.int64, fallback=False)
         self._hdr = block[:2 * HDR_LEN].view(2, HDR_LEN)
-        self._tags = block[2 * HDR_LEN:2 * HDR_LEN + 2]
-        self._tags.fill_(-1)
+        block[2 * HDR_LEN:].fill_(-1)  # the tag words: no op yet
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
         self._slot = 0
         # The peers' header offsets, once (the Buffer's construction is collective).
@@ -156,7 +155,7 @@ class Exchange:
         #: Set once the ranks were found out of step: the Buffer refuses every later op with it.
         self.broken: str | None = None
         self._plan: torch.Tensor | None = None
-        self._reuse: dict[str, tuple[torch.Tensor, int]] = {}
+        self._reuse: dict[str, tuple[torch.Tensor, tuple[int, int] | None]] = {}
         #: Payload bytes this rank copied or read from peers' memory since the last publish.
         self.moved = 0
         #: The store kind of this rank's dispatch pulls, measured (``ep/stores.py``).
