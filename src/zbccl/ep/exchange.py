@@ -243,9 +243,8 @@ class Exchange:
             raise ZbcclInvalidUsageError(f"{op}: {self.broken}", ranks=tuple(r for r, t in enumerate(tags) if t != tag))
 
     def publish(self, op: str, fields: dict[int, int], fail: Fail | None) -> torch.Tensor:
-        """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed."""
-        if self.broken:
-            raise ZbcclInvalidUsageError(f"{op}: {self.broken}")
+        """Collective: every rank's header ``[R, HDR_LEN]`` int64; raises everywhere if any rank failed (and, through
+        :meth:`sync`, on a Buffer whose ranks went out of step)."""
         self.moved = 0
         slot, self._slot = self._slot, self._slot ^ 1
         h = self._hdr[slot]
