@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 
 import pytest
 import torch
@@ -430,8 +429,9 @@ def _skewed_oneshot(ctx):
     """oneshot with the ranks arriving in turn late (the late one reduces for all), early, or together;
     other ops in between; payloads encode rank and index; every rank's result checked every time."""
     import zbccl
-    from zbccl.ops.channel import channel_of
+    from zbccl.ops.channel import L_ARRIVE, channel_of
     from zbccl.ops.reference import all_reduce_ref
+    from zbccl.runtime.waits import wait_flags
 
     comm = ctx.init(heap_size=8 * MiB)
     try:
@@ -446,8 +446,8 @@ def _skewed_oneshot(ctx):
             dtype = (torch.float32, torch.bfloat16)[i % 2]
             t = zbccl.empty(n, dtype=dtype)
             t.copy_(payload(me + i, n, dtype))
-            if i % (W + 1) == me:  # this rank arrives late (skew, not synchronisation)
-                time.sleep(0.002)
+            if i % (W + 1) == me:  # this rank arrives last: after every peer posted its ARRIVE for this op
+                wait_flags(comm._ctx, ch.peer_flags[L_ARRIVE], ch.seq + 1, timeout=60, op="test")
             zbccl.all_reduce(t)
             ref = all_reduce_ref([payload(r + i, n, dtype) for r in range(W)], 0)
             assert torch.equal(t, ref), f"oneshot step {i} n={n} {dtype}"
