@@ -1,0 +1,242 @@
+"""One liveness rule for every wait (issue 20): a rank that leaves any op half-way is named by its peers
+in the next op they enter, whatever that op is, within about a liveness interval.
+
+Rank 1 is the victim: it enters an op alone (rank 0 stays out, so the op blocks), is interrupted
+there (SIGINT, as Ctrl-C), catches the ``KeyboardInterrupt`` and stays alive and idle (no death to
+detect). Rank 0 then enters the next op and must raise ``ZbcclRemoteError`` naming rank 1. The
+liveness interval is small and the timeout large, so an error that comes from the timeout is
+caught by the bound: ``BOUND`` is a generous multiple of the interval for a loaded 2-core machine
+and well under ``TIMEOUT`` (a correctness bound, not a performance assertion).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from tests.spawn import run_world
+
+MiB = 1 << 20
+LIVENESS = 0.05  # seconds (ZBCCL_LIVENESS_INTERVAL in the ranks)
+TIMEOUT = 60.0  # seconds: the communicators' timeout, also generous init time under load
+BOUND = 12.0  # seconds: 240 liveness intervals, a fifth of the timeout
+ENV = {"ZBCCL_LIVENESS_INTERVAL": str(LIVENESS)}
+T, H, K, E = 8, 128, 2, 4
+
+
+def _inside(thread_id: int, names: set[str]) -> bool:
+    """Whether the thread's Python stack is inside a function named in ``names``."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name in names:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt_inside(names: set[str]) -> None:
+    """Send this process SIGINT (Ctrl-C) once its main thread is inside one of ``names`` (a condition
+    polled with back-off, from a daemon thread)."""
+    main = threading.main_thread().ident
+
+    def run() -> None:
+        delay, deadline = 0.001, time.monotonic() + TIMEOUT
+        while not _inside(main, names):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(delay)
+            delay = min(2 * delay, 0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _timed(exc_type, fn, *patterns):
+    """Run ``fn``: it must raise ``exc_type`` within BOUND seconds with every pattern in its message."""
+    t0 = time.monotonic()
+    with pytest.raises(exc_type) as info:
+        fn()
+    elapsed = time.monotonic() - t0
+    assert elapsed < BOUND, f"took {elapsed:.1f}s (timeout {TIMEOUT:.0f}s): {info.value}"
+    for p in patterns:
+        assert p in str(info.value), f"{p!r} not in {info.value}"
+    return info.value, elapsed
+
+
+def _ep_inputs(rank: int):
+    torch.manual_seed(rank)
+    x = torch.ones(T, H, dtype=torch.bfloat16) * (rank + 1)
+    topk_idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    return x, topk_idx, torch.ones(T, K, dtype=torch.float32)
+
+
+def _dispatch(buffer, rank: int):
+    x, topk_idx, w = _ep_inputs(rank)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    return buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                           topk_idx=topk_idx, topk_weights=w)
+
+
+def _left_then_next(ctx, where: str, then: str):
+    """Rank 1 leaves an op ``where`` half-way (Ctrl-C); rank 0 then enters ``then`` and names it."""
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=16 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    t = zbccl.zeros(1 << 10)
+    buffer = deep_ep.Buffer(comm) if "ep" in (where, then) else None
+    try:
+        if where != "first_op":
+            zbccl.all_reduce(t)  # op #1 everywhere (the communicator's first op read the tuning table)
+        if comm.rank == 1:
+            victim = {"collective": lambda: zbccl.all_reduce(t), "first_op": lambda: zbccl.all_reduce(t),
+                      "barrier": lambda: comm.barrier(), "ep": lambda: _dispatch(buffer, 1)}[where]
+            # first_op: the tuner's store read, where rank 1 waits for rank 0's table before posting anything
+            _interrupt_inside({"_wait_keys"} if where == "first_op" else {"all_reduce", "barrier", "dispatch"})
+            with pytest.raises(KeyboardInterrupt):
+                victim()
+            store.set("liveness/left", b"1")
+            store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))  # stay alive and idle
+            return "left"
+        store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
+        nxt = {"collective": lambda: zbccl.all_reduce(t), "barrier": lambda: comm.barrier(),
+               "ep": lambda: _dispatch(buffer, 0), "store": lambda: comm.all_gather_object(0)}[then]
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, nxt, "rank 1 was interrupted")
+        assert err.ranks == (1,), err.ranks
+        return elapsed
+    finally:
+        if comm.rank == 0:
+            store.set("liveness/seen", b"1")
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("where,then", [
+    ("collective", "collective"),  # worked before issue 20: the op channel's own ABORT
+    ("collective", "store"),
+    ("barrier", "collective"),
+    ("first_op", "collective"),
+    ("ep", "ep"),
+    ("ep", "collective"),
+    ("collective", "ep"),
+])
+def test_a_rank_that_left_an_op_is_named_in_the_next_op(where, then):
+    out = run_world(_left_then_next, 2, where=where, then=then, env=ENV, timeout=3 * TIMEOUT)
+    assert out[1] == "left" and out[0] < BOUND
+
+
+def _left_while_peer_waits(ctx):
+    """Rank 0 waits inside an EP dispatch (its publish barrier) while rank 1 leaves another op (a world
+    barrier) half-way: the EP wait reads every peer's ABORT, not only the ABORT of the op it is in."""
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=16 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    buffer = deep_ep.Buffer(comm)
+    try:
+        if comm.rank == 1:
+            store.wait(["liveness/waiting"], timedelta(seconds=TIMEOUT))
+            _interrupt_inside({"barrier"})
+            with pytest.raises(KeyboardInterrupt):
+                comm.barrier()  # rank 0 is in the EP op, not here
+            store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
+            return "left"
+        me = threading.main_thread().ident
+
+        def tell() -> None:  # once rank 0's dispatch waits in its publish barrier
+            delay = 0.001
+            while not _inside(me, {"wait_flags"}):
+                time.sleep(delay)
+                delay = min(2 * delay, 0.02)
+            store.set("liveness/waiting", b"1")
+
+        threading.Thread(target=tell, daemon=True).start()
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: _dispatch(buffer, 0), "rank 1 was interrupted")
+        assert err.ranks == (1,), err.ranks
+        return elapsed
+    finally:
+        if comm.rank == 0:
+            store.set("liveness/seen", b"1")
+        zbccl.finalize()
+
+
+def test_a_wait_reads_every_peers_abort():
+    out = run_world(_left_while_peer_waits, 2, env=ENV, timeout=3 * TIMEOUT)
+    assert out[1] == "left" and out[0] < BOUND
+
+
+def _dies_during_store_op(ctx):
+    """A peer that dies while this rank waits in all_gather_object is named (pidfd), not waited out."""
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: comm.all_gather_object({"rank": 0}), "rank 1 died")
+        assert err.ranks == (1,), err.ranks
+        return elapsed
+    finally:
+        zbccl.finalize()
+
+
+def test_a_peer_dying_during_a_store_op_is_named():
+    out = run_world(_dies_during_store_op, 2, env=ENV, expect_exit={1: -9}, timeout=3 * TIMEOUT)
+    assert out[0] < BOUND
+
+
+def _finalize_during_store_op(ctx):
+    """finalize() from another thread while this rank's op waits on the store: the op leaves promptly
+    with ZbcclInvalidUsageError, and finalize returns."""
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    comm.barrier()
+    if comm.rank == 1:  # never joins the all_gather_object
+        store.wait(["liveness/done"], timedelta(seconds=TIMEOUT + BOUND))
+        zbccl.finalize()
+        return "idle"
+    got: list = []
+
+    def waiter() -> None:
+        try:
+            comm.all_gather_object("x")
+            got.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            got.append(exc)
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    try:
+        delay = 0.001
+        while not _inside(th.ident, {"_wait_keys"}):
+            time.sleep(delay)
+            delay = min(2 * delay, 0.02)
+        t0 = time.monotonic()
+        zbccl.finalize()
+        th.join(BOUND)
+        elapsed = time.monotonic() - t0
+        assert not th.is_alive(), "the store wait did not notice finalize()"
+        assert isinstance(got[0], zbccl.ZbcclInvalidUsageError), got
+        assert "finalize() was called on this rank" in str(got[0]), str(got[0])
+        assert elapsed < BOUND, elapsed
+        return elapsed
+    finally:
+        store.set("liveness/done", b"1")
+
+
+def test_finalize_interrupts_a_store_wait():
+    out = run_world(_finalize_during_store_op, 2, env=ENV, timeout=3 * TIMEOUT)
+    assert out[1] == "idle" and out[0] < BOUND
