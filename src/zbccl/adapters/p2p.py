@@ -30,8 +30,12 @@ this group (so ``irecv``/``isend`` pairs posted in any order never deadlock).
 A blocking ``send`` of a heap tensor waits for its receiver: two ranks that
 both send heap tensors to each other before receiving deadlock (as with
 NCCL) and get a timeout naming the peer; use ``isend``/``irecv`` or
-``batch_isend_irecv``. Every wait checks for dead peers (within one liveness
-interval) and is bounded by the group's timeout.
+``batch_isend_irecv``. Every wait applies the one liveness rule
+(``runtime/liveness.py``: this rank's finalize, the peers' ABORT lines, dead
+peers) at each liveness interval and is bounded by the group's timeout. A wait
+left by Ctrl-C or an unexpected exception marks this rank's ABORT line (the
+peers name it at once); a timed-out wait does not: the receive is cancelled and
+the group stays usable.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclTimeoutError
+from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclTimeoutError
 from ..heap import layout
+from ..native.abi import WHERE_P2P
+from ..runtime.liveness import leave
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet, check_peers
 from .work import CompletedWork, PendingWork
@@ -128,7 +134,7 @@ class PointToPoint:
                 return None
             raw = boot.get(key, timeout=1.0)
         else:
-            raw = boot.get(key, timeout=wait, owner=self.comm.ranks[src])
+            raw = boot.get(key, timeout=wait, owner=self.comm.ranks[src], watch=self.comm.store_watch)
         nbytes = self.comm.world_size * _PEER_WORDS * 8
         addr = self.ctx.heap.addr(self.comm.ranks[src], int(raw), nbytes, op="recv")
         box = self.boxes[src] = _Box(_words(addr, nbytes), addr)
@@ -278,10 +284,11 @@ class PointToPoint:
         if not rec.done and timeout is not None:
             try:
                 self._wait_recv(rec, timeout)
-            except BaseException:
+            except BaseException as exc:
                 with self.lock:  # cancelled: a later message must not land in this tensor
                     if not rec.done:
                         self.pending = [r for r in self.pending if r is not rec]
+                self._left(exc, "recv")
                 raise
         if rec.error is not None:
             raise rec.error
@@ -312,6 +319,19 @@ class PointToPoint:
                    timeout: float | None = None) -> None:
         """Block until the int64 at ``addr`` is >= ``target``, progressing pending recvs meanwhile."""
         timeout = self.ctx.timeout if timeout is None else timeout
+        try:
+            self._wait_word_until(addr, target, peer, op=op, why=why, timeout=timeout)
+        except BaseException as exc:
+            self._left(exc, op)
+            raise
+
+    def _left(self, exc: BaseException, op: str) -> None:
+        """A wait is left by ``exc``: Ctrl-C or an unexpected exception marks this rank's ABORT line; a
+        ZbcclError (a timeout: the wait is cancelled) does not."""
+        if not isinstance(exc, ZbcclError):
+            leave(self.ctx, exc, op=op, where=WHERE_P2P)
+
+    def _wait_word_until(self, addr: int, target: int, peer: int, *, op: str, why: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         ptr = self._ptr(addr)
         while True:

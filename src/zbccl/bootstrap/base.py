@@ -16,8 +16,13 @@ never flows through it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
-__all__ = ["Bootstrap"]
+__all__ = ["Bootstrap", "Watch"]
+
+#: ``watch(pending_ranks, op)``: called at each poll of a wait with the ranks not arrived yet; raises to end
+#: the wait (the runtime's liveness check: a dead peer, a peer that left an op, this rank's finalize).
+Watch = Callable[[Sequence[int], str], None]
 
 
 class Bootstrap(ABC):
@@ -31,20 +36,22 @@ class Bootstrap(ABC):
         """Publish ``value`` under ``key`` (this rank's namespace is the caller's business)."""
 
     @abstractmethod
-    def get(self, key: str, *, timeout: float, owner: int | None = None) -> bytes:
-        """Block until ``key`` exists, then return it. ``owner`` is named on timeout."""
+    def get(self, key: str, *, timeout: float, owner: int | None = None, watch: Watch | None = None) -> bytes:
+        """Block until ``key`` exists, then return it. ``owner`` is named on timeout; ``watch`` (if given)
+        is called at each poll."""
 
     @abstractmethod
     def add(self, key: str, delta: int) -> int:
         """Atomically add to an integer counter and return the new value."""
 
     @abstractmethod
-    def all_gather(self, value: bytes, *, timeout: float, tag: str = "ag") -> list[bytes]:
-        """Collective: every rank contributes ``value``; all get the list indexed by rank."""
+    def all_gather(self, value: bytes, *, timeout: float, tag: str = "ag", watch: Watch | None = None) -> list[bytes]:
+        """Collective: every rank contributes ``value``; all get the list indexed by rank (``watch`` as in
+        :meth:`get`)."""
 
-    def barrier(self, *, timeout: float, tag: str = "barrier") -> None:
+    def barrier(self, *, timeout: float, tag: str = "barrier", watch: Watch | None = None) -> None:
         """Collective: return once every rank has entered."""
-        self.all_gather(b"", timeout=timeout, tag=tag)
+        self.all_gather(b"", timeout=timeout, tag=tag, watch=watch)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (the store connection stays owned by its creator)."""

@@ -10,6 +10,13 @@ key, so every rank has finished reading round ``k-1``; each rank then
 deletes its own key of round ``k-1``. A long-running job keeps at most one
 round per tag in the store.
 
+A wait may be given a ``watch(pending_ranks, op)`` callable (the runtime's
+liveness check, ``runtime/liveness.py``): it is called at each poll with the
+ranks whose keys are still missing and raises when one of them died or any
+member left an op half-way, or when this rank was finalized. Polls start at
+``ZBCCL_LIVENESS_INTERVAL`` and back off to four times it, so a watched wait
+notices within a few intervals without loading the store.
+
 Every store call goes through :meth:`StoreBootstrap._call`: when the store's
 host is gone (under torchrun, rank 0 hosts the TCPStore) the caller gets a
 :class:`~zbccl.errors.ZbcclRemoteError`, not torch's ``DistNetworkError``
@@ -25,8 +32,9 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from .. import env
 from ..errors import ZbcclRemoteError, ZbcclTimeoutError
-from .base import Bootstrap
+from .base import Bootstrap, Watch
 
 __all__ = ["StoreBootstrap"]
 
@@ -73,19 +81,27 @@ class StoreBootstrap(Bootstrap):
     def add(self, key: str, delta: int) -> int:
         return int(self._call("add", self.store.add, self._key(key), delta))
 
-    def get(self, key: str, *, timeout: float, owner: int | None = None) -> bytes:
+    def get(self, key: str, *, timeout: float, owner: int | None = None, watch: Watch | None = None) -> bytes:
         full = self._key(key)
-        self._wait_keys([full], timeout=timeout, owners=[owner if owner is not None else -1], op="get")
+        self._wait_keys([full], timeout=timeout, owners=[owner if owner is not None else -1], op="get", watch=watch)
         return self._call("get", self.store.get, full)
 
-    def _wait_keys(self, keys: list[str], *, timeout: float, owners: list[int], op: str) -> None:
+    def _wait_keys(self, keys: list[str], *, timeout: float, owners: list[int], op: str,
+                   watch: Watch | None = None) -> None:
         deadline = time.monotonic() + timeout
         pending = list(zip(keys, owners))
+        if watch is not None:
+            first = env.LIVENESS_INTERVAL.get()
+            poll, most = first, 4 * first
+        else:
+            poll = most = _WAIT_SLICE_S
         while True:
             # check() is one round trip for all keys and never blocks.
             pending = [(k, o) for k, o in pending if not self._call(op, self.store.check, [k])]
             if not pending:
                 return
+            if watch is not None:
+                watch(tuple(o for _, o in pending if o >= 0), f"bootstrap {op}")
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = tuple(o for _, o in pending if o >= 0)
@@ -95,17 +111,18 @@ class StoreBootstrap(Bootstrap):
                     ranks=missing,
                 )
             try:
-                self.store.wait([pending[0][0]], timedelta(seconds=min(_WAIT_SLICE_S, left)))
+                self.store.wait([pending[0][0]], timedelta(seconds=min(poll, left)))
             except Exception:  # noqa: BLE001 - its own timeout types; a dead store fails check() next
                 pass
+            poll = min(2 * poll, most)
 
-    def all_gather(self, value: bytes, *, timeout: float, tag: str = "ag") -> list[bytes]:
+    def all_gather(self, value: bytes, *, timeout: float, tag: str = "ag", watch: Watch | None = None) -> list[bytes]:
         seq = self._seq.get(tag, 0)
         self._seq[tag] = seq + 1
         base = f"{tag}/{seq}"
         self.set(f"{base}/{self.rank}", value)
         keys = [self._key(f"{base}/{r}") for r in range(self.world_size)]
-        self._wait_keys(keys, timeout=timeout, owners=list(self.members), op=tag)
+        self._wait_keys(keys, timeout=timeout, owners=list(self.members), op=tag, watch=watch)
         if hasattr(self.store, "multi_get"):
             got = list(self._call(tag, self.store.multi_get, keys))
         else:  # pragma: no cover - old torch

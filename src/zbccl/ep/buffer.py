@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..native.abi import WHERE_EP
 from . import fast, low_latency, normal
 from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
 from .event import EventHandle, EventOverlap
@@ -69,6 +70,7 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
         self.comm = parent.new_group(members, timeout=timeout)
+        self.comm.role = WHERE_EP  # a rank that leaves an op of it half-way left an EP op (runtime/liveness.py)
         self.ex = Exchange(self.comm, timeout)
         self.runtime = self
         self.seq = 0
@@ -263,7 +265,7 @@ class Buffer:
                  num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                  expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens), config=cfg,
                  int8=bool(int8), error=_stream_error(previous_event, async_finish, allocate_on_comm_stream))
-        with self._lock:
+        with self._lock, self.ex.op("dispatch"):
             self.seq += 1
             recv_x, idx, w, lst, h = normal.dispatch(self, a)
         return recv_x, idx, w, lst, h, _event(async_finish)
@@ -284,7 +286,7 @@ class Buffer:
         """
         self._live()
         error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
-        with self._lock:
+        with self._lock, self.ex.op("combine"):
             self.seq += 1
             out, w = normal.combine(self, x, handle, topk_weights, bias, error)
         return out, w, _event(async_finish)
@@ -293,7 +295,7 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: a barrier (there are no signalling areas to zero; kept for DeepEP code)."""
         self._live()
-        with self._lock:
+        with self._lock, self.ex.op("clean_low_latency_buffer"):
             self.ex.sync("clean_low_latency_buffer", OP_CLEAN, self.seq, PHASE_CLEAN)
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
@@ -311,7 +313,7 @@ class Buffer:
             if state["done"]:
                 return
             state["done"] = True
-            with self._lock:
+            with self._lock, self.ex.op("low_latency_dispatch (its receive hook)"):
                 recv()
 
         return hook
@@ -346,7 +348,7 @@ class Buffer:
             error = "use_ue8m0 needs round_scale, expected round_scale=True, got False"
         flags = ((low_latency.FLAG_FP8 if use_fp8 else 0) | (low_latency.FLAG_ROUND if round_scale else 0)
                  | (low_latency.FLAG_UE8M0 if use_ue8m0 else 0) | (low_latency.FLAG_HOOK if return_recv_hook else 0))
-        with self._lock:
+        with self._lock, self.ex.op("low_latency_dispatch"):
             self.seq += 1
             out, plan, recv = low_latency.dispatch(
                 self, x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts),
@@ -385,7 +387,7 @@ class Buffer:
             error = "zero_copy and use_logfmt exclude each other, expected at most one, got both"
         flags = ((low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
                  | (low_latency.FLAG_LOGFMT if use_logfmt else 0))
-        with self._lock:
+        with self._lock, self.ex.op("low_latency_combine"):
             self.seq += 1
             combined, recv = low_latency.combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
                                                  error)

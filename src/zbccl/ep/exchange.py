@@ -28,20 +28,32 @@ refuses further ops.
 
 Both waits take the Buffer's timeout; a dead peer raises ``ZbcclRemoteError`` within a
 liveness interval, a missing one ``ZbcclTimeoutError`` naming it (the ops' own guarantees).
+
+**Leaving an op half-way** (:meth:`Exchange.op`, around every Buffer op): Ctrl-C or an unexpected
+exception at any point of the op, or a timeout or lost peer in its barriers, marks this rank's
+ABORT line, with the same meaning as the op channel's (``runtime/liveness.py``): peers waiting in
+this op's barriers, or in the next op they enter on any communicator, raise ``ZbcclRemoteError``
+naming this rank within about a liveness interval, and this rank refuses later ops. The barriers
+read every member's ABORT line at each liveness interval (``runtime/waits.py``). Errors every rank
+raises together (bad input, out of memory, ranks out of step) mark nothing: the Buffer stays usable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import weakref
 from array import array
+from collections.abc import Iterator
 
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..heap.views import HeapHandle, wrap_address
+from ..native.abi import WHERE_EP
 from ..ops import all_gather_into_tensor
+from ..runtime.liveness import leave
 from ..runtime.threads import nthreads
 from .stores import PullStores
 
@@ -225,6 +237,16 @@ class Exchange:
         self._reuse.clear()
 
     # ------------------------------------------------------------------ the handshake
+    @contextlib.contextmanager
+    def op(self, name: str) -> Iterator[None]:
+        """The boundary of one EP op: an exception that leaves it half-way marks this rank's ABORT line
+        (:func:`zbccl.runtime.liveness.leave`; errors every rank raises together mark nothing)."""
+        try:
+            yield
+        except BaseException as exc:
+            leave(self.comm._ctx, exc, op=name, where=WHERE_EP)
+            raise
+
     def sync(self, op: str, code: int, seq: int, phase: int) -> None:
         """Collective: a barrier tagged with this rank's op ``code`` (its number ``seq``) and ``phase``; raises
         :class:`ZbcclInvalidUsageError` on every rank when the ranks' tags differ (their calls do not match)."""

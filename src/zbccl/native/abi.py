@@ -18,14 +18,14 @@ Contents:
   ``A_<NAME>`` indices into the int64 buffer).
 * op, algorithm, dtype and reduce-op codes; result codes ``RC_*`` of the
   native call; ``ERR_*`` (kinds of error a rank posts); ``ABORT_*`` (why a rank
-  left an op half-way); the comm slot lines the channel uses; ``VEC_CAP``.
+  left an op half-way), the ABORT line's words and ``WHERE_*``; the comm slot lines the channel uses; ``VEC_CAP``.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "HEADER", "HDR_FIELDS", "ARGS", "OPS", "OP_NAMES", "ALGOS", "ALGO_NAMES", "DTYPES", "REDUCE_OPS", "RESULTS",
-    "ERRORS", "ABORTS", "SLOT_LINES", "VEC_CAP", "MAX_WORLD", "STATES", "c_header",
+    "ERRORS", "ABORTS", "ABORT_WORDS", "ABORT_WHERE", "SLOT_LINES", "VEC_CAP", "MAX_WORLD", "STATES", "c_header",
 ]
 
 #: Op header fields, in order (int64 each; 16 slots). KIND: the store kind group rank 0 chose for the op
@@ -57,6 +57,14 @@ RESULTS = {"OK": 0, "TIMEOUT": 1, "DEAD": 2, "GONE": 3, "MISMATCH": 4, "STEP": 5
 ERRORS = {"USAGE": 1, "NOMEM": 2}
 #: ABORT line reason word (at +16): why a rank left an op half-way (PEER: a peer died or left first).
 ABORTS = {"INTERRUPT": 1, "EXCEPTION": 2, "TIMEOUT": 3, "PEER": 4}
+#: The words of an ABORT line (int64 indices; C: ``AW_<NAME>``). SEQ: non-zero once the owner left an op
+#: half-way (the op's number, at least 1; futex waiter count at +8 as on every flag); WHY: an ``ABORTS``
+#: value; WHERE: an ``ABORT_WHERE`` value, the protocol of the op it left. One meaning everywhere: see
+#: ``runtime/liveness.py``. A rank's own ABORT line is the world slot's (slot 0); a sub-group's op channel
+#: also marks its slot's line, which its in-op handshake reads (chan.c ``peer_left``).
+ABORT_WORDS = {"SEQ": 0, "WHY": 2, "WHERE": 3}
+#: Which protocol's op a rank left (the ABORT line's WHERE word; C: ``WHERE_<NAME>``).
+ABORT_WHERE = {"COLLECTIVE": 1, "BARRIER": 2, "EP": 3, "P2P": 4, "STORE": 5}
 #: Lines of a comm slot the op channel uses (line 0 is the communicator's barrier epoch).
 #: ELECT: group rank 0's line only, the oneshot all_reduce's election word (chan_ops.c "oneshot").
 SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "ABORT": 6, "ELECT": 7, "VECTORS": 8}
@@ -80,7 +88,8 @@ def c_header() -> str:
              "enum { " + ", ".join(f"H_{h} = {i}" for i, h in enumerate(HEADER)) + " };"]
     lines += _defines("OP_", OPS) + _defines("ALGO_", ALGOS) + _defines("ZB_DT_", DTYPES)
     lines += _defines("ZB_OP_", REDUCE_OPS) + _defines("RC_", RESULTS) + _defines("ERR_", ERRORS)
-    lines += _defines("ABORT_", ABORTS) + _defines("L_", SLOT_LINES) + _defines("STATE_", STATES)
+    lines += _defines("ABORT_", ABORTS) + _defines("AW_", ABORT_WORDS) + _defines("WHERE_", ABORT_WHERE)
+    lines += _defines("L_", SLOT_LINES) + _defines("STATE_", STATES)
     lines += ["", "/* One op's arguments, filled by Python (ops/channel.py) and passed by address. */",
               "typedef struct {", *(f"    int64_t {a};" for a in ARGS), "} zb_op;",
               f"_Static_assert(sizeof(zb_op) == {len(ARGS)} * 8, \"zb_op is packed int64\");",
@@ -97,10 +106,10 @@ def _export() -> None:
     for i, a in enumerate(ARGS):
         g[f"A_{a.upper()}"] = i
     for prefix, table in (("OP_", OPS), ("ALGO_", ALGOS), ("RC_", RESULTS), ("ERR_", ERRORS),
-                          ("ABORT_", ABORTS), ("L_", SLOT_LINES)):
+                          ("ABORT_", ABORTS), ("AW_", ABORT_WORDS), ("WHERE_", ABORT_WHERE), ("L_", SLOT_LINES)):
         for k, v in table.items():
             g[prefix + k] = v
-    __all__.extend(n for n in list(g) if n not in __all__ and n.split("_")[0] in ("H", "A", "OP", "ALGO", "RC", "ERR", "ABORT", "L")
+    __all__.extend(n for n in list(g) if n not in __all__ and n.split("_")[0] in ("H", "A", "OP", "ALGO", "RC", "ERR", "ABORT", "AW", "WHERE", "L")
                    and n.isupper())
 
 

@@ -48,9 +48,10 @@ import torch
 import torch.autograd.profiler as _profiler
 
 from ..errors import ZbcclInvalidUsageError
-from ..native.abi import OP_ALL_REDUCE
+from ..native.abi import OP_ALL_REDUCE, WHERE_COLLECTIVE
 from ..runtime import registry
 from ..runtime.communicator import Communicator
+from ..runtime.liveness import leave
 from ..runtime.registry import collective
 from . import null
 from .args import tensor_error
@@ -79,29 +80,35 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     # uncontended op lock inline: the tensor is the one a plan was made for (same heap address, size
     # and dtype, contiguous), so every check already passed. Anything else takes _all_reduce.
     c = registry._default if comm is None else comm
-    if op == "sum" and timeout is None and type(tensor) is torch.Tensor:
-        ch = getattr(c, "op_state", None)
-        if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, tensor, op=_OP):
-            return tensor
-        try:
-            ch, lock = c.op_state, c._op_lock
-            plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype)) if ch.plain else None
-        except (AttributeError, RuntimeError):  # no communicator or channel yet; a tensor without storage
-            plan = None
-        if (plan is not None and c._live and tensor.is_contiguous() and not _profiler._is_profiler_enabled
-                and not lock.queue and lock.mutex.acquire(False)):
-            lock.owner = get_ident()
+    try:  # the op boundary of the inline path (registry.collective is _all_reduce's)
+        if op == "sum" and timeout is None and type(tensor) is torch.Tensor:
+            ch = getattr(c, "op_state", None)
+            if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, tensor, op=_OP):
+                return tensor
             try:
-                if c._live:  # finalize did not run in between (see registry._enter)
-                    ch.call_hot(plan, _OP)
-                    if ch.hot is not None:  # the hot entry did not serve it: its table lost the tensor
-                        ch.hot_register(tensor, plan)
-                    return tensor
-            finally:
-                lock.owner = None
-                lock.mutex.release()
-                if lock.queue or lock._watchers:
-                    lock.wake()
+                ch, lock = c.op_state, c._op_lock
+                plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype)) if ch.plain else None
+            except (AttributeError, RuntimeError):  # no communicator or channel yet; a tensor without storage
+                plan = None
+            if (plan is not None and c._live and tensor.is_contiguous() and not _profiler._is_profiler_enabled
+                    and not lock.queue and lock.mutex.acquire(False)):
+                lock.owner = get_ident()
+                try:
+                    if c._live:  # finalize did not run in between (see registry._enter)
+                        ch.call_hot(plan, _OP)
+                        if ch.hot is not None:  # the hot entry did not serve it: its table lost the tensor
+                            ch.hot_register(tensor, plan)
+                        return tensor
+                finally:
+                    lock.owner = None
+                    lock.mutex.release()
+                    if lock.queue or lock._watchers:
+                        lock.wake()
+    except BaseException as exc:  # Ctrl-C before the native call too: the peers must learn this rank left
+        ctx = getattr(c, "_ctx", None)
+        if ctx is not None:
+            leave(ctx, exc, op=_OP, where=WHERE_COLLECTIVE)
+        raise
     return _all_reduce(tensor, op, comm=comm, timeout=timeout)
 
 

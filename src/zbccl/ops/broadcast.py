@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..native.abi import OP_BROADCAST
+from ..native.abi import OP_BROADCAST, WHERE_BARRIER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
@@ -81,7 +81,7 @@ def _receive(ch: OpChannel, tensor: torch.Tensor, dt: int, src: int) -> None:
         tensor.copy_(dst)
 
 
-@collective("barrier")
+@collective("barrier", WHERE_BARRIER)
 def barrier(*, comm: Communicator | None = None, timeout: float | None = None) -> None:
     """Collective: return once every rank of ``comm`` entered (see ``Communicator.barrier``: a peer
     that left a collective half-way makes it raise :class:`~zbccl.errors.ZbcclRemoteError`)."""

@@ -22,9 +22,11 @@ never reset; line numbers and header fields come from ``native/abi.py``):
   so the caller may reuse its tensors at once, and no peer can overwrite a
   header another rank has not read yet.
 * ``ABORT`` (line 6): non-zero once this rank left an op half-way (Ctrl-C,
-  an unexpected exception): the communicator is broken. Peers waiting for
-  this rank read it at every liveness check and raise
-  :class:`~zbccl.errors.ZbcclRemoteError` naming it within seconds.
+  an unexpected exception, a timeout, a lost peer): the communicator is
+  broken. This rank's own ABORT line (the world slot's, :mod:`zbccl.runtime.liveness`)
+  is marked too, and every wait of every peer, in any communicator, reads it
+  at each liveness check and raises :class:`~zbccl.errors.ZbcclRemoteError`
+  naming this rank (the one meaning of ABORT, ``runtime/liveness.py``).
 
 Python's part (this module): the op's arguments go into one preallocated
 ``zb_op`` struct (layout from ``native/abi.py``) and :meth:`OpChannel.run`
@@ -51,8 +53,9 @@ from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclSystemError
 from ..heap import layout
 from ..native import abi
 from ..native.abi import (
-    ABORT_EXCEPTION,
-    ABORT_INTERRUPT,
+    ABORT_PEER,
+    AW_WHERE,
+    AW_WHY,
     ERR_NOMEM,
     ERR_USAGE,
     L_ABORT,
@@ -63,8 +66,9 @@ from ..native.abi import (
     L_PHASE,
     L_VECTORS,
     VEC_CAP,
+    WHERE_COLLECTIVE,
 )
-from ..runtime.communicator import aborted_why
+from ..runtime import liveness
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet
 from .args import timeout_error
@@ -132,14 +136,15 @@ class OpChannel:
         self.timeout = self.default_timeout = ctx.timeout
         self.timeout_ns = int(self.timeout * 1e9)
         #: Why this communicator is unusable on this rank (an op was left half-way), or None.
-        self.broken: str | None = None
+        self.broken: str | None = ctx.left
         #: True while nothing per-op needs checking at entry (not broken, the default timeout).
-        self.plain = True
+        self.plain = self.broken is None
         self._open(comm)
 
     def _open(self, comm: Communicator) -> None:
         """Create the C channel: per group rank its flag lines, state word, heap base, published heap
-        size word, liveness descriptor, size-vector area, ABORT and ELECT lines."""
+        size word, liveness descriptor, size-vector area, ABORT and ELECT lines, and the rank's own
+        ABORT line (the world slot's: every wait reads it, see runtime/liveness.py)."""
         from .tuner import store_kind_mode
 
         ctx, heap = self.ctx, self.ctx.heap
@@ -152,7 +157,8 @@ class OpChannel:
             fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
             rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
                          heap.ctrl_addr(g, layout.H_STATE), heap.addr(g, 0), heap.ctrl_addr(g, layout.H_HEAP_BYTES),
-                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT), line(L_ELECT)])
+                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT), line(L_ELECT),
+                         liveness.abort_line(ctx, g)])
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.prims.chan_new(self.world_size, self.rank, ctx.spin, ctx.liveness_ns, self.timeout_ns,
                                           nthreads(), int(table.ctypes.data), ctx.poll_ns)
@@ -340,18 +346,25 @@ class OpChannel:
         raise AssertionError("unreachable: an op whose header carries an error fails")  # pragma: no cover
 
     def left(self, seq: int, exc: BaseException, *, op: str) -> None:
-        """An op that started at sequence number ``seq`` is being left by ``exc``: mark the
-        communicator broken (ABORT line) if the op had started and ``exc`` is not a ZbcclError.
-        Ops call it from ``except BaseException`` (free when nothing is raised)."""
-        if self.seq != seq and not isinstance(exc, ZbcclError):
-            why = ABORT_INTERRUPT if isinstance(exc, KeyboardInterrupt) else ABORT_EXCEPTION
-            self.abort(why, f"op #{self.seq} ({op}) was left half-way by {type(exc).__name__}")
+        """An op that started at sequence number ``seq`` is being left by ``exc``, at any point (before it
+        posted anything too): mark the communicator broken (ABORT lines) unless ``exc`` is a ZbcclError
+        (C marked the native leaves; errors every rank raises together break nothing). Ops call it from
+        ``except BaseException`` (free when nothing is raised)."""
+        if not isinstance(exc, ZbcclError):
+            self.abort(liveness.reason(exc), f"op #{seq + 1} ({op}) was left half-way by {type(exc).__name__}")
 
     def abort(self, why: int, text: str) -> None:
-        """Publish that this rank left an op half-way; every later op on this communicator refuses."""
-        self.mark_broken(text)
-        ctypes.c_int64.from_address(self.my_flags[L_ABORT] + 16).value = why
-        self.prims.signal(self.my_flags[L_ABORT], self.seq)
+        """Publish that this rank left an op half-way: this channel's ABORT line (its in-op handshake reads
+        it) and the rank's own (:func:`.liveness.mark_left`: every communicator of this rank refuses later
+        ops, unless ``why`` is ``ABORT_PEER``)."""
+        if why != ABORT_PEER:
+            self.mark_broken(text)
+        addr = self.my_flags[L_ABORT]
+        if self.prims.load_acquire(addr) == 0:
+            self.prims.store_release(addr + 8 * AW_WHY, why)
+            self.prims.store_release(addr + 8 * AW_WHERE, WHERE_COLLECTIVE)
+            self.prims.signal(addr, max(1, self.seq))
+        liveness.mark_left(self.ctx, why, text, where=WHERE_COLLECTIVE, seq=self.seq)
 
     def mark_broken(self, text: str) -> None:
         """Every later op on this rank refuses (:meth:`enter`), the hot entry's included."""
@@ -359,9 +372,11 @@ class OpChannel:
         self.plain = False
         self.disable(0)
 
-    def aborted(self, r: int) -> int:
-        """Why group rank ``r`` broke this communicator (``ABORT_*``), or 0."""
-        return aborted_why(self.prims, self.lines[L_ABORT][r])
+    def aborted(self, r: int) -> tuple[int, int]:
+        """``(why, where)`` group rank ``r`` broke this communicator for (``ABORT_*``, ``WHERE_*``): its own
+        ABORT line, else this channel's; ``(0, 0)`` if neither is set."""
+        got = liveness.aborted(self.prims, liveness.abort_line(self.ctx, self.comm.ranks[r]))
+        return got if got[0] else liveness.aborted(self.prims, self.lines[L_ABORT][r])
 
     # --------------------------------------------------------- memory
     def fits(self, off: int, nbytes: int) -> bool:

@@ -28,6 +28,7 @@ from ..errors import (
 from ..heap import layout
 from ..native import abi
 from ..native.abi import (
+    ABORT_TIMEOUT,
     ERR_NOMEM,
     ERR_USAGE,
     H_ALGO,
@@ -52,8 +53,7 @@ from ..native.abi import (
     RC_TIMEOUT,
     VEC_CAP,
 )
-from ..runtime.communicator import abort_error
-from ..runtime.registry import FINALIZED_WHILE_WAITING
+from ..runtime.liveness import FINALIZED_WHILE_WAITING, abort_error, who_left
 from .dtypes import CODE_DTYPES, op_name
 
 #: Results after which this rank left the op half-way (C marked its ABORT line, chan.c leave_op; later ops
@@ -99,8 +99,8 @@ def error_for(ch: OpChannel, rc: int, *, op: str) -> ZbcclError:
     the op's DONE handshake: a peer may overwrite the originals with its next op right after)."""
     hdrs, vecs, (_, rank, field, _, late, _, writer) = _copies(ch)
     error = _error_for(ch, rc, hdrs, vecs, rank, field, late, op=op)
-    if rc == RC_TIMEOUT:  # this rank gave up on the op (C marked its ABORT line, chan.c leave_op)
-        ch.mark_broken(str(error))
+    if rc == RC_TIMEOUT:  # this rank gave up on the op (C marked its ABORT lines, chan.c leave_op)
+        ch.abort(ABORT_TIMEOUT, str(error))
     if rc in LEAVING:
         if writer >= 0:
             error.args = (f"{error.args[0]}; rank {writer} was still inside the op after this rank left and may "
@@ -115,8 +115,12 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
         return ZbcclTimeoutError(late_message(ch, late, op=op), ranks=tuple(late))
     if rc == RC_GONE and rank == ch.rank:  # chan.c check_peers: our own STATE is FINALIZED
         return ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ch.comm.global_rank,))
-    if rc == RC_ABORTED:
-        return abort_error(rank, ch.aborted(rank), op=op)
+    if rc == RC_ABORTED:  # name a rank that left by its own cause before one that followed a peer
+        first = who_left(ch.ctx, ch.comm.ranks)
+        if first is not None and first[0] in ch.comm.ranks:
+            rank = ch.comm.ranks.index(first[0])
+        why, where = ch.aborted(rank)
+        return abort_error(rank, why, op=op, where=where)
     if rc in (RC_DEAD, RC_GONE):
         state = ch.ctx.heap.header(ch.comm.ranks[rank], layout.H_STATE)
         why = {layout.STATE_FINALIZED: "called finalize", layout.STATE_FAILED: "failed"}.get(

@@ -218,7 +218,8 @@ def table_for(ch) -> TuningTable:
                 shared = json.dumps({"error": str(exc)})
             comm.bootstrap.set("tuning", shared.encode())
         else:
-            shared = comm.bootstrap.get("tuning", timeout=comm.timeout, owner=comm.ranks[0]).decode()
+            shared = comm.bootstrap.get("tuning", timeout=comm.timeout, owner=comm.ranks[0],
+                                        watch=getattr(comm, "store_watch", None)).decode()
         error = json.loads(shared).get("error")
         table = TuningTable.from_json(shared) if error is None else error
         ch.tuning = table

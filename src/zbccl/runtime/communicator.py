@@ -9,26 +9,26 @@ segment): rank ``r`` raises its own epoch flag to ``e`` (release store, futex
 wake if someone sleeps), then waits until every other member's flag is
 ``>= e``. Epochs only grow, so flags are never reset and back-to-back barriers
 cannot confuse one another; a fast rank may already be at ``e+1``, which still
-satisfies ``>= e``. While it waits, the barrier also reads the late members'
-``ABORT`` line (the op channel's, :mod:`zbccl.native.abi`): a member that left
-a collective half-way (Ctrl-C) broke the communicator, and the barrier raises
+satisfies ``>= e``. While it waits, the barrier applies the one liveness rule
+(:mod:`.liveness`) at each liveness interval: a member that left any op half-way
+(its ABORT line) broke the communicator, and the barrier raises
 :class:`~zbccl.errors.ZbcclRemoteError` naming it instead of waiting out the
-timeout.
+timeout. The store ops (``all_gather_object``, ``new_group``, ``destroy``) watch
+the same rule at each poll of the store.
 """
 
 from __future__ import annotations
 
-import ctypes
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import env
 from ..bootstrap.store import StoreBootstrap
-from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
+from ..errors import ZbcclInvalidUsageError
 from ..heap import layout
 from ..heap.views import HeapHandle, view_heap
-from ..native.abi import ABORT_EXCEPTION, ABORT_INTERRUPT, ABORT_PEER, ABORT_TIMEOUT, L_ABORT
+from ..native.abi import WHERE_BARRIER, WHERE_STORE
+from .liveness import store_watch
 from .oplock import OpLock
 from .registry import guarded
 from .slots import acquire_slot, release_slot, reset_slot
@@ -39,24 +39,7 @@ if TYPE_CHECKING:
 
     from .context import Context
 
-__all__ = ["Communicator", "NonMember", "aborted_why", "abort_error"]
-
-
-def aborted_why(prims, addr: int) -> int:
-    """Why the rank owning the ABORT line at ``addr`` broke its communicator (``ABORT_*``), or 0.
-
-    The line holds the op's sequence number at +0 (non-zero once set) and the reason at +16."""
-    if prims.load_acquire(addr) == 0:
-        return 0
-    return ctypes.c_int64.from_address(addr + 16).value or ABORT_EXCEPTION
-
-
-def abort_error(r: int, why: int, *, op: str) -> ZbcclRemoteError:
-    """What waiting for group rank ``r`` raises once it left a collective half-way for ``why``."""
-    what = {ABORT_INTERRUPT: "was interrupted (Ctrl-C)", ABORT_TIMEOUT: "timed out",
-            ABORT_PEER: "lost a peer"}.get(why, "hit an unexpected error")
-    return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {r} {what} in the middle of a collective and "
-                            "left it; this communicator is broken", ranks=(r,))
+__all__ = ["Communicator", "NonMember"]
 
 
 def _seconds(timeout: float | None, default: float, op: str) -> float:
@@ -86,10 +69,13 @@ class Communicator:
         #: The ops layer's per-communicator state (its op channel), created by the ops on first use.
         #: :meth:`destroy` calls its ``close()`` and drops it; this layer never looks inside.
         self.op_state: Any = None
+        #: The protocol its ops belong to when a rank leaves one half-way (``native/abi.py`` ``ABORT_WHERE``;
+        #: 0: each op's own). EP's Buffer sets it on its private communicator.
+        self.role = 0
         ctx.comms.add(self)
         #: False once finalize, a fork (in the child) or destroy ended this communicator: the one flag
         #: the ops' fast path reads. Set after joining ``ctx.comms`` so a concurrent finalize sees it.
-        self._live = not (ctx.finalized or ctx.forked)
+        self._live = not (ctx.finalized or ctx.forked or ctx.left is not None)
         self._single_host = all(ctx.heap.reachable(r) for r in self.ranks)
         if self._single_host:
             line = layout.slot_line(slot, layout.SLOT_BARRIER)
@@ -97,8 +83,8 @@ class Communicator:
             peers = [r for r in self.ranks if r != ctx.rank]
             self._peer_flags = FlagSet(peers, [ctx.heap.ctrl_addr(r, line) for r in peers],
                                        [self.ranks.index(r) for r in peers])
-            abort = layout.slot_line(slot, L_ABORT)
-            self._abort_lines = {self.ranks.index(r): ctx.heap.ctrl_addr(r, abort) for r in peers}
+        #: The liveness check of this communicator's store waits (bootstrap/store.py ``watch``).
+        self.store_watch = store_watch(ctx, self.ranks) if self._single_host else None
 
     # ----------------------------------------------------------------- identity
     @property
@@ -184,7 +170,7 @@ class Communicator:
         """True once no new op may start here (queued ops give up waiting for the op lock)."""
         return not self._live
 
-    @guarded("barrier")
+    @guarded("barrier", WHERE_BARRIER)
     def barrier(self, timeout: float | None = None) -> None:
         """Collective: return once every member has entered this barrier.
 
@@ -199,29 +185,9 @@ class Communicator:
             return
         self._epoch += 1
         ctx.prims.signal(self._my_flag, self._epoch)
-        self._wait_barrier(timeout)
+        wait_flags(ctx, self._peer_flags, self._epoch, timeout=timeout, op="barrier")
 
-    def _wait_barrier(self, timeout: float) -> None:
-        """Wait for the members' epochs in liveness slices, checking between slices whether a late
-        member broke the communicator (its ABORT line)."""
-        ctx = self._ctx
-        deadline = time.monotonic() + timeout
-        slice_s = max(0.25, ctx.liveness_ns / 1e9)
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                wait_flags(ctx, self._peer_flags, self._epoch, timeout=max(0.0, min(slice_s, left)), op="barrier")
-                return
-            except ZbcclTimeoutError as exc:
-                for r in exc.ranks:
-                    why = aborted_why(ctx.prims, self._abort_lines[r])
-                    if why:
-                        raise abort_error(r, why, op="barrier") from None
-                if left <= slice_s:
-                    raise ZbcclTimeoutError(f"barrier: timed out after {timeout:.1f}s waiting for ranks "
-                                            f"{list(exc.ranks)}; they never arrived", ranks=exc.ranks) from None
-
-    @guarded("all_gather_object")
+    @guarded("all_gather_object", WHERE_STORE)
     def all_gather_object(self, obj: object, *, timeout: float | None = None) -> list:
         """Collective: every member's picklable ``obj``, indexed by group rank.
 
@@ -231,10 +197,10 @@ class Communicator:
         import pickle
 
         timeout = _seconds(timeout, self._ctx.timeout, "all_gather_object")
-        got = self.bootstrap.all_gather(pickle.dumps(obj), timeout=timeout, tag="object")
+        got = self.bootstrap.all_gather(pickle.dumps(obj), timeout=timeout, tag="object", watch=self.store_watch)
         return [pickle.loads(b) for b in got]
 
-    @guarded("new_group")
+    @guarded("new_group", WHERE_STORE)
     def new_group(self, ranks: Sequence[int], *, timeout: float | None = None) -> Communicator | NonMember:
         """A sub-communicator of ``ranks`` (this group's numbering) over the same heap.
 
@@ -263,7 +229,8 @@ class Communicator:
             slot, use = got if got is not None else (-1, 0)
             ctx.bootstrap.set(slot_key, f"{slot}:{use}".encode())
         else:
-            slot, use = map(int, ctx.bootstrap.get(slot_key, timeout=timeout, owner=leader).split(b":"))
+            slot, use = map(int, ctx.bootstrap.get(slot_key, timeout=timeout, owner=leader,
+                                                   watch=self.store_watch).split(b":"))
         if slot < 0:
             raise ZbcclInvalidUsageError(
                 f"new_group: too many communicators, expected at most {layout.MAX_COMMS - 1} live groups "
@@ -272,10 +239,10 @@ class Communicator:
         boot = StoreBootstrap(ctx.bootstrap.store, members.index(ctx.rank), len(members),
                               prefix=f"{ctx.key_prefix}/g{slot}.{use}", members=tuple(members))
         comm = Communicator(ctx, members, slot, boot)
-        boot.barrier(timeout=timeout)  # every member reset its lines before anyone waits on them
+        boot.barrier(timeout=timeout, watch=comm.store_watch)  # every member reset its lines before anyone waits
         return comm
 
-    @guarded("destroy")
+    @guarded("destroy", WHERE_STORE)
     def destroy(self, *, timeout: float | None = None) -> None:
         """Collective over the members: end this sub-communicator and return its comm slot.
 
@@ -289,7 +256,8 @@ class Communicator:
             raise ZbcclInvalidUsageError(
                 "destroy: expected a sub-communicator from new_group, got the world communicator "
                 "(it ends with zbccl.finalize())")
-        self.bootstrap.barrier(timeout=_seconds(timeout, self._ctx.timeout, "destroy"), tag="destroy")
+        self.bootstrap.barrier(timeout=_seconds(timeout, self._ctx.timeout, "destroy"), tag="destroy",
+                               watch=self.store_watch)
         self.destroyed = True
         self._live = False
         state, self.op_state = self.op_state, None

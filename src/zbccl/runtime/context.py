@@ -36,6 +36,9 @@ class Context:
     #: How many groups with a given member list this process created (matches keys).
     group_counts: dict[str, int] = field(default_factory=dict)
     finalized: bool = False
+    #: Why this rank left an op half-way by its own cause (see :mod:`.liveness`), or None: every
+    #: communicator of this rank is then broken until finalize and init.
+    left: str | None = None
     #: Set in a process forked after init: it may not touch the shared heap (see state._after_fork_in_child).
     forked: bool = False
     #: Every live communicator over this heap (world and groups): finalize waits for their ops to leave.

@@ -9,7 +9,12 @@
    ``init``, or the placeholder a non-member got from ``new_group``,
 3. takes the communicator's FIFO op lock for the whole op (see
    :mod:`.oplock`), which also marks the op in flight for ``finalize``,
-4. calls the op with the resolved ``comm=``; further keywords pass through.
+4. calls the op with the resolved ``comm=``; further keywords pass through,
+5. is the op's boundary: an exception that leaves the op, at any point after it
+   started (the first op's store read included), goes through
+   :func:`.liveness.leave`, which marks this rank's ABORT line unless every rank
+   raises that error together, so the peers name this rank within a liveness
+   interval instead of waiting out the timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import ZbcclInvalidUsageError, ZbcclTimeoutError
+from ..native.abi import WHERE_COLLECTIVE
+from .liveness import FINALIZED_WHILE_WAITING, leave
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -29,9 +36,6 @@ __all__ = ["collective", "guarded", "resolve_comm", "check_usable", "get_default
            "is_initialized", "in_forked_child", "mark_forked_child", "FINALIZED_WHILE_WAITING"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
-FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
 
 _default: Communicator | None = None
 _forked_from: int | None = None  # pid of the parent whose communicator this process inherited
@@ -79,6 +83,9 @@ def check_usable(comm: Any, op: str) -> None:
         raise _forked_error(op)
     if ctx.finalized:
         raise ZbcclInvalidUsageError(f"{op}: zbccl was finalized, expected an initialized communicator")
+    if ctx.left is not None:
+        raise ZbcclInvalidUsageError(f"{op}: this communicator is broken on rank {comm.rank}: {ctx.left}; finalize "
+                                     "and init again", ranks=(comm.rank,))
     if comm.destroyed:
         raise ZbcclInvalidUsageError(f"{op}: this communicator was destroyed, expected a live communicator")
 
@@ -134,8 +141,9 @@ def _enter(comm: Communicator, op: str, timeout: Any) -> None:
         check_usable(comm, op)
 
 
-def collective(op: str) -> Callable[[F], F]:
-    """Decorator of a public op ``fn(*args, comm=None, **kwargs)``: resolve, check, serialise."""
+def collective(op: str, where: int = WHERE_COLLECTIVE) -> Callable[[F], F]:
+    """Decorator of a public op ``fn(*args, comm=None, **kwargs)``: resolve, check, serialise, and mark
+    ABORT if the op is left half-way (``where``: its protocol, ``native/abi.py`` ``ABORT_WHERE``)."""
 
     def deco(fn: F) -> F:
         @functools.wraps(fn)
@@ -152,6 +160,9 @@ def collective(op: str) -> Callable[[F], F]:
                 if c._live:
                     try:
                         return fn(*args, comm=c, **kwargs) if kwargs else fn(*args, comm=c)
+                    except BaseException as exc:
+                        leave(c._ctx, exc, op=op, where=c.role or where)
+                        raise
                     finally:  # OpLock.release, inline: this thread took the mutex above, so depth is 0
                         lock.owner = None
                         mutex.release()
@@ -164,6 +175,9 @@ def collective(op: str) -> Callable[[F], F]:
             _enter(c, op, kwargs.get("timeout"))
             try:
                 return fn(*args, comm=c, **kwargs)
+            except BaseException as exc:
+                leave(c._ctx, exc, op=op, where=c.role or where)
+                raise
             finally:
                 lock.release()
 
@@ -172,8 +186,9 @@ def collective(op: str) -> Callable[[F], F]:
     return deco
 
 
-def guarded(op: str) -> Callable[[F], F]:
-    """Decorator of a collective ``Communicator`` method: check, serialise."""
+def guarded(op: str, where: int) -> Callable[[F], F]:
+    """Decorator of a collective ``Communicator`` method: check, serialise, mark ABORT if it is left
+    half-way (as :func:`collective`)."""
 
     def deco(fn: F) -> F:
         @functools.wraps(fn)
@@ -182,6 +197,9 @@ def guarded(op: str) -> Callable[[F], F]:
             _enter(self, op, kwargs.get("timeout"))
             try:
                 return fn(self, *args, **kwargs)
+            except BaseException as exc:
+                leave(self._ctx, exc, op=op, where=self.role or where)
+                raise
             finally:
                 self._op_lock.release()
 

@@ -1,14 +1,15 @@
 """Bounded waits on peers' flags, with death detection.
 
-Every wait in zbccl goes through :func:`wait_flags`. The native primitive
-spins, yields, then sleeps on a futex, and returns after at most one
-*liveness slice*. Between slices this module asks the transport which peers
-died (their process exited: the transport polls a pidfd of each, so a child
-that inherited a dead rank's descriptors cannot hide its death) and reads
-their header state, so a killed peer
-is reported as :class:`~zbccl.errors.ZbcclRemoteError` within about one slice,
-and a peer that is merely slow as :class:`~zbccl.errors.ZbcclTimeoutError`
-naming exactly the ranks whose flags never reached the target.
+Every Python wait on peers' flags goes through :func:`wait_flags`. The native
+primitive spins, yields, then sleeps on a futex, and returns after at most one
+*liveness slice*. Between slices it applies the one liveness rule of
+:mod:`.liveness` (this rank's finalize, every peer's ABORT line, the late
+peers' state and death: the transport polls a pidfd of each, so a child that
+inherited a dead rank's descriptors cannot hide its death), so a killed or
+departed peer is reported as :class:`~zbccl.errors.ZbcclRemoteError` within
+about one slice, and a peer that is merely slow as
+:class:`~zbccl.errors.ZbcclTimeoutError` naming exactly the ranks whose flags
+never reached the target.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
-from ..heap import layout
-from .registry import FINALIZED_WHILE_WAITING
+from ..errors import ZbcclTimeoutError
+from . import liveness
 
 if TYPE_CHECKING:
     from .context import Context
@@ -44,30 +44,8 @@ class FlagSet:
 
 
 def check_peers(ctx: Context, ranks: list[int], *, op: str, labels: dict[int, int] | None = None) -> None:
-    """Raise :class:`ZbcclRemoteError` if any of ``ranks`` (global) died, left or failed.
-
-    Callers pass only the ranks they still wait for: a peer that already
-    signalled may finish and exit without that being an error. ``labels``
-    maps global ranks to the numbers the error should use.
-    """
-    labels = labels or {}
-    dead = set(ctx.heap.transport.dead_peers()) & set(ranks)
-    gone = []
-    for r in ranks:
-        if r == ctx.rank or not ctx.heap.reachable(r):
-            continue
-        state = ctx.heap.header(r, layout.H_STATE)
-        if state == layout.STATE_FAILED:
-            gone.append((r, "failed"))
-        elif state == layout.STATE_FINALIZED:
-            gone.append((r, "called finalize"))
-        elif r in dead:
-            gone.append((r, "died (its process exited or was killed)"))
-    if gone:
-        gone = [(labels.get(r, r), why) for r, why in gone]
-        ranks_gone = tuple(r for r, _ in gone)
-        what = "; ".join(f"rank {r} {why}" for r, why in gone)
-        raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=ranks_gone)
+    """:func:`.liveness.check` of a wait on ``ranks`` (global) that all are still late."""
+    liveness.check(ctx, ranks, op=op, labels=labels)
 
 
 def wait_flags(ctx: Context, flags: FlagSet, target: int, *, timeout: float, op: str,
@@ -90,9 +68,7 @@ def wait_flags(ctx: Context, flags: FlagSet, target: int, *, timeout: float, op:
         pending = [r for r, a in zip(flags.ranks, flags.addrs.tolist()) if prims.load_acquire(a) < target]
         if not pending:
             return
-        if ctx.finalized:  # another thread of this rank called finalize(): leave before the heap goes
-            raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
-        check_peers(ctx, pending, op=op, labels=labels)
+        liveness.check(ctx, flags.ranks, op=op, pending=pending, labels=labels)
         left = deadline - time.monotonic()
         if left <= 0:
             late = tuple(labels[r] for r, a in zip(flags.ranks, flags.addrs.tolist())

@@ -11,9 +11,11 @@
  * Python validates, decides the algorithm, stages operands that are not in
  * the heap and owns every policy; this file only moves bytes and waits. Waits spin `spin` polls, then yield between polls for
  * `poll_ns` (at least 50 us; the GIL kept), then release the GIL and sleep on the futex (the flag layout of core.c: value at +0, waiter count at +8), and
- * every `liveness_ns` they poll the peers' liveness sockets and read the
- * peers' header STATE and ABORT line: a dead or departed peer, or one that
- * left an op half-way (Ctrl-C), ends the wait at once with its rank. An op
+ * every `liveness_ns` they apply the one liveness rule (zbccl/runtime/liveness.py;
+ * check_peers below is its C twin): this rank finalized; any peer's ABORT line
+ * set (its own, the world slot's, or this channel's: it left an op half-way, in
+ * any protocol); a late peer failed, finalized or dead (pidfd). Each ends the
+ * wait at once with the rank. An op
  * interrupted here marks this rank's own ABORT line before returning, so its
  * peers learn it within a liveness interval instead of the timeout. Errors are returned as codes; detail (rank, field) and a copy of
  * all headers taken before the DONE handshake stay in the channel for Python
@@ -82,16 +84,36 @@ static void sleep_on(int64_t *p, int64_t target, int64_t ns) {
     __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST);
 }
 
-/* 0 if every peer we still wait for is alive, else RC_DEAD / RC_GONE with c->result[1] = rank
- * (RC_GONE with our own rank: this rank was finalized while we waited).
- * Peers whose flag already reached the target are not examined: they may exit at will. */
+/* The ABORT reason of rank r (its own line first, then this channel's), 0 if it left no op half-way. */
+static int64_t abort_why(zb_chan *c, int r) {
+    if (ld(c->rabort[r])) return c->rabort[r][AW_WHY] ? c->rabort[r][AW_WHY] : ABORT_EXCEPTION;
+    if (ld(c->abort[r])) return c->abort[r][AW_WHY] ? c->abort[r][AW_WHY] : ABORT_EXCEPTION;
+    return 0;
+}
+
+/* The liveness rule of zbccl/runtime/liveness.py `check`, in the same order:
+ * 1. this rank finalized (another thread): RC_GONE with result[1] = our own rank;
+ * 2. any peer (not only the late ones) left an op half-way by its own cause: RC_ABORTED with its rank;
+ * 3. a peer we still wait for failed or finalized (RC_GONE) or died (RC_DEAD);
+ * 4. any peer left an op because a peer did (ABORT_PEER): RC_ABORTED with its rank.
+ * Peers whose flag already reached the target are not checked for death: they may exit at will. */
 static int check_peers(zb_chan *c, int64_t **flags, int64_t target) {
     struct pollfd pf[ZB_MAXW];
-    int idx[ZB_MAXW], n = 0;
+    int idx[ZB_MAXW], n = 0, left = -1;
     /* finalize() on this rank (another thread) marks our own STATE first, then waits for us to leave. */
     if (ld(c->state[c->me]) == STATE_FINALIZED) {
         c->result[1] = c->me;
         return RC_GONE;
+    }
+    for (int r = 0; r < c->W; r++) {
+        if (r == c->me) continue;
+        int64_t why = abort_why(c, r);
+        if (why && (left < 0 || why != ABORT_PEER)) left = r;
+        if (why && why != ABORT_PEER) break;
+    }
+    if (left >= 0 && abort_why(c, left) != ABORT_PEER) {
+        c->result[1] = left;
+        return RC_ABORTED;
     }
     for (int r = 0; r < c->W; r++) {
         if (r == c->me || ld(flags[r]) >= target) continue;
@@ -99,10 +121,6 @@ static int check_peers(zb_chan *c, int64_t **flags, int64_t target) {
         if (st == STATE_FINALIZED || st == STATE_FAILED) {
             c->result[1] = r;
             return RC_GONE;
-        }
-        if (ld(c->abort[r])) {
-            c->result[1] = r;
-            return RC_ABORTED;
         }
         if (c->fd[r] >= 0) {
             pf[n].fd = c->fd[r];
@@ -117,6 +135,10 @@ static int check_peers(zb_chan *c, int64_t **flags, int64_t target) {
                 c->result[1] = idx[i];
                 return RC_DEAD;
             }
+    if (left >= 0) {
+        c->result[1] = left;
+        return RC_ABORTED;
+    }
     return 0;
 }
 
@@ -153,11 +175,15 @@ static int peer_in_op(zb_chan *c, int r, int64_t seq) {
  * see its ARRIVE and wait until it finished (DONE), left too (ABORT), was finalized or died, for at most
  * LEAVE_WAIT_NS; a peer still in the op after that is reported in result[3] (its rank + 1). */
 #define LEAVE_WAIT_NS 10000000000LL
+static void mark_abort(int64_t *line, int64_t seq, int why) {
+    if (ld(line)) return; /* the first reason stays */
+    line[AW_WHY] = why, line[AW_WHERE] = WHERE_COLLECTIVE;
+    signal_flag(line, seq > 0 ? seq : 1); /* seq_cst: the words are visible with it */
+}
+
 void leave_op(zb_chan *c, int64_t seq, int why) {
-    if (!ld(c->abort[c->me])) {
-        c->abort[c->me][2] = why;
-        signal_flag(c->abort[c->me], seq);
-    }
+    mark_abort(c->abort[c->me], seq, why);
+    mark_abort(c->rabort[c->me], seq, why); /* this rank's own line: every wait of every peer reads it */
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     uint64_t deadline = now_ns() + (uint64_t)(c->timeout_ns < LEAVE_WAIT_NS ? c->timeout_ns : LEAVE_WAIT_NS);
     for (int r = 0; r < c->W; r++) {
@@ -291,9 +317,9 @@ int zb_i64(PyObject *o, int64_t *out) {
 }
 
 /* chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr, poll_ns) -> handle.
- * table: int64[W][11] = arrive, phase, done, header, state addresses, heap base, address of the
+ * table: int64[W][12] = arrive, phase, done, header, state addresses, heap base, address of the
  * published heap size word, fd, size-vector area address, abort line address, elect line address
- * (group rank 0's is the group's election word). */
+ * (group rank 0's is the group's election word), the rank's own ABORT line (the world slot's). */
 static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t a[8];
@@ -308,12 +334,12 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     c->poll_ns = a[7];
     c->kind_mode = 0;
     const int64_t *t = (const int64_t *)(uintptr_t)a[6];
-    for (int r = 0; r < c->W; r++, t += 11) {
+    for (int r = 0; r < c->W; r++, t += 12) {
         c->arrive[r] = (int64_t *)(uintptr_t)t[0], c->phase[r] = (int64_t *)(uintptr_t)t[1];
         c->done[r] = (int64_t *)(uintptr_t)t[2], c->hdr[r] = (int64_t *)(uintptr_t)t[3];
         c->state[r] = (int64_t *)(uintptr_t)t[4], c->base[r] = (char *)(uintptr_t)t[5];
         c->size[r] = (int64_t *)(uintptr_t)t[6], c->fd[r] = (int)t[7], c->vec[r] = (int64_t *)(uintptr_t)t[8];
-        c->abort[r] = (int64_t *)(uintptr_t)t[9];
+        c->abort[r] = (int64_t *)(uintptr_t)t[9], c->rabort[r] = (int64_t *)(uintptr_t)t[11];
         if (r == 0) c->elect = (int64_t *)(uintptr_t)t[10];
     }
     return PyLong_FromVoidPtr(c);
