@@ -105,6 +105,10 @@ def _left_then_next(ctx, where: str, then: str):
             with pytest.raises(KeyboardInterrupt):
                 victim()
             store.set("liveness/left", b"1")
+            # this rank refuses every later op, on every communicator, at once; its memory stays usable
+            for refused in (lambda: zbccl.all_reduce(t), lambda: comm.barrier(), lambda: comm.new_group([0, 1])):
+                _timed(zbccl.ZbcclInvalidUsageError, refused, "broken", "KeyboardInterrupt")
+            assert zbccl.zeros(4).sum().item() == 0
             store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))  # stay alive and idle
             return "left"
         store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
@@ -172,6 +176,42 @@ def _left_while_peer_waits(ctx):
 
 def test_a_wait_reads_every_peers_abort():
     out = run_world(_left_while_peer_waits, 2, env=ENV, timeout=3 * TIMEOUT)
+    assert out[1] == "left" and out[0] < BOUND
+
+
+def _left_then_recv(ctx):
+    """p2p waits read the same ABORT lines: rank 1 leaves a barrier of the zbccl process group half-way,
+    rank 0's receive from it raises naming it."""
+    import torch.distributed as dist
+
+    import zbccl  # noqa: F401 - registers the backend
+
+    dist.init_process_group("zbccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=TIMEOUT))
+    store = ctx.store()
+    try:
+        dist.barrier()
+        if ctx.rank == 1:
+            _interrupt_inside({"barrier"})
+            with pytest.raises(KeyboardInterrupt):
+                dist.barrier()
+            store.set("liveness/left", b"1")
+            with pytest.raises(zbccl.ZbcclInvalidUsageError, match="broken"):
+                dist.send(torch.ones(4), 0)
+            store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
+            return "left"
+        store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: dist.recv(torch.zeros(4), 1), "rank 1 was interrupted")
+        assert err.ranks == (1,), err.ranks
+        return elapsed
+    finally:
+        if ctx.rank == 0:
+            store.set("liveness/seen", b"1")
+        dist.destroy_process_group()
+
+
+def test_a_receive_names_a_rank_that_left():
+    out = run_world(_left_then_recv, 2, env=ENV, timeout=3 * TIMEOUT)
     assert out[1] == "left" and out[0] < BOUND
 
 

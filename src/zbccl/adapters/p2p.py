@@ -143,6 +143,7 @@ class PointToPoint:
     # ------------------------------------------------------------ send
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> CompletedWork:
         t = _one(tensors, "send")
+        self._check_broken("send")
         self._check_peer(dst, "send")
         with self.lock:
             self._reap()
@@ -212,6 +213,7 @@ class PointToPoint:
     # ------------------------------------------------------------ recv
     def recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> PendingWork:
         t = _one(tensors, "recv")
+        self._check_broken("recv")
         if src is not None:
             self._check_peer(src, "recv")
         rec = _Recv(t, src, tag)
@@ -357,6 +359,11 @@ class PointToPoint:
             raise ZbcclInvalidUsageError(f"{op}: the process group or zbccl was shut down while the op waited")
         ranks = [self.comm.ranks[p] for p in peers]
         check_peers(self.ctx, ranks, op=op, labels={g: p for g, p in zip(ranks, peers)})
+
+    def _check_broken(self, op: str) -> None:
+        if self.ctx.left is not None:  # this rank left an op half-way (runtime/liveness.py)
+            raise ZbcclInvalidUsageError(f"{op}: this communicator is broken on rank {self.comm.rank}: "
+                                         f"{self.ctx.left}; finalize and init again", ranks=(self.comm.rank,))
 
     def _check_peer(self, peer: int, op: str) -> None:
         W = self.comm.world_size

@@ -75,7 +75,7 @@ class Communicator:
         ctx.comms.add(self)
         #: False once finalize, a fork (in the child) or destroy ended this communicator: the one flag
         #: the ops' fast path reads. Set after joining ``ctx.comms`` so a concurrent finalize sees it.
-        self._live = not (ctx.finalized or ctx.forked or ctx.left is not None)
+        self._live = not (ctx.finalized or ctx.forked)
         self._single_host = all(ctx.heap.reachable(r) for r in self.ranks)
         if self._single_host:
             line = layout.slot_line(slot, layout.SLOT_BARRIER)

@@ -8,7 +8,7 @@ waits (``bootstrap/store.py``). All of them apply this module's rule at each liv
 
 **ABORT** means: *this rank left an op half-way* (Ctrl-C, an unexpected exception, a timeout, a
 lost peer), in any protocol, including before the op posted anything (the first op's store read).
-Its communicators are broken until ``finalize()`` and ``init()``. A rank publishes it on its
+Its communicators are broken until ``finalize()`` and ``init()`` (its heap memory stays usable). A rank publishes it on its
 ABORT line (one per rank: the world slot's ``L_ABORT`` line; words in ``native/abi.py``
 ``ABORT_WORDS``): SEQ non-zero, WHY (``ABORT_*``), WHERE (``WHERE_*``, the protocol). After
 leaving by its own cause it refuses every later op on every communicator
@@ -144,7 +144,8 @@ def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dic
 def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1) -> None:
     """Publish on this rank's ABORT line that it left an op half-way (the first reason stays), and, unless
     it only followed a peer (``ABORT_PEER``), break every communicator of this rank: their later ops refuse
-    with ``text``, the native hot entries included."""
+    with ``text`` (``registry.check_usable``, the op channels and their native hot entries, p2p); memory
+    (``zbccl.empty``, ``export``, ``memory_stats``) stays usable."""
     if ctx.finalized or ctx.forked:  # the heap is going (or is the parent's): nobody waits on it any more
         return
     prims, addr = ctx.prims, abort_line(ctx, ctx.rank)
@@ -156,7 +157,6 @@ def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1) ->
         return
     ctx.left = text
     for c in list(ctx.comms):
-        c._live = False  # the ops' fast paths read it; check_usable then says why
         mark = getattr(c.op_state, "mark_broken", None)
         if mark is not None:
             mark(text)
