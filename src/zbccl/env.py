@@ -164,7 +164,8 @@ WAIT_POLL_US: EnvVar[float] = EnvVar(
 )
 LIVENESS_INTERVAL: EnvVar[float] = EnvVar(
     "ZBCCL_LIVENESS_INTERVAL", lambda t: parse_seconds(t, what="liveness interval"), 0.05,
-    "Seconds between checks for dead peers while a rank waits.",
+    "Seconds between checks for dead peers, peers that left an op half-way (ABORT) and this rank's own "
+    "finalize while a rank waits (store waits: every 1-4 intervals).",
 )
 SMA_CACHE_LIMIT: EnvVar[int] = EnvVar(
     "ZBCCL_SMA_CACHE_LIMIT", parse_size, 1 << 62,

@@ -1,0 +1,63 @@
+"""The one meaning of ABORT (runtime/liveness.py): which exceptions leave an op, what a rank that left
+publishes and refuses, and that C reads the ABORT line's words from the generated header."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import zbccl
+from zbccl.native import abi
+from zbccl.runtime import liveness
+
+CSRC = Path(zbccl.__file__).parent / "native" / "csrc"
+
+
+@pytest.mark.parametrize("exc,why", [
+    (KeyboardInterrupt(), abi.ABORT_INTERRUPT),
+    (ValueError("a bug"), abi.ABORT_EXCEPTION),
+    (zbccl.ZbcclTimeoutError("late"), abi.ABORT_TIMEOUT),
+    (zbccl.ZbcclRemoteError("lost"), abi.ABORT_PEER),
+    (zbccl.ZbcclInvalidUsageError("bad argument on every rank"), 0),
+    (zbccl.ZbcclOutOfMemoryError("no room on every rank"), 0),
+])
+def test_which_exceptions_leave_an_op(exc, why):
+    assert liveness.reason(exc) == why
+
+
+def test_the_abort_words_come_from_the_abi():
+    header = abi.c_header()
+    for name, index in abi.ABORT_WORDS.items():
+        assert f"#define AW_{name} {index}\n" in header
+    for name, code in abi.ABORT_WHERE.items():
+        assert f"#define WHERE_{name} {code}\n" in header
+    chan = (CSRC / "chan.c").read_text()
+    assert "AW_WHY" in chan and "WHERE_COLLECTIVE" in chan
+    assert not re.search(r"abort\[[^\]]+\]\[\d\]", chan), "an ABORT word index written as a literal"
+
+
+def test_a_rank_that_left_publishes_it_and_refuses_its_ops(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    comm = zbccl.init(heap_size="2M")
+    try:
+        ctx = comm._ctx
+        line = liveness.abort_line(ctx, ctx.rank)
+        assert liveness.aborted(ctx.prims, line) == (0, 0)
+        liveness.leave(ctx, zbccl.ZbcclInvalidUsageError("agreed"), op="all_reduce", where=abi.WHERE_COLLECTIVE)
+        assert liveness.aborted(ctx.prims, line) == (0, 0) and ctx.left is None  # errors raised together
+        liveness.leave(ctx, KeyboardInterrupt(), op="dispatch", where=abi.WHERE_EP)
+        liveness.leave(ctx, ValueError(), op="barrier", where=abi.WHERE_BARRIER)  # the first reason stays
+        assert liveness.aborted(ctx.prims, line) == (abi.ABORT_INTERRUPT, abi.WHERE_EP)
+        assert "KeyboardInterrupt" in ctx.left
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="broken on rank 0.*KeyboardInterrupt"):
+            comm.barrier()
+        with pytest.raises(zbccl.ZbcclInvalidUsageError, match="broken"):
+            comm.all_gather_object(1)
+        assert zbccl.zeros(4).sum().item() == 0  # its memory stays usable
+        err = liveness.abort_error(1, abi.ABORT_INTERRUPT, op="barrier", where=abi.WHERE_EP)
+        assert err.ranks == (1,) and "rank 1 was interrupted (Ctrl-C) in the middle of an EP op" in str(err)
+    finally:
+        zbccl.finalize()
