@@ -9,6 +9,7 @@ their exact size; no buffer is reserved up front.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -118,6 +119,11 @@ class Buffer:
         """Payload bytes this rank copied from or read in peers' memory in its last op (rows, scales,
         top-k; not the handshake): dispatch ``num_recv * row``, combine the same back."""
         return self.ex.moved if self.ex is not None else 0
+
+    def _op(self, name: str) -> contextlib.AbstractContextManager:
+        """The op's boundary (:meth:`Exchange.op`: leaving it half-way marks this rank's ABORT line)."""
+        ex = self.ex
+        return ex.op(name) if ex is not None else contextlib.nullcontext()
 
     def is_available(self) -> bool:
         return self.runtime is not None
@@ -265,7 +271,7 @@ class Buffer:
                  num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                  expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens), config=cfg,
                  int8=bool(int8), error=_stream_error(previous_event, async_finish, allocate_on_comm_stream))
-        with self._lock, self.ex.op("dispatch"):
+        with self._lock, self._op("dispatch"):
             self.seq += 1
             recv_x, idx, w, lst, h = normal.dispatch(self, a)
         return recv_x, idx, w, lst, h, _event(async_finish)
@@ -286,7 +292,7 @@ class Buffer:
         """
         self._live()
         error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
-        with self._lock, self.ex.op("combine"):
+        with self._lock, self._op("combine"):
             self.seq += 1
             out, w = normal.combine(self, x, handle, topk_weights, bias, error)
         return out, w, _event(async_finish)
@@ -295,7 +301,7 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: a barrier (there are no signalling areas to zero; kept for DeepEP code)."""
         self._live()
-        with self._lock, self.ex.op("clean_low_latency_buffer"):
+        with self._lock, self._op("clean_low_latency_buffer"):
             self.ex.sync("clean_low_latency_buffer", OP_CLEAN, self.seq, PHASE_CLEAN)
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
@@ -313,7 +319,7 @@ class Buffer:
             if state["done"]:
                 return
             state["done"] = True
-            with self._lock, self.ex.op("low_latency_dispatch (its receive hook)"):
+            with self._lock, self._op("low_latency_dispatch (its receive hook)"):
                 recv()
 
         return hook
@@ -348,7 +354,7 @@ class Buffer:
             error = "use_ue8m0 needs round_scale, expected round_scale=True, got False"
         flags = ((low_latency.FLAG_FP8 if use_fp8 else 0) | (low_latency.FLAG_ROUND if round_scale else 0)
                  | (low_latency.FLAG_UE8M0 if use_ue8m0 else 0) | (low_latency.FLAG_HOOK if return_recv_hook else 0))
-        with self._lock, self.ex.op("low_latency_dispatch"):
+        with self._lock, self._op("low_latency_dispatch"):
             self.seq += 1
             out, plan, recv = low_latency.dispatch(
                 self, x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts),
@@ -387,7 +393,7 @@ class Buffer:
             error = "zero_copy and use_logfmt exclude each other, expected at most one, got both"
         flags = ((low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
                  | (low_latency.FLAG_LOGFMT if use_logfmt else 0))
-        with self._lock, self.ex.op("low_latency_combine"):
+        with self._lock, self._op("low_latency_combine"):
             self.seq += 1
             combined, recv = low_latency.combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
                                                  error)
