@@ -76,6 +76,8 @@ class Communicator:
         #: False once finalize, a fork (in the child) or destroy ended this communicator: the one flag
         #: the ops' fast path reads. Set after joining ``ctx.comms`` so a concurrent finalize sees it.
         self._live = not (ctx.finalized or ctx.forked)
+        #: The liveness check of this communicator's store waits (bootstrap/store.py ``watch``).
+        self.store_watch = store_watch(ctx, self.ranks)
         self._single_host = all(ctx.heap.reachable(r) for r in self.ranks)
         if self._single_host:
             line = layout.slot_line(slot, layout.SLOT_BARRIER)
@@ -83,8 +85,6 @@ class Communicator:
             peers = [r for r in self.ranks if r != ctx.rank]
             self._peer_flags = FlagSet(peers, [ctx.heap.ctrl_addr(r, line) for r in peers],
                                        [self.ranks.index(r) for r in peers])
-        #: The liveness check of this communicator's store waits (bootstrap/store.py ``watch``).
-        self.store_watch = store_watch(ctx, self.ranks) if self._single_host else None
 
     # ----------------------------------------------------------------- identity
     @property
@@ -181,7 +181,7 @@ class Communicator:
         ctx = self._ctx
         timeout = _seconds(timeout, ctx.timeout, "barrier")
         if not self._single_host:
-            self.bootstrap.barrier(timeout=timeout)
+            self.bootstrap.barrier(timeout=timeout, watch=self.store_watch)
             return
         self._epoch += 1
         ctx.prims.signal(self._my_flag, self._epoch)
