@@ -280,3 +280,68 @@ def _finalize_during_store_op(ctx):
 def test_finalize_interrupts_a_store_wait():
     out = run_world(_finalize_during_store_op, 2, env=ENV, timeout=3 * TIMEOUT)
     assert out[1] == "idle" and out[0] < BOUND
+
+
+def _cause_named_before_followers(ctx):
+    """World 3: rank 2 leaves a barrier half-way while ranks 0 and 1 wait in an all_reduce. Whichever of them
+    notices first also leaves (``ABORT_PEER``); both must name rank 2, the cause, not each other."""
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    t = zbccl.zeros(256)
+    try:
+        zbccl.all_reduce(t)
+        if comm.rank == 2:
+            _interrupt_inside({"barrier"})
+            with pytest.raises(KeyboardInterrupt):
+                comm.barrier()
+            store.wait(["liveness/seen0", "liveness/seen1"], timedelta(seconds=TIMEOUT + BOUND))
+            return "left"
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 2 was interrupted")
+        assert err.ranks == (2,), err.ranks
+        # the next op too: rank 2 is still named, whichever peer followed it first (not a barrier: rank 2
+        # entered barrier #1 before it was interrupted, so ranks 0 and 1 may pass that one)
+        _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 2 was interrupted")
+        return elapsed
+    finally:
+        if comm.rank != 2:
+            store.set(f"liveness/seen{comm.rank}", b"1")
+        zbccl.finalize()
+
+
+def test_the_cause_is_named_before_its_followers():
+    out = run_world(_cause_named_before_followers, 3, env=ENV, timeout=3 * TIMEOUT)
+    assert out[2] == "left" and max(out[:2]) < BOUND
+
+
+def _barrier_timeout_is_reported(ctx):
+    """A timeout in the epoch barrier (a Python protocol) leaves the op like a collective's: the late rank
+    hears "rank 0 timed out" in the op it enters next instead of waiting out its own timeout."""
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    t = zbccl.zeros(256)
+    try:
+        zbccl.all_reduce(t)
+        if comm.rank == 0:
+            _timed(zbccl.ZbcclTimeoutError, lambda: comm.barrier(timeout=1), "timed out after 1.0s")
+            store.set("liveness/left", b"1")
+            _timed(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t), "broken", "ZbcclTimeoutError")
+            store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
+            return "timed out"
+        store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 0 timed out",
+                              "in the middle of a barrier")
+        assert err.ranks == (0,), err.ranks
+        return elapsed
+    finally:
+        if comm.rank == 1:
+            store.set("liveness/seen", b"1")
+        zbccl.finalize()
+
+
+def test_a_barrier_timeout_is_reported_to_the_late_rank():
+    out = run_world(_barrier_timeout_is_reported, 2, env=ENV, timeout=3 * TIMEOUT)
+    assert out[0] == "timed out" and out[1] < BOUND
