@@ -56,7 +56,7 @@ from ..native.abi import (
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["FINALIZED_WHILE_WAITING", "abort_line", "aborted", "abort_error", "check", "mark_left", "leave",
+__all__ = ["FINALIZED_WHILE_WAITING", "abort_line", "aborted", "abort_error", "who_left", "check", "mark_left", "reason", "leave",
            "store_watch"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
