@@ -56,8 +56,8 @@ from ..native.abi import (
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["FINALIZED_WHILE_WAITING", "abort_line", "aborted", "abort_error", "who_left", "check", "mark_left", "reason", "leave",
-           "store_watch"]
+__all__ = ["FINALIZED_WHILE_WAITING", "abort_line", "aborted", "abort_error", "who_left", "check", "mark_left",
+           "reason", "leave", "store_watch"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
 FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
