@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclTimeoutError
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet, check_peers
@@ -126,11 +126,12 @@ class PointToPoint:
         if wait is None:
             if not boot.store.check([boot._key(key)]):
                 return None
-            raw = boot.get(key, timeout=1.0)
+            raw = boot.get(key, timeout=1.0, owner=self.comm.ranks[src])
         else:
             raw = boot.get(key, timeout=wait, owner=self.comm.ranks[src])
         nbytes = self.comm.world_size * _PEER_WORDS * 8
-        addr = self.ctx.heap.addr(self.comm.ranks[src], int(raw), nbytes, op="recv")
+        # The record is sealed (the bootstrap opened it); still parsed strictly, and bounds-checked.
+        addr = self.ctx.heap.addr(self.comm.ranks[src], _mailbox_offset(raw, boot._key(key)), nbytes, op="recv")
         box = self.boxes[src] = _Box(_words(addr, nbytes), addr)
         return box
 
@@ -357,6 +358,15 @@ class PointToPoint:
             if self.block is not None:
                 self.ctx.sma.free(self.block)
                 self.block, self.mine = None, None
+
+
+def _mailbox_offset(raw: bytes, key: str) -> int:
+    """A mailbox's heap offset as announced: decimal digits of a line-aligned offset, nothing else."""
+    text = bytes(raw)
+    if not (0 < len(text) <= 20 and text.isdigit()) or int(text) % layout.LINE:
+        raise ZbcclRemoteError(f"recv: malformed mailbox record under '{key}', expected a {layout.LINE}-byte "
+                               f"aligned heap offset, got {text[:40]!r}")
+    return int(text)
 
 
 def _words(addr: int, nbytes: int) -> np.ndarray:

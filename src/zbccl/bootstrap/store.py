@@ -14,10 +14,23 @@ Every store call goes through :meth:`StoreBootstrap._call`: when the store's
 host is gone (under torchrun, rank 0 hosts the TCPStore) the caller gets a
 :class:`~zbccl.errors.ZbcclRemoteError`, not torch's ``DistNetworkError``
 with a C++ backtrace in its text.
+
+Trust (see :mod:`.secret`): any local user can write the store. Until the
+heap is up, values are small fixed-format records (sizes, host facts, socket
+names), parsed strictly by their readers; the bootstrap keeps a digest of each
+one written and read. :meth:`StoreBootstrap.adopt_secret` then compares, under
+the job's secret, every rank's digests of what it wrote with what every other
+rank read (a forged init record fails there, on every rank), and from then on
+seals every value it writes and opens every value it reads: a value that is
+not the job's raises :class:`~zbccl.errors.ZbcclRemoteError` naming the key,
+and nothing of it is parsed. Counters (:meth:`add`) cannot be sealed; their
+users check what they hand out against their own state.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +40,7 @@ import torch.distributed as dist
 
 from ..errors import ZbcclRemoteError, ZbcclTimeoutError
 from .base import Bootstrap
+from .secret import JobSecret, SealError
 
 __all__ = ["StoreBootstrap"]
 
@@ -41,17 +55,24 @@ class StoreBootstrap(Bootstrap):
     """A :class:`Bootstrap` over a torch store for ranks ``0..world_size-1``.
 
     ``members`` maps this bootstrap's ranks to the rank numbers used in error
-    messages (global ranks for a sub-group).
+    messages (global ranks for a sub-group). With ``secret`` every value is
+    sealed and opened (see the module docstring).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, prefix: str,
-                 members: tuple[int, ...] | None = None) -> None:
+                 members: tuple[int, ...] | None = None, secret: JobSecret | None = None,
+                 record: bool = False) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.prefix = prefix
         self.members = members if members is not None else tuple(range(world_size))
         self._seq: dict[str, int] = {}
+        self.secret = secret
+        #: Until :meth:`adopt_secret` (when ``record``): digests of the all-gather values written and read.
+        self._record = record and secret is None
+        self._wrote: list[tuple[str, str]] = []
+        self._read: list[tuple[int, str, str]] = []
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
@@ -67,8 +88,24 @@ class StoreBootstrap(Bootstrap):
                 f"{_STORE_HOST_RANK} under torchrun) alive, got {type(exc).__name__}: {first}",
                 ranks=(_STORE_HOST_RANK,)) from None
 
+    def _seal(self, full: str, value: bytes) -> bytes:
+        return value if self.secret is None else self.secret.seal(full, value)
+
+    def _open(self, full: str, blob: bytes, *, op: str, owner: int | None) -> bytes:
+        if self.secret is None:
+            return blob
+        try:
+            return self.secret.open(full, blob)
+        except SealError as exc:
+            who = f"rank {owner}'s" if owner is not None and owner >= 0 else "the"
+            raise ZbcclRemoteError(
+                f"bootstrap {op}: forged store value under key '{full}': expected {who} value sealed with "
+                f"the job's secret, got {exc}; someone else wrote the rendezvous store, nothing of it was used",
+                ranks=(owner,) if owner is not None and owner >= 0 else ()) from None
+
     def set(self, key: str, value: bytes) -> None:
-        self._call("set", self.store.set, self._key(key), value)
+        full = self._key(key)
+        self._call("set", self.store.set, full, self._seal(full, value))
 
     def add(self, key: str, delta: int) -> int:
         return int(self._call("add", self.store.add, self._key(key), delta))
@@ -76,7 +113,7 @@ class StoreBootstrap(Bootstrap):
     def get(self, key: str, *, timeout: float, owner: int | None = None) -> bytes:
         full = self._key(key)
         self._wait_keys([full], timeout=timeout, owners=[owner if owner is not None else -1], op="get")
-        return self._call("get", self.store.get, full)
+        return self._open(full, self._call("get", self.store.get, full), op="get", owner=owner)
 
     def _wait_keys(self, keys: list[str], *, timeout: float, owners: list[int], op: str) -> None:
         deadline = time.monotonic() + timeout
@@ -105,6 +142,8 @@ class StoreBootstrap(Bootstrap):
         base = f"{tag}/{seq}"
         self.set(f"{base}/{self.rank}", value)
         keys = [self._key(f"{base}/{r}") for r in range(self.world_size)]
+        if self._record:
+            self._wrote.append((keys[self.rank], _digest(value)))
         self._wait_keys(keys, timeout=timeout, owners=list(self.members), op=tag)
         if hasattr(self.store, "multi_get"):
             got = list(self._call(tag, self.store.multi_get, keys))
@@ -113,4 +152,53 @@ class StoreBootstrap(Bootstrap):
         if seq > 0:
             # Every rank set its round-seq key, so all have read round seq-1.
             self._call(tag, self.store.delete_key, self._key(f"{tag}/{seq - 1}/{self.rank}"))
-        return got
+        if self._record:
+            self._read.extend((r, k, _digest(v)) for r, (k, v) in enumerate(zip(keys, got)))
+        if self.secret is None:
+            return got
+        return [self._open(k, v, op=tag, owner=self.members[r]) for r, (k, v) in enumerate(zip(keys, got))]
+
+    def adopt_secret(self, secret: JobSecret | None, *, timeout: float) -> None:
+        """Collective: check the values exchanged so far under ``secret``, then seal everything from now on.
+
+        Every rank publishes (sealed) the digests of the values it wrote; each
+        compares them with the digests of what it read. Raises
+        :class:`~zbccl.errors.ZbcclRemoteError` on every rank that read a value
+        its writer never wrote, naming the key. With ``secret`` None (some rank
+        is out of reach of the transport that would share it) it only stops
+        recording: values stay unauthenticated, and users of the store that
+        need authentication refuse to run.
+        """
+        self._record = False
+        if secret is None:
+            self._wrote, self._read = [], []
+            return
+        self.secret = secret
+        wrote = dict(self._wrote)
+        got = self.all_gather(json.dumps(wrote).encode(), timeout=timeout, tag="auth")
+        claims = {}
+        for r, raw in enumerate(got):
+            claims.update({k: (r, v) for k, v in _strict_json(raw, dict, op="auth").items()})
+        for r, key, digest in self._read:
+            if claims.get(key, (r, None))[1] != digest:
+                raise ZbcclRemoteError(
+                    f"init: forged store value under key '{key}': expected the value rank {self.members[r]} "
+                    "wrote (its digest, sealed with the job's secret), got another; someone else wrote the "
+                    "rendezvous store", ranks=(self.members[r],))
+        self._wrote, self._read = [], []
+
+
+def _digest(value: bytes) -> str:
+    return hashlib.sha256(value).hexdigest()
+
+
+def _strict_json(raw: bytes, kind: type, *, op: str):
+    """``raw`` as JSON of type ``kind`` (an authenticated record that does not parse is still refused)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        value = None
+    if not isinstance(value, kind):
+        raise ZbcclRemoteError(f"bootstrap {op}: malformed record, expected JSON {kind.__name__}, "
+                               f"got {bytes(raw[:40])!r}")
+    return value

@@ -58,6 +58,7 @@ import select
 import stat
 
 from ..bootstrap.base import Bootstrap
+from ..bootstrap.secret import JobSecret
 from ..bootstrap.topology import Topology
 from ..errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from . import layout
@@ -222,6 +223,7 @@ class ShmTransport(Transport):
         self.segments[rank] = Segment(rank, addr, nbytes, "cpu", owner=True, reserved=reserve)
         # Written before the descriptor can reach anyone (the server is not up yet).
         _store_i64(addr + layout.H_COOKIE, cookie)
+        ctypes.memmove(addr + layout.H_SECRET, secrets.token_bytes(layout.SECRET_BYTES), layout.SECRET_BYTES)
         return fd
 
     def _connect(self, job_id: str, peer: Member, nbytes: int, reserve: int, timeout: float) -> None:
@@ -282,6 +284,14 @@ class ShmTransport(Transport):
         if self.populate:
             prefault(seg.addr + old, nbytes - old)  # best effort: older kernels fault lazily
         seg.nbytes = nbytes
+
+    def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
+        """Derived from every rank's share in its segment header: only holders of all the job's segments
+        (processes of its uid that the handout served) can compute it."""
+        if sorted(self.segments) != list(range(world_size)):
+            return None
+        return JobSecret.from_shares([ctypes.string_at(self.segments[r].addr + layout.H_SECRET, layout.SECRET_BYTES)
+                                      for r in range(world_size)], job_id)
 
     def dead_peers(self) -> list[int]:
         # A pidfd becomes readable when its process exits, whoever else still

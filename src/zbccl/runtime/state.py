@@ -118,7 +118,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
                       group=group, timeout=seconds)
         generation = _generation(rdv)
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
-                              members=rdv.members)
+                              members=rdv.members, record=True)
         ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds)
         comm = Communicator(ctx, range(rdv.world_size), 0, boot)
         registry.set_default(comm)
@@ -180,6 +180,8 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
         heap.init_header()
         boot.barrier(timeout=timeout, tag="headers")
         heap.check_peer_headers()
+        # From here every store value is sealed; the init records exchanged before are checked now.
+        boot.adopt_secret(transport.job_secret(job_id, boot.world_size), timeout=timeout)
     except BaseException:
         transport.close(unmap=True)
         raise

@@ -1,0 +1,89 @@
+"""The job secret and the sealed store: nothing read from the store is believed without the job's MAC."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from zbccl.bootstrap.secret import JobSecret, SealError
+from zbccl.bootstrap.store import StoreBootstrap
+from zbccl.errors import ZbcclRemoteError
+
+SECRET = JobSecret.from_shares([b"a" * 32, b"b" * 32], "job1")
+
+
+def test_seal_opens_only_under_the_same_key_job_and_secret():
+    blob = SECRET.seal("zbccl/1/object/0/1", b"payload")
+    assert SECRET.open("zbccl/1/object/0/1", blob) == b"payload"
+    for key, secret in (("zbccl/1/object/1/1", SECRET),  # moved to another key
+                        ("zbccl/1/object/0/1", JobSecret.from_shares([b"a" * 32, b"c" * 32], "job1")),
+                        ("zbccl/1/object/0/1", JobSecret.from_shares([b"a" * 32, b"b" * 32], "job2"))):
+        with pytest.raises(SealError):
+            secret.open(key, blob)
+    flipped = bytearray(blob)
+    flipped[-1] ^= 1
+    for bad in (bytes(flipped), b"payload", b"", blob[:20]):
+        with pytest.raises(SealError):
+            SECRET.open("zbccl/1/object/0/1", bad)
+    assert "a" * 8 not in repr(SECRET)
+
+
+def _pair(store, **kw) -> list[StoreBootstrap]:
+    return [StoreBootstrap(store, r, 2, prefix="t/1", **kw) for r in range(2)]
+
+
+def _both(fn0, fn1) -> list:
+    out: list = [None, None]
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate((fn0, fn1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_sealed_values_round_trip_and_a_forgery_names_its_key():
+    store = dist.HashStore()
+    b0, b1 = _pair(store, secret=SECRET)
+    assert _both(lambda: b0.all_gather(b"x0", timeout=10), lambda: b1.all_gather(b"x1", timeout=10)) == \
+        [[b"x0", b"x1"]] * 2
+    b0.set("box", b"128")
+    assert b1.get("box", timeout=5, owner=0) == b"128"
+    store.set("t/1/box", b"4096")  # a store writer's value
+    with pytest.raises(ZbcclRemoteError) as info:
+        b1.get("box", timeout=5, owner=0)
+    assert "'t/1/box'" in str(info.value) and info.value.ranks == (0,)
+
+
+def test_init_records_forged_before_the_secret_are_caught_on_every_rank():
+    store = dist.HashStore()
+    b0, b1 = _pair(store, record=True)
+    t0 = threading.Thread(target=lambda: b0.all_gather(b"hello0", timeout=10, tag="hello"))
+    t0.start()
+    store.wait(["t/1/hello/0/0"])
+    store.set("t/1/hello/0/0", b"forged")  # while rank 1 is late; rank 0 reads it back too
+    got1 = b1.all_gather(b"hello1", timeout=10, tag="hello")
+    t0.join(10)
+    assert got1 == [b"forged", b"hello1"]
+    errors = _both(lambda: b0.adopt_secret(SECRET, timeout=10), lambda: b1.adopt_secret(SECRET, timeout=10))
+    for err in errors:
+        assert isinstance(err, ZbcclRemoteError) and "'t/1/hello/0/0'" in str(err) and err.ranks == (0,), err
+
+
+def test_untouched_init_records_pass_and_sealing_starts():
+    store = dist.HashStore()
+    b0, b1 = _pair(store, record=True)
+    _both(lambda: b0.all_gather(b"h0", timeout=10, tag="hello"), lambda: b1.all_gather(b"h1", timeout=10, tag="hello"))
+    assert _both(lambda: b0.adopt_secret(SECRET, timeout=10), lambda: b1.adopt_secret(SECRET, timeout=10)) == \
+        [None, None]
+    b0.set("k", b"v")
+    assert store.get("t/1/k") != b"v" and SECRET.open("t/1/k", store.get("t/1/k")) == b"v"
