@@ -112,7 +112,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
         max_bytes = _heap_max(heap_max, nbytes)
-        for var in (env.LIVENESS_INTERVAL, env.WAIT_SPIN, env.WAIT_POLL_US, env.THREADS):
+        for var in env.VARIABLES:
             var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
                       group=group, timeout=seconds)
@@ -275,7 +275,8 @@ def _wait_ops_left(ctx: Context) -> bool:
     raise; the bound leaves room for many of them. False if one never left (or
     this very thread is inside an op, e.g. finalize from a signal handler).
     """
-    deadline = time.monotonic() + max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9)
+    bound = min(max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9), env.MAX_SECONDS)  # a wait must represent it
+    deadline = time.monotonic() + bound
     comms = list(ctx.comms)
     for c in comms:
         c._op_lock.wake()
@@ -286,7 +287,7 @@ def _wait_ops_left(ctx: Context) -> bool:
     if mine or stuck:
         _log.warning("zbccl: finalize: ops still running on communicators %s after %.1fs; keeping the heap "
                      "mapped so that they cannot fault", [list(c.ranks) for c in mine + stuck],
-                     max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9))
+                     bound)
         return False
     return True
 
