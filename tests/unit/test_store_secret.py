@@ -87,3 +87,37 @@ def test_untouched_init_records_pass_and_sealing_starts():
         [None, None]
     b0.set("k", b"v")
     assert store.get("t/1/k") != b"v" and SECRET.open("t/1/k", store.get("t/1/k")) == b"v"
+
+
+class _ForgesBeforeRead:
+    """Rank 1's view of the store: once rank 0 has read its round, a store writer replaces rank 0's value."""
+
+    def __init__(self, store, key: str, rank0_done: threading.Event) -> None:
+        self._store, self._key, self._done = store, key, rank0_done
+
+    def multi_get(self, keys):
+        self._done.wait(10)
+        self._store.set(self._key, b"forged")
+        return self._store.multi_get(keys)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_forgery_only_one_rank_read_fails_every_rank():
+    store, done = dist.HashStore(), threading.Event()
+    b0 = StoreBootstrap(store, 0, 2, prefix="t/1", record=True)
+    b1 = StoreBootstrap(_ForgesBeforeRead(store, "t/1/hello/0/0", done), 1, 2, prefix="t/1", record=True)
+
+    def rank0():
+        try:
+            return b0.all_gather(b"hello0", timeout=10, tag="hello")
+        finally:
+            done.set()
+
+    got = _both(rank0, lambda: b1.all_gather(b"hello1", timeout=10, tag="hello"))
+    assert got == [[b"hello0", b"hello1"], [b"forged", b"hello1"]]
+    errors = _both(lambda: b0.adopt_secret(SECRET, timeout=10), lambda: b1.adopt_secret(SECRET, timeout=10))
+    for err in errors:
+        assert isinstance(err, ZbcclRemoteError) and "'t/1/hello/0/0'" in str(err) and err.ranks == (0,), err
+    assert "read by rank 1" in str(errors[0]) and "read by this rank" in str(errors[1])

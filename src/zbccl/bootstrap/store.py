@@ -179,13 +179,20 @@ class StoreBootstrap(Bootstrap):
         claims = {}
         for r, raw in enumerate(got):
             claims.update({k: (r, v) for k, v in _strict_json(raw, dict, op="auth").items()})
-        for r, key, digest in self._read:
-            if claims.get(key, (r, None))[1] != digest:
-                raise ZbcclRemoteError(
-                    f"init: forged store value under key '{key}': expected the value rank {self.members[r]} "
-                    "wrote (its digest, sealed with the job's secret), got another; someone else wrote the "
-                    "rendezvous store", ranks=(self.members[r],))
+        forged = [(r, key) for r, key, digest in self._read if claims.get(key, (r, None))[1] != digest]
         self._wrote, self._read = [], []
+        # A second (sealed) round, so that every rank fails when any rank read a forged value.
+        verdicts = self.all_gather(json.dumps([[self.members[r], k] for r, k in forged]).encode(), timeout=timeout,
+                                   tag="auth")
+        for r, raw in enumerate(verdicts):
+            seen = _strict_json(raw, list, op="auth")
+            if seen:
+                writer, key = seen[0]
+                who = "this rank" if r == self.rank else f"rank {self.members[r]}"
+                raise ZbcclRemoteError(
+                    f"init: forged store value under key '{key}' (read by {who}): expected the value rank {writer} "
+                    "wrote (its digest, sealed with the job's secret), got another; someone else wrote the "
+                    "rendezvous store", ranks=(writer,))
 
 
 def _digest(value: bytes) -> str:
