@@ -136,7 +136,7 @@ def _choice(*names: str, upper: bool = False) -> Callable[[str], str]:
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _ALGO_RE = re.compile(rf"^\s*{_NAME}\s*=\s*{_NAME}\s*(,\s*{_NAME}\s*=\s*{_NAME}\s*)*,?\s*$")
-_NAMES_RE = re.compile(rf"^\s*{_NAME}\s*(,\s*{_NAME}\s*)*,?\s*$")
+_NAMES_RE = re.compile(rf"^\s*{_NAME}\s*([,;]\s*{_NAME}\s*)*[,;]?\s*$")
 
 
 def _parse_algo(text: str) -> str:
@@ -149,7 +149,8 @@ def _parse_algo(text: str) -> str:
 def _parse_names(text: str) -> str:
     """Syntax only (comma-separated names); the process-group adapter checks the names."""
     if text.strip() and not _NAMES_RE.match(text):
-        raise ValueError(f"expected comma-separated op names, e.g. 'allgather,alltoall', got {text!r}")
+        raise ValueError(f"expected comma-separated op names (';' works too), e.g. 'allgather,alltoall', "
+                         f"got {text!r}")
     return text
 
 
@@ -297,7 +298,8 @@ CXX: EnvVar[str] = EnvVar(
     "C/C++ compiler for the native core; default: $CXX/$CC, then g++/gcc, then c++/cc.",
 )
 LOG_LEVEL: EnvVar[str] = EnvVar(
-    "ZBCCL_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True), "WARNING",
+    "ZBCCL_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET", upper=True),
+    "WARNING",
     "Level of the 'zbccl' logger (DEBUG, INFO, WARNING, ERROR).",
 )
 FALLBACK_OPS: EnvVar[str] = EnvVar(
