@@ -138,7 +138,17 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .errors import ZbcclInvalidUsageError
+
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ZbcclInvalidUsageError as exc:  # a bad setting or argument: its message, not a traceback
+        print(f"zbccl {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.cmd == "info":
         from .tools.info import print_info
 

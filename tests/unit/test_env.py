@@ -118,3 +118,22 @@ def test_cli_refuses_bad_numbers_with_a_usage_error(argv, capsys):
         cli.main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and "error:" in err and "Traceback" not in err, err
+
+
+def test_info_reports_a_bad_setting_instead_of_failing(monkeypatch):
+    from zbccl.tools.info import collect_info
+
+    monkeypatch.setenv("ZBCCL_THREADS", "-5")
+    monkeypatch.setenv("ZBCCL_LOG_LEVEL", "NOPE")
+    info = collect_info()
+    for name in ("ZBCCL_THREADS", "ZBCCL_LOG_LEVEL"):
+        assert info["config"][name]["value"].startswith("invalid: env: bad value for " + name), info["config"][name]
+    assert "invalid" in info["threads"]["policy"]
+
+
+def test_cli_reports_a_bad_setting_without_a_traceback(monkeypatch, capsys):
+    monkeypatch.setenv("ZBCCL_TIMEOUT", "1e10")
+    monkeypatch.setattr("zbccl.tools.demo.run_demo", lambda **kw: zbccl.env.TIMEOUT.get())
+    assert cli.main(["demo", "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zbccl demo: error: env: bad value for ZBCCL_TIMEOUT") and "'1e10'" in err, err
