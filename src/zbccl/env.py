@@ -76,7 +76,8 @@ def parse_size(text: str | int) -> int:
         m = _SIZE_RE.match(str(text))
         if not m:
             raise ValueError(f"parse_size: not a size, expected e.g. '256M' or '1GiB', got {text!r}")
-        nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        nbytes = int(value) if math.isfinite(value) else MAX_BYTES + 1
     if not 0 <= nbytes <= MAX_BYTES:
         raise ValueError(f"size out of range, expected 0 to at most {MAX_BYTES} bytes (4 EiB), got {text!r}")
     return nbytes

@@ -70,7 +70,7 @@ def test_defaults_and_the_largest_accepted_values_parse(monkeypatch):
 
 def test_sizes_are_bounded_both_ways():
     assert env.parse_size(env.MAX_BYTES) == env.MAX_BYTES
-    for bad in (-5, env.MAX_BYTES + 1, "1e3", "-4K"):
+    for bad in (-5, env.MAX_BYTES + 1, "1e3", "-4K", "9" * 400, "9" * 400 + "T"):
         with pytest.raises(ValueError):
             env.parse_size(bad)
 
