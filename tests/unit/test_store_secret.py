@@ -121,3 +121,32 @@ def test_a_forgery_only_one_rank_read_fails_every_rank():
     for err in errors:
         assert isinstance(err, ZbcclRemoteError) and "'t/1/hello/0/0'" in str(err) and err.ranks == (0,), err
     assert "read by rank 1" in str(errors[0]) and "read by this rank" in str(errors[1])
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[]", b'{"pid": 5}', b'{"pid": "5", "uid": 0, "token": "' + b"a" * 32
+                                 + b'", "cookie": 1}', b'{"pid": 5, "uid": 0, "token": "zz", "cookie": 1}',
+                                 b'{"pid": 5, "uid": 0, "token": "' + b"a" * 32 + b'", "cookie": 1e300}',
+                                 b'{"pid": true, "uid": 0, "token": "' + b"a" * 32 + b'", "cookie": 1}'])
+def test_init_records_are_parsed_strictly(raw):
+    from zbccl.heap.shm import _member_of
+
+    with pytest.raises(ZbcclRemoteError) as info:
+        _member_of(3, raw)
+    assert info.value.ranks == (3,) and "malformed record of rank 3" in str(info.value)
+    good = b'{"pid": 5, "uid": 0, "token": "' + b"a" * 32 + b'", "cookie": 7}'
+    assert _member_of(3, good).cookie == 7
+
+
+def test_hello_records_are_parsed_strictly():
+    import json
+
+    from zbccl.bootstrap.store import parse_record
+    from zbccl.bootstrap.topology import local_host_info
+    from zbccl.runtime.state import _hello_of
+
+    good = {"version": "1", "host": local_host_info().to_dict(), "heap": 1 << 20, "heap_max": None, "job": None}
+    assert parse_record(json.dumps(good).encode(), _hello_of, op="init", rank=1, what="x")["heap"] == 1 << 20
+    for change in ({"heap": -1}, {"heap": 1 << 70}, {"heap": "1M"}, {"heap_max": 2.5}, {"host": {}},
+                   {"version": 3}, {"host": dict(good["host"], pid=-4)}):
+        with pytest.raises(ZbcclRemoteError, match="malformed record of rank 1"):
+            parse_record(json.dumps(dict(good, **change)).encode(), _hello_of, op="init", rank=1, what="x")

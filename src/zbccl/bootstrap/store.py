@@ -42,7 +42,7 @@ from ..errors import ZbcclRemoteError, ZbcclTimeoutError
 from .base import Bootstrap
 from .secret import JobSecret, SealError
 
-__all__ = ["StoreBootstrap"]
+__all__ = ["StoreBootstrap", "in_range", "parse_record"]
 
 # How long one store.wait blocks before we look again at which ranks arrived.
 _WAIT_SLICE_S = 1.0
@@ -193,6 +193,24 @@ class StoreBootstrap(Bootstrap):
                     f"init: forged store value under key '{key}' (read by {who}): expected the value rank {writer} "
                     "wrote (its digest, sealed with the job's secret), got another; someone else wrote the "
                     "rendezvous store", ranks=(writer,))
+
+
+def parse_record(raw: bytes, check: Callable[[object], T], *, op: str, rank: int, what: str) -> T:
+    """``check(json.loads(raw))`` for a record rank ``rank`` published: anything that does not parse or
+    fails ``check`` (which raises ValueError, KeyError or TypeError) is a :class:`~zbccl.errors.ZbcclRemoteError`
+    naming the rank and ``what`` was expected, never a stray exception from deep inside."""
+    try:
+        return check(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
+        raise ZbcclRemoteError(f"{op}: malformed record of rank {rank} in the rendezvous store, expected {what}, "
+                               f"got {bytes(raw[:60])!r}", ranks=(rank,)) from None
+
+
+def in_range(value: object, lo: int, hi: int) -> int:
+    """``value`` as an int in ``[lo, hi]`` (a JSON integer, not a bool or a float); ValueError otherwise."""
+    if type(value) is not int or not lo <= value <= hi:
+        raise ValueError(value)
+    return value
 
 
 def _digest(value: bytes) -> str:

@@ -59,6 +59,7 @@ import stat
 
 from ..bootstrap.base import Bootstrap
 from ..bootstrap.secret import JobSecret
+from ..bootstrap.store import in_range, parse_record
 from ..bootstrap.topology import Topology
 from ..errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from . import layout
@@ -139,8 +140,23 @@ def _load_i64(addr: int) -> int:
 
 
 def _member_of(rank: int, raw: bytes) -> Member:
-    d = json.loads(raw)
-    return Member(rank, int(d["pid"]), int(d["uid"]), str(d["token"]), int(d["cookie"]))
+    """A peer's "listening" record, parsed strictly (the store is not authenticated yet)."""
+    def check(d) -> Member:
+        token = d["token"]
+        if not isinstance(token, str) or len(token) != 32 or token.strip("0123456789abcdef"):
+            raise ValueError(token)
+        return Member(rank, in_range(d["pid"], 1, 1 << 22), in_range(d["uid"], 0, (1 << 32) - 1), token,
+                      in_range(d["cookie"], 1, (1 << 63) - 1))
+
+    return parse_record(raw, check, op="heap", rank=rank,
+                        what="{pid, uid, token (32 hex digits), cookie} of a listening segment server")
+
+
+def _error_of(d) -> str | None:
+    error = d.get("error")
+    if error is not None and not isinstance(error, str):
+        raise TypeError(error)
+    return error
 
 
 def _agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, timeout: float,
@@ -151,7 +167,8 @@ def _agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, tim
     got = bootstrap.all_gather(json.dumps(payload).encode(), timeout=timeout, tag=tag)
     if error is not None:
         raise error
-    failed = [(r, json.loads(b).get("error")) for r, b in enumerate(got)]
+    failed = [(r, parse_record(b, _error_of, op="heap", rank=r, what="a JSON object with an optional error"))
+              for r, b in enumerate(got)]
     failed = [(r, e) for r, e in failed if e]
     if failed:
         names = getattr(bootstrap, "members", range(bootstrap.world_size))
