@@ -349,3 +349,23 @@ def test_out_of_order_exits_stay_in_their_thread(comm: FakeComm) -> None:
     t.join(10)
     assert seen == {"inner_closed": True, "all_closed": False, "state": none}, seen
     assert lib.zbh_scope_state() == none and not comm.holds(torch.empty(100))
+
+
+def test_a_scope_cannot_be_exited_from_another_thread(comm: FakeComm) -> None:
+    s = heap_scope(comm)
+    s.__enter__()
+    seen: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            s.__exit__(None, None, None)
+        except ZbcclInvalidUsageError as exc:
+            seen.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(10)
+    assert seen and "did not enter" in str(seen[0])
+    assert comm.holds(torch.empty(10))  # still open here
+    s.__exit__(None, None, None)
+    assert not comm.holds(torch.empty(10))

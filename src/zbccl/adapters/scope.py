@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from .. import env
-from ..errors import ZbcclSystemError
+from ..errors import ZbcclInvalidUsageError, ZbcclSystemError
 
 __all__ = ["HOOK_COUNTERS", "TIER_NAME", "HeapScope", "heap_scope", "hook_stats", "unregister_heap"]
 
@@ -336,6 +336,10 @@ class HeapScope:
             if stack[i][0] is self:
                 del stack[i]
                 break
+        else:  # a thread's allocator state is its own: another thread cannot end the scope
+            raise ZbcclInvalidUsageError(
+                "heap_scope: exit on a thread that did not enter this scope, expected the entering thread to "
+                "exit it, got a thread where it is not open")
         _apply(stack)
 
 
