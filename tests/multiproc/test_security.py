@@ -1,4 +1,6 @@
-"""The segment handout under attack: theft, stall, squatting, stale descriptors, forged segments.
+"""The segment handout under attack: theft, stall, squatting, stale descriptors, forged segments; and the
+rendezvous store under attack: a forged pickle, mailbox offset, slot record and slot counter, written into the
+job's TCPStore by uid 65534 (its wire protocol, standard library only), each refused naming the forged key.
 
 The attacker of the theft and stall cases runs as uid/gid 65534 (``setpriv``;
 CI runs as root) with the system ``/usr/bin/python3`` and the standard library
