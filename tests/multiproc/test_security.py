@@ -523,3 +523,33 @@ def test_forged_slot_record_is_refused():
 def test_slot_freed_in_the_store_is_not_shared():
     for name, msg, _, key in run_world(_forged_slot, 2, how="counter", timeout=120):
         assert name == "ZbcclRemoteError" and "in use on this rank" in msg and f"'{key}'" in msg, msg
+
+
+def _forged_init_record(ctx):
+    import zbccl
+    from zbccl.runtime import state
+
+    store = ctx.store()
+    if ctx.rank == 1:  # late: rank 0 has published its capacity verdict and waits for ours
+        real = state.check_capacity
+
+        def late(*args, **kwargs):
+            key = "zbccl/1/capacity/0/0"  # the first init on this store: generation 1
+            store.wait([key])
+            _nobody_writes(ctx.port, {key: b"null "})  # still "no error" as JSON, but not rank 0's bytes
+            return real(*args, **kwargs)
+
+        state.check_capacity = late
+    with pytest.raises(zbccl.ZbcclError) as info:
+        ctx.init(heap_size=MiB, timeout=60)
+    assert not zbccl.is_initialized()
+    with open("/proc/self/maps") as f:
+        assert "/memfd:zbccl-" not in f.read(), "a failed init left its segments mapped"
+    return type(info.value).__name__, str(info.value), info.value.ranks
+
+
+@needs_root
+def test_forged_init_record_fails_init_on_every_rank():
+    for name, msg, ranks in run_world(_forged_init_record, 2, timeout=120):
+        assert name == "ZbcclRemoteError" and ranks == (0,), msg
+        assert "forged store value under key 'zbccl/1/capacity/0/0'" in msg, msg
