@@ -10,6 +10,55 @@ from ._version import __version__
 __all__ = ["main"]
 
 
+def _count(lo: int, hi: int):
+    """An argparse type: an integer in ``[lo, hi]`` (a bad one is a usage error, exit status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {lo} to {hi}, got {value}")
+        return value
+    return parse
+
+
+def _number(lo: float, hi: float):
+    """An argparse type: a finite number in ``[lo, hi]``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not lo <= value <= hi:  # nan fails too
+            raise argparse.ArgumentTypeError(f"expected {lo:g} to {hi:g}, got {text}")
+        return value
+    return parse
+
+
+def _size(text: str) -> str:
+    """An argparse type: a size as ``env.parse_size`` reads it (kept as text for the commands)."""
+    from .env import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _sizes_list(text: str) -> list[int]:
+    """An argparse type: a comma list of world sizes, each 1 to 64."""
+    parse = _count(1, 64)
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma list of world sizes, e.g. 2,4, got {text!r}")
+    return [parse(x) for x in items]
+
+
+_WORLD = _count(1, 64)  # local ranks of a tool's world (one host)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zbccl", description="zero-buffer collectives over a shared heap")
     p.add_argument("--version", action="version", version=f"zbccl {__version__}")
@@ -17,13 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="environment, topology, shm capacity, native build, configuration")
     info.add_argument("--json", action="store_true", help="print JSON")
     demo = sub.add_parser("demo", help="multi-process heap demo (ranks write into each other's tensors)")
-    demo.add_argument("--world-size", "-n", type=int, default=2)
-    demo.add_argument("--size", default="16M", help="bytes per peer write (e.g. 4M)")
-    demo.add_argument("--iters", type=int, default=20)
+    demo.add_argument("--world-size", "-n", type=_WORLD, default=2, help="local ranks, 1 to 64 (default 2)")
+    demo.add_argument("--size", type=_size, default="16M", help="bytes per peer write (e.g. 4M)")
+    demo.add_argument("--iters", type=_count(1, 1 << 30), default=20)
     sub.add_parser("build", help="compile and cache the native code now")
     tune = sub.add_parser("tune", help="measure this machine and save the algorithm table every rank loads")
-    tune.add_argument("--world-size", "-n", default="2", help="comma list of world sizes to tune, e.g. 2,4")
-    tune.add_argument("--max-size", default="64M", help="largest message (bytes per rank input)")
+    tune.add_argument("--world-size", "-n", type=_sizes_list, default=[2],
+                      help="comma list of world sizes to tune, e.g. 2,4")
+    tune.add_argument("--max-size", type=_size, default="64M", help="largest message (bytes per rank input)")
     tune.add_argument("--out", default=None, help="table path (default: ZBCCL_TUNE_FILE or the host's cache entry)")
     _add_bench(sub)
     _add_bench_tp(sub)
@@ -48,12 +98,12 @@ def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="collective benchmark: zbccl vs gloo, memcpy and vLLM, with #wrong columns",
                        usage=usage.removeprefix("Usage: "), description=description,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--world-size", "-n", type=int, default=2, help="local ranks (default 2; 3, 4 oversubscribe)")
+    b.add_argument("--world-size", "-n", type=_WORLD, default=2, help="local ranks (default 2; 3, 4 oversubscribe)")
     b.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all,broadcast",
                    help="comma-separated (default: all five)")
     b.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16 (default fp32,bf16)")
-    b.add_argument("--min-size", default="4K", help="smallest bytes per rank input (default 4K; x4 steps)")
-    b.add_argument("--max-size", default="64M", help="largest bytes per rank input (default 64M)")
+    b.add_argument("--min-size", type=_size, default="4K", help="smallest bytes per rank input (default 4K; x4 steps)")
+    b.add_argument("--max-size", type=_size, default="64M", help="largest bytes per rank input (default 64M)")
     b.add_argument("--baselines", default="gloo,memcpy",
                    help="of gloo,memcpy,vllm,mpi (default gloo,memcpy; vllm and mpi are timed interleaved with "
                         "zbccl in the same ranks; vllm needs 'make vllm-baseline', mpi the 'mpi' extra and Open MPI; "
@@ -61,11 +111,11 @@ def _add_bench(sub) -> None:
     b.add_argument("--json", metavar="PATH", help="write every cell, all samples and machine info")
     b.add_argument("--plot", metavar="PATH", help="PNG of busbw vs size (needs matplotlib)")
     b.add_argument("--quick", action="store_true", help="3 sizes (x16 steps), short timing: a smoke run")
-    b.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: cores/ranks)")
-    b.add_argument("--idle-wait", type=float, default=None,
+    b.add_argument("--threads", type=_count(1, 4096), default=None, help="intra-op threads per rank (default: cores/ranks)")
+    b.add_argument("--idle-wait", type=_number(0, 3600), default=None,
                    help="max seconds to wait for an idle machine before each op block (default 30; quick 5)")
     b.add_argument("--no-zbccl", action="store_true", help="baselines only")
-    b.add_argument("--gap-ms", type=float, default=0.0,
+    b.add_argument("--gap-ms", type=_number(0, 60_000), default=0.0,
                    help="time each call as in a model step: this many ms of matmuls before it, every rank "
                         "entering at one instant (default 0: back-to-back calls; needs a core per rank)")
 
@@ -88,7 +138,17 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .errors import ZbcclInvalidUsageError
+
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ZbcclInvalidUsageError as exc:  # a bad setting or argument: its message, not a traceback
+        print(f"zbccl {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.cmd == "info":
         from .tools.info import print_info
 
@@ -111,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         from .env import parse_size
         from .tools.tune import run_tune
 
-        run_tune(world_sizes=[int(x) for x in args.world_size.split(",")], max_size=parse_size(args.max_size),
+        run_tune(world_sizes=args.world_size, max_size=parse_size(args.max_size),
                  out=Path(args.out) if args.out else None)
         return 0
     if args.cmd == "build":

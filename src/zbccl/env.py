@@ -3,6 +3,13 @@
 Variables are read when a value is needed (never at import time) so that a
 launcher may set them after ``import zbccl``. ``zbccl info`` prints the values
 in effect, and the README table is checked against :data:`VARIABLES` by a test.
+
+Every value is bounded by what the code can represent, so a huge but finite
+setting fails here with its name, its range and its value instead of later:
+seconds by :data:`MAX_SECONDS` (``poll(2)``'s int milliseconds, the tightest
+of poll's, the native waits' int64 nanoseconds and ``threading.TIMEOUT_MAX``),
+bytes by :data:`MAX_BYTES`, counts by :data:`MAX_COUNT`. ``zbccl.init`` reads
+every variable before it talks to any peer.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +29,9 @@ __all__ = [
     "parse_size",
     "parse_seconds",
     "format_size",
+    "MAX_SECONDS",
+    "MAX_BYTES",
+    "MAX_COUNT",
     "HEAP_SIZE",
     "TIMEOUT",
     "CACHE_DIR",
@@ -48,31 +59,100 @@ T = TypeVar("T")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
+#: Longest time any setting or ``timeout=`` may ask for (seconds): poll(2) takes int milliseconds
+#: (2**31 - 1 ms, 24.8 days); the native waits' int64 nanoseconds and threading.TIMEOUT_MAX allow more.
+MAX_SECONDS = float(min((2**31 - 1) // 1000, threading.TIMEOUT_MAX, (2**63 - 1) // 10**9))
+#: Largest size (bytes) of any setting: a segment's control area and rounding still fit an int64.
+MAX_BYTES = 1 << 62
+#: Largest count setting (spins, threads): a C int.
+MAX_COUNT = 2**31 - 1
+
 
 def parse_size(text: str | int) -> int:
-    """Parse ``"256M"``, ``"1GiB"``, ``"4096"`` or an int into bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"parse_size: not a size, expected e.g. '256M' or '1GiB', got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """Parse ``"256M"``, ``"1GiB"``, ``"4096"`` or an int into bytes (binary units), at most :data:`MAX_BYTES`."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        nbytes = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m:
+            raise ValueError(f"parse_size: not a size, expected e.g. '256M' or '1GiB', got {text!r}")
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        nbytes = int(value) if math.isfinite(value) else MAX_BYTES + 1
+    if not 0 <= nbytes <= MAX_BYTES:
+        raise ValueError(f"size out of range, expected 0 to at most {MAX_BYTES} bytes (4 EiB), got {text!r}")
+    return nbytes
 
 
 def parse_seconds(text: str | float | int, *, what: str = "timeout") -> float:
-    """A finite number of seconds > 0 (``"30"``, ``2.5``); ``ValueError`` otherwise.
+    """A finite number of seconds > 0 and at most :data:`MAX_SECONDS` (``"30"``, ``2.5``); ``ValueError`` otherwise.
 
     0, negative, ``inf`` and ``nan`` are refused: a timeout of 0 would fail every
     wait at once, and ``inf``/``nan`` would make a wait unbounded (or never expire:
-    ``nan`` compares false with everything).
+    ``nan`` compares false with everything). Beyond :data:`MAX_SECONDS` the waits
+    could not represent it.
     """
     try:
         seconds = float(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{what} must be a number of seconds, expected e.g. 30, got {text!r}") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{what} must be a finite number of seconds > 0, got {text!r}")
+    if isinstance(text, bool) or not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
+        raise ValueError(f"{what} must be a finite number of seconds > 0 and at most {MAX_SECONDS:.0f} "
+                         f"(what a wait can represent), got {text!r}")
     return seconds
+
+
+def _int_in(lo: int, hi: int, what: str, *, auto: bool = True) -> Callable[[str], int]:
+    """A parser of integers in ``[lo, hi]`` (or -1 for "pick by load" when ``auto``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = None
+        if value is None or not (lo <= value <= hi or (auto and value == -1)):
+            raise ValueError(f"expected {'-1 (auto) or ' if auto else ''}an integer {what} from {lo} to at most "
+                             f"{hi}, got {text!r}")
+        return value
+    return parse
+
+
+def _parse_poll_us(text: str) -> float:
+    hi = MAX_SECONDS * 1e6
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value == -1 or 0 <= value <= hi):
+        raise ValueError(f"expected -1 (auto) or microseconds from 0 to at most {hi:.0f}, got {text!r}")
+    return value
+
+
+def _choice(*names: str, upper: bool = False) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().upper() if upper else text.strip().lower()
+        if value not in names:
+            raise ValueError(f"expected one of {'/'.join(names)}, got {text!r}")
+        return value
+    return parse
+
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_ALGO_RE = re.compile(rf"^\s*{_NAME}\s*=\s*{_NAME}\s*(,\s*{_NAME}\s*=\s*{_NAME}\s*)*,?\s*$")
+_NAMES_RE = re.compile(rf"^\s*{_NAME}\s*([,;]\s*{_NAME}\s*)*[,;]?\s*$")
+
+
+def _parse_algo(text: str) -> str:
+    """Syntax only (``op=algo`` items); the ops layer checks the names (``tuner.parse_forced``)."""
+    if text.strip() and not _ALGO_RE.match(text):
+        raise ValueError(f"expected comma-separated op=algo items, e.g. 'all_reduce=twoshot', got {text!r}")
+    return text
+
+
+def _parse_names(text: str) -> str:
+    """Syntax only (comma-separated names); the process-group adapter checks the names."""
+    if text.strip() and not _NAMES_RE.match(text):
+        raise ValueError(f"expected comma-separated op names (';' works too), e.g. 'allgather,alltoall', "
+                         f"got {text!r}")
+    return text
 
 
 def format_size(nbytes: int) -> str:
@@ -91,7 +171,7 @@ def _parse_bool(text: str) -> bool:
         return True
     if low in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {text!r}")
+    raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off (or empty), got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +194,10 @@ class EnvVar(Generic[T]):
             from .errors import ZbcclInvalidUsageError
 
             raise ZbcclInvalidUsageError(f"env: bad value for {self.name}: {exc}") from None
+        except OverflowError:
+            from .errors import ZbcclInvalidUsageError
+
+            raise ZbcclInvalidUsageError(f"env: bad value for {self.name}: out of range, got {raw!r}") from None
 
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name))
@@ -153,12 +237,12 @@ PREFAULT: EnvVar[bool] = EnvVar(
     "Populate heap pages at init (MAP_POPULATE) so no page fault lands on a hot path.",
 )
 WAIT_SPIN: EnvVar[int] = EnvVar(
-    "ZBCCL_WAIT_SPIN", int, -1,
+    "ZBCCL_WAIT_SPIN", _int_in(0, MAX_COUNT, "of polls"), -1,
     "Polls a wait spins before it yields; -1 picks by load (0 when the local ranks' affinity masks "
     "give them fewer CPUs than ranks).",
 )
 WAIT_POLL_US: EnvVar[float] = EnvVar(
-    "ZBCCL_WAIT_POLL_US", float, -1.0,
+    "ZBCCL_WAIT_POLL_US", _parse_poll_us, -1.0,
     "Microseconds a wait keeps polling (yielding the core between polls) before it releases the GIL and "
     "sleeps on a futex; -1 picks by load (2000 when every local rank has its own core, else 50, the least).",
 )
@@ -180,13 +264,13 @@ STRICT_HEAP: EnvVar[bool] = EnvVar(
     "Collectives raise instead of staging a tensor that is not a contiguous heap tensor.",
 )
 THREADS: EnvVar[int] = EnvVar(
-    "ZBCCL_THREADS", int, -1,
+    "ZBCCL_THREADS", _int_in(0, 4096, "of threads"), -1,
     "Threads per rank for zbccl's copies and reductions; N > 0 also sets torch's intra-op threads at init; "
     "-1: this rank's cores divided by the local ranks pinned to them, torch left alone; "
     "0: use torch's setting.",
 )
 ALGO: EnvVar[str] = EnvVar(
-    "ZBCCL_ALGO", str, "",
+    "ZBCCL_ALGO", _parse_algo, "",
     "Force algorithms for debugging, e.g. 'all_reduce=twoshot,all_gather=push' (all ranks must agree).",
 )
 TUNE_FILE: EnvVar[str] = EnvVar(
@@ -206,7 +290,7 @@ HOT_ENTRY: EnvVar[str] = EnvVar(
     "all_gather), all_reduce, off (every call through the Python path).",
 )
 STREAM_STORES: EnvVar[str] = EnvVar(
-    "ZBCCL_STREAM_STORES", str, "auto",
+    "ZBCCL_STREAM_STORES", _choice("auto", "on", "off"), "auto",
     "Stores of all_reduce's pushes into peers' tensors (group rank 0's setting decides) and of EP dispatch's "
     "received rows (each rank's own): auto (whichever is measured faster, re-measured within 64 ops (EP: 32) "
     "or 200 ms), on (streaming), off (cached).",
@@ -216,11 +300,12 @@ CXX: EnvVar[str] = EnvVar(
     "C/C++ compiler for the native core; default: $CXX/$CC, then g++/gcc, then c++/cc.",
 )
 LOG_LEVEL: EnvVar[str] = EnvVar(
-    "ZBCCL_LOG_LEVEL", str, "WARNING",
+    "ZBCCL_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET", upper=True),
+    "WARNING",
     "Level of the 'zbccl' logger (DEBUG, INFO, WARNING, ERROR).",
 )
 FALLBACK_OPS: EnvVar[str] = EnvVar(
-    "ZBCCL_FALLBACK_OPS", str, "",
+    "ZBCCL_FALLBACK_OPS", _parse_names, "",
     "Process-group ops run by an inner gloo group instead of zbccl, e.g. 'allgather,alltoall' "
     "(all ranks must agree; unknown names are an error).",
 )

@@ -130,6 +130,50 @@ def test_bad_input_fails_on_every_rank_and_the_buffer_stays_usable():
     assert all(s > 0 for s in run_world(_bad_inputs, 2, timeout=120))
 
 
+def _fields_disagree(ctx):
+    """Fields every receiver uses (the scales' width and dtype, the low-latency handle's sizes) agree."""
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=32 * MiB)
+    R, me = comm.world_size, comm.rank
+    buffer = deep_ep.Buffer(comm, explicitly_destroy=True)
+    x, topk_idx, w = _inputs(me, R)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    xq = x.to(torch.float8_e4m3fn)
+    layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                  topk_idx=topk_idx, topk_weights=w)
+    scales = torch.ones(T, H // 128, dtype=torch.float32)
+    cases = [  # (rank 1's scales, the field every rank must name)
+        (torch.ones(T, H // 64, dtype=torch.float32), "the scales' row width"),  # wider: peers read past rank 0's
+        (torch.ones(T, H // 256, dtype=torch.float32), "the scales' row width"),
+        (torch.ones(T, H // 128, dtype=torch.int32), "the scales' dtype"),
+    ]
+    for bad, match in cases:
+        _expect_everywhere(lambda b=bad: buffer.dispatch((xq, b if me == 1 else scales), **layout), match)
+    recv, _, _, _, handle, _ = buffer.dispatch((xq, scales), **layout)  # in step: same widths work
+    assert recv[1].shape[1] == H // 128
+    # low-latency combine: a handle whose sizes were changed on one rank (its x matches them there)
+    _, _, h, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    L = E // R
+    for i, what in ((2, "num_max_dispatch_tokens_per_rank"), (4, "num_experts")):
+        hh = h if me == 0 else h[:i] + (2 * h[i],) + h[i + 1:]
+        L2, N2 = (int(hh[4]) // R, R * int(hh[2]))
+        _expect_everywhere(lambda a=hh, b=(L2, N2): buffer.low_latency_combine(
+            torch.zeros(b[0], b[1], H, dtype=torch.bfloat16), topk_idx, w, a), what)
+    combined, _, _ = buffer.low_latency_combine(torch.zeros(L, R * T, H, dtype=torch.bfloat16), topk_idx, w, h)
+    assert combined.shape == (T, H)
+    _good_round(buffer, comm)
+    buffer.destroy()
+    zbccl.finalize()
+    return True
+
+
+def test_fields_receivers_use_must_agree_on_every_rank():
+    assert run_world(_fields_disagree, 2, timeout=120) == [True, True]
+
+
 def _peer_dies(ctx, where: str):
     import zbccl
     import zbccl.ep as deep_ep

@@ -16,6 +16,13 @@ from tests.spawn import run_world
 MiB = 1 << 20
 
 
+def _meet(ctx, tag: str, ranks: list[int]) -> None:
+    """Wait (on the test's store, 60 s) until every rank of ``ranks`` got here: an event, not a deadline."""
+    from datetime import timedelta
+
+    store = ctx.store()
+    store.set(f"zbccl-test/{tag}/{ctx.rank}", b"1")
+    store.wait([f"zbccl-test/{tag}/{r}" for r in ranks], timedelta(seconds=60))
 
 
 def _never_joins(ctx):
@@ -23,8 +30,9 @@ def _never_joins(ctx):
 
     if ctx.rank == 2:
         return None  # this rank never calls init
+    _meet(ctx, "join", [0, 1])  # the healthy ranks start init together, however slow their start was
     with pytest.raises(zbccl.ZbcclTimeoutError) as info:
-        ctx.init(heap_size=MiB, timeout=3)
+        ctx.init(heap_size=MiB, timeout=10)
     assert info.value.ranks == (2,), info.value.ranks
     assert "[2]" in str(info.value)
     assert not zbccl.is_initialized()
@@ -144,7 +152,9 @@ def _op_timeout(ctx, algo):
     import zbccl
     from zbccl.ops.tuner import force_algorithm
 
-    force_algorithm(ctx.init(heap_size=MiB, timeout=3), "all_reduce", algo)
+    # Healthy ranks get the long default (3 ranks on 2 loaded cores init slowly); only the op that must
+    # time out has a short one, and ranks 0 and 1 enter it together (an event), so only rank 2 is late.
+    force_algorithm(ctx.init(heap_size=MiB, timeout=60), "all_reduce", algo)
     store = ctx.store()
     try:
         t = zbccl.zeros(256)
@@ -152,8 +162,9 @@ def _op_timeout(ctx, algo):
         if ctx.rank == 2:
             store.wait(["zbccl-test/timed-out"], timedelta(seconds=60))  # alive, but skips the next op
             return None
+        _meet(ctx, "op", [0, 1])
         with pytest.raises(zbccl.ZbcclTimeoutError) as info:
-            zbccl.all_reduce(t)
+            zbccl.all_reduce(t, timeout=5)
         assert info.value.ranks == (2,) and "[2]" in str(info.value), str(info.value)
         return str(info.value)
     finally:

@@ -244,7 +244,13 @@ def _lifecycle(ctx):
     import zbccl
     from zbccl.ops.channel import channel_of
 
-    comm = ctx.init(heap_size=4 * MiB, timeout=2)
+    comm = ctx.init(heap_size=4 * MiB, timeout=60)  # a slow rank on a loaded machine still joins
+    # The channel (made at the first op) takes the communicator's timeout as the hot entry's: short, so
+    # that the hot call that must time out below does so quickly; the ranks meet on an event first.
+    comm._ctx.timeout = 5.0
+    store = ctx.store()
+    store.set(f"hot/ready/{ctx.rank}", b"1")
+    store.wait([f"hot/ready/{r}" for r in range(comm.world_size)])
     t = zbccl.empty(512, dtype=torch.float32).fill_(1)
     zbccl.all_reduce(t)
     zbccl.all_reduce(t)
@@ -255,8 +261,8 @@ def _lifecycle(ctx):
     if pid == 0:  # the child: the parent's channel is not ours
         os._exit(0 if hot(t) == -1 else 1)
     _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == 0, "a forked child's hot call was served"
-    store = ctx.store()
+    # waitstatus_to_exitcode: a child killed by a signal is negative (WEXITSTATUS would say 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"a forked child's hot call was served or crashed: {status}"
     if ctx.rank == 1:  # skips the next op: rank 0's hot call times out and breaks the channel
         store.wait(["hot/timed-out"])
     else:

@@ -388,3 +388,36 @@ def test_300_groups_created_and_destroyed_reuse_their_slots():
     assert n > layout.MAX_COMMS  # without reuse, slots run out
     for slots in run_world(_many_groups, 2, n_groups=n, timeout=240):
         assert len(slots) <= 3 and max(slots) < layout.MAX_COMMS, slots
+
+
+def _longest_settings(ctx):
+    import zbccl
+    from zbccl.adapters.p2p import PointToPoint
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=zbccl.env.MAX_SECONDS)
+    t = zbccl.empty(64)
+    t.copy_(payload(comm.rank, 64))
+    zbccl.all_reduce(t, timeout=zbccl.env.MAX_SECONDS)
+    assert torch.equal(t, payload(0, 64) + payload(1, 64))
+    g = comm.new_group([0, 1], timeout=zbccl.env.MAX_SECONDS)
+    g.barrier(timeout=zbccl.env.MAX_SECONDS)
+    pp = PointToPoint(comm)
+    got = torch.empty(64)
+    if comm.rank == 0:
+        pp.send([payload(0, 64)], 1, 0).wait(timeout=1e12)  # torch's "very long" waits the longest it can
+    else:
+        pp.recv([got], 0, 0).wait(timeout=1e12)
+        assert torch.equal(got, payload(0, 64))
+    pp.close()
+    g.destroy()
+    del t
+    zbccl.finalize()  # an interval of 1e9 s made this raise OverflowError
+    return True
+
+
+def test_the_longest_accepted_times_work_end_to_end():
+    from zbccl import env
+
+    huge = {"ZBCCL_LIVENESS_INTERVAL": str(env.MAX_SECONDS), "ZBCCL_TIMEOUT": str(env.MAX_SECONDS),
+            "ZBCCL_WAIT_POLL_US": str(env.MAX_SECONDS * 1e6)}
+    assert run_world(_longest_settings, 2, env=huge, timeout=120) == [True, True]

@@ -1,4 +1,6 @@
-"""The segment handout under attack: theft, stall, squatting, stale descriptors, forged segments.
+"""The segment handout under attack: theft, stall, squatting, stale descriptors, forged segments; and the
+rendezvous store under attack: a forged pickle, mailbox offset, slot record and slot counter, written into the
+job's TCPStore by uid 65534 (its wire protocol, standard library only), each refused naming the forged key.
 
 The attacker of the theft and stall cases runs as uid/gid 65534 (``setpriv``;
 CI runs as root) with the system ``/usr/bin/python3`` and the standard library
@@ -357,3 +359,197 @@ def test_local_ranks_must_share_one_uid():
     assert _check_uids(me, {1: Member(1, 2, 1000, "b", 2)}) is None
     err = _check_uids(me, {1: Member(1, 2, 65534, "b", 2)})
     assert err is not None and err.ranks == (1,) and "expected uid 1000" in str(err), err
+
+
+# ---------------------------------------------------------------- the rendezvous store
+# An unprivileged writer of the job's TCPStore: standard library only, speaking the store's
+# wire protocol (VALIDATE, then SET per key, then CHECK to know the value landed).
+# argv = port, then key/hex-value pairs (keys as the store holds them, with their leading '/').
+STORE_WRITER = r"""
+import json, os, socket, struct, sys
+port, pairs = int(sys.argv[1]), sys.argv[2:]
+def string(b):
+    return struct.pack("<Q", len(b)) + b
+s = socket.create_connection(("127.0.0.1", port), timeout=10)
+s.sendall(bytes([0]) + struct.pack("<I", 0x3C85F7CE))
+for key, value in zip(pairs[::2], pairs[1::2]):
+    s.sendall(bytes([1]) + string(key.encode()) + string(bytes.fromhex(value)))
+    s.sendall(bytes([5]) + struct.pack("<Q", 1) + string(key.encode()))
+    assert s.recv(1) == b"\x00", "the forged key did not land"
+print(json.dumps({"uid": os.geteuid(), "written": pairs[::2]}), flush=True)
+"""
+
+
+def _nobody_writes(port: int, values: dict[str, bytes]) -> None:
+    """Write ``values`` into the store at ``port`` as uid 65534 (keys relative to the store, no leading '/')."""
+    args = [x for k, v in values.items() for x in ("/" + k, v.hex())]
+    out = subprocess.run(NOBODY + ["-c", STORE_WRITER, str(port)] + args, capture_output=True, text=True,
+                         timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["uid"] == 65534 and len(report["written"]) == len(values), report
+
+
+class _Plant:
+    """Unpickling this runs ``os.mkdir(path)``: what an attacker's pickle would do as the job's user."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def _forged_object(ctx, marker):
+    import pickle
+
+    import zbccl
+
+    comm = ctx.init(heap_size=MiB, timeout=60)
+    store = ctx.store()
+    key = comm.bootstrap._key("object/0/1")
+    if ctx.rank == 0:
+        # Rank 1 is late (it waits for sec/raised): the attacker's pickle sits under its key.
+        _nobody_writes(ctx.port, {key: pickle.dumps(_Plant(marker))})
+        with pytest.raises(zbccl.ZbcclError) as info:
+            comm.all_gather_object({"rank": 0})
+        store.set("sec/raised", b"1")
+        out = ("raised", type(info.value).__name__, str(info.value), info.value.ranks)
+    else:
+        store.get("sec/raised")
+        out = ("got", comm.all_gather_object({"rank": 1}))  # its own set replaced the forgery
+    assert not os.path.exists(marker), "the job unpickled a value an unprivileged user wrote to the store"
+    zbccl.finalize()
+    return out, key
+
+
+@needs_root
+def test_forged_pickle_in_the_store_is_never_unpickled(tmp_path):
+    os.chmod(tmp_path, 0o777)  # the marker could be made by anyone: its absence shows nothing ran as us
+    (r0, key), (r1, _) = run_world(_forged_object, 2, marker=str(tmp_path / "planted"), timeout=120)
+    kind, name, msg, ranks = r0
+    assert kind == "raised" and name == "ZbcclRemoteError" and ranks == (1,), r0
+    assert f"'{key}'" in msg and "forged" in msg and msg.startswith("all_gather_object:"), msg
+    assert r1 == ("got", [{"rank": 0}, {"rank": 1}]), r1
+
+
+def _forged_mailbox(ctx):
+    import zbccl
+    from zbccl.adapters import p2p
+
+    comm = ctx.init(heap_size=MiB, timeout=60)
+    store = ctx.store()
+    pp = p2p.PointToPoint(comm)
+    key = comm.bootstrap._key(pp._key(0))
+    n = 256
+    if ctx.rank == 0:
+        pp.send([torch.arange(n, dtype=torch.float32)], 1, 0)  # staged: completes at once
+        # A decoy mailbox the attacker aims rank 1's reads at: it "posts" one message whose payload is
+        # another heap block of wrong values (what a store writer could point at in rank 0's heap).
+        words = comm.world_size * p2p._PEER_WORDS
+        decoy = zbccl.zeros(words, dtype=torch.int64)
+        wrong = zbccl.empty(n, dtype=torch.float32).fill_(-1.0)
+        base = 1 * p2p._PEER_WORDS + p2p._WORDS
+        decoy[base + p2p.SEQ], decoy[base + p2p.TAG] = 1, 0
+        decoy[base + p2p.OFFSET] = wrong.data_ptr() - comm.heap_base
+        decoy[base + p2p.NBYTES] = n * 4
+        decoy[1 * p2p._PEER_WORDS] = 1
+        _nobody_writes(ctx.port, {key: str(decoy.data_ptr() - comm.heap_base).encode()})
+        store.set("sec/forged", b"1")
+        store.get("sec/done")
+        out = None
+    else:
+        store.get("sec/forged")
+        got = torch.zeros(n, dtype=torch.float32)
+        with pytest.raises(zbccl.ZbcclError) as info:
+            pp.recv([got], 0, 0).wait(timeout=30)
+        store.set("sec/done", b"1")
+        assert not torch.equal(got, torch.full((n,), -1.0)), "the receiver read the attacker's decoy"
+        out = (type(info.value).__name__, str(info.value), info.value.ranks)
+    pp.close()
+    zbccl.finalize()
+    return out, key
+
+
+@needs_root
+def test_forged_mailbox_offset_is_refused():
+    _, ((name, msg, ranks), key) = run_world(_forged_mailbox, 2, timeout=120)
+    assert name == "ZbcclRemoteError" and ranks == (0,), msg
+    assert f"'{key}'" in msg and "forged" in msg, msg
+
+
+def _forged_slot(ctx, how):
+    import zbccl
+
+    comm = ctx.init(heap_size=MiB, timeout=60)
+    store = ctx.store()
+    if how == "record":
+        # Rank 1 is late: once the leader published group [0, 1]'s slot, the attacker replaces it with the
+        # world's slot 0 (the two would share their flag lines).
+        key = comm.bootstrap._key("group/0-1/0")
+        if ctx.rank == 1:
+            store.wait([key])
+            _nobody_writes(ctx.port, {key: b"0:1:" + b"0" * 16})
+            with pytest.raises(zbccl.ZbcclError) as info:
+                comm.new_group([0, 1])
+            store.set("sec/refused", b"1")
+        else:
+            with pytest.raises(zbccl.ZbcclError) as info:
+                comm.new_group([0, 1], timeout=5)  # rank 1 refused the slot: it never reaches the group barrier
+            store.get("sec/refused")
+    else:
+        # The attacker frees the slot a live group holds: the next group is handed the same slot.
+        first = comm.new_group([0, 1])
+        held = comm.bootstrap._key(f"slot/{first.slot}/held")
+        if ctx.rank == 0:
+            _nobody_writes(ctx.port, {held: b"0"})
+        comm.barrier()
+        key = comm.bootstrap._key("group/0-1/1")
+        with pytest.raises(zbccl.ZbcclError) as info:
+            comm.new_group([0, 1])
+        first.destroy()
+    zbccl.finalize()
+    return type(info.value).__name__, str(info.value), info.value.ranks, key
+
+
+@needs_root
+def test_forged_slot_record_is_refused():
+    (n0, m0, r0, _), (n1, m1, r1, key) = run_world(_forged_slot, 2, how="record", timeout=120)
+    assert n1 == "ZbcclRemoteError" and r1 == (0,) and f"'{key}'" in m1 and "forged" in m1, m1
+    assert n0 == "ZbcclTimeoutError" and r0 == (1,), m0
+
+
+@needs_root
+def test_slot_freed_in_the_store_is_not_shared():
+    for name, msg, _, key in run_world(_forged_slot, 2, how="counter", timeout=120):
+        assert name == "ZbcclRemoteError" and "in use on this rank" in msg and f"'{key}'" in msg, msg
+
+
+def _forged_init_record(ctx):
+    import zbccl
+    from zbccl.runtime import state
+
+    store = ctx.store()
+    if ctx.rank == 1:  # late: rank 0 has published its capacity verdict and waits for ours
+        real = state.check_capacity
+
+        def late(*args, **kwargs):
+            key = "zbccl/1/capacity/0/0"  # the first init on this store: generation 1
+            store.wait([key])
+            _nobody_writes(ctx.port, {key: b"null "})  # still "no error" as JSON, but not rank 0's bytes
+            return real(*args, **kwargs)
+
+        state.check_capacity = late
+    with pytest.raises(zbccl.ZbcclError) as info:
+        ctx.init(heap_size=MiB, timeout=60)
+    assert not zbccl.is_initialized()
+    with open("/proc/self/maps") as f:
+        assert "/memfd:zbccl-" not in f.read(), "a failed init left its segments mapped"
+    return type(info.value).__name__, str(info.value), info.value.ranks
+
+
+@needs_root
+def test_forged_init_record_fails_init_on_every_rank():
+    for name, msg, ranks in run_world(_forged_init_record, 2, timeout=120):
+        assert name == "ZbcclRemoteError" and ranks == (0,), msg
+        assert "forged store value under key 'zbccl/1/capacity/0/0'" in msg, msg

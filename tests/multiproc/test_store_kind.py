@@ -4,6 +4,7 @@ re-measures the other kind once its sample is stale; the environment fixes it.""
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import pytest
@@ -18,6 +19,16 @@ STALE_S = 0.2  # KIND_STALE_NS in chan_ops.c
 def _kinds(ch) -> dict[int, tuple]:
     """log2 bucket -> (cached ns/B, streaming ns/B, cached samples, streaming samples)."""
     return {b: tuple(rest) for b, *rest in ch.prims.chan_kinds(ch.handle)}
+
+
+def _used_kind(comm) -> int:
+    """The store kind of group rank 0's latest all_reduce, from its op header: what every rank used
+    (the others read it there). Read on rank 0, or on any rank once no op is in flight."""
+    from zbccl.heap import layout
+    from zbccl.native.abi import HEADER, SLOT_LINES
+
+    line = layout.slot_line(comm.slot, SLOT_LINES["HEADER"])
+    return ctypes.c_int64.from_address(comm.heap.ctrl_addr(comm.ranks[0], line) + 8 * HEADER.index("KIND")).value
 
 
 def _both_kinds_exact(ctx):
@@ -72,14 +83,18 @@ def _auto_policy(ctx):
         assert 4 not in _kinds(ch)
         # the kind not in use is re-measured once its last sample is stale, whatever the op rate
         comm.barrier()
-        before = _kinds(ch).get(16)
+        before, in_use = _kinds(ch).get(16), _used_kind(comm)  # the kind the last op used, as observed
         time.sleep(STALE_S * 1.5)  # lets a sample age past KIND_STALE_NS; no rank waits on another here
+        used = []
         for _ in range(4):  # a run of the other kind: one op switches (not a sample), then samples
             zbccl.all_reduce(t)
+            if lead:
+                used.append(_used_kind(comm))
         after = _kinds(ch).get(16)
         if lead:
-            other = 2 + int(before[0] <= before[1])  # the sample count of the kind not in use before
-            assert after[other] > before[other], (before, after)
+            other = 1 - in_use
+            assert other in used, (in_use, used)
+            assert after[2 + other] > before[2 + other], (in_use, used, before, after)
         else:
             assert _kinds(ch) == {}
         return True
@@ -98,18 +113,27 @@ def _fixed(ctx):
     comm = ctx.init(heap_size=8 * MiB)
     try:
         ch = channel_of(comm)
-        t = zbccl.zeros(32 * 1024, dtype=torch.bfloat16)
-        for _ in range(6):
-            zbccl.all_reduce(t)
-        return _kinds(ch)
+        used = []
+        for n in (32 * 1024, 4096, 256 * 1024):  # several size buckets
+            t = zbccl.zeros(n, dtype=torch.bfloat16)
+            for _ in range(6):
+                zbccl.all_reduce(t)
+                if comm.rank == 0:
+                    used.append(_used_kind(comm))
+        comm.barrier()  # no op in flight: every rank reads what rank 0 posted for the last one
+        return _kinds(ch), used, _used_kind(comm)
     finally:
         zbccl.finalize()
 
 
-def test_environment_fixes_the_kind():
-    # "on" on every rank; rank 0's choice is the one used, and a fixed kind measures nothing
-    for kinds in run_world(_fixed, 2, env={"ZBCCL_STREAM_STORES": "on"}):
-        assert kinds == {}  # a fixed kind measures nothing
+@pytest.mark.parametrize("setting,kind", [("on", 1), ("off", 0)])
+def test_environment_fixes_the_kind(setting, kind):
+    # twoshot (the algorithm whose pushes the kind governs) at every size; every rank sets the variable
+    env = {"ZBCCL_STREAM_STORES": setting, "ZBCCL_ALGO": "all_reduce=twoshot"}
+    (kinds0, used, last0), (kinds1, _, last1) = run_world(_fixed, 2, env=env)
+    assert used and set(used) == {kind}, f"ZBCCL_STREAM_STORES={setting}: ops used kinds {used}"
+    assert last0 == last1 == kind
+    assert kinds0 == kinds1 == {}  # a fixed kind measures nothing
 
 
 def _bad_mode(ctx):

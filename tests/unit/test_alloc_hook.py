@@ -283,3 +283,89 @@ def test_default_comm_requires_init() -> None:
     with pytest.raises(ZbcclInvalidUsageError):
         with heap_scope():
             pass
+
+
+def _scoped(scope_obj):
+    """A generator holding ``scope_obj`` open from its first ``next`` until it is closed."""
+    with scope_obj:
+        yield
+
+
+def test_scopes_exited_out_of_order_restore_what_is_still_open(comm: FakeComm) -> None:
+    lib = scope._hook()
+    none = lib.zbh_scope_state()
+    outer, inner = _scoped(heap_scope(comm, strict=True)), _scoped(heap_scope(comm))
+    next(outer)
+    next(inner)
+    outer.close()  # the outer scope ends first: the inner one is still open and non-strict
+    t = torch.empty(1000)
+    assert comm.holds(t), "a still-open inner scope stopped placing tensors in the heap"
+    assert lib.zbh_scope_state() & 1 == 0, "the closed outer scope's strictness came back"
+    inner.close()
+    u = torch.empty(1000)
+    assert not comm.holds(u), "the thread kept allocating into the heap after every scope closed"
+    assert lib.zbh_scope_state() == none
+    # ... and in the usual order, through an ExitStack
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(heap_scope(comm))
+        stack.enter_context(heap_scope(comm, strict=True))
+        assert lib.zbh_scope_state() & 1 == 1
+    assert lib.zbh_scope_state() == none and not comm.holds(torch.empty(10))
+    del t, u
+
+
+def test_out_of_order_exits_stay_in_their_thread(comm: FakeComm) -> None:
+    lib = scope._hook()
+    none = lib.zbh_scope_state()
+    opened, closed, done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def other() -> None:
+        a, b = _scoped(heap_scope(comm)), _scoped(heap_scope(comm, strict=True))
+        next(a)
+        next(b)
+        opened.set()
+        closed.wait(10)
+        b.close()  # LIFO here, while the main thread closed out of order
+        seen["inner_closed"] = comm.holds(torch.empty(100))
+        a.close()
+        seen["all_closed"] = comm.holds(torch.empty(100))
+        seen["state"] = lib.zbh_scope_state()
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    opened.wait(10)
+    x, y = _scoped(heap_scope(comm)), _scoped(heap_scope(comm))
+    next(x)
+    next(y)
+    x.close()
+    assert comm.holds(torch.empty(100))
+    closed.set()
+    done.wait(10)
+    y.close()
+    t.join(10)
+    assert seen == {"inner_closed": True, "all_closed": False, "state": none}, seen
+    assert lib.zbh_scope_state() == none and not comm.holds(torch.empty(100))
+
+
+def test_a_scope_cannot_be_exited_from_another_thread(comm: FakeComm) -> None:
+    s = heap_scope(comm)
+    s.__enter__()
+    seen: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            s.__exit__(None, None, None)
+        except ZbcclInvalidUsageError as exc:
+            seen.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(10)
+    assert seen and "did not enter" in str(seen[0])
+    assert comm.holds(torch.empty(10))  # still open here
+    s.__exit__(None, None, None)
+    assert not comm.holds(torch.empty(10))

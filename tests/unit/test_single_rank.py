@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -59,9 +60,26 @@ def test_bad_arguments(no_dist_env):
     assert not zbccl.is_initialized()
 
 
-def test_finalize_without_init_is_a_no_op():
+def _zbccl_maps() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "zbccl" in line]
+
+
+def test_finalize_without_init_is_a_no_op(no_dist_env):
+    assert not zbccl.is_initialized()
+    threads, maps = sorted(t.name for t in threading.enumerate()), _zbccl_maps()
+    assert zbccl.finalize() is None  # raises nothing, twice
+    zbccl.finalize()
+    assert not zbccl.is_initialized() and zbccl.get_default() is None
+    assert sorted(t.name for t in threading.enumerate()) == threads and _zbccl_maps() == maps, "it built something"
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="not initialized"):
+        zbccl.empty(3)
+    # it left nothing behind that stops a later init, and finalize after finalize is a no-op too
+    comm = zbccl.init(heap_size="1M")
+    assert zbccl.is_initialized() and comm.world_size == 1
     zbccl.finalize()
     zbccl.finalize()
+    assert not zbccl.is_initialized() and _zbccl_maps() == maps
 
 
 def _ops_and_profiler_ranges() -> None:

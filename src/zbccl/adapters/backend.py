@@ -88,7 +88,7 @@ def _seconds(timeout) -> float:
     if env.TIMEOUT.is_set():
         return env.TIMEOUT.get()
     if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
-        return timeout.total_seconds()
+        return min(timeout.total_seconds(), env.MAX_SECONDS)  # torch's group timeout may be longer
     return env.TIMEOUT.get()
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclTimeoutError
+from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..native.abi import WHERE_P2P
 from ..runtime.liveness import leave
@@ -132,11 +132,12 @@ class PointToPoint:
         if wait is None:
             if not boot.store.check([boot._key(key)]):
                 return None
-            raw = boot.get(key, timeout=1.0)
+            raw = boot.get(key, timeout=1.0, owner=self.comm.ranks[src])
         else:
             raw = boot.get(key, timeout=wait, owner=self.comm.ranks[src], watch=self.comm.store_watch)
         nbytes = self.comm.world_size * _PEER_WORDS * 8
-        addr = self.ctx.heap.addr(self.comm.ranks[src], int(raw), nbytes, op="recv")
+        # The record is sealed (the bootstrap opened it); still parsed strictly, and bounds-checked.
+        addr = self.ctx.heap.addr(self.comm.ranks[src], _mailbox_offset(raw, boot._key(key)), nbytes, op="recv")
         box = self.boxes[src] = _Box(_words(addr, nbytes), addr)
         return box
 
@@ -309,7 +310,10 @@ class PointToPoint:
             box = self._box_of(rec.src, wait=None) if rec.src is not None else None
             if box is not None:  # sleep on the sender's POSTED line until it posts again
                 addr = box.addr + self.comm.rank * _PEER_WORDS * 8
-                self.prims.wait_ge(self._ptr(addr), 1, self.prims.load_acquire(addr) + 1, self.ctx.spin,
+                posted = self.prims.load_acquire(addr)
+                if self.progress() and rec.done:  # posted before this box was first seen: no wait
+                    break
+                self.prims.wait_ge(self._ptr(addr), 1, posted + 1, self.ctx.spin,
                                    min(self.ctx.liveness_ns, int(left * 1e9)))
             else:  # any source, or a sender that never sent: poll
                 time.sleep(_POLL_NS / 1e9)
@@ -384,6 +388,15 @@ class PointToPoint:
             if self.block is not None:
                 self.ctx.sma.free(self.block)
                 self.block, self.mine = None, None
+
+
+def _mailbox_offset(raw: bytes, key: str) -> int:
+    """A mailbox's heap offset as announced: decimal digits of a line-aligned offset, nothing else."""
+    text = bytes(raw)
+    if not (0 < len(text) <= 20 and text.isdigit()) or int(text) % layout.LINE:
+        raise ZbcclRemoteError(f"recv: malformed mailbox record under '{key}', expected a {layout.LINE}-byte "
+                               f"aligned heap offset, got {text[:40]!r}")
+    return int(text)
 
 
 def _words(addr: int, nbytes: int) -> np.ndarray:

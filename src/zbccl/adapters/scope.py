@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from .. import env
-from ..errors import ZbcclSystemError
+from ..errors import ZbcclInvalidUsageError, ZbcclSystemError
 
 __all__ = ["HOOK_COUNTERS", "TIER_NAME", "HeapScope", "heap_scope", "hook_stats", "unregister_heap"]
 
@@ -292,27 +292,55 @@ def _resolve(comm: Any) -> Any:
     return comm
 
 
+# Every thread's open scopes, oldest first: ``[scope object, heap id (0: ordinary memory), strict]``.
+# The native state is always the top entry's; exiting removes the exiting scope's own entry wherever it is
+# (generators and ExitStacks may close scopes in any order), so what stays open stays in force.
+_open = threading.local()
+
+
+def _open_scopes() -> list[list]:
+    stack = getattr(_open, "stack", None)
+    if stack is None:
+        stack = _open.stack = []
+    return stack
+
+
+def _apply(stack: list[list]) -> None:
+    """Set this thread's native scope state to the innermost scope still open (none: ordinary memory)."""
+    if stack:
+        _hook().zbh_scope_enter(stack[-1][1], stack[-1][2])
+    elif _lib is not None:
+        _lib.zbh_scope_exit(0)
+
+
 class HeapScope:
-    """Context manager returned by :func:`heap_scope`; reusable, nestable, per thread."""
+    """Context manager returned by :func:`heap_scope`; reusable, nestable, per thread, closable in any order."""
 
     def __init__(self, comm: Any = None, *, strict: bool = False) -> None:
         self._comm = comm
         self._strict = bool(strict)
-        self._tokens = threading.local()
 
     def __enter__(self) -> HeapScope:
         comm = _resolve(self._comm)
-        token = None if comm is None else _hook().zbh_scope_enter(_register(comm).heap_id, int(self._strict))
-        stack = self._tokens.__dict__.setdefault("stack", [])
-        stack.append(token)
+        heap_id = 0 if comm is None else _register(comm).heap_id  # None: a forked child, ordinary memory
+        stack = _open_scopes()
+        stack.append([self, heap_id, int(self._strict)])
+        _apply(stack)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        token = self._tokens.stack.pop()
-        if token is not None:
-            _hook().zbh_scope_exit(token)
+        stack = _open_scopes()
+        for i in range(len(stack) - 1, -1, -1):  # this object's latest entry on this thread
+            if stack[i][0] is self:
+                del stack[i]
+                break
+        else:  # a thread's allocator state is its own: another thread cannot end the scope
+            raise ZbcclInvalidUsageError(
+                "heap_scope: exit on a thread that did not enter this scope, expected the entering thread to "
+                "exit it, got a thread where it is not open")
+        _apply(stack)
 
 
 def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
@@ -323,7 +351,9 @@ def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
     torch delegates to its own worker threads) are unaffected; tensors may be
     freed anywhere and their blocks return to the heap's SMA. Scopes nest (the
     innermost wins) and the returned object may be re-entered. Not a
-    collective: no peer is involved, nothing blocks. The first use builds and
+    collective: no peer is involved, nothing blocks. Scopes may close in any
+    order (two generators, an ``ExitStack``): the innermost scope still open
+    stays in force, and none open means ordinary memory. The first use builds and
     installs a native allocator hook (cached on disk, a few seconds).
 
     Args:

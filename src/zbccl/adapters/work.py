@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import env
+
 __all__ = ["CompletedWork", "PendingWork", "timeout_seconds"]
 
 
@@ -30,7 +32,8 @@ def timeout_seconds(timeout) -> float | None:
     if timeout is None:
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    return seconds if seconds > 0 else None
+    # torch passes timedelta.max and the like for "very long": the longest wait zbccl can represent.
+    return min(seconds, env.MAX_SECONDS) if seconds > 0 else None
 
 
 class CompletedWork(dist.Work):

@@ -21,10 +21,23 @@ Every store call goes through :meth:`StoreBootstrap._call`: when the store's
 host is gone (under torchrun, rank 0 hosts the TCPStore) the caller gets a
 :class:`~zbccl.errors.ZbcclRemoteError`, not torch's ``DistNetworkError``
 with a C++ backtrace in its text.
+
+Trust (see :mod:`.secret`): any local user can write the store. Until the
+heap is up, values are small fixed-format records (sizes, host facts, socket
+names), parsed strictly by their readers; the bootstrap keeps a digest of each
+one written and read. :meth:`StoreBootstrap.adopt_secret` then compares, under
+the job's secret, every rank's digests of what it wrote with what every other
+rank read (a forged init record fails there, on every rank), and from then on
+seals every value it writes and opens every value it reads: a value that is
+not the job's raises :class:`~zbccl.errors.ZbcclRemoteError` naming the key,
+and nothing of it is parsed. Counters (:meth:`add`) cannot be sealed; their
+users check what they hand out against their own state.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,8 +48,9 @@ import torch.distributed as dist
 from .. import env
 from ..errors import ZbcclRemoteError, ZbcclTimeoutError
 from .base import Bootstrap, Watch
+from .secret import JobSecret, SealError
 
-__all__ = ["StoreBootstrap"]
+__all__ = ["StoreBootstrap", "in_range", "parse_record"]
 
 # How long one store.wait blocks before we look again at which ranks arrived.
 _WAIT_SLICE_S = 1.0
@@ -49,17 +63,24 @@ class StoreBootstrap(Bootstrap):
     """A :class:`Bootstrap` over a torch store for ranks ``0..world_size-1``.
 
     ``members`` maps this bootstrap's ranks to the rank numbers used in error
-    messages (global ranks for a sub-group).
+    messages (global ranks for a sub-group). With ``secret`` every value is
+    sealed and opened (see the module docstring).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, prefix: str,
-                 members: tuple[int, ...] | None = None) -> None:
+                 members: tuple[int, ...] | None = None, secret: JobSecret | None = None,
+                 record: bool = False) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.prefix = prefix
         self.members = members if members is not None else tuple(range(world_size))
         self._seq: dict[str, int] = {}
+        self.secret = secret
+        #: Until :meth:`adopt_secret` (when ``record``): digests of the all-gather values written and read.
+        self._record = record and secret is None
+        self._wrote: list[tuple[str, str]] = []
+        self._read: list[tuple[int, str, str]] = []
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
@@ -75,8 +96,24 @@ class StoreBootstrap(Bootstrap):
                 f"{_STORE_HOST_RANK} under torchrun) alive, got {type(exc).__name__}: {first}",
                 ranks=(_STORE_HOST_RANK,)) from None
 
+    def _seal(self, full: str, value: bytes) -> bytes:
+        return value if self.secret is None else self.secret.seal(full, value)
+
+    def _open(self, full: str, blob: bytes, *, op: str, owner: int | None) -> bytes:
+        if self.secret is None:
+            return blob
+        try:
+            return self.secret.open(full, blob)
+        except SealError as exc:
+            who = f"rank {owner}'s" if owner is not None and owner >= 0 else "the"
+            raise ZbcclRemoteError(
+                f"bootstrap {op}: forged store value under key '{full}': expected {who} value sealed with "
+                f"the job's secret, got {exc}; someone else wrote the rendezvous store, nothing of it was used",
+                ranks=(owner,) if owner is not None and owner >= 0 else ()) from None
+
     def set(self, key: str, value: bytes) -> None:
-        self._call("set", self.store.set, self._key(key), value)
+        full = self._key(key)
+        self._call("set", self.store.set, full, self._seal(full, value))
 
     def add(self, key: str, delta: int) -> int:
         return int(self._call("add", self.store.add, self._key(key), delta))
@@ -84,7 +121,7 @@ class StoreBootstrap(Bootstrap):
     def get(self, key: str, *, timeout: float, owner: int | None = None, watch: Watch | None = None) -> bytes:
         full = self._key(key)
         self._wait_keys([full], timeout=timeout, owners=[owner if owner is not None else -1], op="get", watch=watch)
-        return self._call("get", self.store.get, full)
+        return self._open(full, self._call("get", self.store.get, full), op="get", owner=owner)
 
     def _wait_keys(self, keys: list[str], *, timeout: float, owners: list[int], op: str,
                    watch: Watch | None = None) -> None:
@@ -122,6 +159,8 @@ class StoreBootstrap(Bootstrap):
         base = f"{tag}/{seq}"
         self.set(f"{base}/{self.rank}", value)
         keys = [self._key(f"{base}/{r}") for r in range(self.world_size)]
+        if self._record:
+            self._wrote.append((keys[self.rank], _digest(value)))
         self._wait_keys(keys, timeout=timeout, owners=list(self.members), op=tag, watch=watch)
         if hasattr(self.store, "multi_get"):
             got = list(self._call(tag, self.store.multi_get, keys))
@@ -130,4 +169,78 @@ class StoreBootstrap(Bootstrap):
         if seq > 0:
             # Every rank set its round-seq key, so all have read round seq-1.
             self._call(tag, self.store.delete_key, self._key(f"{tag}/{seq - 1}/{self.rank}"))
-        return got
+        if self._record:
+            self._read.extend((r, k, _digest(v)) for r, (k, v) in enumerate(zip(keys, got)))
+        if self.secret is None:
+            return got
+        return [self._open(k, v, op=tag, owner=self.members[r]) for r, (k, v) in enumerate(zip(keys, got))]
+
+    def adopt_secret(self, secret: JobSecret | None, *, timeout: float) -> None:
+        """Collective: check the values exchanged so far under ``secret``, then seal everything from now on.
+
+        Every rank publishes (sealed) the digests of the values it wrote; each
+        compares them with the digests of what it read. Raises
+        :class:`~zbccl.errors.ZbcclRemoteError` on every rank that read a value
+        its writer never wrote, naming the key. With ``secret`` None (some rank
+        is out of reach of the transport that would share it) it only stops
+        recording: values stay unauthenticated, and users of the store that
+        need authentication refuse to run.
+        """
+        self._record = False
+        if secret is None:
+            self._wrote, self._read = [], []
+            return
+        self.secret = secret
+        wrote = dict(self._wrote)
+        got = self.all_gather(json.dumps(wrote).encode(), timeout=timeout, tag="auth")
+        claims = {}
+        for r, raw in enumerate(got):
+            claims.update({k: (r, v) for k, v in _strict_json(raw, dict, op="auth").items()})
+        forged = [(r, key) for r, key, digest in self._read if claims.get(key, (r, None))[1] != digest]
+        self._wrote, self._read = [], []
+        # A second (sealed) round, so that every rank fails when any rank read a forged value.
+        verdicts = self.all_gather(json.dumps([[self.members[r], k] for r, k in forged]).encode(), timeout=timeout,
+                                   tag="auth")
+        for r, raw in enumerate(verdicts):
+            seen = _strict_json(raw, list, op="auth")
+            if seen:
+                writer, key = seen[0]
+                who = "this rank" if r == self.rank else f"rank {self.members[r]}"
+                raise ZbcclRemoteError(
+                    f"init: forged store value under key '{key}' (read by {who}): expected the value rank {writer} "
+                    "wrote (its digest, sealed with the job's secret), got another; someone else wrote the "
+                    "rendezvous store", ranks=(writer,))
+
+
+def parse_record(raw: bytes, check: Callable[[object], T], *, op: str, rank: int, what: str) -> T:
+    """``check(json.loads(raw))`` for a record rank ``rank`` published: anything that does not parse or
+    fails ``check`` (which raises ValueError, KeyError or TypeError) is a :class:`~zbccl.errors.ZbcclRemoteError`
+    naming the rank and ``what`` was expected, never a stray exception from deep inside."""
+    try:
+        return check(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
+        raise ZbcclRemoteError(f"{op}: malformed record of rank {rank} in the rendezvous store, expected {what}, "
+                               f"got {bytes(raw[:60])!r}", ranks=(rank,)) from None
+
+
+def in_range(value: object, lo: int, hi: int) -> int:
+    """``value`` as an int in ``[lo, hi]`` (a JSON integer, not a bool or a float); ValueError otherwise."""
+    if type(value) is not int or not lo <= value <= hi:
+        raise ValueError(value)
+    return value
+
+
+def _digest(value: bytes) -> str:
+    return hashlib.sha256(value).hexdigest()
+
+
+def _strict_json(raw: bytes, kind: type, *, op: str):
+    """``raw`` as JSON of type ``kind`` (an authenticated record that does not parse is still refused)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        value = None
+    if not isinstance(value, kind):
+        raise ZbcclRemoteError(f"bootstrap {op}: malformed record, expected JSON {kind.__name__}, "
+                               f"got {bytes(raw[:40])!r}")
+    return value

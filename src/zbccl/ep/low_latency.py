@@ -114,7 +114,7 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
         x, idx = _check_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags)
         T, H = x.shape
         counts, tokens, slots = _pairs(ex, idx, E)
-        plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T}
+        plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T, "sizes": (tmax, H, E)}
         fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.META: ex.block(torch.cat([counts, tokens]), keep),
                        F.NROWS: E + tokens.numel()})
         if flags & FLAG_FP8:
@@ -253,6 +253,9 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
             raise Fail(f"handle must be the 5-tuple low_latency_dispatch returned, got {type(handle).__name__}")
         seq, plan = buf.lookup(handle[0], "low_latency_combine")
         tmax, H, E = int(handle[2]), int(handle[3]), int(handle[4])
+        if (tmax, H, E) != plan["sizes"]:
+            raise Fail("the handle's (num_max_dispatch_tokens_per_rank, hidden size, num_experts) differ from its "
+                       f"dispatch's, expected {plan['sizes']}, got {(tmax, H, E)}")
         L, N, T = E // R, R * tmax, plan["T"]
         x = _tensor(x, "x", 3, (torch.bfloat16,), (L, N, H))
         idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, plan["topk_idx"].size(1)))
@@ -272,6 +275,7 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
         fail = exc
     rows = ex.publish("low_latency_combine", fields, fail)
     ex.agree("low_latency_combine", rows, ((F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
+                        (F.TMAX, "the handle's num_max_dispatch_tokens_per_rank"), (F.E, "the handle's num_experts"),
                         (F.FLAGS, "zero_copy/hook/use_logfmt")))
 
     def recv() -> None:

@@ -283,8 +283,11 @@ def dispatch(buf, a: dict):
         fail, loc = exc, None
     rows = ex.publish("dispatch", fields, fail)
     rl = rows.tolist()
+    # Every field a receiver reads a peer's blocks with (it sizes them by its own values) must agree.
     ex.agree("dispatch", rl, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
-                        (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.K, "num_topk"),
+                        (F.H, "the hidden size"), (F.DTYPE, "x's dtype and the scales' dtype (code + 256 * scales' code, "
+                                                       "0: no scales)"), (F.K, "num_topk"),
+                        (F.SROW, "the scales' row width in bytes (0: no scales)"),
                         (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
     E, C, worst = rl[0][F.E], rl[0][F.CHANNELS], rl[ex.me][F.WORST]
     if fast.available(ex.prims):

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from ..bootstrap.base import Bootstrap
+from ..bootstrap.secret import JobSecret
 from ..bootstrap.topology import Topology
 from ..errors import ZbcclOutOfMemoryError
 
@@ -76,6 +77,12 @@ class Transport(ABC):
         The native core polls it every liveness interval; the CPU transport returns a pidfd.
         """
         return -1
+
+    def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
+        """After :meth:`establish`: the job's secret, shared by every rank through this transport, never
+        through the store; None when some rank is out of this transport's reach (a transport between
+        hosts would agree on it in its own authenticated handshake)."""
+        return None
 
     @abstractmethod
     def close(self, *, unmap: bool) -> None:

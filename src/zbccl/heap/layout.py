@@ -21,7 +21,10 @@ Header lines are written only by the owner and read by peers:
 * ``COOKIE``: a random 63-bit value written by the transport before the
   segment's descriptor is handed to anyone, and published through the store;
   a peer checks it after mapping, so a segment handed over by an impostor
-  (another job's, a squatter's) is refused.
+  (another job's, a squatter's) is refused;
+* ``SECRET``: this rank's share of the job secret (``SECRET_BYTES`` random
+  bytes, written like the cookie but never published): only holders of the
+  segments read it (:mod:`zbccl.bootstrap.secret`).
 
 A comm slot belongs to one communicator (the world is slot 0). Line 0 of the
 slot holds the owner's barrier epoch; the other lines are reserved for the
@@ -34,7 +37,7 @@ __all__ = [
     "LINE", "MAGIC_VALUE", "LAYOUT_VERSION", "HEADER_BYTES", "SLOT_BYTES", "MAX_COMMS", "CTRL_BYTES",
     "STATE_INIT", "STATE_READY", "STATE_FINALIZED", "STATE_FAILED",
     "H_MAGIC", "H_VERSION", "H_RANK", "H_HEAP_BYTES", "H_PID", "H_STATE", "H_ERROR", "H_COOKIE",
-    "H_PROBE_FLAG", "H_PROBE", "PROBE_BYTES",
+    "H_SECRET", "SECRET_BYTES", "H_PROBE_FLAG", "H_PROBE", "PROBE_BYTES",
     "slot_offset", "slot_line", "segment_bytes", "SLOT_BARRIER",
 ]
 
@@ -57,6 +60,8 @@ H_PID = 4 * LINE
 H_STATE = 5 * LINE
 H_ERROR = 6 * LINE
 H_COOKIE = 7 * LINE
+H_SECRET = 9 * LINE
+SECRET_BYTES = 32
 #: The host-state probe (``bench/probe.py``): its flag line, and PROBE_BYTES of lines the owner
 #: writes and a peer reads, in the header's unused second half (no heap block, nothing in memory_stats).
 H_PROBE_FLAG = 8 * LINE

@@ -58,6 +58,8 @@ import select
 import stat
 
 from ..bootstrap.base import Bootstrap
+from ..bootstrap.secret import JobSecret
+from ..bootstrap.store import in_range, parse_record
 from ..bootstrap.topology import Topology
 from ..errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from . import layout
@@ -138,8 +140,23 @@ def _load_i64(addr: int) -> int:
 
 
 def _member_of(rank: int, raw: bytes) -> Member:
-    d = json.loads(raw)
-    return Member(rank, int(d["pid"]), int(d["uid"]), str(d["token"]), int(d["cookie"]))
+    """A peer's "listening" record, parsed strictly (the store is not authenticated yet)."""
+    def check(d) -> Member:
+        token = d["token"]
+        if not isinstance(token, str) or len(token) != 32 or token.strip("0123456789abcdef"):
+            raise ValueError(token)
+        return Member(rank, in_range(d["pid"], 1, 1 << 22), in_range(d["uid"], 0, (1 << 32) - 1), token,
+                      in_range(d["cookie"], 1, (1 << 63) - 1))
+
+    return parse_record(raw, check, op="heap", rank=rank,
+                        what="{pid, uid, token (32 hex digits), cookie} of a listening segment server")
+
+
+def _error_of(d) -> str | None:
+    error = d.get("error")
+    if error is not None and not isinstance(error, str):
+        raise TypeError(error)
+    return error
 
 
 def _agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, timeout: float,
@@ -150,7 +167,8 @@ def _agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, tim
     got = bootstrap.all_gather(json.dumps(payload).encode(), timeout=timeout, tag=tag)
     if error is not None:
         raise error
-    failed = [(r, json.loads(b).get("error")) for r, b in enumerate(got)]
+    failed = [(r, parse_record(b, _error_of, op="heap", rank=r, what="a JSON object with an optional error"))
+              for r, b in enumerate(got)]
     failed = [(r, e) for r, e in failed if e]
     if failed:
         names = getattr(bootstrap, "members", range(bootstrap.world_size))
@@ -222,6 +240,7 @@ class ShmTransport(Transport):
         self.segments[rank] = Segment(rank, addr, nbytes, "cpu", owner=True, reserved=reserve)
         # Written before the descriptor can reach anyone (the server is not up yet).
         _store_i64(addr + layout.H_COOKIE, cookie)
+        ctypes.memmove(addr + layout.H_SECRET, secrets.token_bytes(layout.SECRET_BYTES), layout.SECRET_BYTES)
         return fd
 
     def _connect(self, job_id: str, peer: Member, nbytes: int, reserve: int, timeout: float) -> None:
@@ -282,6 +301,14 @@ class ShmTransport(Transport):
         if self.populate:
             prefault(seg.addr + old, nbytes - old)  # best effort: older kernels fault lazily
         seg.nbytes = nbytes
+
+    def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
+        """Derived from every rank's share in its segment header: only holders of all the job's segments
+        (processes of its uid that the handout served) can compute it."""
+        if sorted(self.segments) != list(range(world_size)):
+            return None
+        return JobSecret.from_shares([ctypes.string_at(self.segments[r].addr + layout.H_SECRET, layout.SECRET_BYTES)
+                                      for r in range(world_size)], job_id)
 
     def dead_peers(self) -> list[int]:
         # A pidfd becomes readable when its process exits, whoever else still

@@ -14,6 +14,7 @@ import operator
 
 import torch
 
+from .. import env
 from ..errors import ZbcclInvalidUsageError
 from .dtypes import DTYPE_CODES, dtype_code
 
@@ -104,8 +105,9 @@ def timeout_error(timeout, default: float, *, op: str) -> tuple[float, str | Non
         value = float(timeout)
     except (TypeError, ValueError):
         return default, f"{op}: timeout must be a number of seconds, got {timeout!r}"
-    if isinstance(timeout, bool) or not math.isfinite(value) or value <= 0:
-        return default, f"{op}: timeout must be a positive finite number of seconds, got {timeout!r}"
+    if isinstance(timeout, bool) or not math.isfinite(value) or not 0 < value <= env.MAX_SECONDS:
+        return default, (f"{op}: timeout must be a positive finite number of seconds, at most {env.MAX_SECONDS:.0f} "
+                         f"(what a wait can represent), got {timeout!r}")
     return value, None
 
 

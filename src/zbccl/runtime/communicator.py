@@ -19,19 +19,20 @@ the same rule at each poll of the store.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import env
 from ..bootstrap.store import StoreBootstrap
-from ..errors import ZbcclInvalidUsageError
+from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
 from ..heap import layout
 from ..heap.views import HeapHandle, view_heap
 from ..native.abi import WHERE_BARRIER, WHERE_STORE
 from .liveness import store_watch
 from .oplock import OpLock
 from .registry import guarded
-from .slots import acquire_slot, release_slot, reset_slot
+from .slots import acquire_slot, check_slot_free, parse_slot_record, release_slot, reset_slot
 from .waits import FlagSet, wait_flags
 
 if TYPE_CHECKING:
@@ -193,12 +194,25 @@ class Communicator:
 
         Goes through the bootstrap store (for handles and small metadata, never
         for tensor data). Blocks until all members contributed or ``timeout``.
+        Each value is sealed with the job's secret (HMAC-SHA256, see
+        :mod:`zbccl.bootstrap.secret`) and unpickled only once its MAC verified:
+        a value someone else wrote into the store raises
+        :class:`~zbccl.errors.ZbcclRemoteError` naming its key and is never unpickled.
+        Without a secret (a rank on another host) it refuses to run.
         """
         import pickle
 
         timeout = _seconds(timeout, self._ctx.timeout, "all_gather_object")
-        got = self.bootstrap.all_gather(pickle.dumps(obj), timeout=timeout, tag="object", watch=self.store_watch)
-        return [pickle.loads(b) for b in got]
+        if self.bootstrap.secret is None:
+            raise ZbcclInvalidUsageError(
+                "all_gather_object: no job secret to authenticate the store with, expected every rank's "
+                "segment mapped here (ranks on other hosts need an inter-host transport), got "
+                f"ranks {[r for r in self.ranks if not self._ctx.heap.reachable(r)]} out of reach")
+        try:
+            got = self.bootstrap.all_gather(pickle.dumps(obj), timeout=timeout, tag="object", watch=self.store_watch)
+        except ZbcclRemoteError as exc:
+            raise type(exc)(f"all_gather_object: {exc}", ranks=exc.ranks) from None
+        return [pickle.loads(b) for b in got]  # authenticated: written by a holder of the job's secret
 
     @guarded("new_group", WHERE_STORE)
     def new_group(self, ranks: Sequence[int], *, timeout: float | None = None) -> Communicator | NonMember:
@@ -227,17 +241,21 @@ class Communicator:
         if ctx.rank == leader:
             got = acquire_slot(ctx.bootstrap)
             slot, use = got if got is not None else (-1, 0)
-            ctx.bootstrap.set(slot_key, f"{slot}:{use}".encode())
+            # The nonce makes the group's key prefix unique even if the store's counters were reset.
+            nonce = secrets.token_hex(8)
+            ctx.bootstrap.set(slot_key, f"{slot}:{use}:{nonce}".encode())
         else:
-            slot, use = map(int, ctx.bootstrap.get(slot_key, timeout=timeout, owner=leader,
-                                                   watch=self.store_watch).split(b":"))
+            raw = ctx.bootstrap.get(slot_key, timeout=timeout, owner=leader, watch=self.store_watch)
+            slot, use, nonce = parse_slot_record(raw, key=ctx.bootstrap._key(slot_key))
         if slot < 0:
             raise ZbcclInvalidUsageError(
                 f"new_group: too many communicators, expected at most {layout.MAX_COMMS - 1} live groups "
                 "(destroy() returns a group's slot), got all of them in use")
+        check_slot_free(slot, [c for c in ctx.comms if c._live], key=ctx.bootstrap._key(slot_key))
         reset_slot(ctx.heap, slot)  # a reused slot holds the previous group's flags
         boot = StoreBootstrap(ctx.bootstrap.store, members.index(ctx.rank), len(members),
-                              prefix=f"{ctx.key_prefix}/g{slot}.{use}", members=tuple(members))
+                              prefix=f"{ctx.key_prefix}/g{slot}.{use}.{nonce}", members=tuple(members),
+                              secret=ctx.bootstrap.secret)
         comm = Communicator(ctx, members, slot, boot)
         boot.barrier(timeout=timeout, watch=comm.store_watch)  # every member reset its lines before anyone waits
         return comm

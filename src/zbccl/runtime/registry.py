@@ -25,6 +25,7 @@ from collections.abc import Callable
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclTimeoutError
 from ..native.abi import WHERE_COLLECTIVE
 from .liveness import FINALIZED_WHILE_WAITING, leave
@@ -125,8 +126,8 @@ def _enter(comm: Communicator, op: str, timeout: Any) -> None:
         wait = ctx.timeout if timeout is None else float(timeout)
     except (TypeError, ValueError):
         wait = ctx.timeout  # the op itself reports a bad timeout
-    if not 0 < wait < float("inf"):
-        wait = ctx.timeout
+    if not 0 < wait <= env.MAX_SECONDS:
+        wait = ctx.timeout  # the op itself reports a bad timeout
     if not lock.acquire(wait, stop=comm._stopped):
         if ctx.finalized:
             raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}")

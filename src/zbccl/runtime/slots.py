@@ -14,17 +14,28 @@ would satisfy the new group's waits at once. Each member therefore zeroes
 its own lines of the slot before the new group's first store barrier (no
 member waits on a slot before that barrier), and each use of a slot gets its
 own store prefix so the new group never reads the old one's keys.
+
+The counters cannot be authenticated (any local user may write the store), so
+a member never trusts the slot it is handed: the leader's record is sealed
+and parsed strictly (:func:`parse_slot_record`), and every member refuses a
+slot that one of its own live communicators uses (:func:`check_slot_free`). Two
+groups with no common member may share an index harmlessly: each uses the
+lines of its own members' segments only.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 
 from ..bootstrap.store import StoreBootstrap
+from ..errors import ZbcclRemoteError
 from ..heap import layout
 from ..heap.heap import GlobalHeap
 
-__all__ = ["acquire_slot", "release_slot", "reset_slot"]
+__all__ = ["acquire_slot", "check_slot_free", "parse_slot_record", "release_slot", "reset_slot"]
+
+_RECORD = re.compile(rb"(-1|[0-9]{1,4}):([0-9]{1,18}):([0-9a-f]{16})")
 
 
 def acquire_slot(boot: StoreBootstrap) -> tuple[int, int] | None:
@@ -47,3 +58,23 @@ def release_slot(boot: StoreBootstrap, slot: int) -> None:
 def reset_slot(heap: GlobalHeap, slot: int) -> None:
     """Zero this rank's own lines of ``slot`` (flags, op header, size vectors)."""
     ctypes.memset(heap.ctrl_addr(heap.rank, layout.slot_offset(slot)), 0, layout.SLOT_BYTES)
+
+
+def parse_slot_record(raw: bytes, *, key: str) -> tuple[int, int, str]:
+    """``(slot, use, nonce)`` of a leader's record ``b"<slot>:<use>:<nonce>"``; slot -1: none was free."""
+    m = _RECORD.fullmatch(raw)
+    slot = int(m.group(1)) if m else None
+    if slot is None or not (slot == -1 or 1 <= slot < layout.MAX_COMMS):
+        raise ZbcclRemoteError(
+            f"new_group: malformed slot record under '{key}', expected '<slot in [1, {layout.MAX_COMMS})>:<use>:"
+            f"<nonce>', got {bytes(raw[:40])!r}")
+    return slot, int(m.group(2)), m.group(3).decode()
+
+
+def check_slot_free(slot: int, live: list, *, key: str) -> None:
+    """Raise unless none of this rank's ``live`` communicators uses ``slot`` (what the store handed out)."""
+    holders = [c for c in live if c.slot == slot]
+    if holders:
+        raise ZbcclRemoteError(
+            f"new_group: comm slot {slot} handed out under '{key}' is in use on this rank, expected a free slot, "
+            f"got the one of live group {list(holders[0].ranks)} (the store's slot counters were tampered with)")

@@ -6,6 +6,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -15,7 +16,7 @@ from datetime import timedelta
 from .. import env
 from .._version import __version__
 from ..bootstrap.rendezvous import resolve
-from ..bootstrap.store import StoreBootstrap
+from ..bootstrap.store import StoreBootstrap, in_range, parse_record
 from ..bootstrap.topology import HostInfo, Topology, local_host_info
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
 from ..heap import layout
@@ -112,13 +113,13 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
         max_bytes = _heap_max(heap_max, nbytes)
-        for var in (env.LIVENESS_INTERVAL, env.WAIT_SPIN, env.WAIT_POLL_US, env.THREADS):
+        for var in env.VARIABLES:
             var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
                       group=group, timeout=seconds)
         generation = _generation(rdv)
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
-                              members=rdv.members)
+                              members=rdv.members, record=True)
         ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds)
         comm = Communicator(ctx, range(rdv.world_size), 0, boot)
         registry.set_default(comm)
@@ -131,17 +132,37 @@ def _hello(boot: StoreBootstrap, nbytes: int, max_bytes: int | None,
     info = local_host_info()
     payload = {"version": __version__, "host": info.to_dict(), "heap": nbytes, "heap_max": max_bytes,
                "job": uuid.uuid4().hex[:12] if boot.rank == 0 else None}
-    got = [json.loads(b) for b in boot.all_gather(json.dumps(payload).encode(), timeout=timeout, tag="hello")]
+    raw = boot.all_gather(json.dumps(payload).encode(), timeout=timeout, tag="hello")
+    got = [parse_record(b, _hello_of, op="init", rank=boot.members[r], what="a hello record (version, host, "
+                        f"heap sizes of 4096 to {env.MAX_BYTES} bytes{', job id' if r == 0 else ''})")
+           for r, b in enumerate(raw)]
     versions = {g["version"] for g in got}
     if len(versions) > 1:
         raise ZbcclInvalidUsageError(f"init: ranks run different zbccl versions, expected one, got {sorted(versions)}")
-    topo = Topology(boot.rank, tuple(HostInfo.from_dict(g["host"]) for g in got))
-    return got[0]["job"], topo, [int(g["heap"]) for g in got], [g["heap_max"] for g in got]
+    if not isinstance(got[0]["job"], str) or not re.fullmatch(r"[0-9a-f]{12}", got[0]["job"]):
+        raise ZbcclRemoteError(f"init: malformed job id from rank {boot.members[0]} in the rendezvous store, "
+                               f"expected 12 hex digits, got {got[0]['job']!r}", ranks=(boot.members[0],))
+    topo = Topology(boot.rank, tuple(g["host"] for g in got))
+    return got[0]["job"], topo, [g["heap"] for g in got], [g["heap_max"] for g in got]
+
+
+def _hello_of(d) -> dict:
+    """A hello record, checked field by field (the store is not authenticated yet)."""
+    if not isinstance(d["version"], str):
+        raise TypeError(d["version"])
+    host = HostInfo.from_dict(d["host"])
+    if not (isinstance(host.host_id, str) and isinstance(host.hostname, str) and host.pid > 0 and host.cores >= 0):
+        raise ValueError(host)
+    heap_max = d["heap_max"]
+    return {"version": d["version"], "host": host, "heap": in_range(d["heap"], 4096, env.MAX_BYTES),
+            "heap_max": None if heap_max is None else in_range(heap_max, 4096, env.MAX_BYTES), "job": d["job"]}
 
 
 def _agree(boot: StoreBootstrap, error: str | None, *, timeout: float, tag: str) -> None:
     """Collective: if any rank reports an error, raise it on every rank."""
-    got = [json.loads(b) for b in boot.all_gather(json.dumps(error).encode(), timeout=timeout, tag=tag)]
+    raw = boot.all_gather(json.dumps(error).encode(), timeout=timeout, tag=tag)
+    got = [parse_record(b, _text_or_none, op="init", rank=boot.members[r], what="null or an error text")
+           for r, b in enumerate(raw)]
     for r, err in enumerate(got):
         if err is not None:
             raise ZbcclOutOfMemoryError(f"{err} (reported by rank {boot.members[r]})", ranks=(boot.members[r],))
@@ -180,6 +201,8 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
         heap.init_header()
         boot.barrier(timeout=timeout, tag="headers")
         heap.check_peer_headers()
+        # From here every store value is sealed; the init records exchanged before are checked now.
+        boot.adopt_secret(transport.job_secret(job_id, boot.world_size), timeout=timeout)
     except BaseException:
         transport.close(unmap=True)
         raise
@@ -205,7 +228,14 @@ def _exchange_max(boot: StoreBootstrap, max_bytes: int, asked: list[int | None],
     if all(m is not None for m in asked):
         return [int(m) for m in asked]
     got = boot.all_gather(json.dumps(max_bytes).encode(), timeout=timeout, tag="heap-max")
-    return [int(json.loads(b)) for b in got]
+    return [parse_record(b, lambda v: in_range(v, 4096, env.MAX_BYTES), op="init", rank=boot.members[r],
+                         what=f"a heap_max of 4096 to {env.MAX_BYTES} bytes") for r, b in enumerate(got)]
+
+
+def _text_or_none(value) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(value)
+    return value
 
 
 def _grower(heap: GlobalHeap) -> Callable[[int], None]:
@@ -273,7 +303,8 @@ def _wait_ops_left(ctx: Context) -> bool:
     raise; the bound leaves room for many of them. False if one never left (or
     this very thread is inside an op, e.g. finalize from a signal handler).
     """
-    deadline = time.monotonic() + max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9)
+    bound = min(max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9), env.MAX_SECONDS)  # a wait must represent it
+    deadline = time.monotonic() + bound
     comms = list(ctx.comms)
     for c in comms:
         c._op_lock.wake()
@@ -284,7 +315,7 @@ def _wait_ops_left(ctx: Context) -> bool:
     if mine or stuck:
         _log.warning("zbccl: finalize: ops still running on communicators %s after %.1fs; keeping the heap "
                      "mapped so that they cannot fault", [list(c.ranks) for c in mine + stuck],
-                     max(_LEAVE_MIN_S, 20 * ctx.liveness_ns / 1e9))
+                     bound)
         return False
     return True
 

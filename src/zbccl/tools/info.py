@@ -8,6 +8,7 @@ import sys
 
 from .. import env
 from .._version import __version__
+from ..errors import ZbcclInvalidUsageError
 
 __all__ = ["collect_info", "print_info"]
 
@@ -30,13 +31,24 @@ def _cpu() -> dict:
 
 def _threads(plan, cpus: frozenset[int], torch_threads: int) -> dict:
     """zbccl's thread decision for this process alone, and whether it changes torch's setting."""
-    want = env.THREADS.get()
+    try:
+        want = env.THREADS.get()
+    except ZbcclInvalidUsageError as exc:  # info reports a bad setting instead of failing on it
+        return {"zbccl_threads_alone": None, "sets_torch_threads": False, "policy": f"invalid: {exc}"}
     ours, for_torch = plan(want, cpus, [cpus], torch_threads)
     policy = {True: f"ZBCCL_THREADS={want}: zbccl uses {want} and sets torch's intra-op threads to {want}",
               False: "ZBCCL_THREADS=0: zbccl follows torch's setting" if want == 0 else
               "default: this rank's cores divided by the local ranks pinned to them (decided at init from "
               "every local rank's affinity); torch's threads are left alone"}[for_torch is not None]
     return {"zbccl_threads_alone": ours, "sets_torch_threads": for_torch is not None, "policy": policy}
+
+
+def _value(var: env.EnvVar) -> str:
+    """The variable's value in effect, or ``invalid: <why>`` (what init would refuse)."""
+    try:
+        return str(var.get())
+    except ZbcclInvalidUsageError as exc:
+        return f"invalid: {exc}"
 
 
 def collect_info() -> dict:
@@ -65,7 +77,7 @@ def collect_info() -> dict:
         "threads": _threads(plan_threads, frozenset(host.cpus), torch.get_num_threads()),
         "shared_memory": shm_capacity(),
         "native": native_status,
-        "config": {v.name: {"value": str(v.get()), "set": v.is_set(), "doc": v.doc} for v in env.VARIABLES},
+        "config": {v.name: {"value": _value(v), "set": v.is_set(), "doc": v.doc} for v in env.VARIABLES},
     }
 
 

@@ -354,7 +354,9 @@ uint64_t zbh_class_size(int32_t id, uint64_t n) {
   return cls == h->sizes.size() ? 0 : h->sizes[cls];
 }
 
-// Enter a scope on heap `id` (0: none) for this thread; returns a token for zbh_scope_exit.
+// The thread's scope state is set, never stacked, here: adapters/scope.py keeps each thread's open scopes
+// and sets the innermost one still open after every enter and exit, so scopes may close in any order.
+// Set this thread's scope to heap `id` (0: none); returns the previous state as a token.
 int64_t zbh_scope_enter(int32_t id, int32_t strict) {
   int64_t token = (int64_t{tls.heap_id} << 1) | (tls.strict ? 1 : 0);
   tls.heap = heap_by_id(id);
@@ -363,7 +365,7 @@ int64_t zbh_scope_enter(int32_t id, int32_t strict) {
   return token;
 }
 
-// Restore the thread's scope state saved by zbh_scope_enter.
+// Set this thread's scope state to `token` (heap id << 1 | strict; 0: no scope).
 void zbh_scope_exit(int64_t token) {
   int32_t id = static_cast<int32_t>(token >> 1);
   tls.heap = heap_by_id(id);
