@@ -48,7 +48,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
+from ..errors import (
+    ZbcclError,
+    ZbcclInvalidUsageError,
+    ZbcclOutOfMemoryError,
+    ZbcclRemoteError,
+    ZbcclTimeoutError,
+)
 from ..heap import layout
 from ..native.abi import WHERE_P2P
 from ..runtime.liveness import leave
