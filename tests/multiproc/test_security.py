@@ -516,7 +516,9 @@ def _forged_slot(ctx, how):
 def test_forged_slot_record_is_refused():
     (n0, m0, r0, _), (n1, m1, r1, key) = run_world(_forged_slot, 2, how="record", timeout=120)
     assert n1 == "ZbcclRemoteError" and r1 == (0,) and f"'{key}'" in m1 and "forged" in m1, m1
-    assert n0 == "ZbcclTimeoutError" and r0 == (1,), m0
+    # Rank 0 waits in the group's barrier for rank 1, which refused the slot: it names rank 1, either as
+    # gone (the liveness rule sees rank 1 leave or finalize) or, if its 5 s ran out first, as late.
+    assert n0 in ("ZbcclRemoteError", "ZbcclTimeoutError") and r0 == (1,), m0
 
 
 @needs_root
