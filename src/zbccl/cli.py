@@ -116,9 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "build":
         from . import native
+        from .tools.info import native_lines
 
         native.build_all()
-        print("native code built:", native.status())
+        print("zbccl native libraries:")
+        for line in native_lines(native.status()):
+            print(line)
         return 0
     _parser().print_help()
     return 0

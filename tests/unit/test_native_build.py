@@ -32,7 +32,7 @@ def test_build_loads_and_second_call_is_cached(cache: Path, tmp_path: Path, monk
     src = _source(tmp_path)
     lib = nb.build("answer", [src], lang="c")
     assert lib.is_file() and lib.parent.parent == cache / "native"
-    assert "zbccl: building native core answer (first use, cached in" in capfd.readouterr().err
+    assert "zbccl: building native library answer (first use, cached in" in capfd.readouterr().err
     assert ctypes.CDLL(str(lib)).zb_answer() == 42
     info = nb.read_build_info(lib.parent)
     assert info["seconds"] >= 0 and info["compiler"]
