@@ -78,13 +78,85 @@ def find_compiler(lang: Lang) -> str:
     )
 
 
+#: Tries and first back-off of a compiler run that fails with EAGAIN (fork or exec refused by a full
+#: process or thread table: a loaded host with many ranks starting at once).
+_SPAWN_TRIES, _SPAWN_BACKOFF_S = 6, 0.05
+
+
+def _run(cmd: list[str], *, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that retries, with doubling back-off, when the fork itself fails with EAGAIN."""
+    delay = _SPAWN_BACKOFF_S
+    for attempt in range(_SPAWN_TRIES):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except BlockingIOError:  # EAGAIN from fork/clone: no process slot free right now
+            if attempt == _SPAWN_TRIES - 1:
+                raise
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def _compiler_identity(compiler: str) -> str | None:
+    """The resolved driver's path, inode, size and mtime: a new compiler (an upgrade) gets a new identity."""
+    path = shutil.which(compiler) or compiler
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None
+    return f"{real}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _versions_file() -> Path:
+    return env.CACHE_DIR.get() / "native" / "compilers.json"
+
+
 @functools.lru_cache(maxsize=8)
 def _compiler_version(compiler: str) -> str:
+    """The compiler's ``--version`` text (part of every JIT cache key).
+
+    :func:`build` records it in ``<cache>/native/compilers.json`` by the driver's identity, so a process
+    whose libraries are already built (every rank of every later job) spawns no compiler just to find
+    them: no fork per rank and init, where several ranks start at once on a loaded host (a full
+    process table made that fork fail with EAGAIN inside a test's first ``heap_scope``).
+    """
+    ident = _compiler_identity(compiler)
+    if ident is not None:
+        known = _known_versions()
+        if isinstance(known.get(ident), str):
+            return known[ident]
     try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+        out = _run([compiler, "--version"], timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ZbcclSystemError(f"native build: cannot run compiler {compiler!r}: {exc}") from None
     return out.stdout + out.stderr
+
+
+def _known_versions() -> dict[str, str]:
+    try:
+        known = json.loads(_versions_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _remember_version(compiler: str) -> None:
+    """Record ``compiler``'s ``--version`` in the cache (atomic replace; a lost race costs one rerun later)."""
+    ident = _compiler_identity(compiler)
+    if ident is None:
+        return
+    known = _known_versions()
+    if ident in known:
+        return
+    target = _versions_file()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".compilers.", dir=target.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({**known, ident: _compiler_version(compiler)}, f)
+        os.replace(tmp, target)
+    except OSError:
+        pass  # read-only cache: the version is asked again next time
 
 
 def abi_tag() -> str:
@@ -176,7 +248,7 @@ def compile_into(spec: BuildSpec, directory: Path) -> Path:
     cmd = _command(spec, out)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = _run(cmd, timeout=600)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ZbcclSystemError(f"native build: cannot run {' '.join(cmd)}: {exc}") from None
     if proc.returncode != 0:
@@ -246,6 +318,7 @@ def build(
     final = cache_path(spec)
     lib = final / lib_filename(name)
     if lib.exists():
+        _remember_version(spec.compiler)
         return lib
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -260,4 +333,5 @@ def build(
         raise ZbcclSystemError(
             f"native build: cannot write the build cache, expected a writable directory in ZBCCL_CACHE_DIR "
             f"({final.parent}), got {type(exc).__name__}: {exc.strerror or exc}") from None
+    _remember_version(spec.compiler)
     return lib
