@@ -49,3 +49,23 @@ def test_info_shows_values_as_a_person_reads_them() -> None:
                           "hot": {"built": False, "error": "native build: no c++ compiler"}})
     assert lines == ["  core             prebuilt (wheel), loaded: /x/core.so",
                      "  hot              not built (native build: no c++ compiler)"]
+
+
+def test_torch_versions_outside_the_matrix(monkeypatch) -> None:
+    from zbccl import native
+
+    monkeypatch.setattr(native, "_torch_checked", False)
+    monkeypatch.setattr(torch, "__version__", "2.3.1+cpu")
+    with pytest.raises(zbccl.ZbcclSystemError, match=r"init: torch too old, expected torch >= 2.4 .* got 2.3.1"):
+        native.check_torch()
+    monkeypatch.setattr(torch, "__version__", "2.12.0+cu130")
+    with pytest.warns(RuntimeWarning, match=r"torch 2.12.0\+cu130 is untested \(the test suite ran on torch 2.13\)"):
+        native.check_torch()
+    native.check_torch()  # once per process: no second warning
+    monkeypatch.setattr(native, "_torch_checked", False)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        native.check_torch()
