@@ -109,3 +109,17 @@ def test_unwritable_cache_is_named_as_such(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ZbcclSystemError, match=r"cannot write the build cache, expected a writable directory in "
                                                r"ZBCCL_CACHE_DIR \(.*a-file/cache/native\), got NotADirectoryError"):
         nb.build("answer", [src], lang="c")
+
+
+def test_a_prebuilt_library_that_does_not_load_falls_back_to_the_cache(wheel_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(native, "_origin", {})
+    loaded = []
+
+    def picky(path: Path) -> str:
+        if path.parent.parent == wheel_dir:
+            raise OSError(f"{path}: libgomp.so.1: cannot open shared object file")
+        loaded.append(path)
+        return "module"
+
+    assert native._load("core", picky) == "module"
+    assert loaded and loaded[0].parent.parent.name == "native" and native._origin["core"] == "cache"

@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -94,9 +95,9 @@ def _prebuilt(name: str) -> tuple[Path | None, str]:
     return None, reason
 
 
-def _build(name: str) -> Path:
+def _build(name: str, *, use_prebuilt: bool = True) -> Path:
     """The library's path: the wheel's prebuilt one when it matches, else the JIT cache's (building it)."""
-    path, reason = _prebuilt(name)
+    path, reason = _prebuilt(name) if use_prebuilt else (None, "the prebuilt library did not load")
     if path is not None:
         _origin[name] = "prebuilt"
         return path
@@ -115,13 +116,27 @@ def _build(name: str) -> Path:
 
 def _load_core(path: Path, modname: str = "zbccl._native_core") -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(modname, str(path))
-    spec = importlib.util.spec_from_file_location(modname, str(path), loader=loader)
-    if spec is None:
+    mspec = importlib.util.spec_from_file_location(modname, str(path), loader=loader)
+    if mspec is None:
         raise ZbcclSystemError(f"native: cannot load {path}, expected an extension module")
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(mspec)
     loader.exec_module(module)
     sys.modules[modname] = module
     return module
+
+
+def _load(name: str, load: Callable[[Path], Any]) -> Any:
+    """``load`` the library's path; a prebuilt library that does not load (a missing system library)
+    falls back to the JIT cache once, with a warning naming why."""
+    path = _build(name)
+    try:
+        return load(path)
+    except (ImportError, OSError) as exc:
+        if _origin.get(name) != "prebuilt":
+            raise
+        logging.getLogger("zbccl").warning("zbccl: the prebuilt %s does not load (%s); using the JIT build cache "
+                                           "instead", name, exc)
+        return load(_build(name, use_prebuilt=False))
 
 
 def core() -> ModuleType:
@@ -138,7 +153,7 @@ def core() -> ModuleType:
         with _lock:
             mod = _loaded.get("core")
             if mod is None:
-                mod = _loaded["core"] = _load_core(_build("core"))
+                mod = _loaded["core"] = _load("core", _load_core)
     return mod
 
 
@@ -156,7 +171,7 @@ def alloc_hook() -> ctypes.CDLL:
                 import torch  # noqa: F401  (libc10 must be loaded before the hook)
 
                 try:
-                    lib = _loaded["cpu_alloc_hook"] = ctypes.CDLL(str(_build("cpu_alloc_hook")))
+                    lib = _loaded["cpu_alloc_hook"] = _load("cpu_alloc_hook", lambda p: ctypes.CDLL(str(p)))
                 except (ZbcclSystemError, OSError) as exc:
                     _failed["cpu_alloc_hook"] = str(exc)
                     raise ZbcclSystemError(f"heap_scope: the allocator hook is not available: {exc}") from None
@@ -172,7 +187,7 @@ def hot() -> ModuleType | None:
                 try:
                     import torch  # noqa: F401  (libtorch_python must be loaded first)
 
-                    _loaded["hot"] = _load_core(_build("hot"), "zbccl._native_hot")
+                    _loaded["hot"] = _load("hot", lambda p: _load_core(p, "zbccl._native_hot"))
                 except Exception as exc:  # noqa: BLE001 - optional: the Python path does the same
                     logging.getLogger("zbccl").info("zbccl: native hot entry unavailable (%s)", exc)
                     _loaded["hot"] = None
