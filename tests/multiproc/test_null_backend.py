@@ -1,5 +1,6 @@
 """World size 1 runs every collective with no native core (the null backend), in a subprocess whose
-core import fails; world size 2 without the core refuses clearly (ZbcclSystemError)."""
+core import fails; world size 2 without the core refuses clearly at init (ZbcclSystemError), and the
+torch backend then runs the group on gloo after one warning, with zbccl.empty() saying why."""
 
 from __future__ import annotations
 
@@ -80,18 +81,45 @@ def _world_2_without_core(ctx):
     import pytest
 
     exec(_NO_CORE, {})
-    import torch
 
     import zbccl
 
-    ctx.init(heap_size=1 << 20, timeout=30)
-    try:
-        with pytest.raises(zbccl.ZbcclSystemError, match="native core is not available"):
-            zbccl.all_reduce(torch.ones(4))
-        return True
-    finally:
-        zbccl.finalize()
+    with pytest.raises(zbccl.ZbcclSystemError, match="init: the native core is required for world size 2: "
+                       "native build: no c compiler"):
+        ctx.init(heap_size=1 << 20, timeout=30)
+    assert not zbccl.is_initialized()
+    return True
 
 
-def test_world_2_without_the_native_core_is_a_clear_error():
+def test_world_2_without_the_native_core_fails_at_init():
     assert run_world(_world_2_without_core, 2, timeout=60) == [True, True]
+
+
+def _backend_without_core(ctx):
+    import warnings
+
+    import pytest
+
+    exec(_NO_CORE, {})
+    import torch
+    import torch.distributed as dist
+
+    import zbccl
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.init_process_group("zbccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
+    fallbacks = [str(w.message) for w in caught if "runs every op" in str(w.message)]
+    assert len(fallbacks) == 1 and "native core is required" in fallbacks[0], fallbacks
+    t = torch.full((4,), float(ctx.rank + 1))
+    dist.all_reduce(t)  # on gloo
+    assert torch.equal(t, torch.full((4,), 3.0))
+    with pytest.raises(zbccl.ZbcclInvalidUsageError,
+                       match=r"empty: zbccl is not initialized.*ran this job on gloo instead.*native core is required"):
+        zbccl.empty(4)
+    dist.destroy_process_group()
+    return True
+
+
+def test_backend_without_the_native_core_falls_back_to_gloo_once():
+    assert run_world(_backend_without_core, 2, timeout=60) == [True, True]

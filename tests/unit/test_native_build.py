@@ -32,7 +32,7 @@ def test_build_loads_and_second_call_is_cached(cache: Path, tmp_path: Path, monk
     src = _source(tmp_path)
     lib = nb.build("answer", [src], lang="c")
     assert lib.is_file() and lib.parent.parent == cache / "native"
-    assert "zbccl: building native core answer (first use, cached in" in capfd.readouterr().err
+    assert "zbccl: building native library answer (first use, cached in" in capfd.readouterr().err
     assert ctypes.CDLL(str(lib)).zb_answer() == 42
     info = nb.read_build_info(lib.parent)
     assert info["seconds"] >= 0 and info["compiler"]
@@ -90,3 +90,40 @@ def test_build_all_and_status(cache: Path) -> None:
     for name, row in st.items():
         assert row["built"] and row["path"] == str(paths[name]) and row["build_seconds"] is not None
     assert os.path.basename(native.core().__file__).startswith("core")
+
+
+def test_a_built_library_is_found_without_running_the_compiler(cache: Path, tmp_path: Path, monkeypatch) -> None:
+    """Every rank of every later process finds its libraries without a fork: the compiler's --version is
+    recorded in the cache (a full process table made that fork fail with EAGAIN under load)."""
+    src = _source(tmp_path)
+    lib = nb.build("answer", [src], lang="c")
+    nb._compiler_version.cache_clear()  # as in a fresh process
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError(f"a process was spawned to find a built library: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_spawn)
+    assert nb.build("answer", [src], lang="c") == lib
+    assert (cache / "native" / "compilers.json").is_file()
+
+
+def test_compiler_runs_retry_when_fork_fails_with_eagain(monkeypatch) -> None:
+    calls = []
+    real = subprocess.run
+
+    def flaky(*args, **kwargs):
+        calls.append(args)
+        if len(calls) < 3:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", flaky)
+    monkeypatch.setattr(nb, "_SPAWN_BACKOFF_S", 0.001)
+    assert nb._run(["true"], timeout=10).returncode == 0 and len(calls) == 3
+
+    def always(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "run", always)
+    with pytest.raises(BlockingIOError):
+        nb._run(["true"], timeout=10)

@@ -22,6 +22,7 @@ group runs every op on gloo, after one warning naming the reason.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from datetime import timedelta
 
@@ -136,11 +137,27 @@ def _agree(store, rank: int, size: int, error: str | None, seconds: float, n: st
     return None
 
 
+def _device_of_call() -> str | None:
+    """The device torch creates this backend for. Its creator API does not pass it; the caller
+    (``_new_process_group_helper``, looping over ``"cpu:zbccl,cuda:nccl"``'s pairs) holds it in ``device``.
+    None where another caller or a torch without that loop calls (then nothing is refused)."""
+    frame = sys._getframe(2)
+    if frame.f_code.co_name != "_new_process_group_helper":
+        return None
+    device = frame.f_locals.get("device")
+    return device if isinstance(device, str) else None
+
+
 def create(dist_opts, backend_opts=None):
     """torch's creator (extended API): the :class:`ProcessGroupZbccl` of one group on this member."""
     from .p2p import PointToPoint
     from .process_group import ProcessGroupZbccl
 
+    device = _device_of_call()
+    if device not in (None, "cpu"):
+        raise ZbcclInvalidUsageError(
+            f"init_process_group: zbccl runs CPU tensors only (its CUDA transport is planned), expected backend "
+            f"'zbccl' or 'cpu:zbccl' (e.g. 'cpu:zbccl,cuda:nccl'), got 'zbccl' for device {device!r}")
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group)
     seconds = _seconds(dist_opts.timeout)
@@ -172,6 +189,10 @@ def create(dist_opts, backend_opts=None):
         warnings.warn(f"zbccl: backend 'zbccl' runs every op of group {dist_opts.group_id!r} on gloo: zbccl "
                       f"could not start on {reason} (ZBCCL_STRICT=1 makes this an error)", RuntimeWarning,
                       stacklevel=2)
+        if not global_ranks:  # the default group: zbccl.empty() and the rest say why they have no heap
+            from ..runtime.registry import note_fallback
+
+            note_fallback(f"zbccl could not start on {reason}")
     p2p = PointToPoint(comm, incarnation=n) if comm is not None else None
     if comm is not None:
         from .funcol import install

@@ -35,13 +35,28 @@ def _shape(size: tuple) -> tuple[int, ...]:
     return shape
 
 
-def empty(*size, dtype: torch.dtype | None = None, comm: Communicator | None = None) -> torch.Tensor:
+def _check_device(device: torch.device | str | None, op: str) -> None:
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ZbcclInvalidUsageError(f"{op}: bad device, expected 'cpu', got {device!r} ({exc})") from None
+    if kind != "cpu":
+        raise ZbcclInvalidUsageError(
+            f"{op}: the heap holds CPU tensors only (a CUDA heap is planned), expected device 'cpu', got {device!r}")
+
+
+def empty(*size, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+          comm: Communicator | None = None) -> torch.Tensor:
     """A contiguous, uninitialised CPU tensor in this rank's heap.
 
     Not collective. Its memory returns to the SMA when the last reference
-    dies. Raises :class:`~zbccl.errors.ZbcclOutOfMemoryError` when the heap is full.
+    dies. ``device``: ``"cpu"`` or None (the heap is CPU memory; any other device is refused).
+    Raises :class:`~zbccl.errors.ZbcclOutOfMemoryError` when the heap is full.
     """
-    comm = resolve_comm(comm)
+    _check_device(device, "empty")
+    comm = resolve_comm(comm, op="empty")
     shape = _shape(size)
     dtype = dtype or torch.get_default_dtype()
     nbytes = math.prod(shape) * dtype.itemsize
@@ -53,15 +68,16 @@ def empty(*size, dtype: torch.dtype | None = None, comm: Communicator | None = N
     return flat[:nbytes].view(dtype).view(shape)
 
 
-def zeros(*size, dtype: torch.dtype | None = None, comm: Communicator | None = None) -> torch.Tensor:
+def zeros(*size, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+          comm: Communicator | None = None) -> torch.Tensor:
     """Like :func:`empty`, filled with zeros (cached blocks are reused dirty)."""
-    return empty(*size, dtype=dtype, comm=comm).zero_()
+    return empty(*size, dtype=dtype, device=device, comm=comm).zero_()
 
 
-def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None,
+def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                comm: Communicator | None = None) -> torch.Tensor:
-    """A contiguous heap tensor with ``t``'s shape and dtype (or ``dtype``)."""
-    return empty(tuple(t.shape), dtype=dtype or t.dtype, comm=comm)
+    """A contiguous heap tensor with ``t``'s shape and dtype (or ``dtype``); always on the CPU."""
+    return empty(tuple(t.shape), dtype=dtype or t.dtype, device=device, comm=comm)
 
 
 def _storage_range(t: torch.Tensor) -> tuple[int, int]:

@@ -242,9 +242,16 @@ def _sweep(impls: list[Impl], opts: dict, h: Harness) -> dict:
             "regate_s": h.regate.spent_s if h.regate else 0.0}
 
 
+def _say(rank: int, opts: dict, text: str) -> None:
+    """A phase line on stderr from rank 0 (so the minute before the first cell is not silent)."""
+    if rank == 0 and opts["progress"]:
+        print(f"zbccl bench: {text}", file=sys.stderr, flush=True)
+
+
 def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
     """One rank of the sweep (called by ``launch_local``); rank 0 returns the results."""
     silence_deprecations()
+    _say(rank, opts, f"{world_size} ranks started; starting zbccl and gloo")
     dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=opts["zbccl_timeout"] + 240))
     regate = Regate(store, rank, max_wait_s=min(opts["idle_wait"], 10.0), budget_s=opts["regate_budget"])
@@ -263,6 +270,7 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
             from .micro import host_overheads, small_call_overhead
 
             if rank == 0:
+                _say(rank, opts, "measuring host overheads (allocator, native calls, small all_reduce)")
                 overheads = host_overheads(comm, quick=opts["timing"]["reps"] < 5)
             dist.barrier()
             if "all_reduce" in zops:
@@ -276,7 +284,10 @@ def rank_main(*, rank: int, world_size: int, store, opts: dict) -> dict | None:
             impls.append(MpiImpl())
         if "gloo" in opts["baselines"]:
             impls.append(GlooImpl())
+        if "memcpy" in opts["baselines"]:
+            _say(rank, opts, f"memcpy baseline (after up to {opts['idle_wait']:.0f} s waiting for an idle machine)")
         memcpy = _memcpy_block(opts["sizes"], h) if "memcpy" in opts["baselines"] else None
+        _say(rank, opts, "the sweep (each op and dtype first waits, bounded, for an idle machine)")
         result = _sweep(impls, opts, h)
         dist.barrier()
     finally:
@@ -366,6 +377,10 @@ def run_bench(*, world_size: int = 2, ops=OPS, dtypes=("fp32", "bf16"), min_size
     n_gates = len(opts["ops"]) * len(opts["dtypes"]) + 1
     budget = timeout or 300 + n_cells * (80 if "vllm" in opts["baselines"] else 40) \
         + n_gates * opts["idle_wait"] + opts["regate_budget"]
+    if progress:
+        print(f"zbccl bench: {world_size} ranks x {nthreads} threads, {len(opts['ops'])} ops x {len(opts['dtypes'])} "
+              f"dtypes x {len(opts['sizes'])} sizes = {n_cells} cells against {', '.join(opts['baselines']) or 'nothing'}"
+              f"{' (quick)' if quick else ''}; starting the ranks ...", file=sys.stderr, flush=True)
     if "vllm" in opts["baselines"] and not vllm_importable():
         doc = _rerun_in_vllm_venv(dict(world_size=world_size, ops=list(ops), dtypes=list(dtypes), min_size=min_size,
                                        max_size=max_size, baselines=list(baselines), quick=quick, threads=threads,

@@ -34,12 +34,13 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 __all__ = ["collective", "guarded", "resolve_comm", "check_usable", "get_default", "set_default",
-           "is_initialized", "in_forked_child", "mark_forked_child", "FINALIZED_WHILE_WAITING"]
+           "is_initialized", "in_forked_child", "mark_forked_child", "note_fallback", "FINALIZED_WHILE_WAITING"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _default: Communicator | None = None
 _forked_from: int | None = None  # pid of the parent whose communicator this process inherited
+_fallback: str | None = None  # why the 'zbccl' torch backend runs the world on gloo (resolve_comm says it)
 
 
 def get_default() -> Communicator | None:
@@ -47,8 +48,17 @@ def get_default() -> Communicator | None:
 
 
 def set_default(comm: Communicator | None) -> None:
-    global _default
+    global _default, _fallback
     _default = comm
+    if comm is not None:
+        _fallback = None
+
+
+def note_fallback(reason: str | None) -> None:
+    """Record why the torch backend runs the default group on gloo: the error of a later zbccl call
+    without a communicator (``zbccl.empty()``) then says so instead of only "not initialized"."""
+    global _fallback
+    _fallback = reason
 
 
 def is_initialized() -> bool:
@@ -97,7 +107,8 @@ def resolve_comm(comm: Communicator | None = None, *, op: str = "zbccl") -> Comm
         if _forked_from is not None:
             raise _forked_error(op)
         if _default is None:
-            raise ZbcclInvalidUsageError(f"{op}: zbccl is not initialized, expected zbccl.init() first")
+            why = f" (init_process_group ran this job on gloo instead: {_fallback})" if _fallback else ""
+            raise ZbcclInvalidUsageError(f"{op}: zbccl is not initialized, expected zbccl.init() first{why}")
         comm = _default
     try:  # the common case first: a live communicator
         if comm._live:

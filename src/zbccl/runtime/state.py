@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
-from .. import env
+from .. import env, native
 from .._version import __version__
 from ..bootstrap.rendezvous import resolve
 from ..bootstrap.store import StoreBootstrap, in_range, parse_record
@@ -117,6 +117,9 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
             var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
                       group=group, timeout=seconds)
+        # Every library is ready before the first op (a JIT build of a source install happens here, not
+        # inside a collective); without the core, a world of several ranks fails now, not at its first op.
+        native.prepare(world_size=rdv.world_size)
         generation = _generation(rdv)
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
                               members=rdv.members, record=True)

@@ -10,7 +10,7 @@ from .. import env
 from .._version import __version__
 from ..errors import ZbcclInvalidUsageError
 
-__all__ = ["collect_info", "print_info"]
+__all__ = ["collect_info", "display_value", "native_lines", "print_info"]
 
 
 def _cpu() -> dict:
@@ -46,7 +46,7 @@ def _threads(plan, cpus: frozenset[int], torch_threads: int) -> dict:
 def _value(var: env.EnvVar) -> str:
     """The variable's value in effect, or ``invalid: <why>`` (what init would refuse)."""
     try:
-        return str(var.get())
+        return display_value(var.name, var.get())
     except ZbcclInvalidUsageError as exc:
         return f"invalid: {exc}"
 
@@ -81,6 +81,46 @@ def collect_info() -> dict:
     }
 
 
+#: Variables whose -1 means "decided at init" (see their docs in zbccl.env).
+_AUTO_NEGATIVE = ("ZBCCL_WAIT_SPIN", "ZBCCL_WAIT_POLL_US", "ZBCCL_THREADS")
+#: Variables holding a byte count.
+_SIZES = ("ZBCCL_HEAP_SIZE", "ZBCCL_HEAP_MAX", "ZBCCL_SMA_CACHE_LIMIT")
+
+
+def display_value(name: str, value: object) -> str:
+    """A configuration value as a person reads it: ``auto`` for the decided-at-init defaults (None,
+    -1), ``unlimited`` for the no-limit sentinel (>= 2**62), sizes as ``256M``, empty as ``(none)``."""
+    if value is None or (name in _AUTO_NEGATIVE and isinstance(value, (int, float)) and value < 0):
+        return "auto"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int) and value >= 1 << 62:
+        return "unlimited"
+    if name in _SIZES and isinstance(value, int):
+        return env.format_size(value)
+    if value == "":
+        return "(none)"
+    return str(value)
+
+
+def native_lines(native: dict) -> list[str]:
+    if "error" in native and len(native) == 1:
+        return [f"  unavailable: {native['error']}"]
+    lines = []
+    for name, row in native.items():
+        if row.get("built"):
+            how = row.get("origin", "built")
+            if row.get("build_seconds") is not None:
+                how += f", built in {row['build_seconds']} s"
+            state = f"{how}{', loaded' if row.get('loaded') else ''}: {row.get('path')}"
+        else:
+            state = f"not built ({row.get('error') or 'builds at the first zbccl.init, or run zbccl build'})"
+        lines.append(f"  {name:<16} {state}")
+        if row.get("error") and row.get("built"):
+            lines.append(f"  {'':<16} error: {row['error']}")
+    return lines
+
+
 def print_info(*, as_json: bool = False) -> None:
     info = collect_info()
     if as_json:
@@ -98,7 +138,9 @@ def print_info(*, as_json: bool = False) -> None:
           f"{'changes' if thr['sets_torch_threads'] else 'leaves'} torch's threads; {thr['policy']}")
     shm = info["shared_memory"]
     print("shared mem " + "  ".join(f"{k}={env.format_size(v) if v is not None else 'n/a'}" for k, v in shm.items()))
-    print("native     " + json.dumps(info["native"], default=str))
+    print("native")
+    for line in native_lines(info["native"]):
+        print(line)
     print("config")
     for name, c in info["config"].items():
         print(f"  {name:<24} {c['value']:<28} {'(set)' if c['set'] else '(default)'}")
