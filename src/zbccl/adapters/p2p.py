@@ -36,7 +36,6 @@ interval) and is bounded by the group's timeout.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,7 +73,7 @@ class _Recv:
 
 @dataclass
 class _Box:
-    """A sender's mailbox as this rank sees it: its words, and where they lie."""
+    """A sender's mailbox as this rank sees it: its words, and their native-core address (for the flag waits)."""
 
     words: np.ndarray
     addr: int
@@ -109,10 +108,10 @@ class PointToPoint:
         if self.mine is None:
             nbytes = self.comm.world_size * _PEER_WORDS * 8
             block = self.ctx.sma.malloc(nbytes, kind="p2p")
-            addr = self.ctx.heap.heap_base + block
-            ctypes.memset(addr, 0, nbytes)
+            heap = self.ctx.heap
+            heap.transport.zero(heap.rank, block, nbytes, op="send")
             self.block = block
-            self.mine = _Box(_words(addr, nbytes), addr)
+            self.mine = _Box(_words(heap, heap.rank, block, nbytes), heap.addr(heap.rank, block, nbytes, op="send"))
             self.comm.bootstrap.set(self._key(self.comm.rank), str(block).encode())
         return self.mine
 
@@ -130,8 +129,8 @@ class PointToPoint:
         else:
             raw = boot.get(key, timeout=wait, owner=self.comm.ranks[src])
         nbytes = self.comm.world_size * _PEER_WORDS * 8
-        addr = self.ctx.heap.addr(self.comm.ranks[src], int(raw), nbytes, op="recv")
-        box = self.boxes[src] = _Box(_words(addr, nbytes), addr)
+        g, heap = self.comm.ranks[src], self.ctx.heap
+        box = self.boxes[src] = _Box(_words(heap, g, int(raw), nbytes), heap.addr(g, int(raw), nbytes, op="recv"))
         return box
 
     # ------------------------------------------------------------ send
@@ -359,8 +358,9 @@ class PointToPoint:
                 self.block, self.mine = None, None
 
 
-def _words(addr: int, nbytes: int) -> np.ndarray:
-    return np.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=np.int64)
+def _words(heap, rank: int, offset: int, nbytes: int) -> np.ndarray:
+    """Global rank ``rank``'s mailbox words: an int64 view through the heap's transport."""
+    return heap.view(rank, offset, (nbytes // 8,), torch.int64, op="recv").numpy()
 
 
 def _one(tensors: list[torch.Tensor], op: str) -> torch.Tensor:

@@ -64,6 +64,7 @@ from ..native.abi import (
     L_VECTORS,
     VEC_CAP,
 )
+from ..native.memory import int64_cell
 from ..runtime.communicator import aborted_why
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet
@@ -75,7 +76,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OpChannel", "channel_of", "L_ARRIVE", "L_PHASE", "L_DONE", "L_ABORT", "ERR_USAGE", "ERR_NOMEM"]
 
-_HDR = struct.Struct(f"<{abi.HDR_FIELDS}q")
 _ARGS = struct.Struct(f"<{len(abi.ARGS)}q")
 _A_STAGED = abi.ARGS.index("staged")
 _A_TIMEOUT = abi.ARGS.index("timeout_ns")
@@ -104,7 +104,7 @@ class OpChannel:
         #: The op sequence number's storage: the native hot table's word once there is one (:meth:`_open`).
         self._seq = ctypes.c_int64(0)
 
-        def line(g: int, i: int) -> int:
+        def line(g: int, i: int) -> int:  # native-core address of line i of g's comm slot (for native waits)
             return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
 
         me = ctx.rank
@@ -112,12 +112,11 @@ class OpChannel:
         self.my_flags = {i: line(me, i) for i in (L_ARRIVE, L_PHASE, L_DONE, L_ABORT)}
         group = [comm.ranks.index(g) for g in peers]
         self.peer_flags = {i: FlagSet(peers, [line(g, i) for g in peers], group) for i in (L_ARRIVE, L_PHASE, L_DONE)}
-        #: Every group rank's ABORT, ARRIVE and DONE line and barrier flag (for diagnostics).
-        self.lines = {i: [line(g, i) for g in comm.ranks] for i in (L_ABORT, L_ARRIVE, L_DONE, layout.SLOT_BARRIER)}
-        self.headers = [(ctypes.c_char * _HDR.size).from_address(line(g, L_HEADER)) for g in comm.ranks]
-        self.vectors = [np.frombuffer((ctypes.c_char * (VEC_CAP * 8)).from_address(line(g, L_VECTORS)),
-                                      dtype=np.int64) for g in comm.ranks]
-        #: Local address of byte 0 of this rank's heap, and its size as last read (it may only grow:
+        #: Each group rank's size-vector area in its signal pad (an int64 view through the transport).
+        pad = heap.transport.pad_view
+        self.vectors = [pad(g, layout.slot_line(comm.slot, L_VECTORS), VEC_CAP * 8).numpy().view(np.int64)
+                        for g in comm.ranks]
+        #: Native-core address of byte 0 of this rank's heap, and its size as last read (it may only grow:
         #: :meth:`fits` re-reads the published size before refusing an operand).
         self.my_base = heap.addr(me, 0)
         self._size_word = heap.ctrl_addr(me, layout.H_HEAP_BYTES)
@@ -145,14 +144,14 @@ class OpChannel:
         ctx, heap = self.ctx, self.ctx.heap
         self._store_mode = store_kind_mode()  # a bad ZBCCL_STREAM_STORES fails before anything is built
         rows = []
-        for r, g in enumerate(comm.ranks):
+        for g in comm.ranks:
             def line(i: int, g: int = g) -> int:
                 return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
 
-            fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
+            fd = -1 if g == ctx.rank else heap.native.liveness_fd(g)
             rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
                          heap.ctrl_addr(g, layout.H_STATE), heap.addr(g, 0), heap.ctrl_addr(g, layout.H_HEAP_BYTES),
-                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT), line(L_ELECT)])
+                         fd, line(L_VECTORS), line(L_ABORT), line(L_ELECT)])
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.prims.chan_new(self.world_size, self.rank, ctx.spin, ctx.liveness_ns, self.timeout_ns,
                                           nthreads(), int(table.ctypes.data), ctx.poll_ns)
@@ -167,7 +166,7 @@ class OpChannel:
         self._hot_mod, self._hot_plans = hot, {}
         self.hot_table = hot.hot_new(self.handle, self.prims.chan_call_addr()) if hot is not None else 0
         if self.hot_table:
-            self._seq = ctypes.c_int64.from_address(self.hot_table + hot.SEQ_OFFSET)
+            self._seq = int64_cell(self.hot_table + hot.SEQ_OFFSET)
             self._acquire, self._release = hot.hot_acquire, hot.hot_release
             self.hot = hot.hot_entry(self.hot_table, False)
             self.hot_gather = hot.hot_entry(self.hot_table, True) if which == "all" else None
@@ -335,7 +334,7 @@ class OpChannel:
         raw = text.encode()[: (VEC_CAP - 2) * 8]
         vec = self.vectors[self.rank]
         vec[0] = len(raw)
-        vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(bytearray(raw), dtype=np.uint8)
         self.run(opcode, 0, 0, 0, 0, 0, -1, 0, 0, 0, kind, 0, 0, 0, 1, op=op)
         raise AssertionError("unreachable: an op whose header carries an error fails")  # pragma: no cover
 
@@ -350,8 +349,9 @@ class OpChannel:
     def abort(self, why: int, text: str) -> None:
         """Publish that this rank left an op half-way; every later op on this communicator refuses."""
         self.mark_broken(text)
-        ctypes.c_int64.from_address(self.my_flags[L_ABORT] + 16).value = why
-        self.prims.signal(self.my_flags[L_ABORT], self.seq)
+        transport, me, line = self.ctx.heap.transport, self.ctx.rank, layout.slot_line(self.comm.slot, L_ABORT)
+        transport.signal(me, line + 16, why)  # the reason first: a peer reads it once it sees the line set
+        transport.signal(me, line, self.seq)
 
     def mark_broken(self, text: str) -> None:
         """Every later op on this rank refuses (:meth:`enter`), the hot entry's included."""
@@ -361,7 +361,7 @@ class OpChannel:
 
     def aborted(self, r: int) -> int:
         """Why group rank ``r`` broke this communicator (``ABORT_*``), or 0."""
-        return aborted_why(self.prims, self.lines[L_ABORT][r])
+        return aborted_why(self.ctx.heap, self.comm.ranks[r], layout.slot_line(self.comm.slot, L_ABORT))
 
     # --------------------------------------------------------- memory
     def fits(self, off: int, nbytes: int) -> bool:

@@ -18,7 +18,6 @@ timeout.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -42,13 +41,13 @@ if TYPE_CHECKING:
 __all__ = ["Communicator", "NonMember", "aborted_why", "abort_error"]
 
 
-def aborted_why(prims, addr: int) -> int:
-    """Why the rank owning the ABORT line at ``addr`` broke its communicator (``ABORT_*``), or 0.
+def aborted_why(heap, rank: int, line: int) -> int:
+    """Why global rank ``rank`` broke the communicator whose ABORT line is pad byte ``line`` (``ABORT_*``), or 0.
 
     The line holds the op's sequence number at +0 (non-zero once set) and the reason at +16."""
-    if prims.load_acquire(addr) == 0:
+    if heap.header(rank, line) == 0:
         return 0
-    return ctypes.c_int64.from_address(addr + 16).value or ABORT_EXCEPTION
+    return heap.header(rank, line + 16) or ABORT_EXCEPTION
 
 
 def abort_error(r: int, why: int, *, op: str) -> ZbcclRemoteError:
@@ -98,7 +97,7 @@ class Communicator:
             self._peer_flags = FlagSet(peers, [ctx.heap.ctrl_addr(r, line) for r in peers],
                                        [self.ranks.index(r) for r in peers])
             abort = layout.slot_line(slot, L_ABORT)
-            self._abort_lines = {self.ranks.index(r): ctx.heap.ctrl_addr(r, abort) for r in peers}
+            self._abort_lines = {self.ranks.index(r): (r, abort) for r in peers}
 
     # ----------------------------------------------------------------- identity
     @property
@@ -214,7 +213,7 @@ class Communicator:
                 return
             except ZbcclTimeoutError as exc:
                 for r in exc.ranks:
-                    why = aborted_why(ctx.prims, self._abort_lines[r])
+                    why = aborted_why(ctx.heap, *self._abort_lines[r])
                     if why:
                         raise abort_error(r, why, op="barrier") from None
                 if left <= slice_s:

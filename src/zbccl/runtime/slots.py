@@ -18,8 +18,6 @@ own store prefix so the new group never reads the old one's keys.
 
 from __future__ import annotations
 
-import ctypes
-
 from ..bootstrap.store import StoreBootstrap
 from ..heap import layout
 from ..heap.heap import GlobalHeap
@@ -46,4 +44,4 @@ def release_slot(boot: StoreBootstrap, slot: int) -> None:
 
 def reset_slot(heap: GlobalHeap, slot: int) -> None:
     """Zero this rank's own lines of ``slot`` (flags, op header, size vectors)."""
-    ctypes.memset(heap.ctrl_addr(heap.rank, layout.slot_offset(slot)), 0, layout.SLOT_BYTES)
+    heap.transport.clear_pad(heap.rank, layout.slot_offset(slot), layout.SLOT_BYTES)

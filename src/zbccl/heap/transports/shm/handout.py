@@ -33,7 +33,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..errors import ZbcclRemoteError, ZbcclSystemError
+from ....errors import ZbcclRemoteError, ZbcclSystemError
 
 __all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive_fd"]
 
