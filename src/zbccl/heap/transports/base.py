@@ -285,8 +285,8 @@ class Transport(ABC):
         """Raise unless ``rank`` is reachable and ``[offset, offset+nbytes)`` lies within its live size."""
         if not self.reachable(rank):
             raise ZbcclInvalidUsageError(
-                f"{op}: rank {rank}'s memory is not reachable from here, expected a rank this {self.name} "
-                "transport mapped (another host, or a rank out of range)")
+                f"{op}: memory not reachable from here, expected a rank this {self.name} transport mapped, "
+                f"got rank {rank} (on another host, or out of range)")
         size = self.size(rank)
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise ZbcclInvalidUsageError(
@@ -296,7 +296,9 @@ class Transport(ABC):
     def check_pad(self, rank: int, line: int, nbytes: int, *, op: str) -> None:
         """Raise unless ``[line, line+nbytes)`` lies within ``rank``'s signal pad (and ``line`` is 8-aligned)."""
         if not self.reachable(rank):
-            raise ZbcclInvalidUsageError(f"{op}: rank {rank}'s signal pad is not reachable from here")
+            raise ZbcclInvalidUsageError(
+                f"{op}: signal pad not reachable from here, expected a rank this {self.name} transport mapped, "
+                f"got rank {rank} (on another host, or out of range)")
         pad = self.signal_pad(rank).nbytes
         if line < 0 or nbytes < 0 or line + nbytes > pad or line % 8:
             raise ZbcclInvalidUsageError(
