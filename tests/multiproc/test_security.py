@@ -352,7 +352,7 @@ def test_server_answers_only_members_and_vanishes_when_stopped():
 
 def test_local_ranks_must_share_one_uid():
     from zbccl.heap.transports.shm.handout import Member
-    from zbccl.heap.transports.shm.transport import _check_uids
+    from zbccl.heap.transports.shm.handout import check_uids as _check_uids
 
     me = Member(0, 1, 1000, "a", 1)
     assert _check_uids(me, {1: Member(1, 2, 1000, "b", 2)}) is None

@@ -49,7 +49,6 @@ descriptor it had.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import secrets
 import stat
@@ -65,7 +64,7 @@ from ....bootstrap.topology import Topology
 from ....errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from ... import flags, layout
 from ..base import NativeHandle, Segment, SignalPad, Transport
-from .handout import FdServer, Member, receive_fd
+from .handout import FdServer, Member, agree, check_uids, member_of, receive_fd
 from .liveness import Pidfds
 from .mapping import create_memfd, load_i64, map_fd, prefault, store_i64, tensor_at, unmap_addr
 
@@ -78,29 +77,6 @@ _PAD = layout.CTRL_BYTES
 def _store_i64(addr: int, value: int) -> None:
     """Writes the cookie (a seam the security tests use to forge one)."""
     store_i64(addr, value)
-
-
-def _member_of(rank: int, raw: bytes) -> Member:
-    d = json.loads(raw)
-    return Member(rank, int(d["pid"]), int(d["uid"]), str(d["token"]), int(d["cookie"]))
-
-
-def _agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, timeout: float,
-           tag: str) -> list[bytes]:
-    """All-gather ``payload`` (or this rank's error); raise on every rank if any rank failed."""
-    if error is not None:
-        payload = {"error": str(error)}
-    got = bootstrap.all_gather(json.dumps(payload).encode(), timeout=timeout, tag=tag)
-    if error is not None:
-        raise error
-    failed = [(r, json.loads(b).get("error")) for r, b in enumerate(got)]
-    failed = [(r, e) for r, e in failed if e]
-    if failed:
-        names = getattr(bootstrap, "members", range(bootstrap.world_size))
-        what = "; ".join(f"rank {names[r]}: {e}" for r, e in failed)
-        raise ZbcclRemoteError(f"heap: a peer could not set up the shared heap: {what}",
-                               ranks=tuple(names[r] for r, _ in failed))
-    return got
 
 
 class ShmTransport(Transport):
@@ -139,10 +115,10 @@ class ShmTransport(Transport):
                 server = FdServer(job_id, rank, me.token, fd)
             except ZbcclError as exc:
                 error = exc
-            got = _agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
+            got = agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
                          error, timeout=timeout, tag="shm-listen")
-            members = {p: _member_of(p, got[p]) for p in peers}  # _agree raised on any error
-            error = _check_uids(me, members)
+            members = {p: member_of(p, got[p]) for p in peers}  # _agree raised on any error
+            error = check_uids(me, members)
             if error is None:
                 server.serve([members[p] for p in peers])
                 try:
@@ -150,7 +126,7 @@ class ShmTransport(Transport):
                         self._connect(job_id, members[peer], data_bytes[peer], reserve[peer], timeout)
                 except ZbcclError as exc:
                     error = exc
-            _agree(bootstrap, {}, error, timeout=timeout, tag="shm-mapped")
+            agree(bootstrap, {}, error, timeout=timeout, tag="shm-mapped")
             server.stop()
             if server.error is not None:
                 raise ZbcclSystemError(f"heap: handing out the segment failed: {server.error}", ranks=(rank,))
@@ -395,18 +371,3 @@ class _ShmNative(NativeHandle):
     def liveness_fd(self, rank: int) -> int:
         """The pidfd of local peer ``rank`` (readable once it exited), or -1."""
         return self._t._live.fd(rank)
-
-
-def _check_uids(me: Member, members: dict[int, Member]) -> ZbcclError | None:
-    """Every local rank must run as our effective uid.
-
-    The store is not authenticated (any local user can write a TCPStore key),
-    so a uid published there proves nothing; requiring our own uid, which the
-    kernel vouches for at connect time, keeps other users out even then.
-    """
-    other = {r: m.uid for r, m in members.items() if m.uid != me.uid}
-    if other:
-        return ZbcclSystemError(
-            f"heap: local ranks must share one user, expected uid {me.uid}, got {other} (rank: uid)",
-            ranks=tuple(other))
-    return None
