@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
+from ..heap.flags import python_copy_many
 from ..heap.views import HeapHandle
 from ..ops import all_gather_into_tensor
 from ..runtime.threads import nthreads
@@ -259,7 +260,7 @@ class Exchange:
         base = self._all.data_ptr()
         table = array("q", [v for r, off in enumerate(self._hdr_off)
                             for v in (base + r * nbytes, self.addr(r, off + slot * nbytes, nbytes), nbytes)])
-        self.prims.copy_many(table.buffer_info()[0], self.R, 1)  # native code (or the stand-in) copies
+        getattr(self.prims, "copy_many", python_copy_many)(table.buffer_info()[0], self.R, 1)
         rows = self._all.view(self.R, HDR_LEN).clone()
         bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:
@@ -322,7 +323,7 @@ class Exchange:
         t = torch.cat(table).contiguous() if len(table) > 1 else table[0].contiguous()
         if count:
             self.moved += int(t[:, 2].sum())
-        self.prims.copy_many(t.data_ptr(), t.size(0), nthreads())
+        getattr(self.prims, "copy_many", python_copy_many)(t.data_ptr(), t.size(0), nthreads())
 
 
 def _describe(tag: int) -> str:

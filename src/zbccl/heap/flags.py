@@ -16,7 +16,7 @@ import platform
 from ..errors import ZbcclSystemError
 from .transports.shm.prims import PyPrimitives
 
-__all__ = ["primitives"]
+__all__ = ["primitives", "python_copy_many"]
 
 _log = logging.getLogger("zbccl")
 _prims = None
@@ -37,3 +37,7 @@ def primitives():
             _log.warning("zbccl: native core unavailable (%s); using slow Python flag waits", exc)
             _prims = PyPrimitives()
     return _prims
+
+
+#: The stand-in's row copies (``copy_many(table_ptr, n, nthreads)``), for callers whose primitives lack them.
+python_copy_many = PyPrimitives.copy_many
