@@ -214,7 +214,8 @@ class Transport(ABC):
         ``rank``'s live data (and holds at least one byte), else -1. Never raises for a foreign tensor."""
 
     def live_views(self) -> int:
-        """Data views (:meth:`view`) still alive: :meth:`close` may unmap only when there is none."""
+        """Views (:meth:`view`) of peers' memory still alive (views of this rank's own memory are accounted for
+        by whoever owns that memory: the allocator's blocks). ``close(unmap=True)`` is safe only when neither is."""
         return 0
 
     # ------------------------------------------------------------ put / get

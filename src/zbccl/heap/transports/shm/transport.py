@@ -49,6 +49,7 @@ descriptor it had.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import secrets
 import stat
@@ -251,21 +252,22 @@ class ShmTransport(Transport):
     def view(self, rank: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *,
              stride: Sequence[int] | None = None, release: Callable[[], None] | None = None,
              op: str = "view") -> torch.Tensor:
-        shape = tuple(int(s) for s in shape)
+        isz = dtype.itemsize
         if stride is None:
-            span = dtype.itemsize
-            for s in shape:
-                span *= s
+            span = isz * math.prod(shape)
         else:
-            stride = tuple(int(s) for s in stride)
-            span = 0 if any(s == 0 for s in shape) else \
-                (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * dtype.itemsize
-        if offset % dtype.itemsize:
+            span = 0 if 0 in shape else (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * isz
+        if offset % isz:
             raise errors.ZbcclInvalidUsageError(
-                f"{op}: offset not aligned to {dtype}, expected a multiple of {dtype.itemsize}, got {offset}")
-        self.check_data(rank, offset, span, op=op)
-        self.views += 1
-        flat = tensor_at(self._base[rank] + _PAD + offset, span, _Release(self, release))
+                f"{op}: offset not aligned to {dtype}, expected a multiple of {isz}, got {offset}")
+        base = self._base.get(rank)
+        if base is None or offset < 0 or span < 0 or offset + span > self.size(rank):
+            self.check_data(rank, offset, span, op=op)  # raises, naming what is wrong
+        if rank == self.rank:  # own memory: the allocator's block under it is counted (not the view)
+            flat = tensor_at(base + _PAD + offset, span, release)
+        else:
+            self.views += 1
+            flat = tensor_at(base + _PAD + offset, span, _Release(self, release))
         typed = flat.view(dtype)
         return typed.view(shape) if stride is None else typed.as_strided(shape, stride)
 
