@@ -334,7 +334,7 @@ class OpChannel:
         raw = text.encode()[: (VEC_CAP - 2) * 8]
         vec = self.vectors[self.rank]
         vec[0] = len(raw)
-        vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(bytearray(raw), dtype=np.uint8)
+        vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         self.run(opcode, 0, 0, 0, 0, 0, -1, 0, 0, 0, kind, 0, 0, 0, 1, op=op)
         raise AssertionError("unreachable: an op whose header carries an error fails")  # pragma: no cover
 
