@@ -143,8 +143,11 @@ def _peer_death(ctx, name):
     try:
         if ctx.rank == 1:
             t.signal(1, line(8), 1)
+            t.wait_until([(0, line(8))], 1, timeout=60, op="go")
             os.kill(os.getpid(), signal.SIGKILL)
         t.wait_until([(1, line(8))], 1, timeout=60, op="ready")
+        assert t.dead_peers() == []  # alive (it waits for our go)
+        t.signal(0, line(8), 1)
         t0 = time.monotonic()
         with pytest.raises(ZbcclRemoteError) as info:
             t.wait_until([(1, line(9))], 1, timeout=60, op="conformance", liveness=0.2)
