@@ -206,7 +206,8 @@ def _bounds(ctx, name):
     try:
         t.view(me, DATA - 16, (2,), torch.int64).copy_(payload(me, 2).to(t.device))
         boot.barrier(timeout=30)
-        size = t.size(peer)
+        size = DATA  # what the peer was set up with: the transport's own answer is under test
+        assert t.size(peer) == size and t.size(me) == size
         bad = {
             "view past the end": lambda: t.view(peer, size - 8, (2,), torch.int64),
             "view at a negative offset": lambda: t.view(peer, -8, (1,), torch.int64),
