@@ -144,6 +144,9 @@ class Transport(ABC):
     def __init__(self, *, device: torch.device | str = "cpu") -> None:
         #: The device the data segments are on (tensors from the views are on it).
         self.device = torch.device(device)
+        #: The stream the verbs' device work goes on; None for host transports, whose verbs complete on the
+        #: calling thread (a device transport documents whether a verb is stream-ordered or host-synchronous).
+        self.stream = None
 
     # ------------------------------------------------------------ lifecycle
     @abstractmethod
