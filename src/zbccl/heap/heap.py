@@ -127,7 +127,8 @@ class GlobalHeap:
              stride: Sequence[int] | None = None, release: Callable[[], None] | None = None,
              op: str = "heap") -> torch.Tensor:
         """Zero-copy, bounds-checked tensor over rank ``rank``'s heap (the transport's :meth:`view`)."""
-        self._check_rank(rank, op)
+        if self.closed or not self.transport.reachable(rank):
+            self._check_rank(rank, op)  # raises, naming what is wrong
         return self.transport.view(rank, offset, shape, dtype, stride=stride, release=release, op=op)
 
     def offset_of(self, t: torch.Tensor) -> int:

@@ -100,7 +100,8 @@ class ShmTransport(Transport):
         self._live = Pidfds()
         self._prims = flags.primitives()
         self._native = _ShmNative(self)
-        self.views = 0  # data views alive (finalize keeps the mappings while any is)
+        self.views = 0  # views of peers' data alive (finalize keeps the mappings while any is)
+        self._own_flat: torch.Tensor | None = None  # this rank's live data as one uint8 view (_own_bytes)
 
     # ------------------------------------------------------------ lifecycle
     def establish(self, bootstrap: Bootstrap, topology: Topology, *, data_bytes: list[int], job_id: str,
@@ -224,6 +225,7 @@ class ShmTransport(Transport):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._own_flat = None
         if unmap:
             for r, addr in self._base.items():
                 unmap_addr(addr, layout.segment_bytes(self.segments[r].reserved))
@@ -264,12 +266,22 @@ class ShmTransport(Transport):
         if base is None or offset < 0 or span < 0 or offset + span > self.size(rank):
             self.check_data(rank, offset, span, op=op)  # raises, naming what is wrong
         if rank == self.rank:  # own memory: the allocator's block under it is counted (not the view)
-            flat = tensor_at(base + _PAD + offset, span, release)
+            if release is None:  # a slice of one view of the whole live range (no storage object per call)
+                flat = self._own_bytes(offset + span)[offset:offset + span]
+            else:  # a storage of its own, so that ``release`` runs when the last tensor on it dies
+                flat = tensor_at(base + _PAD + offset, span, release)
         else:
             self.views += 1
             flat = tensor_at(base + _PAD + offset, span, _Release(self, release))
         typed = flat.view(dtype)
         return typed.view(shape) if stride is None else typed.as_strided(shape, stride)
+
+    def _own_bytes(self, end: int) -> torch.Tensor:
+        """A uint8 view of this rank's data up to at least ``end`` (within its live size), made once per size."""
+        flat = self._own_flat
+        if flat is None or flat.numel() < end:
+            flat = self._own_flat = tensor_at(self._base[self.rank] + _PAD, self.size(self.rank))
+        return flat
 
     def pad_view(self, rank: int, line: int, nbytes: int, *, op: str = "signal pad") -> torch.Tensor:
         self.check_pad(rank, line, nbytes, op=op)
