@@ -68,6 +68,7 @@ from ..native.abi import (
     VEC_CAP,
     WHERE_COLLECTIVE,
 )
+from ..native.memory import int64_cell
 from ..runtime import liveness
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet
@@ -79,7 +80,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OpChannel", "channel_of", "L_ARRIVE", "L_PHASE", "L_DONE", "L_ABORT", "ERR_USAGE", "ERR_NOMEM"]
 
-_HDR = struct.Struct(f"<{abi.HDR_FIELDS}q")
 _ARGS = struct.Struct(f"<{len(abi.ARGS)}q")
 _A_STAGED = abi.ARGS.index("staged")
 _A_TIMEOUT = abi.ARGS.index("timeout_ns")
@@ -108,7 +108,7 @@ class OpChannel:
         #: The op sequence number's storage: the native hot table's word once there is one (:meth:`_open`).
         self._seq = ctypes.c_int64(0)
 
-        def line(g: int, i: int) -> int:
+        def line(g: int, i: int) -> int:  # native-core address of line i of g's comm slot (for native waits)
             return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
 
         me = ctx.rank
@@ -116,12 +116,11 @@ class OpChannel:
         self.my_flags = {i: line(me, i) for i in (L_ARRIVE, L_PHASE, L_DONE, L_ABORT)}
         group = [comm.ranks.index(g) for g in peers]
         self.peer_flags = {i: FlagSet(peers, [line(g, i) for g in peers], group) for i in (L_ARRIVE, L_PHASE, L_DONE)}
-        #: Every group rank's ABORT, ARRIVE and DONE line and barrier flag (for diagnostics).
-        self.lines = {i: [line(g, i) for g in comm.ranks] for i in (L_ABORT, L_ARRIVE, L_DONE, layout.SLOT_BARRIER)}
-        self.headers = [(ctypes.c_char * _HDR.size).from_address(line(g, L_HEADER)) for g in comm.ranks]
-        self.vectors = [np.frombuffer((ctypes.c_char * (VEC_CAP * 8)).from_address(line(g, L_VECTORS)),
-                                      dtype=np.int64) for g in comm.ranks]
-        #: Local address of byte 0 of this rank's heap, and its size as last read (it may only grow:
+        #: Each group rank's size-vector area in its signal pad (an int64 view through the transport).
+        pad = heap.transport.pad_view
+        self.vectors = [pad(g, layout.slot_line(comm.slot, L_VECTORS), VEC_CAP * 8).numpy().view(np.int64)
+                        for g in comm.ranks]
+        #: Native-core address of byte 0 of this rank's heap, and its size as last read (it may only grow:
         #: :meth:`fits` re-reads the published size before refusing an operand).
         self.my_base = heap.addr(me, 0)
         self._size_word = heap.ctrl_addr(me, layout.H_HEAP_BYTES)
@@ -150,15 +149,14 @@ class OpChannel:
         ctx, heap = self.ctx, self.ctx.heap
         self._store_mode = store_kind_mode()  # a bad ZBCCL_STREAM_STORES fails before anything is built
         rows = []
-        for r, g in enumerate(comm.ranks):
+        for g in comm.ranks:
             def line(i: int, g: int = g) -> int:
                 return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
 
-            fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
+            fd = -1 if g == ctx.rank else heap.native.liveness_fd(g)
             rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
                          heap.ctrl_addr(g, layout.H_STATE), heap.addr(g, 0), heap.ctrl_addr(g, layout.H_HEAP_BYTES),
-                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT), line(L_ELECT),
-                         liveness.abort_line(ctx, g)])
+                         fd, line(L_VECTORS), line(L_ABORT), line(L_ELECT), liveness.abort_addr(ctx, g)])
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.prims.chan_new(self.world_size, self.rank, ctx.spin, ctx.liveness_ns, self.timeout_ns,
                                           nthreads(), int(table.ctypes.data), ctx.poll_ns)
@@ -173,7 +171,7 @@ class OpChannel:
         self._hot_mod, self._hot_plans = hot, {}
         self.hot_table = hot.hot_new(self.handle, self.prims.chan_call_addr()) if hot is not None else 0
         if self.hot_table:
-            self._seq = ctypes.c_int64.from_address(self.hot_table + hot.SEQ_OFFSET)
+            self._seq = int64_cell(self.hot_table + hot.SEQ_OFFSET)
             self._acquire, self._release = hot.hot_acquire, hot.hot_release
             self.hot = hot.hot_entry(self.hot_table, False)
             self.hot_gather = hot.hot_entry(self.hot_table, True) if which == "all" else None
@@ -359,11 +357,11 @@ class OpChannel:
         ops, unless ``why`` is ``ABORT_PEER``)."""
         if why != ABORT_PEER:
             self.mark_broken(text)
-        addr = self.my_flags[L_ABORT]
-        if self.prims.load_acquire(addr) == 0:
-            self.prims.store_release(addr + 8 * AW_WHY, why)
-            self.prims.store_release(addr + 8 * AW_WHERE, WHERE_COLLECTIVE)
-            self.prims.signal(addr, max(1, self.seq))
+        transport, me, line = self.ctx.heap.transport, self.ctx.rank, layout.slot_line(self.comm.slot, L_ABORT)
+        if transport.load(me, line) == 0:  # the reason first: a peer reads it once it sees the line set
+            transport.signal(me, line + 8 * AW_WHY, why)
+            transport.signal(me, line + 8 * AW_WHERE, WHERE_COLLECTIVE)
+            transport.signal(me, line, max(1, self.seq))
         liveness.mark_left(self.ctx, why, text, where=WHERE_COLLECTIVE, seq=self.seq)
 
     def mark_broken(self, text: str) -> None:
@@ -375,8 +373,9 @@ class OpChannel:
     def aborted(self, r: int) -> tuple[int, int]:
         """``(why, where)`` group rank ``r`` broke this communicator for (``ABORT_*``, ``WHERE_*``): its own
         ABORT line, else this channel's; ``(0, 0)`` if neither is set."""
-        got = liveness.aborted(self.prims, liveness.abort_line(self.ctx, self.comm.ranks[r]))
-        return got if got[0] else liveness.aborted(self.prims, self.lines[L_ABORT][r])
+        transport, g = self.ctx.heap.transport, self.comm.ranks[r]
+        got = liveness.aborted(transport, g, liveness.ABORT_LINE)
+        return got if got[0] else liveness.aborted(transport, g, layout.slot_line(self.comm.slot, L_ABORT))
 
     # --------------------------------------------------------- memory
     def fits(self, off: int, nbytes: int) -> bool:
