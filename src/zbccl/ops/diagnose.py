@@ -118,6 +118,11 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
         if first is not None and first[0] in ch.comm.ranks:
             rank = ch.comm.ranks.index(first[0])
         why, where = ch.aborted(rank)
+        if why == ABORT_TIMEOUT:  # a co-waiter gave up first: the ranks that never came are the cause
+            late = _not_arrived(ch, skip=rank)
+            if late:
+                return ZbcclTimeoutError(f"{late_message(ch, late, op=op)} (rank {rank} timed out waiting "
+                                         "for them first and left the op)", ranks=tuple(late))
         return abort_error(rank, why, op=op, where=where)
     if rc in (RC_DEAD, RC_GONE):
         state = ch.ctx.heap.header(ch.comm.ranks[rank], layout.H_STATE)
@@ -189,6 +194,13 @@ def describe(ch: OpChannel, r: int) -> str:
         return (f"rank {r} is in a different collective: {name} #{arrive} (this rank is at #{ch.seq}), "
                 "so an earlier op did not end on every rank")
     return f"rank {r} never arrived (the last collective it finished here is #{done})"
+
+
+def _not_arrived(ch: OpChannel, *, skip: int) -> list[int]:
+    """Group ranks (other than this one and ``skip``) that have not posted ARRIVE for op ``ch.seq``."""
+    heap, slot = ch.ctx.heap, ch.comm.slot
+    return [r for r, g in enumerate(ch.comm.ranks) if r not in (ch.rank, skip)
+            and heap.header(g, layout.slot_line(slot, L_ARRIVE)) < ch.seq]
 
 
 def late_message(ch: OpChannel, late: list[int], *, op: str) -> str:
