@@ -28,7 +28,7 @@ from ..bootstrap.store import StoreBootstrap
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..heap.views import HeapHandle, view_heap
-from ..native.abi import ABORT_EXCEPTION, ABORT_INTERRUPT, ABORT_PEER, ABORT_TIMEOUT, L_ABORT
+from ..native.abi import ABORT_EXCEPTION, ABORT_INTERRUPT, ABORT_PEER, ABORT_TIMEOUT, L_ABORT, W_WHY
 from .oplock import OpLock
 from .registry import guarded
 from .slots import acquire_slot, release_slot, reset_slot
@@ -45,10 +45,10 @@ __all__ = ["Communicator", "NonMember", "aborted_why", "abort_error"]
 def aborted_why(prims, addr: int) -> int:
     """Why the rank owning the ABORT line at ``addr`` broke its communicator (``ABORT_*``), or 0.
 
-    The line holds the op's sequence number at +0 (non-zero once set) and the reason at +16."""
+    The line holds the op's sequence number in word ``W_VALUE`` (non-zero once set) and the reason in ``W_WHY``."""
     if prims.load_acquire(addr) == 0:
         return 0
-    return ctypes.c_int64.from_address(addr + 16).value or ABORT_EXCEPTION
+    return ctypes.c_int64.from_address(addr + 8 * W_WHY).value or ABORT_EXCEPTION
 
 
 def abort_error(r: int, why: int, *, op: str) -> ZbcclRemoteError:
