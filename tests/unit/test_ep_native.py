@@ -1,4 +1,4 @@
-"""The native EP plan kernels (native/csrc/ep.c) against the torch oracle in zbccl.ep.layout."""
+"""The native EP plan kernels (native/csrc/ep.c) against the torch oracle in zbccl.ep.reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zbccl import native
-from zbccl.ep.layout import channel_prefix, dispatch_layout, expert_pairs, rank_lists, send_head
+from zbccl.ep.reference import channel_prefix, dispatch_layout, expert_pairs, rank_lists, send_head
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +112,20 @@ def test_ep_ll_plan_refuses_bad_entries(core):
     assert n == -1 and err.tolist() == [3, 9]  # token 3: 9 is outside [-1, 8)
     idx[3, 0] = -2
     assert _ll_plan(core, idx, 8)[0] == -1
+
+
+def test_capabilities_come_from_the_core_once(core):
+    from zbccl.ep.caps import Capabilities
+
+    caps = Capabilities.of(core)
+    assert caps.ll_pull is core.ep_ll_pull and caps.copy_many is core.copy_many
+    with pytest.raises(AttributeError):
+        caps.pull = None  # frozen: resolved once, never patched per op
+
+
+def test_a_core_without_the_ep_kernels_is_a_clear_error():
+    from zbccl import ZbcclSystemError
+    from zbccl.ep.caps import Capabilities
+
+    with pytest.raises(ZbcclSystemError, match=r"ep: the native core's EP kernels are missing.*zbccl build"):
+        Capabilities.of(object())  # what a host without a C compiler has (heap/flags.py's Python stand-in)

@@ -1,10 +1,15 @@
-"""The native path of normal dispatch and combine: one C call each for the plan read, the row pull and the
-fp32 combine sum (``native/csrc/ep.c``), so that an op's Python cost does not grow with its rows.
+"""The native EP kernels (``native/csrc/ep.c``) and the calls that drive them: one C call each for the layout,
+the sender's plan block, the plan read, the row pull and the fp32 combine sum, so that an op's Python cost
+does not grow with its rows.
 
-Same protocol and results as the torch path in :mod:`.normal` (which is the reference and the fallback
-when the core lacks these kernels): the calls run between the handshake all_gather and the closing
-barrier, read peers' published blocks only through addresses bounds-checked here for the whole block,
-and the kernels check every row index they take from a peer against that block.
+These are the only implementation of EP's local steps: the plain-torch version of every op is
+:mod:`.reference`, the tests' oracle, not a fallback. :class:`.caps.Capabilities` names the kernels, resolved
+once from the native core when a Buffer is built; a core without them (no C compiler) is a clear
+:class:`~zbccl.errors.ZbcclSystemError` there, never a slower path chosen op by op.
+
+The calls run between the handshake (after it every peer's published plan block and operands are
+readable) and the closing barrier, read peers' published blocks only through addresses bounds-checked
+here for the whole block, and the kernels check every row index they take from a peer against that block.
 """
 
 from __future__ import annotations
@@ -15,17 +20,13 @@ from array import array
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
+from ..ops.dtypes import CODES
+from .caps import Capabilities
 from .exchange import F, Fail
 
-__all__ = ["available", "layout", "route", "plan", "pull", "combine_sum"]
+__all__ = ["layout", "route", "plan", "pull", "combine_sum"]
 
 _FIELDS = (("x", F.X, F.XROW), ("s", F.SCALES, F.SROW), ("i", F.TOPK, None), ("w", F.W, None))
-
-
-def available(prims) -> bool:
-    """Whether the native core has the EP kernels (else :mod:`.normal` runs its torch path)."""
-    return getattr(prims, "ep_combine", None) is not None
 
 
 def _call(fn, values: list) -> int:
@@ -44,7 +45,7 @@ def plan(buf, rows: list) -> tuple[torch.Tensor, list[int], torch.Tensor, list[t
     per_expert = torch.empty(L, dtype=torch.int64)
     recv_chan = torch.empty(R, C, dtype=torch.int32)
     metas = [(ex.addr(r, rows[r][F.META], rows[r][F.NROWS] * 8), rows[r][F.NROWS]) for r in range(R)]
-    bad = _call(ex.prims.ep_plan, [R, me, E, C, L, counts.data_ptr(), per_expert.data_ptr(), recv_chan.data_ptr()]
+    bad = _call(ex.caps.plan, [R, me, E, C, L, counts.data_ptr(), per_expert.data_ptr(), recv_chan.data_ptr()]
                 + [v for m in metas for v in m])
     if bad >= 0:
         raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s plan block is malformed, expected "
@@ -75,7 +76,7 @@ def pull(buf, rows: list, counts: torch.Tensor, metas: list, out: dict, num_recv
         for (_, field, _), row in zip(_FIELDS, row_of):
             a.append(ex.addr(r, rows[r][field], T_r * row) if row and T_r else 0)
     t0 = time.perf_counter_ns()
-    moved = _call(ex.prims.ep_pull, a)
+    moved = _call(ex.caps.pull, a)
     ex.stores.record(stream, xbytes, time.perf_counter_ns() - t0)
     if moved < 0:
         bad = -moved - 1
@@ -98,14 +99,14 @@ def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int
     accw = torch.empty(T, K, dtype=torch.float32) if K else None
     a = [R, T, in_rank.data_ptr(), head.data_ptr()]
     extras = [b.data_ptr() for b in biases] + [0, 0]
-    a += [out.data_ptr(), H, out.element_size(), NATIVE_DTYPES[out.dtype], len(biases)] + extras[:2]
-    a += [accw.data_ptr(), K, 4, NATIVE_DTYPES[torch.float32], 0, 0, 0] if K else [0] * 7
+    a += [out.data_ptr(), H, out.element_size(), CODES[out.dtype], len(biases)] + extras[:2]
+    a += [accw.data_ptr(), K, 4, CODES[torch.float32], 0, 0, 0] if K else [0] * 7
     for r in range(R):
         nrows = rows[r][F.NRECV]
         xa = ex.addr(r, rows[r][F.X], nrows * rows[r][F.XROW]) if nrows else 0
         wa = ex.addr(r, rows[r][F.W], nrows * K * 4) if K and nrows else 0
         a += [base[r], nrows, xa, wa]
-    moved = _call(ex.prims.ep_combine, a)
+    moved = _call(ex.caps.combine, a)
     if moved < 0:
         bad = -moved - 1
         raise ZbcclInvalidUsageError(f"combine: the handle's rows for rank {bad} are out of range, expected < "
@@ -114,16 +115,16 @@ def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int
     return accw
 
 
-def layout(prims, topk_idx: torch.Tensor, num_experts: int, R: int, *, in_rank: bool = True):
+def layout(caps: Capabilities, topk_idx: torch.Tensor, num_experts: int, R: int, *, in_rank: bool = True):
     """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)`` of
-    :func:`.layout.dispatch_layout` in one native pass (``in_rank=False``: only the per-expert counts, the
-    others None); None when an entry is outside ``[-1, E)`` (the caller raises with the torch path's text)."""
+    :func:`.reference.dispatch_layout` in one native pass (``in_rank=False``: only the per-expert counts, the
+    others None); None when an entry is outside ``[-1, E)`` (the caller raises, naming the values)."""
     idx = topk_idx.contiguous()
     T, K = idx.shape
     per_rank = torch.empty(R, dtype=torch.int32) if in_rank else None
     per_expert = torch.empty(num_experts, dtype=torch.int32)
     where = torch.empty(T, R, dtype=torch.bool) if in_rank else None
-    if _call(prims.ep_layout, [idx.data_ptr(), T, K, num_experts, R, int(idx.dtype == torch.int32),
+    if _call(caps.layout, [idx.data_ptr(), T, K, num_experts, R, int(idx.dtype == torch.int32),
                                per_rank.data_ptr() if in_rank else 0, per_expert.data_ptr(),
                                where.data_ptr() if in_rank else 0]) >= 0:
         return None
@@ -150,7 +151,7 @@ def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Te
         block[R:R + E] = per_expert
     head = torch.empty(T, R, dtype=torch.int32)
     where = in_rank.contiguous()
-    if _call(ex.prims.ep_route, [where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(),
+    if _call(ex.caps.route, [where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(),
                                  expect.buffer_info()[0]]) >= 0:
         got = in_rank.sum(0)
         raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {got.tolist()}, "
