@@ -40,6 +40,18 @@ def test_no_hand_written_tables_remain_in_c():
         assert not re.search(r"enum \{ *(RC_|H_SEQ|ZB_DT_|ZB_OP_)", src), path.name
 
 
+def test_ep_kernels_read_typed_blocks():
+    # the EP kernels take their structs (abi.EP_ARGS), not positional int64 arrays
+    src = (CSRC / "ep.c").read_text()
+    assert not re.search(r"\ba\[\d+\]|\bper\[\d", src)
+    for name, (head, row) in abi.EP_ARGS.items():
+        assert f"const {name} *a" in src, name
+        assert not row or f"{name}_row" in src, name
+        fill, fill_row = abi.ep_args(name)
+        assert fill(**dict.fromkeys(head, 1)) == [1] * len(head)
+        assert (fill_row is None) == (not row)
+
+
 def test_values_owned_elsewhere_agree():
     assert abi.STATES == {"FINALIZED": layout.STATE_FINALIZED, "FAILED": layout.STATE_FAILED}
     assert abi.VEC_CAP == (layout.SLOT_BYTES - abi.L_VECTORS * layout.LINE) // 8

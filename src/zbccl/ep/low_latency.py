@@ -27,6 +27,7 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from ..native.abi import EP_OP_LL_COMBINE as OP_LL_COMBINE
 from ..native.abi import EP_OP_LL_DISPATCH as OP_LL_DISPATCH
+from ..native.abi import ep_args
 from .exchange import F, Fail, heap_empty
 from .layout import fp8_quantize, logfmt_roundtrip
 from .normal import _tensor
@@ -34,6 +35,11 @@ from .normal import _tensor
 __all__ = ["LowLatencyState", "dispatch", "combine", "OP_LL_DISPATCH", "OP_LL_COMBINE"]
 
 FLAG_FP8, FLAG_ROUND, FLAG_UE8M0, FLAG_HOOK, FLAG_LOGFMT = 1, 2, 4, 8, 16
+#: The kernels' argument blocks (abi.EP_ARGS), filled by field name: (head, per-rank row).
+_LL_PLAN, _ = ep_args("zb_ep_ll_plan")
+_LL_PULL, _LL_PULL_ROW = ep_args("zb_ep_ll_pull")
+_LL_ADDRS, _LL_ADDRS_ROW = ep_args("zb_ep_ll_addrs")
+_LL_COMBINE, _ = ep_args("zb_ep_ll_combine")
 
 
 class LowLatencyState:
@@ -87,8 +93,9 @@ def _pairs(ex, idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, t
     one native pass (a counting sort, ``ep_ll_plan``): the same pairs in the same order."""
     T, K = idx.shape
     counts, pairs, errs = torch.empty(E, dtype=torch.int64), torch.empty(2, T * K, dtype=torch.int64), array("q", [0, 0])
-    args = array("q", [T, K, E, idx.data_ptr(), counts.data_ptr(), pairs[0].data_ptr(), pairs[1].data_ptr(),
-                       errs.buffer_info()[0]])
+    args = array("q", _LL_PLAN(T=T, K=K, E=E, idx=idx.data_ptr(), counts_out=counts.data_ptr(),
+                               tokens_out=pairs[0].data_ptr(), slots_out=pairs[1].data_ptr(),
+                               err_out=errs.buffer_info()[0]))
     n = ex.caps.ll_plan(args.buffer_info()[0])
     if n < 0:
         _check_topk(idx, E)  # the exact message
@@ -171,15 +178,18 @@ def _pull_native(buf, rows, out: dict, E: int, tmax: int, mask: list[int]) -> to
     begin, err = torch.empty(E, dtype=torch.int64), array("q", [0, 0])
     scales = out.get("scales")
     srow = int(rows[me, F.SROW]) if scales is not None else 0
-    sa = [0, 0, 0, 0] if scales is None else [scales.data_ptr(), *(st * 4 for st in scales.stride())]
-    args = array("q", [R, me, L, N, E, xrow, out["x"].data_ptr(), out["count"].data_ptr(),
-                       out["src_info"].data_ptr(), out["layout"].data_ptr(), begin.data_ptr(), mask[me],
-                       keep_of.buffer_info()[0], srow, *sa, err.buffer_info()[0]])
+    s_out, s_e, s_slot, s_j = (0, 0, 0, 0) if scales is None else (scales.data_ptr(),
+                                                                     *(st * 4 for st in scales.stride()))
+    args = array("q", _LL_PULL(R=R, me=me, L=L, N=N, E=E, xrow=xrow, x_out=out["x"].data_ptr(),
+                               count_out=out["count"].data_ptr(), src_info_out=out["src_info"].data_ptr(),
+                               layout_out=out["layout"].data_ptr(), begin_out=begin.data_ptr(), masked=mask[me],
+                               keep_of=keep_of.buffer_info()[0], srow=srow, s_out=s_out, s_e=s_e, s_slot=s_slot,
+                               s_j=s_j, err_out=err.buffer_info()[0]))
     for r in range(R):
         T_r, nrows = int(rows[r, F.T]), int(rows[r, F.NROWS])
-        args.extend([ex.addr(r, int(rows[r, F.META]), nrows * 8), nrows,
-                     ex.addr(r, int(rows[r, F.X]), T_r * xrow) if T_r else 0, T_r,
-                     ex.addr(r, int(rows[r, F.SCALES]), T_r * srow) if srow and T_r else 0])
+        args.extend(_LL_PULL_ROW(meta=ex.addr(r, int(rows[r, F.META]), nrows * 8), meta_len=nrows,
+                                 x=ex.addr(r, int(rows[r, F.X]), T_r * xrow) if T_r else 0, T=T_r,
+                                 s=ex.addr(r, int(rows[r, F.SCALES]), T_r * srow) if srow and T_r else 0))
     moved = ex.caps.ll_pull(args.buffer_info()[0])
     if moved == -2:
         raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected at "
@@ -280,7 +290,8 @@ def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: 
     ex, T, K = buf.ex, plan["T"], plan["topk_idx"].size(1)
     addr, wk = _addrs_native(buf, rows, plan, w, E, H)
     acc = buf.scratch("acc_row", (H,), torch.float32)
-    args = array("q", [T, K, H, out.data_ptr(), addr.data_ptr(), wk.data_ptr(), acc.data_ptr()])
+    args = array("q", _LL_COMBINE(T=T, K=K, H=H, dst=out.data_ptr(), src=addr.data_ptr(), w=wk.data_ptr(),
+                                  acc=acc.data_ptr()))
     ex.moved += ex.caps.ll_combine(args.buffer_info()[0])
 
 
@@ -296,14 +307,16 @@ def _addrs_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> tup
     skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
     addr, wk, err = torch.empty(T * K, dtype=torch.int64), torch.empty(T * K, dtype=torch.float32), array("q", [0, 0])
     wc = w.contiguous()
-    args = array("q", [T, K, E, L, R, H * 2, plan["topk_idx"].data_ptr(), wc.data_ptr(), plan["begin"].data_ptr(),
-                       addr.data_ptr(), wk.data_ptr(), err.buffer_info()[0]])
+    args = array("q", _LL_ADDRS(T=T, K=K, E=E, L=L, R=R, row_bytes=H * 2, idx=plan["topk_idx"].data_ptr(),
+                                w=wc.data_ptr(), begin=plan["begin"].data_ptr(), addr_out=addr.data_ptr(),
+                                w_out=wk.data_ptr(), err_out=err.buffer_info()[0]))
     for r, skipped in enumerate(skip.tolist()):
         nrows = int(rows[r, F.NROWS])
         if skipped or not nrows:
-            args.extend([0, 0, -1 if skipped else 0])
+            args.extend(_LL_ADDRS_ROW(meta=0, x=0, nrows=-1 if skipped else 0))
             continue
-        args.extend([ex.addr(r, int(rows[r, F.META]), L * 8), ex.addr(r, int(rows[r, F.X]), nrows * H * 2), nrows])
+        args.extend(_LL_ADDRS_ROW(meta=ex.addr(r, int(rows[r, F.META]), L * 8),
+                                  x=ex.addr(r, int(rows[r, F.X]), nrows * H * 2), nrows=nrows))
     rc = ex.caps.ll_addrs(args.buffer_info()[0])
     if rc == -1:
         raise ZbcclInvalidUsageError(f"low_latency_combine: rank {err[0]}'s expert rows are out of its block, "

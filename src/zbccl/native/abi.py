@@ -20,6 +20,8 @@ Contents:
   the header fields first (so C copies them into the header as is), then the local-only fields.
   Python fills it by field name (:data:`ZbOp`, :func:`fill_op`).
 * ``CHAN_ROW``: the per-rank row of the table ``chan_new`` reads (C: ``CR_<NAME>``).
+* ``EP_ARGS``: the typed argument block of each EP kernel (a struct, then one row struct per rank),
+  filled by field name (:func:`ep_args`).
 * ``STRUCTS``: every struct Python hands to C, by C name: its int64 fields in order.
 * op, algorithm, dtype, reduce-op and EP op codes; result codes ``RC_*`` of the native call;
   ``ERR_*`` (kinds of error a rank posts); ``ABORT_*`` (why a rank left an op half-way); the comm
@@ -33,7 +35,8 @@ import ctypes
 import struct
 
 __all__ = [
-    "HEADER", "HDR_FIELDS", "ARGS", "ARG_DEFAULTS", "CHAN_ROW", "STRUCTS", "ZbOp", "fill_op", "OPS", "OP_NAMES",
+    "HEADER", "HDR_FIELDS", "ARGS", "ARG_DEFAULTS", "CHAN_ROW", "EP_ARGS", "STRUCTS", "ZbOp", "fill_op", "ep_args",
+    "OPS", "OP_NAMES",
     "ALGOS", "ALGO_NAMES", "DTYPES", "REDUCE_OPS", "REDUCE_ALIASES", "REDUCE_NAMES", "EP_OPS", "EP_OP_NAMES",
     "RESULTS", "ERRORS", "ABORTS", "SLOT_LINES", "WORDS", "VEC_CAP", "MAX_WORLD", "STATES", "HOOK_COUNTERS",
     "c_header", "hook_header", "check_layout",
@@ -59,8 +62,37 @@ ARG_DEFAULTS = {"stage_off": -1}
 #: liveness descriptor (-1: this rank), its size-vector area, its ABORT line and its ELECT line (group
 #: rank 0's is the group's election word).
 CHAN_ROW = ("ARRIVE", "PHASE", "DONE", "HEADER", "STATE", "BASE", "SIZE", "FD", "VEC", "ABORT", "ELECT")
-#: Every struct Python passes to C by address (int64 fields, in order): C name -> fields.
+#: The argument block of each EP kernel (``native/csrc/ep.c``): C struct name -> (its fields, the fields of the
+#: row that follows it once per rank, or ``()``). Addresses are ``*_out`` (written), or inputs; ``R`` ranks,
+#: ``me`` this rank, ``E`` experts, ``L`` local experts, ``C`` channels, ``K`` top-k, ``T`` tokens. Each
+#: kernel's comment in ep.c says what it reads and writes.
+EP_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "zb_ep_layout": (("idx", "T", "K", "E", "R", "idx_is_int32", "per_rank_out", "per_expert_out", "in_rank_out"),
+                     ()),
+    "zb_ep_route": (("in_rank", "T", "R", "C", "E", "meta", "meta_len", "head_out", "expect"), ()),
+    "zb_ep_plan": (("R", "me", "E", "C", "L", "counts_out", "per_expert_out", "recv_chan_out"), ("meta", "meta_len")),
+    "zb_ep_pull": (("R", "me", "head", "L", "K", "n_recv", "src_idx_out", "stream", "x_dst", "x_row", "s_dst",
+                    "s_row", "i_dst", "i_row", "w_dst", "w_row"),
+                   ("meta", "meta_len", "T", "x_src", "s_src", "i_src", "w_src")),
+    "zb_ep_combine": (("R", "T", "in_rank", "head") + tuple(f"{j}_{f}" for j in ("x", "w") for f in (
+                          "dst", "width", "itemsize", "dtype", "nextra", "extra0", "extra1")),
+                      ("base", "nrows", "x", "w")),
+    "zb_ep_ll_plan": (("T", "K", "E", "idx", "counts_out", "tokens_out", "slots_out", "err_out"), ()),
+    "zb_ep_ll_pull": (("R", "me", "L", "N", "E", "xrow", "x_out", "count_out", "src_info_out", "layout_out",
+                       "begin_out", "masked", "keep_of", "srow", "s_out", "s_e", "s_slot", "s_j", "err_out"),
+                      ("meta", "meta_len", "x", "T", "s")),
+    "zb_ep_ll_addrs": (("T", "K", "E", "L", "R", "row_bytes", "idx", "w", "begin", "addr_out", "w_out", "err_out"),
+                       ("meta", "x", "nrows")),
+    "zb_ep_ll_combine": (("T", "K", "H", "dst", "src", "w", "acc"), ()),
+}
+#: Every struct Python passes to C by address (int64 fields, in order): C name -> fields (an EP block's row
+#: is ``<name>_row``).
 STRUCTS: dict[str, tuple[str, ...]] = {"zb_op": ARGS}
+for _name, (_head, _row) in EP_ARGS.items():
+    STRUCTS[_name] = _head
+    if _row:
+        STRUCTS[_name + "_row"] = _row
+del _name, _head, _row
 
 OPS = {"ALL_REDUCE": 1, "ALL_GATHER": 2, "REDUCE_SCATTER": 3, "ALL_TO_ALL": 4, "BROADCAST": 5}
 OP_NAMES = {v: k.lower() for k, v in OPS.items()}
@@ -136,6 +168,22 @@ def _filler(name: str, fields: tuple[str, ...], defaults: dict[str, int]):
 
 #: ``fill_op(buf, *, seq=0, op=0, ...)``: write a whole ``zb_op`` into ``buf`` (a :class:`ZbOp`), by field name.
 fill_op = _filler("zb_op", ARGS, ARG_DEFAULTS)
+
+
+def _lister(name: str, fields: tuple[str, ...]):
+    """``values(*, <field>, ...) -> [int, ...]``: a struct's fields, every one named, in the struct's order."""
+    src = f"def {name}(*, {', '.join(fields)}):\n    return [{', '.join(fields)}]\n"
+    ns: dict = {}
+    exec(src, ns)  # noqa: S102 - the text is built from this module's constant field names only
+    return ns[name]
+
+
+def ep_args(name: str):
+    """``(head, row)`` of EP kernel block ``name`` (:data:`EP_ARGS`): ``head(**fields)`` and ``row(**fields)``
+    give the values in struct order (``row`` None without rows); the block is ``head(...) + row(...) * R``
+    as int64."""
+    head, row = EP_ARGS[name]
+    return _lister(name, head), (_lister(name + "_row", row) if row else None)
 
 
 def check_layout(reported: dict) -> str | None:
