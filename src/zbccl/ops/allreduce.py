@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.autograd.profiler as _profiler
 
 from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_ALL_REDUCE
@@ -109,7 +110,20 @@ def bind_all_reduce(comm: Communicator) -> Callable[[torch.Tensor], torch.Tensor
 @collective("all_reduce")
 def _all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = None,
                 timeout: float | None = None) -> torch.Tensor:
-    """:func:`all_reduce` with the op lock held: every check, then the op."""
+    """:func:`all_reduce`'s one door, with the op lock held: a repeated sum of a tensor it made a plan for
+    (same heap address, size and dtype, contiguous: every check passed then) goes straight to the plan;
+    anything else gets every check, then the op."""
+    ch = comm.op_state
+    if ch is not None and ch.plain and op == "sum" and timeout is None and not _profiler._is_profiler_enabled:
+        try:
+            plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype))
+        except (AttributeError, RuntimeError):  # not a tensor; a tensor without storage: the checks say so
+            plan = None
+        if plan is not None and tensor.is_contiguous():
+            ch.submit(plan, op=_OP)
+            if ch.hot is not None:  # the hot entry did not serve it: its table lost the tensor
+                ch.hot_register(tensor, plan)
+            return tensor
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
     if error is None:
@@ -131,7 +145,8 @@ def _run(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
         if plan is None:
             _staged(ch, tensor, dt, red)
             return
-    if red == SUM and ch.plain:  # the plan holds the default timeout: the hot entry may serve it
+    if red == SUM and ch.plain:  # the plan holds the default timeout: the door's plan cache and the hot entry
+        ch.choices[(_OP, key[1], key[2], tensor.dtype)] = plan
         ch.hot_register(tensor, plan)
     ch.submit(plan, op=_OP)
 
