@@ -13,7 +13,7 @@
    Disagreements between ranks (experts, hidden size, dtype, a handle from another dispatch)
    are found from the gathered headers, which every rank holds alike, so all raise together.
 3. **Pull** (local writes only). Each rank copies the rows it receives from its peers'
-   published blocks into its own outputs (``prims.copy_many`` row tables, bounds-checked
+   published blocks into its own outputs (the native ``copy_many`` row tables, bounds-checked
    addresses) or reduces them (combine). Peers' memory is only ever read.
 4. **Barrier**: when it returns, no peer reads this rank's published blocks any more; staged
    blocks are freed and the caller may reuse its inputs. It runs even when this rank's pull
@@ -50,23 +50,20 @@ import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
-from ..heap.flags import python_copy_many
 from ..heap.views import HeapHandle
-from ..native.abi import WHERE_EP
+from ..native.abi import EP_OP_NAMES, WHERE_EP
 from ..ops import all_gather_into_tensor
 from ..runtime.liveness import leave
-from ..runtime.threads import nthreads
+from .caps import Capabilities
 from .stores import PullStores
 
-__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "PHASE_CLEAN", "heap_empty", "heap_empty_many", "row_runs", "row_table"]
+__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "PHASE_CLEAN", "heap_empty", "heap_empty_many"]
 
 HDR_LEN = 64
 _MSG_AT, _MSG_BYTES = 32, 256
 STATUS_OK, STATUS_USAGE, STATUS_NOMEM = 0, 1, 2
 #: The phases a tagged barrier (:meth:`Exchange.sync`) can be in.
 PHASE_PUBLISH, PHASE_DONE, PHASE_CLEAN = 0, 1, 2
-_OP_NAMES = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine",
-             5: "clean_low_latency_buffer"}
 _PHASE_NAMES = {PHASE_PUBLISH: "its publish", PHASE_DONE: "its closing barrier (the receive hook, if any)",
                 PHASE_CLEAN: "its barrier"}
 
@@ -75,7 +72,7 @@ class F:
     """Header field indices."""
 
     OP, SEQ, STATUS, E, H, DTYPE, K, T, META, X, XROW, SCALES, SROW, TOPK, W, HANDLE = range(16)
-    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS, MASK = range(16, 24)
+    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS, MASK, SDTYPE = range(16, 25)
 
 
 class Fail(Exception):
@@ -148,7 +145,8 @@ class Exchange:
         self.comm = comm
         self.R, self.me = comm.world_size, comm.rank
         self.timeout = timeout
-        self.prims = comm.heap.prims
+        #: The native kernels every EP op runs on (raises here, at the Buffer's construction, without them).
+        self.caps = Capabilities.of(comm.heap.prims)
         # Two header slots, used by alternate ops: a rank writes slot s of op n + 2 only after op n + 1's
         # barrier, which every peer enters only after it copied op n's headers out of slot s. After them,
         # the two tag words of the tagged barriers (sync: barrier k writes word k % 2, by the same argument).
@@ -282,7 +280,7 @@ class Exchange:
         base = self._all.data_ptr()
         table = array("q", [v for r, off in enumerate(self._hdr_off)
                             for v in (base + r * nbytes, self.addr(r, off + slot * nbytes, nbytes), nbytes)])
-        getattr(self.prims, "copy_many", python_copy_many)(table.buffer_info()[0], self.R, 1)
+        self.caps.copy_many(table.buffer_info()[0], self.R, 1)
         rows = self._all.view(self.R, HDR_LEN).clone()
         bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:
@@ -336,46 +334,10 @@ class Exchange:
                             dtype=str(dtype).removeprefix("torch."))
         return self.comm.peer_tensor(r, handle)
 
-    def copy(self, table: list[torch.Tensor], *, count: bool = True) -> None:
-        """Run row copies: each entry an int64 ``[n, 3]`` table of (dst, src, nbytes); ``count``: add them
-        to :attr:`moved` (the payload, not the handshake)."""
-        table = [t for t in table if t.numel()]
-        if not table:
-            return
-        t = torch.cat(table).contiguous() if len(table) > 1 else table[0].contiguous()
-        if count:
-            self.moved += int(t[:, 2].sum())
-        getattr(self.prims, "copy_many", python_copy_many)(t.data_ptr(), t.size(0), nthreads())
-
 
 def _describe(tag: int) -> str:
     """A tag of :meth:`Exchange.sync` in words."""
     if tag < 0:
         return "no op yet"
     seq, code, phase = tag >> 10, (tag >> 2) & 0xFF, tag & 3
-    return f"op #{seq} {_OP_NAMES.get(code, f'(code {code})')}, {_PHASE_NAMES.get(phase, f'phase {phase}')}"
-
-
-def row_runs(rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n_runs, 3]`` int64 (dst row, src row, rows): source rows ``rows`` land on destination rows
-    ``dst_rows`` (default: consecutive from 0); runs consecutive on both sides are merged."""
-    n = rows.numel()
-    if n == 0:
-        return torch.empty(0, 3, dtype=torch.int64)
-    rows = rows.long()
-    dst_rows = torch.arange(n) if dst_rows is None else dst_rows.long()
-    brk = torch.ones(n, dtype=torch.bool)
-    brk[1:] = (rows[1:] != rows[:-1] + 1) | (dst_rows[1:] != dst_rows[:-1] + 1)
-    starts = brk.nonzero().flatten()
-    lens = torch.diff(starts, append=torch.tensor([n]))
-    return torch.stack([dst_rows[starts], rows[starts], lens], 1)
-
-
-def row_table(dst_addr: int, src_addr: int, runs: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """The copies (dst, src, nbytes) of :func:`row_runs`' runs for rows of ``row_bytes``."""
-    if row_bytes == 0:
-        return torch.empty(0, 3, dtype=torch.int64)
-    t = runs * row_bytes
-    t[:, 0] += dst_addr
-    t[:, 1] += src_addr
-    return t
+    return f"op #{seq} {EP_OP_NAMES.get(code, f'(code {code})')}, {_PHASE_NAMES.get(phase, f'phase {phase}')}"

@@ -10,7 +10,7 @@ waits (``bootstrap/store.py``). All of them apply this module's rule at each liv
 lost peer), in any protocol, including before the op posted anything (the first op's store read).
 Its communicators are broken until ``finalize()`` and ``init()`` (its heap memory stays usable). A rank publishes it on its
 ABORT line (one per rank: the world slot's ``L_ABORT`` line; words in ``native/abi.py``
-``ABORT_WORDS``): SEQ non-zero, WHY (``ABORT_*``), WHERE (``WHERE_*``, the protocol). After
+``WORDS``): VALUE non-zero, WHY (``ABORT_*``), WHERE (``WHERE_*``, the protocol). After
 leaving by its own cause it refuses every later op on every communicator
 (``ZbcclInvalidUsageError``, "broken"); a rank that left because a *peer* did (``ABORT_PEER``)
 keeps reporting that peer instead. Errors every rank raises together (bad arguments, out of
@@ -43,9 +43,9 @@ from ..native.abi import (
     ABORT_INTERRUPT,
     ABORT_PEER,
     ABORT_TIMEOUT,
-    AW_WHERE,
-    AW_WHY,
     L_ABORT,
+    W_WHERE,
+    W_WHY,
     WHERE_BARRIER,
     WHERE_COLLECTIVE,
     WHERE_EP,
@@ -81,8 +81,8 @@ def aborted(transport, rank: int, line: int) -> tuple[int, int]:
     ``WHERE_*``), ``(0, 0)`` if not set."""
     if transport.load(rank, line) == 0:
         return 0, 0
-    return (transport.load(rank, line + 8 * AW_WHY) or ABORT_EXCEPTION,
-            transport.load(rank, line + 8 * AW_WHERE))
+    return (transport.load(rank, line + 8 * W_WHY) or ABORT_EXCEPTION,
+            transport.load(rank, line + 8 * W_WHERE))
 
 
 def abort_error(r: int, why: int, *, op: str, where: int = 0) -> ZbcclRemoteError:
@@ -156,8 +156,8 @@ def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1) ->
         return
     transport, me = ctx.heap.transport, ctx.rank
     if transport.load(me, ABORT_LINE) == 0:  # the reason first: a peer reads it once it sees the line set
-        transport.signal(me, ABORT_LINE + 8 * AW_WHY, why)
-        transport.signal(me, ABORT_LINE + 8 * AW_WHERE, where)
+        transport.signal(me, ABORT_LINE + 8 * W_WHY, why)
+        transport.signal(me, ABORT_LINE + 8 * W_WHERE, where)
         transport.signal(me, ABORT_LINE, max(1, seq))
     if why == ABORT_PEER or ctx.left is not None:
         return
