@@ -92,6 +92,7 @@ def run_engine(a, path: str, batch: int, result: dict) -> None:
         outs = llm.generate(input_ids=ids, sampling_params=sampling(a), return_logprob=True)
         result["wall_s"] = time.perf_counter() - t0
         result["after"] = _zbccl_report(llm.get_server_info())
+        result["tcp_memory"] = tcp_memory([w["pid"] for w in result["after"]])
         result.update(_outputs(outs))
     finally:
         llm.shutdown()
@@ -129,6 +130,39 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def tcp_memory(pids: list[int]) -> dict[str, dict[str, int]]:
+    """Per pid, its TCP sockets (gloo's pairs and SGLang's store connections) from ``ss -tmnp``: how many,
+    the kernel memory they hold now (skmem r+t+f+w) and their buffer limits (rb+tb)."""
+    out = {str(p): {"sockets": 0, "allocated": 0, "limits": 0} for p in pids}
+    try:
+        text = subprocess.run(["ss", "-tmnpH"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return out
+    owner = None
+    for line in text.splitlines():
+        if "users:(" in line:
+            owner = next((str(p) for p in pids if f"pid={p}," in line), None)
+        if owner is not None and "skmem:(" in line:
+            fields = dict((f[:1] if f[:2] not in ("rb", "tb", "bl") else f[:2], int("".join(c for c in f if c.isdigit())))
+                          for f in line.split("skmem:(")[1].split(")")[0].split(","))
+            rec = out[owner]
+            rec["sockets"] += 1
+            rec["allocated"] += fields.get("r", 0) + fields.get("t", 0) + fields.get("f", 0) + fields.get("w", 0)
+            rec["limits"] += fields.get("rb", 0) + fields.get("tb", 0)
+            owner = None
+    return out
+
+
+def _segments(pid: int) -> list[str]:
+    """The zbccl heap segments process ``pid`` maps, read from here (/proc/<pid>/maps)."""
+    mark = "/memfd:zbccl-"
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sorted({ln[ln.index(mark) + 1:].split(" ")[0] for ln in f if mark in ln})
+    except OSError:
+        return []
+
+
 def run_server(a, path: str, batch: int, result: dict) -> None:
     port = _free_port()
     env = dict(os.environ)
@@ -158,6 +192,7 @@ def run_server(a, path: str, batch: int, result: dict) -> None:
         outs = _http(f"{base}/generate", {"input_ids": ids, "sampling_params": sampling(a), "return_logprob": True})
         result["wall_s"] = time.perf_counter() - t0
         result["after"] = _zbccl_report(_http(f"{base}/server_info"))
+        result["maps_seen"] = {str(w["pid"]): _segments(w["pid"]) for w in result["after"]}
         result.update(_outputs(outs))
     except BaseException:
         log.seek(0)
@@ -191,8 +226,15 @@ def _stop(proc: subprocess.Popen, result: dict) -> None:
 def run_one(a, model: str, batch: int) -> dict:
     result = {"model": model, "api": a.api, "hidden": a.hidden, "layers": a.layers, "batch": batch, "tp": a.tp,
               "ep": a.ep, "zbccl": bool(a.zbccl), "new_tokens": a.new_tokens}
-    with tempfile.TemporaryDirectory(prefix="zbccl-sglang-") as path:
-        write_config(path, model=model, hidden=a.hidden, layers=a.layers, vocab=a.vocab, weights="random")
+    with tempfile.TemporaryDirectory(prefix="zbccl-sglang-") as tmp:
+        path = tmp
+        if a.model_dir:  # a checkpoint kept between runs (benchmarks): written once per configuration
+            path = os.path.join(a.model_dir, f"{model}-h{a.hidden}-l{a.layers}-v{a.vocab}")
+            if not os.path.exists(os.path.join(path, "model.safetensors")):
+                os.makedirs(path, exist_ok=True)
+                write_config(path, model=model, hidden=a.hidden, layers=a.layers, vocab=a.vocab, weights="random")
+        else:
+            write_config(path, model=model, hidden=a.hidden, layers=a.layers, vocab=a.vocab, weights="random")
         (run_engine if a.api == "engine" else run_server)(a, path, batch, result)
     n_out = sum(len(t) for t in result["tokens"])
     result.update(out_tokens=n_out, tokens_per_s=n_out / result["wall_s"],
@@ -213,6 +255,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--bench", action="store_true")
+    p.add_argument("--model-dir", default=None, help="keep the written checkpoints here between runs")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--json", default=None, help="append one JSON line per run")
     a = p.parse_args()
