@@ -78,6 +78,7 @@ def test_the_switch_registers_every_route(registry, monkeypatch):
         assert got[f"{GC}.{name}"] == "AROUND", name
     assert got["sglang.srt.model_executor.model_runner.ModelRunner.forward"] == "AROUND"
     assert got["sglang.srt.managers.scheduler.Scheduler.get_internal_state"] == "AFTER"
+    assert got["sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher"] == "AROUND"
     assert len(got) == len(registry), "a target registered twice"
 
 

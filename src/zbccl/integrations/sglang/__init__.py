@@ -51,6 +51,7 @@ _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _GC = "sglang.srt.distributed.parallel_state.GroupCoordinator"
 _SA = "sglang.srt.server_args.ServerArgs"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_MOE_DISPATCHER = "sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher"
 
 
 def supported(version: str) -> bool:
@@ -122,8 +123,17 @@ def worker_hooks() -> list[tuple[str, object, str]]:
     hooks = [(f"{_GC}.__init__", group.attach, "AFTER")]
     hooks += [(f"{_GC}.{name}", group.around(name), "AROUND") for name in group.ROUTES]
     hooks += [(f"{_MR}.forward", forward.scoped_forward, "AROUND"),
-              (f"{_SCHED}.get_internal_state", probe.add_internal_state, "AFTER")]
+              (f"{_SCHED}.get_internal_state", probe.add_internal_state, "AFTER"),
+              (_MOE_DISPATCHER, _create_moe_dispatcher, "AROUND")]
     return hooks
+
+
+def _create_moe_dispatcher(original, *args, **kwargs):
+    """AROUND ``create_moe_dispatcher``: zbccl's EP dispatcher where it applies (:mod:`.ep`, imported here:
+    it subclasses SGLang's ``BaseDispatcher``)."""
+    from .ep import create_moe_dispatcher
+
+    return create_moe_dispatcher(original, *args, **kwargs)
 
 
 def register() -> None:
