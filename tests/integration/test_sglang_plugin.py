@@ -141,6 +141,20 @@ def test_server_tp2_tokens_identical_with_enable_zbccl():
         assert all(len(segs) == 2 for segs in r["maps_seen"].values()) and len(r["maps_seen"]) == 2, r["maps_seen"]
 
 
+def test_engine_ep2_moe_runs_on_the_zbccl_dispatcher():
+    """Expert parallelism at TP=2, ep_size 2: SGLang's CPU path fails here (``RuntimeError: index -1 is out
+    of bounds for dimension 1 with size 4`` in fused_moe_native.py, docs/sglang.md); with zbccl the MoE
+    layers dispatch and combine through zbccl.ep and give the TP-MoE run's tokens."""
+    py = _needs_venv()
+    common = ["--api", "engine", "--model", "moe", "--batch", "4", "--new-tokens", "8", "--zbccl"]
+    tp, ep = run_example(py, common)[0], run_example(py, common + ["--ep", "2"])[0]
+    assert ep["tokens"] == tp["tokens"], f"EP tokens differ from TP MoE:\nTP: {tp['tokens']}\nEP: {ep['tokens']}"
+    check_zbccl_run(ep)
+    for w0, w1 in zip(ep["before"], ep["after"]):
+        assert w1["ep"]["dispatch"] - w0["ep"]["dispatch"] == w1["ep"]["combine"] - w0["ep"]["combine"] > 0, w1["ep"]
+    assert tp["after"][0]["ep"] is None  # ep_size 1: SGLang's own dispatcher, TP all_reduce
+
+
 _CHILD = r"""
 import os, warnings
 os.environ["ZBCCL_ENABLE"] = "1"

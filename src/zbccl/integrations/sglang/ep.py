@@ -25,8 +25,8 @@ What it does, with the tokens replicated over the TP ranks (SGLang's attention T
 sends only its own contiguous share of the rows (the others are routed nowhere: top-k ids -1);
 ``get_dispatch_layout`` + ``dispatch`` bring every rank the rows whose experts it holds (expert
 ``e`` lives on rank ``e // num_local_experts``, SGLang's placement), with local expert ids and
-router weights; ids of experts elsewhere come back -1 and are handed to SGLang's runner as local
-expert 0 with weight 0, so its output rows are already weighted sums over this rank's experts;
+router weights; ids of experts elsewhere come back -1 and are handed to SGLang's runner as a local
+expert the row does not name yet, with weight 0 (:func:`distinct_local_ids`), so its output rows are already weighted sums over this rank's experts;
 ``combine`` sums each token's rows back on the rank that sent it (fp32, rank order) and leaves the
 rows it did not send 0; the layer's TP all-reduce that follows (SGLang all-reduces MoE output
 when ``moe_ep_size > 1``) then gives every rank every token.
@@ -39,9 +39,11 @@ from sglang.srt.layers.moe.token_dispatcher.base import BaseDispatcher
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
 from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-__all__ = ["ZbcclEPDispatcher", "create_moe_dispatcher", "buffer_for"]
+__all__ = ["ZbcclEPDispatcher", "counts", "create_moe_dispatcher", "buffer_for", "distinct_local_ids"]
 
 _buffers: dict[int, object] = {}
+#: This process's dispatches and combines through zbccl.ep (reported in /server_info).
+counts = {"dispatch": 0, "combine": 0, "rows_received": 0}
 
 
 def buffer_for(comm):
@@ -54,6 +56,27 @@ def buffer_for(comm):
     return buf
 
 
+def distinct_local_ids(recv_idx: torch.Tensor, num_local: int) -> torch.Tensor:
+    """``recv_idx`` with each -1 (an expert on another rank) replaced by a local expert id the row does not
+    use yet: SGLang's CPU runner counts a row's experts with ``scatter_`` (not add), so a row must name
+    each expert once. Those entries carry weight 0. Needs ``num_local >= top_k``."""
+    out = recv_idx.clone()
+    if out.numel() == 0:
+        return out
+    used = torch.zeros(out.shape[0], num_local + 1, dtype=torch.bool)
+    used.scatter_(1, torch.where(out < 0, num_local, out), True)  # column num_local: a sink for -1
+    used = used[:, :num_local]
+    rows = torch.arange(out.shape[0])
+    for j in range(out.shape[1]):
+        elsewhere = out[:, j] < 0
+        if not bool(elsewhere.any()):
+            continue
+        first = (~used).to(torch.int8).argmax(dim=1)
+        out[:, j] = torch.where(elsewhere, first, out[:, j])
+        used[rows[elsewhere], first[elsewhere]] = True
+    return out
+
+
 class ZbcclEPDispatcher(BaseDispatcher):
     """SGLang ``BaseDispatcher`` over ``zbccl.ep.Buffer`` (see the module doc)."""
 
@@ -62,6 +85,9 @@ class ZbcclEPDispatcher(BaseDispatcher):
         self.num_experts = int(moe_runner_config.num_experts)
         self.num_local_experts = int(moe_runner_config.num_local_experts)
         self.world_size, self.rank = comm.world_size, comm.rank
+        if self.num_local_experts < int(moe_runner_config.top_k or 1):
+            raise ValueError(f"ZbcclEPDispatcher: SGLang's CPU runner needs distinct expert ids per token, expected "
+                             f"at least top_k={moe_runner_config.top_k} local experts, got {self.num_local_experts}")
         if self.num_experts != self.num_local_experts * self.world_size:
             raise ValueError(f"ZbcclEPDispatcher: experts must split evenly over the EP ranks, expected "
                              f"{self.num_local_experts} x {self.world_size}, got {self.num_experts}")
@@ -83,9 +109,10 @@ class ZbcclEPDispatcher(BaseDispatcher):
             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights.float().contiguous())
         self._handle, self._num_recv = handle, recv_x.shape[0]
         self.dispatches += 1
-        elsewhere = recv_idx < 0
-        ids_out = torch.where(elsewhere, torch.zeros_like(recv_idx), recv_idx).to(ids.dtype)
-        w_out = torch.where(elsewhere, torch.zeros_like(recv_w), recv_w).to(weights.dtype)
+        counts["dispatch"] += 1
+        counts["rows_received"] += int(self._num_recv)
+        ids_out = distinct_local_ids(recv_idx, self.num_local_experts).to(ids.dtype)
+        w_out = torch.where(recv_idx < 0, torch.zeros_like(recv_w), recv_w).to(weights.dtype)
         if self._num_recv == 0:  # SGLang's CPU runner cannot take 0 rows: one zero row, weight 0, dropped in combine
             recv_x = hidden_states.new_zeros((1, hidden_states.shape[1]))
             ids_out = ids.new_zeros((1, ids.shape[1]))
@@ -100,6 +127,7 @@ class ZbcclEPDispatcher(BaseDispatcher):
         x = combine_input.hidden_states[:self._num_recv].contiguous()
         handle, self._handle = self._handle, None
         out, _, _ = self.buffer.combine(x, handle)
+        counts["combine"] += 1
         return out
 
 
@@ -115,6 +143,7 @@ def create_moe_dispatcher(original, moe_runner_config, quant_method, *args, **kw
     ep = get_moe_ep_group()
     zb = group_of(ep) if ep is not None else None
     if (zb is None or ep.world_size <= 1 or not get_moe_a2a_backend().is_none()
-            or type(quant_method).__name__ != "UnquantizedFusedMoEMethod"):
+            or type(quant_method).__name__ != "UnquantizedFusedMoEMethod"
+            or moe_runner_config.num_local_experts < (moe_runner_config.top_k or 1)):
         return original(moe_runner_config, quant_method, *args, **kwargs)
     return ZbcclEPDispatcher(moe_runner_config, zb.comm)

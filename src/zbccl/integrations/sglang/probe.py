@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 __all__ = ["MAX_SPANS", "add_internal_state", "local_stats", "probe_hooks"]
@@ -104,6 +105,8 @@ def local_stats() -> dict:
            "zbccl": group.running(), "fallback": group._start["reason"], "groups": group.stats(),
            "mapped": _mapped_segments(), "threads": torch.get_num_threads(),
            "times": {k: list(v) for k, v in _times.items()}, "spans": {k: list(v) for k, v in _spans.items()}}
+    ep = sys.modules.get("zbccl.integrations.sglang.ep")  # imported only where the EP dispatcher was asked for
+    out["ep"] = dict(ep.counts) if ep is not None else None
     if group.running():
         from ...adapters.tensors import memory_stats
 
