@@ -38,7 +38,7 @@ def run(a, *, zbccl: bool) -> list[dict]:
     env.pop("ZBCCL_ENABLE", None)
     cmd = [a.python, str(ROOT / "examples" / "sglang_tp.py"), "--bench", "--api", "engine", "--model", a.model,
            "--batch", a.batch, "--hidden", str(a.hidden), "--layers", str(a.layers), "--new-tokens",
-           str(a.new_tokens), "--model-dir", a.model_dir] + (["--zbccl"] if zbccl else [])
+           str(a.new_tokens), "--model-dir", a.model_dir, "--mem-fraction", "0.3"] + (["--zbccl"] if zbccl else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode:
         sys.exit(f"sglang_bench: run failed (zbccl={zbccl}):\n{(proc.stdout + proc.stderr)[-4000:]}")

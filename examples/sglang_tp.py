@@ -40,16 +40,20 @@ CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "TORCH_COMPILE_DISABLE": "1"}
 
 def cpu_env(tp: int) -> dict[str, str]:
     """What SGLang 0.5.23 needs on this CPU: its CPU engine, one core per rank (``SGLANG_CPU_OMP_THREADS_BIND``;
-    its automatic binding wants a NUMA node per rank), no torch.compile of its helpers (11-22 s first request)."""
+    its automatic binding wants a NUMA node per rank; ``OMP_NUM_THREADS``: the cores per rank), no
+    torch.compile of its helpers (11-22 s first request)."""
     ncpu = os.cpu_count() or 1
     out = dict(CPU_ENV)
     out["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % ncpu) for i in range(tp))
+    # Without AMX SGLang binds no threads (sgl_kernel's init_cpu_threads_env is AMX-only), so each worker
+    # would run torch's default of one thread per core: TP ranks x cores threads spinning on the cores.
+    out["OMP_NUM_THREADS"] = str(max(1, ncpu // tp))
     return out
 
 
 def engine_kwargs(a, path: str) -> dict:
     return dict(model_path=path, device="cpu", tp_size=a.tp, ep_size=a.ep, skip_tokenizer_init=True,
-                attention_backend="torch_native", dtype="bfloat16", mem_fraction_static=0.05,
+                attention_backend="torch_native", dtype="bfloat16", mem_fraction_static=a.mem_fraction,
                 max_total_tokens=8192, disable_cuda_graph=True, random_seed=0, log_level="warning",
                 max_running_requests=max(8, a.batch_max))
 
@@ -57,7 +61,7 @@ def engine_kwargs(a, path: str) -> dict:
 def server_argv(a, path: str, port: int) -> list[str]:
     argv = ["--model-path", path, "--device", "cpu", "--tp", str(a.tp), "--ep-size", str(a.ep),
             "--skip-tokenizer-init", "--attention-backend", "torch_native", "--dtype", "bfloat16",
-            "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--disable-cuda-graph",
+            "--mem-fraction-static", str(a.mem_fraction), "--max-total-tokens", "8192", "--disable-cuda-graph",
             "--random-seed", "0", "--log-level", "warning", "--max-running-requests", str(max(8, a.batch_max)),
             "--host", "127.0.0.1", "--port", str(port)]
     return argv + (["--enable-zbccl"] if a.zbccl else [])
@@ -255,6 +259,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--bench", action="store_true")
+    p.add_argument("--mem-fraction", type=float, default=0.05,
+                   help="SGLang's --mem-fraction-static (weights + KV cache; larger models need more)")
     p.add_argument("--model-dir", default=None, help="keep the written checkpoints here between runs")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--json", default=None, help="append one JSON line per run")
