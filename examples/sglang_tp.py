@@ -1,5 +1,5 @@
 """Usage: .venv-sglang/bin/python examples/sglang_tp.py [--api engine|server] [--zbccl] [--model llama,moe]
-       [--hidden H] [--layers L] [--batch B] [--new-tokens N] [--tp 2] [--ep 1] [--bench] [--json PATH]
+       [--hidden H] [--layers L] [--batch B] [--new-tokens N] [--tp 2] [--pp 1] [--ep 1] [--bench] [--json PATH]
 
 Runs SGLang 0.5.23 on CPU with tensor parallelism on a tiny model built from a config with seeded
 random weights (nothing downloaded, no tokenizer: prompts are token ids of lengths 5, 12, 19, ...),
@@ -52,14 +52,14 @@ def cpu_env(tp: int) -> dict[str, str]:
 
 
 def engine_kwargs(a, path: str) -> dict:
-    return dict(model_path=path, device="cpu", tp_size=a.tp, ep_size=a.ep, skip_tokenizer_init=True,
+    return dict(model_path=path, device="cpu", tp_size=a.tp, pp_size=a.pp, ep_size=a.ep, skip_tokenizer_init=True,
                 attention_backend="torch_native", dtype="bfloat16", mem_fraction_static=a.mem_fraction,
                 max_total_tokens=8192, disable_cuda_graph=True, random_seed=0, log_level="warning",
                 max_running_requests=max(8, a.batch_max))
 
 
 def server_argv(a, path: str, port: int) -> list[str]:
-    argv = ["--model-path", path, "--device", "cpu", "--tp", str(a.tp), "--ep-size", str(a.ep),
+    argv = ["--model-path", path, "--device", "cpu", "--tp", str(a.tp), "--pp-size", str(a.pp), "--ep-size", str(a.ep),
             "--skip-tokenizer-init", "--attention-backend", "torch_native", "--dtype", "bfloat16",
             "--mem-fraction-static", str(a.mem_fraction), "--max-total-tokens", "8192", "--disable-cuda-graph",
             "--random-seed", "0", "--log-level", "warning", "--max-running-requests", str(max(8, a.batch_max)),
@@ -228,7 +228,7 @@ def _stop(proc: subprocess.Popen, result: dict) -> None:
 
 # ------------------------------------------------------------------
 def run_one(a, model: str, batch: int) -> dict:
-    result = {"model": model, "api": a.api, "hidden": a.hidden, "layers": a.layers, "batch": batch, "tp": a.tp,
+    result = {"model": model, "api": a.api, "hidden": a.hidden, "layers": a.layers, "batch": batch, "tp": a.tp, "pp": a.pp,
               "ep": a.ep, "zbccl": bool(a.zbccl), "new_tokens": a.new_tokens}
     with tempfile.TemporaryDirectory(prefix="zbccl-sglang-") as tmp:
         path = tmp
@@ -257,6 +257,7 @@ def main() -> None:
     p.add_argument("--batch", default="4", help="comma list of batch sizes (one engine or server each)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--bench", action="store_true")
     p.add_argument("--mem-fraction", type=float, default=0.05,
@@ -266,7 +267,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="append one JSON line per run")
     a = p.parse_args()
     a.batch_max = max(int(b) for b in a.batch.split(","))
-    for k, v in cpu_env(a.tp).items():
+    for k, v in cpu_env(a.tp * a.pp).items():
         os.environ.setdefault(k, v)
     if a.zbccl and a.api == "engine":
         os.environ["ZBCCL_ENABLE"] = "1"
