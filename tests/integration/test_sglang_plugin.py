@@ -8,6 +8,9 @@ zbccl: ``sgl.Engine`` (``ZBCCL_ENABLE=1``) and ``python -m sglang.launch_server`
 with seeded random weights (nothing downloaded, no tokenizer: a batch of 4 prompts of 5, 12, 19
 and 26 token ids), TP=2, torch_native attention, bf16, 8 greedy tokens.
 
+A third pair serves the Llama at TP 1, PP 2 (the stages' tensor dicts and objects on zbccl), and
+``test_engine_ep2_moe_runs_on_the_zbccl_dispatcher`` the Mixtral at TP 2, ep_size 2.
+
 Checks: identical token ids and identical chosen-token logprobs (two-rank sums are the same in
 either order, so bitwise); with zbccl, both TP workers (two processes, ranks 0 and 1) report zbccl
 running, the heap segments mapped in their own address space (and, for the server, seen in
@@ -153,6 +156,21 @@ def test_engine_ep2_moe_runs_on_the_zbccl_dispatcher():
     for w0, w1 in zip(ep["before"], ep["after"]):
         assert w1["ep"]["dispatch"] - w0["ep"]["dispatch"] == w1["ep"]["combine"] - w0["ep"]["combine"] > 0, w1["ep"]
     assert all(w["ep"]["dispatch"] == 0 for w in tp["after"])  # ep_size 1: SGLang's own dispatcher, TP all_reduce
+
+
+def test_engine_pp2_tokens_identical_with_zbccl():
+    """Pipeline parallelism (TP 1, PP 2): the stages' send/recv of objects and tensor dicts run on zbccl's
+    heap-to-heap mailboxes, and the tokens and logprobs equal SGLang's own (gloo) run."""
+    py = _needs_venv()
+    common = ["--api", "engine", "--tp", "1", "--pp", "2", "--model", "llama", "--batch", "4", "--new-tokens", "8"]
+    own, ours = run_example(py, common)[0], run_example(py, common + ["--zbccl"])[0]
+    assert ours["tokens"] == own["tokens"] and ours["logprobs"] == own["logprobs"], (own["tokens"], ours["tokens"])
+    assert own["after"] == []
+    (w0,), (w1,) = ours["before"], ours["after"]  # the first stage's report (its TP group is itself)
+    assert w1["zbccl"] and list(w1["groups"]) == ["pp:0"] and len(w1["mapped"]) == 2, w1
+    calls0, calls1 = w0["groups"]["pp:0"]["calls"], w1["groups"]["pp:0"]["calls"]
+    for op in ("send_tensor_dict", "recv_tensor_dict", "send_object", "recv_object"):
+        assert calls1[op] > calls0[op], (op, calls0, calls1)
 
 
 _CHILD = r"""
