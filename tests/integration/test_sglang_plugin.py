@@ -123,6 +123,12 @@ def _needs_venv() -> Path:
     py = venv_python()
     if py is None:
         pytest.skip("needs .venv-sglang (sglang 0.5.23 on CPU torch): run `make sglang-e2e`")
+    probe = ("from importlib.metadata import entry_points as e; "
+             "print(any(p.value == 'zbccl.integrations.sglang:register' for p in e(group='sglang.srt.plugins')))")
+    seen = subprocess.run([str(py), "-c", probe], env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+                          capture_output=True, text=True, timeout=120).stdout.strip()
+    assert seen == "True", (f"{py}: SGLang would not load the zbccl plugin (no sglang.srt.plugins entry point "
+                            f"for zbccl.integrations.sglang:register): run `make sglang-e2e` to install this zbccl")
     return py
 
 
