@@ -45,7 +45,6 @@ SGLANG_VERSION = "0.5.23"
 #: The command-line flag the plugin adds to SGLang's server arguments.
 FLAG = "--enable-zbccl"
 
-_log = logging.getLogger("zbccl")
 _state = {"registered": False, "warned": False}
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _GC = "sglang.srt.distributed.parallel_state.GroupCoordinator"
@@ -104,7 +103,8 @@ def _from_cli_args(original, cls, args, *rest, **kwargs):
         version = installed_version()
         if supported(version):
             os.environ[env.SGLANG.name] = "1"
-            _log.info("zbccl: %s: SGLang's TP/PP collectives run on zbccl", FLAG)
+            logging.getLogger("sglang.srt.plugins.zbccl").info("zbccl: %s: SGLang's TP/PP collectives run on zbccl",
+                                                                 FLAG)
         else:
             _refuse(version, FLAG)
     return original(cls, args, *rest, **kwargs)

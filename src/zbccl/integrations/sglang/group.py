@@ -56,7 +56,7 @@ from ...ops.channel import channel_of
 __all__ = ["ROUTED_GROUPS", "ROUTES", "ZbcclGroup", "attach", "around", "group_of", "running", "stats",
            "reset_start"]
 
-_log = logging.getLogger("zbccl")
+_sglang_log = logging.getLogger("sglang.srt.plugins.zbccl")
 
 #: SGLang group names (``init_model_parallel_group(group_name=...)``) whose ops run on zbccl.
 ROUTED_GROUPS = ("tp", "attention_tp", "attn_cp", "shared_experts_tp", "moe_ep", "moe_tp", "moe_dp", "pp")
@@ -151,7 +151,9 @@ def attach(_result, gc, *_args, group_name: str | None = None, **_kwargs) -> Non
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gc.cpu_group)
         if int(ok.item()) == 1:
             setattr(gc, _ATTR, ZbcclGroup(comm, gc))
-            _log.info("zbccl: SGLang group %s runs on zbccl (ranks %s)", gc.unique_name, gc.ranks)
+            # through SGLang's logging (its "[TP0]" prefixes, its level): visible in the server log
+            _sglang_log.info("zbccl: SGLang group %s runs on zbccl (ranks %s, zbccl job %s)", gc.unique_name,
+                             gc.ranks, world.job_id)
             return
         why = reason or "another member of the group could not start zbccl"
         if why not in _warned:
