@@ -13,7 +13,7 @@ communicator's first collective instead of rank 0 failing and the rest hanging.
 
 :func:`choose` reads the table (cached per communicator). The one decision made at run time,
 cached or streaming stores for all_reduce's pushes, is native: group rank 0 measures both and
-chooses for the group (:func:`store_kind_mode`, ``native/csrc/chan_ops.c`` "Store kind").
+chooses for the group (:func:`store_kind_mode`, ``native/csrc/core/kind.c`` "Store kind").
 """
 
 from __future__ import annotations
