@@ -25,7 +25,7 @@ typedef struct {
     int blocked;            /* 1 once this op called hooks.block */
     int64_t W, me, spin, liveness_ns, timeout_ns, nthreads;
     int64_t poll_ns; /* how long a wait polls (yielding between polls) before it sleeps on the futex */
-    /* Store kind of all_reduce's pushes (see chan_ops.c "Store kind"): -1 auto, 0 cached, 1 streaming */
+    /* Store kind of all_reduce's pushes (see kind.c "Store kind"): -1 auto, 0 cached, 1 streaming */
     int64_t kind_mode;
     zb_kind kinds[KIND_BUCKETS];
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];

@@ -1,10 +1,11 @@
 /* zbccl native core: the store kind of all_reduce's pushes, learnt at run time. CORE POLICY.
  *
- * This is the one decision the core makes by itself instead of Python (docs/design.md, "Store kind"): it
- * needs the whole op's time on group rank 0, per op, at rates of 10^5 ops/s, and the choice must be posted
- * in rank 0's header in the same call (H_KIND), so a Python decider would add a call and a GIL round trip
- * to the op it measures. Python sets the mode (zb_chan_configure: -1 auto, 0 cached, 1 streaming;
- * ops/tuner.py store_kind_mode, ZBCCL_STORE_KIND) and reads what auto measured (chan_kinds). */
+ * This is the one decision the core makes by itself instead of Python (docs/design.md section 4.6, the
+ * store kind): it needs the whole op's time on group rank 0, per op, at rates of 10^5 ops/s, and the
+ * choice must be posted in rank 0's header in the same call (H_KIND), so a Python decider would add a
+ * call and a GIL round trip to the op it measures. Python sets the mode (zb_chan_configure: -1 auto,
+ * 0 cached, 1 streaming; ZBCCL_STREAM_STORES auto/off/on, ops/tuner.py store_kind_mode) and reads what
+ * auto measured (chan_kinds). */
 #include <string.h>
 
 #include "chan.h"
