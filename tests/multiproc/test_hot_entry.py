@@ -1,4 +1,4 @@
-"""The native hot entry of all_reduce (``OpChannel.hot``, ``native/csrc/hot.cpp``).
+"""The native hot entry of all_reduce (``OpChannel.hot``, ``native/csrc/py/hot.cpp``).
 
 A repeated sum all_reduce of a heap tensor zbccl already made a plan for runs in one native
 call from the tensor object. These tests check that it serves exactly those calls (bit-exact

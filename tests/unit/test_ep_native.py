@@ -1,4 +1,4 @@
-"""The native EP plan kernels (native/csrc/ep.c) against the torch oracle in zbccl.ep.reference."""
+"""The native EP plan kernels (native/csrc/cpu/ep.c) against the torch oracle in zbccl.ep.reference."""
 
 from __future__ import annotations
 

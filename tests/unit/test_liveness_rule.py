@@ -33,7 +33,7 @@ def test_the_abort_words_come_from_the_abi():
         assert f"#define W_{name} {abi.WORDS[name]}\n" in header
     for name, code in abi.ABORT_WHERE.items():
         assert f"#define WHERE_{name} {code}\n" in header
-    chan = (CSRC / "chan.c").read_text()
+    chan = (CSRC / "core" / "chan.c").read_text()
     assert "W_WHY" in chan and "WHERE_COLLECTIVE" in chan
     assert not re.search(r"abort\[[^\]]+\]\[\d\]", chan), "an ABORT word index written as a literal"
 

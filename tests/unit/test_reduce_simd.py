@@ -1,4 +1,4 @@
-"""The vector sum kernels (native/csrc/reduce_simd.c) give the scalar kernels' bits: fp32 adds in source
+"""The vector sum kernels (native/csrc/cpu/reduce_simd.c) give the scalar kernels' bits: fp32 adds in source
 order, one rounding (bf16 to nearest even, NaN made quiet; fp16 by the hardware conversion)."""
 
 from __future__ import annotations

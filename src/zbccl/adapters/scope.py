@@ -5,7 +5,7 @@ op outputs, ``.clone()``...) is a block of the communicator's shared heap, so a
 collective can use it in place. Memory freed anywhere, on any thread, returns to
 the heap's SMA. Other threads are not affected.
 
-How it works (``native/csrc/cpu_alloc_hook.cpp``): a C++ ``c10::Allocator``
+How it works (``native/csrc/cpu/cpu_alloc_hook.cpp``): a C++ ``c10::Allocator``
 replaces torch's CPU allocator once per process and delegates to it outside a
 scope. Inside, it serves blocks from a native per-heap front cache (one LIFO
 stack per size class), with no Python on a hit. This module owns the policy:

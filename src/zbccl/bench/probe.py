@@ -7,7 +7,7 @@ collectives write into lines peers read, so every benchmark table says which
 state it was measured in (``bench/runner.py`` probes before and after each op
 block). all_reduce itself needs no probe: the store-kind policy of the native
 core measures the ops and follows a change of state within a few hundred
-milliseconds (``native/csrc/chan_ops.c``, "Store kind").
+milliseconds (``native/csrc/core/kind.c``, "Store kind").
 
 Protocol (:func:`probe_host_state`, collective over the whole communicator;
 only group ranks 0 and 1 work, the others wait in the two barriers):

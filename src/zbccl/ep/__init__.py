@@ -2,7 +2,7 @@
 
 Dispatch and combine over the shared heap with exact-size receive tensors: every rank publishes a
 small header (its counts and heap offsets) in its heap, a barrier makes them visible, then each
-receiver pulls its rows straight from the senders' memory (native kernels in ``native/csrc/ep.c``; their
+receiver pulls its rows straight from the senders' memory (native kernels in ``native/csrc/cpu/ep.c``; their
 plain-torch oracle is :mod:`zbccl.ep.reference`). See :class:`Buffer`.
 """
 

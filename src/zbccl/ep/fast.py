@@ -1,4 +1,4 @@
-"""The native EP kernels (``native/csrc/ep.c``) and the calls that drive them: one C call each for the layout,
+"""The native EP kernels (``native/csrc/cpu/ep.c``) and the calls that drive them: one C call each for the layout,
 the sender's plan block, the plan read, the row pull and the fp32 combine sum, so that an op's Python cost
 does not grow with its rows.
 

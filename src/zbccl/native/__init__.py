@@ -13,7 +13,7 @@ life of the process.
 * ``cpu_alloc_hook``: a plain C++ library against ``libc10``, loaded with
   ctypes; it is never unloaded because torch keeps a pointer to its allocator.
 * ``hot``: a CPython extension module ``zbccl._native_hot`` against torch's C++ API
-  (``libtorch_python``): the all_reduce entry that takes the tensor itself (``csrc/hot.cpp``).
+  (``libtorch_python``): the all_reduce entry that takes the tensor itself (``csrc/py/hot.cpp``).
   Optional: :func:`hot` returns None when it cannot be built, and the Python path serves.
 """
 
@@ -50,16 +50,23 @@ _INSTALL_HINT = ("install a zbccl wheel built for this platform and Python (its 
                  "2.13), or a C and C++ compiler (e.g. apt-get install gcc g++) and run 'zbccl build'")
 
 _CSRC = Path(__file__).parent / "csrc"
+_CORE, _CPU, _PY = _CSRC / "core", _CSRC / "cpu", _CSRC / "py"
 
 #: name -> (sources, lang, torch[, extra flags]): the libraries zbccl builds. Headers
 #: are listed too: they are hashed into the cache key but not compiled. The core also
-#: includes ``zb_abi.h``, generated from :mod:`.abi` (see :data:`GENERATED`).
+#: includes ``zb_abi.h``, generated from :mod:`.abi` (see :data:`GENERATED`). The native
+#: code is in three layers: ``csrc/core`` (the protocol engine: pure C, no Python header,
+#: over a transport's verbs, ``core/transport.h``), ``csrc/cpu`` (the CPU transport and its
+#: kernels: flags, copies, reductions, EP rows, the allocator hook) and ``csrc/py`` (the
+#: CPython bindings: argument parsing, the GIL, the modules).
 LIBRARIES: dict[str, tuple] = {
-    "core": ((_CSRC / "core.c", _CSRC / "reduce.c", _CSRC / "reduce_simd.c", _CSRC / "reduce_py.c", _CSRC / "chan.c",
-              _CSRC / "chan_ops.c", _CSRC / "ep.c", _CSRC / "reduce.h", _CSRC / "chan.h", _CSRC / "arch.h"), "c", False,
+    "core": ((_CORE / "chan.c", _CORE / "chan_ops.c", _CORE / "kind.c", _CPU / "flags.c", _CPU / "transport.c",
+              _CPU / "reduce.c", _CPU / "reduce_simd.c", _CPU / "ep.c", _PY / "module.c", _PY / "chan_py.c",
+              _PY / "reduce_py.c", _PY / "ep_py.c", _CORE / "chan.h", _CORE / "transport.h", _CORE / "arch.h",
+              _CPU / "flags.h", _CPU / "reduce.h", _CPU / "ep.h", _CPU / "transport_cpu.h"), "c", False,
              ("-fopenmp",)),
-    "cpu_alloc_hook": ((_CSRC / "cpu_alloc_hook.cpp",), "c++", True),
-    "hot": ((_CSRC / "hot.cpp",), "c++", True,
+    "cpu_alloc_hook": ((_CPU / "cpu_alloc_hook.cpp",), "c++", True),
+    "hot": ((_PY / "hot.cpp",), "c++", True,
             (f"-I{sysconfig.get_paths()['include']}", "-Wl,--no-as-needed", "-ltorch_python")),
 }
 
@@ -148,7 +155,7 @@ def core() -> ModuleType:
     ``fetch_add(addr, d)``, ``signal(addr, v)``, ``fetch_add_signal(addr, d)``,
     ``wait_ge(addrs_ptr, n, target, spin, budget_ns)``,
     ``wait_eq(addr, v, spin, budget_ns)``, ``now_ns()``,
-    ``memcpy(dst, src, n)``, ``memset(dst, byte, n)``. See ``csrc/core.c``.
+    ``memcpy(dst, src, n)``, ``memset(dst, byte, n)``. See ``csrc/py/module.c``.
     """
     mod = _loaded.get("core")
     if mod is None:

@@ -64,7 +64,7 @@ ARG_DEFAULTS = {"stage_off": -1}
 #: rank 0's is the group's election word), and its own ABORT line (RABORT: the world slot's, which every
 #: wait reads, see runtime/liveness.py).
 CHAN_ROW = ("ARRIVE", "PHASE", "DONE", "HEADER", "STATE", "BASE", "SIZE", "FD", "VEC", "ABORT", "ELECT", "RABORT")
-#: The argument block of each EP kernel (``native/csrc/ep.c``): C struct name -> (its fields, the fields of the
+#: The argument block of each EP kernel (``native/csrc/cpu/ep.c``): C struct name -> (its fields, the fields of the
 #: row that follows it once per rank, or ``()``). Addresses are ``*_out`` (written), or inputs; ``R`` ranks,
 #: ``me`` this rank, ``E`` experts, ``L`` local experts, ``C`` channels, ``K`` top-k, ``T`` tokens. Each
 #: kernel's comment in ep.c says what it reads and writes.
@@ -141,7 +141,7 @@ VEC_CAP = (8192 - SLOT_LINES["VECTORS"] * 64) // 8
 MAX_WORLD = 256
 #: Segment header STATE values the channel reads (heap/layout.py owns them; a unit test checks equality).
 STATES = {"FINALIZED": 2, "FAILED": 3}
-#: Counters of a heap registered with the CPU allocator hook (``csrc/cpu_alloc_hook.cpp``, ``zbh_stats``
+#: Counters of a heap registered with the CPU allocator hook (``csrc/cpu/cpu_alloc_hook.cpp``, ``zbh_stats``
 #: order; C++: ``k<CamelName>``, then ``kNumCounters``): name and meaning.
 HOOK_COUNTERS = {
     "hits": "allocations served from the native cache, no Python",

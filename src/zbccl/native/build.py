@@ -199,8 +199,8 @@ def source_key(spec: BuildSpec) -> str:
     the loader compare it with the installed sources (:mod:`zbccl.native.prebuilt`).
     """
     h = hashlib.sha256()
-    for src in spec.sources:
-        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    for src in spec.sources:  # the layer folder with the name (csrc/core/chan.c): a file moved between layers
+        h.update(f"{src.parent.name}/{src.name}".encode() + b"\0" + src.read_bytes() + b"\0")
     for name, text in spec.generated:
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
     h.update("\0".join((spec.lang, *spec.flags)).encode())

@@ -26,7 +26,7 @@ handshake):
 
 Python checks the arguments, picks the algorithm, stages a tensor that is
 not a contiguous heap tensor, and runs the whole protocol in one native call
-(``native/csrc/chan_ops.c``). twoshot pushes with cached or streaming stores,
+(``native/csrc/core/chan_ops.c``). twoshot pushes with cached or streaming stores,
 chosen per size by group rank 0, which measures both (``chan_ops.c``, "Store
 kind"; the protocol is the same either way). World size 1: the null backend.
 

@@ -1,6 +1,6 @@
 """The op channel: one communicator's native protocol, driven by one call per op.
 
-Synchronisation protocol (run by ``native/csrc/chan.c``; all flags live in
+Synchronisation protocol (run by ``native/csrc/core/chan.c``; all flags live in
 the *owner's* comm slot, one 64-byte line each, and only grow, so they are
 never reset; line numbers and header fields come from ``native/abi.py``):
 
@@ -171,7 +171,7 @@ class OpChannel:
         self._scratch = (self._args, ctypes.addressof(self._args), 0)
         self._chan_run = self.prims.chan_run
         self.configure_stores()
-        # The native hot entry (native/csrc/hot.cpp): its table holds the channel's lock and sequence
+        # The native hot entry (native/csrc/py/hot.cpp): its table holds the channel's lock and sequence
         # number, so every op, hot or not, takes that lock and counts there.
         which = env.HOT_ENTRY.get()
         hot = native.hot() if which != "off" and hasattr(self.prims, "chan_call_addr") else None

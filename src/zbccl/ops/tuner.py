@@ -13,7 +13,7 @@ communicator's first collective instead of rank 0 failing and the rest hanging.
 
 :func:`choose` reads the table (cached per communicator). The one decision made at run time,
 cached or streaming stores for all_reduce's pushes, is native: group rank 0 measures both and
-chooses for the group (:func:`store_kind_mode`, ``native/csrc/chan_ops.c`` "Store kind").
+chooses for the group (:func:`store_kind_mode`, ``native/csrc/core/kind.c`` "Store kind").
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def choose(ch: OpChannel, opcode: int, dtype: torch.dtype, nbytes: int) -> tuple
 def store_kind_mode() -> int:
     """``ZBCCL_STREAM_STORES`` as the native channel's store-kind mode: -1 auto, 0 cached, 1 streaming.
 
-    The policy itself is native (``chan_ops.c``, "Store kind"): per log2 size bucket, group rank 0 times
+    The policy itself is native core policy (``native/csrc/core/kind.c``): per log2 size bucket, group rank 0 times
     all_reduce under both kinds and uses the cheaper one for the group, re-measuring the other within
     64 ops or 200 ms.
     """

@@ -1,6 +1,6 @@
 """One liveness rule and one meaning of ABORT, for every wait of every protocol.
 
-zbccl has four ways to wait on peers: the native op channel (``native/csrc/chan.c``
+zbccl has four ways to wait on peers: the native op channel (``native/csrc/core/chan.c``
 ``wait_all``), the communicator's epoch barrier (:mod:`.waits`), EP's tagged barrier (the same
 barrier, under ``ep/exchange.py``) and p2p mailboxes (``adapters/p2p.py``), plus the store's
 waits (``bootstrap/store.py``). All of them apply this module's rule at each liveness interval

@@ -22,7 +22,7 @@ communicator of the group's members:
   a private tensor is staged (counted in ``staged_bytes``) and returns at once.
 * **Hot entry.** ``zbccl.all_reduce`` and ``all_gather_into_tensor`` first offer
   the tensors to the channel's native hot entries (``OpChannel.hot``,
-  ``native/csrc/hot.cpp``): tensors zbccl already made a plan for (the same heap
+  ``native/csrc/py/hot.cpp``): tensors zbccl already made a plan for (the same heap
   activation every step) run in one native call, without the Python entry that
   a layer's matmuls leave cold. all_reduce runs through ``zbccl.ops.bind_all_reduce``
   (bound once per group): the hot entry without the per-call lookups of

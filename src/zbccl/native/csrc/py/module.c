@@ -1,78 +1,28 @@
 /*
- * zbccl native core: atomics, waits and raw copies on shared memory.
+ * zbccl native core module (zbccl._native_core): the CPython binding of the native code.
  *
- * Every address is a raw integer pointing into memory that several processes
- * map (MAP_SHARED), so all futex calls are *shared* (no FUTEX_PRIVATE_FLAG).
+ * The native code is in three layers (docs/design.md, "native"): core/ is the protocol engine (pure C, no
+ * Python header, over a transport's verbs), cpu/ the CPU transport and its kernels (flags and futexes,
+ * copies, reductions, EP rows), and py/ (this directory) the binding: argument parsing, the GIL and the
+ * module. This file binds the flag verbs (cpu/flags.c) that the Python layer's own waits use; chan_py.c,
+ * reduce_py.c and ep_py.c bind the rest.
  *
- * Flag layout contract (one 64-byte cache line per flag, so flags never share
- * a line and a poll never bounces a neighbour's line):
- *
- *     +0   int64  value     written with store-release / seq_cst by the signaller
- *     +8   int32  waiters   number of processes futex-sleeping on this flag
- *     +12  padding to 64 bytes
- *
- * Synchronisation protocol (Dekker-style, both sides seq_cst):
- *   signaller: store value; load waiters; if > 0: FUTEX_WAKE(low 32 bits of value)
- *   waiter:    waiters += 1; load value; if unsatisfied: FUTEX_WAIT(low word, seen)
- *              waiters -= 1
- * Either the signaller sees waiters > 0 and wakes, or the waiter's re-check
- * sees the new value; FUTEX_WAIT itself also refuses to sleep when the low
- * word already changed. A change by an exact multiple of 2^32 would be missed
- * by the kernel compare, so every sleep is bounded (50 us doubling to 2 ms).
- *
- * Waits poll `spin` times with a CPU relax instruction while holding the GIL,
- * then release the GIL and sched_yield() between polls for the process's poll
- * phase (set_wait_poll; at least 50 us), then sleep on the futex. spin=0 yields at once (ranks outnumber cores). Flags waited on
- * by wait_ge are expected to be monotonic: a flag seen satisfied is not re-read.
+ * Every address is a raw integer pointing into memory that several processes map. Waits poll `spin` times
+ * with a CPU relax instruction while holding the GIL, then release the GIL and sched_yield() between polls
+ * for the process's poll phase (set_wait_poll; at least 50 us), then sleep on the futex (cpu/flags.h has the
+ * flag layout and the sleep protocol). spin=0 yields at once (ranks outnumber cores). Flags waited on by
+ * wait_ge are expected to be monotonic: a flag seen satisfied is not re-read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <errno.h>
-#include <limits.h>
-#include <linux/futex.h>
-#include <sched.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
-#include "arch.h"
-#include "zb_abi.h"
+#include "../core/arch.h"
+#include "../cpu/flags.h"
 
-#define FLAG_BYTES 64
-#define WAITERS_OFFSET (W_WAITERS * 8) /* abi.WORDS */
-#define YIELD_PHASE_NS 50000LL
-#define SLEEP_MIN_NS 50000LL
-#define SLEEP_MAX_NS 2000000LL
 #define NOGIL_COPY_BYTES (256u * 1024u)
-
-/* ------------------------------------------------------------------ helpers */
-
-static inline uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* Address of the low 32 bits of the int64 at p: the futex word. */
-static inline uint32_t *low_word(int64_t *p) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    return (uint32_t *)p + 1;
-#else
-    return (uint32_t *)p;
-#endif
-}
-
-static inline void futex_wake_all(int64_t *p) {
-    syscall(SYS_futex, low_word(p), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-
-static inline void futex_wait_ns(int64_t *p, uint32_t seen, int64_t ns) {
-    struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
-    syscall(SYS_futex, low_word(p), FUTEX_WAIT, seen, &ts, NULL, 0);
-}
 
 static int check_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want) {
     if (nargs == want) return 0;
@@ -110,83 +60,22 @@ static int get_addr(const char *fn, PyObject *o, uint64_t align, uint64_t *out) 
 
 /* -------------------------------------------------------------------- waits */
 
-typedef struct {
-    const uint64_t *addrs; /* flag addresses */
-    Py_ssize_t n;
-    int64_t target;
-    int eq; /* 0: value >= target, 1: value == target */
-} waitset;
-
-static inline int flag_ok(const waitset *w, int64_t v) { return w->eq ? v == w->target : v >= w->target; }
-
-/* First index >= i whose flag is unsatisfied, or n. */
-static inline Py_ssize_t scan(const waitset *w, Py_ssize_t i) {
-    for (; i < w->n; i++) {
-        int64_t v = __atomic_load_n((int64_t *)w->addrs[i], __ATOMIC_ACQUIRE);
-        if (!flag_ok(w, v)) break;
-    }
-    return i;
-}
-
-/* Futex phase on flag i: one bounded sleep. Returns 1 when the deadline passed. */
-static int futex_sleep_once(const waitset *w, Py_ssize_t i, uint64_t deadline, int64_t sleep_ns) {
-    int64_t *val = (int64_t *)w->addrs[i];
-    int32_t *waiters = (int32_t *)((char *)val + WAITERS_OFFSET);
-    int expired = 0;
-    __atomic_fetch_add(waiters, 1, __ATOMIC_SEQ_CST);
-    int64_t v = __atomic_load_n(val, __ATOMIC_SEQ_CST);
-    if (!flag_ok(w, v)) {
-        uint64_t t = mono_ns();
-        if (t >= deadline) {
-            expired = 1;
-        } else {
-            uint64_t left = deadline - t;
-            futex_wait_ns(val, (uint32_t)(uint64_t)v, (uint64_t)sleep_ns < left ? sleep_ns : (int64_t)left);
-        }
-    }
-    __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST);
-    return expired;
-}
-
-/* How long a wait keeps polling (yielding the core between polls) before it sleeps on the futex:
- * set_wait_poll, once per process at init (runtime/state.py picks it from the ranks' cores). */
-static int64_t poll_phase_ns = YIELD_PHASE_NS;
-
-/* Yield then futex phases, called without the GIL. Returns first unsatisfied index or n. */
-static Py_ssize_t wait_nogil(const waitset *w, Py_ssize_t i, uint64_t deadline) {
-    uint64_t t = mono_ns();
-    uint64_t yield_end = t + (uint64_t)__atomic_load_n(&poll_phase_ns, __ATOMIC_RELAXED);
-    while (t < deadline && t < yield_end) {
-        sched_yield();
-        i = scan(w, i);
-        if (i == w->n) return i;
-        t = mono_ns();
-    }
-    int64_t sleep_ns = SLEEP_MIN_NS;
-    while (mono_ns() < deadline) {
-        if (futex_sleep_once(w, i, deadline, sleep_ns)) break;
-        i = scan(w, i);
-        if (i == w->n) return i;
-        sleep_ns = sleep_ns * 2 > SLEEP_MAX_NS ? SLEEP_MAX_NS : sleep_ns * 2;
-    }
-    return scan(w, i);
-}
-
-/* Full strategy. budget_ns < 0: no deadline; 0: poll once. Returns -1 or an index. */
-static Py_ssize_t do_wait(const waitset *w, int64_t spin, int64_t budget_ns) {
-    Py_ssize_t i = scan(w, 0);
+/* Spin (GIL held), then the CPU transport's yield and futex phases without the GIL. budget_ns < 0: no
+ * deadline; 0: poll once. Returns -1 when every flag is satisfied, else the first unsatisfied index. */
+static Py_ssize_t do_wait(const zb_waitset *w, int64_t spin, int64_t budget_ns) {
+    long i = zb_waitset_scan(w, 0);
     if (i == w->n) return -1;
     if (budget_ns == 0) return i;
-    uint64_t start = mono_ns();
+    uint64_t start = zb_mono_ns();
     uint64_t deadline = budget_ns < 0 ? UINT64_MAX : start + (uint64_t)budget_ns;
     for (int64_t s = 0; s < spin; s++) {
         cpu_relax();
-        i = scan(w, i);
+        i = zb_waitset_scan(w, i);
         if (i == w->n) return -1;
-        if ((s & 255) == 255 && mono_ns() >= deadline) return i;
+        if ((s & 255) == 255 && zb_mono_ns() >= deadline) return i;
     }
     Py_BEGIN_ALLOW_THREADS
-    i = wait_nogil(w, i, deadline);
+    i = zb_waitset_block(w, i, deadline);
     Py_END_ALLOW_THREADS
     return i == w->n ? -1 : i;
 }
@@ -218,20 +107,12 @@ static PyObject *py_fetch_add(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromLongLong(__atomic_fetch_add((int64_t *)a, d, __ATOMIC_ACQ_REL));
 }
 
-/* Wake the flag's sleepers if any; the caller's preceding store must be seq_cst. */
-static inline void wake_if_waiters(int64_t *p) {
-    int32_t *waiters = (int32_t *)((char *)p + WAITERS_OFFSET);
-    if (__atomic_load_n(waiters, __ATOMIC_SEQ_CST) > 0) futex_wake_all(p);
-}
-
 static PyObject *py_signal(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t a;
     int64_t v;
     if (check_nargs("signal", nargs, 2) || get_addr("signal", args[0], 8, &a) || get_i64("signal", args[1], &v))
         return NULL;
-    /* seq_cst (not just release) so the waiters load below cannot move before it. */
-    __atomic_store_n((int64_t *)a, v, __ATOMIC_SEQ_CST);
-    wake_if_waiters((int64_t *)a);
+    zb_flag_signal((int64_t *)a, v);
     Py_RETURN_NONE;
 }
 
@@ -241,9 +122,7 @@ static PyObject *py_fetch_add_signal(PyObject *self, PyObject *const *args, Py_s
     if (check_nargs("fetch_add_signal", nargs, 2) || get_addr("fetch_add_signal", args[0], 8, &a) ||
         get_i64("fetch_add_signal", args[1], &d))
         return NULL;
-    int64_t old = __atomic_fetch_add((int64_t *)a, d, __ATOMIC_SEQ_CST);
-    wake_if_waiters((int64_t *)a);
-    return PyLong_FromLongLong(old);
+    return PyLong_FromLongLong(zb_flag_add_signal((int64_t *)a, d));
 }
 
 static PyObject *py_wait_ge(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -265,7 +144,7 @@ static PyObject *py_wait_ge(PyObject *self, PyObject *const *args, Py_ssize_t na
             return NULL;
         }
     }
-    waitset w = {addrs, (Py_ssize_t)n, target, 0};
+    zb_waitset w = {addrs, (long)n, target, 0};
     return PyLong_FromSsize_t(do_wait(&w, spin, budget));
 }
 
@@ -276,13 +155,13 @@ static PyObject *py_wait_eq(PyObject *self, PyObject *const *args, Py_ssize_t na
         get_i64("wait_eq", args[1], &value) || get_i64("wait_eq", args[2], &spin) ||
         get_i64("wait_eq", args[3], &budget))
         return NULL;
-    waitset w = {&a, 1, value, 1};
+    zb_waitset w = {&a, 1, value, 1};
     return PyBool_FromLong(do_wait(&w, spin, budget) == -1);
 }
 
 static PyObject *py_now_ns(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_nargs("now_ns", nargs, 0)) return NULL;
-    return PyLong_FromUnsignedLongLong(mono_ns());
+    return PyLong_FromUnsignedLongLong(zb_mono_ns());
 }
 
 static PyObject *py_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -324,7 +203,7 @@ static PyObject *py_set_wait_poll(PyObject *self, PyObject *const *args, Py_ssiz
     int64_t ns;
     if (check_nargs("set_wait_poll", nargs, 1) || get_i64("set_wait_poll", args[0], &ns)) return NULL;
     if (ns < 0) return PyErr_Format(PyExc_ValueError, "set_wait_poll: expected ns >= 0, got %lld", (long long)ns);
-    __atomic_store_n(&poll_phase_ns, ns < YIELD_PHASE_NS ? YIELD_PHASE_NS : ns, __ATOMIC_RELAXED);
+    zb_set_wait_poll(ns);
     Py_RETURN_NONE;
 }
 
@@ -360,9 +239,9 @@ static struct PyModuleDef core_module = {
 
 /* reduce_py.c: reduce_n, copy, copy_many */
 int zb_add_reduce_methods(PyObject *module);
-/* chan.c: chan_new, chan_free, chan_all_reduce, chan_result */
+/* chan_py.c: chan_new, chan_free, chan_run, chan_result, ... */
 int zb_add_chan_methods(PyObject *module);
-int zb_add_ep_methods(PyObject *module); /* ep.c: ep_plan, ep_pull, ep_combine */
+int zb_add_ep_methods(PyObject *module); /* ep_py.c: ep_layout, ep_plan, ep_pull, ep_combine, ... */
 
 PyMODINIT_FUNC PyInit__native_core(void) {
     PyObject *m = PyModule_Create(&core_module);

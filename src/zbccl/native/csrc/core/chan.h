@@ -1,15 +1,15 @@
-/* zbccl native op channel: shared declarations of chan.c (waits, handshake) and chan_ops.c (ops).
- * Every constant (header fields H_*, op and algorithm codes, RC_*, ERR_*, ABORT_*, VEC_CAP, the
+/* zbccl native op channel: shared declarations of chan.c (waits, handshake), chan_ops.c (ops) and kind.c
+ * (the store-kind learner). Pure C: no Python header (py/ holds the binding; tests/unit/test_native_layers.py
+ * checks). Every constant (header fields H_*, op and algorithm codes, RC_*, ERR_*, ABORT_*, VEC_CAP, the
  * argument struct zb_op) comes from zb_abi.h, generated from zbccl/native/abi.py. */
 #ifndef ZBCCL_CHAN_H
 #define ZBCCL_CHAN_H
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stdint.h>
 
+#include "transport.h"
 #include "zb_abi.h"
 
-/* Per log2 size bucket: each store kind's cost (EWMA of ns per byte), samples taken, time of the last. */
+/* Per log2 size bucket (kind.c, core policy): each store kind's cost (EWMA of ns per byte), samples taken, time of the last. */
 #define KIND_BUCKETS 64
 #define KIND_HIST 4
 typedef struct {
@@ -20,9 +20,12 @@ typedef struct {
 } zb_kind;
 
 typedef struct {
+    const zb_transport *tp; /* every flag, liveness probe and byte moved goes through it */
+    zb_hooks hooks;         /* the running op's caller (set per op by zb_chan_run's caller) */
+    int blocked;            /* 1 once this op called hooks.block */
     int64_t W, me, spin, liveness_ns, timeout_ns, nthreads;
     int64_t poll_ns; /* how long a wait polls (yielding between polls) before it sleeps on the futex */
-    /* Store kind of all_reduce's pushes (see chan_ops.c "Store kind"): -1 auto, 0 cached, 1 streaming */
+    /* Store kind of all_reduce's pushes (see kind.c "Store kind"): -1 auto, 0 cached, 1 streaming */
     int64_t kind_mode;
     zb_kind kinds[KIND_BUCKETS];
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];
@@ -48,13 +51,25 @@ typedef struct {
     /* chan_phases(handle, 1): all_reduce records where its time goes (ns): arrive, reduce, push, done;
      * summed over an op's chunks, overwritten by the next op */
     int64_t trace, phase_ns[4];
-    int gil_held;           /* 1 while the calling thread still holds the GIL */
-    PyThreadState *saved;   /* its thread state once a long wait released the GIL */
 } zb_chan;
 
+/* The core's entry points (py/chan_py.c binds them; a C caller may use them directly). */
+/* A channel over transport tp: W ranks, this one me, table int64[W][CR_COLUMNS] (abi.CHAN_ROW). NULL: no
+ * memory, or W/me out of range. */
+zb_chan *zb_chan_new(const zb_transport *tp, int64_t W, int64_t me, int64_t spin, int64_t liveness_ns,
+                     int64_t timeout_ns, int64_t nthreads, const int64_t *table, int64_t poll_ns);
+void zb_chan_free(zb_chan *c);
+/* 0 if `o` may run on c's transport, 1 for bad op arguments (op, nvec, timeout), 2 for a bad dtype/op pair. */
+int zb_op_check(const zb_chan *c, const zb_op *o);
+/* Run one op from start to end (the caller holds the channel's lock): an RC_* code, or -1 when zb_op_check
+ * refuses it. Calls c->hooks.block before long waits and large copies. On any way of leaving the op half-way
+ * it marks this rank's ABORT line and returns once no peer writes into this rank (leave_op). */
+int zb_chan_run(zb_chan *c, zb_op *o);
 
-void gil_release(zb_chan *c);
-void signal_flag(int64_t *p, int64_t v);
+/* Let the caller's other threads run (once per op). */
+void chan_block(zb_chan *c);
+static inline void signal_flag(zb_chan *c, int64_t *p, int64_t v) { c->tp->signal(p, v); }
+static inline int64_t ld(const zb_chan *c, const int64_t *p) { return c->tp->load(p); }
 /* Wait until flags[r] >= target for every peer r (spin, yield, futex; liveness and timeout). */
 int wait_all(zb_chan *c, int64_t **flags, int64_t target);
 /* Signal our flag = seq, then wait_all. */
@@ -78,8 +93,10 @@ void leave_op(zb_chan *c, int64_t seq, int why);
 int fail_op(zb_chan *c, int64_t seq, int rc);
 /* Run one op described by `o` (dispatch on o->op); returns an RC_* code. */
 int run_op(zb_chan *c, zb_op *o);
-int zb_add_chan_ops(PyObject *module);
-/* A Python int as int64 (-1 and an exception on failure). */
-int zb_i64(PyObject *o, int64_t *out);
+/* kind.c: the store kind of all_reduce's pushes (core policy, see kind.c). */
+int kind_choose(zb_chan *c, int64_t nbytes, int64_t now);
+void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int64_t now);
+/* Forget what auto learnt and use `mode` (-1 auto, 0 cached, 1 streaming). */
+void zb_chan_configure(zb_chan *c, int64_t mode);
 
 #endif

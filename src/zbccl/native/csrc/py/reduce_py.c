@@ -1,8 +1,8 @@
-/* Python bindings of reduce.c, added to the core module by zb_add_reduce_methods(). */
+/* CPython bindings of the CPU kernels (cpu/reduce.c), added to the core module by zb_add_reduce_methods(). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "reduce.h"
+#include "../cpu/reduce.h"
 
 static int args_ll(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out, const char *fn) {
     if (nargs != want) {

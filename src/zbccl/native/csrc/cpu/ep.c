@@ -11,44 +11,28 @@
  * Arguments: one typed block per call, a struct zb_ep_<kernel> then, for kernels with per-rank data, one
  * zb_ep_<kernel>_row per rank (both generated into zb_abi.h from abi.EP_ARGS; Python fills them by field name:
  * zbccl/ep/fast.py, zbccl/ep/low_latency.py). Group sizes up to ZB_MAXW (abi.MAX_WORLD) ranks.
+ *
+ * Pure data movement and arithmetic on raw addresses: no Python here (py/ep_py.c binds each kernel as
+ * ep_<kernel>(args_ptr), releasing the GIL around the ones that copy or sum rows).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "ep.h"
 #include "reduce.h"
-#include "zb_abi.h"
-
-typedef long long i64;
 
 #define PTR(type, v) ((type)(uintptr_t)(v))
 /* The per-rank rows that follow a kernel's argument struct `a`. */
 #define ROWS(a, type) ((const type *)((a) + 1))
-
-static int get_args(PyObject *const *args, Py_ssize_t nargs, const char *fn, const void **a) {
-    if (nargs != 1) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 1 argument (the address of its argument block), got %zd", fn,
-                     nargs);
-        return -1;
-    }
-    unsigned long long p = PyLong_AsUnsignedLongLong(args[0]);
-    if (p == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *a = PTR(const void *, p);
-    return 0;
-}
 
 /* ep_plan(zb_ep_plan, then per rank r a row: meta (its plan block's address), meta_len).
  * Sender r's plan block (int64) is counts[R] | per_expert[E] | chan[R * C] (inclusive prefix) | tokens.
  * Writes counts_out[r * R + d] = counts_r[d] (int64 [R, R]), per_expert_out[l] = sum_r per_expert_r[me * L + l]
  * (int64 [L]), recv_chan_out[r * C + c] = chan_r[me][c - 1] (int32 [R, C], column 0 is 0).
  * Returns -1, or the first rank whose block is too short or holds a negative count. */
-static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    const void *p;
-    if (get_args(args, nargs, "ep_plan", &p) < 0) return NULL;
-    const zb_ep_plan *a = p;
+i64 zbk_ep_plan(const void *args) {
+    const zb_ep_plan *a = args;
     const zb_ep_plan_row *row = ROWS(a, zb_ep_plan_row);
     i64 R = a->R, me = a->me, E = a->E, C = a->C, L = a->L;
     i64 *counts = PTR(i64 *, a->counts_out), *per_expert = PTR(i64 *, a->per_expert_out);
@@ -57,9 +41,9 @@ static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
     for (i64 r = 0; r < R; r++) {
         const i64 *meta = PTR(const i64 *, row[r].meta);
         i64 len = row[r].meta_len;
-        if (len < R + E + R * C) return PyLong_FromLongLong(r);
+        if (len < R + E + R * C) return r;
         for (i64 d = 0; d < R; d++) {
-            if (meta[d] < 0) return PyLong_FromLongLong(r);
+            if (meta[d] < 0) return r;
             counts[r * R + d] = meta[d];
         }
         for (i64 l = 0; l < L; l++) per_expert[l] += meta[R + me * L + l];
@@ -67,7 +51,7 @@ static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
         recv_chan[r * C] = 0;
         for (i64 c = 1; c < C; c++) recv_chan[r * C + c] = (int32_t)chan[c - 1];
     }
-    return PyLong_FromLongLong(-1);
+    return -1;
 }
 
 #define EP_FIELDS 4 /* x, scales, topk_idx, topk_weights */
@@ -86,7 +70,7 @@ static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
  * tokens into one memcpy; writes src_idx_out[i] (int32) = the source token. With K: topk_idx (int64) becomes
  * local expert ids (-1 where not this rank's, weight 0). Returns the bytes copied, or -(1 + r) for the first
  * sender r whose token list is out of bounds or whose counts add up to more than n_recv. */
-static i64 ep_pull(const void *args) {
+i64 zbk_ep_pull(const void *args) {
     const zb_ep_pull *a = args;
     const zb_ep_pull_row *per = ROWS(a, zb_ep_pull_row);
     i64 R = a->R, me = a->me, head = a->head, L = a->L, K = a->K, n_recv = a->n_recv;
@@ -142,21 +126,7 @@ static i64 ep_pull(const void *args) {
     return moved;
 }
 
-/* A kernel over its argument block that only touches raw memory: run it without the GIL. */
-static PyObject *call_nogil(PyObject *const *args, Py_ssize_t nargs, const char *name, i64 (*fn)(const void *)) {
-    const void *a;
-    i64 rc;
-    if (get_args(args, nargs, name, &a) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fn(a);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(rc);
-}
 
-static PyObject *py_ep_pull(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return call_nogil(args, nargs, "ep_pull", ep_pull);
-}
 
 /* One fp32-accumulated sum per run of consecutive tokens sent to the same ranks (their rows are consecutive in
  * each of those ranks' blocks): dst rows [t0, t0 + n) = sum over the present ranks (rank order) and the extras. */
@@ -193,7 +163,7 @@ static i64 ep_sum(char *dst, i64 T, i64 R, i64 width, i64 isz, int dtype, const 
  * r published), x, w (their addresses)).
  * The rows are [base_r + head[t, r]] of each rank r with in_rank[t, r]. Returns the bytes read from the
  * ranks, or -(1 + r) for the first rank r whose row index is out of its block. */
-static i64 ep_combine(const void *args) {
+i64 zbk_ep_combine(const void *args) {
     const zb_ep_combine *a = args;
     const zb_ep_combine_row *per = ROWS(a, zb_ep_combine_row);
     i64 R = a->R, T = a->T;
@@ -223,7 +193,7 @@ static i64 ep_combine(const void *args) {
  * [T * K]), acc (float [H] scratch)). The low-latency combine's weighted fp32 sum per token
  * (zb_weighted_rows_bf16); the caller has checked every row address against its owner's published block.
  * Returns the bytes read. */
-static i64 ep_ll_combine(const void *args) {
+i64 zbk_ep_ll_combine(const void *args) {
     const zb_ep_ll_combine *a = args;
     i64 T = a->T, K = a->K, H = a->H;
     const i64 *src = PTR(const i64 *, a->src);
@@ -239,7 +209,7 @@ static i64 ep_ll_combine(const void *args) {
  * sort): the valid (token, slot) pairs sorted by expert, then slot (so by token), with counts per expert;
  * slot is the flat index t * K + k. Returns the number of pairs, or -1 (err_out = token, value: an entry
  * outside [-1, E)) or -2 (err_out = token, expert: an expert named twice in one token). */
-static i64 ep_ll_plan(const void *args) {
+i64 zbk_ep_ll_plan(const void *args) {
     const zb_ep_ll_plan *a = args;
     i64 T = a->T, K = a->K, E = a->E;
     const i64 *idx = PTR(const i64 *, a->idx);
@@ -279,10 +249,6 @@ static i64 ep_ll_plan(const void *args) {
     return n;
 }
 
-static PyObject *py_ep_ll_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return call_nogil(args, nargs, "ep_ll_plan", ep_ll_plan);
-}
 
 /* ep_ll_pull(zb_ep_ll_pull: R, me, L, N, E, xrow, x_out, count_out (int32 [L]), src_info_out (int32 [L, N]),
  * layout_out (int64 [L, R]), begin_out (int64 [E]), masked (bit s: this rank drops source s), keep_of
@@ -300,7 +266,7 @@ static PyObject *py_ep_ll_plan(PyObject *self, PyObject *const *args, Py_ssize_t
  * its tokens is outside [0, T_r)), -2 (err_out = local expert l, its rows: more rows than its N slots) or -3 (no
  * memory for its tables). */
 static i64 ep_ll_pull_with(const zb_ep_ll_pull *a, i64 *mine_tab, i64 *at);
-static i64 ep_ll_pull(const void *args) {
+i64 zbk_ep_ll_pull(const void *args) {
     const zb_ep_ll_pull *a = args;
     i64 R = a->R, L = a->L;
     i64 *tab = (i64 *)malloc((size_t)(R + 1) * (size_t)L * sizeof(i64));
@@ -397,10 +363,6 @@ static i64 ep_ll_pull_with(const zb_ep_ll_pull *a, i64 *mine_tab, i64 *at) {
 #undef KEEPS
 }
 
-static PyObject *py_ep_ll_pull(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return call_nogil(args, nargs, "ep_ll_pull", ep_ll_pull);
-}
 
 /* ep_ll_addrs(zb_ep_ll_addrs: T, K, E, L, R, row_bytes, idx (int64 [T, K]), w (float [T, K]), begin (int64 [E]),
  * addr_out (int64 [T, K]), w_out (float [T, K]), err_out (int64 [2]); then per owner r a row: meta (int64 [L]: the
@@ -411,7 +373,7 @@ static PyObject *py_ep_ll_pull(PyObject *self, PyObject *const *args, Py_ssize_t
  * slots are written in ascending expert order (no expert first; a stable sort, as torch's argsort(stable=True)),
  * with their weights, address 0 for no expert or a skipped owner (ep_ll_combine skips those). Returns 0, -1
  * (err_out = owner r, the row) for a row outside r's block, or -3 (no memory for its tables). */
-static i64 ep_ll_addrs(const void *args) {
+i64 zbk_ep_ll_addrs(const void *args) {
     const zb_ep_ll_addrs *a = args;
     i64 T = a->T, K = a->K, E = a->E, L = a->L, R = a->R, rb = a->row_bytes;
     const i64 *idx = PTR(const i64 *, a->idx), *begin = PTR(const i64 *, a->begin);
@@ -462,26 +424,15 @@ out:
     return rc;
 }
 
-static PyObject *py_ep_ll_addrs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return call_nogil(args, nargs, "ep_ll_addrs", ep_ll_addrs);
-}
 
-static PyObject *py_ep_ll_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return call_nogil(args, nargs, "ep_ll_combine", ep_ll_combine);
-}
 
-static PyObject *py_ep_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return call_nogil(args, nargs, "ep_combine", ep_combine);
-}
 
 /* ep_layout(zb_ep_layout: idx (int64 or int32 [T, K]), T, K, E, R, idx_is_int32, per_rank_out (int32 [R] or 0),
  * per_expert_out (int32 [E]), in_rank_out (bool [T, R] or 0)): get_dispatch_layout in one pass (a token counts
  * once per rank, -1 selects nothing). Returns -1, or the flat index of the first entry outside [-1, E) (then
  * the outputs are undefined). */
-static i64 ep_layout(const zb_ep_layout *a) {
+i64 zbk_ep_layout(const void *args) {
+    const zb_ep_layout *a = args;
     i64 T = a->T, K = a->K, E = a->E, R = a->R, L = E / R;
     const i64 *idx64 = PTR(const i64 *, a->idx);
     const int32_t *idx32 = PTR(const int32_t *, a->idx);
@@ -510,12 +461,6 @@ static i64 ep_layout(const zb_ep_layout *a) {
     return -1;
 }
 
-static PyObject *py_ep_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    const void *a;
-    if (get_args(args, nargs, "ep_layout", &a) < 0) return NULL;
-    return PyLong_FromLongLong(ep_layout(a));
-}
 
 /* ep_route(zb_ep_route: in_rank (bool [T, R]), T, R, C, E, meta (int64 block), meta_len, head_out (int32 [T, R]),
  * expect (int64 [R]: the tokens per rank the caller sized the block for)): a sender's plan block
@@ -523,7 +468,8 @@ static PyObject *py_ep_layout(PyObject *self, PyObject *const *args, Py_ssize_t 
  * owns tokens [c * ceil(T / C), ...)) | tokens (per rank, ascending), and the handle's send_head (position of a
  * token among those sent to a rank, -1: not sent). Returns -1, or the first rank whose count differs from
  * expect (nothing written past the counts then). */
-static i64 ep_route(const zb_ep_route *a) {
+i64 zbk_ep_route(const void *args) {
+    const zb_ep_route *a = args;
     const uint8_t *in_rank = PTR(const uint8_t *, a->in_rank);
     i64 T = a->T, R = a->R, C = a->C, E = a->E, len = a->meta_len;
     i64 *meta = PTR(i64 *, a->meta), *expect = PTR(i64 *, a->expect);
@@ -559,39 +505,3 @@ static i64 ep_route(const zb_ep_route *a) {
         for (i64 c = 1; c < C; c++) chan[r * C + c] += chan[r * C + c - 1];
     return -1;
 }
-
-static PyObject *py_ep_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    const void *a;
-    if (get_args(args, nargs, "ep_route", &a) < 0) return NULL;
-    return PyLong_FromLongLong(ep_route(a));
-}
-
-static PyMethodDef ep_methods[] = {
-    {"ep_layout", (PyCFunction)(void (*)(void))py_ep_layout, METH_FASTCALL,
-     "ep_layout(args_ptr) -> -1 or the first bad top-k entry: get_dispatch_layout's counts (layout in ep.c)."},
-    {"ep_route", (PyCFunction)(void (*)(void))py_ep_route, METH_FASTCALL,
-     "ep_route(args_ptr) -> -1 or a rank whose count differs: a sender's plan block and send_head (ep.c)."},
-    {"ep_plan", (PyCFunction)(void (*)(void))py_ep_plan, METH_FASTCALL,
-     "ep_plan(args_ptr) -> -1 or a bad rank: the [R, R] counts, per local expert counts and receive channel "
-     "prefix of a dispatch, read from every sender's plan block (layout in ep.c)."},
-    {"ep_pull", (PyCFunction)(void (*)(void))py_ep_pull, METH_FASTCALL,
-     "ep_pull(args_ptr) -> bytes copied, or -(1 + bad rank): a dispatch's row copies from every sender "
-     "(layout in ep.c)."},
-    {"ep_combine", (PyCFunction)(void (*)(void))py_ep_combine, METH_FASTCALL,
-     "ep_combine(args_ptr) -> bytes read, or -(1 + bad rank): a combine's fp32 sums (layout in ep.c)."},
-    {"ep_ll_plan", (PyCFunction)(void (*)(void))py_ep_ll_plan, METH_FASTCALL,
-     "ep_ll_plan(args_ptr) -> pairs, or -1 (entry out of range) / -2 (expert twice in a token): the low-latency "
-     "dispatch's expert-sorted (token, slot) pairs (layout in ep.c)."},
-    {"ep_ll_pull", (PyCFunction)(void (*)(void))py_ep_ll_pull, METH_FASTCALL,
-     "ep_ll_pull(args_ptr) -> bytes copied, or -1 (a bad sender block) / -2 (an expert over its slots): the "
-     "low-latency dispatch's receive half (layout in ep.c)."},
-    {"ep_ll_addrs", (PyCFunction)(void (*)(void))py_ep_ll_addrs, METH_FASTCALL,
-     "ep_ll_addrs(args_ptr) -> 0, or -1 (a row outside its owner's block): the low-latency combine's row "
-     "addresses and weights in per-token expert order (layout in ep.c)."},
-    {"ep_ll_combine", (PyCFunction)(void (*)(void))py_ep_ll_combine, METH_FASTCALL,
-     "ep_ll_combine(args_ptr) -> bytes read: the low-latency combine's weighted fp32 sums (layout in ep.c)."},
-    {NULL, NULL, 0, NULL},
-};
-
-int zb_add_ep_methods(PyObject *module) { return PyModule_AddFunctions(module, ep_methods); }

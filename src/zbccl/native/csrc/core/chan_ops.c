@@ -2,7 +2,7 @@
  *
  * The protocol of every op (see the synchronisation notes at the top of each
  * zbccl/ops/ file) exists only here. The Python layer validates, decides the
- * algorithm, stages tensors that are not in the heap before the call, fills
+ * algorithm (all but all_reduce's store kind: core policy, kind.c), stages tensors that are not in the heap before the call, fills
  * one zb_op (zb_abi.h) and turns the result code into an error. An error a
  * rank found locally travels in zb_op.error (its text already in the rank's
  * size-vector area): the op then only runs the handshake, so every rank fails
@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "reduce.h"
 
 #define PREFETCH_MAX (64 << 10)
 
@@ -41,7 +40,7 @@ enum { PH_ARRIVE, PH_REDUCE, PH_PUSH, PH_DONE };
  * now (acquire): the owner publishes a grown size only after the new range is backed, and any
  * offset we got from it was handed out after that. */
 static int in_heap(zb_chan *c, int r, int64_t off, int64_t nbytes) {
-    if (off >= 0 && nbytes >= 0 && off + nbytes <= __atomic_load_n(c->size[r], __ATOMIC_ACQUIRE)) return 1;
+    if (off >= 0 && nbytes >= 0 && off + nbytes <= ld(c, c->size[r])) return 1;
     c->result[1] = r;
     return 0;
 }
@@ -96,76 +95,6 @@ static int check_sizes(zb_chan *c, int64_t seq) {
 static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_t count, int64_t itemsize, int dt,
                    int op, double divisor, int nt, int64_t chunk, int stream, int64_t t);
 
-/* ------------------------------------------------------------ Store kind
- *
- * twoshot's pushes write into peers' lines this rank has just read. What a cached store into such a
- * line costs depends on the host and changes over minutes (docs/benchmarks.md, "Host state probe": on
- * the test VM ~7 ns a line in the fast state, ~28 in the slow one); a streaming store skips the read
- * for ownership but sends the line to memory, so the next read of it misses. Which is
- * faster depends on the size and the state, so group rank 0 measures: per log2 size bucket, the whole
- * op's ns per byte under each kind, as the least of its last KIND_HIST samples (an op that lost its
- * core to another process must not make a kind look slow). An op costs differently right after the kind changed (it reads lines the previous op
- * wrote the other way), so the first op of each kind after a switch is not sampled, and the other kind
- * is re-measured in runs of KIND_RUN ops. It uses the cheaper kind and starts a run of the other after
- * `interval` ops (4, doubling up to KIND_MAX_INTERVAL while the other keeps losing, back to 4 when it
- * wins) or once its last sample is KIND_STALE_NS old, whichever comes first: a change of state is
- * followed within a few hundred milliseconds at any op rate, and a kind that keeps losing costs at most
- * KIND_RUN ops in KIND_MAX_INTERVAL. A sample after a stale one starts the kind's history afresh.
- * Rank 0 posts its choice in its header (H_KIND) and every rank uses it: each rank's op time includes
- * waiting for the others, so choices made per rank are measured against the peers' choices and cannot
- * tell the kinds apart (measured: per-rank choices settled on cached stores in the slow state, 10 us
- * where streaming takes 6.5 at 16 KiB). Either kind writes the same bytes and fences before the next
- * flag. Below KIND_MIN_BYTES the op is all handshake: cached stores, not measured. */
-#define KIND_STALE_NS 200000000LL
-#define KIND_MIN_BYTES 2048
-#define KIND_MAX_INTERVAL 64
-#define KIND_RUN 3
-
-static int kind_bucket(int64_t nbytes) { return 63 - __builtin_clzll((unsigned long long)nbytes); }
-
-static int kind_choose(zb_chan *c, int64_t nbytes, int64_t now) {
-    if (c->kind_mode >= 0) return (int)c->kind_mode;
-    if (nbytes < KIND_MIN_BYTES) return 0;
-    zb_kind *k = &c->kinds[kind_bucket(nbytes)];
-    if (k->run > 0) return (int)k->prev - 1;
-    if (k->seen[0] < 2) return 0; /* cached first: it won in both host states (docs/benchmarks.md) */
-    if (k->seen[1] < 2) return 1;
-    int best = k->rate[1] < k->rate[0];
-    if (k->ops >= k->explore_at || now - k->last_ns[1 - best] > KIND_STALE_NS) {
-        k->run = KIND_RUN;
-        return 1 - best;
-    }
-    return best;
-}
-
-static void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int64_t now) {
-    if (c->kind_mode >= 0 || nbytes < KIND_MIN_BYTES) return;
-    zb_kind *k = &c->kinds[kind_bucket(nbytes)];
-    double rate = (double)(now - start) / (double)nbytes;
-    int stale = now - k->last_ns[kind] > KIND_STALE_NS, switched = k->prev != kind + 1;
-    int exploring = k->run > 0;
-    k->prev = kind + 1;
-    k->ops++;
-    if (k->run > 0) k->run--;
-    if (switched) return; /* this op read what the other kind wrote: not a sample of either */
-    k->last_ns[kind] = now;
-    double *h = k->hist[kind];
-    if (stale) h[0] = h[1] = h[2] = h[3] = rate;
-    h[k->seen[kind]++ % KIND_HIST] = rate;
-    int n = k->seen[kind] < KIND_HIST ? (int)k->seen[kind] : KIND_HIST;
-    k->rate[kind] = h[0];
-    for (int i = 1; i < n; i++) k->rate[kind] = h[i] < k->rate[kind] ? h[i] : k->rate[kind];
-    if (k->seen[0] < 2 || k->seen[1] < 2 || (exploring && k->run > 0)) return;
-    if (exploring) { /* the run that re-measured the kind not in use ended: back off while it keeps losing */
-        int lost = k->rate[kind] > k->rate[1 - kind];
-        k->interval = lost ? (k->interval * 2 > KIND_MAX_INTERVAL ? KIND_MAX_INTERVAL : k->interval * 2) : 4;
-        k->explore_at = k->ops + k->interval;
-    } else if (!k->interval) {
-        k->interval = 4;
-        k->explore_at = k->ops + 4;
-    }
-}
-
 /* ------------------------------------------------------------ oneshot: the last to arrive reduces for all
  *
  * Every rank posts its header and ARRIVE, then looks at the peers' ARRIVE. A rank that sees them all
@@ -185,14 +114,14 @@ static void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int6
  * claimant before it writes into anyone. The word is zeroed with the comm slot (slots.reset_slot). */
 static int all_arrived(zb_chan *c, int64_t seq) {
     for (int r = 0; r < c->W; r++)
-        if (r != c->me && __atomic_load_n(c->arrive[r], __ATOMIC_SEQ_CST) < seq) return 0;
+        if (r != c->me && ld(c, c->arrive[r]) < seq) return 0;
     return 1;
 }
 
 static int oneshot(zb_chan *c, zb_op *o, const int *fields, int nfields, int64_t t) {
     int64_t seq = o->seq, count = o->in_numel, nbytes = count * o->itemsize;
     post_header(c, o);
-    signal_flag(c->arrive[c->me], seq);
+    signal_flag(c, c->arrive[c->me], seq);
     if (all_arrived(c, seq) && elect_claim(c, seq)) {
         int rc = check_headers(c, seq, fields, nfields);
         for (int r = 0; !rc && r < c->W; r++)
@@ -207,12 +136,12 @@ static int oneshot(zb_chan *c, zb_op *o, const int *fields, int nfields, int64_t
         for (int r = 0; r < c->W; r++) srcs[r] = c->base[r] + c->hdrcopy[r][H_IN_OFF];
         int nt = nthreads_for(c, nbytes);
         if (count) {
-            zb_reduce_n(c->scratch, srcs, c->W, count, (int)o->dtype, (int)o->redop, (double)c->W, nt);
+            c->tp->reduce(c->scratch, srcs, c->W, count, (int)o->dtype, (int)o->redop, (double)c->W, nt, 0);
             MARK(c, PH_REDUCE, t);
-            for (int i = 0; i < c->W; i++) zb_copy((void *)srcs[(c->me + i) % c->W], c->scratch, nbytes, nt);
+            for (int i = 0; i < c->W; i++) c->tp->copy((void *)srcs[(c->me + i) % c->W], c->scratch, nbytes, nt, 0);
             MARK(c, PH_PUSH, t);
         }
-        signal_flag(c->done[c->me], seq);
+        signal_flag(c, c->done[c->me], seq);
         elect_release(c, seq, RC_OK);
         return RC_OK;
     }
@@ -224,14 +153,14 @@ static int oneshot(zb_chan *c, zb_op *o, const int *fields, int nfields, int64_t
         int64_t late[ZB_MAXW / 64] = {0};
         int any = 0;
         for (int r = 0; r < c->W; r++)
-            if (r != c->me && __atomic_load_n(c->arrive[r], __ATOMIC_ACQUIRE) < seq)
+            if (r != c->me && ld(c, c->arrive[r]) < seq)
                 late[r / 64] |= 1ull << (r % 64), any = 1;
         if (any) memcpy(c->late_mask, late, sizeof(late));
     }
     if (rc) return rc;
     rc = (int)__atomic_load_n(&c->elect[W_RC], __ATOMIC_RELAXED);
     if (rc == RC_OK) {
-        signal_flag(c->done[c->me], seq);
+        signal_flag(c, c->done[c->me], seq);
         return RC_OK;
     }
     c->result[1] = c->elect[W_RANK], c->result[2] = c->elect[W_FIELD];
@@ -310,12 +239,12 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
             if (r != c->me) prefetch(part[r], n);
         }
         char *mine = dst + a * itemsize;
-        zb_reduce_n(mine, part, c->W, b - a, dt, op, divisor, nt);
+        c->tp->reduce(mine, part, c->W, b - a, dt, op, divisor, nt, 0);
         MARK(c, PH_REDUCE, t);
         for (int i = 1; i < c->W; i++) {
             char *to = (char *)part[(c->me + i) % c->W]; /* the peer's slice: we read it, now we own it */
-            if (stream) zb_copy_stream(to, mine, n, nt);
-            else zb_copy(to, mine, n, nt);
+            if (stream) c->tp->copy(to, mine, n, nt, 1);
+            else c->tp->copy(to, mine, n, nt, 0);
         }
         MARK(c, PH_PUSH, t);
     }
@@ -333,12 +262,12 @@ static int twoshot(zb_chan *c, int64_t seq, const void **srcs, char *dst, int64_
  * rank did, the headers' input offsets are replaced by the staged ones and the op pulls. */
 static int stage_inputs(zb_chan *c, zb_op *o, int64_t nbytes) {
     if (c->hdrcopy[c->me][H_IN_OFF] < 0) {
-        if (nbytes) zb_copy(c->base[c->me] + o->stage_off, (const char *)(uintptr_t)o->in_addr, nbytes,
-                            nthreads_for(c, nbytes));
+        if (nbytes) c->tp->copy(c->base[c->me] + o->stage_off, (const char *)(uintptr_t)o->in_addr, nbytes,
+                            nthreads_for(c, nbytes), 0);
         o->staged = nbytes;
     }
     c->vec[c->me][VEC_CAP - 1] = o->stage_off;
-    signal_flag(c->phase[c->me], c->phase_base + 1);
+    signal_flag(c, c->phase[c->me], c->phase_base + 1);
     int rc = wait_all(c, c->phase, c->phase_base + 1);
     if (rc) return rc;
     for (int r = 0; r < c->W; r++)
@@ -396,18 +325,18 @@ static int allgather(zb_chan *c, zb_op *o) {
             int64_t off = c->hdrcopy[q][H_OUT_OFF];
             if (!in_heap(c, q, off, total * blocks * isz)) return fail_op(c, seq, RC_SPAN);
             if (mine)
-                zb_copy_rows(c->base[q] + off + disp[c->me] * isz, out_row, in, mine, blocks, mine, nt,
+                c->tp->copy_rows(c->base[q] + off + disp[c->me] * isz, out_row, in, mine, blocks, mine, nt,
                              streamed(mine * blocks));
         } else {
             int64_t off = c->hdrcopy[q][H_IN_OFF], theirs = counts[q] / blocks * isz;
             if (!in_heap(c, q, off, counts[q] * isz)) return fail_op(c, seq, RC_SPAN);
             if (theirs)
-                zb_copy_rows(out + disp[q] * isz, out_row, c->base[q] + off, theirs, blocks, theirs, nt,
+                c->tp->copy_rows(out + disp[q] * isz, out_row, c->base[q] + off, theirs, blocks, theirs, nt,
                              streamed(theirs * blocks));
         }
     }
     char *mine_dst = out + disp[c->me] * isz;
-    if (mine_dst != in && mine) zb_copy_rows(mine_dst, out_row, in, mine, blocks, mine, nt, streamed(mine * blocks));
+    if (mine_dst != in && mine) c->tp->copy_rows(mine_dst, out_row, in, mine, blocks, mine, nt, streamed(mine * blocks));
     return sync_on(c, c->done, seq);
 }
 
@@ -457,7 +386,7 @@ static int alltoall(zb_chan *c, zb_op *o) {
             src = (q == me ? in : c->base[q] + off) + in_disp * isz;
             dst = out + out_disp * isz;
         }
-        if (n) zb_copy(dst, src, n, nthreads_for(c, n));
+        if (n) c->tp->copy(dst, src, n, nthreads_for(c, n), 0);
     }
     return rc ? fail_op(c, seq, rc) : sync_on(c, c->done, seq);
 }
@@ -494,7 +423,7 @@ static int reducescatter(zb_chan *c, zb_op *o) {
     const void *srcs[ZB_MAXW];
     for (int64_t b = 0; n && b < blocks; b++) {
         for (int r = 0; r < c->W; r++) srcs[r] = base[r] + b * total * isz;
-        zb_reduce_n(out + b * n * isz, srcs, c->W, n, (int)o->dtype, (int)o->redop, (double)c->W, nt);
+        c->tp->reduce(out + b * n * isz, srcs, c->W, n, (int)o->dtype, (int)o->redop, (double)c->W, nt, 0);
     }
     return sync_on(c, c->done, seq);
 }
@@ -512,7 +441,7 @@ static int bcast(zb_chan *c, zb_op *o) {
     if (root != c->me && nbytes) {
         int64_t off = c->hdrcopy[root][H_IN_OFF];
         if (!in_heap(c, root, off, nbytes)) return fail_op(c, seq, RC_SPAN);
-        zb_copy(dst, c->base[root] + off, nbytes, nthreads_for(c, nbytes));
+        c->tp->copy(dst, c->base[root] + off, nbytes, nthreads_for(c, nbytes), 0);
     }
     return sync_on(c, c->done, seq);
 }
@@ -537,61 +466,34 @@ int run_op(zb_chan *c, zb_op *o) {
     }
 }
 
-/* Small ops keep the GIL while they spin (a long wait releases it); large ones drop it at once.
- * Called with the GIL held; returns an RC_* code, or -1 with a Python exception set (bad arguments,
- * or the signal handler's exception after an interrupted wait). Also the native hot entry's
- * (hot.cpp) way into the channel, through chan_call_addr(). */
-int zb_chan_call(zb_chan *c, zb_op *o) {
-    if (o->op < OP_ALL_REDUCE || o->op > OP_BROADCAST || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0) {
-        PyErr_Format(PyExc_ValueError, "chan_run: bad op arguments (op %lld, nvec %lld, timeout %lld ns)",
-                     (long long)o->op, (long long)o->nvec, (long long)o->timeout_ns);
-        return -1;
-    }
+/* ------------------------------------------------------------ the core's entry */
+
+int zb_op_check(const zb_chan *c, const zb_op *o) {
+    if (o->op < OP_ALL_REDUCE || o->op > OP_BROADCAST || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0)
+        return 1;
     if (!o->error && (o->op == OP_ALL_REDUCE || o->op == OP_REDUCE_SCATTER) &&
-        !zb_reduce_valid((int)o->dtype, (int)o->redop)) {
-        PyErr_Format(PyExc_ValueError, "chan_run: bad dtype/op %lld/%lld", (long long)o->dtype, (long long)o->redop);
-        return -1;
-    }
+        !c->tp->reduce_valid((int)o->dtype, (int)o->redop))
+        return 2;
+    return 0;
+}
+
+/* Small ops keep the caller's thread (its GIL) while they spin; a long wait blocks it (chan.c wait_all), and
+ * large ones block it at once. The caller sets c->hooks before and undoes a block after. */
+int zb_chan_run(zb_chan *c, zb_op *o) {
+    c->blocked = 0;
+    if (zb_op_check(c, o)) return -1;
     int64_t nbytes = (o->in_numel > o->out_numel ? o->in_numel : o->out_numel) * o->itemsize;
     c->timeout_ns = o->timeout_ns;
     c->result[0] = c->result[1] = c->result[2] = c->result[3] = 0;
-    c->gil_held = 1;
-    if (nbytes >= (1 << 16)) gil_release(c);
+    if (nbytes >= (1 << 16)) chan_block(c);
     int rc = run_op(c, o);
     if (rc == RC_INTERRUPTED || rc == RC_TIMEOUT || rc == RC_ABORTED || rc == RC_DEAD || rc == RC_GONE) {
         /* This rank leaves the op half-way and its sequence number has advanced: tell the peers now
          * (they read ABORT at each liveness check) instead of letting them wait out the timeout, and
          * return only once no peer can still write into this rank's memory (chan.c leave_op). */
-        if (c->gil_held) gil_release(c);
+        chan_block(c);
         leave_op(c, o->seq, rc == RC_INTERRUPTED ? ABORT_INTERRUPT : rc == RC_TIMEOUT ? ABORT_TIMEOUT : ABORT_PEER);
     }
-    if (!c->gil_held) PyEval_RestoreThread(c->saved);
-    c->gil_held = 0;
     c->result[0] = rc;
-    return rc == RC_INTERRUPTED ? -1 : rc; /* the signal handler's exception (KeyboardInterrupt) is set */
+    return rc;
 }
-
-static PyObject *py_chan_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int64_t a[2];
-    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "chan_run() takes 2 arguments, got %zd", nargs);
-    if (zb_i64(args[0], &a[0]) || zb_i64(args[1], &a[1])) return NULL;
-    int rc = zb_chan_call((zb_chan *)(uintptr_t)a[0], (zb_op *)(uintptr_t)a[1]);
-    return rc < 0 ? NULL : PyLong_FromLong(rc);
-}
-
-static PyObject *py_chan_call_addr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self, (void)args;
-    if (nargs != 0) return PyErr_Format(PyExc_TypeError, "chan_call_addr() takes no arguments, got %zd", nargs);
-    return PyLong_FromVoidPtr((void *)zb_chan_call);
-}
-
-static PyMethodDef op_methods[] = {
-    {"chan_run", (PyCFunction)(void (*)(void))py_chan_run, METH_FASTCALL,
-     "chan_run(handle, args_addr) -> result code: run the op described by the zb_op at args_addr."},
-    {"chan_call_addr", (PyCFunction)(void (*)(void))py_chan_call_addr, METH_FASTCALL,
-     "chan_call_addr() -> address of int zb_chan_call(zb_chan *, zb_op *): chan_run for native callers."},
-    {NULL, NULL, 0, NULL},
-};
-
-int zb_add_chan_ops(PyObject *module) { return PyModule_AddFunctions(module, op_methods); }
