@@ -79,7 +79,22 @@ def _parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_bench_tp(sub)
     _add_soak(sub)
+    _add_faults(sub)
     return p
+
+
+def _add_faults(sub) -> None:
+    f = sub.add_parser("faults", help="SIGKILL/SIGSTOP/SIGINT one rank inside a random op: survivors must raise "
+                                      "naming it in time, leak nothing and run again")
+    f.add_argument("--trials", type=_count(1, 1 << 20), default=10, help="trials per signal (default 10)")
+    f.add_argument("--kinds", default="kill,stop,int", help="of kill,stop,int (default all three)")
+    f.add_argument("--where", default=None,
+                   help="of collective,p2p,ep,group,growth,init,finalize (default all: one drawn per trial)")
+    f.add_argument("--world", "-n", type=_count(2, 8), default=2, help="local ranks (default 2)")
+    f.add_argument("--seed", type=_count(0, (1 << 63) - 1), default=0)
+    f.add_argument("--minutes", type=_number(0.01, 7 * 24 * 60), default=None,
+                   help="stop starting rounds after this long (the table says how many ran)")
+    f.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
 
 def _add_soak(sub) -> None:
@@ -183,6 +198,19 @@ def _run(args) -> int:
         return run_demo(world_size=args.world_size, nbytes=parse_size(args.size), iters=args.iters)
     if args.cmd == "bench":
         return _bench(args)
+    if args.cmd == "faults":
+        from .tools.faults import KINDS, run_faults
+        from .tools.faults_rank import WHERE
+
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        wheres = [w.strip() for w in args.where.split(",") if w.strip()] if args.where else None
+        bad = [k for k in kinds if k not in KINDS] + [w for w in wheres or [] if w not in WHERE]
+        if bad or not kinds:
+            print(f"zbccl faults: error: unknown signal kind or workload, expected {','.join(KINDS)} and "
+                  f"{','.join(WHERE)}, got {bad or args.kinds!r}", file=sys.stderr)
+            return 2
+        return run_faults(trials=args.trials, kinds=kinds, wheres=wheres, world=args.world, seed=args.seed,
+                          as_json=args.json, minutes=args.minutes)
     if args.cmd == "soak":
         from .env import parse_size
         from .tools.soak import run_soak
