@@ -64,7 +64,7 @@ from ..bootstrap.topology import Topology
 from ..errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from . import layout
 from .base import Segment, Transport
-from .handout import FdServer, Member, receive_fd
+from .handout import FdServer, Member, os_error, receive_fd
 
 __all__ = ["ShmTransport", "map_fd", "unmap_addr"]
 
@@ -204,6 +204,8 @@ class ShmTransport(Transport):
                 server = FdServer(job_id, rank, me.token, fd)
             except ZbcclError as exc:
                 error = exc
+            except OSError as exc:  # e.g. out of descriptors: every rank must hear it, not wait out the timeout
+                error = os_error("heap: cannot create this rank's segment", exc, rank)
             got = _agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
                          error, timeout=timeout, tag="shm-listen")
             members = {p: _member_of(p, got[p]) for p in peers}  # _agree raised on any error
@@ -215,6 +217,8 @@ class ShmTransport(Transport):
                         self._connect(job_id, members[peer], segment_bytes[peer], reserve[peer], timeout)
                 except ZbcclError as exc:
                     error = exc
+                except OSError as exc:
+                    error = os_error("heap: cannot map the peers' segments", exc, rank)
             _agree(bootstrap, {}, error, timeout=timeout, tag="shm-mapped")
             server.stop()
             if server.error is not None:

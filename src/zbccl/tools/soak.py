@@ -127,7 +127,7 @@ def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | 
             errors.append(f"rank {rank}, shutdown ({step.__qualname__}): {type(exc).__name__}: {exc}"[:500])
             zbccl.finalize()
             break
-    return {"rank": rank, "ops": done, "seconds": elapsed, "counts": counts, "wrong": wrong, "errors": errors,
+    return {"rank": rank, "job": comm.job_id, "ops": done, "seconds": elapsed, "counts": counts, "wrong": wrong, "errors": errors,
             "warmup_end": baseline,
             "growth": _growth(head, tail) if head else None, "end": tail[-1] if tail else None}
 
