@@ -42,3 +42,12 @@ def test_the_summary_counts_per_signal_and_workload():
     assert doc["kinds"]["kill"]["by_where"]["ep"] == {"trials": 2, "passed": 1, "bound_s": 3.0, "worst_s": 4.0}
     assert doc["kinds"]["int"]["worst_in_ops_s"] is None and doc["kinds"]["int"]["worst_s"] == 10.0
     assert len(doc["failures"]) == 1
+
+
+def test_the_command_refuses_unknown_signals_and_workloads(capsys):
+    from zbccl.cli import main
+
+    assert main(["faults", "--kinds", "kill,hup"]) == 2
+    assert "unknown signal kind or workload" in capsys.readouterr().err
+    assert main(["faults", "--where", "collective,nowhere"]) == 2
+    assert "nowhere" in capsys.readouterr().err

@@ -18,6 +18,7 @@ Exit status: 0 when no result was wrong, no op raised and no growth passed its t
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ def _resources() -> dict:
     import zbccl
 
     gc.collect()  # tensors in reference cycles (exception tracebacks, Works) go now, not at a random later point
+    _trim()
     status = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -48,6 +50,15 @@ def _resources() -> dict:
     stats = zbccl.memory_stats()
     return {"rss_anon_bytes": status["RssAnon"], "rss_bytes": status["VmRSS"], "fds": len(os.listdir("/proc/self/fd")),
             "heap_allocated_bytes": stats["allocated_bytes"], "heap_bytes": stats["heap_bytes"]}
+
+
+def _trim() -> None:
+    """Hand free malloc memory back to the OS, so RSS counts what is live, not what glibc keeps
+    (its mmap threshold rises after large frees and later big blocks fragment its arenas)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _floor(samples: list[list[dict]]) -> list[dict]:
