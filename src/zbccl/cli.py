@@ -92,6 +92,8 @@ def _add_faults(sub) -> None:
                    help="of collective,p2p,ep,group,growth,init,finalize (default all: one drawn per trial)")
     f.add_argument("--world", "-n", type=_count(2, 8), default=2, help="local ranks (default 2)")
     f.add_argument("--seed", type=_count(0, (1 << 63) - 1), default=0)
+    f.add_argument("--parallel", type=_count(1, 16), default=1,
+                   help="trials at a time, each its own world (default 1; more is load for each other)")
     f.add_argument("--minutes", type=_number(0.01, 7 * 24 * 60), default=None,
                    help="stop starting rounds after this long (the table says how many ran)")
     f.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
@@ -210,7 +212,7 @@ def _run(args) -> int:
                   f"{','.join(WHERE)}, got {bad or args.kinds!r}", file=sys.stderr)
             return 2
         return run_faults(trials=args.trials, kinds=kinds, wheres=wheres, world=args.world, seed=args.seed,
-                          as_json=args.json, minutes=args.minutes)
+                          as_json=args.json, minutes=args.minutes, parallel=args.parallel)
     if args.cmd == "soak":
         from .env import parse_size
         from .tools.soak import run_soak

@@ -106,8 +106,12 @@ class FdServer(threading.Thread):
 
     def run(self) -> None:
         poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
+        try:
+            poller.register(self.sock.fileno(), select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
+        except ValueError:  # -1: stop() ran before this thread did (an interrupt inside serve()'s start)
+            self.sock.close()
+            return
         try:
             while len(self.served) < len(self.expected):
                 events = dict(poller.poll())

@@ -1,6 +1,6 @@
 """Fault injection: SIGKILL, SIGSTOP and SIGINT against one rank, at a random moment inside a random op.
 
-Usage: ``zbccl faults [--trials N] [--kinds kill,stop,int] [--where W,...] [--world N] [--seed S] [--json]``
+Usage: ``zbccl faults [--trials N] [--kinds kill,stop,int] [--where W,...] [--world N] [--parallel K] [--json]``
 
 Each trial starts a world of local ranks (forkserver processes, a store on an OS-assigned port),
 and every rank loops one workload: collectives, p2p send/recv, EP dispatch/combine, group creation,
@@ -203,30 +203,50 @@ def _judge(kind, where, world, victim, delay, t_signal, results, why) -> dict:
 
 
 def run_faults(*, trials: int = 10, kinds=KINDS, wheres=None, world: int = 2, seed: int = 0,
-               as_json: bool = False, minutes: float | None = None) -> int:
-    """``trials`` per kind (or as many as fit in ``minutes``), interleaved; prints the table; exit status."""
+               as_json: bool = False, minutes: float | None = None, parallel: int = 1) -> int:
+    """``trials`` per kind (or as many as fit in ``minutes``), interleaved, ``parallel`` trials at a
+    time (each its own world and store: the others are load for it); prints the table; exit status."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
     from .faults_rank import WHERE
 
     wheres = list(wheres or WHERE)
     rng = random.Random(seed)
+    plan = [(kind, rng.choice(wheres), rng.randrange(world), rng.uniform(0.0, 0.3))
+            for _ in range(trials) for kind in kinds]
     stream = sys.stderr if as_json else sys.stdout
     records = []
     t0 = time.monotonic()
-    print(f"zbccl faults: {trials} trials per kind of {','.join(kinds)}, world {world}, seed {seed}", file=stream,
-          flush=True)
-    for i in range(trials):
-        if minutes is not None and time.monotonic() - t0 > minutes * 60:
-            print(f"stopped after {i} rounds: --minutes {minutes:g} passed", file=stream)
-            break
-        for kind in kinds:
-            where, victim, delay = rng.choice(wheres), rng.randrange(world), rng.uniform(0.0, 0.3)
-            rec = run_trial(kind=kind, where=where, world=world, victim=victim, delay=delay)
-            records.append(rec)
-            worst = max(rec["elapsed"], default=float("nan"))
-            print(f"[{time.monotonic() - t0:6.0f}s] {kind:>4} in {where:<10} victim {victim}: "
-                  f"{'pass' if rec['passed'] else 'FAIL'}  {worst:.2f}s" +
-                  ("" if rec["passed"] else "  " + "; ".join(rec["why"])[:400]), file=stream, flush=True)
+    print(f"zbccl faults: {trials} trials per kind of {','.join(kinds)}, world {world}, seed {seed}, "
+          f"{parallel} at a time", file=stream, flush=True)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        running: set = set()
+        todo = iter(plan)
+        stopped = False
+        while True:
+            while not stopped and len(running) < parallel:
+                if minutes is not None and time.monotonic() - t0 > minutes * 60:
+                    print(f"stopped starting trials: --minutes {minutes:g} passed", file=stream, flush=True)
+                    stopped = True
+                    break
+                nxt = next(todo, None)
+                if nxt is None:
+                    stopped = True
+                    break
+                kind, where, victim, delay = nxt
+                running.add(pool.submit(run_trial, kind=kind, where=where, world=world, victim=victim, delay=delay))
+            if not running:
+                break
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                rec = fut.result()
+                records.append(rec)
+                worst = max(rec["elapsed"], default=float("nan"))
+                print(f"[{time.monotonic() - t0:6.0f}s] {rec['kind']:>4} in {rec['where']:<10} victim {rec['victim']}: "
+                      f"{'pass' if rec['passed'] else 'FAIL'}  {worst:.2f}s" +
+                      ("" if rec["passed"] else "  " + "; ".join(rec["why"])[:400]), file=stream, flush=True)
     doc = summarize(records, seed=seed, world=world, seconds=time.monotonic() - t0)
+    doc["parallel"] = parallel
     if as_json:
         print(json.dumps(doc, indent=1))
     else:
@@ -255,7 +275,8 @@ def summarize(records: list[dict], *, seed: int, world: int, seconds: float) -> 
 
 
 def _print(doc: dict) -> None:
-    print(f"\n{doc['trials']} trials in {doc['seconds']:.0f}s, world {doc['world']}, seed {doc['seed']}")
+    print(f"\n{doc['trials']} trials in {doc['seconds']:.0f}s, world {doc['world']}, seed {doc['seed']}, "
+          f"{doc.get('parallel', 1)} at a time")
     print(f"{'signal':>6} {'where':<10} {'trials':>6} {'passed':>6} {'bound_s':>7} {'worst_s':>7}")
     for kind, k in doc["kinds"].items():
         for w, v in k["by_where"].items():
