@@ -180,7 +180,9 @@ def _judge(kind, where, world, victim, delay, t_signal, results, why) -> dict:
             elif e > bound:
                 why.append(f"rank {r} raised {e:.2f}s after the signal, bound {bound}s")
         if not res.get("named"):
-            why.append(f"rank {r}: the error does not name rank {victim}: {res['error']}")
+            chain = [q for q in res.get("ranks", []) if q != victim and (results.get(q) or {}).get("named")]
+            via = f" (it names rank {chain[0]}, which had named rank {victim}: a follower)" if chain else ""
+            why.append(f"rank {r}: the error does not name rank {victim}{via}: {res['error']}")
         if res.get("finalize_error"):
             why.append(f"rank {r}: finalize raised {res['finalize_error']}")
         if res.get("segments_after_finalize"):
