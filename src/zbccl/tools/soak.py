@@ -4,8 +4,8 @@ Usage: ``zbccl soak [--world N] [--minutes M | --ops K] [--seed S] [--json] [--n
 
 Starts N local ranks (OS-assigned store port); each initialises zbccl and torch.distributed on the
 ``zbccl`` backend and runs the same seeded random sequence of ops (:mod:`zbccl.tools.soak_ops`):
-all_reduce with every reduce op, all_gather (tensor and list forms, ``dim``), all_gather_v,
-reduce_scatter(_v), all_to_all_single even and uneven, broadcast, barrier, p2p rings and pairs,
+all_reduce with every reduce op, all_gather (tensor and list forms, ``dim``), all_gather_v (``dim``),
+reduce_scatter (``dim``) and reduce_scatter_v, all_to_all_single even and uneven, broadcast, barrier, p2p rings and pairs,
 EP normal dispatch/combine, ``all_gather_object``, sub-groups created and destroyed; through zbccl's
 own API and torch.distributed, sync and ``async_op=True``; sizes from 0 up, odd ones included, six
 dtypes, heap and private tensors. Each result is compared bit for bit with the plain-torch reference.

@@ -150,17 +150,26 @@ class Soaker:
 
     def _all_gather_v(self, g, *, ranks, pg, comm, api, dtype, n, heap, salt):
         sizes = [g.choice([0, 1, 5, n // 4, n // 2]) for _ in ranks]
-        me, cols = ranks.index(self.rank), g.choice([1, 4])
-        x = self._input(me, (sizes[me], cols), dtype, heap, salt, ranks)
-        out = self._new((sum(sizes), cols), dtype, heap)
-        zbccl.all_gather_v(out, x, sizes, comm=comm)
-        want = torch.cat([payload(r, (s, cols), dtype, salt) for r, s in zip(ranks, sizes)])
-        return None if _same(out, want) else f"sizes {sizes} differ"
+        me, cols, dim = ranks.index(self.rank), g.choice([1, 4]), g.choice([0, 1])
+        shape = (lambda s: (s, cols)) if dim == 0 else (lambda s: (cols, s))  # sizes run along dim
+        x = self._input(me, shape(sizes[me]), dtype, heap, salt, ranks)
+        want = torch.cat([payload(r, shape(s), dtype, salt) for r, s in zip(ranks, sizes)], dim)
+        out = self._new(tuple(want.shape), dtype, heap)
+        zbccl.all_gather_v(out, x, sizes, dim=dim, comm=comm)
+        return None if _same(out, want) else f"sizes {sizes}, dim {dim} differ"
 
     def _reduce_scatter(self, g, *, ranks, pg, comm, api, dtype, n, heap, salt):
         W, me = len(ranks), ranks.index(self.rank)
         name = g.choice([k for k in RED if dtype.is_floating_point or k != "avg"])
         per = n // W if g.random() < 0.8 else n
+        if api == "zbccl" and g.random() < 0.3:  # along dim 1 of [rows, per * W]
+            rows, per = g.choice([1, 3]), max(1, per // 3)
+            x = self._input(me, (rows, per * W), dtype, heap, salt, ranks)
+            out = self._new((rows, per), dtype, heap)
+            zbccl.reduce_scatter_tensor(out, x, name, dim=1, comm=comm)
+            parts = [payload(r, (rows, per * W), dtype, salt)[:, me * per:(me + 1) * per] for r in ranks]
+            want = ref.reduce_ref([p.reshape(-1) for p in parts], RED[name][0]).view(rows, per)
+            return None if _same(out, want) else f"{name}, dim 1 differs"
         x = self._input(me, (per * W,), dtype, heap, salt, ranks)
         out = self._new((per,), dtype, heap)
         if api == "zbccl":
