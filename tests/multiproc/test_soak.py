@@ -58,6 +58,11 @@ def test_the_command_prints_json_and_its_exit_status_says_ok():
     doc = json.loads(out.stdout)
     assert doc["ok"] and doc["ops"] == 96 and doc["wrong"] == 0 and doc["errors"] == 0, doc
     assert "ep" not in doc["counts"] and len(doc["growth"]) == 2
+    timed = subprocess.run([sys.executable, "-m", "zbccl", "soak", "--minutes", "0.05", "--check-every", "8",
+                            "--no-ep", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert timed.returncode == 0, timed.stderr[-3000:]
+    doc = json.loads(timed.stdout)
+    assert doc["ok"] and doc["seconds"] >= 3 and doc["growth"] is not None, doc  # ran its 3 s, then agreed to stop
     bad = subprocess.run([sys.executable, "-m", "zbccl", "soak", "--ops", "0"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert bad.returncode == 2 and "--ops" in bad.stderr
