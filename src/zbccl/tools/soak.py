@@ -5,7 +5,8 @@ Usage: ``zbccl soak [--world N] [--minutes M | --ops K] [--seed S] [--json] [--n
 Starts N local ranks (OS-assigned store port); each initialises zbccl and torch.distributed on the
 ``zbccl`` backend and runs the same seeded random sequence of ops (:mod:`zbccl.tools.soak_ops`):
 all_reduce with every reduce op, all_gather (tensor and list forms, ``dim``), all_gather_v (``dim``),
-reduce_scatter (``dim``) and reduce_scatter_v, all_to_all_single even and uneven, broadcast, barrier, p2p rings and pairs,
+reduce_scatter (``dim``) and reduce_scatter_v, all_to_all_single even and uneven, broadcast, barrier, p2p
+rings and pairs, torch.distributed's reduce, gather, scatter and list forms of reduce_scatter and all_to_all,
 EP normal dispatch/combine, ``all_gather_object``, sub-groups created and destroyed; through zbccl's
 own API and torch.distributed, sync and ``async_op=True``; sizes from 0 up, odd ones included, six
 dtypes, heap and private tensors. Each result is compared bit for bit with the plain-torch reference.

@@ -26,7 +26,8 @@ RED = {"sum": (SUM, dist.ReduceOp.SUM), "avg": (AVG, dist.ReduceOp.AVG), "max": 
        "min": (MIN, dist.ReduceOp.MIN), "product": (PROD, dist.ReduceOp.PRODUCT)}
 #: Op kinds and their weights in the draw.
 KINDS = {"all_reduce": 6, "all_gather": 3, "all_gather_v": 2, "reduce_scatter": 3, "reduce_scatter_v": 2,
-         "all_to_all": 3, "broadcast": 2, "barrier": 1, "p2p": 2, "ep": 2, "regroup": 0.4, "object": 0.5}
+         "all_to_all": 3, "broadcast": 2, "barrier": 1, "p2p": 2, "ep": 2, "regroup": 0.4, "object": 0.5,
+         "rooted": 1.5}
 _SIZES = [0, 1, 2, 3, 7, 31, 64, 127, 256, 1000, 4097, 16411, 65537, 262147]
 
 
@@ -220,6 +221,41 @@ class Soaker:
         else:
             self._call(api, dist.broadcast, t, ranks[src], group=pg)
         return None if _same(t, payload(ranks[src], (n,), dtype, salt)) else f"root {src} differs"
+
+    def _rooted(self, g, *, ranks, pg, comm, api, dtype, n, heap, salt):
+        """torch.distributed's other forms: reduce, gather and scatter to or from a random root, and the
+        list forms of reduce_scatter and all_to_all."""
+        W, me = len(ranks), ranks.index(self.rank)
+        root, form = g.randrange(W), g.choice(["reduce", "gather", "scatter", "reduce_scatter", "all_to_all"])
+        a = "torch" if api == "zbccl" else api
+        ins = [payload(r, (n,), dtype, salt) for r in ranks]
+        if form == "reduce":
+            name = g.choice(["sum", "max", "min", "product"])
+            t = self._input(me, (n,), dtype, heap, salt, ranks)
+            self._call(a, dist.reduce, t, ranks[root], op=RED[name][1], group=pg)
+            ok = me != root or _same(t, ref.all_reduce_ref(ins, RED[name][0]))
+            return None if ok else f"reduce {name} to {root} differs"
+        if form == "gather":
+            outs = [self._new((n,), dtype, heap) for _ in ranks] if me == root else None
+            self._call(a, dist.gather, self._input(me, (n,), dtype, heap, salt, ranks), outs, dst=ranks[root],
+                       group=pg)
+            return None if me != root or all(_same(o, w) for o, w in zip(outs, ins)) else f"gather to {root} differs"
+        if form == "scatter":
+            got = self._new((n,), dtype, heap)
+            parts = [payload(ranks[root], (n,), dtype, salt + q) for q in range(W)]
+            self._call(a, dist.scatter, got, parts if me == root else None, src=ranks[root], group=pg)
+            return None if _same(got, parts[me]) else f"scatter from {root} differs"
+        if form == "reduce_scatter":
+            chunks = [self._input(me, (n,), dtype, heap, salt + q, ranks) for q in range(W)]
+            got = self._new((n,), dtype, heap)
+            self._call(a, dist.reduce_scatter, got, chunks, op=dist.ReduceOp.SUM, group=pg)
+            want = ref.all_reduce_ref([payload(r, (n,), dtype, salt + me) for r in ranks], SUM)
+            return None if _same(got, want) else "reduce_scatter (list) differs"
+        chunks = [self._input(me, (n,), dtype, heap, salt + q, ranks) for q in range(W)]
+        outs = [self._new((n,), dtype, heap) for _ in ranks]
+        self._call(a, dist.all_to_all, outs, chunks, group=pg)
+        want = [payload(r, (n,), dtype, salt + me) for r in ranks]
+        return None if all(_same(o, w) for o, w in zip(outs, want)) else "all_to_all (list) differs"
 
     def _barrier(self, g, *, ranks, pg, comm, api, **_):
         if api == "zbccl":
