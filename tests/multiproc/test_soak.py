@@ -13,10 +13,20 @@ from tests.spawn import run_world
 ARGS = dict(seed=7, seconds=None, check_every=16, report_every=1e9, heap_size=32 << 20, to_stderr=True)
 
 
-def _soak(ctx, ops: int, corrupt: bool):
+def _soak(ctx, ops: int, corrupt: bool, fail: bool = False):
     import zbccl
     from zbccl.tools.soak import soak_rank
 
+    if fail and ctx.rank == 1:  # rank 1's third broadcast raises before it enters the op
+        real_bcast, calls = zbccl.broadcast, []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected failure")
+            return real_bcast(*args, **kwargs)
+
+        zbccl.broadcast = failing
     if corrupt:  # one element of every all_reduce through zbccl's API comes back off by one
         real = zbccl.all_reduce
 
@@ -48,6 +58,13 @@ def test_the_soak_reports_a_wrong_result():
     wrong = [w for r in rows for w in r["wrong"]]
     assert wrong and all("all_reduce" in w for w in wrong), wrong
     assert all(r["errors"] == [] for r in rows)
+
+
+def test_an_error_on_one_rank_ends_the_soak_on_every_rank():
+    rows = run_world(_soak, 2, ops=400, corrupt=False, fail=True, timeout=120)  # the ops' timeout is 300 s
+    assert "injected failure" in rows[1]["errors"][0], rows[1]["errors"]
+    assert rows[0]["errors"] and "rank 1" in rows[0]["errors"][0], rows[0]["errors"]  # told at once (abort)
+    assert rows[0]["ops"] < 400 and rows[1]["ops"] < 400
 
 
 def test_the_command_prints_json_and_its_exit_status_says_ok():

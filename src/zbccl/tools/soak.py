@@ -67,6 +67,38 @@ def _floor(samples: list[list[dict]]) -> list[dict]:
     return [{k: min(s[r][k] for s in samples) for k in samples[0][r]} for r in range(len(samples[0]))]
 
 
+class _Meter:
+    """The checkpoints' side: the warm-up's end, and the first and last ``WINDOW`` samples of every
+    rank's resources, which growth compares."""
+
+    def __init__(self, seconds: float | None, ops: int | None, check_every: int) -> None:
+        self.seconds, self.ops = seconds, ops
+        self.warm = min(60.0, 0.25 * seconds) if seconds else None
+        self.first = max(check_every, (ops or 0) // 4)
+        self.warmup_end: tuple[float, int] | None = None
+        self.head: list[list[dict]] = []
+        self.tail: list[list[dict]] = []
+        self.t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def record(self, everyone: list[dict], done: int) -> bool:
+        """Take the exchanged figures of one checkpoint; True when the run is over (for every rank)."""
+        slowest = min(e["elapsed"] for e in everyone)
+        sample = [e["res"] for e in everyone]
+        if self.warmup_end is None and (slowest >= self.warm if self.warm is not None else done >= self.first):
+            self.warmup_end = (slowest, done)
+        if self.warmup_end is not None:
+            if len(self.head) < WINDOW:
+                self.head.append(sample)
+            self.tail = (self.tail + [sample])[-WINDOW:]
+        return done >= self.ops if self.ops else slowest >= self.seconds
+
+    def growth(self) -> list[dict] | None:
+        return _growth(self.head, self.tail) if self.head else None
+
+
 def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | None, ops: int | None,
               check_every: int, report_every: float, heap_size: int, ep: bool, to_stderr: bool) -> dict:
     """One rank of the soak (collective: every rank calls it with the same arguments but its rank).
@@ -85,12 +117,11 @@ def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | 
     dist.init_process_group("zbccl", store=dist.PrefixStore("soak-pg", store), rank=rank, world_size=world_size)
     soaker = Soaker(comm, seed, ep=ep)
     stream = sys.stderr if to_stderr else sys.stdout
+    meter = _Meter(seconds, ops, check_every)
     counts: dict[str, int] = {}
     wrong: list[str] = []
     errors: list[str] = []
-    done, baseline, head, tail, last_print = 0, None, [], [], 0.0
-    t0 = time.monotonic()
-    warm = min(60.0, 0.25 * seconds) if seconds else None
+    done, last_print = 0, 0.0
     while True:
         try:
             kind, bad = soaker.step(done)
@@ -105,30 +136,34 @@ def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | 
             print(f"[soak] wrong: {wrong[-1]}", file=stream, flush=True)
         if done % check_every and done != ops:
             continue
-        elapsed = time.monotonic() - t0
+        elapsed = meter.elapsed()
         try:
             soaker.drop_group()  # sub-groups live until the next checkpoint: the samples compare like with like
-            everyone = comm.all_gather_object({"elapsed": elapsed, "ops": done, "wrong": len(wrong),
-                                               "res": _resources()})
+            everyone = comm.all_gather_object({"elapsed": elapsed, "wrong": len(wrong), "res": _resources()})
         except Exception as exc:  # noqa: BLE001
             errors.append(f"rank {rank}, checkpoint after op #{done}: {type(exc).__name__}: {exc}"[:500])
             break
-        slowest = min(e["elapsed"] for e in everyone)
-        sample = [e["res"] for e in everyone]
-        if baseline is None and (slowest >= warm if warm is not None else done >= max(check_every, ops // 4)):
-            baseline, head = (slowest, done), []
-        if baseline is not None:
-            if len(head) < WINDOW:
-                head.append(sample)
-            tail = (tail + [sample])[-WINDOW:]
-        stop = done >= ops if ops else slowest >= seconds
+        stop = meter.record(everyone, done)
         if rank == 0 and (stop or elapsed - last_print >= report_every):
             last_print = elapsed
-            _progress(stream, elapsed, done, sum(e["wrong"] for e in everyone), head, tail)
+            _progress(stream, elapsed, done, sum(e["wrong"] for e in everyone), meter)
         if stop:
             break
-    elapsed = time.monotonic() - t0
-    if errors:  # out of step with the peers: tell them at once (they raise naming this rank), then leave
+    elapsed = meter.elapsed()
+    _shutdown(soaker, errors, rank)
+    return {"rank": rank, "job": comm.job_id, "ops": done, "seconds": elapsed, "counts": counts, "wrong": wrong,
+            "errors": errors, "warmup_end": meter.warmup_end, "growth": meter.growth(),
+            "end": meter.tail[-1] if meter.tail else None}
+
+
+def _shutdown(soaker, errors: list[str], rank: int) -> None:
+    """Destroy the soak's groups and finalize; after an error, abort first (the peers, out of step with
+    this rank, raise naming it at once) and skip the collective teardown of the EP buffer."""
+    import torch.distributed as dist
+
+    import zbccl
+
+    if errors:
         zbccl.abort(errors[0])
     steps = [dist.destroy_process_group, zbccl.finalize] if errors else \
         [soaker.close, dist.destroy_process_group, zbccl.finalize]
@@ -139,15 +174,12 @@ def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | 
             errors.append(f"rank {rank}, shutdown ({step.__qualname__}): {type(exc).__name__}: {exc}"[:500])
             zbccl.finalize()
             break
-    return {"rank": rank, "job": comm.job_id, "ops": done, "seconds": elapsed, "counts": counts, "wrong": wrong, "errors": errors,
-            "warmup_end": baseline,
-            "growth": _growth(head, tail) if head else None, "end": tail[-1] if tail else None}
 
 
-def _progress(stream, elapsed: float, done: int, wrong: int, head, tail) -> None:
+def _progress(stream, elapsed: float, done: int, wrong: int, meter: _Meter) -> None:
     growth = ""
-    if head:
-        g = _growth(head, tail)
+    g = meter.growth()
+    if g is not None:
         growth = "  growth since warm-up: rss(anon) " + "/".join(f"{x['rss_anon_bytes'] / 2**20:+.1f}" for x in g) + \
             " MiB, fds " + "/".join(f"{x['fds']:+d}" for x in g) + \
             ", heap " + "/".join(f"{x['heap_allocated_bytes'] / 2**10:+.1f}" for x in g) + " KiB"
