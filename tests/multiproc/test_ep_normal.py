@@ -21,6 +21,15 @@ from tests.spawn import run_world
 MiB = 1 << 20
 
 
+def _gather(t: torch.Tensor, comm) -> list[torch.Tensor]:
+    """Every rank's ``t`` (the same shape on every rank), in rank order."""
+    import zbccl
+
+    out = torch.empty(comm.world_size * t.numel(), dtype=t.dtype)
+    zbccl.all_gather_into_tensor(out, t.contiguous().view(-1), comm=comm)
+    return list(out.view(comm.world_size, *t.shape).unbind(0))
+
+
 def _gather_sum(t: torch.Tensor, comm) -> torch.Tensor:
     import zbccl
 
@@ -127,6 +136,7 @@ def _intranode(buffer, comm, T: int, H: int, K: int, E: int, *, skew: bool = Fal
 def _zero_copy(buffer, comm) -> None:
     """Heap operands (the model runs in heap_scope) are read in place: nothing is staged."""
     import zbccl
+    from zbccl.ep import reference
 
     E, T, H = 8, 32, 256
     with zbccl.heap_scope():
@@ -143,23 +153,26 @@ def _zero_copy(buffer, comm) -> None:
     assert buffer.bytes_moved == int(in_rank.sum()) * H * 2  # my tokens, back from every rank they went to
     assert zbccl.memory_stats()["staged_bytes"] == staged
     assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True))
-    # bias, weights, and the plain-torch reference path (no native core) against the native one
-    torch.manual_seed(comm.rank + 7)
-    xr = torch.randn(T, H, dtype=torch.bfloat16)
+    # bias and weights, against the plain-torch reference
+    xr = torch.randn(T, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(comm.rank + 7))
     b0, b1 = torch.randn(T, H, dtype=torch.bfloat16), torch.ones(T, H, dtype=torch.bfloat16)
     rx, _, rw, _, handle, _ = buffer.dispatch(xr, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
     got = buffer.combine(rx, handle, topk_weights=rw, bias=(b0, b1))[:2]
-    prims = buffer.ex.prims
-    buffer.ex.prims = object()  # what a host without the native core has: memmove copies, torch sums
-    try:
-        ref = buffer.combine(rx, handle, topk_weights=rw, bias=(b0, b1))[:2]
-    finally:
-        buffer.ex.prims = prims
+    # the plain-torch reference from every rank's routing (xr is rebuilt from its seed): bitwise
+    in_ranks = _gather(in_rank.to(torch.uint8), comm)
+    in_ranks = [m.bool() for m in in_ranks]
+    xrs = [torch.randn(T, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(r + 7))
+           for r in range(comm.world_size)]
+    assert torch.equal(xrs[comm.rank], xr)
+    idxs, ws = _gather(topk_idx, comm), _gather(w, comm)
+    ys = [reference.dispatch(xrs, in_ranks, r, E, topk_idx=idxs, topk_weights=ws) for r in range(comm.world_size)]
+    ref = reference.combine([y["x"] for y in ys], in_ranks, comm.rank, topk_weights=[y["topk_weights"] for y in ys],
+                            bias=(b0, b1))
     expect = xr.float() * in_rank.sum(1, keepdim=True) + b0.float() + b1.float()
     assert (got[0].float() - expect).abs().max() <= 0.02 * expect.abs().max()
-    assert torch.allclose(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
-    assert torch.allclose(got[1], ref[1]) and torch.allclose(got[1], w * in_rank.any(1, keepdim=True))
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert torch.allclose(got[1], w * in_rank.any(1, keepdim=True))
     # the int8 transfer option: about half the bytes, within int8's per-128 error
     torch.manual_seed(comm.rank)
     xr = torch.randn(T, H, dtype=torch.bfloat16)
@@ -252,17 +265,6 @@ def _worst_handle(buffer, comm) -> None:
     assert torch.equal(rs[:, 0], recv_x[:, 0].float().div(32).floor())
 
 
-def _both_paths(buffer, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with the native EP kernels, then with the plain-torch path (a core without them)."""
-    got = fn(*args, **kwargs)
-    prims = buffer.ex.prims
-    buffer.ex.prims = object()
-    try:
-        return got, fn(*args, **kwargs)
-    finally:
-        buffer.ex.prims = prims
-
-
 def _same(a, b) -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, (a, b)
@@ -276,47 +278,66 @@ def _same(a, b) -> None:
         assert a == b, (a, b)
 
 
-def _native_matches_torch(buffer, comm) -> None:
-    """The native plan/pull/sum (ep.c) give bit for bit what the torch reference path gives: scattered token
-    lists (skewed routing, -1 entries), fp8 with scales, num_worst_tokens, alignment, cached, weights, bias;
-    and a handle whose rows point outside a peer's block is refused, not read."""
+def _ref_inputs(r: int, R: int, E: int, H: int, K: int):
+    """Rank r's ``(x, topk_idx, topk_weights)`` of :func:`_native_matches_reference` (rebuilt by every rank)."""
+    g = torch.Generator().manual_seed(50 + r)
+    T = 40 + 7 * r
+    scores = torch.rand(T, E, generator=g)
+    scores[torch.rand(T, generator=g) < 0.7, :K] += 10
+    topk_idx = torch.topk(scores, K).indices
+    topk_idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    return torch.randn(T, H, generator=g).to(torch.bfloat16), topk_idx, torch.rand(T, K, generator=g)
+
+
+def _native_matches_reference(buffer, comm) -> None:
+    """The native layout/plan/pull/sum (ep.c) give bit for bit what zbccl.ep.reference computes from every rank's
+    inputs: scattered token lists (skewed routing, -1 entries), fp8 with scales, num_worst_tokens, alignment,
+    cached, weights, bias, the whole handle; and a handle whose rows point outside a peer's block is refused,
+    not read."""
     import zbccl
+    from zbccl.ep import reference
 
     R, me, E, H, K = comm.world_size, comm.rank, 16, 256, 4
-    T = 40 + 7 * me
-    torch.manual_seed(50 + me)
-    scores = torch.rand(T, E)
-    scores[torch.rand(T) < 0.7, :K] += 10
-    topk_idx = torch.topk(scores, K).indices
-    topk_idx[torch.rand(T, K) < 0.2] = -1
-    w = torch.rand(T, K)
-    x = torch.randn(T, H, dtype=torch.bfloat16)
-    layout = _both_paths(buffer, buffer.get_dispatch_layout, topk_idx, E)
-    _same(layout[0][:4], layout[1][:4])
-    ntpr, _, ntpe, in_rank, _ = layout[0]
+    ins = [_ref_inputs(r, R, E, H, K) for r in range(R)]
+    x, topk_idx, w = ins[me]
+    T = x.size(0)
+    in_ranks = [reference.dispatch_layout(i, E, R)[2] for _, i, _ in ins]
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    _same((ntpr, ntpe, in_rank), reference.dispatch_layout(topk_idx, E, R))
     kw = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+    worst = sum(40 + 7 * r for r in range(R)) + 3
     for extra in (dict(topk_idx=topk_idx, topk_weights=w, expert_alignment=4), dict(),
-                  dict(topk_idx=topk_idx, topk_weights=w, num_worst_tokens=sum(40 + 7 * r for r in range(R)) + 3)):
-        for xx in (per_token_cast_to_fp8(x), x):  # a: the bf16 dispatch's results, used below
-            a, b = (r[:5] for r in _both_paths(buffer, buffer.dispatch, xx, **kw, **extra))
-            n = int(a[4][0][-1, me])  # rows past num_recv (num_worst_tokens) are undefined, as in DeepEP
-            for u, v in zip(a[:3], b[:3]):
-                _same(u if u is None else (u[0][:n], u[1][:n]) if isinstance(u, tuple) else u[:n],
-                      v if v is None else (v[0][:n], v[1][:n]) if isinstance(v, tuple) else v[:n])
-            _same(a[3], b[3])
-            if a[1] is not None:
-                _same(a[1][n:], b[1][n:])  # -1: no expert, weight 0
-                _same(a[2][n:], b[2][n:])
-            _same(a[4][:4], b[4][:4])  # the handles' tensors (b's send_head comes from torch)
-            _same(a[4][5], b[4][5])
-        cached = _both_paths(buffer, buffer.dispatch, x, handle=a[4])
-        _same(cached[0][0][:n], cached[1][0][:n])
+                  dict(topk_idx=topk_idx, topk_weights=w, num_worst_tokens=worst)):
+        for fp8 in (True, False):  # a: the bf16 dispatch's results, used below
+            xs = [per_token_cast_to_fp8(xi) if fp8 else xi for xi, _, _ in ins]
+            a = buffer.dispatch(xs[me], **kw, **extra)[:5]
+            topk = dict(topk_idx=[i for _, i, _ in ins], topk_weights=[wi for _, _, wi in ins]) if extra else {}
+            want = reference.dispatch(xs, in_ranks, me, E, expert_alignment=extra.get("expert_alignment", 1),
+                                      num_channels=a[4][1].size(1), **topk)
+            n = int(want["rank_prefix_matrix"][-1, me])  # rows past it (num_worst_tokens) are undefined, as in DeepEP
+            _same((a[0][0][:n], a[0][1][:n]) if fp8 else a[0][:n], want["x"])
+            if extra:
+                _same((a[1][:n], a[2][:n]), (want["topk_idx"], want["topk_weights"]))
+                if "num_worst_tokens" in extra:
+                    assert a[3] == [] and bool((a[1][n:] == -1).all()) and bool((a[2][n:] == 0).all())
+                else:
+                    assert a[3] == want["num_recv_tokens_per_expert_list"]
+            handle = a[4]
+            _same((handle[0], handle[1], handle[2], handle[3][:n], handle[4], handle[5]),
+                  (want["rank_prefix_matrix"], want["channel_prefix_matrix"], want["recv_channel_prefix_matrix"],
+                   want["src_idx"], in_rank, want["send_head"]))
+        cached = buffer.dispatch(x, handle=a[4])[0]
+        _same(cached[:n], reference.dispatch([xi for xi, _, _ in ins], in_ranks, me, E)["x"])
         if "num_worst_tokens" not in extra:
-            rx = a[0] * 2
-            bias = torch.randn(T, H, dtype=torch.bfloat16)
+            # every rank combines twice what it received, with its weights and a bias of its own
+            ys = [reference.dispatch([xi for xi, _, _ in ins], in_ranks, r, E, **topk) for r in range(R)]
+            bias = torch.randn(T, H, generator=torch.Generator().manual_seed(90 + me)).to(torch.bfloat16)
             rw = a[2] if a[2] is not None else None
-            comb = _both_paths(buffer, buffer.combine, rx, a[4], topk_weights=rw, bias=bias)
-            _same(comb[0][:2], comb[1][:2])
+            got = buffer.combine(a[0] * 2, a[4], topk_weights=rw, bias=bias)[:2]
+            ref = reference.combine([y["x"] * 2 for y in ys], in_ranks, me, bias=(bias,),
+                                    topk_weights=[y["topk_weights"] for y in ys] if extra else None)
+            _same(got[0], ref[0])
+            _same(got[1], ref[1])
     # a handle whose rows point past a peer's block: refused by the native sum on that rank only
     rx, _, _, _, handle, _ = buffer.dispatch(x, **kw, topk_idx=topk_idx, topk_weights=w)
     bad = list(handle)
@@ -345,7 +366,7 @@ def _normal_world(ctx, cases):
     _uneven(buffer, comm)
     _reused_outputs(buffer, comm)
     _worst_handle(buffer, comm)
-    _native_matches_torch(buffer, comm)
+    _native_matches_reference(buffer, comm)
     buffer.destroy()
     zbccl.finalize()
     return True

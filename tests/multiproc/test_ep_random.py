@@ -3,9 +3,9 @@
 Each case draws, from its seed, every rank's token count (0 included), the hidden size, experts,
 top-k, routing (uniform, one hot expert, one hot rank, masked slots), dtype (bf16, fp32, fp8 pairs),
 ``expert_alignment`` and ``num_worst_tokens``. Every rank rebuilds every rank's inputs from the seed,
-so it holds the whole reference: the rows it must receive (by source rank, then token), their
-local top-k ids and weights, the aligned per-expert list, the combine (``x`` summed in fp32 once per
-rank the token went to, in rank order: bitwise), and a cached re-dispatch.
+so :mod:`zbccl.ep.reference` gives it the whole expected result: the rows it must receive (by source
+rank, then token), their local top-k ids and weights, the aligned per-expert list, the handle's prefix
+matrix and source tokens, the combine (fp32, in rank order: bitwise), and a cached re-dispatch.
 """
 
 from __future__ import annotations
@@ -49,59 +49,55 @@ def _inputs(case: dict, r: int, R: int):
     return x.to(torch.bfloat16 if case["dtype"] == "bf16" else torch.float32), idx, w
 
 
-def _rows(x, sel):
-    return (x[0][sel], x[1][sel]) if isinstance(x, tuple) else x[sel]
-
-
 def _equal(a, b) -> bool:
     if isinstance(a, tuple):
         return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1].float(), b[1].float())
     return torch.equal(a, b)
 
 
+def _rows(x, n: int):
+    return (x[0][:n], x[1][:n]) if isinstance(x, tuple) else x[:n]
+
+
 def _check_case(buffer, comm, case: dict) -> None:
-    R, me = comm.world_size, comm.rank
-    E, L = case["E"], case["E"] // comm.world_size
+    from zbccl.ep import reference
+
+    R, me, E = comm.world_size, comm.rank, case["E"]
     ins = [_inputs(case, r, R) for r in range(R)]
     x, idx, w = ins[me]
+    in_ranks = [reference.dispatch_layout(i, E, R)[2] for _, i, _ in ins]
+    want = reference.dispatch([xi for xi, _, _ in ins], in_ranks, me, E, topk_idx=[i for _, i, _ in ins],
+                              topk_weights=[wi for _, _, wi in ins], expert_alignment=case["align"])
     ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
-    # the reference: what rank `me` receives, from every source in rank order
-    sent = [((i >= me * L) & (i < (me + 1) * L)).any(1) for _, i, _ in ins]
-    want_x = [_rows(xi, s) for (xi, _, _), s in zip(ins, sent)]
-    want_x = (torch.cat([a for a, _ in want_x]), torch.cat([b for _, b in want_x])) if isinstance(x, tuple) \
-        else torch.cat(want_x)
-    raw_idx = torch.cat([i[s] for (_, i, _), s in zip(ins, sent)])
-    local = (raw_idx >= me * L) & (raw_idx < (me + 1) * L)
-    want_idx = torch.where(local, raw_idx - me * L, torch.full_like(raw_idx, -1))
-    want_w = torch.where(local, torch.cat([wi[s] for (_, _, wi), s in zip(ins, sent)]), torch.zeros(()))
-    counts = torch.bincount(want_idx[want_idx >= 0], minlength=L).tolist()
-    want_list = [-(-c // case["align"]) * case["align"] for c in counts]
-    n = sum(int(s.sum()) for s in sent)
+    assert torch.equal(in_rank, in_ranks[me])
+    n = int(want["rank_prefix_matrix"][-1, me])
     worst = sum(case["T"]) if case["worst"] else 0
     recv_x, recv_idx, recv_w, lst, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
         topk_weights=w, expert_alignment=case["align"], num_worst_tokens=worst)
     where = f"case {case}, rank {me}"
-    got_x = _rows(recv_x, slice(0, n))
-    assert _equal(got_x, want_x), f"received rows differ: {where}"
-    assert torch.equal(recv_idx[:n], want_idx) and torch.equal(recv_w[:n], want_w), f"top-k differ: {where}"
+    got_x = _rows(recv_x, n)
+    assert _equal(got_x, want["x"]), f"received rows differ: {where}"
+    assert torch.equal(recv_idx[:n], want["topk_idx"]) and torch.equal(recv_w[:n], want["topk_weights"]), \
+        f"top-k differ: {where}"
+    assert torch.equal(handle[0], want["rank_prefix_matrix"]) and torch.equal(handle[3][:n], want["src_idx"]), where
     if worst:
         assert lst == [] and recv_idx.size(0) == worst and bool((recv_idx[n:] == -1).all()), where
     else:
-        assert lst == want_list, f"per-expert list {lst}, expected {want_list}: {where}"
+        assert lst == want["num_recv_tokens_per_expert_list"], f"per-expert list {lst}: {where}"
         again = buffer.dispatch(x, handle=handle)[0]
         assert _equal(again, recv_x), f"cached dispatch differs: {where}"
-    # combine the received rows (identity experts): each token comes back times the ranks it went to
-    back = per_token_cast_back(got_x[0], got_x[1].contiguous()) if isinstance(x, tuple) else got_x
+    # combine the received rows (identity experts): every rank's combine input is what it received
+    def back(r):
+        got = reference.dispatch([xi for xi, _, _ in ins], in_ranks, r, E)["x"]
+        return per_token_cast_back(got[0], got[1].contiguous()) if isinstance(got, tuple) else got
+
+    mine = back(me)
     if worst:
-        back = torch.cat([back, torch.zeros(worst - n, back.size(1), dtype=back.dtype)])
-    combined, _, _ = buffer.combine(back, handle)
-    mine = per_token_cast_back(x[0], x[1].contiguous()) if isinstance(x, tuple) else x
-    acc, sent_to = torch.zeros(mine.shape), in_rank.sum(1, keepdim=True)
-    for c in range(R):  # fp32 sums in rank order, as combine adds them (x + x + x rounds like that, not as 3x)
-        acc += torch.where(sent_to > c, mine.float(), torch.zeros(()))
-    want = acc.to(mine.dtype)
-    assert torch.equal(combined, want), f"combine differs: {where}"
+        mine = torch.cat([mine, torch.zeros(worst - n, mine.size(1), dtype=mine.dtype)])
+    combined, _, _ = buffer.combine(mine, handle)
+    expect, _ = reference.combine([back(r) for r in range(R)], in_ranks, me)
+    assert torch.equal(combined, expect), f"combine differs: {where}"
 
 
 def _random_cases(ctx, seeds):

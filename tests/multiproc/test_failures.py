@@ -279,7 +279,7 @@ def _killed_with_child_holding_fds(ctx, op):
     if ctx.rank == 1:
         # A child that inherits every socket and liveness descriptor this rank has,
         # as a forked worker would, outlives it: the death must still be seen.
-        fds = [comm.heap.transport.liveness_fd(0)]
+        fds = [comm.heap.native.liveness_fd(0)]
         for fd in map(int, os.listdir("/proc/self/fd")):
             try:
                 if os.readlink(f"/proc/self/fd/{fd}").startswith(("socket:", "anon_inode:")):

@@ -78,7 +78,7 @@ def _fork_after_init(ctx):
             x = torch.empty(4096)
             x.fill_(666)
         seen["scope_in_heap"] = base <= x.data_ptr() < base + size
-        seen["liveness_fds"] = [comm.heap.transport.liveness_fd(r) for r in range(W) if r != ctx.rank]
+        seen["liveness_fds"] = [comm.heap.native.liveness_fd(r) for r in range(W) if r != ctx.rank]
         seen["keep"] = keep.tolist()  # inherited heap tensors stay readable
         return seen
 

@@ -281,3 +281,32 @@ def _lifecycle(ctx):
 
 def test_hot_entry_lifecycle():
     assert run_world(_lifecycle, 2, timeout=120) == [True, True]
+
+
+def _bound(ctx):
+    """``zbccl.ops.bind_all_reduce`` (vLLM's communicator's all_reduce): a heap tensor with a plan runs in the hot
+    entry, anything else takes all_reduce's one door; every result is the reference's."""
+    import zbccl
+    from zbccl.ops.reference import all_reduce_ref
+
+    comm, ch, calls = _start(ctx, 16 * MiB)
+    try:
+        W, me = comm.world_size, comm.rank
+        bound = zbccl.ops.bind_all_reduce(comm)
+        heap, private = zbccl.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)
+        for step in range(4):
+            for i, t in enumerate((heap, private)):
+                t.copy_(payload(me + 5 * step + i, t.numel(), t.dtype))
+                assert bound(t) is t
+                ref = all_reduce_ref([payload(r + 5 * step + i, t.numel(), t.dtype) for r in range(W)], 0)
+                assert torch.equal(t, ref), f"step {step} tensor {i}"
+        # the heap tensor: a plan on its first call, hot afterwards; the private one: staged every time
+        assert calls[0] == 1 + 4, calls[0]
+    finally:
+        zbccl.finalize()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bound_all_reduce_offers_the_hot_entry_first(world_size):
+    assert all(run_world(_bound, world_size, timeout=120))

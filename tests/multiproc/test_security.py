@@ -127,7 +127,7 @@ def _check_all_reduce(comm) -> None:
 
 def _attacked(ctx, mode):
     import zbccl
-    from zbccl.heap import shm
+    from zbccl.heap.transports.shm import transport as shm
 
     attackers: list[subprocess.Popen] = []
     reports: list[dict] = []
@@ -150,7 +150,7 @@ def _attacked(ctx, mode):
         comm = ctx.init(heap_size=MiB, timeout=60)  # a stalling attacker holds its connections throughout
         elapsed = time.monotonic() - t0
         _check_all_reduce(comm)
-        live = [comm.heap.transport.liveness_fd(r) for r in range(comm.world_size) if r != ctx.rank]
+        live = [comm.heap.native.liveness_fd(r) for r in range(comm.world_size) if r != ctx.rank]
         assert all(fd >= 0 and not os.get_inheritable(fd) for fd in live), "liveness fds must be close-on-exec"
         zbccl.finalize()
     finally:
@@ -199,7 +199,8 @@ class _NoServer:
 
 def _squatted(ctx, how):
     import zbccl
-    from zbccl.heap import handout, shm
+    from zbccl.heap.transports.shm import handout
+    from zbccl.heap.transports.shm import transport as shm
 
     squatters: list[subprocess.Popen] = []
     seen: dict[str, str] = {}
@@ -249,7 +250,7 @@ def test_name_held_by_another_process_is_refused_by_pid():
 
 def _stale(ctx):
     import zbccl
-    from zbccl.heap import shm
+    from zbccl.heap.transports.shm import transport as shm
 
     store = ctx.store()
     job: dict[str, str] = {}
@@ -288,7 +289,7 @@ def test_failed_init_stops_the_server_before_closing_the_segment():
 
 def _forged_cookie(ctx):
     import zbccl
-    from zbccl.heap import shm
+    from zbccl.heap.transports.shm import transport as shm
 
     if ctx.rank == 1:
         real = shm._store_i64
@@ -308,7 +309,7 @@ def test_segment_with_wrong_cookie_is_refused_and_unmapped():
 
 def _fetch(job: str, token: str, *, timeout: float = 5.0) -> tuple[bytes, list[int]]:
     """Connect to rank 0's server of ``job`` from this process; what it sends back."""
-    from zbccl.heap.handout import sock_name
+    from zbccl.heap.transports.shm.handout import sock_name
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -323,7 +324,7 @@ def _fetch(job: str, token: str, *, timeout: float = 5.0) -> tuple[bytes, list[i
 def test_server_answers_only_members_and_vanishes_when_stopped():
     # In one process: SO_PEERCRED of our own connections is our pid, so a
     # member list without it must get nothing, and one with it the descriptor.
-    from zbccl.heap.handout import FdServer, Member
+    from zbccl.heap.transports.shm.handout import FdServer, Member
 
     fd = os.memfd_create("zbccl-test-handout", os.MFD_CLOEXEC)
     try:
@@ -352,8 +353,8 @@ def test_server_answers_only_members_and_vanishes_when_stopped():
 
 
 def test_local_ranks_must_share_one_uid():
-    from zbccl.heap.handout import Member
-    from zbccl.heap.shm import _check_uids
+    from zbccl.heap.transports.shm.handout import Member
+    from zbccl.heap.transports.shm.handout import check_uids as _check_uids
 
     me = Member(0, 1, 1000, "a", 1)
     assert _check_uids(me, {1: Member(1, 2, 1000, "b", 2)}) is None

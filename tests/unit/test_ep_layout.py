@@ -1,4 +1,4 @@
-"""zbccl.ep pure parts: layout maths against DeepEP's reference, casts, size hints, events, row tables."""
+"""zbccl.ep pure parts: layout maths against DeepEP's reference, casts, size hints, events."""
 
 from __future__ import annotations
 
@@ -7,19 +7,8 @@ import torch
 
 from tests.multiproc.ep_checks import per_token_cast_back, per_token_cast_to_fp8, ref_layout
 from zbccl.ep import Config, EventOverlap, get_low_latency_rdma_size_hint
-from zbccl.ep.exchange import row_runs, row_table
-from zbccl.ep.layout import (
-    channel_prefix,
-    dispatch_layout,
-    expert_pairs,
-    fp8_dequantize,
-    fp8_quantize,
-    int8_dequantize,
-    int8_quantize,
-    logfmt_roundtrip,
-    rank_lists,
-    send_head,
-)
+from zbccl.ep.layout import fp8_dequantize, fp8_quantize, int8_dequantize, int8_quantize, logfmt_roundtrip
+from zbccl.ep.reference import channel_prefix, dispatch_layout, expert_pairs, rank_lists, send_head
 
 
 @pytest.mark.parametrize("R,E,T,K", [(2, 8, 50, 3), (4, 16, 33, 5), (3, 9, 0, 2)])
@@ -94,13 +83,6 @@ def test_event_overlap_semantics():
     with ev(release_handle=True):
         pass
     assert done == [1] and ev.event is None
-
-
-def test_row_table_coalesces_runs():
-    t = row_table(1000, 0, row_runs(torch.tensor([3, 4, 5, 9, 10, 2])), 8)
-    assert t.tolist() == [[1000, 24, 24], [1024, 72, 16], [1040, 16, 8]]
-    t = row_table(0, 0, row_runs(torch.tensor([0, 1, 2]), torch.tensor([5, 6, 9])), 4)
-    assert t.tolist() == [[20, 0, 8], [36, 8, 4]]
 
 
 def test_logfmt_roundtrip_follows_deepep_cast_rule():

@@ -29,12 +29,12 @@ def test_which_exceptions_leave_an_op(exc, why):
 
 def test_the_abort_words_come_from_the_abi():
     header = abi.c_header()
-    for name, index in abi.ABORT_WORDS.items():
-        assert f"#define AW_{name} {index}\n" in header
+    for name in ("VALUE", "WHY", "WHERE"):
+        assert f"#define W_{name} {abi.WORDS[name]}\n" in header
     for name, code in abi.ABORT_WHERE.items():
         assert f"#define WHERE_{name} {code}\n" in header
     chan = (CSRC / "chan.c").read_text()
-    assert "AW_WHY" in chan and "WHERE_COLLECTIVE" in chan
+    assert "W_WHY" in chan and "WHERE_COLLECTIVE" in chan
     assert not re.search(r"abort\[[^\]]+\]\[\d\]", chan), "an ABORT word index written as a literal"
 
 
@@ -44,13 +44,13 @@ def test_a_rank_that_left_publishes_it_and_refuses_its_ops(monkeypatch):
     comm = zbccl.init(heap_size="2M")
     try:
         ctx = comm._ctx
-        line = liveness.abort_line(ctx, ctx.rank)
-        assert liveness.aborted(ctx.prims, line) == (0, 0)
+        transport, me, line = ctx.heap.transport, ctx.rank, liveness.ABORT_LINE
+        assert liveness.aborted(transport, me, line) == (0, 0)
         liveness.leave(ctx, zbccl.ZbcclInvalidUsageError("agreed"), op="all_reduce", where=abi.WHERE_COLLECTIVE)
-        assert liveness.aborted(ctx.prims, line) == (0, 0) and ctx.left is None  # errors raised together
+        assert liveness.aborted(transport, me, line) == (0, 0) and ctx.left is None  # errors raised together
         liveness.leave(ctx, KeyboardInterrupt(), op="dispatch", where=abi.WHERE_EP)
         liveness.leave(ctx, ValueError(), op="barrier", where=abi.WHERE_BARRIER)  # the first reason stays
-        assert liveness.aborted(ctx.prims, line) == (abi.ABORT_INTERRUPT, abi.WHERE_EP)
+        assert liveness.aborted(transport, me, line) == (abi.ABORT_INTERRUPT, abi.WHERE_EP)
         assert "KeyboardInterrupt" in ctx.left
         with pytest.raises(zbccl.ZbcclInvalidUsageError, match="broken on rank 0.*KeyboardInterrupt"):
             comm.barrier()

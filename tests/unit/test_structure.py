@@ -112,3 +112,47 @@ def test_no_environment_writes_at_import():
             src = ast.unparse(node)
             assert "os.environ[" not in src or isinstance(node, (ast.FunctionDef, ast.ClassDef)), path
             assert "putenv" not in src, path
+
+
+# Raw access to memory by address belongs to the transports (heap/transports/<name>/) and the native layer's
+# own helpers: everything above the seam goes through the transport's verbs and views.
+_SEAM = ("heap/transports/", "native/")
+_RAW_CALLS = {"from_address", "memset", "memmove", "string_at", "pidfd_open", "wrap_address"}
+
+
+def _raw_access(path: Path, root: Path = SRC) -> list[str]:
+    """The raw-address calls in ``path``: ``x.from_address``, ``ctypes.memset``/``memmove``/``string_at``,
+    ``os.pidfd_open``, and ``frombuffer`` over a ctypes object (an address)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func
+        name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+        owner = ast.unparse(fn.value) if isinstance(fn, ast.Attribute) else ""
+        if name == "from_address" or name == "wrap_address" or name == "pidfd_open":
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(fn)}")
+        elif name in ("memset", "memmove", "string_at") and owner in ("ctypes", "_libc", "libc"):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(fn)}")
+        elif name == "frombuffer" and node.args and "ctypes" in ast.unparse(node.args[0]):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: frombuffer({ast.unparse(node.args[0])})")
+    return found
+
+
+def test_raw_memory_access_stays_under_the_transports():
+    bad = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(_SEAM):
+            bad += _raw_access(path)
+    assert not bad, "raw address access outside heap/transports/ (use the transport's verbs):\n" + "\n".join(bad)
+
+
+def test_the_raw_access_check_sees_each_form(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import ctypes, os, numpy as np\n"
+                      "ctypes.c_int64.from_address(8)\nctypes.memset(8, 0, 1)\nctypes.memmove(8, 16, 1)\n"
+                      "os.pidfd_open(1)\nnp.frombuffer((ctypes.c_char * 4).from_address(8))\n"
+                      "np.frombuffer(bytearray(4))\n")
+    found = _raw_access(sample, tmp_path)
+    assert [f.split(":")[1] for f in found] == ["2", "3", "4", "5", "6", "6"], found

@@ -24,6 +24,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..ops.dtypes import REDUCE_OPS
+
 __all__ = ["install"]
 
 _lock = threading.Lock()
@@ -55,8 +57,7 @@ def _all_gather(input: torch.Tensor, group_size: int, group_name) -> torch.Tenso
 def _reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: int, group_name) -> torch.Tensor:
     out = input.new_empty((input.shape[0] // group_size, *input.shape[1:]))
     pg = _zbccl_group(group_name)
-    if pg is None or not pg._zb("reduce_scatter_tensor") or reduce_op.lower() not in (
-            "sum", "avg", "product", "min", "max"):
+    if pg is None or not pg._zb("reduce_scatter_tensor") or reduce_op.lower() not in REDUCE_OPS:
         return torch.ops._c10d_functional.reduce_scatter_tensor_out(input, reduce_op, group_size, group_name,
                                                                    out=out)
     from ..ops import reduce_scatter_tensor

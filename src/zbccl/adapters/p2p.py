@@ -40,7 +40,6 @@ the group stays usable.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -86,7 +85,7 @@ class _Recv:
 
 @dataclass
 class _Box:
-    """A sender's mailbox as this rank sees it: its words, and where they lie."""
+    """A sender's mailbox as this rank sees it: its words, and their native-core address (for the flag waits)."""
 
     words: np.ndarray
     addr: int
@@ -121,10 +120,10 @@ class PointToPoint:
         if self.mine is None:
             nbytes = self.comm.world_size * _PEER_WORDS * 8
             block = self.ctx.sma.malloc(nbytes, kind="p2p")
-            addr = self.ctx.heap.heap_base + block
-            ctypes.memset(addr, 0, nbytes)
+            heap = self.ctx.heap
+            heap.transport.zero(heap.rank, block, nbytes, op="send")
             self.block = block
-            self.mine = _Box(_words(addr, nbytes), addr)
+            self.mine = _Box(_words(heap, heap.rank, block, nbytes), heap.addr(heap.rank, block, nbytes, op="send"))
             self.comm.bootstrap.set(self._key(self.comm.rank), str(block).encode())
         return self.mine
 
@@ -143,8 +142,9 @@ class PointToPoint:
             raw = boot.get(key, timeout=wait, owner=self.comm.ranks[src], watch=self.comm.store_watch)
         nbytes = self.comm.world_size * _PEER_WORDS * 8
         # The record is sealed (the bootstrap opened it); still parsed strictly, and bounds-checked.
-        addr = self.ctx.heap.addr(self.comm.ranks[src], _mailbox_offset(raw, boot._key(key)), nbytes, op="recv")
-        box = self.boxes[src] = _Box(_words(addr, nbytes), addr)
+        g, heap = self.comm.ranks[src], self.ctx.heap
+        offset = _mailbox_offset(raw, boot._key(key))
+        box = self.boxes[src] = _Box(_words(heap, g, offset, nbytes), heap.addr(g, offset, nbytes, op="recv"))
         return box
 
     # ------------------------------------------------------------ send
@@ -405,8 +405,9 @@ def _mailbox_offset(raw: bytes, key: str) -> int:
     return int(text)
 
 
-def _words(addr: int, nbytes: int) -> np.ndarray:
-    return np.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=np.int64)
+def _words(heap, rank: int, offset: int, nbytes: int) -> np.ndarray:
+    """Global rank ``rank``'s mailbox words: an int64 view through the heap's transport."""
+    return heap.view(rank, offset, (nbytes // 8,), torch.int64, op="recv").numpy()
 
 
 def _one(tensors: list[torch.Tensor], op: str) -> torch.Tensor:

@@ -37,6 +37,7 @@ from ..ops import (
     broadcast,
     reduce_scatter_tensor,
 )
+from ..ops.dtypes import REDUCE_OPS, op_name
 from . import gloo_route
 from .list_forms import (
     allgather_list,
@@ -54,7 +55,8 @@ from .work import CompletedWork, timeout_seconds
 __all__ = ["ProcessGroupZbccl", "reduce_op_name"]
 
 _log = logging.getLogger("zbccl")
-_REDUCE = {"SUM": "sum", "PRODUCT": "product", "MIN": "min", "MAX": "max", "AVG": "avg"}
+#: torch's ReduceOp names zbccl runs -> zbccl's name (from the one table, ``abi.REDUCE_ALIASES``).
+_REDUCE = {n.upper(): op_name(c) for n, c in REDUCE_OPS.items() if hasattr(dist.ReduceOp, n.upper())}
 _BITWISE = ("BAND", "BOR", "BXOR")
 _RS = "reduce_scatter"
 # How long destroying a sub-group waits for its other members.

@@ -38,25 +38,15 @@ from typing import Any
 
 from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclSystemError
+from ..native import abi
 
 __all__ = ["HOOK_COUNTERS", "TIER_NAME", "HeapScope", "heap_scope", "hook_stats", "unregister_heap"]
 
 _log = logging.getLogger(__name__)
 
-#: Native counters of a registered heap, in ``zbh_stats`` order.
-HOOK_COUNTERS: tuple[str, ...] = (
-    "hits",  # allocations served from the native cache, no Python
-    "misses",  # allocations that called refill (sma.try_malloc)
-    "fallback_allocs",  # non-strict allocations served from ordinary memory: heap full
-    "fallback_bytes",  # their requested bytes
-    "strict_failures",  # strict allocations that raised: heap full
-    "live_bytes",  # heap bytes (class sizes) held by live tensors
-    "live_blocks",  # heap blocks held by live tensors
-    "cached_bytes",  # bytes in the native cache (the SMA tier)
-    "cached_blocks",  # blocks in the native cache
-    "releases",  # frees handed back to the SMA (cache full or class not cached)
-    "dropped_frees",  # frees after unregister_heap, dropped
-)
+#: Native counters of a registered heap, in ``zbh_stats`` order (defined, with their meanings, in
+#: ``native/abi.py``, which also generates the C++ enum).
+HOOK_COUNTERS: tuple[str, ...] = tuple(abi.HOOK_COUNTERS)
 #: Name of the SMA cache tier the native cache registers as.
 TIER_NAME = "heap_scope"
 

@@ -1,10 +1,9 @@
 """Explicit heap tensors and global handles (the torch side of the heap).
 
 ``zbccl.empty`` carves a block from this rank's SMA and wraps it zero-copy
-with ``torch.frombuffer`` over a ctypes array at the block's address. The
-ctypes array is the tensor storage's owner: when the last tensor (or view)
-using the storage dies, the array dies and a ``weakref.finalize`` returns the
-block to the SMA. No explicit free exists.
+as a view the heap's transport makes of the block. The transport's view owns
+the storage: when the last tensor (or view) using it dies, the block returns
+to the SMA. No explicit free exists.
 
 A :class:`~zbccl.heap.views.HeapHandle` is the picklable global address of a
 tensor; ``Communicator.peer_tensor`` turns it back into a bounds-checked view.
@@ -13,12 +12,11 @@ tensor; ``Communicator.peer_tensor`` turns it back into a bounds-checked view.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..heap.views import HeapHandle, wrap_address
+from ..heap.views import HeapHandle
 from ..runtime.communicator import Communicator
 from ..runtime.state import get_default, resolve_comm
 
@@ -62,10 +60,8 @@ def empty(*size, dtype: torch.dtype | None = None, device: torch.device | str | 
     nbytes = math.prod(shape) * dtype.itemsize
     sma = comm.sma
     offset = sma.malloc(max(nbytes, 1), kind="explicit")
-    buf = wrap_address(comm.heap_base + offset, nbytes)
-    weakref.finalize(buf, sma.free, offset)
-    flat = torch.frombuffer(buf, dtype=torch.uint8)
-    return flat[:nbytes].view(dtype).view(shape)
+    heap = comm.heap
+    return heap.view(heap.rank, offset, shape, dtype, release=lambda: sma.free(offset), op="empty")
 
 
 def zeros(*size, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
@@ -80,21 +76,13 @@ def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None, device: tor
     return empty(tuple(t.shape), dtype=dtype or t.dtype, device=device, comm=comm)
 
 
-def _storage_range(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()
-
-
 def is_heap_tensor(t: torch.Tensor, comm: Communicator | None = None) -> bool:
     """True if ``t``'s whole storage lies in this rank's heap (False if zbccl is not initialized)."""
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
         return False
     if comm is None and get_default() is None:
         return False
-    c = resolve_comm(comm)
-    ptr, nbytes = _storage_range(t)
-    base = c.heap_base
-    return base <= ptr and ptr + nbytes <= base + c.heap_bytes and nbytes > 0
+    return resolve_comm(comm).heap.offset_of(t) >= 0
 
 
 def export(t: torch.Tensor, comm: Communicator | None = None) -> HeapHandle:
@@ -103,13 +91,12 @@ def export(t: torch.Tensor, comm: Communicator | None = None) -> HeapHandle:
     Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` for a tensor outside the heap.
     """
     c = resolve_comm(comm)
-    if not is_heap_tensor(t, c):
+    offset = c.heap.offset_of(t) if isinstance(t, torch.Tensor) else -1
+    if offset < 0:
         raise ZbcclInvalidUsageError(
             "export: tensor is not in this rank's heap, expected one from zbccl.empty()/zeros() or "
             f"heap_scope(), got a {t.device.type} tensor at {t.data_ptr():#x}")
-    # data_ptr() is 0 for a zero-element tensor; the storage address is not.
-    addr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-    return HeapHandle(rank=c.global_rank, offset=addr - c.heap_base, shape=tuple(t.shape),
+    return HeapHandle(rank=c.global_rank, offset=offset, shape=tuple(t.shape),
                       stride=tuple(t.stride()), dtype=str(t.dtype).removeprefix("torch."))
 
 

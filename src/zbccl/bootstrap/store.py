@@ -46,7 +46,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from .. import env
-from ..errors import ZbcclRemoteError, ZbcclTimeoutError
+from ..errors import ZbcclError, ZbcclRemoteError, ZbcclTimeoutError
 from .base import Bootstrap, Watch
 from .secret import JobSecret, SealError
 
@@ -138,7 +138,13 @@ class StoreBootstrap(Bootstrap):
             if not pending:
                 return
             if watch is not None:
-                watch(tuple(o for _, o in pending if o >= 0), f"bootstrap {op}")
+                try:
+                    watch(tuple(o for _, o in pending if o >= 0), f"bootstrap {op}")
+                except ZbcclError:
+                    # A peer may write its key and then leave (raise, finalize): what it wrote counts.
+                    if any(not self._call(op, self.store.check, [k]) for k, _ in pending):
+                        raise
+                    return
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = tuple(o for _, o in pending if o >= 0)

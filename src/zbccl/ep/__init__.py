@@ -2,8 +2,8 @@
 
 Dispatch and combine over the shared heap with exact-size receive tensors: every rank publishes a
 small header (its counts and heap offsets) in its heap, a barrier makes them visible, then each
-receiver pulls its rows straight from the senders' memory (native kernels in ``native/csrc/ep.c``,
-plain torch without them). See :class:`Buffer`.
+receiver pulls its rows straight from the senders' memory (native kernels in ``native/csrc/ep.c``; their
+plain-torch oracle is :mod:`zbccl.ep.reference`). See :class:`Buffer`.
 """
 
 from .buffer import Buffer

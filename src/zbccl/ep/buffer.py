@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..native.abi import EP_OP_CLEAN as OP_CLEAN  # the tag of clean_low_latency_buffer's barrier
 from ..native.abi import WHERE_EP
 from . import fast, low_latency, normal
 from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
@@ -25,11 +26,8 @@ from .event import completed as _event
 from .event import stream_error as _stream_error
 from .exchange import PHASE_CLEAN, Exchange, Fail, heap_empty
 from .group import communicator_of as _communicator_of
-from .layout import dispatch_layout
 
 __all__ = ["Buffer"]
-
-OP_CLEAN = 5  # the tag of clean_low_latency_buffer's barrier (exchange._OP_NAMES)
 
 
 class Buffer:
@@ -217,17 +215,17 @@ class Buffer:
                 normal._tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32))
                 if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
                     raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {num_experts!r}")
-                got = fast.layout(self.ex.prims, topk_idx, num_experts, R) if fast.available(self.ex.prims) else None
-                if got is None:  # the torch path, or the native one found a bad entry: the checks say which
-                    normal._check_topk(topk_idx, torch.zeros(topk_idx.shape), topk_idx.size(0), num_experts)
+                got = fast.layout(self.ex.caps, topk_idx, num_experts, R)
+                if got is None:  # a bad entry: the checks say which
+                    normal._check_topk(topk_idx, torch.zeros(topk_idx.shape), topk_idx.size(0), num_experts,
+                                       self.ex.caps)
             except Fail as exc:
                 error = str(exc)
         if error is not None:
             raise ZbcclInvalidUsageError(f"get_dispatch_layout: {error}")
-        per_rank, per_expert, in_rank = got if got is not None else dispatch_layout(topk_idx, num_experts, R)
+        per_rank, per_expert, in_rank = got
         # dispatch skips re-checking topk_idx against num_tokens_per_expert when both are these, unchanged.
-        self.layout_memo = ((topk_idx, topk_idx._version, per_expert, per_expert._version, topk_idx.data_ptr())
-                            if got is not None else None)
+        self.layout_memo = (topk_idx, topk_idx._version, per_expert, per_expert._version, topk_idx.data_ptr())
         return per_rank, None, per_expert, in_rank, _event(async_finish)
 
     def dispatch(self, x, handle: tuple | None = None, num_tokens_per_rank: torch.Tensor | None = None,

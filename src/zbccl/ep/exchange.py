@@ -13,7 +13,7 @@
    Disagreements between ranks (experts, hidden size, dtype, a handle from another dispatch)
    are found from the gathered headers, which every rank holds alike, so all raise together.
 3. **Pull** (local writes only). Each rank copies the rows it receives from its peers'
-   published blocks into its own outputs (``prims.copy_many`` row tables, bounds-checked
+   published blocks into its own outputs (the native ``copy_many`` row tables, bounds-checked
    addresses) or reduces them (combine). Peers' memory is only ever read.
 4. **Barrier**: when it returns, no peer reads this rank's published blocks any more; staged
    blocks are freed and the caller may reuse its inputs. It runs even when this rank's pull
@@ -41,31 +41,29 @@ raises together (bad input, out of memory, ranks out of step) mark nothing: the 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import sys
-import weakref
 from array import array
 from collections.abc import Iterator
+from functools import partial
 
+import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
-from ..heap.views import HeapHandle, wrap_address
-from ..native.abi import WHERE_EP
+from ..heap.views import HeapHandle
+from ..native.abi import EP_OP_NAMES, WHERE_EP
 from ..ops import all_gather_into_tensor
 from ..runtime.liveness import leave
-from ..runtime.threads import nthreads
+from .caps import Capabilities
 from .stores import PullStores
 
-__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "PHASE_CLEAN", "heap_empty", "heap_empty_many", "row_runs", "row_table"]
+__all__ = ["Exchange", "Fail", "F", "HDR_LEN", "PHASE_CLEAN", "heap_empty", "heap_empty_many"]
 
 HDR_LEN = 64
 _MSG_AT, _MSG_BYTES = 32, 256
 STATUS_OK, STATUS_USAGE, STATUS_NOMEM = 0, 1, 2
 #: The phases a tagged barrier (:meth:`Exchange.sync`) can be in.
 PHASE_PUBLISH, PHASE_DONE, PHASE_CLEAN = 0, 1, 2
-_OP_NAMES = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine",
-             5: "clean_low_latency_buffer"}
 _PHASE_NAMES = {PHASE_PUBLISH: "its publish", PHASE_DONE: "its closing barrier (the receive hook, if any)",
                 PHASE_CLEAN: "its barrier"}
 
@@ -74,7 +72,7 @@ class F:
     """Header field indices."""
 
     OP, SEQ, STATUS, E, H, DTYPE, K, T, META, X, XROW, SCALES, SROW, TOPK, W, HANDLE = range(16)
-    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS, MASK = range(16, 24)
+    FLAGS, TMAX, WORST, NRECV, CHANNELS, XBYTES, NROWS, MASK, SDTYPE = range(16, 25)
 
 
 class Fail(Exception):
@@ -99,9 +97,8 @@ def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> tor
             raise ZbcclOutOfMemoryError(f"ep: out of heap memory, expected room for {nbytes} bytes, got a full heap")
         sma.record_fallback(nbytes)
         return torch.empty(shape, dtype=dtype)
-    buf = wrap_address(comm.heap_base + offset, nbytes)
-    weakref.finalize(buf, sma.free, offset)
-    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+    heap = comm.heap
+    return heap.view(heap.rank, offset, shape, dtype, release=partial(sma.free, offset), op="ep")
 
 
 def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
@@ -148,12 +145,14 @@ class Exchange:
         self.comm = comm
         self.R, self.me = comm.world_size, comm.rank
         self.timeout = timeout
-        self.prims = comm.heap.prims
+        #: The native kernels every EP op runs on (raises here, at the Buffer's construction, without them).
+        self.caps = Capabilities.of(comm.heap.prims)
         # Two header slots, used by alternate ops: a rank writes slot s of op n + 2 only after op n + 1's
         # barrier, which every peer enters only after it copied op n's headers out of slot s. After them,
         # the two tag words of the tagged barriers (sync: barrier k writes word k % 2, by the same argument).
         block = heap_empty(comm, (2 * HDR_LEN + 8,), torch.int64, fallback=False)
         self._hdr = block[:2 * HDR_LEN].view(2, HDR_LEN)
+        self._hdr_np = self._hdr.numpy()
         block[2 * HDR_LEN:].fill_(-1)  # the tag words: no op yet
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
         self._slot = 0
@@ -161,8 +160,10 @@ class Exchange:
         offs = torch.full((self.R,), self.offset_of(self._hdr), dtype=torch.int64)
         all_gather_into_tensor(offs, offs[self.me:self.me + 1].clone(), comm=comm, timeout=timeout)
         self._hdr_off = offs.tolist()
-        # Each peer's tag words (the block lies in the heap's initial range: its addresses never move).
-        self._tag_addr = [self.addr(r, off + 2 * HDR_LEN * 8, 16) for r, off in enumerate(self._hdr_off)]
+        # Each peer's tag words, viewed once through the transport (the block never moves).
+        heap = comm.heap
+        self._tags = [heap.view(comm.ranks[r], off + 2 * HDR_LEN * 8, (2,), torch.int64, op="ep").numpy()
+                      for r, off in enumerate(self._hdr_off)]
         self._nsync = 0
         #: Set once the ranks were found out of step: the Buffer refuses every later op with it.
         self.broken: str | None = None
@@ -178,12 +179,7 @@ class Exchange:
         """Heap offset of a contiguous tensor lying in this rank's heap, else -1."""
         if not t.is_contiguous():
             return -1
-        st = t.untyped_storage()
-        base = self.comm.heap_base  # read each time: the heap may grow
-        lo = st.data_ptr() - base
-        if lo < 0 or lo + st.nbytes() > self.comm.heap_bytes or st.nbytes() == 0:
-            return -1
-        return t.data_ptr() - base
+        return self.comm.heap.offset_of(t)
 
     def place(self, t: torch.Tensor, keep: list, role: str, *, copy: bool = False) -> int:
         """Heap offset peers read ``t`` at: in place for a contiguous heap tensor (unless ``copy``:
@@ -254,9 +250,9 @@ class Exchange:
             raise ZbcclInvalidUsageError(f"{op}: {self.broken}")
         k, self._nsync = self._nsync & 1, self._nsync + 1
         tag = (seq << 10) | (code << 2) | phase
-        ctypes.c_int64.from_address(self._tag_addr[self.me] + 8 * k).value = tag
+        self._tags[self.me][k] = tag
         self.comm.barrier(timeout=self.timeout)
-        tags = [ctypes.c_int64.from_address(a + 8 * k).value for a in self._tag_addr]
+        tags = [int(t[k]) for t in self._tags]
         if any(t != tag for t in tags):
             where = "; ".join(f"rank {r} in {_describe(t)}" for r, t in enumerate(tags))
             self.broken = (f"the Buffer's ranks went out of step ({where}), expected every rank in the same op and "
@@ -273,8 +269,7 @@ class Exchange:
         vals = [0] * HDR_LEN
         for k, v in fields.items():
             vals[k] = int(v)
-        hdr = array("q", vals)  # one memmove instead of a tensor build and copy (a few µs per op)
-        ctypes.memmove(h.data_ptr(), hdr.buffer_info()[0], HDR_LEN * 8)
+        self._hdr_np[slot] = np.frombuffer(array("q", vals), dtype=np.int64)  # not a tensor build (µs per op)
         if fail is not None:
             h[F.STATUS] = fail.status
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
@@ -285,12 +280,7 @@ class Exchange:
         base = self._all.data_ptr()
         table = array("q", [v for r, off in enumerate(self._hdr_off)
                             for v in (base + r * nbytes, self.addr(r, off + slot * nbytes, nbytes), nbytes)])
-        fn = getattr(self.prims, "copy_many", None)
-        if fn is not None:
-            fn(table.buffer_info()[0], self.R, 1)
-        else:  # no native core: the Python stand-in
-            for i in range(0, len(table), 3):
-                ctypes.memmove(table[i], table[i + 1], table[i + 2])
+        self.caps.copy_many(table.buffer_info()[0], self.R, 1)
         rows = self._all.view(self.R, HDR_LEN).clone()
         bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:
@@ -329,7 +319,8 @@ class Exchange:
 
     # ------------------------------------------------------------------ the peer side
     def addr(self, r: int, offset: int, nbytes: int) -> int:
-        """Local address of ``offset`` in group rank ``r``'s heap (bounds-checked)."""
+        """Native-core address of ``offset`` in group rank ``r``'s heap (bounds-checked), for the row tables
+        that native code copies (``prims.copy_many``, the fast EP kernels)."""
         return self.comm.heap.addr(self.comm.ranks[r], offset, nbytes, op="ep")
 
     def view(self, r: int, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -343,51 +334,10 @@ class Exchange:
                             dtype=str(dtype).removeprefix("torch."))
         return self.comm.peer_tensor(r, handle)
 
-    def copy(self, table: list[torch.Tensor], *, count: bool = True) -> None:
-        """Run row copies: each entry an int64 ``[n, 3]`` table of (dst, src, nbytes); ``count``: add them
-        to :attr:`moved` (the payload, not the handshake)."""
-        table = [t for t in table if t.numel()]
-        if not table:
-            return
-        t = torch.cat(table).contiguous() if len(table) > 1 else table[0].contiguous()
-        if count:
-            self.moved += int(t[:, 2].sum())
-        fn = getattr(self.prims, "copy_many", None)
-        if fn is not None:
-            fn(t.data_ptr(), t.size(0), nthreads())
-        else:  # no native core: the Python stand-in
-            for dst, src, n in t.tolist():
-                ctypes.memmove(dst, src, n)
-
 
 def _describe(tag: int) -> str:
     """A tag of :meth:`Exchange.sync` in words."""
     if tag < 0:
         return "no op yet"
     seq, code, phase = tag >> 10, (tag >> 2) & 0xFF, tag & 3
-    return f"op #{seq} {_OP_NAMES.get(code, f'(code {code})')}, {_PHASE_NAMES.get(phase, f'phase {phase}')}"
-
-
-def row_runs(rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n_runs, 3]`` int64 (dst row, src row, rows): source rows ``rows`` land on destination rows
-    ``dst_rows`` (default: consecutive from 0); runs consecutive on both sides are merged."""
-    n = rows.numel()
-    if n == 0:
-        return torch.empty(0, 3, dtype=torch.int64)
-    rows = rows.long()
-    dst_rows = torch.arange(n) if dst_rows is None else dst_rows.long()
-    brk = torch.ones(n, dtype=torch.bool)
-    brk[1:] = (rows[1:] != rows[:-1] + 1) | (dst_rows[1:] != dst_rows[:-1] + 1)
-    starts = brk.nonzero().flatten()
-    lens = torch.diff(starts, append=torch.tensor([n]))
-    return torch.stack([dst_rows[starts], rows[starts], lens], 1)
-
-
-def row_table(dst_addr: int, src_addr: int, runs: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """The copies (dst, src, nbytes) of :func:`row_runs`' runs for rows of ``row_bytes``."""
-    if row_bytes == 0:
-        return torch.empty(0, 3, dtype=torch.int64)
-    t = runs * row_bytes
-    t[:, 0] += dst_addr
-    t[:, 1] += src_addr
-    return t
+    return f"op #{seq} {EP_OP_NAMES.get(code, f'(code {code})')}, {_PHASE_NAMES.get(phase, f'phase {phase}')}"

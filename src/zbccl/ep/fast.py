@@ -1,10 +1,15 @@
-"""The native path of normal dispatch and combine: one C call each for the plan read, the row pull and the
-fp32 combine sum (``native/csrc/ep.c``), so that an op's Python cost does not grow with its rows.
+"""The native EP kernels (``native/csrc/ep.c``) and the calls that drive them: one C call each for the layout,
+the sender's plan block, the plan read, the row pull and the fp32 combine sum, so that an op's Python cost
+does not grow with its rows.
 
-Same protocol and results as the torch path in :mod:`.normal` (which is the reference and the fallback
-when the core lacks these kernels): the calls run between the handshake all_gather and the closing
-barrier, read peers' published blocks only through addresses bounds-checked here for the whole block,
-and the kernels check every row index they take from a peer against that block.
+These are the only implementation of EP's local steps: the plain-torch version of every op is
+:mod:`.reference`, the tests' oracle, not a fallback. :class:`.caps.Capabilities` names the kernels, resolved
+once from the native core when a Buffer is built; a core without them (no C compiler) is a clear
+:class:`~zbccl.errors.ZbcclSystemError` there, never a slower path chosen op by op.
+
+The calls run between the handshake (after it every peer's published plan block and operands are
+readable) and the closing barrier, read peers' published blocks only through addresses bounds-checked
+here for the whole block, and the kernels check every row index they take from a peer against that block.
 """
 
 from __future__ import annotations
@@ -15,21 +20,26 @@ from array import array
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..ops.dtypes import DTYPE_CODES as NATIVE_DTYPES
+from ..native.abi import ep_args
+from ..ops.dtypes import CODES
+from .caps import Capabilities
 from .exchange import F, Fail
 
-__all__ = ["available", "layout", "route", "plan", "pull", "combine_sum"]
+__all__ = ["layout", "route", "plan", "pull", "combine_sum"]
 
 _FIELDS = (("x", F.X, F.XROW), ("s", F.SCALES, F.SROW), ("i", F.TOPK, None), ("w", F.W, None))
 
 
-def available(prims) -> bool:
-    """Whether the native core has the EP kernels (else :mod:`.normal` runs its torch path)."""
-    return getattr(prims, "ep_combine", None) is not None
+#: Each kernel's argument block (abi.EP_ARGS), filled by field name: (head, per-rank row).
+_LAYOUT, _ = ep_args("zb_ep_layout")
+_ROUTE, _ = ep_args("zb_ep_route")
+_PLAN, _PLAN_ROW = ep_args("zb_ep_plan")
+_PULL, _PULL_ROW = ep_args("zb_ep_pull")
+_COMBINE, _COMBINE_ROW = ep_args("zb_ep_combine")
 
 
 def _call(fn, values: list) -> int:
-    """``fn(address of values as int64[])``; the array lives until the call returns."""
+    """``fn(address of the argument block values as int64)``; the block lives until the call returns."""
     arr = array("q", values)
     return fn(arr.buffer_info()[0])
 
@@ -44,8 +54,11 @@ def plan(buf, rows: list) -> tuple[torch.Tensor, list[int], torch.Tensor, list[t
     per_expert = torch.empty(L, dtype=torch.int64)
     recv_chan = torch.empty(R, C, dtype=torch.int32)
     metas = [(ex.addr(r, rows[r][F.META], rows[r][F.NROWS] * 8), rows[r][F.NROWS]) for r in range(R)]
-    bad = _call(ex.prims.ep_plan, [R, me, E, C, L, counts.data_ptr(), per_expert.data_ptr(), recv_chan.data_ptr()]
-                + [v for m in metas for v in m])
+    args = _PLAN(R=R, me=me, E=E, C=C, L=L, counts_out=counts.data_ptr(), per_expert_out=per_expert.data_ptr(),
+                 recv_chan_out=recv_chan.data_ptr())
+    for meta, meta_len in metas:
+        args += _PLAN_ROW(meta=meta, meta_len=meta_len)
+    bad = _call(ex.caps.plan, args)
     if bad >= 0:
         raise ZbcclInvalidUsageError(f"dispatch: rank {bad}'s plan block is malformed, expected "
                                      f">= {R + E + R * C} int64 with counts >= 0", ranks=(bad,))
@@ -62,20 +75,22 @@ def pull(buf, rows: list, counts: torch.Tensor, metas: list, out: dict, num_recv
     widths = {"i": K * 8, "w": K * 4}
     xbytes = out["x"].numel() * out["x"].element_size()
     stream = ex.stores.choose(xbytes)
-    a = [R, me, R + E + R * Cn, E // R if E else 0, K, num_recv, src_idx.data_ptr(), stream]
+    fields = {"R": R, "me": me, "head": R + E + R * Cn, "L": E // R if E else 0, "K": K, "n_recv": num_recv,
+              "src_idx_out": src_idx.data_ptr(), "stream": stream}
     row_of = []
     for key, _, row_field in _FIELDS:
         t = out.get(key)
         row = (rows[me][row_field] if row_field is not None else widths[key]) if t is not None else 0
         row_of.append(row)
-        a += [t.data_ptr() if t is not None else 0, row]
+        fields[key + "_dst"], fields[key + "_row"] = t.data_ptr() if t is not None else 0, row
+    a = _PULL(**fields)
     for r in range(R):
         T_r = rows[r][F.T]
-        a += [metas[r][0], metas[r][1], T_r]
-        for (_, field, _), row in zip(_FIELDS, row_of):
-            a.append(ex.addr(r, rows[r][field], T_r * row) if row and T_r else 0)
+        src = {key + "_src": ex.addr(r, rows[r][field], T_r * row) if row and T_r else 0
+               for (key, field, _), row in zip(_FIELDS, row_of)}
+        a += _PULL_ROW(meta=metas[r][0], meta_len=metas[r][1], T=T_r, **src)
     t0 = time.perf_counter_ns()
-    moved = _call(ex.prims.ep_pull, a)
+    moved = _call(ex.caps.pull, a)
     ex.stores.record(stream, xbytes, time.perf_counter_ns() - t0)
     if moved < 0:
         bad = -moved - 1
@@ -96,16 +111,18 @@ def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int
     T, H = out.shape
     base = rpm[me - 1].tolist() if me else [0] * R
     accw = torch.empty(T, K, dtype=torch.float32) if K else None
-    a = [R, T, in_rank.data_ptr(), head.data_ptr()]
     extras = [b.data_ptr() for b in biases] + [0, 0]
-    a += [out.data_ptr(), H, out.element_size(), NATIVE_DTYPES[out.dtype], len(biases)] + extras[:2]
-    a += [accw.data_ptr(), K, 4, NATIVE_DTYPES[torch.float32], 0, 0, 0] if K else [0] * 7
+    a = _COMBINE(R=R, T=T, in_rank=in_rank.data_ptr(), head=head.data_ptr(),
+                 x_dst=out.data_ptr(), x_width=H, x_itemsize=out.element_size(), x_dtype=CODES[out.dtype],
+                 x_nextra=len(biases), x_extra0=extras[0], x_extra1=extras[1],
+                 w_dst=accw.data_ptr() if K else 0, w_width=K, w_itemsize=4, w_dtype=CODES[torch.float32],
+                 w_nextra=0, w_extra0=0, w_extra1=0)
     for r in range(R):
         nrows = rows[r][F.NRECV]
-        xa = ex.addr(r, rows[r][F.X], nrows * rows[r][F.XROW]) if nrows else 0
-        wa = ex.addr(r, rows[r][F.W], nrows * K * 4) if K and nrows else 0
-        a += [base[r], nrows, xa, wa]
-    moved = _call(ex.prims.ep_combine, a)
+        a += _COMBINE_ROW(base=base[r], nrows=nrows,
+                          x=ex.addr(r, rows[r][F.X], nrows * rows[r][F.XROW]) if nrows else 0,
+                          w=ex.addr(r, rows[r][F.W], nrows * K * 4) if K and nrows else 0)
+    moved = _call(ex.caps.combine, a)
     if moved < 0:
         bad = -moved - 1
         raise ZbcclInvalidUsageError(f"combine: the handle's rows for rank {bad} are out of range, expected < "
@@ -114,18 +131,20 @@ def combine_sum(buf, rows: list, handle, out: torch.Tensor, biases: list, K: int
     return accw
 
 
-def layout(prims, topk_idx: torch.Tensor, num_experts: int, R: int, *, in_rank: bool = True):
+def layout(caps: Capabilities, topk_idx: torch.Tensor, num_experts: int, R: int, *, in_rank: bool = True):
     """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)`` of
-    :func:`.layout.dispatch_layout` in one native pass (``in_rank=False``: only the per-expert counts, the
-    others None); None when an entry is outside ``[-1, E)`` (the caller raises with the torch path's text)."""
+    :func:`.reference.dispatch_layout` in one native pass (``in_rank=False``: only the per-expert counts, the
+    others None); None when an entry is outside ``[-1, E)`` (the caller raises, naming the values)."""
     idx = topk_idx.contiguous()
     T, K = idx.shape
     per_rank = torch.empty(R, dtype=torch.int32) if in_rank else None
     per_expert = torch.empty(num_experts, dtype=torch.int32)
     where = torch.empty(T, R, dtype=torch.bool) if in_rank else None
-    if _call(prims.ep_layout, [idx.data_ptr(), T, K, num_experts, R, int(idx.dtype == torch.int32),
-                               per_rank.data_ptr() if in_rank else 0, per_expert.data_ptr(),
-                               where.data_ptr() if in_rank else 0]) >= 0:
+    if _call(caps.layout, _LAYOUT(idx=idx.data_ptr(), T=T, K=K, E=num_experts, R=R,
+                                  idx_is_int32=int(idx.dtype == torch.int32),
+                                  per_rank_out=per_rank.data_ptr() if in_rank else 0,
+                                  per_expert_out=per_expert.data_ptr(),
+                                  in_rank_out=where.data_ptr() if in_rank else 0)) >= 0:
         return None
     return per_rank, per_expert, where
 
@@ -150,8 +169,8 @@ def route(buf, in_rank: torch.Tensor, counts: torch.Tensor, per_expert: torch.Te
         block[R:R + E] = per_expert
     head = torch.empty(T, R, dtype=torch.int32)
     where = in_rank.contiguous()
-    if _call(ex.prims.ep_route, [where.data_ptr(), T, R, C, E, block.data_ptr(), n, head.data_ptr(),
-                                 expect.buffer_info()[0]]) >= 0:
+    if _call(ex.caps.route, _ROUTE(in_rank=where.data_ptr(), T=T, R=R, C=C, E=E, meta=block.data_ptr(), meta_len=n,
+                                   head_out=head.data_ptr(), expect=expect.buffer_info()[0])) >= 0:
         got = in_rank.sum(0)
         raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {got.tolist()}, "
                    f"got {counts.tolist()}")

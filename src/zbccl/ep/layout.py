@@ -1,73 +1,15 @@
-"""Pure routing and quantisation maths of EP (no communication): the tests' oracle as well.
+"""Pure quantisation maths of EP (no communication): the fp8, int8 and LogFMT casts the ops apply.
 
-Conventions (DeepEP's): ``R`` ranks, ``E`` experts, ``L = E // R`` local experts, expert
-``e`` lives on rank ``e // L``; ``topk_idx == -1`` selects no expert. A token goes to a rank
-once, however many of that rank's experts it selected (normal mode), and once per selected
-expert (low-latency mode).
+The routing maths (which token goes where) is :mod:`.reference`'s: the native kernels compute it.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["dispatch_layout", "rank_lists", "channel_prefix", "send_head", "expert_pairs",
-           "fp8_quantize", "fp8_dequantize", "int8_quantize", "int8_dequantize", "logfmt_roundtrip", "FP8_MAX"]
+__all__ = ["fp8_quantize", "fp8_dequantize", "int8_quantize", "int8_dequantize", "logfmt_roundtrip", "FP8_MAX"]
 
 FP8_MAX = 448.0
-
-
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``."""
-    L = num_experts // num_ranks
-    idx = topk_idx.long()
-    T = idx.size(0)
-    ranks = torch.where(idx >= 0, idx // L, num_ranks)  # -1 goes to a spare column, dropped below
-    in_rank = torch.zeros(T, num_ranks + 1, dtype=torch.bool).scatter_(1, ranks, True)[:, :num_ranks].contiguous()
-    per_expert = torch.bincount(idx.reshape(-1) + 1, minlength=num_experts + 1)[1:].to(torch.int32)
-    return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
-
-
-def rank_lists(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts [R] int64, tokens [sum] int64)``: for each rank in order, its tokens ascending."""
-    pairs = is_token_in_rank.t().nonzero()
-    counts = torch.bincount(pairs[:, 0], minlength=is_token_in_rank.size(1))
-    return counts, pairs[:, 1].contiguous()
-
-
-def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
-    """``[R, C]`` int32: inclusive prefix over channels of the tokens each channel sends to each rank.
-
-    Channel ``c`` owns tokens ``[c * ceil(T / C), (c + 1) * ceil(T / C))`` (DeepEP's split).
-    """
-    T, R = is_token_in_rank.shape
-    per = max(-(-T // num_channels), 1)
-    chan = torch.arange(T) // per
-    counts = torch.zeros(num_channels, R, dtype=torch.int64)
-    if T:
-        counts.index_add_(0, chan, is_token_in_rank.long())
-    return counts.cumsum(0).t().contiguous().to(torch.int32)
-
-
-def send_head(is_token_in_rank: torch.Tensor) -> torch.Tensor:
-    """``[T, R]`` int32: position of token ``t`` among the tokens sent to rank ``r`` (-1: not sent)."""
-    pos = is_token_in_rank.long().cumsum(0) - 1
-    return torch.where(is_token_in_rank, pos, -1).to(torch.int32)
-
-
-def expert_pairs(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Low-latency plan: ``(counts [E] int64, tokens [n] int64, slots [n] int64)``.
-
-    The valid ``(token, slot)`` pairs sorted by expert, then token, then slot: expert ``e``'s
-    rows are ``tokens[off[e]:off[e+1]]``; ``slots`` is the flat index ``t * K + k``.
-    """
-    T, K = topk_idx.shape
-    flat = topk_idx.reshape(-1).long()
-    slots = (flat >= 0).nonzero().flatten()
-    experts = flat[slots]
-    order = torch.sort(experts * (T * K) + slots, stable=True).indices
-    slots = slots[order]
-    counts = torch.bincount(experts, minlength=num_experts)
-    return counts, slots // K, slots
 
 
 def _group_amax(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -25,14 +25,21 @@ from array import array
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from .exchange import F, Fail, heap_empty, row_runs, row_table
-from .layout import expert_pairs, fp8_quantize, logfmt_roundtrip
+from ..native.abi import EP_OP_LL_COMBINE as OP_LL_COMBINE
+from ..native.abi import EP_OP_LL_DISPATCH as OP_LL_DISPATCH
+from ..native.abi import ep_args
+from .exchange import F, Fail, heap_empty
+from .layout import fp8_quantize, logfmt_roundtrip
 from .normal import _tensor
 
 __all__ = ["LowLatencyState", "dispatch", "combine", "OP_LL_DISPATCH", "OP_LL_COMBINE"]
 
-OP_LL_DISPATCH, OP_LL_COMBINE = 3, 4
 FLAG_FP8, FLAG_ROUND, FLAG_UE8M0, FLAG_HOOK, FLAG_LOGFMT = 1, 2, 4, 8, 16
+#: The kernels' argument blocks (abi.EP_ARGS), filled by field name: (head, per-rank row).
+_LL_PLAN, _ = ep_args("zb_ep_ll_plan")
+_LL_PULL, _LL_PULL_ROW = ep_args("zb_ep_ll_pull")
+_LL_ADDRS, _LL_ADDRS_ROW = ep_args("zb_ep_ll_addrs")
+_LL_COMBINE, _ = ep_args("zb_ep_ll_combine")
 
 
 class LowLatencyState:
@@ -82,17 +89,14 @@ def _check_topk(idx: torch.Tensor, E: int) -> None:
 
 
 def _pairs(ex, idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`.layout.expert_pairs` of a checked-shape int64 ``idx``, after :func:`_check_topk`'s checks:
-    one native pass (a counting sort, ``ep_ll_plan``) when the core has it, the same pairs in the same order."""
-    plan = getattr(ex.prims, "ep_ll_plan", None)
-    if plan is None:
-        _check_topk(idx, E)
-        return expert_pairs(idx, E)
+    """:func:`.reference.expert_pairs` of a checked-shape int64 ``idx``, after :func:`_check_topk`'s checks, in
+    one native pass (a counting sort, ``ep_ll_plan``): the same pairs in the same order."""
     T, K = idx.shape
     counts, pairs, errs = torch.empty(E, dtype=torch.int64), torch.empty(2, T * K, dtype=torch.int64), array("q", [0, 0])
-    args = array("q", [T, K, E, idx.data_ptr(), counts.data_ptr(), pairs[0].data_ptr(), pairs[1].data_ptr(),
-                       errs.buffer_info()[0]])
-    n = plan(args.buffer_info()[0])
+    args = array("q", _LL_PLAN(T=T, K=K, E=E, idx=idx.data_ptr(), counts_out=counts.data_ptr(),
+                               tokens_out=pairs[0].data_ptr(), slots_out=pairs[1].data_ptr(),
+                               err_out=errs.buffer_info()[0]))
+    n = ex.caps.ll_plan(args.buffer_info()[0])
     if n < 0:
         _check_topk(idx, E)  # the exact message
         raise Fail(f"topk_idx: bad entry {errs[1]} in token {errs[0]}")  # pragma: no cover - the check raised
@@ -157,35 +161,36 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
 
 def _pull(buf, rows, out: dict, E: int, tmax: int, plan: dict) -> torch.Tensor:
     """Copy every sender's rows for this rank's experts; returns this rank's row begin per expert on its owner."""
-    ex, me = buf.ex, buf.ex.me
+    me = buf.ex.me
     mask = rows[:, F.MASK].tolist()  # bit s of mask[o]: owner o drops source s (DeepEP's shrink masks)
     # owners that drop my tokens, or whose rows I drop
     plan["skip"] = torch.tensor([bool((m >> me) & 1 or (mask[me] >> o) & 1) for o, m in enumerate(mask)])
-    if getattr(ex.prims, "ep_ll_pull", None) is not None:
-        return _pull_native(buf, rows, out, E, tmax, mask)
-    return _pull_torch(buf, rows, out, E, tmax)
+    return _pull_native(buf, rows, out, E, tmax, mask)
 
 
 def _pull_native(buf, rows, out: dict, E: int, tmax: int, mask: list[int]) -> torch.Tensor:
-    """:func:`_pull_torch` in one native pass (``ep_ll_pull``): the same rows, slots and outputs. Every peer
-    address comes bounds-checked for its whole block (plan block, x, scales); the kernel checks each count
-    and token it reads against them."""
+    """The receive half in one native pass (``ep_ll_pull``; :func:`.reference.low_latency_dispatch` is its
+    oracle). Every peer address comes bounds-checked for its whole block (plan block, x, scales); the kernel
+    checks each count and token it reads against them."""
     ex, R, me = buf.ex, buf.ex.R, buf.ex.me
     L, N, xrow = E // R, R * tmax, int(rows[me, F.XROW])
     keep_of = array("q", [~m for m in mask])
     begin, err = torch.empty(E, dtype=torch.int64), array("q", [0, 0])
     scales = out.get("scales")
     srow = int(rows[me, F.SROW]) if scales is not None else 0
-    sa = [0, 0, 0, 0] if scales is None else [scales.data_ptr(), *(st * 4 for st in scales.stride())]
-    args = array("q", [R, me, L, N, E, xrow, out["x"].data_ptr(), out["count"].data_ptr(),
-                       out["src_info"].data_ptr(), out["layout"].data_ptr(), begin.data_ptr(), mask[me],
-                       keep_of.buffer_info()[0], srow, *sa, err.buffer_info()[0]])
+    s_out, s_e, s_slot, s_j = (0, 0, 0, 0) if scales is None else (scales.data_ptr(),
+                                                                     *(st * 4 for st in scales.stride()))
+    args = array("q", _LL_PULL(R=R, me=me, L=L, N=N, E=E, xrow=xrow, x_out=out["x"].data_ptr(),
+                               count_out=out["count"].data_ptr(), src_info_out=out["src_info"].data_ptr(),
+                               layout_out=out["layout"].data_ptr(), begin_out=begin.data_ptr(), masked=mask[me],
+                               keep_of=keep_of.buffer_info()[0], srow=srow, s_out=s_out, s_e=s_e, s_slot=s_slot,
+                               s_j=s_j, err_out=err.buffer_info()[0]))
     for r in range(R):
         T_r, nrows = int(rows[r, F.T]), int(rows[r, F.NROWS])
-        args.extend([ex.addr(r, int(rows[r, F.META]), nrows * 8), nrows,
-                     ex.addr(r, int(rows[r, F.X]), T_r * xrow) if T_r else 0, T_r,
-                     ex.addr(r, int(rows[r, F.SCALES]), T_r * srow) if srow and T_r else 0])
-    moved = ex.prims.ep_ll_pull(args.buffer_info()[0])
+        args.extend(_LL_PULL_ROW(meta=ex.addr(r, int(rows[r, F.META]), nrows * 8), meta_len=nrows,
+                                 x=ex.addr(r, int(rows[r, F.X]), T_r * xrow) if T_r else 0, T=T_r,
+                                 s=ex.addr(r, int(rows[r, F.SCALES]), T_r * srow) if srow and T_r else 0))
+    moved = ex.caps.ll_pull(args.buffer_info()[0])
     if moved == -2:
         raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected at "
                                      f"most {N}, got {err[1]}", ranks=tuple(range(R)))
@@ -194,51 +199,6 @@ def _pull_native(buf, rows, out: dict, E: int, tmax: int, mask: list[int]) -> to
                                      "(its counts or token indices)", ranks=(err[0],))
     ex.moved += moved
     return begin
-
-
-def _pull_torch(buf, rows, out: dict, E: int, tmax: int) -> torch.Tensor:
-    """:func:`_pull` without the native core, in torch ops."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    L, N = E // R, R * tmax
-    M = ((rows[:, F.MASK].unsqueeze(1) >> torch.arange(R)) & 1).bool()  # [owner, source]: owner drops source
-    # One view of each sender's plan block: its counts per expert, then its token lists.
-    metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(R)]
-    C = torch.stack([m[:E] for m in metas])  # [src, expert]
-    # Shrink masks (DeepEP's enable_shrink): owner o receives nothing from a source it masked (M[o, s]).
-    mine = C[:, me * L:(me + 1) * L].masked_fill(M[me].unsqueeze(1), 0)  # [src, local expert]
-    if mine.numel() and int(mine.sum(0).max()) > N:  # each sender checked its own; a peer's block must not overflow
-        raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected at "
-                                     f"most {N}, got {int(mine.sum(0).max())}", ranks=tuple(range(R)))
-    begins = mine.cumsum(0) - mine
-    out["count"].copy_(mine.sum(0))
-    out["layout"].copy_(((begins << 32) | mine).t())
-    xrow = int(rows[me, F.XROW])
-    tables = []
-    for r in range(R):
-        cnt = mine[r]
-        n = int(cnt.sum())
-        if not n:
-            continue
-        start = int(C[r, :me * L].sum())
-        toks = metas[r][E + start:E + start + n]
-        T_r = int(rows[r, F.T])
-        if toks.numel() != n or int(toks.min()) < 0 or int(toks.max()) >= T_r:  # a peer's block is read, not trusted
-            raise ZbcclInvalidUsageError(f"low_latency_dispatch: rank {r}'s published plan is out of bounds "
-                                         "(its counts or token indices)", ranks=(r,))
-        le = torch.repeat_interleave(torch.arange(L), cnt)
-        pos = torch.arange(n) - (cnt.cumsum(0) - cnt)[le]
-        slot = begins[r][le] + pos
-        dst = le * N + slot
-        tables.append(row_table(out["x"].data_ptr(), ex.addr(r, int(rows[r, F.X]), T_r * xrow), row_runs(toks, dst),
-                                xrow))
-        out["src_info"].view(-1)[dst] = toks.to(torch.int32)
-        if "scales" in out:
-            s_r = ex.view(r, int(rows[r, F.SCALES]), (T_r, int(rows[r, F.SROW]) // 4), out["scales"].dtype)
-            out["scales"][le, slot] = s_r[toks]
-            ex.moved += n * int(rows[r, F.SROW])
-    ex.copy(tables)
-    kept = ~M[torch.arange(E) // L, :me]  # [expert, source < me]: the expert's owner keeps that source
-    return (C[:me].t() * kept).sum(1)
 
 
 def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags: int, error: str | None):
@@ -281,7 +241,7 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
     def recv() -> None:
         acc = None
         try:
-            if flags & FLAG_LOGFMT or getattr(ex.prims, "ep_ll_combine", None) is None:
+            if flags & FLAG_LOGFMT:  # LogFMT-10's cast of every row read: the torch sum
                 acc = _reduce(buf, rows, plan, w, E, H, logfmt=bool(flags & FLAG_LOGFMT))
             else:
                 _reduce_native(buf, rows, plan, w, E, H, combined)
@@ -330,20 +290,19 @@ def _owner_rows(buf, rows, plan: dict, E: int):
 def _reduce_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, out: torch.Tensor) -> None:
     """:func:`_reduce` in one native pass (``ep_ll_combine``), written into ``out`` (bf16 [T, H], contiguous):
     every row address is checked against its owner's published block here, and each token's rows are
-    summed in ascending expert order, as the torch path does, so the results are bitwise the same."""
+    summed in ascending expert order, as :func:`.reference.low_latency_combine` does, so bitwise the same."""
     ex, T, K = buf.ex, plan["T"], plan["topk_idx"].size(1)
-    if getattr(ex.prims, "ep_ll_addrs", None) is not None:
-        addr, wk = _addrs_native(buf, rows, plan, w, E, H)
-    else:
-        addr, wk = _addrs_torch(buf, rows, plan, w, E, H)
+    addr, wk = _addrs_native(buf, rows, plan, w, E, H)
     acc = buf.scratch("acc_row", (H,), torch.float32)
-    args = array("q", [T, K, H, out.data_ptr(), addr.data_ptr(), wk.data_ptr(), acc.data_ptr()])
-    ex.moved += ex.prims.ep_ll_combine(args.buffer_info()[0])
+    args = array("q", _LL_COMBINE(T=T, K=K, H=H, dst=out.data_ptr(), src=addr.data_ptr(), w=wk.data_ptr(),
+                                  acc=acc.data_ptr()))
+    ex.moved += ex.caps.ll_combine(args.buffer_info()[0])
 
 
 def _addrs_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_addrs_torch` in one native pass (``ep_ll_addrs``): each owner's block and first-row table come
-    bounds-checked from Python, the kernel checks every row it computes against the owner's rows."""
+    """The rows' addresses ``[T, K]`` (0: none) and weights, each token's in ascending expert order, in one
+    native pass (``ep_ll_addrs``): each owner's block and first-row table come bounds-checked from Python,
+    the kernel checks every row it computes against the owner's rows."""
     if "begin" not in plan:
         raise ZbcclInvalidUsageError("low_latency_combine: the dispatch's receive hook was never called, "
                                      "expected hook() before combine, got a pending dispatch")
@@ -352,15 +311,17 @@ def _addrs_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> tup
     skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
     addr, wk, err = torch.empty(T * K, dtype=torch.int64), torch.empty(T * K, dtype=torch.float32), array("q", [0, 0])
     wc = w.contiguous()
-    args = array("q", [T, K, E, L, R, H * 2, plan["topk_idx"].data_ptr(), wc.data_ptr(), plan["begin"].data_ptr(),
-                       addr.data_ptr(), wk.data_ptr(), err.buffer_info()[0]])
+    args = array("q", _LL_ADDRS(T=T, K=K, E=E, L=L, R=R, row_bytes=H * 2, idx=plan["topk_idx"].data_ptr(),
+                                w=wc.data_ptr(), begin=plan["begin"].data_ptr(), addr_out=addr.data_ptr(),
+                                w_out=wk.data_ptr(), err_out=err.buffer_info()[0]))
     for r, skipped in enumerate(skip.tolist()):
         nrows = int(rows[r, F.NROWS])
         if skipped or not nrows:
-            args.extend([0, 0, -1 if skipped else 0])
+            args.extend(_LL_ADDRS_ROW(meta=0, x=0, nrows=-1 if skipped else 0))
             continue
-        args.extend([ex.addr(r, int(rows[r, F.META]), L * 8), ex.addr(r, int(rows[r, F.X]), nrows * H * 2), nrows])
-    rc = ex.prims.ep_ll_addrs(args.buffer_info()[0])
+        args.extend(_LL_ADDRS_ROW(meta=ex.addr(r, int(rows[r, F.META]), L * 8),
+                                  x=ex.addr(r, int(rows[r, F.X]), nrows * H * 2), nrows=nrows))
+    rc = ex.caps.ll_addrs(args.buffer_info()[0])
     if rc == -1:
         raise ZbcclInvalidUsageError(f"low_latency_combine: rank {err[0]}'s expert rows are out of its block, "
                                      f"expected rows in [0, {int(rows[err[0], F.NROWS])}), got {err[1]}",
@@ -370,24 +331,9 @@ def _addrs_native(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> tup
     return addr, wk
 
 
-def _addrs_torch(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' addresses ``[T, K]`` (0: none) and weights, each token's in ascending expert order."""
-    ex, T, K = buf.ex, plan["T"], plan["topk_idx"].size(1)
-    slots = plan["slots"]
-    addr = torch.zeros(T * K, dtype=torch.int64)
-    for r, lo, hi, row in _owner_rows(buf, rows, plan, E):
-        nrows = int(rows[r, F.NROWS])
-        if int(row.min()) < 0 or int(row.max()) >= nrows:
-            raise ZbcclInvalidUsageError(f"low_latency_combine: rank {r}'s expert rows are out of its block, "
-                                         f"expected rows in [0, {nrows}), got {int(row.min())}..{int(row.max())}",
-                                         ranks=(r,))
-        addr[slots[lo:hi]] = ex.addr(r, int(rows[r, F.X]), nrows * H * 2) + row * (H * 2)
-    order = plan["topk_idx"].argsort(dim=1, stable=True)  # no expert (-1) first: address 0, skipped
-    return addr.view(T, K).gather(1, order).contiguous(), w.gather(1, order).contiguous()
-
-
 def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: bool = False) -> torch.Tensor:
-    """fp32 ``sum_k weight * expert_row`` per token, every row read from its owner's memory."""
+    """fp32 ``sum_k weight * expert_row`` per token, every row read from its owner's memory: the combine of
+    ``use_logfmt``, whose per-row LogFMT-10 cast the native kernel does not have."""
     ex = buf.ex
     tokens, slots = plan["tokens"], plan["slots"]
     wflat = w.reshape(-1)

@@ -20,16 +20,16 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
+from ..native.abi import EP_OP_COMBINE as OP_COMBINE
+from ..native.abi import EP_OP_DISPATCH as OP_DISPATCH
+from ..ops.dtypes import CODE_DTYPES, CODES
 from . import fast
-from .exchange import F, Fail, heap_empty, row_runs, row_table
-from .layout import channel_prefix, int8_dequantize, int8_quantize, rank_lists, send_head
+from .exchange import F, Fail, heap_empty
+from .layout import int8_dequantize, int8_quantize
 
-__all__ = ["dispatch", "combine", "DTYPE_CODES", "OP_DISPATCH", "OP_COMBINE"]
+__all__ = ["dispatch", "combine", "OP_DISPATCH", "OP_COMBINE"]
 
-OP_DISPATCH, OP_COMBINE = 1, 2
 FLAG_FP8, FLAG_TOPK, FLAG_CACHED, FLAG_INT8 = 1, 2, 4, 8
-DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
-_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 def _tensor(t, name: str, dims: int, dtypes: tuple, shape: tuple | None = None) -> torch.Tensor:
@@ -59,27 +59,20 @@ def _split_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32)), None
 
 
-def _check_topk(topk_idx, topk_weights, T: int, E: int, prims=None, known: torch.Tensor | None = None):
-    """Checked ``(topk_idx int64, topk_weights, num_tokens_per_expert [E] int32 when prims has the native
-    kernels, else None)``; ``known``: those counts, already computed from this unchanged ``topk_idx``
-    (range checked then), so the pass over ``topk_idx`` is skipped."""
+def _check_topk(topk_idx, topk_weights, T: int, E: int, caps, known: torch.Tensor | None = None):
+    """Checked ``(topk_idx int64, topk_weights, num_tokens_per_expert [E] int32)``; ``known``: those counts,
+    already computed from this unchanged ``topk_idx`` (range checked then), so the pass over it is skipped."""
     if (topk_idx is None) != (topk_weights is None):
         raise Fail("topk_idx and topk_weights go together, expected both or neither, got one")
     idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, None))
     K = idx.size(1)
     w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, K))
-    per_expert = None
     if known is not None:
         return idx.long(), w, known
-    if fast.available(prims):
-        got = fast.layout(prims, idx, E, 1, in_rank=False)
-        per_expert = got[1] if got is not None else None
-        bad = got is None
-    else:
-        bad = idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= E)
-    if bad:
+    got = fast.layout(caps, idx, E, 1, in_rank=False)
+    if got is None:
         raise Fail(f"topk_idx out of range, expected -1 or [0, {E}), got values in [{int(idx.min())}, {int(idx.max())}]")
-    return idx.long(), w, per_expert
+    return idx.long(), w, got[1]
 
 
 def _memo_counts(memo, topk_idx, ntpe) -> torch.Tensor | None:
@@ -92,7 +85,7 @@ def _memo_counts(memo, topk_idx, ntpe) -> torch.Tensor | None:
     return ntpe
 
 
-def _layout(a: dict, T: int, R: int, prims, memo=None):
+def _layout(a: dict, T: int, R: int, caps, memo=None):
     """Checked ``(is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, tokens per rank)`` of a
     non-cached dispatch (``memo``: the Buffer's last native layout, see :func:`_memo_counts`)."""
     for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
@@ -106,21 +99,15 @@ def _layout(a: dict, T: int, R: int, prims, memo=None):
         raise Fail(f"num_experts must be a positive multiple of the {R} ranks, got {E}")
     idx = w = None
     if a["topk_idx"] is not None or a["topk_weights"] is not None:
-        known = _memo_counts(memo, a["topk_idx"], ntpe) if fast.available(prims) else None
-        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, prims, known)
-        if got is None:
-            got = torch.bincount(idx.reshape(-1) + 1, minlength=E + 1)[1:]
+        known = _memo_counts(memo, a["topk_idx"], ntpe)
+        idx, w, got = _check_topk(a["topk_idx"], a["topk_weights"], T, E, caps, known)
         if known is None and not torch.equal(got, ntpe.to(got.dtype)):
             raise Fail("num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts")
     elif a["num_worst_tokens"]:
         raise Fail("num_worst_tokens needs topk_idx and topk_weights, got neither")
     if a["expert_alignment"] < 1:
         raise Fail(f"expert_alignment must be >= 1, got {a['expert_alignment']}")
-    if not fast.available(prims):  # the native plan checks it (fast.route)
-        counts = in_rank.sum(0)
-        if not torch.equal(counts, ntpr.long()):
-            raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {counts.tolist()}, "
-                       f"got {ntpr.tolist()}")
+    # num_tokens_per_rank against is_token_in_rank: the native plan (fast.route) checks it
     return in_rank, ntpe.long(), idx, w, ntpr
 
 
@@ -150,18 +137,10 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
         E, per_expert, idx, w = 0, torch.zeros(0, dtype=torch.int64), None, None
         counts = in_rank.sum(0)
     else:
-        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.prims, getattr(buf, "layout_memo", None))
+        in_rank, per_expert, idx, w, counts = _layout(a, T, R, ex.caps, getattr(buf, "layout_memo", None))
         E = per_expert.numel()
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
-    head = None
-    if fast.available(ex.prims):
-        fields[F.META], fields[F.NROWS], chan, head = fast.route(buf, in_rank, counts, per_expert,
-                                                                 a["config"].num_channels)
-    else:
-        counts, tokens = rank_lists(in_rank)
-        chan = channel_prefix(in_rank, a["config"].num_channels)
-        meta = torch.cat([counts, per_expert, chan.long().flatten(), tokens])
-        fields[F.META], fields[F.NROWS] = ex.block(meta, keep), meta.numel()
+    fields[F.META], fields[F.NROWS], chan, head = fast.route(buf, in_rank, counts, per_expert, a["config"].num_channels)
     fields[F.E], fields[F.K] = E, idx.size(1) if idx is not None else 0
     out_dtype = x.dtype
     if scales is None and a["int8"]:
@@ -169,13 +148,13 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
             raise Fail(f"int8 needs a hidden size that is a multiple of 128 (per-128 scales), got {H}")
         x, scales = int8_quantize(x)
         fields[F.FLAGS] |= FLAG_INT8
-    fields[F.DTYPE] = DTYPE_CODES.get(x.dtype, 5)
+    fields[F.DTYPE] = CODES[x.dtype]
     fields[F.X], fields[F.XROW] = ex.place(x, keep, "x"), H * x.element_size()
     if scales is not None:
         fields[F.FLAGS] |= FLAG_FP8 if x.dtype == torch.float8_e4m3fn else 0
         s = scales.contiguous()
         fields[F.SCALES], fields[F.SROW] = ex.place(s, keep, "scales"), s.size(1) * s.element_size()
-        fields[F.DTYPE] |= DTYPE_CODES[torch.float32] << 8 if s.dtype == torch.float32 else 6 << 8
+        fields[F.SDTYPE] = CODES[s.dtype]
     if idx is not None:
         fields[F.TOPK], fields[F.W] = ex.place(idx, keep, "topk_idx"), ex.place(w, keep, "topk_weights")
     return {"in_rank": in_rank, "chan": chan, "head": head, "H": H, "out_dtype": out_dtype,
@@ -201,18 +180,17 @@ def _check_counts(rows, counts: torch.Tensor) -> None:
 def _alloc(buf, rows, loc: dict, n: int) -> dict:
     """The exact-size outputs of a dispatch (``n`` rows): ``x`` (int8 staging for int8), ``s``, ``i``, ``w``."""
     h = rows[buf.ex.me].tolist() if isinstance(rows, torch.Tensor) else rows[buf.ex.me]
-    H, K, flags, code = loc["H"], h[F.K], h[F.FLAGS], h[F.DTYPE]
+    H, K, flags = loc["H"], h[F.K], h[F.FLAGS]
     int8 = bool(flags & FLAG_INT8)
-    x_dtype = torch.int8 if int8 else _CODE_DTYPES[code & 0xFF]
-    s_dtype = torch.float32 if (code >> 8) == DTYPE_CODES[torch.float32] else torch.int32
+    x_dtype = CODE_DTYPES[h[F.DTYPE]]
     # The received rows in a heap block of their own (exact size; int8 rows are private staging), the
     # top-k and weights together in a second one (one allocation fewer, a small block's rounding).
     # Both reuse the previous step's blocks when their sizes repeat and the caller dropped them (Exchange.reuse).
     out = {"x": torch.empty(n, H, dtype=x_dtype) if int8 else buf.ex.reuse("recv_x", [((n, H), x_dtype)])[0]}
     if K:
         out["i"], out["w"] = buf.ex.reuse("recv_topk", [((n, K), torch.int64), ((n, K), torch.float32)])
-    if code >> 8:
-        out["s"] = torch.empty(n, h[F.SROW] // 4, dtype=s_dtype)
+    if h[F.SROW]:  # scales: fp8 rows, or int8 ones (float32 or int32, 4 bytes each)
+        out["s"] = torch.empty(n, h[F.SROW] // 4, dtype=CODE_DTYPES[h[F.SDTYPE]])
     return out
 
 
@@ -221,56 +199,6 @@ def _dequantize(buf, out: dict, loc: dict) -> None:
         n, H = out["x"].shape
         out["x"] = heap_empty(buf.comm, (n, H), loc["out_dtype"]).copy_(int8_dequantize(out["x"], out.pop("s"),
                                                                                           loc["out_dtype"]))
-
-
-def _pull(buf, rows, metas: list, counts, E: int, C: int, loc: dict, worst: int) -> dict:
-    """Torch path: allocate the exact-size outputs and copy every sender's rows into them (local writes only)."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    K = int(rows[me, F.K])
-    num_recv = int(counts[:, me].sum())
-    n = worst or num_recv
-    out = _alloc(buf, rows, loc, n)
-    src_idx = torch.full((n,), -1, dtype=torch.int32)  # -1 below num_recv (DeepEP: uninitialised)
-    fields = {"x": (F.X, int(rows[me, F.XROW])), "s": (F.SCALES, int(rows[me, F.SROW])),
-              "i": (F.TOPK, K * 8), "w": (F.W, K * 4)}
-    tables, start, head = [], 0, R + E + R * C
-    for r in range(R):
-        cnt = int(counts[r, me])
-        if not cnt:
-            continue
-        at = head + int(counts[r, :me].sum())
-        toks = metas[r][at:at + cnt]
-        src_idx[start:start + cnt] = toks
-        T_r, runs = int(rows[r, F.T]), row_runs(toks)
-        for key, t in out.items():
-            field, row = fields[key]
-            tables.append(row_table(t.data_ptr() + start * row, ex.addr(r, int(rows[r, field]), T_r * row), runs, row))
-        start += cnt
-    ex.copy(tables)
-    if K:
-        local = out["i"] - me * (E // R)
-        out["i"].copy_(torch.where((local >= 0) & (local < E // R), local, -1))
-        out["w"].masked_fill_(out["i"] < 0, 0.0)
-        out["i"][num_recv:] = -1
-        out["w"][num_recv:] = 0.0
-    _dequantize(buf, out, loc)
-    out["src_idx"] = src_idx
-    return out
-
-
-def _receiver_meta(buf, metas: list, E: int, C: int) -> tuple[list[int], torch.Tensor]:
-    """Per local expert receive counts and ``recv_channel_prefix_matrix`` from the senders' plans."""
-    R, me = buf.ex.R, buf.ex.me
-    L = E // R if E else 0
-    per_expert = torch.zeros(L, dtype=torch.int64)
-    recv_chan = torch.zeros(R, C, dtype=torch.int32)
-    for r in range(R):
-        meta = metas[r]
-        if L:
-            per_expert += meta[R + me * L:R + (me + 1) * L]
-        incl = meta[R + E:R + E + R * C].view(R, C)[me]
-        recv_chan[r, 1:] = incl[:-1].to(torch.int32)
-    return per_expert.tolist(), recv_chan
 
 
 def dispatch(buf, a: dict):
@@ -285,26 +213,17 @@ def dispatch(buf, a: dict):
     rl = rows.tolist()
     # Every field a receiver reads a peer's blocks with (it sizes them by its own values) must agree.
     ex.agree("dispatch", rl, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, int8, top-k)"), (F.E, "num_experts"),
-                        (F.H, "the hidden size"), (F.DTYPE, "x's dtype and the scales' dtype (code + 256 * scales' code, "
-                                                       "0: no scales)"), (F.K, "num_topk"),
-                        (F.SROW, "the scales' row width in bytes (0: no scales)"),
+                        (F.H, "the hidden size"), (F.DTYPE, "x's dtype"), (F.SDTYPE, "the scales' dtype (0: no scales)"),
+                        (F.SROW, "the scales' row width in bytes (0: no scales)"), (F.K, "num_topk"),
                         (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
-    E, C, worst = rl[0][F.E], rl[0][F.CHANNELS], rl[ex.me][F.WORST]
-    if fast.available(ex.prims):
-        counts, per_expert, recv_chan, metas = fast.plan(buf, rl)
-    else:  # one view of each sender's whole plan block (counts, per expert, per channel, token lists)
-        metas = [ex.view(r, int(rows[r, F.META]), (int(rows[r, F.NROWS]),), torch.int64) for r in range(ex.R)]
-        counts = torch.stack([m[:ex.R] for m in metas])
+    worst = rl[ex.me][F.WORST]
+    counts, per_expert, recv_chan, metas = fast.plan(buf, rl)
     _check_counts(rl, counts)
     try:
-        if fast.available(ex.prims):
-            num_recv = int(counts[:, ex.me].sum())
-            out = _alloc(buf, rl, loc, worst or num_recv)
-            out["src_idx"] = fast.pull(buf, rl, counts, metas, out, num_recv)
-            _dequantize(buf, out, loc)
-        else:
-            out = _pull(buf, rows, metas, counts, E, C, loc, worst)
-            per_expert, recv_chan = _receiver_meta(buf, metas, E, C)
+        num_recv = int(counts[:, ex.me].sum())
+        out = _alloc(buf, rl, loc, worst or num_recv)
+        out["src_idx"] = fast.pull(buf, rl, counts, metas, out, num_recv)
+        _dequantize(buf, out, loc)
     finally:
         ex.done("dispatch", fields)
     recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
@@ -312,8 +231,7 @@ def dispatch(buf, a: dict):
         return recv_x, None, None, None, None
     align = a["expert_alignment"]
     lst = [] if a["num_worst_tokens"] else [-(-c // align) * align for c in per_expert]
-    handle = (counts.cumsum(0).to(torch.int32), loc["chan"], recv_chan, out["src_idx"], loc["in_rank"],
-              loc["head"] if loc["head"] is not None else send_head(loc["in_rank"]))
+    handle = (counts.cumsum(0).to(torch.int32), loc["chan"], recv_chan, out["src_idx"], loc["in_rank"], loc["head"])
     buf.register(handle[3])
     return recv_x, out.get("i"), out.get("w"), lst, handle
 
@@ -339,7 +257,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
             w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (x.size(0), None))
             K = w.size(1)
             fields[F.W] = ex.place(w, keep, "topk_weights")
-        fields.update({F.H: H, F.K: K, F.DTYPE: DTYPE_CODES[x.dtype], F.NRECV: x.size(0),
+        fields.update({F.H: H, F.K: K, F.DTYPE: CODES[x.dtype], F.NRECV: x.size(0),
                        F.X: ex.place(x, keep, "x"), F.XROW: H * x.element_size()})
     except Fail as exc:
         fail = exc
@@ -348,38 +266,9 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
                         (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
     out = ex.reuse("combined_x", [((T, H), x.dtype)])[0]
     try:
-        if fast.available(ex.prims) and T:
-            accw = fast.combine_sum(buf, rows.tolist(), handle, out, biases, K)
-        else:
-            acc, accw = _reduce(buf, rows, handle, T, H, K, x.dtype)
-            for b in biases:
-                acc += b.float()
-            out.copy_(acc)
+        accw = fast.combine_sum(buf, rows.tolist(), handle, out, biases, K) if T else None
+        if not T and K:  # no tokens: nothing to sum (an empty weight sum, as the kernel would give)
+            accw = torch.zeros(0, K, dtype=torch.float32)
     finally:
         ex.done("combine", fields)
     return out, accw
-
-
-def _reduce(buf, rows, handle, T: int, H: int, K: int, dtype: torch.dtype):
-    """Sum, in fp32 and rank order, the rows each rank holds for this rank's tokens (read in place)."""
-    ex, R, me = buf.ex, buf.ex.R, buf.ex.me
-    rpm, in_rank = handle[0], handle[4]
-    counts, tokens = rank_lists(in_rank)
-    acc = buf.scratch("acc", (T, H), torch.float32).zero_()
-    accw = torch.zeros(T, K, dtype=torch.float32) if K else None
-    start = 0
-    for r in range(R):
-        cnt = int(counts[r])
-        if not cnt:
-            continue
-        base = int(rpm[me - 1, r]) if me else 0
-        toks = tokens[start:start + cnt]
-        start += cnt
-        xrow = int(rows[r, F.XROW])
-        tmp = buf.scratch("rows", (cnt, H), torch.float32)
-        tmp.copy_(ex.view(r, int(rows[r, F.X]) + base * xrow, (cnt, H), dtype))
-        acc.index_add_(0, toks, tmp)
-        ex.moved += cnt * (xrow + K * 4)
-        if K:
-            accw.index_add_(0, toks, ex.view(r, int(rows[r, F.W]) + base * K * 4, (cnt, K), torch.float32))
-    return acc, accw

@@ -5,20 +5,28 @@ of that rank's heap (after its control area). Every access to a peer is
 checked against that peer's real heap size, so asymmetric heaps are safe: a
 bad offset raises and touches nothing.
 
-Heaps grow (see ``shm.py``, "Growth"): a rank's live size is the value its
-owner publishes in its header line ``H_HEAP_BYTES`` (release store, after the
-new range is reserved); every bounds check reads it (acquire), so an offset a
-peer learned through any exchange with the owner is within the size it reads.
+Every access goes through the :class:`~.transports.base.Transport`: views and
+signal words through its verbs; the addresses native code needs through its
+native-core handle (:meth:`GlobalHeap.addr`, :meth:`GlobalHeap.ctrl_addr`).
+
+Heaps grow (see ``transports/shm/transport.py``, "Growth"): a rank's live size
+is the value its owner's transport publishes in its signal pad (release store,
+after the new range is reserved); every bounds check reads it (acquire), so an
+offset a peer learned through any exchange with the owner is within the size
+it reads.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
+
+import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from . import layout
-from .base import Segment, Transport
 from .flags import primitives
+from .transports.base import Segment, Transport
 
 __all__ = ["GlobalHeap"]
 
@@ -26,9 +34,9 @@ __all__ = ["GlobalHeap"]
 class GlobalHeap:
     """Segments of all ranks reachable from this process, plus their sizes.
 
-    :meth:`heap_size` is rank ``r``'s live heap size (its segment minus the
-    control area); ``initial_sizes`` and ``max_sizes`` are what every rank
-    announced at init (a rank on another host stays at its initial size here).
+    :meth:`heap_size` is rank ``r``'s live heap size; ``initial_sizes`` and
+    ``max_sizes`` are what every rank announced at init (a rank on another
+    host stays at its initial size here).
     """
 
     def __init__(self, rank: int, segments: dict[int, Segment], heap_sizes: list[int],
@@ -38,20 +46,19 @@ class GlobalHeap:
         self.initial_sizes = list(heap_sizes)
         self.max_sizes = list(heap_sizes) if max_sizes is None else list(max_sizes)
         self.transport = transport
+        #: The transport's native-core handle: addresses for native code only.
+        self.native = transport.native()
         self.prims = primitives()
         self.closed = False
-        self._my_size = self.initial_sizes[rank]  # the owner's own word, mirrored (only it writes it)
-        self._size_words = {r: seg.addr + layout.H_HEAP_BYTES for r, seg in segments.items() if r != rank}
+        self._my_size = self.initial_sizes[rank]  # the owner's own size, mirrored (only it grows it)
 
     def heap_size(self, rank: int) -> int:
         """Rank ``rank``'s heap size now (0 for a rank out of range or a peer not set up yet)."""
         if rank == self.rank:
             return self._my_size
-        word = self._size_words.get(rank)
-        if word is None:
+        if not self.transport.reachable(rank):
             return self.initial_sizes[rank] if 0 <= rank < len(self.initial_sizes) else 0
-        # Clamped: a peer's header never makes us touch memory past its reservation.
-        return min(self.prims.load_acquire(word), self.max_sizes[rank])
+        return min(self.transport.size(rank), self.max_sizes[rank])
 
     @property
     def heap_sizes(self) -> list[int]:
@@ -72,18 +79,13 @@ class GlobalHeap:
             raise ZbcclOutOfMemoryError(
                 f"heap: grow: heap of {nbytes} bytes requested, expected at most heap_max_bytes="
                 f"{self.max_sizes[self.rank]}")
-        self.transport.grow(self.rank, layout.segment_bytes(nbytes))
+        self.transport.grow(nbytes)  # publishes (release): the range is backed before anyone sees it
         self._my_size = nbytes
-        self.set_header(layout.H_HEAP_BYTES, nbytes)  # release: the range is backed before anyone sees it
-
-    @property
-    def local(self) -> Segment:
-        return self.segments[self.rank]
 
     @property
     def heap_base(self) -> int:
-        """Address of offset 0 of this rank's heap."""
-        return self.local.addr + layout.CTRL_BYTES
+        """Native-core address of offset 0 of this rank's heap (for native code: the allocator hook)."""
+        return self.native.data_addr(self.rank)
 
     @property
     def heap_bytes(self) -> int:
@@ -95,20 +97,23 @@ class GlobalHeap:
         return self.max_sizes[self.rank]
 
     def reachable(self, rank: int) -> bool:
-        return rank in self.segments
+        return self.transport.reachable(rank)
 
-    def _segment(self, rank: int, op: str) -> Segment:
+    def _check_rank(self, rank: int, op: str) -> None:
         if self.closed:
             raise ZbcclInvalidUsageError(f"{op}: the heap was finalized")
         if not 0 <= rank < len(self.initial_sizes):
             raise ZbcclInvalidUsageError(
                 f"{op}: rank out of range, expected [0, {len(self.initial_sizes)}), got {rank}")
-        seg = self.segments.get(rank)
-        if seg is None:
+        if not self.transport.reachable(rank):
             raise ZbcclInvalidUsageError(
                 f"{op}: rank {rank} is on another host and its heap is not mapped here "
                 "(no inter-host transport is configured)")
-        return seg
+
+    def check(self, rank: int, offset: int, nbytes: int, *, op: str) -> None:
+        """Raise unless ``rank``'s heap is mapped here and ``[offset, offset+nbytes)`` lies inside it."""
+        self._check_rank(rank, op)
+        self.check_range(rank, offset, nbytes, op=op)
 
     def check_range(self, rank: int, offset: int, nbytes: int, *, op: str) -> None:
         """Raise unless ``[offset, offset+nbytes)`` lies inside rank ``rank``'s heap."""
@@ -118,35 +123,39 @@ class GlobalHeap:
                 f"{op}: out of bounds of rank {rank}'s heap, expected [offset, offset+nbytes) within "
                 f"[0, {size}), got offset={offset} nbytes={nbytes}")
 
-    def addr(self, rank: int, offset: int, nbytes: int = 0, *, op: str = "heap") -> int:
-        """Local address of byte ``offset`` of rank ``rank``'s heap (bounds-checked)."""
-        seg = self._segment(rank, op)
-        self.check_range(rank, offset, nbytes, op=op)
-        return seg.addr + layout.CTRL_BYTES + offset
+    def view(self, rank: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *,
+             stride: Sequence[int] | None = None, release: Callable[[], None] | None = None,
+             op: str = "heap") -> torch.Tensor:
+        """Zero-copy, bounds-checked tensor over rank ``rank``'s heap (the transport's :meth:`view`)."""
+        if self.closed or not self.transport.reachable(rank):
+            self._check_rank(rank, op)  # raises, naming what is wrong
+        return self.transport.view(rank, offset, shape, dtype, stride=stride, release=release, op=op)
 
-    def locate(self, addr: int, nbytes: int) -> tuple[int, int] | None:
-        """``(rank, offset)`` of an address range lying wholly inside one mapped heap, else None."""
-        for rank, seg in self.segments.items():
-            base = seg.addr + layout.CTRL_BYTES
-            if base <= addr and addr + nbytes <= base + self.heap_size(rank):
-                return rank, addr - base
-        return None
+    def offset_of(self, t: torch.Tensor) -> int:
+        """Heap offset of ``t``'s first element if its whole storage lies in this rank's heap, else -1."""
+        return -1 if self.closed else self.transport.offset_of(self.rank, t)
+
+    def addr(self, rank: int, offset: int, nbytes: int = 0, *, op: str = "heap") -> int:
+        """Native-core address of byte ``offset`` of rank ``rank``'s heap (bounds-checked): only for
+        tables that native code reads (copy tables, the op channel)."""
+        self._check_rank(rank, op)
+        return self.native.data_addr(rank, offset, nbytes, op=op)
 
     def ctrl_addr(self, rank: int, offset: int) -> int:
-        """Local address of byte ``offset`` of rank ``rank``'s control area."""
-        assert 0 <= offset < layout.CTRL_BYTES
-        return self._segment(rank, "control").addr + offset
+        """Native-core address of byte ``offset`` of rank ``rank``'s signal pad (for native code only)."""
+        self._check_rank(rank, "control")
+        return self.native.pad_addr(rank, offset)
 
     def header(self, rank: int, field: int) -> int:
-        return self.prims.load_acquire(self.ctrl_addr(rank, field))
+        return self.transport.load(rank, field)
 
     def set_header(self, field: int, value: int) -> None:
-        self.prims.signal(self.ctrl_addr(self.rank, field), value)
+        self.transport.signal(self.rank, field, value)
 
     def init_header(self) -> None:
-        """Write this rank's header (before peers can look at it)."""
+        """Write this rank's header (before peers can look at it; the transport wrote its size)."""
         for field, value in ((layout.H_MAGIC, layout.MAGIC_VALUE), (layout.H_VERSION, layout.LAYOUT_VERSION),
-                             (layout.H_RANK, self.rank), (layout.H_HEAP_BYTES, self.heap_bytes)):
+                             (layout.H_RANK, self.rank)):
             self.set_header(field, value)
         self.set_header(layout.H_PID, os.getpid())
         self.set_header(layout.H_STATE, layout.STATE_READY)

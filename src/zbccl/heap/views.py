@@ -3,14 +3,12 @@
 A :class:`HeapHandle` is the picklable global address of a tensor:
 ``(rank, offset, shape, stride, dtype)``, the offset counted from the start
 of the owner's heap. :func:`view_heap` applies a handle to a rank's heap and
-returns a tensor aliasing that memory, after checking the whole span against
-that rank's real heap size.
+returns a tensor aliasing that memory (the transport's view), after checking
+the whole span against that rank's real heap size.
 """
 
 from __future__ import annotations
 
-import ctypes
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -18,15 +16,7 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from .heap import GlobalHeap
 
-__all__ = ["HeapHandle", "view_heap", "live_views", "wrap_address"]
-
-# Views of heap memory that are still alive, counted per heap: finalize keeps
-# the mappings while any exists, so no view ever points at unmapped memory.
-_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _view_died(heap: GlobalHeap) -> None:
-    _views[heap] = _views.get(heap, 1) - 1
+__all__ = ["HeapHandle", "view_heap", "live_views"]
 
 
 @dataclass(frozen=True)
@@ -54,11 +44,6 @@ class HeapHandle:
         return (sum((n - 1) * st for n, st in zip(self.shape, self.stride)) + 1) * itemsize
 
 
-def wrap_address(addr: int, nbytes: int) -> ctypes.Array:
-    """A ctypes byte array at ``addr``: the buffer object a tensor storage can own."""
-    return (ctypes.c_char * max(nbytes, 1)).from_address(addr)
-
-
 def view_heap(heap: GlobalHeap, rank: int, handle: HeapHandle) -> torch.Tensor:
     """Zero-copy view of ``handle`` applied to global rank ``rank``'s heap (bounds-checked)."""
     if not isinstance(handle, HeapHandle):
@@ -71,17 +56,12 @@ def view_heap(heap: GlobalHeap, rank: int, handle: HeapHandle) -> torch.Tensor:
         raise ZbcclInvalidUsageError(
             f"peer_tensor: offset not aligned to {dtype}, expected a multiple of {dtype.itemsize}, "
             f"got {handle.offset}")
-    span = handle.span_bytes()
-    addr = heap.addr(rank, handle.offset, span, op="peer_tensor")
-    if span == 0:
+    if handle.span_bytes() == 0:
+        heap.check(rank, handle.offset, 0, op="peer_tensor")
         return torch.empty(handle.shape, dtype=dtype)
-    buf = wrap_address(addr, span)
-    _views[heap] = _views.get(heap, 0) + 1
-    weakref.finalize(buf, _view_died, heap)
-    flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
-    return flat.as_strided(handle.shape, handle.stride)
+    return heap.view(rank, handle.offset, handle.shape, dtype, stride=handle.stride, op="peer_tensor")
 
 
 def live_views(heap: GlobalHeap) -> int:
-    """How many peer views of ``heap`` are still alive."""
-    return _views.get(heap, 0)
+    """How many views of ``heap``'s memory are still alive."""
+    return heap.transport.live_views()

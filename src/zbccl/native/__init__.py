@@ -8,7 +8,8 @@ editable install, or a torch the wheel was not built for). :func:`core`,
 :func:`alloc_hook` and :func:`hot` then return the same loaded object for the
 life of the process.
 
-* ``core``: a CPython extension module ``zbccl._native_core`` (METH_FASTCALL).
+* ``core``: a CPython extension module ``zbccl._native_core`` (METH_FASTCALL). Its struct layout
+  (``abi_layout()``) is compared with :mod:`.abi` when it loads.
 * ``cpu_alloc_hook``: a plain C++ library against ``libc10``, loaded with
   ctypes; it is never unloaded because torch keeps a pointer to its allocator.
 * ``hot``: a CPython extension module ``zbccl._native_hot`` against torch's C++ API
@@ -63,7 +64,8 @@ LIBRARIES: dict[str, tuple] = {
 }
 
 #: name -> generated headers ``(file name, text)`` of that library.
-GENERATED: dict[str, tuple[tuple[str, str], ...]] = {"core": (("zb_abi.h", abi.c_header()),)}
+GENERATED: dict[str, tuple[tuple[str, str], ...]] = {"core": (("zb_abi.h", abi.c_header()),),
+                                                     "cpu_alloc_hook": (("zb_hook_abi.h", abi.hook_header()),)}
 
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
@@ -153,7 +155,12 @@ def core() -> ModuleType:
         with _lock:
             mod = _loaded.get("core")
             if mod is None:
-                mod = _loaded["core"] = _load("core", _load_core)
+                mod = _load("core", _load_core)
+                wrong = abi.check_layout(mod.abi_layout())
+                if wrong:  # a core built from other sources than this abi.py: never run it
+                    raise ZbcclSystemError(f"native: the core's ABI does not match zbccl/native/abi.py: {wrong}; "
+                                           "rebuild it ('zbccl build')")
+                _loaded["core"] = mod
     return mod
 
 

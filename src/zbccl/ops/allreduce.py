@@ -42,26 +42,25 @@ peer checks ABORT after its own ARRIVE before it pushes (``chan.c``
 
 from __future__ import annotations
 
-from threading import get_ident
+from collections.abc import Callable
 
 import torch
 import torch.autograd.profiler as _profiler
 
 from ..errors import ZbcclInvalidUsageError
-from ..native.abi import OP_ALL_REDUCE, WHERE_COLLECTIVE
+from ..native.abi import OP_ALL_REDUCE
 from ..runtime import registry
 from ..runtime.communicator import Communicator
-from ..runtime.liveness import leave
 from ..runtime.registry import collective
 from . import null
 from .args import tensor_error
-from .channel import OpChannel
+from .channel import OpChannel, channel_of
 from .dtypes import SUM, dtype_code, reduce_op_code
 from .entry import run_op
 from .operands import Operand
 from .tuner import choose
 
-__all__ = ["all_reduce"]
+__all__ = ["all_reduce", "bind_all_reduce"]
 
 _OP = "all_reduce"
 
@@ -76,46 +75,55 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
     communicator's). Blocks the host until every rank finished reading this rank's tensor.
     Every rank gets bitwise identical results.
     """
-    # The hot path of a repeated call (a decode step's all_reduce), with registry.collective's
-    # uncontended op lock inline: the tensor is the one a plan was made for (same heap address, size
-    # and dtype, contiguous), so every check already passed. Anything else takes _all_reduce.
+    # The native hot entry: a cache, in front of the op's one door (_all_reduce), of the plans that door
+    # made for heap tensors at the default timeout; it returns -1 for anything it does not hold.
     c = registry._default if comm is None else comm
-    try:  # the op boundary of the inline path (registry.collective is _all_reduce's)
-        if op == "sum" and timeout is None and type(tensor) is torch.Tensor:
-            ch = getattr(c, "op_state", None)
-            if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, tensor, op=_OP):
-                return tensor
-            try:
-                ch, lock = c.op_state, c._op_lock
-                plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype)) if ch.plain else None
-            except (AttributeError, RuntimeError):  # no communicator or channel yet; a tensor without storage
-                plan = None
-            if (plan is not None and c._live and tensor.is_contiguous() and not _profiler._is_profiler_enabled
-                    and not lock.queue and lock.mutex.acquire(False)):
-                lock.owner = get_ident()
-                try:
-                    if c._live:  # finalize did not run in between (see registry._enter)
-                        ch.call_hot(plan, _OP)
-                        if ch.hot is not None:  # the hot entry did not serve it: its table lost the tensor
-                            ch.hot_register(tensor, plan)
-                        return tensor
-                finally:
-                    lock.owner = None
-                    lock.mutex.release()
-                    if lock.queue or lock._watchers:
-                        lock.wake()
-    except BaseException as exc:  # Ctrl-C before the native call too: the peers must learn this rank left
-        ctx = getattr(c, "_ctx", None)
-        if ctx is not None:
-            leave(ctx, exc, op=_OP, where=WHERE_COLLECTIVE)
-        raise
+    if op == "sum" and timeout is None and type(tensor) is torch.Tensor:
+        ch = getattr(c, "op_state", None)
+        if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, tensor, op=_OP):
+            return tensor
     return _all_reduce(tensor, op, comm=comm, timeout=timeout)
+
+
+def bind_all_reduce(comm: Communicator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``f(tensor) -> tensor``: :func:`all_reduce` (sum, the communicator's timeout) of ``comm``, bound once.
+
+    For an engine that calls all_reduce on one communicator every layer (vLLM's communicator): the
+    native hot entry first, found without the default-communicator and op lookups :func:`all_reduce`
+    makes per call (they cost microseconds in a model step, where the layer's matmuls left the Python
+    entry cold); anything it does not serve takes :func:`all_reduce`'s one door. Collective, blocking,
+    as :func:`all_reduce`. Binding is local (it creates this rank's op channel, which needs the native core
+    at world size > 1), not collective."""
+    if comm.world_size == 1:
+        return lambda tensor: all_reduce(tensor, comm=comm)
+    ch = channel_of(comm)
+
+    def bound(tensor: torch.Tensor) -> torch.Tensor:
+        hot = ch.hot  # read per call: a profiler (integrations/vllm/probe.py) may wrap it
+        if hot is not None and type(tensor) is torch.Tensor and ch.run_hot(hot, tensor, op=_OP):
+            return tensor
+        return _all_reduce(tensor, comm=comm)
+
+    return bound
 
 
 @collective("all_reduce")
 def _all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = None,
                 timeout: float | None = None) -> torch.Tensor:
-    """:func:`all_reduce` with the op lock held: every check, then the op."""
+    """:func:`all_reduce`'s one door, with the op lock held: a repeated sum of a tensor it made a plan for
+    (same heap address, size and dtype, contiguous: every check passed then) goes straight to the plan;
+    anything else gets every check, then the op."""
+    ch = comm.op_state
+    if ch is not None and ch.plain and op == "sum" and timeout is None and not _profiler._is_profiler_enabled:
+        try:
+            plan = ch.choices.get((_OP, tensor.data_ptr(), tensor.numel(), tensor.dtype))
+        except (AttributeError, RuntimeError):  # not a tensor; a tensor without storage: the checks say so
+            plan = None
+        if plan is not None and tensor.is_contiguous():
+            ch.submit(plan, op=_OP)
+            if ch.hot is not None:  # the hot entry did not serve it: its table lost the tensor
+                ch.hot_register(tensor, plan)
+            return tensor
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     dt = red = 0
     if error is None:
@@ -137,10 +145,10 @@ def _run(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
         if plan is None:
             _staged(ch, tensor, dt, red)
             return
-    if red == SUM and ch.plain:  # the plan holds the default timeout: the hot paths may use it
+    if red == SUM and ch.plain:  # the plan holds the default timeout: the door's plan cache and the hot entry
         ch.choices[(_OP, key[1], key[2], tensor.dtype)] = plan
         ch.hot_register(tensor, plan)
-    ch.call(plan, op=_OP)
+    ch.submit(plan, op=_OP)
 
 
 def _args(ch: OpChannel, tensor: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -156,8 +164,8 @@ def _plan(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int, key: tuple) ->
     off = addr - ch.my_base
     if not nbytes or not ch.fits(off, nbytes):
         return None
-    return ch.plan(key, OP_ALL_REDUCE, dt, red, count, count, off, -1, algo, 0, 0, 0, chunk_elems, addr, addr,
-                   itemsize)
+    return ch.plan(key, op=OP_ALL_REDUCE, dtype=dt, redop=red, in_numel=count, out_numel=count, in_off=off, out_off=-1,
+                   algo=algo, aux=chunk_elems, in_addr=addr, out_addr=addr, itemsize=itemsize)
 
 
 def _staged(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
@@ -167,7 +175,7 @@ def _staged(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int) -> None:
     try:
         if operand.error is not None:
             ch.fail(OP_ALL_REDUCE, operand.error, operand.kind, op=_OP)
-        ch.run(OP_ALL_REDUCE, dt, red, count, count, operand.offset, -1, algo, 0, 0, 0, chunk_elems, operand.addr,
-               operand.addr, itemsize, op=_OP)
+        ch.run(_OP, op=OP_ALL_REDUCE, dtype=dt, redop=red, in_numel=count, out_numel=count, in_off=operand.offset,
+               out_off=-1, algo=algo, aux=chunk_elems, in_addr=operand.addr, out_addr=operand.addr, itemsize=itemsize)
     finally:
         operand.finish()

@@ -65,8 +65,8 @@ def _root(ch: OpChannel, tensor: torch.Tensor, dt: int, src: int) -> None:
     try:
         if operand.error is not None:
             ch.fail(OP_BROADCAST, operand.error, operand.kind, op=_OP)
-        ch.run(OP_BROADCAST, dt, 0, n, n, operand.offset, -1, algo, src, 0, 0, 0, operand.addr, operand.addr, isz,
-               op=_OP)
+        ch.run(_OP, op=OP_BROADCAST, dtype=dt, in_numel=n, out_numel=n, in_off=operand.offset, out_off=-1, algo=algo,
+               root=src, in_addr=operand.addr, out_addr=operand.addr, itemsize=isz)
     finally:
         operand.finish()
 
@@ -76,7 +76,8 @@ def _receive(ch: OpChannel, tensor: torch.Tensor, dt: int, src: int) -> None:
     n, isz = tensor.numel(), tensor.element_size()
     algo, _ = choose(ch, OP_BROADCAST, tensor.dtype, n * isz)
     dst = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    ch.run(OP_BROADCAST, dt, 0, n, n, -1, -1, algo, src, 0, 0, 0, 0, dst.data_ptr(), isz, op=_OP)
+    ch.run(_OP, op=OP_BROADCAST, dtype=dt, in_numel=n, out_numel=n, in_off=-1, out_off=-1, algo=algo, root=src,
+           out_addr=dst.data_ptr(), itemsize=isz)
     if dst is not tensor:
         tensor.copy_(dst)
 

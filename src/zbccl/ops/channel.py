@@ -28,9 +28,15 @@ never reset; line numbers and header fields come from ``native/abi.py``):
   at each liveness check and raises :class:`~zbccl.errors.ZbcclRemoteError`
   naming this rank (the one meaning of ABORT, ``runtime/liveness.py``).
 
-Python's part (this module): the op's arguments go into one preallocated
-``zb_op`` struct (layout from ``native/abi.py``) and :meth:`OpChannel.run`
-makes the one native call. An error a rank finds locally (bad arguments,
+Python's part (this module): the op's arguments go, by field name, into a
+``zb_op`` struct (``abi.ZbOp``, filled by ``abi.fill_op``; the core reports its
+layout when it loads and ``native/abi.py`` checks it), and :meth:`OpChannel.submit`
+makes the one native call. ``submit`` is the only way an op runs: it takes the
+channel's lock, numbers the op, applies its timeout, marks ABORT if the op is
+left half-way, and raises on a result. :meth:`OpChannel.plan` caches a filled
+struct for a call that repeats; the native hot entry (``OpChannel.hot``) is a
+cache of such plans in front of ``submit``, keyed by the tensor: it takes the
+same lock and sequence number and returns -1 for anything it does not hold. An error a rank finds locally (bad arguments,
 staging out of memory) is posted through the same call (:meth:`OpChannel.fail`:
 the text in this rank's size-vector area, the kind in the header's ``ERROR``
 field), so every rank raises together. A result code becomes the error here;
@@ -41,8 +47,6 @@ what the message needs (a peer's text, its sizes) was copied by C before the
 from __future__ import annotations
 
 import ctypes
-import inspect
-import struct
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,8 +58,7 @@ from ..heap import layout
 from ..native import abi
 from ..native.abi import (
     ABORT_PEER,
-    AW_WHERE,
-    AW_WHY,
+    CHAN_ROW,
     ERR_NOMEM,
     ERR_USAGE,
     L_ABORT,
@@ -66,8 +69,13 @@ from ..native.abi import (
     L_PHASE,
     L_VECTORS,
     VEC_CAP,
+    W_WHERE,
+    W_WHY,
     WHERE_COLLECTIVE,
+    ZbOp,
+    fill_op,
 )
+from ..native.memory import int64_cell
 from ..runtime import liveness
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet
@@ -79,10 +87,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OpChannel", "channel_of", "L_ARRIVE", "L_PHASE", "L_DONE", "L_ABORT", "ERR_USAGE", "ERR_NOMEM"]
 
-_HDR = struct.Struct(f"<{abi.HDR_FIELDS}q")
-_ARGS = struct.Struct(f"<{len(abi.ARGS)}q")
-_A_STAGED = abi.ARGS.index("staged")
-_A_TIMEOUT = abi.ARGS.index("timeout_ns")
 
 
 class OpChannel:
@@ -108,7 +112,7 @@ class OpChannel:
         #: The op sequence number's storage: the native hot table's word once there is one (:meth:`_open`).
         self._seq = ctypes.c_int64(0)
 
-        def line(g: int, i: int) -> int:
+        def line(g: int, i: int) -> int:  # native-core address of line i of g's comm slot (for native waits)
             return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
 
         me = ctx.rank
@@ -116,12 +120,11 @@ class OpChannel:
         self.my_flags = {i: line(me, i) for i in (L_ARRIVE, L_PHASE, L_DONE, L_ABORT)}
         group = [comm.ranks.index(g) for g in peers]
         self.peer_flags = {i: FlagSet(peers, [line(g, i) for g in peers], group) for i in (L_ARRIVE, L_PHASE, L_DONE)}
-        #: Every group rank's ABORT, ARRIVE and DONE line and barrier flag (for diagnostics).
-        self.lines = {i: [line(g, i) for g in comm.ranks] for i in (L_ABORT, L_ARRIVE, L_DONE, layout.SLOT_BARRIER)}
-        self.headers = [(ctypes.c_char * _HDR.size).from_address(line(g, L_HEADER)) for g in comm.ranks]
-        self.vectors = [np.frombuffer((ctypes.c_char * (VEC_CAP * 8)).from_address(line(g, L_VECTORS)),
-                                      dtype=np.int64) for g in comm.ranks]
-        #: Local address of byte 0 of this rank's heap, and its size as last read (it may only grow:
+        #: Each group rank's size-vector area in its signal pad (an int64 view through the transport).
+        pad = heap.transport.pad_view
+        self.vectors = [pad(g, layout.slot_line(comm.slot, L_VECTORS), VEC_CAP * 8).numpy().view(np.int64)
+                        for g in comm.ranks]
+        #: Native-core address of byte 0 of this rank's heap, and its size as last read (it may only grow:
         #: :meth:`fits` re-reads the published size before refusing an operand).
         self.my_base = heap.addr(me, 0)
         self._size_word = heap.ctrl_addr(me, layout.H_HEAP_BYTES)
@@ -134,7 +137,7 @@ class OpChannel:
         self._sizes: dict = {}
         #: Seconds the current op's waits may take (its ``timeout=``, else the communicator's).
         self.timeout = self.default_timeout = ctx.timeout
-        self.timeout_ns = int(self.timeout * 1e9)
+        self.timeout_ns = self.default_timeout_ns = int(self.timeout * 1e9)
         #: Why this communicator is unusable on this rank (an op was left half-way), or None.
         self.broken: str | None = ctx.left
         #: True while nothing per-op needs checking at entry (not broken, the default timeout).
@@ -150,20 +153,22 @@ class OpChannel:
         ctx, heap = self.ctx, self.ctx.heap
         self._store_mode = store_kind_mode()  # a bad ZBCCL_STREAM_STORES fails before anything is built
         rows = []
-        for r, g in enumerate(comm.ranks):
+        for g in comm.ranks:
             def line(i: int, g: int = g) -> int:
                 return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
 
-            fd = -1 if g == ctx.rank else heap.transport.liveness_fd(g)
-            rows.append([line(L_ARRIVE), line(L_PHASE), line(L_DONE), line(L_HEADER),
-                         heap.ctrl_addr(g, layout.H_STATE), heap.addr(g, 0), heap.ctrl_addr(g, layout.H_HEAP_BYTES),
-                         fd, int(self.vectors[r].ctypes.data), line(L_ABORT), line(L_ELECT),
-                         liveness.abort_line(ctx, g)])
+            row = {"ARRIVE": line(L_ARRIVE), "PHASE": line(L_PHASE), "DONE": line(L_DONE), "HEADER": line(L_HEADER),
+                   "STATE": heap.ctrl_addr(g, layout.H_STATE), "BASE": heap.addr(g, 0),
+                   "SIZE": heap.ctrl_addr(g, layout.H_HEAP_BYTES),
+                   "FD": -1 if g == ctx.rank else heap.native.liveness_fd(g),
+                   "VEC": line(L_VECTORS), "ABORT": line(L_ABORT), "ELECT": line(L_ELECT),
+                   "RABORT": liveness.abort_addr(ctx, g)}
+            rows.append([row[c] for c in CHAN_ROW])  # the columns in abi.CHAN_ROW's order
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.prims.chan_new(self.world_size, self.rank, ctx.spin, ctx.liveness_ns, self.timeout_ns,
                                           nthreads(), int(table.ctypes.data), ctx.poll_ns)
-        self._args = (ctypes.c_int64 * len(abi.ARGS))()
-        self._args_addr = ctypes.addressof(self._args)
+        self._args = ZbOp()  # the struct of ops that run once (run); repeated ops have their own (plan)
+        self._scratch = (self._args, ctypes.addressof(self._args), 0)
         self._chan_run = self.prims.chan_run
         self.configure_stores()
         # The native hot entry (native/csrc/hot.cpp): its table holds the channel's lock and sequence
@@ -173,7 +178,7 @@ class OpChannel:
         self._hot_mod, self._hot_plans = hot, {}
         self.hot_table = hot.hot_new(self.handle, self.prims.chan_call_addr()) if hot is not None else 0
         if self.hot_table:
-            self._seq = ctypes.c_int64.from_address(self.hot_table + hot.SEQ_OFFSET)
+            self._seq = int64_cell(self.hot_table + hot.SEQ_OFFSET)
             self._acquire, self._release = hot.hot_acquire, hot.hot_release
             self.hot = hot.hot_entry(self.hot_table, False)
             self.hot_gather = hot.hot_entry(self.hot_table, True) if which == "all" else None
@@ -259,57 +264,53 @@ class OpChannel:
         self.plain = self.timeout == self.default_timeout
         return error
 
-    def run(self, opcode: int, dtype: int, redop: int, in_numel: int, out_numel: int, in_off: int, out_off: int,
-            algo: int, root: int, row: int, error: int, aux: int, in_addr: int, out_addr: int, itemsize: int,
-            counts: int = 0, nvec: int = 0, stage_off: int = -1, *, op: str) -> None:
-        """The op in one native call: fill ``zb_op`` (fields as in ``abi.ARGS``), run, raise on a result."""
-        self._lock()
-        try:
-            self.seq += 1
-            _ARGS.pack_into(self._args, 0, self.seq, opcode, dtype, redop, in_numel, out_numel, in_off, out_off,
-                            algo, root, row, 0, error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec,
-                            stage_off, self.timeout_ns, 0)
-            rc = self._chan_run(self.handle, self._args_addr)
-        finally:
-            self._unlock()
-        if rc:
-            self.raise_for(rc, op=op)
+    def run(self, name: str, /, **fields: int) -> None:
+        """An op that runs once: its ``zb_op`` fields by name (``abi.ARGS``; ``seq`` and ``timeout_ns`` are
+        the channel's) into the channel's own struct, then :meth:`submit`. ``name``: the op, for errors."""
+        fill_op(self._args, **fields)
+        self.submit(self._scratch, op=name)
 
     def staged(self) -> int:
         """Bytes the last op staged in C (an exchange's private input, when no algorithm did without)."""
-        return self._args[_A_STAGED]
+        return self._args.staged
 
-    def plan(self, key: tuple, opcode: int, dtype: int, redop: int, in_numel: int, out_numel: int, in_off: int,
-             out_off: int, algo: int, root: int, row: int, error: int, aux: int, in_addr: int, out_addr: int,
-             itemsize: int, counts: int = 0, nvec: int = 0, stage_off: int = -1) -> tuple:
-        """A ``zb_op`` prefilled for a call that repeats (heap operands at fixed addresses), cached under
-        ``key``; :meth:`call` runs it. Arguments as in :meth:`run`."""
-        args = (ctypes.c_int64 * len(abi.ARGS))()
-        _ARGS.pack_into(args, 0, 0, opcode, dtype, redop, in_numel, out_numel, in_off, out_off, algo, root, row, 0,
-                        error, aux, 0, 0, in_addr, out_addr, itemsize, counts, nvec, stage_off, self.timeout_ns, 0)
+    def plan(self, key: tuple, **fields: int) -> tuple:
+        """A ``zb_op`` filled by field name (as :meth:`run` takes them) for a call that repeats (heap
+        operands at fixed addresses), cached under ``key``: ``(struct, its address, input bytes)``;
+        :meth:`submit` runs it."""
+        args = ZbOp()
+        fill_op(args, **fields)
         if len(self.choices) > 4096:
             self.forget_plans()
-        plan = self.choices[key] = (args, ctypes.addressof(args), in_numel * itemsize)
+        plan = self.choices[key] = (args, ctypes.addressof(args), fields.get("in_numel", 0) * fields.get("itemsize", 0))
         return plan
 
-    def call(self, plan: tuple, *, op: str) -> None:
-        """Run a prefilled ``zb_op`` from :meth:`plan` with this op's sequence number and timeout."""
+    def submit(self, plan: tuple, *, op: str) -> None:
+        """Run ``plan``'s ``zb_op`` (from :meth:`plan`, or :meth:`run`'s) as this channel's next op: the one
+        way into the native channel but the hot entry (which takes the same lock and sequence number).
+        Holds the channel's lock for the call, gives the op its sequence number and this op's timeout,
+        marks this rank's ABORT line if the op is left half-way (:meth:`left`), raises on a result code."""
         self._lock()
+        seq = self.seq
         try:
-            self.seq += 1
             args = plan[0]
-            args[0] = self.seq
-            args[_A_TIMEOUT] = self.timeout_ns
+            self.seq = args.seq = seq + 1
+            args.timeout_ns = self.timeout_ns
             rc = self._chan_run(self.handle, plan[1])
-        finally:
+        except BaseException as exc:  # Ctrl-C in a wait: the peers must learn this rank left
             self._unlock()
+            self.left(seq, exc, op=op)
+            raise
+        self._unlock()
+        if not self.plain:  # an op with its own timeout: a cached plan (the hot entry's too) keeps the default
+            args.timeout_ns = self.default_timeout_ns
         if rc:
             self.raise_for(rc, op=op)
 
     def run_hot(self, entry, *tensors: torch.Tensor, op: str) -> bool:
         """Offer the op to a native hot entry (:attr:`hot`: the tensor; :attr:`hot_gather`: output, input):
         True if it ran it, False if it did not serve it (the caller takes the Python path). Raises the op's
-        error; an interrupted op marks this rank's ABORT line, as :meth:`call_hot` does."""
+        error; an interrupted op marks this rank's ABORT line, as :meth:`submit` does."""
         try:
             rc = entry(*tensors)
         except BaseException as exc:  # Ctrl-C in the op's wait: the peers must learn this rank left
@@ -319,22 +320,6 @@ class OpChannel:
             self.raise_for(rc, op=op)
         return rc == 0
 
-    def call_hot(self, plan: tuple, op: str) -> None:
-        """:meth:`call` for an op's hot path (a repeated call on the tensors a plan was made for, at the
-        default timeout): the same steps, fewer lookups, and :meth:`left` if the op is left half-way."""
-        self._lock()
-        seq = self.seq
-        try:
-            self.seq = plan[0][0] = seq + 1
-            rc = self._chan_run(self.handle, plan[1])
-        except BaseException as exc:  # Ctrl-C in a wait: the peers must learn this rank left
-            self._unlock()
-            self.left(seq, exc, op=op)
-            raise
-        self._unlock()
-        if rc:
-            self.raise_for(rc, op=op)
-
     def fail(self, opcode: int, text: str, kind: int = ERR_USAGE, *, op: str) -> None:
         """This rank cannot run the op (``text`` says why): run the handshake with the error posted so
         every rank raises (instead of this one raising alone and the others waiting for it)."""
@@ -342,7 +327,7 @@ class OpChannel:
         vec = self.vectors[self.rank]
         vec[0] = len(raw)
         vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        self.run(opcode, 0, 0, 0, 0, 0, -1, 0, 0, 0, kind, 0, 0, 0, 1, op=op)
+        self.run(op, op=opcode, in_off=0, out_off=-1, error=kind, itemsize=1)
         raise AssertionError("unreachable: an op whose header carries an error fails")  # pragma: no cover
 
     def left(self, seq: int, exc: BaseException, *, op: str) -> None:
@@ -359,11 +344,11 @@ class OpChannel:
         ops, unless ``why`` is ``ABORT_PEER``)."""
         if why != ABORT_PEER:
             self.mark_broken(text)
-        addr = self.my_flags[L_ABORT]
-        if self.prims.load_acquire(addr) == 0:
-            self.prims.store_release(addr + 8 * AW_WHY, why)
-            self.prims.store_release(addr + 8 * AW_WHERE, WHERE_COLLECTIVE)
-            self.prims.signal(addr, max(1, self.seq))
+        transport, me, line = self.ctx.heap.transport, self.ctx.rank, layout.slot_line(self.comm.slot, L_ABORT)
+        if transport.load(me, line) == 0:  # the reason first: a peer reads it once it sees the line set
+            transport.signal(me, line + 8 * W_WHY, why)
+            transport.signal(me, line + 8 * W_WHERE, WHERE_COLLECTIVE)
+            transport.signal(me, line, max(1, self.seq))
         liveness.mark_left(self.ctx, why, text, where=WHERE_COLLECTIVE, seq=self.seq)
 
     def mark_broken(self, text: str) -> None:
@@ -375,8 +360,9 @@ class OpChannel:
     def aborted(self, r: int) -> tuple[int, int]:
         """``(why, where)`` group rank ``r`` broke this communicator for (``ABORT_*``, ``WHERE_*``): its own
         ABORT line, else this channel's; ``(0, 0)`` if neither is set."""
-        got = liveness.aborted(self.prims, liveness.abort_line(self.ctx, self.comm.ranks[r]))
-        return got if got[0] else liveness.aborted(self.prims, self.lines[L_ABORT][r])
+        transport, g = self.ctx.heap.transport, self.comm.ranks[r]
+        got = liveness.aborted(transport, g, liveness.ABORT_LINE)
+        return got if got[0] else liveness.aborted(transport, g, layout.slot_line(self.comm.slot, L_ABORT))
 
     # --------------------------------------------------------- memory
     def fits(self, off: int, nbytes: int) -> bool:
@@ -413,12 +399,6 @@ class OpChannel:
     def raise_for(self, rc: int, *, op: str) -> None:
         """Raise the error of the last op's result code ``rc`` (see :func:`.diagnose.error_for`)."""
         raise error_for(self, rc, op=op)
-
-
-# The argument order of OpChannel.run is the order of zb_op (abi.ARGS) less what the channel fills.
-assert tuple(inspect.signature(OpChannel.run).parameters)[1:-1] == tuple(
-    "opcode" if a == "op" else a for a in abi.ARGS if a not in ("seq", "digest", "phase_base", "kind", "timeout_ns", "staged")
-), "OpChannel.run's parameters must follow abi.ARGS"
 
 
 def channel_of(comm: Communicator) -> OpChannel:

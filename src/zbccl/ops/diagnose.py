@@ -12,8 +12,6 @@ diagnosis, never a decision.
 
 from __future__ import annotations
 
-import ctypes
-import struct
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +38,7 @@ from ..native.abi import (
     H_SEQ,
     L_ARRIVE,
     L_DONE,
+    L_HEADER,
     OP_NAMES,
     RC_ABORTED,
     RC_DEAD,
@@ -53,6 +52,7 @@ from ..native.abi import (
     RC_TIMEOUT,
     VEC_CAP,
 )
+from ..native.memory import copy_int64
 from ..runtime.liveness import FINALIZED_WHILE_WAITING, abort_error, who_left
 from .dtypes import CODE_DTYPES, op_name
 
@@ -89,9 +89,7 @@ def _copies(ch: OpChannel) -> tuple[np.ndarray, np.ndarray, tuple]:
     """Every rank's header and the two size-vector areas as the last op copied them (before DONE)."""
     res = ch.prims.chan_result(ch.handle)
     W = ch.world_size
-    hdrs = np.frombuffer((ctypes.c_int64 * (16 * W)).from_address(res[3]), dtype=np.int64).reshape(W, 16)
-    vecs = np.frombuffer((ctypes.c_int64 * (2 * VEC_CAP)).from_address(res[5]), dtype=np.int64)
-    return hdrs.copy(), vecs.reshape(2, VEC_CAP).copy(), res
+    return copy_int64(res[3], 16 * W).reshape(W, 16), copy_int64(res[5], 2 * VEC_CAP).reshape(2, VEC_CAP), res
 
 
 def error_for(ch: OpChannel, rc: int, *, op: str) -> ZbcclError:
@@ -120,6 +118,11 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
         if first is not None and first[0] in ch.comm.ranks:
             rank = ch.comm.ranks.index(first[0])
         why, where = ch.aborted(rank)
+        if why == ABORT_TIMEOUT:  # a co-waiter gave up first: the ranks that never came are the cause
+            late = _not_arrived(ch, skip=rank)
+            if late:
+                return ZbcclTimeoutError(f"{late_message(ch, late, op=op)} (rank {rank} timed out waiting "
+                                         "for them first and left the op)", ranks=tuple(late))
         return abort_error(rank, why, op=op, where=where)
     if rc in (RC_DEAD, RC_GONE):
         state = ch.ctx.heap.header(ch.comm.ranks[rank], layout.H_STATE)
@@ -175,18 +178,29 @@ def _sizes_message(op: str, ref: np.ndarray, r: int, got: np.ndarray, row: int) 
 
 def describe(ch: OpChannel, r: int) -> str:
     """One late group rank ``r``, as seen from this rank at op ``ch.seq``."""
-    load = ch.prims.load_acquire
-    arrive, done = load(ch.lines[L_ARRIVE][r]), load(ch.lines[L_DONE][r])
+    g, slot, heap = ch.comm.ranks[r], ch.comm.slot, ch.ctx.heap
+
+    def load(i: int) -> int:
+        return heap.header(g, layout.slot_line(slot, i))
+
+    arrive, done = load(L_ARRIVE), load(L_DONE)
     if arrive == ch.seq:
         return f"rank {r} entered this collective (#{ch.seq}) but has not finished it"
-    if load(ch.lines[layout.SLOT_BARRIER][r]) > getattr(ch.comm, "_epoch", 0):
+    if load(layout.SLOT_BARRIER) > getattr(ch.comm, "_epoch", 0):
         return f"rank {r} is in a different collective: it waits in barrier()"
     if arrive > done or arrive > ch.seq:
-        opcode = struct.unpack_from("<q", ch.headers[r], H_OP * 8)[0]
+        opcode = heap.header(g, layout.slot_line(slot, L_HEADER) + H_OP * 8)
         name = OP_NAMES.get(opcode, f"op code {opcode}")
         return (f"rank {r} is in a different collective: {name} #{arrive} (this rank is at #{ch.seq}), "
                 "so an earlier op did not end on every rank")
     return f"rank {r} never arrived (the last collective it finished here is #{done})"
+
+
+def _not_arrived(ch: OpChannel, *, skip: int) -> list[int]:
+    """Group ranks (other than this one and ``skip``) that have not posted ARRIVE for op ``ch.seq``."""
+    heap, slot = ch.ctx.heap, ch.comm.slot
+    return [r for r, g in enumerate(ch.comm.ranks) if r not in (ch.rank, skip)
+            and heap.header(g, layout.slot_line(slot, L_ARRIVE)) < ch.seq]
 
 
 def late_message(ch: OpChannel, late: list[int], *, op: str) -> str:

@@ -87,7 +87,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, dim: in
         except RuntimeError:  # no storage (a meta tensor): the checks below say why
             plan = None
         if plan is not None and input.is_contiguous() and output.is_contiguous() and not _profiler._is_profiler_enabled:
-            ch.call_hot(plan, "all_gather")
+            ch.submit(plan, op="all_gather")
             if ch.hot_gather is not None:  # the hot entry did not serve it: its table lost the pair
                 ch.hot_register(input, plan, output)
             return output
@@ -147,7 +147,7 @@ def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, c
                     ch.choices[(_HOT_AG, key[1], key[2], key[3], key[4], input.dtype, output.dtype, 1)] = plan
                 ch.hot_register(input, plan, output, max(aux, 1))
         if plan is not None:
-            ch.call(plan, op=op)
+            ch.submit(plan, op=op)
             return
     _general(ch, output, input, op, counts, out_counts, row, dt, aux)
 
@@ -178,8 +178,9 @@ def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, 
     if not n_in or not ch.fits(in_addr - ch.my_base, n_in * isz):
         return None
     opcode, algo, counts_addr, nvec = _shape(ch, input, n_out, counts, out_counts)
-    return ch.plan(key, opcode, dt, 0, n_in, n_out, in_addr - ch.my_base, _out_offset(ch, output), algo, 0, row, 0,
-                   aux, in_addr, output.data_ptr(), isz, counts_addr, nvec)
+    return ch.plan(key, op=opcode, dtype=dt, in_numel=n_in, out_numel=n_out, in_off=in_addr - ch.my_base,
+                   out_off=_out_offset(ch, output), algo=algo, row=row, aux=aux, in_addr=in_addr,
+                   out_addr=output.data_ptr(), itemsize=isz, counts=counts_addr, nvec=nvec)
 
 
 def _general(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, counts: list[int] | None,
@@ -193,8 +194,9 @@ def _general(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, 
     out_off = _out_offset(ch, out_t) if out_t is output else -1
     in_addr = input.data_ptr()
     if n_in and input.is_contiguous() and ch.fits(in_addr - ch.my_base, n_in * isz):
-        ch.run(opcode, dt, 0, n_in, n_out, in_addr - ch.my_base, out_off, algo, 0, row, 0, aux, in_addr, out_addr,
-               isz, counts_addr, nvec, op=op)
+        ch.run(op, op=opcode, dtype=dt, in_numel=n_in, out_numel=n_out, in_off=in_addr - ch.my_base, out_off=out_off,
+               algo=algo, row=row, aux=aux, in_addr=in_addr, out_addr=out_addr, itemsize=isz, counts=counts_addr,
+               nvec=nvec)
     else:
         _private_input(ch, opcode, op, input, n_out, out_off, out_addr, (algo, row, dt, counts_addr, nvec, aux))
     if out_t is not output:
@@ -275,8 +277,9 @@ def _private_input(ch: OpChannel, opcode: int, op: str, input: torch.Tensor, n_o
     try:
         if error is not None:
             ch.fail(opcode, error, kind or ERR_USAGE, op=op)
-        ch.run(opcode, dt, 0, n_in, n_out, -1, out_off, algo, 0, row, 0, aux, keep.data_ptr(), out_addr, isz,
-               counts_addr, nvec, block, op=op)
+        ch.run(op, op=opcode, dtype=dt, in_numel=n_in, out_numel=n_out, in_off=-1, out_off=out_off, algo=algo, row=row,
+               aux=aux, in_addr=keep.data_ptr(), out_addr=out_addr, itemsize=isz, counts=counts_addr, nvec=nvec,
+               stage_off=block)
         if ch.staged():
             sma.record_staged(ch.staged())
     finally:

@@ -20,7 +20,6 @@ import torch
 
 from .. import env
 from ..errors import ZbcclOutOfMemoryError
-from ..heap.views import wrap_address
 from ..native.abi import ERR_NOMEM, ERR_USAGE
 
 if TYPE_CHECKING:
@@ -90,9 +89,8 @@ class Operand:
 
     def view(self) -> torch.Tensor:
         """The heap bytes of this operand as a tensor shaped like the argument."""
-        buf = wrap_address(self._ch.my_base + self.offset, self.nbytes)
-        flat = torch.frombuffer(buf, dtype=torch.uint8)[: self.nbytes]
-        return flat.view(self.t.dtype).view(self.t.shape)
+        ch = self._ch
+        return ch.ctx.heap.view(ch.ctx.rank, self.offset, self.t.shape, self.t.dtype, op="collective")
 
     def finish(self) -> None:
         """Copy a staged output back to the caller's tensor and release the block."""

@@ -147,7 +147,7 @@ def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, c
         if plan is None:
             plan = _plan(ch, key, output, input, counts, row, dt, red, aux)
         if plan is not None:
-            ch.call(plan, op=op)
+            ch.submit(plan, op=op)
             return
     isz, n_in = input.element_size(), input.numel()
     algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
@@ -157,8 +157,9 @@ def _native(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, c
     try:
         if src.error is not None:
             ch.fail(OP_REDUCE_SCATTER, src.error, src.kind, op=op)
-        ch.run(OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), src.offset, -1, algo, 0, row, 0, aux, src.addr,
-               out_t.data_ptr(), isz, counts_addr, ch.world_size, op=op)
+        ch.run(op, op=OP_REDUCE_SCATTER, dtype=dt, redop=red, in_numel=n_in, out_numel=output.numel(),
+               in_off=src.offset, out_off=-1, algo=algo, row=row, aux=aux, in_addr=src.addr, out_addr=out_t.data_ptr(),
+               itemsize=isz, counts=counts_addr, nvec=ch.world_size)
     finally:
         src.finish()
     _copy_back(ch, output, out_t)
@@ -172,8 +173,9 @@ def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, 
     if not n_in or not ch.fits(in_addr - ch.my_base, n_in * isz):
         return None
     algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
-    return ch.plan(key, OP_REDUCE_SCATTER, dt, red, n_in, output.numel(), in_addr - ch.my_base, -1, algo, 0, row, 0,
-                   aux, in_addr, output.data_ptr(), isz, ch.sizes(counts), ch.world_size)
+    return ch.plan(key, op=OP_REDUCE_SCATTER, dtype=dt, redop=red, in_numel=n_in, out_numel=output.numel(),
+                   in_off=in_addr - ch.my_base, out_off=-1, algo=algo, row=row, aux=aux, in_addr=in_addr,
+                   out_addr=output.data_ptr(), itemsize=isz, counts=ch.sizes(counts), nvec=ch.world_size)
 
 
 def _copy_back(ch: OpChannel, output: torch.Tensor, out_t: torch.Tensor) -> None:

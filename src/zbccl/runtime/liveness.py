@@ -10,7 +10,7 @@ waits (``bootstrap/store.py``). All of them apply this module's rule at each liv
 lost peer), in any protocol, including before the op posted anything (the first op's store read).
 Its communicators are broken until ``finalize()`` and ``init()`` (its heap memory stays usable). A rank publishes it on its
 ABORT line (one per rank: the world slot's ``L_ABORT`` line; words in ``native/abi.py``
-``ABORT_WORDS``): SEQ non-zero, WHY (``ABORT_*``), WHERE (``WHERE_*``, the protocol). After
+``WORDS``): VALUE non-zero, WHY (``ABORT_*``), WHERE (``WHERE_*``, the protocol). After
 leaving by its own cause it refuses every later op on every communicator
 (``ZbcclInvalidUsageError``, "broken"); a rank that left because a *peer* did (``ABORT_PEER``)
 keeps reporting that peer instead. Errors every rank raises together (bad arguments, out of
@@ -43,9 +43,9 @@ from ..native.abi import (
     ABORT_INTERRUPT,
     ABORT_PEER,
     ABORT_TIMEOUT,
-    AW_WHERE,
-    AW_WHY,
     L_ABORT,
+    W_WHERE,
+    W_WHY,
     WHERE_BARRIER,
     WHERE_COLLECTIVE,
     WHERE_EP,
@@ -56,7 +56,7 @@ from ..native.abi import (
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["FINALIZED_WHILE_WAITING", "abort_line", "aborted", "abort_error", "who_left", "check", "mark_left",
+__all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "abort_addr", "aborted", "abort_error", "who_left", "check", "mark_left",
            "reason", "leave", "store_watch"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
@@ -67,16 +67,22 @@ _WHERE = {WHERE_COLLECTIVE: "a collective", WHERE_BARRIER: "a barrier", WHERE_EP
           WHERE_P2P: "a send/recv", WHERE_STORE: "a store op (all_gather_object, new_group, destroy)"}
 
 
-def abort_line(ctx: Context, rank: int, slot: int = 0) -> int:
-    """Address of global rank ``rank``'s ABORT line in comm slot ``slot`` (0: the rank's own line)."""
-    return ctx.heap.ctrl_addr(rank, layout.slot_line(slot, L_ABORT))
+#: Signal-pad byte offset of a rank's own ABORT line (the world slot's ``L_ABORT`` line).
+ABORT_LINE = layout.slot_line(0, L_ABORT)
 
 
-def aborted(prims, addr: int) -> tuple[int, int]:
-    """``(why, where)`` of the ABORT line at ``addr`` (``ABORT_*``, ``WHERE_*``), ``(0, 0)`` if not set."""
-    if prims.load_acquire(addr) == 0:
+def abort_addr(ctx: Context, rank: int) -> int:
+    """Native-core address of global rank ``rank``'s own ABORT line (only for the native channel's table)."""
+    return ctx.heap.ctrl_addr(rank, ABORT_LINE)
+
+
+def aborted(transport, rank: int, line: int) -> tuple[int, int]:
+    """``(why, where)`` of global rank ``rank``'s ABORT line at signal-pad byte ``line`` (``ABORT_*``,
+    ``WHERE_*``), ``(0, 0)`` if not set."""
+    if transport.load(rank, line) == 0:
         return 0, 0
-    return prims.load_acquire(addr + 8 * AW_WHY) or ABORT_EXCEPTION, prims.load_acquire(addr + 8 * AW_WHERE)
+    return (transport.load(rank, line + 8 * W_WHY) or ABORT_EXCEPTION,
+            transport.load(rank, line + 8 * W_WHERE))
 
 
 def abort_error(r: int, why: int, *, op: str, where: int = 0) -> ZbcclRemoteError:
@@ -90,11 +96,11 @@ def abort_error(r: int, why: int, *, op: str, where: int = 0) -> ZbcclRemoteErro
 def who_left(ctx: Context, ranks: Iterable[int]) -> tuple[int, int, int] | None:
     """``(rank, why, where)`` of a rank among ``ranks`` (global) whose ABORT line is set, preferring one that
     left by its own cause over one that followed a peer; None if none did."""
-    prims, heap, found = ctx.prims, ctx.heap, None
+    heap, found = ctx.heap, None
     for r in ranks:
         if r == ctx.rank or not heap.reachable(r):
             continue
-        why, where = aborted(prims, abort_line(ctx, r))
+        why, where = aborted(heap.transport, r, ABORT_LINE)
         if why and why != ABORT_PEER:
             return r, why, where
         if why and found is None:
@@ -148,11 +154,11 @@ def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1) ->
     (``zbccl.empty``, ``export``, ``memory_stats``) stays usable."""
     if ctx.finalized or ctx.forked:  # the heap is going (or is the parent's): nobody waits on it any more
         return
-    prims, addr = ctx.prims, abort_line(ctx, ctx.rank)
-    if prims.load_acquire(addr) == 0:
-        prims.store_release(addr + 8 * AW_WHY, why)
-        prims.store_release(addr + 8 * AW_WHERE, where)
-        prims.signal(addr, max(1, seq))
+    transport, me = ctx.heap.transport, ctx.rank
+    if transport.load(me, ABORT_LINE) == 0:  # the reason first: a peer reads it once it sees the line set
+        transport.signal(me, ABORT_LINE + 8 * W_WHY, why)
+        transport.signal(me, ABORT_LINE + 8 * W_WHERE, where)
+        transport.signal(me, ABORT_LINE, max(1, seq))
     if why == ABORT_PEER or ctx.left is not None:
         return
     ctx.left = text

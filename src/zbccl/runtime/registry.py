@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from threading import get_ident
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import env
@@ -161,25 +160,20 @@ def collective(op: str, where: int = WHERE_COLLECTIVE) -> Callable[[F], F]:
         @functools.wraps(fn)
         def run(*args: Any, comm: Communicator | None = None, **kwargs: Any) -> Any:
             c = _default if comm is None else comm
-            try:  # the common case inline, as cheap as it gets: a live, uncontended communicator
+            try:  # the common case first: a live, uncontended communicator (or this thread's reentry)
                 lock = c._op_lock
-                mutex = lock.mutex
-                fast = c._live and not lock.queue and mutex.acquire(False)
+                fast = c._live and lock.try_acquire()
             except AttributeError:
                 fast = False
             if fast:
-                lock.owner = get_ident()
                 if c._live:
                     try:
                         return fn(*args, comm=c, **kwargs) if kwargs else fn(*args, comm=c)
                     except BaseException as exc:
                         leave(c._ctx, exc, op=op, where=c.role or where)
                         raise
-                    finally:  # OpLock.release, inline: this thread took the mutex above, so depth is 0
-                        lock.owner = None
-                        mutex.release()
-                        if lock.queue or lock._watchers:
-                            lock.wake()
+                    finally:
+                        lock.release()
                 lock.release()  # finalize ran in between (see _enter): the checks below say so
                 check_usable(c, op)
             c = resolve_comm(comm, op=op)

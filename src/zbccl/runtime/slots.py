@@ -25,7 +25,6 @@ lines of its own members' segments only.
 
 from __future__ import annotations
 
-import ctypes
 import re
 
 from ..bootstrap.store import StoreBootstrap
@@ -57,7 +56,7 @@ def release_slot(boot: StoreBootstrap, slot: int) -> None:
 
 def reset_slot(heap: GlobalHeap, slot: int) -> None:
     """Zero this rank's own lines of ``slot`` (flags, op header, size vectors)."""
-    ctypes.memset(heap.ctrl_addr(heap.rank, layout.slot_offset(slot)), 0, layout.SLOT_BYTES)
+    heap.transport.clear_pad(heap.rank, layout.slot_offset(slot), layout.SLOT_BYTES)
 
 
 def parse_slot_record(raw: bytes, *, key: str) -> tuple[int, int, str]:

@@ -19,10 +19,9 @@ from ..bootstrap.rendezvous import resolve
 from ..bootstrap.store import StoreBootstrap, in_range, parse_record
 from ..bootstrap.topology import HostInfo, Topology, local_host_info
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
-from ..heap import layout
+from ..heap import layout, transports
 from ..heap.capacity import auto_heap_max, check_capacity
 from ..heap.heap import GlobalHeap
-from ..heap.shm import ShmTransport
 from ..heap.views import live_views
 from ..sma import CachingAllocator
 from . import registry
@@ -195,10 +194,9 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
     if max_bytes is None:  # auto: sized by the same capacity the check just read, shared by the local ranks
         max_bytes = auto_heap_max(nbytes, nranks=topo.local_world_size)
     max_sizes = _exchange_max(boot, max_bytes, asked_max, timeout)
-    transport = ShmTransport(populate=env.PREFAULT.get())
+    transport = transports.create(topo, "cpu", populate=env.PREFAULT.get())
     try:
-        segments = transport.establish(boot, topo, segment_bytes=[layout.segment_bytes(h) for h in heap_sizes],
-                                       reserve_bytes=[layout.segment_bytes(m) for m in max_sizes],
+        segments = transport.establish(boot, topo, data_bytes=heap_sizes, reserve_bytes=max_sizes,
                                        job_id=job_id, timeout=timeout)
         heap = GlobalHeap(boot.rank, segments, heap_sizes, transport, max_sizes=max_sizes)
         heap.init_header()

@@ -186,7 +186,8 @@ def _judge(kind, where, world, victim, delay, t_signal, results, why) -> dict:
         if res.get("finalize_error"):
             why.append(f"rank {r}: finalize raised {res['finalize_error']}")
         if res.get("segments_after_finalize"):
-            why.append(f"rank {r} still maps {res['segments_after_finalize']} after finalize")
+            why.append(f"rank {r} still maps {res['segments_after_finalize']} after finalize "
+                       f"(alive then: {res.get('held_at_finalize')})")
         if res.get("fd_growth", 0) > 0:
             why.append(f"rank {r} holds {res['fd_growth']} more descriptors after finalize than before init")
     reruns = {r: (results.get(r) or {}).get("rerun") for r in range(world) if r != victim or kind != "kill"}

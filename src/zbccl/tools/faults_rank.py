@@ -80,6 +80,7 @@ class _Workload:
         self.comm = self.buffer = self.p2p = None
         self.k = 0
         self.kept: list[torch.Tensor] = []
+        self.held: dict = {}
 
     def start(self) -> None:
         import zbccl
@@ -190,7 +191,13 @@ class _Workload:
         self.kept, self.buffer = [], None
         if self.p2p is not None:
             self.p2p.close()
+            self.p2p = None
         gc.collect()
+        if zbccl.is_initialized():  # what finalize will find still alive (it keeps those mapped)
+            from ..heap.views import live_views
+
+            comm = zbccl.get_default()
+            self.held = {"active_blocks": zbccl.memory_stats()["active_blocks"], "views": live_views(comm.heap)}
         zbccl.finalize()
 
 
@@ -232,6 +239,7 @@ def trial_rank(*, rank: int, world: int, port: int, where: str, victim: int, kin
         out["finalize_error"] = f"{type(exc).__name__}: {exc}"[:300]
         zbccl.finalize()
     out["segments_after_finalize"] = _segments()
+    out["held_at_finalize"] = work.held
     out["fd_growth"] = _fds() - fds_before
     store.set(f"fault/done/{rank}", b"1")
     out["rerun"] = rerun_rank(rank=rank, world=world, store=store, victim=victim)

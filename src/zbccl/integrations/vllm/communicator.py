@@ -24,10 +24,10 @@ communicator of the group's members:
   the tensors to the channel's native hot entries (``OpChannel.hot``,
   ``native/csrc/hot.cpp``): tensors zbccl already made a plan for (the same heap
   activation every step) run in one native call, without the Python entry that
-  a layer's matmuls leave cold. all_reduce offers it straight from here: going
-  through ``zbccl.all_reduce`` first costs 4-7 µs more per call in vLLM's step
-  (docs/benchmarks.md); a tensor the entry does not serve takes ``zbccl.all_reduce``,
-  which offers it once more (a native call that returns at once) before its
+  a layer's matmuls leave cold. all_reduce runs through ``zbccl.ops.bind_all_reduce``
+  (bound once per group): the hot entry without the per-call lookups of
+  ``zbccl.all_reduce``, which cost 4-7 µs more per call in vLLM's step
+  (docs/benchmarks.md); a tensor the entry does not serve takes all_reduce's
   Python path.
 
 Other groups (``dcp``, ``ep``, ...) are vLLM's ``CpuCommunicator`` unchanged.
@@ -48,7 +48,6 @@ from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicat
 from ... import ops
 from ...adapters.list_forms import gather_list
 from ...adapters.p2p import PointToPoint
-from ...ops.channel import channel_of
 
 __all__ = ["ZbcclCpuCommunicator", "start_group"]
 
@@ -86,7 +85,7 @@ class ZbcclCpuCommunicator(CpuCommunicator):
                                         use_all2all=use_all2all)
         self.zb = None
         self.p2p: PointToPoint | None = None
-        self._ch = None  # the zbccl communicator's op channel (its hot entries)
+        self._all_reduce = None  # zbccl's all_reduce bound to the group's communicator
         if not unique_name.startswith(("tp", "pp")) or use_all2all:
             CpuCommunicator.__init__(self, cpu_group, device, device_group, unique_name, use_all2all)
             return
@@ -100,7 +99,7 @@ class ZbcclCpuCommunicator(CpuCommunicator):
         if int(ok.item()) == 1:
             self.zb = comm
             self.p2p = PointToPoint(comm, incarnation=f"vllm-{unique_name}")
-            self._ch = channel_of(comm) if comm.world_size > 1 else None
+            self._all_reduce = ops.bind_all_reduce(comm)
             self.dist_module = None
             self.supports_tensor_dict = True
             _log.info("zbccl: vLLM group %s runs on zbccl (ranks %s)", unique_name, self.ranks)
@@ -114,13 +113,9 @@ class ZbcclCpuCommunicator(CpuCommunicator):
 
     # ------------------------------------------------------------ collectives
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        ch = self._ch
-        if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, input_, op="all_reduce"):
-            return input_
-        if self.zb is None:
+        if self._all_reduce is None:
             return super().all_reduce(input_)
-        ops.all_reduce(input_, comm=self.zb)
-        return input_
+        return self._all_reduce(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.zb is None:

@@ -68,13 +68,13 @@ static inline int64_t ld(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIR
 
 void signal_flag(int64_t *p, int64_t v) {
     __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
-    int32_t *waiters = (int32_t *)((char *)p + 8);
+    int32_t *waiters = (int32_t *)(p + W_WAITERS);
     if (__atomic_load_n(waiters, __ATOMIC_SEQ_CST) > 0)
         syscall(SYS_futex, (uint32_t *)p, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
 static void sleep_on(int64_t *p, int64_t target, int64_t ns) {
-    int32_t *waiters = (int32_t *)((char *)p + 8);
+    int32_t *waiters = (int32_t *)(p + W_WAITERS);
     __atomic_fetch_add(waiters, 1, __ATOMIC_SEQ_CST);
     int64_t v = __atomic_load_n(p, __ATOMIC_SEQ_CST);
     if (v < target) {
@@ -86,8 +86,8 @@ static void sleep_on(int64_t *p, int64_t target, int64_t ns) {
 
 /* The ABORT reason of rank r (its own line first, then this channel's), 0 if it left no op half-way. */
 static int64_t abort_why(zb_chan *c, int r) {
-    if (ld(c->rabort[r])) return c->rabort[r][AW_WHY] ? c->rabort[r][AW_WHY] : ABORT_EXCEPTION;
-    if (ld(c->abort[r])) return c->abort[r][AW_WHY] ? c->abort[r][AW_WHY] : ABORT_EXCEPTION;
+    if (ld(c->rabort[r])) return c->rabort[r][W_WHY] ? c->rabort[r][W_WHY] : ABORT_EXCEPTION;
+    if (ld(c->abort[r])) return c->abort[r][W_WHY] ? c->abort[r][W_WHY] : ABORT_EXCEPTION;
     return 0;
 }
 
@@ -177,7 +177,7 @@ static int peer_in_op(zb_chan *c, int r, int64_t seq) {
 #define LEAVE_WAIT_NS 10000000000LL
 static void mark_abort(int64_t *line, int64_t seq, int why) {
     if (ld(line)) return; /* the first reason stays */
-    line[AW_WHY] = why, line[AW_WHERE] = WHERE_COLLECTIVE;
+    line[W_WHY] = why, line[W_WHERE] = WHERE_COLLECTIVE;
     signal_flag(line, seq > 0 ? seq : 1); /* seq_cst: the words are visible with it */
 }
 
@@ -286,7 +286,7 @@ int elect_claim(zb_chan *c, int64_t seq) {
 }
 
 void elect_release(zb_chan *c, int64_t seq, int rc) {
-    c->elect[2] = rc, c->elect[3] = c->result[1], c->elect[4] = c->result[2];
+    c->elect[W_RC] = rc, c->elect[W_RANK] = c->result[1], c->elect[W_FIELD] = c->result[2];
     signal_flag(c->elect, 2 * seq + 1); /* seq_cst: the verdict is visible with it */
 }
 
@@ -317,9 +317,9 @@ int zb_i64(PyObject *o, int64_t *out) {
 }
 
 /* chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr, poll_ns) -> handle.
- * table: int64[W][12] = arrive, phase, done, header, state addresses, heap base, address of the
- * published heap size word, fd, size-vector area address, abort line address, elect line address
- * (group rank 0's is the group's election word), the rank's own ABORT line (the world slot's). */
+ * table: int64[W][CR_COLUMNS], one row per group rank, columns CR_* (abi.CHAN_ROW: its flag lines' and
+ * words' addresses, heap base, liveness fd; group rank 0's ELECT line is the group's election word;
+ * RABORT the rank's own ABORT line, the world slot's). */
 static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t a[8];
@@ -334,14 +334,14 @@ static PyObject *py_chan_new(PyObject *self, PyObject *const *args, Py_ssize_t n
     c->poll_ns = a[7];
     c->kind_mode = 0;
     const int64_t *t = (const int64_t *)(uintptr_t)a[6];
-    for (int r = 0; r < c->W; r++, t += 12) {
-        c->arrive[r] = (int64_t *)(uintptr_t)t[0], c->phase[r] = (int64_t *)(uintptr_t)t[1];
-        c->done[r] = (int64_t *)(uintptr_t)t[2], c->hdr[r] = (int64_t *)(uintptr_t)t[3];
-        c->state[r] = (int64_t *)(uintptr_t)t[4], c->base[r] = (char *)(uintptr_t)t[5];
-        c->size[r] = (int64_t *)(uintptr_t)t[6], c->fd[r] = (int)t[7], c->vec[r] = (int64_t *)(uintptr_t)t[8];
-        c->abort[r] = (int64_t *)(uintptr_t)t[9], c->rabort[r] = (int64_t *)(uintptr_t)t[11];
-        if (r == 0) c->elect = (int64_t *)(uintptr_t)t[10];
+#define COL(k) ((int64_t *)(uintptr_t)t[CR_##k])
+    for (int r = 0; r < c->W; r++, t += CR_COLUMNS) {
+        c->arrive[r] = COL(ARRIVE), c->phase[r] = COL(PHASE), c->done[r] = COL(DONE), c->hdr[r] = COL(HEADER);
+        c->state[r] = COL(STATE), c->base[r] = (char *)COL(BASE), c->size[r] = COL(SIZE), c->fd[r] = (int)t[CR_FD];
+        c->vec[r] = COL(VEC), c->abort[r] = COL(ABORT), c->rabort[r] = COL(RABORT);
+        if (r == 0) c->elect = COL(ELECT);
     }
+#undef COL
     return PyLong_FromVoidPtr(c);
 }
 
@@ -421,7 +421,35 @@ static PyObject *py_chan_result(PyObject *self, PyObject *const *args, Py_ssize_
                          (long long)c->result[3] - 1);
 }
 
+/* abi_layout() -> {name: (sizeof, (offsetof of each field, ...))} of every struct Python fills (abi.STRUCTS,
+ * as compiled here): native/__init__.py compares it with abi.py when the core loads. */
+static PyObject *py_abi_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self, (void)args;
+    if (nargs != 0) return PyErr_Format(PyExc_TypeError, "abi_layout() takes no arguments, got %zd", nargs);
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+#define REPORT(s)                                                                                           \
+    {                                                                                                       \
+        static const size_t off[] = {ZB_OFFSETS_##s};                                                      \
+        PyObject *offs = PyTuple_New((Py_ssize_t)(sizeof(off) / sizeof(off[0])));                           \
+        for (size_t i = 0; offs && i < sizeof(off) / sizeof(off[0]); i++)                                   \
+            PyTuple_SET_ITEM(offs, (Py_ssize_t)i, PyLong_FromSize_t(off[i]));                               \
+        PyObject *row = offs ? Py_BuildValue("(nN)", (Py_ssize_t)sizeof(s), offs) : NULL;                   \
+        if (!row || PyDict_SetItemString(out, #s, row) < 0) {                                               \
+            Py_XDECREF(row);                                                                                \
+            Py_DECREF(out);                                                                                 \
+            return NULL;                                                                                    \
+        }                                                                                                   \
+        Py_DECREF(row);                                                                                     \
+    }
+    ZB_ABI_STRUCTS(REPORT)
+#undef REPORT
+    return out;
+}
+
 static PyMethodDef chan_methods[] = {
+    {"abi_layout", (PyCFunction)(void (*)(void))py_abi_layout, METH_FASTCALL,
+     "abi_layout() -> {struct: (sizeof, offsets)} as compiled (checked against zbccl/native/abi.py)."},
     {"chan_new", (PyCFunction)(void (*)(void))py_chan_new, METH_FASTCALL,
      "chan_new(W, me, spin, liveness_ns, timeout_ns, nthreads, table_ptr, poll_ns) -> handle of a native op "
      "channel."},

@@ -27,9 +27,9 @@ typedef struct {
     zb_kind kinds[KIND_BUCKETS];
     int64_t *arrive[ZB_MAXW], *phase[ZB_MAXW], *done[ZB_MAXW], *hdr[ZB_MAXW], *state[ZB_MAXW], *vec[ZB_MAXW];
     int64_t *abort[ZB_MAXW];   /* each rank's ABORT line: non-zero once it left an op half-way */
-    int64_t *rabort[ZB_MAXW];  /* each rank's own ABORT line (the world slot's; words AW_*): any op it left */
-    /* group rank 0's ELECT line (oneshot all_reduce, chan_ops.c): +0 2*seq once a rank claimed op seq,
-     * 2*seq+1 once it finished (futex waiters at +8); +16 its result code, +24 rank, +32 field */
+    int64_t *rabort[ZB_MAXW];  /* each rank's own ABORT line (the world slot's; words W_*): any op it left */
+    /* group rank 0's ELECT line (oneshot all_reduce, chan_ops.c): word W_VALUE 2*seq once a rank claimed op
+     * seq, 2*seq+1 once it finished (futex waiters in W_WAITERS); W_RC its result code, W_RANK, W_FIELD */
     int64_t *elect;
     int64_t phase_base;        /* max of every rank's posted PHASE value: step k of this op is base + k */
     char *base[ZB_MAXW];

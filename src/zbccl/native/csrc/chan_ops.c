@@ -174,7 +174,7 @@ static void kind_learn(zb_chan *c, int64_t nbytes, int kind, int64_t start, int6
  * consistent, so the rank that arrived last always sees everyone: some rank claims. The claimant checks
  * every header, reduces all W tensors, in rank order, into its scratch, copies the result into every
  * rank's tensor (its own first), signals its DONE, and releases the word at 2*seq+1 with its verdict
- * (+16 code, +24 rank, +32 field). It returns without waiting for anyone. Every other rank only waits
+ * (words W_RC, W_RANK, W_FIELD). It returns without waiting for anyone. Every other rank only waits
  * for the release, then signals its DONE. So the late rank of a step never waits for an early one
  * (which may sleep on a futex by then): with skewed ranks the op costs the late rank one reduction and
  * W copies. Reads N*W and writes N*W, all by one rank: for small messages.
@@ -229,12 +229,12 @@ static int oneshot(zb_chan *c, zb_op *o, const int *fields, int nfields, int64_t
         if (any) memcpy(c->late_mask, late, sizeof(late));
     }
     if (rc) return rc;
-    rc = (int)__atomic_load_n(&c->elect[2], __ATOMIC_RELAXED);
+    rc = (int)__atomic_load_n(&c->elect[W_RC], __ATOMIC_RELAXED);
     if (rc == RC_OK) {
         signal_flag(c->done[c->me], seq);
         return RC_OK;
     }
-    c->result[1] = c->elect[3], c->result[2] = c->elect[4];
+    c->result[1] = c->elect[W_RANK], c->result[2] = c->elect[W_FIELD];
     if (rc == RC_ABORTED) return rc;
     int mine = check_headers(c, seq, fields, nfields); /* the headers for the message (same verdict) */
     return fail_op(c, seq, mine ? mine : rc);

@@ -39,9 +39,10 @@
 #include <unistd.h>
 
 #include "arch.h"
+#include "zb_abi.h"
 
 #define FLAG_BYTES 64
-#define WAITERS_OFFSET 8
+#define WAITERS_OFFSET (W_WAITERS * 8) /* abi.WORDS */
 #define YIELD_PHASE_NS 50000LL
 #define SLEEP_MIN_NS 50000LL
 #define SLEEP_MAX_NS 2000000LL

@@ -46,6 +46,8 @@
 #include <utility>
 #include <vector>
 
+#include "zb_hook_abi.h"
+
 namespace {
 
 // refill(class bytes, requested bytes, flags bit 0: strict) -> block address, or 0: heap full
@@ -55,11 +57,7 @@ using ReleaseFn = void (*)(uint64_t addr);
 constexpr uint64_t kAddrMask = (uint64_t{1} << 48) - 1;  // user-space addresses
 constexpr int kMaxHeaps = 1024;  // registrations per process (ids are never reused); one deleter each
 
-// Exported counter order (zbh_stats); keep in sync with adapters/scope.py.
-enum Counter {
-  kHits, kMisses, kFallbackAllocs, kFallbackBytes, kStrictFailures, kLiveBytes, kLiveBlocks,
-  kCachedBytes, kCachedBlocks, kReleases, kDroppedFrees, kNumCounters
-};
+// Exported counter order (zbh_stats): enum Counter in zb_hook_abi.h, generated from abi.HOOK_COUNTERS.
 
 struct Heap {
   uint64_t base = 0, end = 0;

@@ -8,8 +8,9 @@
  * kernels check each row index they read from a peer (token indices, handle rows) against that block,
  * so a bad plan or handle gives an error code, never an out-of-bounds read or write.
  *
- * Argument layout: one int64 array per call (see each function), filled by zbccl/ep/fast.py. Group sizes
- * up to ZB_MAXW (abi.MAX_WORLD) ranks.
+ * Arguments: one typed block per call, a struct zb_ep_<kernel> then, for kernels with per-rank data, one
+ * zb_ep_<kernel>_row per rank (both generated into zb_abi.h from abi.EP_ARGS; Python fills them by field name:
+ * zbccl/ep/fast.py, zbccl/ep/low_latency.py). Group sizes up to ZB_MAXW (abi.MAX_WORLD) ranks.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,38 +19,44 @@
 #include <string.h>
 
 #include "reduce.h"
+#include "zb_abi.h"
 
 typedef long long i64;
 
-static int get_arr(PyObject *const *args, Py_ssize_t nargs, const char *fn, i64 **a) {
+#define PTR(type, v) ((type)(uintptr_t)(v))
+/* The per-rank rows that follow a kernel's argument struct `a`. */
+#define ROWS(a, type) ((const type *)((a) + 1))
+
+static int get_args(PyObject *const *args, Py_ssize_t nargs, const char *fn, const void **a) {
     if (nargs != 1) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 1 argument (the int64 argument array's address), got %zd", fn,
+        PyErr_Format(PyExc_TypeError, "%s() takes 1 argument (the address of its argument block), got %zd", fn,
                      nargs);
         return -1;
     }
     unsigned long long p = PyLong_AsUnsignedLongLong(args[0]);
     if (p == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *a = (i64 *)(uintptr_t)p;
+    *a = PTR(const void *, p);
     return 0;
 }
 
-/* ep_plan(args): a = [R, me, E, C, L, counts_out, per_expert_out, recv_chan_out, then per rank r: meta_addr,
- * meta_len].
+/* ep_plan(zb_ep_plan, then per rank r a row: meta (its plan block's address), meta_len).
  * Sender r's plan block (int64) is counts[R] | per_expert[E] | chan[R * C] (inclusive prefix) | tokens.
  * Writes counts_out[r * R + d] = counts_r[d] (int64 [R, R]), per_expert_out[l] = sum_r per_expert_r[me * L + l]
  * (int64 [L]), recv_chan_out[r * C + c] = chan_r[me][c - 1] (int32 [R, C], column 0 is 0).
  * Returns -1, or the first rank whose block is too short or holds a negative count. */
 static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    i64 *a;
-    if (get_arr(args, nargs, "ep_plan", &a) < 0) return NULL;
-    i64 R = a[0], me = a[1], E = a[2], C = a[3], L = a[4];
-    i64 *counts = (i64 *)(uintptr_t)a[5], *per_expert = (i64 *)(uintptr_t)a[6];
-    int32_t *recv_chan = (int32_t *)(uintptr_t)a[7];
+    const void *p;
+    if (get_args(args, nargs, "ep_plan", &p) < 0) return NULL;
+    const zb_ep_plan *a = p;
+    const zb_ep_plan_row *row = ROWS(a, zb_ep_plan_row);
+    i64 R = a->R, me = a->me, E = a->E, C = a->C, L = a->L;
+    i64 *counts = PTR(i64 *, a->counts_out), *per_expert = PTR(i64 *, a->per_expert_out);
+    int32_t *recv_chan = PTR(int32_t *, a->recv_chan_out);
     for (i64 l = 0; l < L; l++) per_expert[l] = 0;
     for (i64 r = 0; r < R; r++) {
-        const i64 *meta = (const i64 *)(uintptr_t)a[8 + 2 * r];
-        i64 len = a[9 + 2 * r];
+        const i64 *meta = PTR(const i64 *, row[r].meta);
+        i64 len = row[r].meta_len;
         if (len < R + E + R * C) return PyLong_FromLongLong(r);
         for (i64 d = 0; d < R; d++) {
             if (meta[d] < 0) return PyLong_FromLongLong(r);
@@ -68,8 +75,8 @@ static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
 /* Runs of x rows at least this long are copied with streaming stores when the caller asks (stream = 1). */
 #define EP_STREAM_MIN 256
 
-/* ep_pull(args): a = [R, me, head, L, K, n_recv, src_idx_out, stream, then per field f < 4: dst_f, row_f (bytes,
- * 0: field absent), then per rank r: meta_addr, meta_len, T_r, src_0 .. src_3].
+/* ep_pull(zb_ep_pull: R, me, head, L, K, n_recv, src_idx_out, stream, then per field f of x, s (scales), i (top-k),
+ * w (weights): f_dst, f_row (bytes, 0: field absent); then per rank r a row: meta, meta_len, T, f_src per field).
  * stream = 1: the x rows go to memory with streaming stores (zb_copy_stream), which do not wait on the
  * invalidation of a peer core's copy of each destination line: the reused receive block was read by the peers
  * in the last combine, and in the host's slow cross-core state a cached store into such a line costs ~28 ns
@@ -79,22 +86,20 @@ static PyObject *py_ep_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
  * tokens into one memcpy; writes src_idx_out[i] (int32) = the source token. With K: topk_idx (int64) becomes
  * local expert ids (-1 where not this rank's, weight 0). Returns the bytes copied, or -(1 + r) for the first
  * sender r whose token list is out of bounds or whose counts add up to more than n_recv. */
-static i64 ep_pull(const i64 *a) {
-    i64 R = a[0], me = a[1], head = a[2], L = a[3], K = a[4], n_recv = a[5];
-    int32_t *src_idx = (int32_t *)(uintptr_t)a[6];
-    int stream = a[7] != 0;
-    char *dst[EP_FIELDS];
-    i64 row[EP_FIELDS];
-    for (int f = 0; f < EP_FIELDS; f++) {
-        dst[f] = (char *)(uintptr_t)a[8 + 2 * f];
-        row[f] = a[9 + 2 * f];
-    }
-    const i64 *per = a + 8 + 2 * EP_FIELDS;
+static i64 ep_pull(const void *args) {
+    const zb_ep_pull *a = args;
+    const zb_ep_pull_row *per = ROWS(a, zb_ep_pull_row);
+    i64 R = a->R, me = a->me, head = a->head, L = a->L, K = a->K, n_recv = a->n_recv;
+    int32_t *src_idx = PTR(int32_t *, a->src_idx_out);
+    int stream = a->stream != 0;
+    char *dst[EP_FIELDS] = {PTR(char *, a->x_dst), PTR(char *, a->s_dst), PTR(char *, a->i_dst), PTR(char *, a->w_dst)};
+    i64 row[EP_FIELDS] = {a->x_row, a->s_row, a->i_row, a->w_row};
     i64 start = 0, moved = 0;
     for (i64 r = 0; r < R; r++) {
-        const i64 *p = per + r * (3 + EP_FIELDS);
-        const i64 *meta = (const i64 *)(uintptr_t)p[0];
-        i64 len = p[1], T_r = p[2];
+        const zb_ep_pull_row *p = per + r;
+        const i64 src_of[EP_FIELDS] = {p->x_src, p->s_src, p->i_src, p->w_src};
+        const i64 *meta = PTR(const i64 *, p->meta);
+        i64 len = p->meta_len, T_r = p->T;
         if (len < head) return -(1 + r);
         i64 cnt = meta[me], at = head;
         for (i64 d = 0; d < me; d++) at += meta[d];
@@ -107,7 +112,7 @@ static i64 ep_pull(const i64 *a) {
             while (j1 < cnt && toks[j1] == toks[j1 - 1] + 1) j1++;
             for (int f = 0; f < EP_FIELDS; f++) {
                 if (!row[f]) continue;
-                const char *src = (const char *)(uintptr_t)p[3 + f];
+                const char *src = PTR(const char *, src_of[f]);
                 i64 n = (j1 - j) * row[f];
                 if (stream && f == 0 && n >= EP_STREAM_MIN)
                     zb_copy_stream(dst[f] + (start + j) * row[f], src + toks[j] * row[f], n, 1);
@@ -137,10 +142,11 @@ static i64 ep_pull(const i64 *a) {
     return moved;
 }
 
-/* A kernel over an int64 argument array that only touches raw memory: run it without the GIL. */
-static PyObject *call_nogil(PyObject *const *args, Py_ssize_t nargs, const char *name, i64 (*fn)(const i64 *)) {
-    i64 *a, rc;
-    if (get_arr(args, nargs, name, &a) < 0) return NULL;
+/* A kernel over its argument block that only touches raw memory: run it without the GIL. */
+static PyObject *call_nogil(PyObject *const *args, Py_ssize_t nargs, const char *name, i64 (*fn)(const void *)) {
+    const void *a;
+    i64 rc;
+    if (get_args(args, nargs, name, &a) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     rc = fn(a);
     Py_END_ALLOW_THREADS
@@ -181,58 +187,64 @@ static i64 ep_sum(char *dst, i64 T, i64 R, i64 width, i64 isz, int dtype, const 
     return moved;
 }
 
-/* ep_combine(args): a = [R, T, in_rank (bool [T, R]), head (int32 [T, R]), then per job j < 2 (x, weights):
- * dst_j (0: no job), width_j (elements per row), itemsize_j, dtype_j, nextra_j, extra_j0, extra_j1; then per
- * rank r: base_r (first row of this rank's tokens in r's block), nrows_r (rows r published), x_r, w_r].
+/* ep_combine(zb_ep_combine: R, T, in_rank (bool [T, R]), head (int32 [T, R]), then per job j of x, w (weights):
+ * j_dst (0: no job), j_width (elements per row), j_itemsize, j_dtype, j_nextra, j_extra0, j_extra1 (the extra
+ * addends' addresses); then per rank r a row: base (first row of this rank's tokens in r's block), nrows (rows
+ * r published), x, w (their addresses)).
  * The rows are [base_r + head[t, r]] of each rank r with in_rank[t, r]. Returns the bytes read from the
  * ranks, or -(1 + r) for the first rank r whose row index is out of its block. */
-static i64 ep_combine(const i64 *a) {
-    i64 R = a[0], T = a[1];
-    const uint8_t *in_rank = (const uint8_t *)(uintptr_t)a[2];
-    const int32_t *head = (const int32_t *)(uintptr_t)a[3];
-    const i64 *per = a + 4 + 2 * 7;
+static i64 ep_combine(const void *args) {
+    const zb_ep_combine *a = args;
+    const zb_ep_combine_row *per = ROWS(a, zb_ep_combine_row);
+    i64 R = a->R, T = a->T;
+    const uint8_t *in_rank = PTR(const uint8_t *, a->in_rank);
+    const int32_t *head = PTR(const int32_t *, a->head);
     i64 base[ZB_MAXW], nrows[ZB_MAXW], peer[ZB_MAXW], moved = 0;
     if (R > ZB_MAXW) return -1;
     for (i64 r = 0; r < R; r++) {
-        base[r] = per[4 * r];
-        nrows[r] = per[4 * r + 1];
+        base[r] = per[r].base;
+        nrows[r] = per[r].nrows;
     }
+    const struct { i64 dst, width, itemsize, dtype, nextra, extra[2]; } jobs[2] = {
+        {a->x_dst, a->x_width, a->x_itemsize, a->x_dtype, a->x_nextra, {a->x_extra0, a->x_extra1}},
+        {a->w_dst, a->w_width, a->w_itemsize, a->w_dtype, a->w_nextra, {a->w_extra0, a->w_extra1}}};
     for (int j = 0; j < 2; j++) {
-        const i64 *job = a + 4 + 7 * j;
-        if (!job[0]) continue;
-        for (i64 r = 0; r < R; r++) peer[r] = per[4 * r + 2 + j];
-        i64 m = ep_sum((char *)(uintptr_t)job[0], T, R, job[1], job[2], (int)job[3], in_rank, head, base, nrows,
-                       peer, job + 5, job[4]);
+        if (!jobs[j].dst) continue;
+        for (i64 r = 0; r < R; r++) peer[r] = j ? per[r].w : per[r].x;
+        i64 m = ep_sum(PTR(char *, jobs[j].dst), T, R, jobs[j].width, jobs[j].itemsize, (int)jobs[j].dtype, in_rank,
+                       head, base, nrows, peer, jobs[j].extra, jobs[j].nextra);
         if (m < 0) return m;
         moved += m;
     }
     return moved;
 }
 
-/* ep_ll_combine(args): a = [T, K, H, dst (bf16 [T, H]), src (int64 [T * K] row addresses, 0: none), w (float
- * [T * K]), acc (float [H] scratch)]. The low-latency combine's weighted fp32 sum per token
+/* ep_ll_combine(zb_ep_ll_combine: T, K, H, dst (bf16 [T, H]), src (int64 [T * K] row addresses, 0: none), w (float
+ * [T * K]), acc (float [H] scratch)). The low-latency combine's weighted fp32 sum per token
  * (zb_weighted_rows_bf16); the caller has checked every row address against its owner's published block.
  * Returns the bytes read. */
-static i64 ep_ll_combine(const i64 *a) {
-    i64 T = a[0], K = a[1], H = a[2];
-    const i64 *src = (const i64 *)(uintptr_t)a[4];
-    zb_weighted_rows_bf16((uint16_t *)(uintptr_t)a[3], (const uint16_t *const *)src, (const float *)(uintptr_t)a[5],
-                          (long)T, (long)K, (long)H, (float *)(uintptr_t)a[6]);
+static i64 ep_ll_combine(const void *args) {
+    const zb_ep_ll_combine *a = args;
+    i64 T = a->T, K = a->K, H = a->H;
+    const i64 *src = PTR(const i64 *, a->src);
+    zb_weighted_rows_bf16(PTR(uint16_t *, a->dst), (const uint16_t *const *)src, PTR(const float *, a->w), (long)T,
+                          (long)K, (long)H, PTR(float *, a->acc));
     i64 rows = 0;
     for (i64 i = 0; i < T * K; i++) rows += src[i] != 0;
     return rows * H * 2;
 }
 
-/* ep_ll_plan(args): a = [T, K, E, idx (int64 [T, K]), counts_out (int64 [E]), tokens_out (int64 [T * K]),
- * slots_out (int64 [T * K]), err_out (int64 [2])]. The low-latency dispatch's plan in one pass (a counting
+/* ep_ll_plan(zb_ep_ll_plan: T, K, E, idx (int64 [T, K]), counts_out (int64 [E]), tokens_out (int64 [T * K]),
+ * slots_out (int64 [T * K]), err_out (int64 [2])). The low-latency dispatch's plan in one pass (a counting
  * sort): the valid (token, slot) pairs sorted by expert, then slot (so by token), with counts per expert;
  * slot is the flat index t * K + k. Returns the number of pairs, or -1 (err_out = token, value: an entry
  * outside [-1, E)) or -2 (err_out = token, expert: an expert named twice in one token). */
-static i64 ep_ll_plan(const i64 *a) {
-    i64 T = a[0], K = a[1], E = a[2];
-    const i64 *idx = (const i64 *)(uintptr_t)a[3];
-    i64 *counts = (i64 *)(uintptr_t)a[4], *tokens = (i64 *)(uintptr_t)a[5], *slots = (i64 *)(uintptr_t)a[6];
-    i64 *err = (i64 *)(uintptr_t)a[7];
+static i64 ep_ll_plan(const void *args) {
+    const zb_ep_ll_plan *a = args;
+    i64 T = a->T, K = a->K, E = a->E;
+    const i64 *idx = PTR(const i64 *, a->idx);
+    i64 *counts = PTR(i64 *, a->counts_out), *tokens = PTR(i64 *, a->tokens_out), *slots = PTR(i64 *, a->slots_out);
+    i64 *err = PTR(i64 *, a->err_out);
     memset(counts, 0, (size_t)E * sizeof(i64));
     for (i64 t = 0; t < T; t++)
         for (i64 k = 0; k < K; k++) {
@@ -272,11 +284,11 @@ static PyObject *py_ep_ll_plan(PyObject *self, PyObject *const *args, Py_ssize_t
     return call_nogil(args, nargs, "ep_ll_plan", ep_ll_plan);
 }
 
-/* ep_ll_pull(args): a = [R, me, L, N, E, xrow, out_x, count_out (int32 [L]), src_info_out (int32 [L, N]),
- * layout_out (int64 [L, R]), begin_out (int64 [E]), masked (bit s: this rank drops source s), keep_mask_of
+/* ep_ll_pull(zb_ep_ll_pull: R, me, L, N, E, xrow, x_out, count_out (int32 [L]), src_info_out (int32 [L, N]),
+ * layout_out (int64 [L, R]), begin_out (int64 [E]), masked (bit s: this rank drops source s), keep_of
  * (int64 [R]: bit s of entry o set when owner o keeps source s), srow (scale row bytes, 0: no scales), s_out,
- * s_stride_e, s_stride_slot, s_stride_j (bytes; 4-byte scale elements), err_out (int64 [2]), then per rank r:
- * meta_addr, meta_len, x_addr, T_r, scales_addr].
+ * s_e, s_slot, s_j (the scales' strides in bytes; 4-byte scale elements), err_out (int64 [2]); then per rank r
+ * a row: meta, meta_len, x, T, s (its plan block, x and scales)).
  * The low-latency dispatch's receive half for this rank (experts me*L .. me*L+L-1), in one pass:
  * sender r's plan block is counts[E] | tokens (its (token, slot) pairs sorted by expert, then token). Rows of
  * local expert l come in source rank order, then source token: slot = begin_r[l] + position, row l * N + slot of
@@ -287,9 +299,10 @@ static PyObject *py_ep_ll_plan(PyObject *self, PyObject *const *args, Py_ssize_t
  * Returns the bytes copied, or -1 (err_out = rank r, 0: r's plan block is short or its counts negative, or one of
  * its tokens is outside [0, T_r)), -2 (err_out = local expert l, its rows: more rows than its N slots) or -3 (no
  * memory for its tables). */
-static i64 ep_ll_pull_with(const i64 *a, i64 *mine_tab, i64 *at);
-static i64 ep_ll_pull(const i64 *a) {
-    i64 R = a[0], L = a[2];
+static i64 ep_ll_pull_with(const zb_ep_ll_pull *a, i64 *mine_tab, i64 *at);
+static i64 ep_ll_pull(const void *args) {
+    const zb_ep_ll_pull *a = args;
+    i64 R = a->R, L = a->L;
     i64 *tab = (i64 *)malloc((size_t)(R + 1) * (size_t)L * sizeof(i64));
     if (!tab) return -3;
     i64 rc = ep_ll_pull_with(a, tab, tab + R * L);
@@ -297,24 +310,24 @@ static i64 ep_ll_pull(const i64 *a) {
     return rc;
 }
 
-static i64 ep_ll_pull_with(const i64 *a, i64 *mine_tab, i64 *at) {
-    i64 R = a[0], me = a[1], L = a[2], N = a[3], E = a[4], xrow = a[5];
-    char *out_x = (char *)(uintptr_t)a[6];
-    int32_t *count = (int32_t *)(uintptr_t)a[7], *src_info = (int32_t *)(uintptr_t)a[8];
-    i64 *layout = (i64 *)(uintptr_t)a[9], *begin_out = (i64 *)(uintptr_t)a[10];
-    i64 masked = a[11];
-    const i64 *keep_of = (const i64 *)(uintptr_t)a[12];
-    i64 srow = a[13], s_e = a[15], s_slot = a[16], s_j = a[17];
-    char *s_out = (char *)(uintptr_t)a[14];
-    i64 *err = (i64 *)(uintptr_t)a[18];
-    const i64 *per = a + 19;
+static i64 ep_ll_pull_with(const zb_ep_ll_pull *a, i64 *mine_tab, i64 *at) {
+    i64 R = a->R, me = a->me, L = a->L, N = a->N, E = a->E, xrow = a->xrow;
+    char *out_x = PTR(char *, a->x_out);
+    int32_t *count = PTR(int32_t *, a->count_out), *src_info = PTR(int32_t *, a->src_info_out);
+    i64 *layout = PTR(i64 *, a->layout_out), *begin_out = PTR(i64 *, a->begin_out);
+    i64 masked = a->masked;
+    const i64 *keep_of = PTR(const i64 *, a->keep_of);
+    i64 srow = a->srow, s_e = a->s_e, s_slot = a->s_slot, s_j = a->s_j;
+    char *s_out = PTR(char *, a->s_out);
+    i64 *err = PTR(i64 *, a->err_out);
+    const zb_ep_ll_pull_row *per = ROWS(a, zb_ep_ll_pull_row);
 #define mine(r, l) mine_tab[(r) * L + (l)]
 #define DROPS(r) ((r) < 63 && ((masked >> (r)) & 1))         /* this rank drops source r */
 #define KEEPS(o, s) ((s) >= 63 || ((keep_of[o] >> (s)) & 1)) /* owner o keeps source s */
     /* every sender's block: long enough, counts non-negative */
     for (i64 r = 0; r < R; r++) {
-        const i64 *meta = (const i64 *)(uintptr_t)per[5 * r];
-        i64 len = per[5 * r + 1], n = 0;
+        const i64 *meta = PTR(const i64 *, per[r].meta);
+        i64 len = per[r].meta_len, n = 0;
         if (len < E) goto short_block;
         for (i64 e = 0; e < E; e++) {
             if (meta[e] < 0 || meta[e] > len) goto short_block; /* (no overflow of the sum below) */
@@ -342,14 +355,14 @@ static i64 ep_ll_pull_with(const i64 *a, i64 *mine_tab, i64 *at) {
     for (i64 e = 0; e < E; e++) {
         i64 o = e / L, b = 0;
         for (i64 s = 0; s < me; s++)
-            if (KEEPS(o, s)) b += ((const i64 *)(uintptr_t)per[5 * s])[e];
+            if (KEEPS(o, s)) b += PTR(const i64 *, per[s].meta)[e];
         begin_out[e] = b;
     }
     i64 moved = 0;
     for (i64 r = 0; r < R; r++) {
-        const i64 *meta = (const i64 *)(uintptr_t)per[5 * r];
-        const char *x = (const char *)(uintptr_t)per[5 * r + 2], *sc = (const char *)(uintptr_t)per[5 * r + 4];
-        i64 T_r = per[5 * r + 3], start = E;
+        const i64 *meta = PTR(const i64 *, per[r].meta);
+        const char *x = PTR(const char *, per[r].x), *sc = PTR(const char *, per[r].s);
+        i64 T_r = per[r].T, start = E;
         if (DROPS(r)) continue;
         for (i64 e = 0; e < me * L; e++) start += meta[e];
         for (i64 l = 0; l < L; l++) at[l] = layout[l * R + r] >> 32;
@@ -389,22 +402,23 @@ static PyObject *py_ep_ll_pull(PyObject *self, PyObject *const *args, Py_ssize_t
     return call_nogil(args, nargs, "ep_ll_pull", ep_ll_pull);
 }
 
-/* ep_ll_addrs(args): a = [T, K, E, L, R, row_bytes, idx (int64 [T, K]), w (float [T, K]), begin (int64 [E]),
- * addr_out (int64 [T, K]), w_out (float [T, K]), err_out (int64 [2]), then per owner r: bases (int64 [L]: the
+/* ep_ll_addrs(zb_ep_ll_addrs: T, K, E, L, R, row_bytes, idx (int64 [T, K]), w (float [T, K]), begin (int64 [E]),
+ * addr_out (int64 [T, K]), w_out (float [T, K]), err_out (int64 [2]); then per owner r a row: meta (int64 [L]: the
  * first row of each of r's local experts in its published block), x (its block's address), nrows (its rows;
- * -1: skip the slots of experts on r)].
+ * -1: skip the slots of experts on r)).
  * The low-latency combine's row addresses: the slot of token t naming expert e (owner r = e / L) reads row
  * bases_r[e - r * L] + begin[e] + (t's position among this rank's tokens naming e) of r's block. Each token's
  * slots are written in ascending expert order (no expert first; a stable sort, as torch's argsort(stable=True)),
  * with their weights, address 0 for no expert or a skipped owner (ep_ll_combine skips those). Returns 0, -1
  * (err_out = owner r, the row) for a row outside r's block, or -3 (no memory for its tables). */
-static i64 ep_ll_addrs(const i64 *a) {
-    i64 T = a[0], K = a[1], E = a[2], L = a[3], R = a[4], rb = a[5];
-    const i64 *idx = (const i64 *)(uintptr_t)a[6], *begin = (const i64 *)(uintptr_t)a[8];
-    const float *w = (const float *)(uintptr_t)a[7];
-    i64 *addr = (i64 *)(uintptr_t)a[9], *err = (i64 *)(uintptr_t)a[11];
-    float *w_out = (float *)(uintptr_t)a[10];
-    const i64 *per = a + 12;
+static i64 ep_ll_addrs(const void *args) {
+    const zb_ep_ll_addrs *a = args;
+    i64 T = a->T, K = a->K, E = a->E, L = a->L, R = a->R, rb = a->row_bytes;
+    const i64 *idx = PTR(const i64 *, a->idx), *begin = PTR(const i64 *, a->begin);
+    const float *w = PTR(const float *, a->w);
+    i64 *addr = PTR(i64 *, a->addr_out), *err = PTR(i64 *, a->err_out);
+    float *w_out = PTR(float *, a->w_out);
+    const zb_ep_ll_addrs_row *per = ROWS(a, zb_ep_ll_addrs_row);
     i64 *seen = (i64 *)calloc((size_t)E + 1, sizeof(i64));
     int *order = (int *)malloc((size_t)K * sizeof(int) + 1);
     i64 rc = 0;
@@ -427,15 +441,15 @@ static i64 ep_ll_addrs(const i64 *a) {
             i64 e = it[k], r = e >= 0 ? e / L : -1, v = 0;
             w_out[t * K + j] = w[t * K + k];
             if (e >= 0) {
-                i64 pos = seen[e]++, nrows = per[3 * r + 2];
+                i64 pos = seen[e]++, nrows = per[r].nrows;
                 if (nrows >= 0) {
-                    i64 row = nrows ? ((const i64 *)(uintptr_t)per[3 * r])[e - r * L] + begin[e] + pos : pos;
+                    i64 row = nrows ? PTR(const i64 *, per[r].meta)[e - r * L] + begin[e] + pos : pos;
                     if (row < 0 || row >= nrows) {
                         err[0] = r, err[1] = row;
                         rc = -1;
                         break;
                     }
-                    v = per[3 * r + 1] + row * rb;
+                    v = per[r].x + row * rb;
                 }
             }
             addr[t * K + j] = v;
@@ -463,22 +477,22 @@ static PyObject *py_ep_combine(PyObject *self, PyObject *const *args, Py_ssize_t
     return call_nogil(args, nargs, "ep_combine", ep_combine);
 }
 
-/* ep_layout(args): a = [idx (int64 or int32 [T, K]), T, K, E, R, idx_is_int32, per_rank_out (int32 [R] or 0),
- * per_expert_out (int32 [E]), in_rank_out (bool [T, R] or 0)]: get_dispatch_layout in one pass (a token counts
+/* ep_layout(zb_ep_layout: idx (int64 or int32 [T, K]), T, K, E, R, idx_is_int32, per_rank_out (int32 [R] or 0),
+ * per_expert_out (int32 [E]), in_rank_out (bool [T, R] or 0)): get_dispatch_layout in one pass (a token counts
  * once per rank, -1 selects nothing). Returns -1, or the flat index of the first entry outside [-1, E) (then
  * the outputs are undefined). */
-static i64 ep_layout(const i64 *a) {
-    i64 T = a[1], K = a[2], E = a[3], R = a[4], L = E / R;
-    const i64 *idx64 = (const i64 *)(uintptr_t)a[0];
-    const int32_t *idx32 = (const int32_t *)(uintptr_t)a[0];
-    int32_t *per_rank = (int32_t *)(uintptr_t)a[6], *per_expert = (int32_t *)(uintptr_t)a[7];
-    uint8_t *in_rank = (uint8_t *)(uintptr_t)a[8];
+static i64 ep_layout(const zb_ep_layout *a) {
+    i64 T = a->T, K = a->K, E = a->E, R = a->R, L = E / R;
+    const i64 *idx64 = PTR(const i64 *, a->idx);
+    const int32_t *idx32 = PTR(const int32_t *, a->idx);
+    int32_t *per_rank = PTR(int32_t *, a->per_rank_out), *per_expert = PTR(int32_t *, a->per_expert_out);
+    uint8_t *in_rank = PTR(uint8_t *, a->in_rank_out);
     uint8_t seen[ZB_MAXW];
     if (R > ZB_MAXW || L < 1) return 0;
     for (i64 e = 0; e < E; e++) per_expert[e] = 0;
     if (per_rank)
         for (i64 r = 0; r < R; r++) per_rank[r] = 0;
-    int is32 = a[5] != 0;
+    int is32 = a->idx_is_int32 != 0;
     for (i64 t = 0; t < T; t++) {
         memset(seen, 0, (size_t)R);
         for (i64 k = 0; k < K; k++) {
@@ -498,22 +512,22 @@ static i64 ep_layout(const i64 *a) {
 
 static PyObject *py_ep_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    i64 *a;
-    if (get_arr(args, nargs, "ep_layout", &a) < 0) return NULL;
+    const void *a;
+    if (get_args(args, nargs, "ep_layout", &a) < 0) return NULL;
     return PyLong_FromLongLong(ep_layout(a));
 }
 
-/* ep_route(args): a = [in_rank (bool [T, R]), T, R, C, E, meta (int64 block), meta_len, head_out (int32 [T, R]),
- * expect (int64 [R]: the tokens per rank the caller sized the block for)]: a sender's plan block
+/* ep_route(zb_ep_route: in_rank (bool [T, R]), T, R, C, E, meta (int64 block), meta_len, head_out (int32 [T, R]),
+ * expect (int64 [R]: the tokens per rank the caller sized the block for)): a sender's plan block
  * counts[R] | (per expert, left to the caller) | chan[R * C] (inclusive prefix over DeepEP's channels: channel c
  * owns tokens [c * ceil(T / C), ...)) | tokens (per rank, ascending), and the handle's send_head (position of a
  * token among those sent to a rank, -1: not sent). Returns -1, or the first rank whose count differs from
  * expect (nothing written past the counts then). */
-static i64 ep_route(const i64 *a) {
-    const uint8_t *in_rank = (const uint8_t *)(uintptr_t)a[0];
-    i64 T = a[1], R = a[2], C = a[3], E = a[4], len = a[6];
-    i64 *meta = (i64 *)(uintptr_t)a[5], *expect = (i64 *)(uintptr_t)a[8];
-    int32_t *head = (int32_t *)(uintptr_t)a[7];
+static i64 ep_route(const zb_ep_route *a) {
+    const uint8_t *in_rank = PTR(const uint8_t *, a->in_rank);
+    i64 T = a->T, R = a->R, C = a->C, E = a->E, len = a->meta_len;
+    i64 *meta = PTR(i64 *, a->meta), *expect = PTR(i64 *, a->expect);
+    int32_t *head = PTR(int32_t *, a->head_out);
     i64 at[ZB_MAXW], first[ZB_MAXW], total = 0;
     if (R > ZB_MAXW || C < 1) return 0;
     for (i64 r = 0; r < R; r++) meta[r] = 0;
@@ -548,8 +562,8 @@ static i64 ep_route(const i64 *a) {
 
 static PyObject *py_ep_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    i64 *a;
-    if (get_arr(args, nargs, "ep_route", &a) < 0) return NULL;
+    const void *a;
+    if (get_args(args, nargs, "ep_route", &a) < 0) return NULL;
     return PyLong_FromLongLong(ep_route(a));
 }
 

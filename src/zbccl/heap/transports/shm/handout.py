@@ -19,13 +19,16 @@ Threat: every abstract socket name is listed to every user in
 
 Who sends what: rank ``r`` listens on ``\\0zbccl-<job>-<r>-<token>``; each
 local peer connects, the server answers with one byte carrying the memfd
-(``SCM_RIGHTS``) and closes the connection. Nothing else flows.
+(``SCM_RIGHTS``) and closes the connection. Nothing else flows. Around it,
+:func:`agree` all-gathers what each rank publishes (or the error it hit, so
+every rank fails together) and :func:`check_uids` keeps other users out.
 """
 
 from __future__ import annotations
 
 import array
 import errno
+import json
 import os
 import select
 import socket
@@ -33,9 +36,11 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..errors import ZbcclRemoteError, ZbcclSystemError
+from ....bootstrap.base import Bootstrap
+from ....bootstrap.store import in_range, parse_record
+from ....errors import ZbcclError, ZbcclRemoteError, ZbcclSystemError
 
-__all__ = ["os_error", "Member", "FdServer", "sock_name", "peer_cred", "receive_fd"]
+__all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive_fd", "member_of", "agree", "check_uids", "os_error"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SEND_TIMEOUT_S = 5.0  # one byte into a fresh socket: only a dead peer makes it wait
@@ -245,3 +250,58 @@ def _recv_one_fd(s: socket.socket, rank: int) -> int:
         raise ZbcclRemoteError(f"heap: rank {rank} sent no segment descriptor, expected 1, got {len(fds)}"
                                f" (message {msg!r})", ranks=(rank,))
     return fds[0]
+
+
+def member_of(rank: int, raw: bytes) -> Member:
+    """The :class:`Member` rank ``rank`` published (its ``agree`` payload), parsed strictly: the store is
+    not authenticated yet when it is read."""
+    def check(d) -> Member:
+        token = d["token"]
+        if not isinstance(token, str) or len(token) != 32 or token.strip("0123456789abcdef"):
+            raise ValueError(token)
+        return Member(rank, in_range(d["pid"], 1, 1 << 22), in_range(d["uid"], 0, (1 << 32) - 1), token,
+                      in_range(d["cookie"], 1, (1 << 63) - 1))
+
+    return parse_record(raw, check, op="heap", rank=rank,
+                        what="{pid, uid, token (32 hex digits), cookie} of a listening segment server")
+
+
+def _error_of(d) -> str | None:
+    error = d.get("error")
+    if error is not None and not isinstance(error, str):
+        raise TypeError(error)
+    return error
+
+
+def agree(bootstrap: Bootstrap, payload: dict, error: ZbcclError | None, *, timeout: float,
+          tag: str) -> list[bytes]:
+    """All-gather ``payload`` (or this rank's error); raise on every rank if any rank failed."""
+    if error is not None:
+        payload = {"error": str(error)}
+    got = bootstrap.all_gather(json.dumps(payload).encode(), timeout=timeout, tag=tag)
+    if error is not None:
+        raise error
+    failed = [(r, parse_record(b, _error_of, op="heap", rank=r, what="a JSON object with an optional error"))
+              for r, b in enumerate(got)]
+    failed = [(r, e) for r, e in failed if e]
+    if failed:
+        names = getattr(bootstrap, "members", range(bootstrap.world_size))
+        what = "; ".join(f"rank {names[r]}: {e}" for r, e in failed)
+        raise ZbcclRemoteError(f"heap: a peer could not set up the shared heap: {what}",
+                               ranks=tuple(names[r] for r, _ in failed))
+    return got
+
+
+def check_uids(me: Member, members: dict[int, Member]) -> ZbcclError | None:
+    """Every local rank must run as our effective uid.
+
+    The store is not authenticated (any local user can write a TCPStore key),
+    so a uid published there proves nothing; requiring our own uid, which the
+    kernel vouches for at connect time, keeps other users out even then.
+    """
+    other = {r: m.uid for r, m in members.items() if m.uid != me.uid}
+    if other:
+        return ZbcclSystemError(
+            f"heap: local ranks must share one user, expected uid {me.uid}, got {other} (rank: uid)",
+            ranks=tuple(other))
+    return None
