@@ -119,7 +119,15 @@ def run_trial(*, kind: str, where: str, world: int = 2, victim: int = 1, delay: 
     try:
         while sum(r != "replacement" for r in results) < world or (kind == "kill" and "replacement" not in results):
             if time.monotonic() > deadline:
-                why.append(f"hang: ranks {sorted(set(range(world)) - set(results))} did not finish in time")
+                late = sorted(r for r in range(world) if r not in results)
+                why.append(f"hang: ranks {late} did not finish in time (their stacks: stderr)")
+                for r in late:  # faulthandler in the rank prints every thread's stack
+                    p = procs[r][0]
+                    if p.is_alive():
+                        if kind == "stop":
+                            os.kill(p.pid, signal.SIGCONT)
+                        os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(1.0)  # let them write it
                 break
             vp = procs[victim][0]
             if kind == "kill" and replacement is None and vp.exitcode is not None:

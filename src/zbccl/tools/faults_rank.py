@@ -207,8 +207,11 @@ _TARGETS = {w: f"_op_{w}" for w in WHERE} | {"init": "_init_inside", "finalize":
 def trial_rank(*, rank: int, world: int, port: int, where: str, victim: int, kind: str, delay: float,
                timeout: float) -> dict:
     """The faulted round. Returns what this rank saw (survivors: the error, its delay, leaks)."""
+    import faulthandler
+
     import zbccl
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before it kills a hang
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=120))
     fds_before = _fds()
     work = _Workload(where, store, rank, world, timeout)
