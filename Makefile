@@ -4,7 +4,7 @@
 # editable into it, without build isolation: the editable install compiles nothing (the
 # native libraries build into ~/.cache/zbccl on `make native`), and a wheel build would use
 # .venv's torch instead of fetching the pinned one.
-#   make bench ARGS="--quick"      passes ARGS to `zbccl bench` (likewise for demo and tune)
+#   make bench ARGS="--quick"      passes ARGS to `zbccl bench` (likewise for demo, tune, soak, faults)
 #   make wheel                     dist/zbccl-*.whl with the native libraries prebuilt
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 ARGS ?=
 STAMP := $(VENV)/.zbccl-installed
 
-.PHONY: bench demo test lint native tune vllm-baseline vllm-e2e sglang-venv sglang-e2e wheel check-wheel clean
+.PHONY: bench demo soak faults test lint native tune vllm-baseline vllm-e2e sglang-venv sglang-e2e wheel check-wheel clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ check-wheel: $(STAMP)
 
 demo: native
 	$(PY) -m zbccl demo $(ARGS)
+
+soak: native
+	$(PY) -m zbccl soak --world 2 --minutes 2 $(ARGS)
+
+faults: native
+	$(PY) -m zbccl faults --trials 10 $(ARGS)
 
 tune: native
 	$(PY) -m zbccl tune $(ARGS)

@@ -1,4 +1,5 @@
-"""The ``zbccl`` command: ``--version``, ``info``, ``bench``, ``bench-tp``, ``tune``, ``demo``, ``build``."""
+"""The ``zbccl`` command: ``--version``, ``info``, ``bench``, ``bench-tp``, ``tune``, ``demo``, ``soak``, ``faults``,
+``build``."""
 
 from __future__ import annotations
 
@@ -77,7 +78,45 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--out", default=None, help="table path (default: ZBCCL_TUNE_FILE or the host's cache entry)")
     _add_bench(sub)
     _add_bench_tp(sub)
+    _add_soak(sub)
+    _add_faults(sub)
     return p
+
+
+def _add_faults(sub) -> None:
+    f = sub.add_parser("faults", help="SIGKILL/SIGSTOP/SIGINT one rank inside a random op: survivors must raise "
+                                      "naming it in time, leak nothing and run again")
+    f.add_argument("--trials", type=_count(1, 1 << 20), default=10, help="trials per signal (default 10)")
+    f.add_argument("--kinds", default="kill,stop,int", help="of kill,stop,int (default all three)")
+    f.add_argument("--where", default=None,
+                   help="of collective,p2p,ep,group,growth,init,finalize (default all: one drawn per trial)")
+    f.add_argument("--world", "-n", type=_count(2, 8), default=2, help="local ranks (default 2)")
+    f.add_argument("--seed", type=_count(0, (1 << 63) - 1), default=0)
+    f.add_argument("--parallel", type=_count(1, 16), default=1,
+                   help="trials at a time, each its own world (default 1; more is load for each other)")
+    f.add_argument("--minutes", type=_number(0.01, 7 * 24 * 60), default=None,
+                   help="stop starting rounds after this long (the table says how many ran)")
+    f.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
+
+
+def _add_soak(sub) -> None:
+    from .tools.soak import THRESHOLDS
+
+    s = sub.add_parser("soak", help="random ops for minutes, bit-exact against the reference; RSS/fd/heap growth")
+    s.add_argument("--world", "-n", type=_count(1, 64), default=2, help="local ranks (default 2; 3, 4 oversubscribe)")
+    length = s.add_mutually_exclusive_group()
+    length.add_argument("--minutes", type=_number(0.01, 7 * 24 * 60), default=None, help="run this long (default 1)")
+    length.add_argument("--ops", type=_count(1, 1 << 40), default=None, help="run this many ops instead")
+    s.add_argument("--seed", type=_count(0, (1 << 63) - 1), default=0, help="the op sequence's seed (default 0)")
+    s.add_argument("--check-every", type=_count(1, 1 << 20), default=32,
+                   help="ops between checkpoints (resources, agreement to stop; default 32)")
+    s.add_argument("--report-every", type=_number(0, 86400), default=30.0, help="seconds between progress lines")
+    s.add_argument("--heap-size", type=_size, default="64M", help="initial heap per rank (default 64M; it grows)")
+    s.add_argument("--max-rss-growth", type=_size, default=str(THRESHOLDS["rss_anon_bytes"]),
+                   help="anonymous RSS growth allowed per rank after the warm-up "
+                        f"(default {THRESHOLDS['rss_anon_bytes'] >> 20}M)")
+    s.add_argument("--no-ep", action="store_true", help="leave out EP dispatch/combine")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
 
 def _add_bench_tp(sub) -> None:
@@ -161,6 +200,28 @@ def _run(args) -> int:
         return run_demo(world_size=args.world_size, nbytes=parse_size(args.size), iters=args.iters)
     if args.cmd == "bench":
         return _bench(args)
+    if args.cmd == "faults":
+        from .tools.faults import KINDS, run_faults
+        from .tools.faults_rank import WHERE
+
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        wheres = [w.strip() for w in args.where.split(",") if w.strip()] if args.where else None
+        bad = [k for k in kinds if k not in KINDS] + [w for w in wheres or [] if w not in WHERE]
+        if bad or not kinds:
+            print(f"zbccl faults: error: unknown signal kind or workload, expected {','.join(KINDS)} and "
+                  f"{','.join(WHERE)}, got {bad or args.kinds!r}", file=sys.stderr)
+            return 2
+        return run_faults(trials=args.trials, kinds=kinds, wheres=wheres, world=args.world, seed=args.seed,
+                          as_json=args.json, minutes=args.minutes, parallel=args.parallel)
+    if args.cmd == "soak":
+        from .env import parse_size
+        from .tools.soak import run_soak
+
+        minutes = args.minutes if args.minutes is not None or args.ops is not None else 1.0
+        return run_soak(world_size=args.world, minutes=minutes, ops=args.ops, seed=args.seed,
+                        check_every=args.check_every, report_every=args.report_every,
+                        heap_size=parse_size(args.heap_size), ep=not args.no_ep, as_json=args.json,
+                        rss_growth=parse_size(args.max_rss_growth))
     if args.cmd == "bench-tp":
         from .bench.tp import run_from_args
 

@@ -40,7 +40,7 @@ from ....bootstrap.base import Bootstrap
 from ....bootstrap.store import in_range, parse_record
 from ....errors import ZbcclError, ZbcclRemoteError, ZbcclSystemError
 
-__all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive_fd", "member_of", "agree", "check_uids"]
+__all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive_fd", "member_of", "agree", "check_uids", "os_error"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SEND_TIMEOUT_S = 5.0  # one byte into a fresh socket: only a dead peer makes it wait
@@ -84,7 +84,10 @@ class FdServer(threading.Thread):
         self.served: set[int] = set()
         self.rejected = 0
         self.error: BaseException | None = None
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        except OSError as exc:
+            raise os_error("heap: cannot listen for segment requests", exc, rank) from None
         try:
             self.sock.bind(sock_name(job_id, rank, token))
             self.sock.listen(128)
@@ -95,7 +98,11 @@ class FdServer(threading.Thread):
                     f"heap: the socket name of rank {rank} (job {job_id}) is already bound by another "
                     "process, expected it free (a squatter, or two jobs sharing an id)", ranks=(rank,)) from None
             raise ZbcclSystemError(f"heap: cannot listen for segment requests: {exc}", ranks=(rank,)) from None
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            self.sock.close()
+            raise os_error("heap: cannot listen for segment requests", exc, rank) from None
 
     def serve(self, members: list[Member]) -> None:
         """Start answering ``members`` (by pid), each once."""
@@ -104,8 +111,12 @@ class FdServer(threading.Thread):
 
     def run(self) -> None:
         poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
+        try:
+            poller.register(self.sock.fileno(), select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
+        except ValueError:  # -1: stop() ran before this thread did (an interrupt inside serve()'s start)
+            self.sock.close()
+            return
         try:
             while len(self.served) < len(self.expected):
                 events = dict(poller.poll())
@@ -158,12 +169,25 @@ class FdServer(threading.Thread):
         self._wake_r = self._wake_w = -1
 
 
+def os_error(what: str, exc: OSError, rank: int | None = None) -> ZbcclSystemError:
+    """``exc`` as this rank's :class:`ZbcclSystemError`; out of descriptors says which limit and how to raise it."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return ZbcclSystemError(
+            f"{what}: out of file descriptors, expected room for the heap's (a memfd and a pidfd per local "
+            f"peer, a socket while they are handed out), got {exc} (raise `ulimit -n`, RLIMIT_NOFILE)",
+            ranks=(rank,) if rank is not None else ())
+    return ZbcclSystemError(f"{what}: {exc}", ranks=(rank,) if rank is not None else ())
+
+
 def receive_fd(job_id: str, peer: Member, *, timeout: float) -> tuple[int, int]:
     """Connect to ``peer``'s server, check it is ``peer``; return ``(memfd, pidfd)``.
 
     Both descriptors are close-on-exec; the caller owns them.
     """
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    except OSError as exc:
+        raise os_error(f"heap: cannot open a socket to rank {peer.rank}'s segment server", exc) from None
     s.settimeout(timeout)
     pidfd = -1
     try:
@@ -196,16 +220,27 @@ def _pidfd_of(pid: int, rank: int) -> int:
     except ProcessLookupError:
         raise ZbcclRemoteError(f"heap: rank {rank} (pid {pid}) exited during the handshake",
                                ranks=(rank,)) from None
-    except (OSError, AttributeError) as exc:
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise os_error(f"heap: cannot watch rank {rank} (pidfd_open)", exc) from None
+        raise ZbcclSystemError(f"heap: pidfd_open failed, expected Linux >= 5.3, got {exc}") from None
+    except AttributeError as exc:
         raise ZbcclSystemError(f"heap: pidfd_open failed, expected Linux >= 5.3, got {exc}") from None
 
 
 def _recv_one_fd(s: socket.socket, rank: int) -> int:
     fds = array.array("i")
     try:
-        msg, anc, _, _ = s.recvmsg(1, socket.CMSG_SPACE(fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+        msg, anc, flags, _ = s.recvmsg(1, socket.CMSG_SPACE(fds.itemsize), socket.MSG_CMSG_CLOEXEC)
     except OSError as exc:
         raise ZbcclRemoteError(f"heap: could not get rank {rank}'s segment: {exc}", ranks=(rank,)) from None
+    if flags & socket.MSG_CTRUNC:  # the kernel dropped the descriptor: this process is at its limit
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                for fd in array.array("i", data[: len(data) - len(data) % fds.itemsize]):
+                    os.close(fd)
+        raise os_error(f"heap: cannot receive rank {rank}'s segment descriptor",
+                       OSError(errno.EMFILE, os.strerror(errno.EMFILE)))
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])

@@ -66,7 +66,7 @@ from ....bootstrap.topology import Topology
 from ....errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from ... import flags, layout
 from ..base import NativeHandle, Segment, SignalPad, Transport
-from .handout import FdServer, Member, agree, check_uids, member_of, receive_fd
+from .handout import FdServer, Member, agree, check_uids, member_of, os_error, receive_fd
 from .liveness import Pidfds
 from .mapping import create_memfd, load_i64, map_fd, prefault, store_i64, tensor_at, unmap_addr
 
@@ -118,6 +118,8 @@ class ShmTransport(Transport):
                 server = FdServer(job_id, rank, me.token, fd)
             except ZbcclError as exc:
                 error = exc
+            except OSError as exc:  # e.g. out of descriptors: every rank must hear it, not wait out the timeout
+                error = os_error("heap: cannot create this rank's segment", exc, rank)
             got = agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
                          error, timeout=timeout, tag="shm-listen")
             members = {p: member_of(p, got[p]) for p in peers}  # _agree raised on any error
@@ -129,6 +131,8 @@ class ShmTransport(Transport):
                         self._connect(job_id, members[peer], data_bytes[peer], reserve[peer], timeout)
                 except ZbcclError as exc:
                     error = exc
+                except OSError as exc:
+                    error = os_error("heap: cannot map the peers' segments", exc, rank)
             agree(bootstrap, {}, error, timeout=timeout, tag="shm-mapped")
             server.stop()
             if server.error is not None:
