@@ -25,28 +25,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.engines import ROOT, engine_python, tagged_pids
+
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
 RUN_TAG = "ZBT_VLLM_RUN"
 MODELS = ("llama", "moe", "qwen2", "qwen3moe")
 
 
 def _venv_python() -> Path | None:
-    """``.venv-vllm/bin/python`` of this checkout, or of the main worktree when this is a linked one."""
-    roots = [ROOT]
-    try:
-        common = subprocess.run(["git", "rev-parse", "--git-common-dir"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        if common:
-            roots.append((ROOT / common).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        pass
-    for root in roots:
-        py = root / ".venv-vllm" / "bin" / "python"
-        if py.exists():
-            return py
-    return None
+    """``.venv-vllm/bin/python`` of this checkout or of its main worktree (:func:`.engines.engine_python`)."""
+    return engine_python(".venv-vllm")
 
 
 def _plugin_path(py: Path, tmp: Path) -> str:
@@ -57,18 +46,7 @@ def _plugin_path(py: Path, tmp: Path) -> str:
 
 
 def _tagged(tag: str) -> list[int]:
-    """Pids of live processes whose environment carries ``RUN_TAG=tag``."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if f"{RUN_TAG}={tag}".encode() in f.read().split(b"\0"):
-                    pids.append(int(name))
-        except OSError:
-            continue
-    return pids
+    return tagged_pids(RUN_TAG, tag)
 
 
 def _serve(py: Path, extra_path: str, *, zbccl: bool) -> dict[str, dict]:
