@@ -54,6 +54,13 @@ __all__ = [
     "VLLM",
     "SGLANG",
     "SGLANG_PROBE",
+    "HOST_ID",
+    "MOONCAKE_PROTOCOL",
+    "MOONCAKE_DEVICE",
+    "MOONCAKE_HOST",
+    "MOONCAKE_PORTS",
+    "JOB_COOKIE",
+    "parse_port_range",
 ]
 
 T = TypeVar("T")
@@ -330,6 +337,53 @@ SGLANG_PROBE: EnvVar[bool] = EnvVar(
     "zbccl's) and reports it in /server_info; for benchmarks and tests.",
 )
 
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """``"17500-17600"`` as ``(17500, 17600)`` (1024 to 65535, low <= high); empty: None (the OS picks)."""
+    if not text.strip():
+        return None
+    m = re.match(r"^\s*(\d+)\s*-\s*(\d+)\s*$", text)
+    lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"expected a port range low-high within 1024-65535, e.g. '17500-17600', got {text!r}")
+    return lo, hi
+
+
+def _parse_cookie(text: str) -> str:
+    if len(text) < 16:
+        raise ValueError(f"expected a secret of at least 16 characters, got {len(text)} characters")
+    return text
+
+
+HOST_ID: EnvVar[str] = EnvVar(
+    "ZBCCL_HOST_ID", str, "",
+    "This rank's host id (ranks with one id share memory); default: a hash of hostname, boot id and "
+    "namespaces. For tests that make several hosts of one machine.",
+)
+MOONCAKE_PROTOCOL: EnvVar[str] = EnvVar(
+    "ZBCCL_MOONCAKE_PROTOCOL", _choice("tcp", "rdma"), "tcp",
+    "Protocol of the Mooncake transport between hosts: tcp, or rdma (where HCAs exist; Mooncake falls back "
+    "to TCP without one, and zbccl logs and shows the transport it got).",
+)
+MOONCAKE_DEVICE: EnvVar[str] = EnvVar(
+    "ZBCCL_MOONCAKE_DEVICE", str, "",
+    "RDMA devices (HCAs) the Mooncake transport uses, e.g. 'mlx5_0,mlx5_1'; default: Mooncake's choice.",
+)
+MOONCAKE_HOST: EnvVar[str] = EnvVar(
+    "ZBCCL_MOONCAKE_HOST", str, "",
+    "Address peers reach this rank's Mooncake engine at; default: the local address that routes to the "
+    "rendezvous store's host.",
+)
+MOONCAKE_PORTS: EnvVar[tuple[int, int] | None] = EnvVar(
+    "ZBCCL_MOONCAKE_PORTS", parse_port_range, None,
+    "Port range of the Mooncake handshake listener, e.g. '17500-17600' (firewalls); default: the OS picks.",
+)
+JOB_COOKIE: EnvVar[str] = EnvVar(
+    "ZBCCL_JOB_COOKIE", _parse_cookie, "",
+    "A secret the launcher gives every rank of a job across hosts (at least 16 characters): seals the "
+    "rendezvous records between hosts. It does not protect Mooncake's data plane (see the threat model).",
+)
+
 #: Every declared variable, in README order.
 VARIABLES: tuple[EnvVar, ...] = (
     HEAP_SIZE,
@@ -355,4 +409,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     VLLM,
     SGLANG,
     SGLANG_PROBE,
+    HOST_ID,
+    MOONCAKE_PROTOCOL,
+    MOONCAKE_DEVICE,
+    MOONCAKE_HOST,
+    MOONCAKE_PORTS,
+    JOB_COOKIE,
 )

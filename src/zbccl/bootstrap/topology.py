@@ -4,6 +4,14 @@ Two ranks are on the same "host" when they can share memory *and* reach each
 other's abstract Unix sockets: the same running kernel (``boot_id``) and the
 same network namespace. The hostname alone is not enough: containers often
 share or fake it, and two containers on one machine may not share /dev/shm.
+
+The host id is a hash of hostname, boot id and the network and IPC namespaces
+(the namespaces are what the shm transport's descriptor handout needs: an
+abstract socket reaches only its own network namespace), or ``ZBCCL_HOST_ID``
+where set: tests make several hosts of one machine with it. Ranks with one
+host id share memory (the shm transport); ranks on different hosts reach each
+other through the inter-host transport (Mooncake), chosen by
+``heap.transports.select`` from this map.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import os
 import platform
 import socket
 from dataclasses import dataclass, field
+
+from .. import env
 
 __all__ = ["HostInfo", "Topology", "local_host_info", "cpu_model", "usable_cores", "affinity", "format_cpus",
            "masks_oversubscribed"]
@@ -110,10 +120,13 @@ class HostInfo:
 
 
 def local_host_info() -> HostInfo:
-    """This process's :class:`HostInfo`; ``host_id`` hashes boot id, net and IPC namespaces."""
+    """This process's :class:`HostInfo`; ``host_id`` hashes hostname, boot id, net and IPC namespaces
+    (``ZBCCL_HOST_ID`` overrides it)."""
     hostname = socket.gethostname()
-    parts = [hostname, _read("/proc/sys/kernel/random/boot_id"), _ns_inode("net"), _ns_inode("ipc")]
-    host_id = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+    host_id = env.HOST_ID.get()
+    if not host_id:
+        parts = [hostname, _read("/proc/sys/kernel/random/boot_id"), _ns_inode("net"), _ns_inode("ipc")]
+        host_id = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
     cpus = affinity()
     return HostInfo(host_id=host_id, hostname=hostname, pid=os.getpid(), cores=len(cpus), cpus=cpus)
 

@@ -55,7 +55,8 @@ def entries() -> list[Entry]:
 
 register(Entry("shm", "cpu", False, "zbccl.heap.transports.shm:ShmTransport"))
 register(Entry("cuda", "cuda", False, None, "CUDA IPC/VMM segments come with the CUDA issue"))
-register(Entry("mooncake", "any", True, None, "the inter-host transport (Mooncake Transfer Engine) is not built yet"))
+register(Entry("mooncake", "any", True, "zbccl.heap.transports.mooncake:MooncakeTransport",
+               "the inter-host transport (Mooncake Transfer Engine): pip install 'zbccl[internode]'"))
 
 
 def resolve(name: str) -> type[Transport]:

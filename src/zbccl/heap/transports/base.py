@@ -23,7 +23,9 @@ caller in error messages):
 
 * **Views** (:meth:`~Transport.view`, :meth:`~Transport.view_bytes`,
   :meth:`~Transport.pad_view`): a tensor aliasing the memory, zero-copy, on
-  :attr:`~Transport.device`. Bounds-checked against the live size at the call
+  :attr:`~Transport.device`, of a rank whose memory is mapped here
+  (:meth:`~Transport.viewable`; a remote rank of a transport between hosts is
+  reachable through put/get and the signals only, and its views raise). Bounds-checked against the live size at the call
   (never later: a view stays valid for as long as it lives, as heaps only
   grow and the mapping outlives every view). Plain loads and stores through a
   view carry no ordering: publish them with :meth:`~Transport.signal` and
@@ -178,6 +180,12 @@ class Transport(ABC):
     @abstractmethod
     def reachable(self, rank: int) -> bool:
         """Whether ``rank``'s memory is mapped here."""
+
+    def viewable(self, rank: int) -> bool:
+        """Whether :meth:`view` and :meth:`pad_view` can alias ``rank``'s memory here (it is mapped in this
+        process). A transport between hosts reaches a remote rank only through put/get and the signal verbs:
+        ``reachable`` but not ``viewable``, and its views raise :class:`~zbccl.errors.ZbcclInvalidUsageError`."""
+        return self.reachable(rank)
 
     @abstractmethod
     def size(self, rank: int) -> int:

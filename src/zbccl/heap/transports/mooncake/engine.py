@@ -1,0 +1,173 @@
+"""Mooncake Transfer Engine, loaded lazily, and what zbccl needs of it.
+
+The engine (``mooncake.engine.TransferEngine``, the ``mooncake-transfer-engine``
+wheels) does one-sided reads and writes of registered memory between
+processes. Facts this transport relies on (``docs/mooncake.md``):
+
+* ``P2PHANDSHAKE``: no metadata server; each engine serves its own
+  handshake RPC, and a peer is addressed by its session id ``"ip:rpc_port"``;
+* over TCP protocol v2 a completed write has landed in the target's memory,
+  so a data write followed by a flag write is ordered;
+* the target bounds-checks every remote address against its registered
+  buffers (rc -1, nothing touched), one buffer per transfer: a transfer may
+  not span two registrations;
+* ``protocol="rdma"`` without an HCA falls back to TCP silently: the
+  transport actually obtained is read back (:attr:`MooncakeEngine.transport`);
+* a transfer to a dead process fails at once (connection refused); one over
+  a cut link fails after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (zbccl sets 5 s when
+  unset, Mooncake's default is 30 s).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+
+from .... import env
+from ....errors import ZbcclSystemError
+
+__all__ = ["INSTALL", "MooncakeEngine", "load", "missing_reason", "local_address", "probe"]
+
+_log = logging.getLogger("zbccl")
+
+#: How to install what the transport needs (said by every "cannot load" error).
+INSTALL = ("pip install 'zbccl[internode]' (mooncake-transfer-engine-non-cuda; the CUDA wheel "
+           "mooncake-transfer-engine on GPU nodes) and apt-get install -y libibverbs1")
+
+#: Seconds a transfer over a silent link may hang before Mooncake fails it (set when unset).
+STALL_SECONDS = 5
+
+
+def load():
+    """The ``mooncake.engine`` module; a :class:`ZbcclSystemError` saying how to install it when it cannot load."""
+    # Mooncake reads its log level when it loads: INFO lines on every connection otherwise (a launcher's wins).
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    try:
+        from mooncake import engine  # noqa: PLC0415 - optional dependency, imported when chosen
+    except ImportError as exc:
+        text = str(exc)
+        if "libibverbs" in text:
+            raise ZbcclSystemError(
+                f"heap: the mooncake transport cannot load, expected libibverbs1 installed (Mooncake needs it "
+                f"even for TCP), got ImportError: {text}; install it: apt-get install -y libibverbs1") from None
+        raise ZbcclSystemError(
+            f"heap: the mooncake transport needs Mooncake Transfer Engine, expected the mooncake package, got "
+            f"ImportError: {text}; install it: {INSTALL}") from None
+    return engine
+
+
+def missing_reason() -> str | None:
+    """Why the mooncake transport cannot load here (for skips and ``zbccl info``), or None."""
+    try:
+        load()
+    except ZbcclSystemError as exc:
+        return str(exc)
+    return None
+
+
+def local_address(store_host: str | None) -> str:
+    """The address peers reach this rank at: ``ZBCCL_MOONCAKE_HOST``, else the local end of the route to
+    the store's host (no packet is sent), else the hostname's address."""
+    chosen = env.MOONCAKE_HOST.get()
+    if chosen:
+        return chosen
+    if store_host:
+        try:
+            target = socket.gethostbyname(store_host)
+            if target.startswith("127."):
+                return "127.0.0.1"
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def probe(ip: str, port: int, timeout: float) -> str:
+    """What a TCP connect to a peer engine's handshake port says: ``"alive"``, ``"dead"`` (refused: its host
+    answers, its process is gone) or ``"unreachable"`` (no answer: the host or the link is down)."""
+    try:
+        with socket.create_connection((ip, port), timeout=timeout):
+            return "alive"
+    except ConnectionRefusedError:
+        return "dead"
+    except OSError as exc:
+        if exc.errno == errno.ECONNREFUSED:
+            return "dead"
+        return "unreachable"
+
+
+class MooncakeEngine:
+    """One ``TransferEngine`` of this process, initialised in P2P-handshake mode (no metadata server)."""
+
+    def __init__(self, host: str, *, protocol: str, device: str = "") -> None:
+        module = load()
+        ports = env.MOONCAKE_PORTS.get()
+        # Set before the engine reads them (never at import); a launcher's own MC_* values win.
+        if ports is not None:
+            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = str(ports[0]), str(ports[1])
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(STALL_SECONDS))
+        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(STALL_SECONDS))
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)  # listen on the job's interface only
+        self._e = module.TransferEngine()
+        self.host = host
+        self.protocol = protocol
+        rc = self._e.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise ZbcclSystemError(
+                f"heap: Mooncake engine initialize failed, expected 0, got {rc} (host {host}, protocol {protocol}"
+                f"{', ports ' + '-'.join(map(str, ports)) if ports else ''})")
+        self.rpc_port = int(self._e.get_rpc_port())
+        #: The transport Mooncake actually runs: "rdma" only where it found an HCA (it falls back silently).
+        self.transport = "rdma" if protocol == "rdma" and _has_hca(self._e.get_local_topology(device or None)) \
+            else "tcp"
+        if self.transport != protocol:
+            _log.warning("zbccl: Mooncake was asked for %s but found no RDMA device; running over %s",
+                         protocol, self.transport)
+        else:
+            _log.info("zbccl: Mooncake transport %s at %s", self.transport, self.session_id)
+
+    @property
+    def session_id(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    def register(self, addr: int, nbytes: int) -> None:
+        rc = self._e.register_memory(addr, nbytes)
+        if rc != 0:
+            raise ZbcclSystemError(f"heap: Mooncake could not register {nbytes} bytes, expected 0, got {rc}")
+
+    def unregister(self, addr: int) -> None:
+        self._e.unregister_memory(addr)
+
+    def write(self, peer: str, local: int, remote: int, nbytes: int) -> int:
+        return self._e.transfer_sync_write(peer, local, remote, nbytes)
+
+    def read(self, peer: str, local: int, remote: int, nbytes: int) -> int:
+        return self._e.transfer_sync_read(peer, local, remote, nbytes)
+
+    def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
+        if len(locals_) == 1:
+            return self.read(peer, locals_[0], remotes[0], sizes[0])
+        return self._e.batch_transfer_sync_read(peer, locals_, remotes, sizes)
+
+    def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
+        if len(locals_) == 1:
+            return self.write(peer, locals_[0], remotes[0], sizes[0])
+        return self._e.batch_transfer_sync_write(peer, locals_, remotes, sizes)
+
+
+def _has_hca(topology: str) -> bool:
+    """Whether Mooncake's local topology (``{"cpu:0": [[preferred HCAs], [other HCAs]], ...}``) lists an HCA."""
+    try:
+        parsed = json.loads(topology)
+    except (TypeError, ValueError):
+        return False
+    return any(any(hcas for hcas in lists if isinstance(hcas, list)) for lists in parsed.values()
+               if isinstance(lists, list))

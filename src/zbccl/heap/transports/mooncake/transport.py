@@ -1,0 +1,697 @@
+"""The mooncake transport: ranks on other hosts, reached by one-sided Mooncake reads and writes.
+
+Every rank runs one Mooncake Transfer Engine (P2P handshake: no metadata
+server) and registers, once each, its signal pad, its data segment's initial
+range, each growth step and its control region (``memory.py``). Nothing of a
+peer is mapped here: every access to a remote rank is a transfer, bounds-checked
+twice (here against the peer's published size, and by the peer's engine
+against its registrations, so a bad address touches nothing).
+
+Protocol (collective over the ranks served; ``establish``):
+
+1. each rank reserves its memory (or adopts the shm segment it already has,
+   :meth:`MooncakeTransport.attach`), starts its engine on the address that
+   routes to the store's host (``ZBCCL_MOONCAKE_HOST`` overrides), registers
+   and writes its growth table;
+2. bootstrap all-gather of ``{session id, ip, port, hostname, pad, data,
+   ctrl, reserve}`` (or the error it hit, so every rank fails together),
+   sealed with the job cookie's key when ``ZBCCL_JOB_COOKIE`` is set (a
+   record the cookie does not open is refused on every rank);
+3. each rank reads every peer's growth table once (the handshake, and a
+   check that the peer's engine answers), then all-gather again with any
+   error; the liveness and fetch_add threads start.
+
+Verbs on a remote rank:
+
+* ``put``/``get``/``get_into``/``zero``: ``transfer_sync_write``/``read``,
+  split at the peer's registration boundaries (a transfer may not span two);
+  complete when the call returns (TCP protocol v2: the bytes landed).
+* ``signal``: an 8-byte write into the peer's pad, ordered after every
+  earlier write of this process to that peer (v2 completion). ``load``: an
+  8-byte read. ``wait_until``: polls local words in place and remote words by
+  one batched read per peer, backing off to 1 ms, checking liveness every
+  ``liveness`` seconds (dead: :class:`~zbccl.errors.ZbcclRemoteError`;
+  unreachable for ``STALL`` seconds: :class:`~zbccl.errors.ZbcclTimeoutError`
+  naming the host). ``fetch_add``: executed by the owner (``service.py``).
+* Views of a remote rank are impossible (its memory is not in this process):
+  :meth:`view`, :meth:`pad_view` and the native addresses raise
+  :class:`~zbccl.errors.ZbcclInvalidUsageError` saying so; views of this
+  rank's own memory work as on shm. :meth:`viewable` tells them apart.
+
+Liveness: ``service.Monitor`` (no pidfds across hosts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .... import env
+from ....bootstrap.base import Bootstrap
+from ....bootstrap.secret import JobSecret, SealError
+from ....bootstrap.store import in_range, parse_record
+from ....bootstrap.topology import Topology
+from ....errors import (
+    ZbcclError,
+    ZbcclInvalidUsageError,
+    ZbcclOutOfMemoryError,
+    ZbcclRemoteError,
+    ZbcclSystemError,
+    ZbcclTimeoutError,
+)
+from ... import flags, layout
+from ..base import NativeHandle, Segment, SignalPad, Transport, _as_bytes
+from ..shm.mapping import prefault, tensor_at
+from .engine import MooncakeEngine, load, local_address
+from .memory import CTRL_MAIL, CTRL_TABLE, MAX_STEPS, ctrl_layout, release, reserve
+from .service import AtomicServer, Monitor, Peer
+
+__all__ = ["MooncakeTransport", "STALL"]
+
+_PAD = layout.CTRL_BYTES
+#: Seconds without an answer after which a peer's host is reported unreachable.
+STALL = 5.0
+# The control region's scratch: [monitor word][atomic-server words][staged words ...][a growth table read].
+_S_MONITOR, _S_SERVER, _S_WORDS, _S_TABLE = 0, 64, 128, 2048
+_WORDS = (_S_TABLE - _S_WORDS) // 8
+_ZERO_CHUNK = 1 << 20
+
+
+def cookie_secret(job_id: str) -> JobSecret | None:
+    """The job's key from ``ZBCCL_JOB_COOKIE`` (the launcher's secret), or None when it is unset."""
+    cookie = env.JOB_COOKIE.get()
+    if not cookie:
+        return None
+    return JobSecret(hashlib.sha256(b"zbccl job cookie\0" + cookie.encode()).digest(), job_id)
+
+
+class MooncakeTransport(Transport):
+    """Ranks reached through Mooncake Transfer Engine (see the module docstring)."""
+
+    name = "mooncake"
+
+    def __init__(self, *, device: torch.device | str = "cpu", populate: bool = True) -> None:
+        super().__init__(device=device)
+        if self.device.type != "cpu":
+            raise ZbcclInvalidUsageError(
+                f"heap: the mooncake transport holds host memory here, expected device cpu, got {self.device}")
+        load()  # a missing wheel or libibverbs1 fails here, saying how to install it
+        self.populate = populate
+        self.rank = -1
+        self.engine: MooncakeEngine | None = None
+        self.peers: dict[int, Peer] = {}
+        self.segments: dict[int, Segment] = {}
+        self._pad = self._data = self._ctrl = 0
+        self._own_map: tuple[int, int] | None = None  # (addr, bytes) of memory this transport reserved
+        self._ctrl_map: tuple[int, int] | None = None
+        self._reply = 0
+        self._ends: dict[int, list[int]] = {}  # rank -> data ends after each registration (own: exact)
+        self._registered: list[int] = []
+        self._lock = threading.Lock()  # the scratch words
+        self._amo_lock = threading.Lock()
+        self._amo_seq = 0
+        self._prims = flags.primitives()
+        self._monitor: Monitor | None = None
+        self._server: AtomicServer | None = None
+        self._secret: JobSecret | None = None
+        self._own_flat: torch.Tensor | None = None
+        self._native = _MooncakeNative(self)
+
+    # ------------------------------------------------------------ lifecycle
+    def establish(self, bootstrap: Bootstrap, topology: Topology, *, data_bytes: list[int], job_id: str,
+                  timeout: float, reserve_bytes: list[int] | None = None) -> dict[int, Segment]:
+        reserve_ = list(data_bytes) if reserve_bytes is None else list(reserve_bytes)
+        me = bootstrap.rank
+        addr, error = 0, None
+        try:
+            addr = reserve(layout.segment_bytes(reserve_[me]))
+            self._own_map = (addr, layout.segment_bytes(reserve_[me]))
+            if self.populate:
+                prefault(addr, _PAD + data_bytes[me])
+        except ZbcclError as exc:
+            error = exc
+        peers = [r for r in range(bootstrap.world_size) if r != me]
+        return self.attach(bootstrap, topology, pad=addr, data=addr + _PAD, data_bytes=data_bytes,
+                           reserve_bytes=reserve_, peers=peers, job_id=job_id, timeout=timeout, error=error)
+
+    def attach(self, bootstrap: Bootstrap, topology: Topology, *, pad: int, data: int, data_bytes: list[int],
+               reserve_bytes: list[int], peers: list[int], job_id: str, timeout: float,
+               error: ZbcclError | None = None) -> dict[int, Segment]:
+        """Collective over every rank of ``bootstrap``: serve this rank's memory at ``pad``/``data`` (its own,
+        or an shm segment the caller owns) through Mooncake, and reach ``peers``. Fails on every rank together."""
+        me = self.rank = bootstrap.rank
+        world = bootstrap.world_size
+        self._secret = cookie_secret(job_id)
+        key = f"zbccl/mooncake/{job_id}"
+        try:
+            record = None
+            if error is None:
+                try:
+                    record = self._open(bootstrap, pad, data, data_bytes[me], reserve_bytes[me], world)
+                except ZbcclError as exc:
+                    error = exc
+            got = self._agree(bootstrap, record, error, timeout=timeout, key=f"{key}/up", tag="mooncake")
+            self.segments[me] = Segment(me, data_bytes[me], "cpu", owner=True, reserved=reserve_bytes[me])
+            for r in peers:
+                self.peers[r] = _peer_of(r, got[r], reserve_bytes[r])
+                self.segments[r] = Segment(r, data_bytes[r], "cpu", owner=False, reserved=reserve_bytes[r])
+            try:
+                for r in peers:  # the handshake with each peer, and its first growth table
+                    self._refresh(r, op="heap: connecting to a peer's engine")
+            except ZbcclError as exc:
+                error = exc
+            self._agree(bootstrap, {}, error, timeout=timeout, key=f"{key}/reached", tag="mooncake-reached")
+            self._start_threads(world)
+        except BaseException:
+            self.close(unmap=True)
+            raise
+        return dict(self.segments)
+
+    def _open(self, bootstrap: Bootstrap, pad: int, data: int, nbytes: int, reserved: int, world: int) -> dict:
+        """Engine up, this rank's memory registered, its growth table written; the record peers need."""
+        self.engine = MooncakeEngine(local_address(_store_host(bootstrap)), protocol=env.MOONCAKE_PROTOCOL.get(),
+                             device=env.MOONCAKE_DEVICE.get())
+        self._reply, _, ctrl_bytes = ctrl_layout(world)
+        self._ctrl = reserve(ctrl_bytes)
+        self._ctrl_map = (self._ctrl, ctrl_bytes)
+        prefault(self._ctrl, ctrl_bytes)
+        self._pad, self._data = pad, data
+        for addr, n in ((pad, _PAD), (data, nbytes), (self._ctrl, ctrl_bytes)):
+            if n:
+                self.engine.register(addr, n)
+                self._registered.append(addr)
+        self._ends[self.rank] = [nbytes]
+        self._prims.store_release(self._ctrl + CTRL_TABLE + 8, nbytes)
+        self._prims.store_release(self._ctrl + CTRL_TABLE, 1)
+        return {"sid": self.engine.session_id, "ip": self.engine.host, "port": self.engine.rpc_port,
+                "hostname": socket.gethostname(), "pad": pad, "data": data, "ctrl": self._ctrl,
+                "transport": self.engine.transport}
+
+    def _agree(self, bootstrap: Bootstrap, record: dict | None, error: ZbcclError | None, *, timeout: float,
+               key: str, tag: str) -> list[dict]:
+        """All-gather ``record`` (or this rank's error), sealed with the cookie's key when there is one;
+        raise on every rank when any rank failed or sent what the key does not open."""
+        me = bootstrap.rank
+        raw = json.dumps({"error": str(error)} if error is not None else record).encode()
+        if self._secret is not None:
+            raw = self._secret.seal(f"{key}/{me}", raw)
+        got = bootstrap.all_gather(raw, timeout=timeout, tag=tag)
+        if error is not None:
+            raise error
+        out, failed = [], []
+        for r, blob in enumerate(got):
+            if self._secret is not None:
+                try:
+                    blob = self._secret.open(f"{key}/{r}", blob)
+                except SealError as exc:
+                    failed.append((r, f"its record is not sealed with this job's cookie ({exc}); expected "
+                                      "ZBCCL_JOB_COOKIE to be the same on every rank"))
+                    continue
+            d = parse_record(blob, _dict_of, op="heap", rank=r, what="a JSON object (a Mooncake record)")
+            if d.get("error"):
+                failed.append((r, str(d["error"])))
+            out.append(d)
+        if failed:
+            what = "; ".join(f"rank {r}: {e}" for r, e in failed)
+            raise ZbcclRemoteError(f"heap: a rank could not set up the mooncake transport: {what}",
+                                   ranks=tuple(r for r, _ in failed))
+        return out
+
+    def _start_threads(self, world: int) -> None:
+        if not self.peers:
+            return
+        period = max(env.LIVENESS_INTERVAL.get(), 0.25)
+        self._monitor = Monitor(self.engine, self.peers, self._ctrl + self._scratch() + _S_MONITOR, period=period,
+                                stall=STALL)
+        self._monitor.start()
+        self._server = AtomicServer(self.engine, self.peers, ctrl=self._ctrl, reply_offset=self._reply,
+                                    scratch=self._ctrl + self._scratch() + _S_SERVER, word_addr=self._own_word,
+                                    prims=self._prims, load=self._prims.load_acquire)
+        self._server.start()
+
+    def _scratch(self) -> int:
+        return self._reply + layout.PAGE
+
+    def grow(self, nbytes: int) -> None:
+        """Owner only: back ``nbytes`` of data (reserved at establish), register the new range, publish it."""
+        seg = self.segments.get(self.rank)
+        if seg is None or self._own_map is None:
+            raise ZbcclSystemError("heap: grow: this transport holds no segment of its own to grow")
+        if nbytes <= seg.nbytes:
+            return
+        if nbytes > seg.reserved:
+            raise ZbcclOutOfMemoryError(
+                f"heap: grow: heap of {nbytes} bytes requested, expected at most the {seg.reserved} reserved")
+        if self.populate:
+            prefault(self._data + seg.nbytes, nbytes - seg.nbytes)
+        self.register_growth(nbytes)
+        self._prims.signal(self._pad + layout.H_HEAP_BYTES, nbytes)
+
+    def register_growth(self, nbytes: int) -> None:
+        """Register ``[old size, nbytes)`` of this rank's data (backed already) and publish the new size."""
+        ends = self._ends[self.rank]
+        if len(ends) >= MAX_STEPS:
+            raise ZbcclOutOfMemoryError(
+                f"heap: grow: too many growth steps, expected at most {MAX_STEPS - 1} (Mooncake registrations), "
+                f"got one more; start with a larger heap_size")
+        old = ends[-1]
+        self.engine.register(self._data + old, nbytes - old)
+        self._registered.append(self._data + old)
+        # The end first, then the count: a peer that reads the count reads every end below it.
+        self._prims.store_release(self._ctrl + CTRL_TABLE + 8 * (len(ends) + 1), nbytes)
+        ends.append(nbytes)
+        self._prims.store_release(self._ctrl + CTRL_TABLE, len(ends))
+        self.segments[self.rank].nbytes = nbytes
+
+    def close(self, *, unmap: bool) -> None:
+        for thread in (self._monitor, self._server):
+            if thread is not None:
+                thread.stop()
+        self._monitor = self._server = None
+        if self.engine is not None:
+            for addr in self._registered:  # no peer write lands here from now on
+                self.engine.unregister(addr)
+            self._registered.clear()
+            self.engine = None
+        self._own_flat = None
+        if unmap:
+            for mapped in (self._own_map, self._ctrl_map):
+                if mapped is not None:
+                    release(*mapped)
+            self._own_map = self._ctrl_map = None
+            self.peers.clear()
+            self.segments.clear()
+            self._ends.clear()
+
+    # ------------------------------------------------------------ geometry
+    def reachable(self, rank: int) -> bool:
+        return rank == self.rank and self.engine is not None or rank in self.peers
+
+    def viewable(self, rank: int) -> bool:
+        """Only this rank's own memory can be viewed: a remote rank's is not in this process."""
+        return rank == self.rank and rank in self.segments
+
+    def size(self, rank: int) -> int:
+        if rank == self.rank:
+            seg = self.segments.get(rank)
+            return seg.nbytes if seg is not None else 0
+        if rank not in self.peers:
+            return 0
+        return self._refresh(rank, op="size")[-1]
+
+    def signal_pad(self, rank: int) -> SignalPad:
+        return SignalPad(rank, _PAD, self.LINE)
+
+    def _known_size(self, rank: int, end: int, op: str) -> int:
+        """A size of ``rank`` covering ``end`` if its owner published one (the cached size first: sizes only grow)."""
+        if rank == self.rank:
+            return self.size(rank)
+        ends = self._ends.get(rank)
+        if ends and end <= ends[-1]:
+            return ends[-1]
+        return self._refresh(rank, op=op)[-1] if rank in self.peers else 0
+
+    def _refresh(self, rank: int, *, op: str) -> list[int]:
+        """Read ``rank``'s growth table (acquire: covers every size its owner published before a signal we saw)."""
+        peer = self.peers[rank]
+        with self._lock:
+            local = self._ctrl + self._scratch() + _S_TABLE
+            if self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1)) != 0:
+                self._fail(rank, op, "a read of its growth table")
+            words = (ctypes.c_int64 * (MAX_STEPS + 1)).from_address(local)
+            n, ends = words[0], list(words[1:MAX_STEPS + 1])
+        ends = ends[:n] if 1 <= n <= MAX_STEPS else []
+        if not ends or any(b <= a for a, b in zip(ends, ends[1:])) or ends[0] < 0 or ends[-1] > peer.reserve:
+            raise ZbcclRemoteError(
+                f"{op}: rank {rank}'s growth table is corrupt, expected 1 to {MAX_STEPS} increasing sizes up to "
+                f"{peer.reserve}, got count {n} and sizes {ends[:8]}", ranks=(rank,))
+        self._ends[rank] = ends
+        self.segments[rank].nbytes = ends[-1]
+        return ends
+
+    def _check(self, rank: int, offset: int, nbytes: int, op: str) -> None:
+        if not self.reachable(rank):
+            self.check_data(rank, offset, nbytes, op=op)  # raises, naming the rank
+        size = self._known_size(rank, offset + max(nbytes, 0), op)
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise ZbcclInvalidUsageError(
+                f"{op}: out of bounds of rank {rank}'s heap, expected [offset, offset+nbytes) within "
+                f"[0, {size}), got offset={offset} nbytes={nbytes}")
+
+    def _pieces(self, rank: int, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """``[offset, offset+nbytes)`` split at ``rank``'s registration boundaries: ``(offset, length)`` pieces."""
+        out, lo, hi = [], offset, offset + nbytes
+        for end in self._ends[rank]:
+            if lo >= hi:
+                break
+            if lo < end:
+                out.append((lo, min(hi, end) - lo))
+                lo = min(hi, end)
+        return out
+
+    # ------------------------------------------------------------ views (this rank's own memory only)
+    def _no_view(self, rank: int, what: str, op: str) -> ZbcclInvalidUsageError:
+        return ZbcclInvalidUsageError(
+            f"{op}: a view of rank {rank}'s {what} is impossible here, expected a rank whose memory is in this "
+            f"process (rank {self.rank}), got rank {rank}, reached through Mooncake on another host: copy with "
+            "get/get_into and write with put")
+
+    def view(self, rank: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *,
+             stride: Sequence[int] | None = None, release: Callable[[], None] | None = None,
+             op: str = "view") -> torch.Tensor:
+        isz = dtype.itemsize
+        if stride is None:
+            span = isz * math.prod(shape)
+        else:
+            span = 0 if 0 in shape else (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * isz
+        if offset % isz:
+            raise ZbcclInvalidUsageError(
+                f"{op}: offset not aligned to {dtype}, expected a multiple of {isz}, got {offset}")
+        if rank != self.rank or offset < 0 or span < 0 or offset + span > self.size(rank):
+            self._check(rank, offset, span, op)  # raises when out of bounds (or the rank is unknown)
+            raise self._no_view(rank, "heap", op)
+        if release is None:
+            flat = self._own_bytes(offset + span)[offset:offset + span]
+        else:
+            flat = tensor_at(self._data + offset, span, release)
+        typed = flat.view(dtype)
+        return typed.view(shape) if stride is None else typed.as_strided(shape, stride)
+
+    def _own_bytes(self, end: int) -> torch.Tensor:
+        flat = self._own_flat
+        if flat is None or flat.numel() < end:
+            flat = self._own_flat = tensor_at(self._data, self.size(self.rank))
+        return flat
+
+    def pad_view(self, rank: int, line: int, nbytes: int, *, op: str = "signal pad") -> torch.Tensor:
+        self.check_pad(rank, line, nbytes, op=op)
+        if rank != self.rank:
+            raise self._no_view(rank, "signal pad", op)
+        return tensor_at(self._pad + line, nbytes)
+
+    def offset_of(self, rank: int, t: torch.Tensor) -> int:
+        if rank != self.rank or t.device != self.device or rank not in self.segments:
+            return -1
+        st = t.untyped_storage()
+        lo = st.data_ptr() - self._data
+        if lo < 0 or st.nbytes() == 0 or lo + st.nbytes() > self.size(rank):
+            return -1
+        return lo + t.storage_offset() * t.element_size()
+
+    # ------------------------------------------------------------ put / get
+    def put(self, rank: int, offset: int, src, *, op: str = "put") -> None:
+        data = _as_bytes(src.cpu() if isinstance(src, torch.Tensor) else src)
+        n = data.numel()
+        self._check(rank, offset, n, op)
+        if not n:
+            return
+        if rank == self.rank:
+            ctypes.memmove(self._data + offset, data.data_ptr(), n)
+            return
+        peer, base = self.peers[rank], data.data_ptr()
+        for off, length in self._pieces(rank, offset, n):
+            if self.engine.write(peer.sid, base + off - offset, peer.data + off, length) != 0:
+                self._fail(rank, op, "a write")
+
+    def _read(self, rank: int, offset: int, dst: int, nbytes: int, op: str) -> None:
+        self._check(rank, offset, nbytes, op)
+        if not nbytes:
+            return
+        if rank == self.rank:
+            ctypes.memmove(dst, self._data + offset, nbytes)
+            return
+        peer = self.peers[rank]
+        for off, length in self._pieces(rank, offset, nbytes):
+            if self.engine.read(peer.sid, dst + off - offset, peer.data + off, length) != 0:
+                self._fail(rank, op, "a read")
+
+    def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
+        buf = bytearray(nbytes)
+        if nbytes:
+            self._read(rank, offset, ctypes.addressof(ctypes.c_char.from_buffer(buf)), nbytes, op)
+        else:
+            self._check(rank, offset, 0, op)
+        return bytes(buf)
+
+    def get_into(self, rank: int, offset: int, dst: torch.Tensor, *, op: str = "get") -> None:
+        nbytes = dst.numel() * dst.element_size()
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            self._read(rank, offset, dst.data_ptr(), nbytes, op)
+            return
+        tmp = torch.empty(nbytes, dtype=torch.uint8)
+        self._read(rank, offset, tmp.data_ptr(), nbytes, op)
+        if nbytes:
+            dst.copy_(tmp.view(dst.dtype).view(dst.shape))
+
+    def zero(self, rank: int, offset: int, nbytes: int, *, op: str = "zero") -> None:
+        self._check(rank, offset, nbytes, op)
+        if rank == self.rank:
+            ctypes.memset(self._data + offset, 0, nbytes)
+            return
+        zeros = torch.zeros(min(nbytes, _ZERO_CHUNK), dtype=torch.uint8)
+        for at in range(offset, offset + nbytes, _ZERO_CHUNK):
+            self.put(rank, at, zeros[:min(_ZERO_CHUNK, offset + nbytes - at)], op=op)
+
+    def clear_pad(self, rank: int, line: int, nbytes: int) -> None:
+        self.check_pad(rank, line, nbytes, op="clear_pad")
+        if rank == self.rank:
+            ctypes.memset(self._pad + line, 0, nbytes)
+            return
+        zeros = torch.zeros(nbytes, dtype=torch.uint8)
+        if nbytes and self.engine.write(self.peers[rank].sid, zeros.data_ptr(), self.peers[rank].pad + line,
+                                        nbytes) != 0:
+            self._fail(rank, "clear_pad", "a write")
+
+    # ------------------------------------------------------------ signals
+    def _line_ok(self, rank: int, line: int, op: str) -> None:
+        if not (rank == self.rank or rank in self.peers) or not 0 <= line <= _PAD - 8 or line % 8:
+            self.check_pad(rank, line, 8, op=op)  # raises, naming what is wrong
+
+    def _own_word(self, line: int) -> int | None:
+        return self._pad + line if 0 <= line <= _PAD - 8 and not line % 8 else None
+
+    def signal(self, rank: int, line: int, value: int) -> None:
+        self._line_ok(rank, line, "signal")
+        if rank == self.rank:
+            self._prims.signal(self._pad + line, value)
+            return
+        peer = self.peers[rank]
+        with self._lock:
+            word = self._ctrl + self._scratch() + _S_WORDS
+            self._prims.store_release(word, value)
+            if self.engine.write(peer.sid, word, peer.pad + line, 8) != 0:
+                self._fail(rank, "signal", "a signal write")
+
+    def load(self, rank: int, line: int) -> int:
+        self._line_ok(rank, line, "load")
+        if rank == self.rank:
+            return self._prims.load_acquire(self._pad + line)
+        return self._read_words(rank, [line], "load")[0]
+
+    def _read_words(self, rank: int, lines: list[int], op: str) -> list[int]:
+        """The words at ``lines`` of remote ``rank``'s pad, read in batches of at most ``_WORDS``."""
+        peer, out = self.peers[rank], []
+        for at in range(0, len(lines), _WORDS):
+            chunk = lines[at:at + _WORDS]
+            with self._lock:
+                base = self._ctrl + self._scratch() + _S_WORDS
+                locals_ = [base + 8 * i for i in range(len(chunk))]
+                if self.engine.read_many(peer.sid, locals_, [peer.pad + ln for ln in chunk], [8] * len(chunk)) != 0:
+                    self._fail(rank, op, "a read of its signal words")
+                out.extend(self._prims.load_acquire(a) for a in locals_)
+        return out
+
+    def fetch_add(self, rank: int, line: int, delta: int) -> int:
+        self._line_ok(rank, line, "fetch_add")
+        if rank == self.rank:
+            fn = getattr(self._prims, "fetch_add_signal", None) or self._prims.fetch_add
+            return fn(self._pad + line, delta)
+        peer, mail = self.peers[rank], self.peers[rank].ctrl + CTRL_MAIL + 64 * self.rank
+        with self._amo_lock:
+            self._amo_seq += 1
+            seq, reply = self._amo_seq, self._ctrl + self._reply
+            with self._lock:
+                word = self._ctrl + self._scratch() + _S_WORDS
+                self._prims.store_release(word, line)
+                self._prims.store_release(word + 8, delta)
+                self._prims.store_release(word + 16, seq)
+                # [line, delta] first, then seq: the owner acts on the seq.
+                if (self.engine.write(peer.sid, word, mail + 8, 16) != 0
+                        or self.engine.write(peer.sid, word + 16, mail, 8) != 0):
+                    self._fail(rank, "fetch_add", "a request write")
+            self._wait_local([reply], [rank], seq, timeout=env.TIMEOUT.get(), op="fetch_add")
+            return self._prims.load_acquire(reply + 8)
+
+    def _wait_local(self, addrs: list[int], owners: list[int], target: int, *, timeout: float, op: str) -> None:
+        """Wait for local words that remote ``owners`` write (liveness of the writers checked)."""
+        deadline, pause, next_live = time.monotonic() + timeout, 0.0, time.monotonic() + 0.25
+        while any(self._prims.load_acquire(a) < target for a in addrs):
+            now = time.monotonic()
+            if now >= next_live:
+                self._raise_lost(owners, op, target)
+                next_live = now + 0.25
+            if now >= deadline:
+                raise ZbcclTimeoutError(f"{op}: timed out after {timeout:.1f}s waiting for ranks {owners}, "
+                                        f"expected their answer, got none", ranks=tuple(owners))
+            pause = min(2 * pause or 20e-6, 1e-3)
+            time.sleep(pause)
+
+    def wait_until(self, lines: Sequence[tuple[int, int]], target: int, *, timeout: float, op: str = "wait",
+                   liveness: float = 1.0, labels: dict[int, int] | None = None) -> None:
+        label = (labels or {}).get
+        local, remote = [], {}
+        for r, ln in lines:
+            self._line_ok(r, ln, op)
+            if r == self.rank:
+                local.append(self._pad + ln)
+            else:
+                remote.setdefault(r, []).append(ln)
+        start = time.monotonic()
+        deadline, next_live, pause = start + timeout, start + liveness, 0.0
+        cap = 1e-3 if remote else 200e-6
+        while True:
+            late = [(self.rank, v) for a in local if (v := self._prims.load_acquire(a)) < target]
+            for r, lns in remote.items():
+                late.extend((r, v) for v in self._read_words(r, lns, op) if v < target)
+            if not late:
+                return
+            now = time.monotonic()
+            if now >= next_live or now >= deadline:
+                self._raise_lost(sorted({r for r, _ in late}), op, target, label)
+                next_live = now + liveness
+            if now >= deadline:
+                names = [label(r, r) for r, _ in late]
+                got = ", ".join(f"{v} on rank {label(r, r)}" for r, v in late)
+                raise ZbcclTimeoutError(
+                    f"{op}: timed out after {timeout:.1f}s waiting for ranks {names}, expected their signal >= "
+                    f"{target}, got {got}", ranks=tuple(names))
+            pause = min(2 * pause or 20e-6, cap)
+            time.sleep(min(pause, max(0.0, deadline - now)))
+
+    def _raise_lost(self, ranks: list[int], op: str, target: int, label=None) -> None:
+        """Raise when one of ``ranks`` died (remote error) or its host stopped answering (timeout)."""
+        if self._monitor is None:
+            return
+        label = label or (lambda r, d: d)
+        dead, gone = self._monitor.verdict(ranks)
+        if dead:
+            names = [label(r, r) for r in dead]
+            where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in dead)
+            raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died ({where}: its host "
+                                   "answers, its transfer engine is gone)", ranks=tuple(names))
+        if gone:
+            names = [label(r, r) for r in gone]
+            where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in gone)
+            raise ZbcclTimeoutError(
+                f"{op}: host unreachable while waiting for rank(s) {names}, expected an answer from their transfer "
+                f"engine within {STALL:.0f}s, got none ({where}: a network partition or a host down)",
+                ranks=tuple(names))
+
+    def _fail(self, rank: int, op: str, what: str) -> None:
+        """Raise for a transfer to ``rank`` that failed, saying whether it died, is unreachable, or refused it."""
+        peer = self.peers[rank]
+        verdict, settle = "alive", time.monotonic() + 1.0
+        while self._monitor is not None:
+            # A process being killed resets connections a moment before its listener closes: ask again briefly.
+            verdict = self._monitor.classify(rank)
+            if verdict != "alive" or time.monotonic() >= settle:
+                break
+            time.sleep(0.05)
+        if verdict == "dead":
+            raise ZbcclRemoteError(f"{op}: rank {rank} died ({peer.where()} refuses connections to its transfer "
+                                   f"engine), expected {what} to complete, got rc -1", ranks=(rank,))
+        if verdict == "unreachable":
+            raise ZbcclTimeoutError(f"{op}: {peer.where()} of rank {rank} is unreachable, expected {what} to "
+                                    f"complete, got no answer (a network partition or a host down)", ranks=(rank,))
+        raise ZbcclRemoteError(f"{op}: rank {rank}'s transfer engine refused {what} ({peer.where()}), expected "
+                               "rc 0, got -1 (an address outside its registered memory)", ranks=(rank,))
+
+    # ------------------------------------------------------------ liveness, trust, native
+    def dead_peers(self) -> list[int]:
+        return self._monitor.dead() if self._monitor is not None else []
+
+    def unreachable_peers(self) -> list[int]:
+        """Remote ranks whose host has not answered for ``STALL`` seconds (a partition, or a host down)."""
+        return self._monitor.verdict(list(self.peers))[1] if self._monitor is not None else []
+
+    def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
+        """The key derived from ``ZBCCL_JOB_COOKIE`` (Mooncake itself authenticates nothing); None without it."""
+        if len(self.peers) + 1 != world_size:
+            return None
+        return self._secret
+
+    def describe(self) -> dict:
+        """What ``zbccl info`` shows: the protocol asked for and the transport Mooncake actually runs."""
+        e = self.engine
+        return {"asked": env.MOONCAKE_PROTOCOL.get(), "transport": e.transport if e else None,
+                "session": e.session_id if e else None, "peers": {r: p.sid for r, p in self.peers.items()}}
+
+    def native(self) -> NativeHandle:
+        return self._native
+
+
+class _MooncakeNative(NativeHandle):
+    """Addresses of this rank's own memory only: a remote rank's memory is not in this process."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, transport: MooncakeTransport) -> None:
+        self._t = transport
+
+    def data_addr(self, rank: int, offset: int = 0, nbytes: int = 0, *, op: str = "heap") -> int:
+        t = self._t
+        t._check(rank, offset, nbytes, op)
+        if rank != t.rank:
+            raise t._no_view(rank, "heap", op)
+        return t._data + offset
+
+    def pad_addr(self, rank: int, line: int = 0) -> int:
+        t = self._t
+        t._line_ok(rank, line, "signal pad")
+        if rank != t.rank:
+            raise t._no_view(rank, "signal pad", "signal pad")
+        return t._pad + line
+
+    def liveness_fd(self, rank: int) -> int:
+        return -1
+
+
+def _store_host(bootstrap: Bootstrap) -> str | None:
+    """The host of the TCPStore under ``bootstrap`` (through PrefixStores), or None."""
+    store = getattr(bootstrap, "store", None)
+    for _ in range(8):
+        if store is None:
+            return None
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    return None
+
+
+def _dict_of(d) -> dict:
+    if not isinstance(d, dict):
+        raise TypeError(d)
+    return d
+
+
+def _peer_of(rank: int, d: dict, reserved: int) -> Peer:
+    """A peer's record, checked field by field (sealed or not, parsed strictly)."""
+    def check(_) -> Peer:
+        sid, ip, host = d["sid"], d["ip"], d["hostname"]
+        port = in_range(d["port"], 1, 65535)
+        if not (isinstance(ip, str) and isinstance(host, str) and sid == f"{ip}:{port}" and len(host) < 256):
+            raise ValueError(sid)
+        return Peer(rank, sid, ip, port, host, in_range(d["pad"], 1, (1 << 64) - 1),
+                    in_range(d["data"], 1, (1 << 64) - 1), in_range(d["ctrl"], 1, (1 << 64) - 1), reserved)
+
+    return parse_record(json.dumps(d).encode(), check, op="heap", rank=rank,
+                        what="{sid, ip, port, hostname, pad, data, ctrl} of a Mooncake engine")
