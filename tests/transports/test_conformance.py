@@ -23,6 +23,28 @@ from .world import DATA, line, open_transport, payload
 N = 256  # int64 values per payload
 
 
+def _peer_ints(t, rank: int, offset: int, n: int) -> torch.Tensor:
+    """``n`` int64 of a peer's data: through a view where the transport maps the peer (``viewable``), else
+    through ``get_into``, after checking that the view is refused (a transport between hosts)."""
+    if t.viewable(rank):
+        return t.view(rank, offset, (n,), torch.int64).cpu()
+    with pytest.raises(ZbcclInvalidUsageError, match="view"):
+        t.view(rank, offset, (n,), torch.int64)
+    out = torch.empty(n, dtype=torch.int64)
+    t.get_into(rank, offset, out)
+    return out
+
+
+def _write_peer_ints(t, rank: int, offset: int, values: torch.Tensor) -> None:
+    """Write int64 ``values`` into a peer's data: through a view where it is ``viewable``, else with put."""
+    if t.viewable(rank):
+        t.view(rank, offset, tuple(values.shape), torch.int64).copy_(values.to(t.device))
+        return
+    with pytest.raises(ZbcclInvalidUsageError, match="view"):
+        t.view(rank, offset, tuple(values.shape), torch.int64)
+    t.put(rank, offset, values.to(t.device))
+
+
 def _views_and_put_get(ctx, name):
     t, boot = open_transport(ctx, name)
     me, W = ctx.rank, ctx.world_size
@@ -36,11 +58,11 @@ def _views_and_put_get(ctx, name):
         t.signal(me, line(0), 1)
         t.wait_until([(p, line(0)) for p in peers], 1, timeout=30, op="views")
         for p in peers:
-            seen = t.view(p, 0, (N,), torch.int64).cpu()
+            seen = _peer_ints(t, p, 0, N)
             assert torch.equal(seen, payload(p, N)), (p, seen[:4])
         # 2. a write through a view of a peer's memory is seen by that peer in its own view
         nxt = (me + 1) % W
-        t.view(nxt, 8 * N * (me + 1), (N,), torch.int64).copy_(payload(me, N, 1).to(t.device))
+        _write_peer_ints(t, nxt, 8 * N * (me + 1), payload(me, N, 1))
         t.signal(me, line(1), 1)
         prev = (me - 1) % W
         t.wait_until([(prev, line(1))], 1, timeout=30, op="views")
@@ -192,7 +214,7 @@ def _growth(ctx, name):
             t.signal(1, line(11), 1)
         assert torch.equal(early.cpu(), payload(me, N, 9))
         boot.barrier(timeout=30)
-        assert torch.equal(t.view(other, DATA - 8 * N, (N,), torch.int64).cpu(), payload(other, N, 9))
+        assert torch.equal(_peer_ints(t, other, DATA - 8 * N, N), payload(other, N, 9))
         boot.barrier(timeout=30)
         return "ok"
     finally:
@@ -229,7 +251,7 @@ def _bounds(ctx, name):
             assert "expected" in str(info.value) and "got" in str(info.value), (what, str(info.value))
         boot.barrier(timeout=30)
         # nothing was touched: the peer's last 16 bytes still hold its payload
-        assert torch.equal(t.view(peer, DATA - 16, (2,), torch.int64).cpu(), payload(peer, 2))
+        assert torch.equal(_peer_ints(t, peer, DATA - 16, 2), payload(peer, 2))
         assert t.offset_of(peer, torch.empty(4)) == -1
         assert t.offset_of(me, t.view(me, 64, (4,), torch.int64)) == 64
         boot.barrier(timeout=30)
