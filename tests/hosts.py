@@ -251,8 +251,8 @@ def run_hosts(fn: Callable[..., Any], hosts: NetnsHosts, ranks_per_host: int = 1
                 continue
             got = json.loads(out.read_text())
             if "error" in got:
-                raise AssertionError(f"rank {r} (host {host}) failed:\n{got['error']}\n--- host log:\n"
-                                     f"{_tail(work / f'host-{host}.log')}")
+                logs_text = "\n".join(f"--- host {i} log:\n{_tail(work / f'host-{i}.log')}" for i in range(hosts.n))
+                raise AssertionError(f"rank {r} (host {host}) failed:\n{got['error']}\n{logs_text}")
             results.append(got["ok"])
         if failure:
             raise AssertionError(f"the director failed: {failure[0]!r}")
@@ -279,8 +279,9 @@ def run_hosts(fn: Callable[..., Any], hosts: NetnsHosts, ranks_per_host: int = 1
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_bytes()[-n:].decode(errors="replace")
+def _tail(path: Path, n: int = 3000) -> str:
+    try:  # torch's store warnings repeat once a second while a rank waits: not worth the space
+        lines = path.read_bytes().decode(errors="replace").splitlines()
+        return "\n".join(ln for ln in lines if "waitForInput" not in ln)[-n:]
     except OSError:
         return "(no log)"

@@ -1,0 +1,135 @@
+"""The mooncake transport between namespace hosts (``tests/hosts.py``): 2 hosts x 1 rank, nothing shared but a link.
+
+Each case builds its own hosts and tears them down (a failed case too). Skips, with the reason, where
+Mooncake is not installed or namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.hosts import HostsUnavailable, NetnsHosts, hosts_skip_reason, run_hosts
+from zbccl.errors import ZbcclRemoteError, ZbcclTimeoutError
+
+from .world import DATA, line, open_transport, payload
+
+N = 512
+
+
+@pytest.fixture
+def hosts2():
+    from zbccl.heap.transports.mooncake import missing_reason
+
+    reason = missing_reason() or hosts_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        with NetnsHosts(2) as hosts:
+            yield hosts
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _verbs(ctx):
+    """put/get/signal/wait/fetch_add between two hosts; payloads name their source."""
+    import socket
+
+    t, boot = open_transport(ctx, "mooncake", reserve=2 * DATA)
+    me, peer = ctx.rank, 1 - ctx.rank
+    try:
+        assert t.reachable(peer) and not t.viewable(peer) and t.viewable(me)
+        # push: data into the peer, then a signal into the peer's pad; the peer waits on its own word
+        t.put(peer, 8 * N * me, payload(me, N, 1))
+        t.signal(peer, line(0 + me), 1)
+        t.wait_until([(me, line(0 + peer))], 1, timeout=60, op="push")
+        assert torch.equal(t.view(me, 8 * N * peer, (N,), torch.int64), payload(peer, N, 1))
+        # pull: data here, a signal here; the peer polls this rank's word and reads the data
+        t.view(me, 8 * N * 4, (N,), torch.int64).copy_(payload(me, N, 2))
+        t.signal(me, line(2), 1)
+        t.wait_until([(peer, line(2))], 1, timeout=60, op="pull")
+        got = torch.empty(N, dtype=torch.int64)
+        t.get_into(peer, 8 * N * 4, got)
+        assert torch.equal(got, payload(peer, N, 2)), got[:4]
+        # fetch_add on rank 0's word from both hosts: exact
+        for _ in range(10):
+            t.fetch_add(0, line(3), me + 1)
+        t.signal(me, line(4), 1)
+        t.wait_until([(peer, line(4))], 1, timeout=60, op="fetch_add")
+        assert t.load(0, line(3)) == 10 * (1 + 2)
+        # growth: rank 1 grows, registers the step; rank 0 writes across the old end (split per registration)
+        if me == 1:
+            t.grow(2 * DATA)
+            t.signal(1, line(5), 1)
+            t.wait_until([(1, line(6))], 1, timeout=60, op="growth")
+            assert torch.equal(t.view(1, DATA - 8 * (N // 2), (N,), torch.int64), payload(0, N, 3))
+        else:
+            t.wait_until([(1, line(5))], 1, timeout=60, op="growth")
+            assert t.size(1) == 2 * DATA
+            t.put(1, DATA - 8 * (N // 2), payload(0, N, 3))
+            t.signal(1, line(6), 1)
+        boot.barrier(timeout=60)
+        return {"host": socket.gethostname(), "transport": t.describe()["transport"]}
+    finally:
+        t.close(unmap=False)
+
+
+def test_world_2x1_verbs_across_hosts(hosts2):
+    out = run_hosts(_verbs, hosts2, timeout=180)
+    assert [o["host"] for o in out] == [hosts2.ns(0), hosts2.ns(1)]
+    assert all(o["transport"] == "tcp" for o in out)
+
+
+def _survive(ctx, *, ask: str):
+    """Rank 1 asks the test to ``ask`` (kill / cut) its host; rank 0 must be told who and where, in seconds."""
+    t, boot = open_transport(ctx, "mooncake")
+    try:
+        if ctx.rank == 1:
+            t.signal(1, line(0), 1)
+            t.wait_until([(0, line(3))], 1, timeout=60, op="go")  # rank 0 saw this rank alive
+            ctx.store().set(f"hosts/{ask}", b"1")
+            try:
+                t.wait_until([(0, line(1))], 1, timeout=60, op="victim")
+            except ZbcclTimeoutError as exc:  # a cut link: rank 0 is unreachable from here too
+                return {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc)}
+            return {"error": None}
+        t.wait_until([(1, line(0))], 1, timeout=60, op="ready")
+        t.signal(0, line(3), 1)
+        t0 = time.monotonic()
+        try:
+            t.wait_until([(1, line(2))], 1, timeout=60, op="survivor", liveness=0.2)
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            return {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc),
+                    "elapsed": time.monotonic() - t0, "dead": t.dead_peers()}
+        return {"error": None}
+    finally:
+        t.close(unmap=False)
+
+
+def test_killed_host_is_named_within_seconds(hosts2):
+    def director(hosts, store):
+        store.wait(["hosts/kill"])
+        hosts.kill_host(1)
+
+    out = run_hosts(_survive, hosts2, timeout=180, director=director, expect_exit={1: True}, ask="kill")
+    got = out[0]
+    assert got["error"] == "ZbcclRemoteError" and got["ranks"] == [1], got
+    assert hosts2.addr(1) in got["text"] and "died" in got["text"], got["text"]
+    assert got["dead"] == [1]
+    assert got["elapsed"] < 10, f"the host's death took {got['elapsed']:.1f}s to notice"
+
+
+def test_cut_link_is_a_timeout_naming_the_host(hosts2):
+    def director(hosts, store):
+        store.wait(["hosts/cut"])
+        hosts.cut(1)
+
+    out = run_hosts(_survive, hosts2, timeout=180, director=director, ask="cut")
+    got = out[0]
+    assert got["error"] == "ZbcclTimeoutError" and got["ranks"] == [1], got
+    assert hosts2.addr(1) in got["text"] and "unreachable" in got["text"], got["text"]
+    assert got["elapsed"] < 30, f"the partition took {got['elapsed']:.1f}s to report"
+    assert out[1]["error"] == "ZbcclTimeoutError" and out[1]["ranks"] == [0], out[1]
+    assert hosts2.addr(0) in out[1]["text"]
