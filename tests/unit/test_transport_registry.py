@@ -22,19 +22,48 @@ def test_cpu_on_one_host_is_shm():
     t.close(unmap=True)
 
 
-def test_several_cpu_hosts_map_each_host_over_shm():
-    # No inter-host transport yet: each host maps its own ranks, whole-world collectives refuse.
-    assert transports.select(_topo(["a", "b"]), "cpu") is ShmTransport
+def test_several_cpu_hosts_route_remote_ranks_to_mooncake():
+    from zbccl.heap.transports.mooncake import missing_reason
+    from zbccl.heap.transports.routed import RoutedTransport
+
+    # With Mooncake: shm within a host, mooncake between hosts. Without it: each host maps its own ranks
+    # over shm, and whole-world collectives refuse, as before the inter-host transport.
+    want = ShmTransport if missing_reason() else RoutedTransport
+    assert transports.select(_topo(["a", "b"]), "cpu") is want
+    assert transports.select(_topo(["a", "a"]), "cpu") is ShmTransport
 
 
-def test_cuda_and_mooncake_are_reserved_with_a_clear_error():
+def test_cuda_is_reserved_and_a_missing_mooncake_says_how_to_install():
+    from zbccl.errors import ZbcclSystemError
+    from zbccl.heap.transports.mooncake import MooncakeTransport, missing_reason
+
     with pytest.raises(ZbcclInvalidUsageError, match="no transport for device cuda.*planned: cuda"):
         transports.select(_topo(["a", "a"]), "cuda")
-    with pytest.raises(ZbcclInvalidUsageError, match="mooncake transport is not available yet"):
-        transports.resolve("mooncake")
+    assert transports.resolve("mooncake") is MooncakeTransport  # importable without the wheel
+    if missing_reason():
+        with pytest.raises(ZbcclSystemError, match=r"pip install 'zbccl\[internode\]'"):
+            MooncakeTransport()
     with pytest.raises(ZbcclInvalidUsageError, match="unknown transport.*got 'nvlink'"):
         transports.resolve("nvlink")
-    assert {e.name for e in transports.entries()} >= {"shm", "cuda", "mooncake"}
+    assert {e.name for e in transports.entries()} >= {"shm", "cuda", "mooncake", "routed"}
+
+
+def test_a_missing_libibverbs_says_so(monkeypatch):
+    import builtins
+
+    from zbccl.errors import ZbcclSystemError
+    from zbccl.heap.transports.mooncake import engine
+
+    real = builtins.__import__
+
+    def fake(name, *args, **kwargs):
+        if name == "mooncake":
+            raise ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(ZbcclSystemError, match="apt-get install -y libibverbs1"):
+        engine.load()
 
 
 def test_shm_refuses_a_device_it_cannot_hold():

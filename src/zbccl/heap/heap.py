@@ -56,7 +56,7 @@ class GlobalHeap:
         """Rank ``rank``'s heap size now (0 for a rank out of range or a peer not set up yet)."""
         if rank == self.rank:
             return self._my_size
-        if not self.transport.reachable(rank):
+        if not self.transport.viewable(rank):
             return self.initial_sizes[rank] if 0 <= rank < len(self.initial_sizes) else 0
         return min(self.transport.size(rank), self.max_sizes[rank])
 
@@ -97,7 +97,9 @@ class GlobalHeap:
         return self.max_sizes[self.rank]
 
     def reachable(self, rank: int) -> bool:
-        return self.transport.reachable(rank)
+        """Whether ``rank``'s heap is mapped here (views work). A rank on another host that the routed
+        transport reaches through put/get only is not: the ops treat it as out of reach."""
+        return self.transport.viewable(rank)
 
     def _check_rank(self, rank: int, op: str) -> None:
         if self.closed:
@@ -105,10 +107,10 @@ class GlobalHeap:
         if not 0 <= rank < len(self.initial_sizes):
             raise ZbcclInvalidUsageError(
                 f"{op}: rank out of range, expected [0, {len(self.initial_sizes)}), got {rank}")
-        if not self.transport.reachable(rank):
+        if not self.transport.viewable(rank):
             raise ZbcclInvalidUsageError(
                 f"{op}: rank {rank} is on another host and its heap is not mapped here "
-                "(no inter-host transport is configured)")
+                "(a remote heap is reached through the transport's put/get, never viewed)")
 
     def check(self, rank: int, offset: int, nbytes: int, *, op: str) -> None:
         """Raise unless ``rank``'s heap is mapped here and ``[offset, offset+nbytes)`` lies inside it."""
@@ -127,7 +129,7 @@ class GlobalHeap:
              stride: Sequence[int] | None = None, release: Callable[[], None] | None = None,
              op: str = "heap") -> torch.Tensor:
         """Zero-copy, bounds-checked tensor over rank ``rank``'s heap (the transport's :meth:`view`)."""
-        if self.closed or not self.transport.reachable(rank):
+        if self.closed or not self.transport.viewable(rank):
             self._check_rank(rank, op)  # raises, naming what is wrong
         return self.transport.view(rank, offset, shape, dtype, stride=stride, release=release, op=op)
 

@@ -103,7 +103,8 @@ class OpChannel:
         heap = ctx.heap
         if not all(heap.reachable(g) for g in comm.ranks):
             raise ZbcclInvalidUsageError(
-                "collective: this communicator spans hosts, and no inter-host transport is configured yet")
+                "collective: this communicator spans hosts, and the collectives across hosts are not built yet "
+                "(the mooncake transport reaches other hosts through put/get and signals only)")
         if comm.world_size > abi.MAX_WORLD:
             raise ZbcclInvalidUsageError(
                 f"collective: communicator too large, expected at most {abi.MAX_WORLD} ranks, got {comm.world_size}")

@@ -77,8 +77,41 @@ def collect_info() -> dict:
         "threads": _threads(plan_threads, frozenset(host.cpus), torch.get_num_threads()),
         "shared_memory": shm_capacity(),
         "native": native_status,
+        "transports": _transports(),
         "config": {v.name: {"value": _value(v), "set": v.is_set(), "doc": v.doc} for v in env.VARIABLES},
     }
+
+
+def _transports() -> dict:
+    """The registered transports, and what the mooncake transport gets here: the protocol asked for
+    (``ZBCCL_MOONCAKE_PROTOCOL``) and the one Mooncake actually runs (a throwaway engine on loopback:
+    ``rdma`` falls back to TCP without an HCA)."""
+    from ..heap import transports
+    from ..heap.transports.mooncake import missing_reason
+
+    out: dict = {"registered": [e.name for e in transports.entries() if e.target is not None]}
+    reason = missing_reason()
+    mc: dict = {"available": reason is None, "protocol": env.MOONCAKE_PROTOCOL.get()}
+    if reason is not None:
+        mc["reason"] = reason
+    else:
+        try:
+            from importlib.metadata import version
+
+            from ..heap.transports.mooncake.engine import MooncakeEngine
+
+            for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+                try:
+                    mc["wheel"] = f"{dist} {version(dist)}"
+                    break
+                except Exception:  # noqa: BLE001 - not this wheel
+                    continue
+            mc["transport"] = MooncakeEngine("127.0.0.1", protocol=mc["protocol"],
+                                             device=env.MOONCAKE_DEVICE.get()).transport
+        except Exception as exc:  # noqa: BLE001 - report, don't fail
+            mc["error"] = str(exc)
+    out["mooncake"] = mc
+    return out
 
 
 #: Variables whose -1 means "decided at init" (see their docs in zbccl.env).
@@ -141,6 +174,15 @@ def print_info(*, as_json: bool = False) -> None:
     print("native")
     for line in native_lines(info["native"]):
         print(line)
+    tr = info["transports"]
+    mc = tr["mooncake"]
+    if mc["available"]:
+        got = mc.get("transport") or f"error: {mc.get('error')}"
+        state = f"{mc.get('wheel', 'installed')}; asked {mc['protocol']}, got {got}"
+    else:
+        state = f"unavailable: {mc['reason']}"
+    print(f"transports {', '.join(tr['registered'])}")
+    print(f"  mooncake {state}")
     print("config")
     for name, c in info["config"].items():
         print(f"  {name:<24} {c['value']:<28} {'(set)' if c['set'] else '(default)'}")

@@ -8,15 +8,21 @@ when it is chosen.
 Registered today:
 
 * ``shm``: device ``cpu``, the ranks of one host (memfd segments, pidfd liveness).
+* ``mooncake``: the ranks of other hosts (Mooncake Transfer Engine; ``pip install
+  zbccl[internode]``): put/get and signals only, no views of remote memory.
+* ``routed``: device ``cpu``, several hosts: shm for the ranks of this host,
+  mooncake for the others. Chosen when the ranks span hosts and Mooncake is
+  installed; without it a job over several hosts maps each host's ranks over shm
+  as before (and the collectives over the whole world refuse).
 
-Reserved, with a clear error until their issues land: ``cuda`` (device
-``cuda``, one host: CUDA IPC/VMM segments) and ``mooncake`` (any device, more
-than one host: Mooncake Transfer Engine).
+Reserved, with a clear error until its issue lands: ``cuda`` (device ``cuda``,
+one host: CUDA IPC/VMM segments).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,8 @@ import torch
 from ...bootstrap.topology import Topology
 from ...errors import ZbcclInvalidUsageError
 from .base import NativeHandle, Segment, SignalPad, Transport
+
+_log = logging.getLogger("zbccl")
 
 __all__ = ["Entry", "NativeHandle", "Segment", "SignalPad", "Transport", "create", "entries", "register",
            "resolve", "select"]
@@ -57,6 +65,8 @@ register(Entry("shm", "cpu", False, "zbccl.heap.transports.shm:ShmTransport"))
 register(Entry("cuda", "cuda", False, None, "CUDA IPC/VMM segments come with the CUDA issue"))
 register(Entry("mooncake", "any", True, "zbccl.heap.transports.mooncake:MooncakeTransport",
                "the inter-host transport (Mooncake Transfer Engine): pip install 'zbccl[internode]'"))
+register(Entry("routed", "cpu", True, "zbccl.heap.transports.routed:RoutedTransport",
+               "shm within a host, mooncake between hosts"))
 
 
 def resolve(name: str) -> type[Transport]:
@@ -81,6 +91,15 @@ def select(topology: Topology, device: torch.device | str = "cpu") -> type[Trans
     multi = len({info.host_id for info in topology.infos}) > 1
     fits = [e for e in _entries.values() if e.device in (kind, "any") and (e.multi_host or not multi)]
     built = [e for e in fits if e.target is not None and e.device == kind]
+    if multi and built and built[0].name == "routed":
+        from .mooncake import missing_reason
+
+        reason = missing_reason()
+        if reason is None:
+            return resolve("routed")
+        _log.info("zbccl: the ranks span hosts but the mooncake transport is unavailable (%s); each host's "
+                  "ranks share memory over shm only", reason)
+        built = []
     if built:
         return resolve(built[0].name)
     # More than one host: today each host maps its own ranks over shm, and collectives over the
