@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import socket
+import sys
 
 from .... import env
 from ....errors import ZbcclSystemError
@@ -43,8 +44,15 @@ STALL_SECONDS = 5
 
 def load():
     """The ``mooncake.engine`` module; a :class:`ZbcclSystemError` saying how to install it when it cannot load."""
-    # Mooncake reads its log level when it loads: INFO lines on every connection otherwise (a launcher's wins).
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    # Mooncake reads its settings when it loads (set here, before the first import; a launcher's own MC_*
+    # values win): its log level (INFO lines on every connection otherwise), the stall timeouts, the ports.
+    if "mooncake.engine" not in sys.modules:
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(STALL_SECONDS))
+        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(STALL_SECONDS))
+        ports = env.MOONCAKE_PORTS.get()
+        if ports is not None:
+            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = str(ports[0]), str(ports[1])
     try:
         from mooncake import engine  # noqa: PLC0415 - optional dependency, imported when chosen
     except ImportError as exc:
@@ -110,11 +118,6 @@ class MooncakeEngine:
     def __init__(self, host: str, *, protocol: str, device: str = "") -> None:
         module = load()
         ports = env.MOONCAKE_PORTS.get()
-        # Set before the engine reads them (never at import); a launcher's own MC_* values win.
-        if ports is not None:
-            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = str(ports[0]), str(ports[1])
-        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(STALL_SECONDS))
-        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(STALL_SECONDS))
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)  # listen on the job's interface only
         self._e = module.TransferEngine()
         self.host = host
@@ -125,6 +128,11 @@ class MooncakeEngine:
                 f"heap: Mooncake engine initialize failed, expected 0, got {rc} (host {host}, protocol {protocol}"
                 f"{', ports ' + '-'.join(map(str, ports)) if ports else ''})")
         self.rpc_port = int(self._e.get_rpc_port())
+        if ports is not None and not ports[0] <= self.rpc_port <= ports[1]:
+            raise ZbcclSystemError(
+                f"heap: the Mooncake handshake port is outside ZBCCL_MOONCAKE_PORTS, expected {ports[0]}-{ports[1]}, "
+                f"got {self.rpc_port} (Mooncake reads its port range when it loads: set the variable before the "
+                "first zbccl.init of the process)")
         #: The transport Mooncake actually runs: "rdma" only where it found an HCA (it falls back silently).
         self.transport = "rdma" if protocol == "rdma" and _has_hca(self._e.get_local_topology(device or None)) \
             else "tcp"
