@@ -105,3 +105,27 @@ def test_different_cookies_fail_on_every_rank():
     for r, got in enumerate(out):
         assert "not sealed with this job's cookie" in got["error"], got
         assert got["ranks"] == [1 - r], got
+
+
+def _staged(ctx):
+    """Every transfer through the registered bounce buffer (RDMA's path), across its 4 MiB chunks."""
+    n = (9 << 20) // 8
+    t, boot = open_transport(ctx, "mooncake", data=12 << 20)
+    me, peer = ctx.rank, 1 - ctx.rank
+    try:
+        t._stage_all = True
+        t.put(peer, 8 * 16, payload(me, n, 4))
+        t.signal(peer, line(0), 1)
+        t.wait_until([(me, line(0))], 1, timeout=60)
+        assert torch.equal(t.view(me, 8 * 16, (n,), torch.int64), payload(peer, n, 4))
+        back = torch.empty(n, dtype=torch.int64)
+        t.get_into(peer, 8 * 16, back)
+        assert torch.equal(back, payload(me, n, 4))
+        boot.barrier(timeout=60)
+        return "ok"
+    finally:
+        t.close(unmap=False)
+
+
+def test_staged_transfers_as_rdma_needs_them():
+    assert run_world(_staged, 2, timeout=120) == ["ok"] * 2

@@ -83,6 +83,8 @@ STALL = 5.0
 _S_MONITOR, _S_SERVER, _S_WORDS, _S_TABLE = 0, 64, 128, 2048
 _WORDS = (_S_TABLE - _S_WORDS) // 8
 _ZERO_CHUNK = 1 << 20
+#: Bytes of the RDMA bounce buffer (staging for local buffers outside the registered memory).
+_STAGE = 4 << 20
 
 
 def cookie_secret(job_id: str) -> JobSecret | None:
@@ -124,6 +126,9 @@ class MooncakeTransport(Transport):
         self._secret: JobSecret | None = None
         self._own_flat: torch.Tensor | None = None
         self._native = _MooncakeNative(self)
+        self._bounce: torch.Tensor | None = None  # RDMA staging for buffers outside the registered memory
+        self._bounce_lock = threading.Lock()
+        self._stage_all = False  # tests: stage every transfer as RDMA would (the path runs over TCP too)
 
     # ------------------------------------------------------------ lifecycle
     def establish(self, bootstrap: Bootstrap, topology: Topology, *, data_bytes: list[int], job_id: str,
@@ -281,6 +286,7 @@ class MooncakeTransport(Transport):
                 self.engine.unregister(addr)
             self._registered.clear()
             self.engine = None
+        self._bounce = None
         self._own_flat = None
         if unmap:
             for mapped in (self._own_map, self._ctrl_map):
@@ -357,6 +363,40 @@ class MooncakeTransport(Transport):
                 lo = min(hi, end)
         return out
 
+    def _xfer(self, rank: int, write: bool, local: int, remote: int, nbytes: int, op: str, what: str) -> None:
+        """One transfer between ``local`` (this process) and ``remote`` (registered memory of ``rank``).
+
+        Over RDMA the local side must be registered too: a buffer outside this rank's registered memory
+        goes through a registered bounce buffer (``_STAGE`` bytes at a time). TCP needs no staging.
+        """
+        peer, engine = self.peers[rank], self.engine
+        if not self._stage_all and (engine.transport != "rdma" or self._registered_here(local, nbytes)):
+            if (engine.write if write else engine.read)(peer.sid, local, remote, nbytes) != 0:
+                self._fail(rank, op, what)
+            return
+        with self._bounce_lock:
+            if self._bounce is None:
+                self._bounce = torch.empty(_STAGE, dtype=torch.uint8)
+                engine.register(self._bounce.data_ptr(), _STAGE)
+                self._registered.append(self._bounce.data_ptr())
+            stage = self._bounce.data_ptr()
+            for at in range(0, nbytes, _STAGE):
+                n = min(_STAGE, nbytes - at)
+                if write:
+                    ctypes.memmove(stage, local + at, n)
+                if (engine.write if write else engine.read)(peer.sid, stage, remote + at, n) != 0:
+                    self._fail(rank, op, what)
+                if not write:
+                    ctypes.memmove(local + at, stage, n)
+
+    def _registered_here(self, addr: int, nbytes: int) -> bool:
+        """Whether ``[addr, addr+nbytes)`` lies in one of this rank's registrations (pad, data, control)."""
+        me = self.rank
+        spans = [(self._pad, _PAD), (self._data, self._ends[me][-1] if self._ends.get(me) else 0)]
+        if self._ctrl_map is not None:
+            spans.append(self._ctrl_map)
+        return any(lo <= addr and addr + nbytes <= lo + n for lo, n in spans)
+
     # ------------------------------------------------------------ views (this rank's own memory only)
     def _no_view(self, rank: int, what: str, op: str) -> ZbcclInvalidUsageError:
         return ZbcclInvalidUsageError(
@@ -418,8 +458,7 @@ class MooncakeTransport(Transport):
             return
         peer, base = self.peers[rank], data.data_ptr()
         for off, length in self._pieces(rank, offset, n):
-            if self.engine.write(peer.sid, base + off - offset, peer.data + off, length) != 0:
-                self._fail(rank, op, "a write")
+            self._xfer(rank, True, base + off - offset, peer.data + off, length, op, "a write")
 
     def _read(self, rank: int, offset: int, dst: int, nbytes: int, op: str) -> None:
         self._check(rank, offset, nbytes, op)
@@ -430,8 +469,7 @@ class MooncakeTransport(Transport):
             return
         peer = self.peers[rank]
         for off, length in self._pieces(rank, offset, nbytes):
-            if self.engine.read(peer.sid, dst + off - offset, peer.data + off, length) != 0:
-                self._fail(rank, op, "a read")
+            self._xfer(rank, False, dst + off - offset, peer.data + off, length, op, "a read")
 
     def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
         buf = bytearray(nbytes)
@@ -466,9 +504,8 @@ class MooncakeTransport(Transport):
             ctypes.memset(self._pad + line, 0, nbytes)
             return
         zeros = torch.zeros(nbytes, dtype=torch.uint8)
-        if nbytes and self.engine.write(self.peers[rank].sid, zeros.data_ptr(), self.peers[rank].pad + line,
-                                        nbytes) != 0:
-            self._fail(rank, "clear_pad", "a write")
+        if nbytes:
+            self._xfer(rank, True, zeros.data_ptr(), self.peers[rank].pad + line, nbytes, "clear_pad", "a write")
 
     # ------------------------------------------------------------ signals
     def _line_ok(self, rank: int, line: int, op: str) -> None:
