@@ -82,6 +82,46 @@ def test_world_2x1_verbs_across_hosts(hosts2):
     assert all(o["transport"] == "tcp" for o in out)
 
 
+def _source(rank: int, shape: tuple[int, ...], dtype: torch.dtype, it: int) -> torch.Tensor:
+    """A payload that names its source: rank, index and iteration (exact in every dtype used)."""
+    n = 1
+    for d in shape:
+        n *= d
+    vals = (torch.arange(n) % 97) + 100 * rank + 7 * (it % 5)
+    return vals.to(dtype).view(shape)
+
+
+def _collectives(ctx, *, rounds: int = 12):
+    """all_gather and all_reduce across hosts through the verbs, against plain torch, many shapes and dtypes."""
+    from zbccl.ops.internode import HostExchange
+
+    t, boot = open_transport(ctx, "mooncake", data=1 << 20)
+    W, me = ctx.world_size, ctx.rank
+    try:
+        ex = HostExchange(t, list(range(W)), me, data_offset=0, data_bytes=1 << 20, line_base=line(16), timeout=60)
+        shapes = [(1,), (7,), (256,), (33, 5), (1000,), (64, 1024)]
+        dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float64]
+        for it in range(rounds):
+            shape, dtype = shapes[it % len(shapes)], dtypes[it % len(dtypes)]
+            mine = _source(me, shape, dtype, it)
+            every = [_source(r, shape, dtype, it) for r in range(W)]
+            gathered = ex.all_gather(mine)
+            assert torch.equal(gathered, torch.stack(every)), (it, shape, dtype)
+            want = every[0].clone()
+            for x in every[1:]:
+                want += x
+            got = ex.all_reduce(mine)
+            assert got.dtype == dtype and torch.equal(got, want), (it, shape, dtype)
+        boot.barrier(timeout=60)
+        return ex.seq
+    finally:
+        t.close(unmap=False)
+
+
+def test_collectives_across_hosts_2x1(hosts2):
+    assert run_hosts(_collectives, hosts2, timeout=180) == [24, 24]
+
+
 def _survive(ctx, *, ask: str):
     """Rank 1 asks the test to ``ask`` (kill / cut) its host; rank 0 must be told who and where, in seconds."""
     t, boot = open_transport(ctx, "mooncake")

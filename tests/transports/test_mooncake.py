@@ -129,3 +129,11 @@ def _staged(ctx):
 
 def test_staged_transfers_as_rdma_needs_them():
     assert run_world(_staged, 2, timeout=120) == ["ok"] * 2
+
+
+def test_collectives_through_the_verbs_on_one_host():
+    # The same exchange as between namespace hosts (test_hosts.py), over loopback: no root needed.
+    from .test_hosts import _collectives
+
+    assert run_world(_collectives, 2, timeout=180) == [24, 24]
+    assert run_world(_collectives, 3, rounds=6, timeout=180) == [12, 12, 12]
