@@ -36,6 +36,7 @@ from ...bootstrap.topology import Topology
 from ...errors import ZbcclRemoteError, ZbcclTimeoutError
 from .base import NativeHandle, Segment, SignalPad, Transport
 from .mooncake import MooncakeTransport
+from .mooncake.service import backoff
 from .shm import ShmTransport
 
 __all__ = ["RoutedTransport"]
@@ -178,8 +179,7 @@ class RoutedTransport(Transport):
                 raise ZbcclTimeoutError(
                     f"{op}: timed out after {timeout:.1f}s waiting for ranks {names}, expected their signal >= "
                     f"{target}, got {got}", ranks=tuple(names))
-            pause = min(2 * pause or 20e-6, 1e-3)
-            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = backoff(now - start, pause, remote=True, cap=1e-3, left=deadline - now)
 
     # ------------------------------------------------------------ liveness, trust, native
     def dead_peers(self) -> list[int]:

@@ -21,6 +21,7 @@ line. One request per requester is in flight at a time.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,25 @@ from dataclasses import dataclass
 from .engine import MooncakeEngine, probe
 from .memory import CTRL_MAIL, CTRL_TABLE
 
-__all__ = ["Peer", "Monitor", "AtomicServer"]
+__all__ = ["Peer", "Monitor", "AtomicServer", "backoff"]
+
+#: Seconds a wait polls before it starts sleeping (a remote poll is a network round trip: paced already).
+HOT_SECONDS = 2e-3
+
+
+def backoff(waited: float, pause: float, *, remote: bool, cap: float, left: float) -> float:
+    """One pause of a polling wait that has waited ``waited`` seconds; returns the next ``pause``.
+
+    Hot for ``HOT_SECONDS`` (remote polls back to back, local ones yielding the core), then sleeps doubling
+    from 20 us to ``cap``, never past the deadline (``left`` seconds away).
+    """
+    if waited < HOT_SECONDS:
+        if not remote:
+            os.sched_yield()
+        return pause
+    pause = min(2 * pause or 20e-6, cap)
+    time.sleep(min(pause, max(0.0, left)))
+    return pause
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ from ..base import NativeHandle, Segment, SignalPad, Transport, _as_bytes
 from ..shm.mapping import prefault, tensor_at
 from .engine import MooncakeEngine, load, local_address
 from .memory import CTRL_MAIL, CTRL_TABLE, MAX_STEPS, ctrl_layout, release, reserve
-from .service import AtomicServer, Monitor, Peer
+from .service import AtomicServer, Monitor, Peer, backoff
 
 __all__ = ["MooncakeTransport", "STALL"]
 
@@ -569,7 +569,8 @@ class MooncakeTransport(Transport):
 
     def _wait_local(self, addrs: list[int], owners: list[int], target: int, *, timeout: float, op: str) -> None:
         """Wait for local words that remote ``owners`` write (liveness of the writers checked)."""
-        deadline, pause, next_live = time.monotonic() + timeout, 0.0, time.monotonic() + 0.25
+        start = time.monotonic()
+        deadline, pause, next_live = start + timeout, 0.0, start + 0.25
         while any(self._prims.load_acquire(a) < target for a in addrs):
             now = time.monotonic()
             if now >= next_live:
@@ -578,8 +579,7 @@ class MooncakeTransport(Transport):
             if now >= deadline:
                 raise ZbcclTimeoutError(f"{op}: timed out after {timeout:.1f}s waiting for ranks {owners}, "
                                         f"expected their answer, got none", ranks=tuple(owners))
-            pause = min(2 * pause or 20e-6, 1e-3)
-            time.sleep(pause)
+            pause = backoff(now - start, pause, remote=False, cap=1e-3, left=deadline - now)
 
     def wait_until(self, lines: Sequence[tuple[int, int]], target: int, *, timeout: float, op: str = "wait",
                    liveness: float = 1.0, labels: dict[int, int] | None = None) -> None:
@@ -610,8 +610,7 @@ class MooncakeTransport(Transport):
                 raise ZbcclTimeoutError(
                     f"{op}: timed out after {timeout:.1f}s waiting for ranks {names}, expected their signal >= "
                     f"{target}, got {got}", ranks=tuple(names))
-            pause = min(2 * pause or 20e-6, cap)
-            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = backoff(now - start, pause, remote=bool(remote), cap=cap, left=deadline - now)
 
     def _raise_lost(self, ranks: list[int], op: str, target: int, label=None) -> None:
         """Raise when one of ``ranks`` died (remote error) or its host stopped answering (timeout)."""
