@@ -118,7 +118,6 @@ class MooncakeEngine:
     def __init__(self, host: str, *, protocol: str, device: str = "") -> None:
         module = load()
         ports = env.MOONCAKE_PORTS.get()
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)  # listen on the job's interface only
         self._e = module.TransferEngine()
         self.host = host
         self.protocol = protocol
