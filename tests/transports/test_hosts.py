@@ -19,18 +19,27 @@ from .world import DATA, line, open_transport, payload
 N = 512
 
 
-@pytest.fixture
-def hosts2():
+def _hosts(n: int):
     from zbccl.heap.transports.mooncake import missing_reason
 
     reason = missing_reason() or hosts_skip_reason()
     if reason:
         pytest.skip(reason)
     try:
-        with NetnsHosts(2) as hosts:
+        with NetnsHosts(n) as hosts:
             yield hosts
     except HostsUnavailable as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def hosts2():
+    yield from _hosts(2)
+
+
+@pytest.fixture
+def hosts3():
+    yield from _hosts(3)
 
 
 def _verbs(ctx):
@@ -120,6 +129,54 @@ def _collectives(ctx, *, rounds: int = 12):
 
 def test_collectives_across_hosts_2x1(hosts2):
     assert run_hosts(_collectives, hosts2, timeout=180) == [24, 24]
+
+
+def test_collectives_across_3_hosts(hosts3):
+    assert run_hosts(_collectives, hosts3, rounds=6, timeout=240) == [12, 12, 12]
+
+
+def test_routed_2x2_shm_within_mooncake_between_hosts(hosts2):
+    # Each host's two ranks share its namespaces (shm, views, pidfds); the hosts meet over the veth link only.
+    from .test_routed import _routed
+
+    assert run_hosts(_routed, hosts2, ranks_per_host=2, timeout=240, fake_hosts=False) == ["tcp"] * 4
+
+
+def _host_dies(ctx):
+    """2 x 2 (routed): the test kills both ranks of host 1; both survivors name ranks 2 and 3 and their host."""
+    from .test_routed import _open_routed
+
+    t, boot = _open_routed(ctx)
+    me = ctx.rank
+    try:
+        t.signal(me, line(0), 1)
+        t.wait_until([(r, line(0)) for r in range(4) if r != me], 1, timeout=60, op="ready")
+        t.signal(me, line(3), 1)  # this rank saw everyone ready
+        if me == 2:
+            t.wait_until([(r, line(3)) for r in range(4) if r != me], 1, timeout=60, op="go")
+            ctx.store().set("hosts/kill", b"1")
+        if me >= 2:
+            t.wait_until([(0, line(1))], 1, timeout=60, op="victim")  # never: killed meanwhile
+            return None
+        t0 = time.monotonic()
+        try:  # one wait over the local peer (shm) and both remote ranks (mooncake)
+            t.wait_until([(r, line(2)) for r in range(4) if r != me], 1, timeout=60, op="survivor", liveness=0.2)
+        except ZbcclRemoteError as exc:
+            return {"ranks": list(exc.ranks), "text": str(exc), "elapsed": time.monotonic() - t0}
+        return {"error": None}
+    finally:
+        t.close(unmap=False)
+
+
+def test_killing_every_rank_of_a_host_names_them_and_the_host(hosts2):
+    def director(hosts, store):
+        store.wait(["hosts/kill"])
+        hosts.kill_host(1)
+
+    out = run_hosts(_host_dies, hosts2, ranks_per_host=2, timeout=240, director=director, expect_exit={1: True})
+    for got in out[:2]:
+        assert got["ranks"] == [2, 3] and hosts2.addr(1) in got["text"], got
+        assert got["elapsed"] < 10, got
 
 
 def _survive(ctx, *, ask: str):

@@ -33,8 +33,8 @@ def _needs_mooncake():
         pytest.skip(reason)
 
 
-def _routed(ctx):
-    os.environ["ZBCCL_HOST_ID"] = f"fake-host-{ctx.rank // 2}"
+def _open_routed(ctx):
+    """``(transport, bootstrap, topology)``: the transport ``select`` picks for 2 hosts x 2 ranks, established."""
     boot = StoreBootstrap(ctx.store(), ctx.rank, ctx.world_size, prefix="routed")
     me, W = ctx.rank, ctx.world_size
     hello = {"host": local_host_info().to_dict(), "job": uuid.uuid4().hex[:12]}
@@ -45,6 +45,16 @@ def _routed(ctx):
     assert cls.name == "routed", cls
     t = cls(device="cpu")
     t.establish(boot, topo, data_bytes=[DATA] * W, reserve_bytes=[2 * DATA] * W, job_id=got[0]["job"], timeout=60)
+    t.topology = topo
+    return t, boot
+
+
+def _routed(ctx, *, fake_hosts: bool = True):
+    """2 hosts x 2 ranks: hosts made by ``ZBCCL_HOST_ID`` (``fake_hosts``) or real (namespace hosts)."""
+    if fake_hosts:
+        os.environ["ZBCCL_HOST_ID"] = f"fake-host-{ctx.rank // 2}"
+    t, boot = _open_routed(ctx)
+    topo, me, W = t.topology, ctx.rank, ctx.world_size
     local, remote = [r for r in topo.local_ranks if r != me], [r for r in range(W) if not topo.is_local(r)]
     try:
         assert all(t.viewable(p) for p in local) and not any(t.viewable(p) for p in remote)

@@ -618,12 +618,14 @@ class MooncakeTransport(Transport):
             return
         label = label or (lambda r, d: d)
         dead, gone = self._monitor.verdict(ranks)
-        if dead:
+        if dead:  # the whole host's dead ranks, not only the first one the monitor saw
+            dead = sorted({m for r in dead for m in self._host_mates(r, "dead")})
             names = [label(r, r) for r in dead]
             where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in dead)
             raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died ({where}: its host "
                                    "answers, its transfer engine is gone)", ranks=tuple(names))
         if gone:
+            gone = sorted({m for r in gone for m in self._host_mates(r, "unreachable")})
             names = [label(r, r) for r in gone]
             where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in gone)
             raise ZbcclTimeoutError(
@@ -642,13 +644,33 @@ class MooncakeTransport(Transport):
                 break
             time.sleep(0.05)
         if verdict == "dead":
-            raise ZbcclRemoteError(f"{op}: rank {rank} died ({peer.where()} refuses connections to its transfer "
-                                   f"engine), expected {what} to complete, got rc -1", ranks=(rank,))
+            ranks = self._host_mates(rank, "dead")
+            raise ZbcclRemoteError(f"{op}: rank(s) {list(ranks)} died ({peer.where()} refuses connections to their "
+                                   f"transfer engines), expected {what} to complete, got rc -1", ranks=ranks)
         if verdict == "unreachable":
-            raise ZbcclTimeoutError(f"{op}: {peer.where()} of rank {rank} is unreachable, expected {what} to "
-                                    f"complete, got no answer (a network partition or a host down)", ranks=(rank,))
+            ranks = self._host_mates(rank, "unreachable")
+            raise ZbcclTimeoutError(f"{op}: {peer.where()} of rank(s) {list(ranks)} is unreachable, expected {what} "
+                                    f"to complete, got no answer (a network partition or a host down)", ranks=ranks)
         raise ZbcclRemoteError(f"{op}: rank {rank}'s transfer engine refused {what} ({peer.where()}), expected "
                                "rc 0, got -1 (an address outside its registered memory)", ranks=(rank,))
+
+    def _host_mates(self, rank: int, verdict: str) -> tuple[int, ...]:
+        """``rank`` and the other remote ranks of its host in the same state: every rank of an unreachable
+        host is; a rank of a host that answers is dead when its own port refuses too (a quick probe)."""
+        ip = self.peers[rank].ip
+        mates = [r for r, p in self.peers.items() if p.ip == ip and r != rank]
+        if verdict == "dead" and self._monitor is not None:
+            # A host's ranks do not die at one instant: give the others half a second to follow.
+            dead, until = set(), time.monotonic() + 0.5
+            while True:
+                dead |= {r for r in mates if r not in dead and self._monitor.classify(r) == "dead"}
+                if len(dead) == len(mates) or time.monotonic() >= until:
+                    break
+                time.sleep(0.05)
+            mates = sorted(dead)
+        elif verdict == "dead":
+            mates = []
+        return tuple(sorted([rank, *mates]))
 
     # ------------------------------------------------------------ liveness, trust, native
     def dead_peers(self) -> list[int]:
