@@ -83,6 +83,8 @@ STALL = 5.0
 _S_MONITOR, _S_SERVER, _S_WORDS, _S_TABLE = 0, 64, 128, 2048
 _WORDS = (_S_TABLE - _S_WORDS) // 8
 _ZERO_CHUNK = 1 << 20
+#: Retries of a transfer that failed while its peer still answers (a reset connection).
+_RETRIES = 2
 #: Bytes of the RDMA bounce buffer (staging for local buffers outside the registered memory).
 _STAGE = 4 << 20
 
@@ -330,8 +332,8 @@ class MooncakeTransport(Transport):
         peer = self.peers[rank]
         with self._lock:
             local = self._ctrl + self._scratch() + _S_TABLE
-            if self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1)) != 0:
-                self._fail(rank, op, "a read of its growth table")
+            self._run(rank, op, "a read of its growth table",
+                      lambda: self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1)))
             words = (ctypes.c_int64 * (MAX_STEPS + 1)).from_address(local)
             n, ends = words[0], list(words[1:MAX_STEPS + 1])
         ends = ends[:n] if 1 <= n <= MAX_STEPS else []
@@ -371,8 +373,7 @@ class MooncakeTransport(Transport):
         """
         peer, engine = self.peers[rank], self.engine
         if not self._stage_all and (engine.transport != "rdma" or self._registered_here(local, nbytes)):
-            if (engine.write if write else engine.read)(peer.sid, local, remote, nbytes) != 0:
-                self._fail(rank, op, what)
+            self._run(rank, op, what, lambda: (engine.write if write else engine.read)(peer.sid, local, remote, nbytes))
             return
         with self._bounce_lock:
             if self._bounce is None:
@@ -384,8 +385,8 @@ class MooncakeTransport(Transport):
                 n = min(_STAGE, nbytes - at)
                 if write:
                     ctypes.memmove(stage, local + at, n)
-                if (engine.write if write else engine.read)(peer.sid, stage, remote + at, n) != 0:
-                    self._fail(rank, op, what)
+                self._run(rank, op, what,
+                          lambda at=at, n=n: (engine.write if write else engine.read)(peer.sid, stage, remote + at, n))
                 if not write:
                     ctypes.memmove(local + at, stage, n)
 
@@ -524,8 +525,7 @@ class MooncakeTransport(Transport):
         with self._lock:
             word = self._ctrl + self._scratch() + _S_WORDS
             self._prims.store_release(word, value)
-            if self.engine.write(peer.sid, word, peer.pad + line, 8) != 0:
-                self._fail(rank, "signal", "a signal write")
+            self._run(rank, "signal", "a signal write", lambda: self.engine.write(peer.sid, word, peer.pad + line, 8))
 
     def load(self, rank: int, line: int) -> int:
         self._line_ok(rank, line, "load")
@@ -541,8 +541,9 @@ class MooncakeTransport(Transport):
             with self._lock:
                 base = self._ctrl + self._scratch() + _S_WORDS
                 locals_ = [base + 8 * i for i in range(len(chunk))]
-                if self.engine.read_many(peer.sid, locals_, [peer.pad + ln for ln in chunk], [8] * len(chunk)) != 0:
-                    self._fail(rank, op, "a read of its signal words")
+                remotes = [peer.pad + ln for ln in chunk]
+                self._run(rank, op, "a read of its signal words",
+                          lambda lo=locals_, re=remotes: self.engine.read_many(peer.sid, lo, re, [8] * len(lo)))
                 out.extend(self._prims.load_acquire(a) for a in locals_)
         return out
 
@@ -561,9 +562,8 @@ class MooncakeTransport(Transport):
                 self._prims.store_release(word + 8, delta)
                 self._prims.store_release(word + 16, seq)
                 # [line, delta] first, then seq: the owner acts on the seq.
-                if (self.engine.write(peer.sid, word, mail + 8, 16) != 0
-                        or self.engine.write(peer.sid, word + 16, mail, 8) != 0):
-                    self._fail(rank, "fetch_add", "a request write")
+                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word, mail + 8, 16))
+                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word + 16, mail, 8))
             self._wait_local([reply], [rank], seq, timeout=env.TIMEOUT.get(), op="fetch_add")
             return self._prims.load_acquire(reply + 8)
 
@@ -633,9 +633,17 @@ class MooncakeTransport(Transport):
                 f"engine within {STALL:.0f}s, got none ({where}: a network partition or a host down)",
                 ranks=tuple(names))
 
-    def _fail(self, rank: int, op: str, what: str) -> None:
-        """Raise for a transfer to ``rank`` that failed, saying whether it died, is unreachable, or refused it."""
-        peer = self.peers[rank]
+    def _run(self, rank: int, op: str, what: str, transfer: Callable[[], int]) -> None:
+        """``transfer()`` (a Mooncake call returning its rc), retried while its peer is alive (a reset
+        connection); raises as :meth:`_fail` when the peer died, is unreachable, or keeps refusing."""
+        for attempt in range(_RETRIES + 1):
+            if transfer() == 0:
+                return
+            verdict = self._verdict(rank)
+            if attempt == _RETRIES or verdict != "alive":
+                self._fail(rank, op, what, verdict)
+
+    def _verdict(self, rank: int) -> str:
         verdict, settle = "alive", time.monotonic() + 1.0
         while self._monitor is not None:
             # A process being killed resets connections a moment before its listener closes: ask again briefly.
@@ -643,6 +651,12 @@ class MooncakeTransport(Transport):
             if verdict != "alive" or time.monotonic() >= settle:
                 break
             time.sleep(0.05)
+        return verdict
+
+    def _fail(self, rank: int, op: str, what: str, verdict: str | None = None) -> None:
+        """Raise for a transfer to ``rank`` that failed, saying whether it died, is unreachable, or refused it."""
+        peer = self.peers[rank]
+        verdict = verdict or self._verdict(rank)
         if verdict == "dead":
             ranks = self._host_mates(rank, "dead")
             raise ZbcclRemoteError(f"{op}: rank(s) {list(ranks)} died ({peer.where()} refuses connections to their "
