@@ -105,3 +105,31 @@ def _routed(ctx, *, fake_hosts: bool = True):
 
 def test_routed_shm_within_a_host_mooncake_between():
     assert run_world(_routed, 4, timeout=240) == ["tcp"] * 4
+
+
+def _init_across_hosts(ctx, *, cookie: str):
+    """zbccl.init over two hosts (by ZBCCL_HOST_ID): the routed transport; the job cookie authenticates the store."""
+    from zbccl.errors import ZbcclInvalidUsageError
+
+    os.environ["ZBCCL_HOST_ID"] = f"fake-host-{ctx.rank}"
+    if cookie:
+        os.environ["ZBCCL_JOB_COOKIE"] = cookie
+    import zbccl
+
+    comm = ctx.init(heap_size=1 << 20)
+    try:
+        assert type(comm._ctx.heap.transport).__name__ == "RoutedTransport"
+        assert not comm._ctx.heap.reachable(1 - ctx.rank)  # not mapped: the ops treat it as out of reach
+        comm.barrier()
+        if cookie:
+            return comm.all_gather_object({"rank": ctx.rank})
+        with pytest.raises(ZbcclInvalidUsageError, match="ZBCCL_JOB_COOKIE"):
+            comm.all_gather_object(ctx.rank)
+        return "refused"
+    finally:
+        zbccl.finalize()
+
+
+def test_init_across_hosts_with_and_without_the_job_cookie():
+    assert run_world(_init_across_hosts, 2, cookie="k" * 24, timeout=120) == [[{"rank": 0}, {"rank": 1}]] * 2
+    assert run_world(_init_across_hosts, 2, cookie="", timeout=120) == ["refused"] * 2

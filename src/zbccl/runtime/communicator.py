@@ -206,7 +206,7 @@ class Communicator:
         if self.bootstrap.secret is None:
             raise ZbcclInvalidUsageError(
                 "all_gather_object: no job secret to authenticate the store with, expected every rank's "
-                "segment mapped here (ranks on other hosts need an inter-host transport), got "
+                "segment mapped here or, across hosts, ZBCCL_JOB_COOKIE set on every rank, got "
                 f"ranks {[r for r in self.ranks if not self._ctx.heap.reachable(r)]} out of reach")
         try:
             got = self.bootstrap.all_gather(pickle.dumps(obj), timeout=timeout, tag="object", watch=self.store_watch)
