@@ -179,6 +179,49 @@ def test_killing_every_rank_of_a_host_names_them_and_the_host(hosts2):
         assert got["elapsed"] < 10, got
 
 
+def _partition_of_3(ctx):
+    """3 hosts: the test cuts host 2's link; rank 0's wait over ranks 1 and 2 names host 2 only."""
+    t, boot = open_transport(ctx, "mooncake")
+    me = ctx.rank
+    try:
+        t.signal(me, line(0), 1)
+        t.wait_until([(r, line(0)) for r in range(3) if r != me], 1, timeout=60, op="ready")
+        t.signal(me, line(3), 1)
+        if me == 2:
+            t.wait_until([(0, line(3)), (1, line(3))], 1, timeout=60, op="go")
+            ctx.store().set("hosts/cut", b"1")
+        if me == 0:
+            t0 = time.monotonic()
+            try:
+                t.wait_until([(1, line(1)), (2, line(1))], 1, timeout=60, op="survivor", liveness=0.2)
+                out = {"error": None}
+            except ZbcclTimeoutError as exc:
+                out = {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc),
+                       "elapsed": time.monotonic() - t0}
+            t.signal(0, line(2), 1)  # rank 1 may finish
+            return out
+        try:
+            t.wait_until([(0, line(2))], 1, timeout=60, op="bystander" if me == 1 else "victim")
+            return {"error": None}
+        except ZbcclTimeoutError as exc:
+            return {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc)}
+    finally:
+        t.close(unmap=False)
+
+
+def test_partition_of_one_host_among_3_names_that_host_only(hosts3):
+    def director(hosts, store):
+        store.wait(["hosts/cut"])
+        hosts.cut(2)
+
+    out = run_hosts(_partition_of_3, hosts3, timeout=240, director=director)
+    assert out[0]["error"] == "ZbcclTimeoutError" and out[0]["ranks"] == [2], out[0]
+    assert hosts3.addr(2) in out[0]["text"] and hosts3.addr(1) not in out[0]["text"], out[0]["text"]
+    assert out[0]["elapsed"] < 30, out[0]
+    assert out[1] == {"error": None}, out[1]  # the bystander on the healthy host finishes
+    assert out[2]["error"] == "ZbcclTimeoutError" and out[2]["ranks"] == [0], out[2]
+
+
 def _survive(ctx, *, ask: str):
     """Rank 1 asks the test to ``ask`` (kill / cut) its host; rank 0 must be told who and where, in seconds."""
     t, boot = open_transport(ctx, "mooncake")

@@ -7,8 +7,9 @@ process is up and the path works). A failed read is classified by a plain
 TCP connect to the peer's handshake port: *refused* means its host answers
 but the process is gone (dead); no answer means the host or the link is down
 (unreachable). A read that hangs (a cut link: Mooncake fails it only after
-``MC_TCP_PROGRESS_TIMEOUT_SEC``) shows as a peer whose last good read is older
-than ``stall`` seconds. Waiters ask :meth:`Monitor.verdict`; it never blocks.
+``MC_TCP_PROGRESS_TIMEOUT_SEC``) shows as a peer whose probe has been running for
+more than ``stall`` seconds; a peer merely waiting behind another's hung probe is
+not blamed. Waiters ask :meth:`Monitor.verdict`; it never blocks.
 
 Mooncake has no remote atomics over TCP, so :class:`AtomicServer` executes
 fetch_adds for remote requesters on this rank's own words (the OpenSHMEM
@@ -78,8 +79,7 @@ class Monitor(threading.Thread):
         self.engine, self.peers, self.scratch = engine, peers, scratch
         self.period, self.stall = period, stall
         self._stop_ev = threading.Event()
-        now = time.monotonic()
-        self._last_ok = {r: now for r in peers}
+        self._inflight: dict[int, float] = {}  # rank -> when the probe of it now running started
         self._dead: set[int] = set()
         self._unreachable: set[int] = set()
         self._lock = threading.Lock()
@@ -89,11 +89,16 @@ class Monitor(threading.Thread):
             for r, peer in self.peers.items():
                 if self._stop_ev.is_set() or r in self._dead:
                     continue
-                if self.engine.read(peer.sid, self.scratch, peer.ctrl + CTRL_TABLE, 8) == 0:
-                    with self._lock:
-                        self._last_ok[r] = time.monotonic()
+                with self._lock:
+                    self._inflight[r] = time.monotonic()
+                ok = self.engine.read(peer.sid, self.scratch, peer.ctrl + CTRL_TABLE, 8) == 0
+                with self._lock:
+                    del self._inflight[r]
+                    if ok:
                         self._unreachable.discard(r)
-                elif self.classify(r) == "alive":  # a transient failure, or a process being killed: look again
+                if ok:
+                    continue
+                if self.classify(r) == "alive":  # a transient failure, or a process being killed: look again
                     self._stop_ev.wait(0.05)
                     self.classify(r)
 
@@ -113,8 +118,9 @@ class Monitor(threading.Thread):
         now = time.monotonic()
         with self._lock:
             dead = sorted(r for r in ranks if r in self._dead)
+            # Stale: a probe of it hangs (a cut link). A peer merely waiting behind another's hung probe is not.
             late = sorted(r for r in ranks if r in self.peers and r not in self._dead
-                          and (r in self._unreachable or now - self._last_ok[r] > self.stall))
+                          and (r in self._unreachable or now - self._inflight.get(r, now) > self.stall))
         return dead, late
 
     def dead(self) -> list[int]:
