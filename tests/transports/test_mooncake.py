@@ -113,7 +113,7 @@ def _staged(ctx):
     t, boot = open_transport(ctx, "mooncake", data=12 << 20)
     me, peer = ctx.rank, 1 - ctx.rank
     try:
-        t._stage_all = True
+        t.engine.stage_all = True
         t.put(peer, 8 * 16, payload(me, n, 4))
         t.signal(peer, line(0), 1)
         t.wait_until([(me, line(0))], 1, timeout=60)

@@ -36,7 +36,7 @@ from ...bootstrap.topology import Topology
 from ...errors import ZbcclRemoteError, ZbcclTimeoutError
 from .base import NativeHandle, Segment, SignalPad, Transport
 from .mooncake import MooncakeTransport
-from .mooncake.service import backoff
+from .mooncake.liveness import backoff
 from .shm import ShmTransport
 
 __all__ = ["RoutedTransport"]

@@ -20,12 +20,16 @@ processes. Facts this transport relies on (``docs/mooncake.md``):
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
 import os
 import socket
 import sys
+import threading
+
+import torch
 
 from .... import env
 from ....errors import ZbcclSystemError
@@ -40,6 +44,8 @@ INSTALL = ("pip install 'zbccl[internode]' (mooncake-transfer-engine-non-cuda; t
 
 #: Seconds a transfer over a silent link may hang before Mooncake fails it (set when unset).
 STALL_SECONDS = 5
+#: Bytes of the RDMA bounce buffer.
+STAGE_BYTES = 4 << 20
 
 
 def load():
@@ -119,6 +125,11 @@ class MooncakeEngine:
         module = load()
         ports = env.MOONCAKE_PORTS.get()
         self._e = module.TransferEngine()
+        self._spans: list[tuple[int, int]] = []  # registrations: (addr, bytes)
+        self._bounce: torch.Tensor | None = None  # RDMA staging for buffers outside the registrations
+        self._bounce_lock = threading.Lock()
+        #: Tests: stage every transfer as RDMA would (the path then runs over TCP too).
+        self.stage_all = False
         self.host = host
         self.protocol = protocol
         rc = self._e.initialize(host, "P2PHANDSHAKE", protocol, device)
@@ -146,12 +157,48 @@ class MooncakeEngine:
         return f"{self.host}:{self.rpc_port}"
 
     def register(self, addr: int, nbytes: int) -> None:
+        """Register ``[addr, addr+nbytes)`` (once: unregistered by :meth:`close`)."""
         rc = self._e.register_memory(addr, nbytes)
         if rc != 0:
             raise ZbcclSystemError(f"heap: Mooncake could not register {nbytes} bytes, expected 0, got {rc}")
+        self._spans.append((addr, nbytes))
 
-    def unregister(self, addr: int) -> None:
-        self._e.unregister_memory(addr)
+    def registered(self, addr: int, nbytes: int) -> bool:
+        """Whether ``[addr, addr+nbytes)`` lies within one registration of this engine."""
+        return any(lo <= addr and addr + nbytes <= lo + n for lo, n in self._spans)
+
+    def transfer(self, peer: str, write: bool, local: int, remote: int, nbytes: int) -> int:
+        """One write (or read) of ``nbytes`` between ``local`` and a peer's registered ``remote``; Mooncake's rc.
+
+        Over RDMA the local side must be registered too: a buffer outside this engine's registrations goes
+        through a registered bounce buffer (``STAGE_BYTES`` at a time). TCP needs no staging.
+        """
+        op = self.write if write else self.read
+        if not self.stage_all and (self.transport != "rdma" or self.registered(local, nbytes)):
+            return op(peer, local, remote, nbytes)
+        with self._bounce_lock:
+            if self._bounce is None:
+                self._bounce = torch.empty(STAGE_BYTES, dtype=torch.uint8)
+                self.register(self._bounce.data_ptr(), STAGE_BYTES)
+            stage = self._bounce.data_ptr()
+            for at in range(0, nbytes, STAGE_BYTES):
+                n = min(STAGE_BYTES, nbytes - at)
+                if write:
+                    ctypes.memmove(stage, local + at, n)
+                rc = op(peer, stage, remote + at, n)
+                if rc != 0:
+                    return rc
+                if not write:
+                    ctypes.memmove(local + at, stage, n)
+        return 0
+
+    def close(self) -> None:
+        """Unregister everything (no peer write lands in this process from now on) and drop the engine."""
+        for addr, _ in self._spans:
+            self._e.unregister_memory(addr)
+        self._spans.clear()
+        self._bounce = None
+        self._e = None
 
     def write(self, peer: str, local: int, remote: int, nbytes: int) -> int:
         return self._e.transfer_sync_write(peer, local, remote, nbytes)

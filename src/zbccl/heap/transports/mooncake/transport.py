@@ -32,20 +32,18 @@ Verbs on a remote rank:
   one batched read per peer, backing off to 1 ms, checking liveness every
   ``liveness`` seconds (dead: :class:`~zbccl.errors.ZbcclRemoteError`;
   unreachable for ``STALL`` seconds: :class:`~zbccl.errors.ZbcclTimeoutError`
-  naming the host). ``fetch_add``: executed by the owner (``service.py``).
+  naming the host). ``fetch_add``: executed by the owner (``atomics.py``).
 * Views of a remote rank are impossible (its memory is not in this process):
   :meth:`view`, :meth:`pad_view` and the native addresses raise
   :class:`~zbccl.errors.ZbcclInvalidUsageError` saying so; views of this
   rank's own memory work as on shm. :meth:`viewable` tells them apart.
 
-Liveness: ``service.Monitor`` (no pidfds across hosts).
+Liveness: ``liveness.Monitor`` (no pidfds across hosts). The store records: ``records.py``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import math
 import socket
 import threading
@@ -56,8 +54,7 @@ import torch
 
 from .... import env
 from ....bootstrap.base import Bootstrap
-from ....bootstrap.secret import JobSecret, SealError
-from ....bootstrap.store import in_range, parse_record
+from ....bootstrap.secret import JobSecret
 from ....bootstrap.topology import Topology
 from ....errors import (
     ZbcclError,
@@ -70,31 +67,21 @@ from ....errors import (
 from ... import flags, layout
 from ..base import NativeHandle, Segment, SignalPad, Transport, _as_bytes
 from ..shm.mapping import prefault, tensor_at
+from .atomics import AtomicServer
 from .engine import MooncakeEngine, load, local_address
+from .liveness import STALL, Monitor, Peer, backoff
 from .memory import CTRL_MAIL, CTRL_TABLE, MAX_STEPS, ctrl_layout, release, reserve
-from .service import AtomicServer, Monitor, Peer, backoff
+from .records import cookie_secret, exchange, peer_of, store_host
 
-__all__ = ["MooncakeTransport", "STALL"]
+__all__ = ["MooncakeTransport"]
 
 _PAD = layout.CTRL_BYTES
-#: Seconds without an answer after which a peer's host is reported unreachable.
-STALL = 5.0
 # The control region's scratch: [monitor word][atomic-server words][staged words ...][a growth table read].
 _S_MONITOR, _S_SERVER, _S_WORDS, _S_TABLE = 0, 64, 128, 2048
 _WORDS = (_S_TABLE - _S_WORDS) // 8
 _ZERO_CHUNK = 1 << 20
 #: Retries of a transfer that failed while its peer still answers (a reset connection).
 _RETRIES = 2
-#: Bytes of the RDMA bounce buffer (staging for local buffers outside the registered memory).
-_STAGE = 4 << 20
-
-
-def cookie_secret(job_id: str) -> JobSecret | None:
-    """The job's key from ``ZBCCL_JOB_COOKIE`` (the launcher's secret), or None when it is unset."""
-    cookie = env.JOB_COOKIE.get()
-    if not cookie:
-        return None
-    return JobSecret(hashlib.sha256(b"zbccl job cookie\0" + cookie.encode()).digest(), job_id)
 
 
 class MooncakeTransport(Transport):
@@ -118,7 +105,6 @@ class MooncakeTransport(Transport):
         self._ctrl_map: tuple[int, int] | None = None
         self._reply = 0
         self._ends: dict[int, list[int]] = {}  # rank -> data ends after each registration (own: exact)
-        self._registered: list[int] = []
         self._lock = threading.Lock()  # the scratch words
         self._amo_lock = threading.Lock()
         self._amo_seq = 0
@@ -128,9 +114,6 @@ class MooncakeTransport(Transport):
         self._secret: JobSecret | None = None
         self._own_flat: torch.Tensor | None = None
         self._native = _MooncakeNative(self)
-        self._bounce: torch.Tensor | None = None  # RDMA staging for buffers outside the registered memory
-        self._bounce_lock = threading.Lock()
-        self._stage_all = False  # tests: stage every transfer as RDMA would (the path runs over TCP too)
 
     # ------------------------------------------------------------ lifecycle
     def establish(self, bootstrap: Bootstrap, topology: Topology, *, data_bytes: list[int], job_id: str,
@@ -165,17 +148,19 @@ class MooncakeTransport(Transport):
                     record = self._open(bootstrap, pad, data, data_bytes[me], reserve_bytes[me], world)
                 except ZbcclError as exc:
                     error = exc
-            got = self._agree(bootstrap, record, error, timeout=timeout, key=f"{key}/up", tag="mooncake")
+            got = exchange(bootstrap, self._secret, record, error, timeout=timeout, key=f"{key}/up", tag="mooncake")
             self.segments[me] = Segment(me, data_bytes[me], "cpu", owner=True, reserved=reserve_bytes[me])
             for r in peers:
-                self.peers[r] = _peer_of(r, got[r], reserve_bytes[r])
+                self.peers[r] = peer_of(r, got[r], reserve_bytes[r])
                 self.segments[r] = Segment(r, data_bytes[r], "cpu", owner=False, reserved=reserve_bytes[r])
+            self._monitor = Monitor(self.engine, self.peers, self._ctrl + self._scratch() + _S_MONITOR,
+                                    period=max(env.LIVENESS_INTERVAL.get(), 0.25), stall=STALL)
             try:
                 for r in peers:  # the handshake with each peer, and its first growth table
                     self._refresh(r, op="heap: connecting to a peer's engine")
             except ZbcclError as exc:
                 error = exc
-            self._agree(bootstrap, {}, error, timeout=timeout, key=f"{key}/reached", tag="mooncake-reached")
+            exchange(bootstrap, self._secret, {}, error, timeout=timeout, key=f"{key}/reached", tag="mooncake-reached")
             self._start_threads(world)
         except BaseException:
             self.close(unmap=True)
@@ -184,7 +169,7 @@ class MooncakeTransport(Transport):
 
     def _open(self, bootstrap: Bootstrap, pad: int, data: int, nbytes: int, reserved: int, world: int) -> dict:
         """Engine up, this rank's memory registered, its growth table written; the record peers need."""
-        self.engine = MooncakeEngine(local_address(_store_host(bootstrap)), protocol=env.MOONCAKE_PROTOCOL.get(),
+        self.engine = MooncakeEngine(local_address(store_host(bootstrap)), protocol=env.MOONCAKE_PROTOCOL.get(),
                              device=env.MOONCAKE_DEVICE.get())
         self._reply, _, ctrl_bytes = ctrl_layout(world)
         self._ctrl = reserve(ctrl_bytes)
@@ -194,7 +179,6 @@ class MooncakeTransport(Transport):
         for addr, n in ((pad, _PAD), (data, nbytes), (self._ctrl, ctrl_bytes)):
             if n:
                 self.engine.register(addr, n)
-                self._registered.append(addr)
         self._ends[self.rank] = [nbytes]
         self._prims.store_release(self._ctrl + CTRL_TABLE + 8, nbytes)
         self._prims.store_release(self._ctrl + CTRL_TABLE, 1)
@@ -202,42 +186,9 @@ class MooncakeTransport(Transport):
                 "hostname": socket.gethostname(), "pad": pad, "data": data, "ctrl": self._ctrl,
                 "transport": self.engine.transport}
 
-    def _agree(self, bootstrap: Bootstrap, record: dict | None, error: ZbcclError | None, *, timeout: float,
-               key: str, tag: str) -> list[dict]:
-        """All-gather ``record`` (or this rank's error), sealed with the cookie's key when there is one;
-        raise on every rank when any rank failed or sent what the key does not open."""
-        me = bootstrap.rank
-        raw = json.dumps({"error": str(error)} if error is not None else record).encode()
-        if self._secret is not None:
-            raw = self._secret.seal(f"{key}/{me}", raw)
-        got = bootstrap.all_gather(raw, timeout=timeout, tag=tag)
-        if error is not None:
-            raise error
-        out, failed = [], []
-        for r, blob in enumerate(got):
-            if self._secret is not None:
-                try:
-                    blob = self._secret.open(f"{key}/{r}", blob)
-                except SealError as exc:
-                    failed.append((r, f"its record is not sealed with this job's cookie ({exc}); expected "
-                                      "ZBCCL_JOB_COOKIE to be the same on every rank"))
-                    continue
-            d = parse_record(blob, _dict_of, op="heap", rank=r, what="a JSON object (a Mooncake record)")
-            if d.get("error"):
-                failed.append((r, str(d["error"])))
-            out.append(d)
-        if failed:
-            what = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            raise ZbcclRemoteError(f"heap: a rank could not set up the mooncake transport: {what}",
-                                   ranks=tuple(r for r, _ in failed))
-        return out
-
     def _start_threads(self, world: int) -> None:
         if not self.peers:
             return
-        period = max(env.LIVENESS_INTERVAL.get(), 0.25)
-        self._monitor = Monitor(self.engine, self.peers, self._ctrl + self._scratch() + _S_MONITOR, period=period,
-                                stall=STALL)
         self._monitor.start()
         self._server = AtomicServer(self.engine, self.peers, ctrl=self._ctrl, reply_offset=self._reply,
                                     scratch=self._ctrl + self._scratch() + _S_SERVER, word_addr=self._own_word,
@@ -271,7 +222,6 @@ class MooncakeTransport(Transport):
                 f"got one more; start with a larger heap_size")
         old = ends[-1]
         self.engine.register(self._data + old, nbytes - old)
-        self._registered.append(self._data + old)
         # The end first, then the count: a peer that reads the count reads every end below it.
         self._prims.store_release(self._ctrl + CTRL_TABLE + 8 * (len(ends) + 1), nbytes)
         ends.append(nbytes)
@@ -284,11 +234,8 @@ class MooncakeTransport(Transport):
                 thread.stop()
         self._monitor = self._server = None
         if self.engine is not None:
-            for addr in self._registered:  # no peer write lands here from now on
-                self.engine.unregister(addr)
-            self._registered.clear()
+            self.engine.close()  # unregisters first: no peer write lands here from now on
             self.engine = None
-        self._bounce = None
         self._own_flat = None
         if unmap:
             for mapped in (self._own_map, self._ctrl_map):
@@ -366,37 +313,9 @@ class MooncakeTransport(Transport):
         return out
 
     def _xfer(self, rank: int, write: bool, local: int, remote: int, nbytes: int, op: str, what: str) -> None:
-        """One transfer between ``local`` (this process) and ``remote`` (registered memory of ``rank``).
-
-        Over RDMA the local side must be registered too: a buffer outside this rank's registered memory
-        goes through a registered bounce buffer (``_STAGE`` bytes at a time). TCP needs no staging.
-        """
-        peer, engine = self.peers[rank], self.engine
-        if not self._stage_all and (engine.transport != "rdma" or self._registered_here(local, nbytes)):
-            self._run(rank, op, what, lambda: (engine.write if write else engine.read)(peer.sid, local, remote, nbytes))
-            return
-        with self._bounce_lock:
-            if self._bounce is None:
-                self._bounce = torch.empty(_STAGE, dtype=torch.uint8)
-                engine.register(self._bounce.data_ptr(), _STAGE)
-                self._registered.append(self._bounce.data_ptr())
-            stage = self._bounce.data_ptr()
-            for at in range(0, nbytes, _STAGE):
-                n = min(_STAGE, nbytes - at)
-                if write:
-                    ctypes.memmove(stage, local + at, n)
-                self._run(rank, op, what,
-                          lambda at=at, n=n: (engine.write if write else engine.read)(peer.sid, stage, remote + at, n))
-                if not write:
-                    ctypes.memmove(local + at, stage, n)
-
-    def _registered_here(self, addr: int, nbytes: int) -> bool:
-        """Whether ``[addr, addr+nbytes)`` lies in one of this rank's registrations (pad, data, control)."""
-        me = self.rank
-        spans = [(self._pad, _PAD), (self._data, self._ends[me][-1] if self._ends.get(me) else 0)]
-        if self._ctrl_map is not None:
-            spans.append(self._ctrl_map)
-        return any(lo <= addr and addr + nbytes <= lo + n for lo, n in spans)
+        """One transfer between ``local`` (this process) and ``remote`` (registered memory of ``rank``)."""
+        sid = self.peers[rank].sid
+        self._run(rank, op, what, lambda: self.engine.transfer(sid, write, local, remote, nbytes))
 
     # ------------------------------------------------------------ views (this rank's own memory only)
     def _no_view(self, rank: int, what: str, op: str) -> ZbcclInvalidUsageError:
@@ -614,77 +533,22 @@ class MooncakeTransport(Transport):
 
     def _raise_lost(self, ranks: list[int], op: str, target: int, label=None) -> None:
         """Raise when one of ``ranks`` died (remote error) or its host stopped answering (timeout)."""
-        if self._monitor is None:
-            return
-        label = label or (lambda r, d: d)
-        dead, gone = self._monitor.verdict(ranks)
-        if dead:  # the whole host's dead ranks, not only the first one the monitor saw
-            dead = sorted({m for r in dead for m in self._host_mates(r, "dead")})
-            names = [label(r, r) for r in dead]
-            where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in dead)
-            raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died ({where}: its host "
-                                   "answers, its transfer engine is gone)", ranks=tuple(names))
-        if gone:
-            gone = sorted({m for r in gone for m in self._host_mates(r, "unreachable")})
-            names = [label(r, r) for r in gone]
-            where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in gone)
-            raise ZbcclTimeoutError(
-                f"{op}: host unreachable while waiting for rank(s) {names}, expected an answer from their transfer "
-                f"engine within {STALL:.0f}s, got none ({where}: a network partition or a host down)",
-                ranks=tuple(names))
+        if self._monitor is not None:
+            error = self._monitor.lost(ranks, op, label or (lambda r, d: d))
+            if error is not None:
+                raise error
 
     def _run(self, rank: int, op: str, what: str, transfer: Callable[[], int]) -> None:
-        """``transfer()`` (a Mooncake call returning its rc), retried while its peer is alive (a reset
-        connection); raises as :meth:`_fail` when the peer died, is unreachable, or keeps refusing."""
+        """``transfer()`` (a Mooncake call returning its rc), retried while its peer still answers (a reset
+        connection); raises when the peer died, its host is unreachable, or it keeps refusing."""
         for attempt in range(_RETRIES + 1):
             if transfer() == 0:
                 return
-            verdict = self._verdict(rank)
+            verdict = self._monitor.settled(rank) if self._monitor is not None else "alive"
             if attempt == _RETRIES or verdict != "alive":
-                self._fail(rank, op, what, verdict)
-
-    def _verdict(self, rank: int) -> str:
-        verdict, settle = "alive", time.monotonic() + 1.0
-        while self._monitor is not None:
-            # A process being killed resets connections a moment before its listener closes: ask again briefly.
-            verdict = self._monitor.classify(rank)
-            if verdict != "alive" or time.monotonic() >= settle:
-                break
-            time.sleep(0.05)
-        return verdict
-
-    def _fail(self, rank: int, op: str, what: str, verdict: str | None = None) -> None:
-        """Raise for a transfer to ``rank`` that failed, saying whether it died, is unreachable, or refused it."""
-        peer = self.peers[rank]
-        verdict = verdict or self._verdict(rank)
-        if verdict == "dead":
-            ranks = self._host_mates(rank, "dead")
-            raise ZbcclRemoteError(f"{op}: rank(s) {list(ranks)} died ({peer.where()} refuses connections to their "
-                                   f"transfer engines), expected {what} to complete, got rc -1", ranks=ranks)
-        if verdict == "unreachable":
-            ranks = self._host_mates(rank, "unreachable")
-            raise ZbcclTimeoutError(f"{op}: {peer.where()} of rank(s) {list(ranks)} is unreachable, expected {what} "
-                                    f"to complete, got no answer (a network partition or a host down)", ranks=ranks)
-        raise ZbcclRemoteError(f"{op}: rank {rank}'s transfer engine refused {what} ({peer.where()}), expected "
-                               "rc 0, got -1 (an address outside its registered memory)", ranks=(rank,))
-
-    def _host_mates(self, rank: int, verdict: str) -> tuple[int, ...]:
-        """``rank`` and the other remote ranks of its host in the same state: every rank of an unreachable
-        host is; a rank of a host that answers is dead when its own port refuses too (a quick probe)."""
-        ip = self.peers[rank].ip
-        mates = [r for r, p in self.peers.items() if p.ip == ip and r != rank]
-        if verdict == "dead" and self._monitor is not None:
-            # A host's ranks do not die at one instant: give the others half a second to follow.
-            dead, until = set(), time.monotonic() + 0.5
-            while True:
-                dead |= {r for r in mates if r not in dead and self._monitor.classify(r) == "dead"}
-                if len(dead) == len(mates) or time.monotonic() >= until:
-                    break
-                time.sleep(0.05)
-            mates = sorted(dead)
-        elif verdict == "dead":
-            mates = []
-        return tuple(sorted([rank, *mates]))
+                if self._monitor is None:
+                    raise ZbcclRemoteError(f"{op}: {what} to rank {rank} failed, expected rc 0, got -1", ranks=(rank,))
+                raise self._monitor.failure(rank, op, what, verdict)
 
     # ------------------------------------------------------------ liveness, trust, native
     def dead_peers(self) -> list[int]:
@@ -734,36 +598,3 @@ class _MooncakeNative(NativeHandle):
 
     def liveness_fd(self, rank: int) -> int:
         return -1
-
-
-def _store_host(bootstrap: Bootstrap) -> str | None:
-    """The host of the TCPStore under ``bootstrap`` (through PrefixStores), or None."""
-    store = getattr(bootstrap, "store", None)
-    for _ in range(8):
-        if store is None:
-            return None
-        host = getattr(store, "host", None)
-        if isinstance(host, str) and host:
-            return host
-        store = getattr(store, "underlying_store", None)
-    return None
-
-
-def _dict_of(d) -> dict:
-    if not isinstance(d, dict):
-        raise TypeError(d)
-    return d
-
-
-def _peer_of(rank: int, d: dict, reserved: int) -> Peer:
-    """A peer's record, checked field by field (sealed or not, parsed strictly)."""
-    def check(_) -> Peer:
-        sid, ip, host = d["sid"], d["ip"], d["hostname"]
-        port = in_range(d["port"], 1, 65535)
-        if not (isinstance(ip, str) and isinstance(host, str) and sid == f"{ip}:{port}" and len(host) < 256):
-            raise ValueError(sid)
-        return Peer(rank, sid, ip, port, host, in_range(d["pad"], 1, (1 << 64) - 1),
-                    in_range(d["data"], 1, (1 << 64) - 1), in_range(d["ctrl"], 1, (1 << 64) - 1), reserved)
-
-    return parse_record(json.dumps(d).encode(), check, op="heap", rank=rank,
-                        what="{sid, ip, port, hostname, pad, data, ctrl} of a Mooncake engine")

@@ -1,4 +1,4 @@
-"""The mooncake transport's two background threads: peer liveness, and remote fetch_add.
+"""Peer liveness across hosts for the mooncake transport (no pidfds there), and how waits are paced.
 
 Liveness across hosts cannot use pidfds. :class:`Monitor` reads one word of
 every remote peer's control region through the engine every ``period``
@@ -10,14 +10,6 @@ but the process is gone (dead); no answer means the host or the link is down
 ``MC_TCP_PROGRESS_TIMEOUT_SEC``) shows as a peer whose probe has been running for
 more than ``stall`` seconds; a peer merely waiting behind another's hung probe is
 not blamed. Waiters ask :meth:`Monitor.verdict`; it never blocks.
-
-Mooncake has no remote atomics over TCP, so :class:`AtomicServer` executes
-fetch_adds for remote requesters on this rank's own words (the OpenSHMEM
-active-message scheme): a requester writes ``[line, delta]`` and then its
-``seq`` into its mailbox line here (ordered writes); this thread sees the new
-``seq``, applies an atomic fetch_add to the word (atomic with this rank's own
-fetch_adds), and writes ``old`` and then ``seq`` into the requester's reply
-line. One request per requester is in flight at a time.
 """
 
 from __future__ import annotations
@@ -25,13 +17,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from ....errors import ZbcclError, ZbcclRemoteError, ZbcclTimeoutError
 from .engine import MooncakeEngine, probe
-from .memory import CTRL_MAIL, CTRL_TABLE
+from .memory import CTRL_TABLE
 
-__all__ = ["Peer", "Monitor", "AtomicServer", "backoff"]
+__all__ = ["Peer", "Monitor", "STALL", "backoff"]
+
+#: Seconds without an answer after which a peer's host is reported unreachable.
+STALL = 5.0
 
 #: Seconds a wait polls before it starts sleeping (a remote poll is a network round trip: paced already).
 HOT_SECONDS = 2e-3
@@ -127,54 +122,67 @@ class Monitor(threading.Thread):
         with self._lock:
             return sorted(self._dead)
 
+    def settled(self, rank: int) -> str:
+        """:meth:`classify`, asked again for up to a second while it says alive: a process being killed resets
+        connections a moment before its listener closes."""
+        until = time.monotonic() + 1.0
+        while True:
+            verdict = self.classify(rank)
+            if verdict != "alive" or time.monotonic() >= until:
+                return verdict
+            time.sleep(0.05)
+
+    def host_mates(self, rank: int, verdict: str) -> tuple[int, ...]:
+        """``rank`` and the other remote ranks of its host in the same state: every rank of an unreachable
+        host is; a rank of a host that answers is dead when its own port refuses too (a quick probe)."""
+        ip = self.peers[rank].ip
+        mates = [r for r, p in self.peers.items() if p.ip == ip and r != rank]
+        if verdict == "dead":
+            # A host's ranks do not die at one instant: give the others half a second to follow.
+            dead, until = set(), time.monotonic() + 0.5
+            while True:
+                dead |= {r for r in mates if r not in dead and self.classify(r) == "dead"}
+                if len(dead) == len(mates) or time.monotonic() >= until:
+                    break
+                time.sleep(0.05)
+            mates = sorted(dead)
+        return tuple(sorted([rank, *mates]))
+
+    def failure(self, rank: int, op: str, what: str, verdict: str) -> ZbcclError:
+        """The error for a transfer to ``rank`` that failed: it died, its host is unreachable, or it refused."""
+        peer = self.peers[rank]
+        if verdict == "dead":
+            ranks = self.host_mates(rank, "dead")
+            return ZbcclRemoteError(f"{op}: rank(s) {list(ranks)} died ({peer.where()} refuses connections to their "
+                                    f"transfer engines), expected {what} to complete, got rc -1", ranks=ranks)
+        if verdict == "unreachable":
+            ranks = self.host_mates(rank, "unreachable")
+            return ZbcclTimeoutError(f"{op}: {peer.where()} of rank(s) {list(ranks)} is unreachable, expected {what} "
+                                     f"to complete, got no answer (a network partition or a host down)", ranks=ranks)
+        return ZbcclRemoteError(f"{op}: rank {rank}'s transfer engine refused {what} ({peer.where()}), expected "
+                                "rc 0, got -1 (an address outside its registered memory)", ranks=(rank,))
+
+    def lost(self, ranks, op: str, label) -> ZbcclError | None:
+        """The error for a wait on ``ranks`` when one died (remote error, naming every dead rank of its host)
+        or its host stopped answering (timeout); None while all answer. ``label`` numbers ranks for messages."""
+        dead, gone = self.verdict(ranks)
+        if dead:
+            dead = sorted({m for r in dead for m in self.host_mates(r, "dead")})
+            names = [label(r, r) for r in dead]
+            where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in dead)
+            return ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died ({where}: its host "
+                                    "answers, its transfer engine is gone)", ranks=tuple(names))
+        if gone:
+            gone = sorted({m for r in gone for m in self.host_mates(r, "unreachable")})
+            names = [label(r, r) for r in gone]
+            where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in gone)
+            return ZbcclTimeoutError(
+                f"{op}: host unreachable while waiting for rank(s) {names}, expected an answer from their transfer "
+                f"engine within {self.stall:.0f}s, got none ({where}: a network partition or a host down)",
+                ranks=tuple(names))
+        return None
+
     def stop(self) -> None:
         self._stop_ev.set()
         if self.ident is not None:
             self.join(timeout=2 * self.stall + 5)  # a probe over a cut link ends within Mooncake's stall timeout
-
-
-class AtomicServer(threading.Thread):
-    """Applies remote fetch_add requests to this rank's words (see the module docstring)."""
-
-    def __init__(self, engine: MooncakeEngine, peers: dict[int, Peer], *, ctrl: int, reply_offset: int, scratch: int,
-                 word_addr: Callable[[int], int | None], prims, load: Callable[[int], int]) -> None:
-        super().__init__(name="zbccl-mooncake-atomics", daemon=True)
-        self.engine, self.peers, self.ctrl, self.reply_offset = engine, peers, ctrl, reply_offset
-        self.scratch, self.word_addr, self.prims, self.load = scratch, word_addr, prims, load
-        self.done = {r: 0 for r in peers}
-        self._stop_ev = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        pause, fast, idle = 0.0, 50e-6, 2e-3
-        fetch_add = getattr(self.prims, "fetch_add_signal", None) or self.prims.fetch_add
-        try:
-            while not self._stop_ev.wait(pause):
-                served = False
-                for r, peer in self.peers.items():
-                    mail = self.ctrl + CTRL_MAIL + 64 * r
-                    seq = self.load(mail)
-                    if seq <= self.done[r]:
-                        continue
-                    line, delta = self.load(mail + 8), self.load(mail + 16)
-                    word = self.word_addr(line)
-                    if word is None:  # not a word of this pad (no zbccl rank sends one): dropped, never applied
-                        self.done[r] = seq
-                        continue
-                    old = fetch_add(word, delta)
-                    self.prims.store_release(self.scratch, old)
-                    self.prims.store_release(self.scratch + 8, seq)
-                    # old first, then seq: the requester's seq is the publication of old.
-                    reply = peer.ctrl + self.reply_offset
-                    if self.engine.write(peer.sid, self.scratch, reply + 8, 8) == 0:
-                        self.engine.write(peer.sid, self.scratch + 8, reply, 8)
-                    self.done[r] = seq  # a failed reply: the requester is gone (its liveness reports it)
-                    served = True
-                pause = fast if served else min(idle, max(fast, 2 * pause))
-        except BaseException as exc:  # noqa: BLE001 - reported by the requester's timeout and at close
-            self.error = exc
-
-    def stop(self) -> None:
-        self._stop_ev.set()
-        if self.ident is not None:
-            self.join(timeout=30)
