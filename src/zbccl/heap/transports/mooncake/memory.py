@@ -26,7 +26,8 @@ import os
 from ....errors import ZbcclOutOfMemoryError, ZbcclSystemError
 from ...layout import LINE, PAGE
 
-__all__ = ["MAX_STEPS", "CTRL_TABLE", "CTRL_MAIL", "SCRATCH_BYTES", "ctrl_layout", "reserve", "release"]
+__all__ = ["MAX_STEPS", "CTRL_TABLE", "CTRL_MAIL", "SCRATCH_BYTES", "ctrl_layout", "parse_table", "split_at", "reserve",
+           "release"]
 
 #: Registrations a data segment may have: the initial one and up to MAX_STEPS - 1 growth steps.
 MAX_STEPS = 255
@@ -47,6 +48,31 @@ def ctrl_layout(world_size: int) -> tuple[int, int, int]:
     reply = CTRL_MAIL + -(-world_size * LINE // PAGE) * PAGE
     scratch = reply + PAGE
     return reply, scratch, scratch + SCRATCH_BYTES
+
+
+def parse_table(words: list[int], reserve: int) -> list[int] | None:
+    """The data ends of a growth table read as int64 ``words`` (``[n_steps, end_0, ...]``), or None when it is
+    not one: a count of 1 to ``MAX_STEPS``, strictly increasing ends from 0 up to ``reserve``."""
+    n = words[0] if words else 0
+    if not 1 <= n <= MAX_STEPS or len(words) < n + 1:
+        return None
+    ends = list(words[1:n + 1])
+    if ends[0] < 0 or ends[-1] > reserve or any(b <= a for a, b in zip(ends, ends[1:])):
+        return None
+    return ends
+
+
+def split_at(ends: list[int], offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """``[offset, offset+nbytes)`` cut at the registration boundaries ``ends``: ``(offset, length)`` pieces, in
+    order, covering the range exactly (it must lie within ``ends[-1]``; a transfer may not span two)."""
+    out, lo, hi = [], offset, offset + nbytes
+    for end in ends:
+        if lo >= hi:
+            break
+        if lo < end:
+            out.append((lo, min(hi, end) - lo))
+            lo = min(hi, end)
+    return out
 
 
 def reserve(nbytes: int) -> int:

@@ -70,7 +70,7 @@ from ..shm.mapping import prefault, tensor_at
 from .atomics import AtomicServer
 from .engine import MooncakeEngine, load, local_address
 from .liveness import STALL, Monitor, Peer, backoff
-from .memory import CTRL_MAIL, CTRL_TABLE, MAX_STEPS, ctrl_layout, release, reserve
+from .memory import CTRL_MAIL, CTRL_TABLE, MAX_STEPS, ctrl_layout, parse_table, release, reserve, split_at
 from .records import cookie_secret, exchange, peer_of, store_host
 
 __all__ = ["MooncakeTransport"]
@@ -281,13 +281,12 @@ class MooncakeTransport(Transport):
             local = self._ctrl + self._scratch() + _S_TABLE
             self._run(rank, op, "a read of its growth table",
                       lambda: self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1)))
-            words = (ctypes.c_int64 * (MAX_STEPS + 1)).from_address(local)
-            n, ends = words[0], list(words[1:MAX_STEPS + 1])
-        ends = ends[:n] if 1 <= n <= MAX_STEPS else []
-        if not ends or any(b <= a for a, b in zip(ends, ends[1:])) or ends[0] < 0 or ends[-1] > peer.reserve:
+            words = list((ctypes.c_int64 * (MAX_STEPS + 1)).from_address(local))
+        ends = parse_table(words, peer.reserve)
+        if ends is None:
             raise ZbcclRemoteError(
                 f"{op}: rank {rank}'s growth table is corrupt, expected 1 to {MAX_STEPS} increasing sizes up to "
-                f"{peer.reserve}, got count {n} and sizes {ends[:8]}", ranks=(rank,))
+                f"{peer.reserve}, got count {words[0]} and sizes {words[1:9]}", ranks=(rank,))
         self._ends[rank] = ends
         self.segments[rank].nbytes = ends[-1]
         return ends
@@ -302,15 +301,7 @@ class MooncakeTransport(Transport):
                 f"[0, {size}), got offset={offset} nbytes={nbytes}")
 
     def _pieces(self, rank: int, offset: int, nbytes: int) -> list[tuple[int, int]]:
-        """``[offset, offset+nbytes)`` split at ``rank``'s registration boundaries: ``(offset, length)`` pieces."""
-        out, lo, hi = [], offset, offset + nbytes
-        for end in self._ends[rank]:
-            if lo >= hi:
-                break
-            if lo < end:
-                out.append((lo, min(hi, end) - lo))
-                lo = min(hi, end)
-        return out
+        return split_at(self._ends[rank], offset, nbytes)
 
     def _xfer(self, rank: int, write: bool, local: int, remote: int, nbytes: int, op: str, what: str) -> None:
         """One transfer between ``local`` (this process) and ``remote`` (registered memory of ``rank``)."""
