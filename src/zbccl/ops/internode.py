@@ -56,10 +56,14 @@ class HostExchange:
                 f"internode: signal lines out of the pad, expected {n + 1} lines from a {transport.LINE}-aligned "
                 f"base within [0, {pad}), got base {line_base}")
         self.t, self.ranks, self.me, self.index = transport, list(ranks), me, ranks.index(me)
-        self.data_offset, self.slot = data_offset, data_bytes // n
+        if data_offset % 64:
+            raise ZbcclInvalidUsageError(f"internode: region offset not 64-byte aligned, expected a multiple of 64, "
+                                         f"got {data_offset}")
+        self.data_offset, self.slot = data_offset, data_bytes // n // 64 * 64  # every slot aligned for any dtype
         self.line_base, self.timeout, self.seq = line_base, timeout, 0
         if self.slot <= 0:
-            raise ZbcclInvalidUsageError(f"internode: region too small, expected at least {n} bytes, got {data_bytes}")
+            raise ZbcclInvalidUsageError(
+                f"internode: region too small, expected at least {64 * n} bytes, got {data_bytes}")
 
     def _arrived(self, i: int) -> int:
         return self.line_base + self.t.LINE * i
@@ -68,8 +72,8 @@ class HostExchange:
     def _done(self) -> int:
         return self.line_base + self.t.LINE * len(self.ranks)
 
-    def all_gather(self, x: torch.Tensor, *, op: str = "all_gather") -> torch.Tensor:
-        """``[len(ranks), *x.shape]``: every member's ``x`` (same shape and dtype everywhere), in member order."""
+    def _exchange(self, x: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
+        """Steps 1-3: this rank's bytes in every peer's slot, every peer's in this rank's; ``(src, seq)``."""
         src = x.detach().contiguous().cpu()
         nbytes = src.numel() * src.element_size()
         if nbytes > self.slot:
@@ -86,19 +90,30 @@ class HostExchange:
             t.signal(p, self._arrived(self.index), seq)
         t.wait_until([(me, self._arrived(self.ranks.index(p))) for p in peers], seq,  # 3.
                      timeout=self.timeout, op=op)
+        return src, seq
+
+    def _slot(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Member ``i``'s bytes as they arrived here: a view of this rank's own heap (always viewable)."""
+        return self.t.view(self.me, self.data_offset + i * self.slot, tuple(like.shape), like.dtype, op="exchange")
+
+    def all_gather(self, x: torch.Tensor, *, op: str = "all_gather") -> torch.Tensor:
+        """``[len(ranks), *x.shape]``: every member's ``x`` (same shape and dtype everywhere), in member order."""
+        src, seq = self._exchange(x, op)
         out = torch.empty((len(self.ranks), *src.shape), dtype=src.dtype)
         for i, r in enumerate(self.ranks):  # 4. copy out, then release the slots
-            if r == me:
-                out[i].copy_(src)
-            elif nbytes:
-                t.get_into(me, self.data_offset + i * self.slot, out[i])
-        t.signal(me, self._done, seq)
+            out[i].copy_(src if r == self.me else self._slot(i, src))
+        self.t.signal(self.me, self._done, seq)
         return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every member's ``x``, reduced in member order (bit-identical on every member)."""
-        parts = self.all_gather(x, op="all_reduce")
+        """The sum of every member's ``x``, reduced in member order (bit-identical on every member).
+
+        Reduced straight from the slots (no gathered copy); the slots are released after the sum.
+        """
+        src, seq = self._exchange(x, "all_reduce")
+        parts = [src if r == self.me else self._slot(i, src) for i, r in enumerate(self.ranks)]
         acc = parts[0].clone()
         for part in parts[1:]:
             acc += part
+        self.t.signal(self.me, self._done, seq)
         return acc
