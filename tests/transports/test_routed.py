@@ -121,6 +121,8 @@ def _init_across_hosts(ctx, *, cookie: str):
         assert type(comm._ctx.heap.transport).__name__ == "RoutedTransport"
         assert not comm._ctx.heap.reachable(1 - ctx.rank)  # not mapped: the ops treat it as out of reach
         comm.barrier()
+        sub = comm.new_group([0, 1])  # a group spanning the hosts: made, and its barrier works
+        sub.barrier()
         if cookie:
             return comm.all_gather_object({"rank": ctx.rank})
         with pytest.raises(ZbcclInvalidUsageError, match="ZBCCL_JOB_COOKIE"):
