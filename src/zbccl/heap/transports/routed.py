@@ -78,6 +78,7 @@ class RoutedTransport(Transport):
         return segments
 
     def grow(self, nbytes: int) -> None:
+        self.remote.check_growth()  # before anything changes: both grow, or neither
         self.local.grow(nbytes)  # backs and publishes for the local ranks
         self.remote.register_growth(nbytes)  # registers the step and publishes it to the remote ranks
 

@@ -208,18 +208,23 @@ class MooncakeTransport(Transport):
         if nbytes > seg.reserved:
             raise ZbcclOutOfMemoryError(
                 f"heap: grow: heap of {nbytes} bytes requested, expected at most the {seg.reserved} reserved")
+        self.check_growth()
         if self.populate:
             prefault(self._data + seg.nbytes, nbytes - seg.nbytes)
         self.register_growth(nbytes)
         self._prims.signal(self._pad + layout.H_HEAP_BYTES, nbytes)
 
-    def register_growth(self, nbytes: int) -> None:
-        """Register ``[old size, nbytes)`` of this rank's data (backed already) and publish the new size."""
-        ends = self._ends[self.rank]
-        if len(ends) >= MAX_STEPS:
+    def check_growth(self) -> None:
+        """Raise :class:`~zbccl.errors.ZbcclOutOfMemoryError` when no growth step is left to register."""
+        if len(self._ends[self.rank]) >= MAX_STEPS:
             raise ZbcclOutOfMemoryError(
                 f"heap: grow: too many growth steps, expected at most {MAX_STEPS - 1} (Mooncake registrations), "
                 f"got one more; start with a larger heap_size")
+
+    def register_growth(self, nbytes: int) -> None:
+        """Register ``[old size, nbytes)`` of this rank's data (backed already) and publish the new size."""
+        self.check_growth()
+        ends = self._ends[self.rank]
         old = ends[-1]
         self.engine.register(self._data + old, nbytes - old)
         # The end first, then the count: a peer that reads the count reads every end below it.
@@ -237,11 +242,13 @@ class MooncakeTransport(Transport):
             self.engine.close()  # unregisters first: no peer write lands here from now on
             self.engine = None
         self._own_flat = None
+        if self._ctrl_map is not None:  # nobody views the control region: it goes with the engine
+            release(*self._ctrl_map)
+            self._ctrl_map = None
         if unmap:
-            for mapped in (self._own_map, self._ctrl_map):
-                if mapped is not None:
-                    release(*mapped)
-            self._own_map = self._ctrl_map = None
+            if self._own_map is not None:
+                release(*self._own_map)
+                self._own_map = None
             self.peers.clear()
             self.segments.clear()
             self._ends.clear()
