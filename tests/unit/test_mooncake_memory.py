@@ -1,4 +1,5 @@
-"""The mooncake transport's growth table and registration splits: pure arithmetic (no Mooncake needed)."""
+"""The mooncake transport's pure logic (no Mooncake needed): the growth table, the registration splits, the
+control region's layout and the address it advertises."""
 
 from __future__ import annotations
 
@@ -49,3 +50,25 @@ def test_control_region_layout_scales_with_the_world():
     assert reply >= 4096 + 2 * 64 and scratch > reply and total > scratch and total % 4096 == 0
     reply, scratch, total = ctrl_layout(1000)
     assert reply >= 4096 + 1000 * 64
+
+
+def test_the_advertised_address_is_never_loopback_across_hosts(monkeypatch):
+    import pytest
+
+    from zbccl.errors import ZbcclSystemError
+    from zbccl.heap.transports.mooncake import engine
+
+    monkeypatch.delenv("ZBCCL_MOONCAKE_HOST", raising=False)
+    monkeypatch.delenv("ZBCCL_HOST_ID", raising=False)
+    assert engine.local_address("127.0.0.1", multi_host=False) == "127.0.0.1"
+    monkeypatch.setenv("ZBCCL_MOONCAKE_HOST", "10.9.8.7")
+    assert engine.local_address("127.0.0.1", multi_host=True) == "10.9.8.7"
+    monkeypatch.delenv("ZBCCL_MOONCAKE_HOST")
+    monkeypatch.setattr(engine, "_route_to", lambda host: "127.0.0.1")
+    with pytest.raises(ZbcclSystemError, match="set ZBCCL_MOONCAKE_HOST"):
+        engine.local_address("localhost", multi_host=True)
+    monkeypatch.setattr(engine, "_route_to", lambda host: "127.0.0.1" if host == "localhost" else "10.1.2.3")
+    assert engine.local_address("localhost", multi_host=True) == "10.1.2.3"
+    monkeypatch.setattr(engine, "_route_to", lambda host: "127.0.0.1")
+    monkeypatch.setenv("ZBCCL_HOST_ID", "fake-host-1")  # hosts made of one machine: loopback reaches them
+    assert engine.local_address("127.0.0.1", multi_host=True) == "127.0.0.1"

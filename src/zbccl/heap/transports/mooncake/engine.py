@@ -82,26 +82,44 @@ def missing_reason() -> str | None:
     return None
 
 
-def local_address(store_host: str | None) -> str:
-    """The address peers reach this rank at: ``ZBCCL_MOONCAKE_HOST``, else the local end of the route to
-    the store's host (no packet is sent), else the hostname's address."""
+def local_address(store_host: str | None, *, multi_host: bool) -> str:
+    """The address peers reach this rank at: ``ZBCCL_MOONCAKE_HOST``, else the local end of the route to the
+    store's host (no packet is sent), else the hostname's address.
+
+    A loopback address cannot serve ranks on other hosts (the store's host may be ``localhost`` for the rank
+    that runs it, and Debian maps the hostname to 127.0.1.1): then the route to any other address is tried,
+    and a clear error says to set ``ZBCCL_MOONCAKE_HOST`` when there is none.
+    """
     chosen = env.MOONCAKE_HOST.get()
     if chosen:
         return chosen
-    if store_host:
+    found = _route_to(store_host) if store_host else None
+    if found is None:
         try:
-            target = socket.gethostbyname(store_host)
-            if target.startswith("127."):
-                return "127.0.0.1"
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((target, 9))
-                return s.getsockname()[0]
+            found = socket.gethostbyname(socket.gethostname())
         except OSError:
-            pass
+            found = "127.0.0.1"
+    # Hosts made by ZBCCL_HOST_ID share this machine (tests): loopback reaches them all.
+    if found.startswith("127.") and multi_host and not env.HOST_ID.get():
+        found = _route_to("192.0.2.1") or found  # TEST-NET-1: never contacted, only routed
+        if found.startswith("127."):
+            raise ZbcclSystemError(
+                "heap: no address for Mooncake that other hosts can reach, expected a non-loopback address (the "
+                f"route to the store's host {store_host!r} or a default route), got {found}; set ZBCCL_MOONCAKE_HOST")
+    return found
+
+
+def _route_to(host: str) -> str | None:
+    """The local address of the route to ``host`` (a UDP socket's connect sends nothing), or None."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        target = socket.gethostbyname(host)
+        if target.startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
     except OSError:
-        return "127.0.0.1"
+        return None
 
 
 def probe(ip: str, port: int, timeout: float) -> str:

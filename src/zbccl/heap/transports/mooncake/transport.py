@@ -145,7 +145,8 @@ class MooncakeTransport(Transport):
             record = None
             if error is None:
                 try:
-                    record = self._open(bootstrap, pad, data, data_bytes[me], reserve_bytes[me], world)
+                    record = self._open(bootstrap, pad, data, data_bytes[me], reserve_bytes[me], world,
+                                        multi_host=len(topology.hosts) > 1)
                 except ZbcclError as exc:
                     error = exc
             got = exchange(bootstrap, self._secret, record, error, timeout=timeout, key=f"{key}/up", tag="mooncake")
@@ -167,10 +168,11 @@ class MooncakeTransport(Transport):
             raise
         return dict(self.segments)
 
-    def _open(self, bootstrap: Bootstrap, pad: int, data: int, nbytes: int, reserved: int, world: int) -> dict:
+    def _open(self, bootstrap: Bootstrap, pad: int, data: int, nbytes: int, reserved: int, world: int, *,
+              multi_host: bool) -> dict:
         """Engine up, this rank's memory registered, its growth table written; the record peers need."""
-        self.engine = MooncakeEngine(local_address(store_host(bootstrap)), protocol=env.MOONCAKE_PROTOCOL.get(),
-                             device=env.MOONCAKE_DEVICE.get())
+        self.engine = MooncakeEngine(local_address(store_host(bootstrap), multi_host=multi_host),
+                                     protocol=env.MOONCAKE_PROTOCOL.get(), device=env.MOONCAKE_DEVICE.get())
         self._reply, _, ctrl_bytes = ctrl_layout(world)
         self._ctrl = reserve(ctrl_bytes)
         self._ctrl_map = (self._ctrl, ctrl_bytes)
