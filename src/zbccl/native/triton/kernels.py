@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import geometry as g
-from .sync import begin, bound, finish, row_of, sync
+from .sync import begin, bound, finish, helper, row_of, sync, vsum
 
 __all__ = ["barrier_kernel", "all_reduce_kernel", "all_gather_kernel", "reduce_scatter_kernel",
            "all_to_all_kernel", "broadcast_kernel"]
@@ -30,7 +30,7 @@ _SUM, _PROD, _MAX, _MIN, _AVG = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2
 
 
 # ------------------------------------------------------------------ element access
-@triton.jit
+@helper
 def _ptr(addr, DT: tl.constexpr, INTERP: tl.constexpr):
     """``addr`` as a pointer to dtype code DT (``native/abi.py`` DTYPES); bfloat16 as raw uint16 under the
     interpreter, whose own bfloat16 conversions do not round to nearest even."""
@@ -58,7 +58,7 @@ def _ptr(addr, DT: tl.constexpr, INTERP: tl.constexpr):
     return p
 
 
-@triton.jit
+@helper
 def _raw(addr, ELEM: tl.constexpr):
     """``addr`` as a pointer to unsigned ELEM-byte words (copies move bits, whatever the dtype)."""
     if ELEM == 1:
@@ -72,7 +72,7 @@ def _raw(addr, ELEM: tl.constexpr):
     return p
 
 
-@triton.jit
+@helper
 def _load_acc(p, mask, DT: tl.constexpr, INTERP: tl.constexpr):
     x = tl.load(p, mask=mask, other=0)
     if DT == 1:
@@ -87,7 +87,7 @@ def _load_acc(p, mask, DT: tl.constexpr, INTERP: tl.constexpr):
     return acc
 
 
-@triton.jit
+@helper
 def _store_acc(p, acc, mask, DT: tl.constexpr, INTERP: tl.constexpr):
     if DT == 1:
         if INTERP:  # round to nearest even, as torch and the GPU's cvt.rn do
@@ -101,7 +101,7 @@ def _store_acc(p, acc, mask, DT: tl.constexpr, INTERP: tl.constexpr):
         tl.store(p, acc.to(p.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@helper
 def _combine(acc, x, RED: tl.constexpr, DT: tl.constexpr):
     if RED == 0 or RED == 4:
         r = acc + x
@@ -120,7 +120,7 @@ def _combine(acc, x, RED: tl.constexpr, DT: tl.constexpr):
     return r
 
 
-@triton.jit
+@helper
 def _average(acc, W: tl.constexpr, DT: tl.constexpr):
     if DT == 3:  # float64 division rounds to nearest already (div.rn.f64)
         r = acc / tl.full(acc.shape, W, acc.dtype)
@@ -130,7 +130,7 @@ def _average(acc, W: tl.constexpr, DT: tl.constexpr):
 
 
 # ------------------------------------------------------------------ shared pieces
-@triton.jit
+@helper
 def _pack(op, dt, red, algo, root, outer, inner, numel, in_off, out_off, variant):
     """The argument row's fields (geometry.A_FIELDS order; EPOCH is written by begin)."""
     fl = tl.arange(0, 16)
@@ -150,7 +150,7 @@ def _pack(op, dt, red, algo, root, outer, inner, numel, in_off, out_off, variant
     return f
 
 
-@triton.jit
+@helper
 def _bases(data, peers_kb, E, W: tl.constexpr, FIELD: tl.constexpr, KW: tl.constexpr):
     """[KW] vector: each rank's data base plus the offset it published in row field FIELD."""
     lanes = tl.arange(0, KW)
@@ -160,23 +160,23 @@ def _bases(data, peers_kb, E, W: tl.constexpr, FIELD: tl.constexpr, KW: tl.const
     return tl.load(data + lanes, mask=mask, other=0) + off
 
 
-@triton.jit
+@helper
 def _pick(vec, q, KW: tl.constexpr):
-    return tl.sum(tl.where(tl.arange(0, KW) == q, vec, 0), axis=0)
+    return vsum(tl.where(tl.arange(0, KW) == q, vec, 0))
 
 
-@triton.jit
+@helper
 def _chunk(n, BLOCK: tl.constexpr):
     """Block b's share ``[lo, hi)`` of ``n`` items: G equal BLOCK-aligned chunks."""
     G = tl.num_programs(0)
     b = tl.program_id(0)
-    per = tl.cdiv(tl.cdiv(n, G), BLOCK) * BLOCK
+    per = ((n + G - 1) // G + BLOCK - 1) // BLOCK * BLOCK
     lo = b.to(tl.int64) * per
     hi = tl.minimum(lo + per, n)
     return lo, hi
 
 
-@triton.jit
+@helper
 def _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW: tl.constexpr):
     """A block that skipped the work (mismatch) still does the exit barrier among the ranks that came."""
     if go == 0:
@@ -212,7 +212,7 @@ def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
         out = _ptr(out_addr, DT, INTERP)
         alive = 1
         if TWO_SHOT:
-            S = tl.cdiv(tl.cdiv(N, W), 16) * 16
+            S = ((N + W - 1) // W + 15) // 16 * 16
             s_lo = tl.minimum(me.to(tl.int64) * S, N)
             s_hi = tl.minimum(s_lo + S, N)
             lo, hi = _chunk(s_hi - s_lo, BLOCK)
@@ -321,8 +321,8 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
         if VAR:
             sl = tl.arange(0, KW)
             sp = tl.load(splits + sl, mask=sl < W, other=0)
-            pre = tl.sum(tl.where(sl < me, sp, 0), axis=0)
-            sz = tl.sum(tl.where(sl == me, sp, 0), axis=0)
+            pre = vsum(tl.where(sl < me, sp, 0))
+            sz = vsum(tl.where(sl == me, sp, 0))
         else:
             pre = me.to(tl.int64) * cnt
             sz = cnt + tl.zeros([], tl.int64)
@@ -367,11 +367,11 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
         for q in range(W):
             if VAR:
                 outs = tl.load(splits + KW + sl, mask=sl < W, other=0)
-                rows = tl.sum(tl.where(sl == q, outs, 0), axis=0)
+                rows = vsum(tl.where(sl == q, outs, 0))
                 prow = row_of(_pick(peers_kb, q, KW), E)
                 theirs = tl.load((prow + (_A_SPLITS + sl) * 8).to(tl.pointer_type(tl.int64)), mask=sl < W, other=0,
                                  volatile=True)
-                spre = tl.sum(tl.where(sl < me, theirs, 0), axis=0)
+                spre = vsum(tl.where(sl < me, theirs, 0))
             else:
                 rows = cnt + tl.zeros([], tl.int64)
                 spre = me.to(tl.int64) * cnt
