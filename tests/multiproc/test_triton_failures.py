@@ -33,7 +33,10 @@ def _mismatches(ctx):
     peer = 1 - me if W == 2 else (me + 1) % W
     # The tables are each rank's data base and kernel-area base, in group order.
     native = comm._ctx.heap.transport.native()
+    transport = comm._ctx.heap.transport
     assert dev.data.tolist() == [native.data_addr(r) for r in range(W)]
+    assert dev.pads.tolist() == [native.pad_addr(r, transport.KERNEL_LINE) for r in range(W)]
+    assert transport.pointer_tables(comm.ranks)[0] is dev.data  # cached
 
     # Different element counts (rank 1 has more, hence maybe more blocks): every rank names a rank that differs.
     n = 4099 + 2000 * (me == 1)

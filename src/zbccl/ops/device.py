@@ -102,6 +102,8 @@ class DeviceOps:
         self._broken: ZbcclError | None = None
         self._snap: torch.Tensor | None = None
         self._snap_event = None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # zeroed before any peer may signal into it
         if barrier is not None:
             barrier()
 

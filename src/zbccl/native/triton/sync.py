@@ -134,6 +134,14 @@ if INTERPRET:
     @helper
     def vmin(x):
         return _host_reduce(x, 1)
+
+    @helper
+    def vsum2(x):
+        return _host_reduce(x, 0)
+
+    @helper
+    def vmin2(x):
+        return _host_reduce(x, 1)
 else:
     from triton.language.extra.cuda import utils as _cuda
 
@@ -159,6 +167,14 @@ else:
     @helper
     def vmin(x):
         return tl.min(x, axis=0)
+
+    @helper
+    def vsum2(x):
+        return tl.sum(tl.sum(x, axis=1), axis=0)
+
+    @helper
+    def vmin2(x):
+        return tl.min(tl.min(x, axis=1), axis=0)
 
 
 @helper
@@ -284,57 +300,57 @@ def _publish(kb, E, fields, splits_ptr, NSPL: tl.constexpr):
 
 @helper
 def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
-    """Compare every arrived peer's row with this rank's; record the first difference. 1 if all agree.
+    """Compare every arrived peer's row with this rank's (all rows in one 2-d load: one round trip to the
+    peers, not one per peer); record the first difference (lowest rank, then field). 1 if all agree.
 
     ``check``: bit i set compares field i. SPLITS: 0 none; 1 the whole splits vector (all_gather_v,
     reduce_scatter_v: every rank passes every rank's size); 2 all_to_all_v: the row holds the rank's
     in_splits then (from A_SPLITS + KW) its out_splits, and q's in_splits[me] must equal my out_splits[q].
     """
+    lanes = tl.arange(0, KW)
     fl = tl.arange(0, _NFIELDS)
     myrow = row_of(kb, E)
     mine = tl.load(_i64(myrow + fl * 8))
+    valid = (((arrived >> lanes.to(tl.int64)) & 1) != 0) & (lanes != me) & (lanes < W)
+    prow = row_of(peers_kb, E)
+    theirs = tl.load(_i64(prow[:, None] + fl[None, :] * 8), mask=valid[:, None], other=0, volatile=True)
     cmask = ((check >> fl.to(tl.int64)) & 1) != 0
+    diff = valid[:, None] & cmask[None, :] & (theirs != mine[None, :])
+    nokey = KW * 64
+    key = vmin2(tl.where(diff, lanes[:, None] * 64 + fl[None, :], nokey))
+    if SPLITS > 0:
+        cols = valid[:, None] & (lanes[None, :] < W)
+        st = tl.load(_i64(prow[:, None] + (_A_SPLITS + lanes[None, :]) * 8), mask=cols, other=0, volatile=True)
+        if SPLITS == 1:
+            sm = tl.load(_i64(myrow + (_A_SPLITS + lanes) * 8))
+            sd = cols & (st != sm[None, :])
+        else:
+            want = tl.load(_i64(myrow + (_A_SPLITS + KW + lanes) * 8))  # my out_splits[q], by row q
+            sd = cols & (lanes[None, :] == me) & (st != want[:, None])
+        key = tl.minimum(key, vmin2(tl.where(sd, lanes[:, None] * 64 + 16 + lanes[None, :], nokey)))
     ok = 1
-    for q in range(W):
-        if (q != me) & (((arrived >> q) & 1) != 0) & (ok == 1):
-            prow = row_of(vsum(tl.where(tl.arange(0, KW) == q, peers_kb, 0)), E)
-            theirs = tl.load(_i64(prow + fl * 8), volatile=True)
-            diff = cmask & (theirs != mine)
-            nd = vsum(diff.to(tl.int32))
-            if nd > 0:
-                field = vmin(tl.where(diff, fl, _NFIELDS))
-                fm = vsum(tl.where(fl == field, mine, 0))
-                ft = vsum(tl.where(fl == field, theirs, 0))
-                code = _S_MISMATCH
-                op_t = vsum(tl.where(fl == 1, theirs, 0))
-                if op_t == _KOP_ERROR:
-                    code = _S_PEER_ERROR
-                _bad(kb, E, q, field, fm, ft, code)
-                ok = 0
-            if SPLITS > 0:
-                if ok == 1:
-                    sl = tl.arange(0, KW)
-                    st = tl.load(_i64(prow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0, volatile=True)
-                    if SPLITS == 1:
-                        sm = tl.load(_i64(myrow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0)
-                        sd = (sl < W) & (st != sm)
-                    else:
-                        # all_to_all_v: q sends me st[me] rows; I expect my out_splits[q] (kept in my row
-                        # after the in_splits, at A_SPLITS + KW + q).
-                        want = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
-                        sd = (sl == me) & (st != want)
-                    nd = vsum(sd.to(tl.int32))
-                    if nd > 0:
-                        idx = vmin(tl.where(sd, sl, KW))
-                        sm_i = tl.load(_i64(myrow + (_A_SPLITS + idx) * 8))
-                        if SPLITS == 2:
-                            sm_i = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
-                        st_i = vsum(tl.where(sl == idx, st, 0))
-                        field = _A_SPLITS + idx
-                        if SPLITS == 2:
-                            field = _A_SPLITS + KW + q
-                        _bad(kb, E, q, field, sm_i, st_i, _S_MISMATCH)
-                        ok = 0
+    if key < nokey:
+        q = key // 64
+        f = key % 64
+        rowsel = lanes[:, None] == q
+        field = f
+        fm = vsum(tl.where(fl == f, mine, 0))
+        ft = vsum2(tl.where(rowsel & (fl[None, :] == f), theirs, 0))
+        if SPLITS > 0:
+            if f >= 16:
+                idx = f - 16
+                ft = vsum2(tl.where(rowsel & (lanes[None, :] == idx), st, 0))
+                if SPLITS == 1:
+                    fm = vsum(tl.where(lanes == idx, sm, 0))
+                    field = _A_SPLITS + idx
+                else:
+                    fm = vsum(tl.where(lanes == q, want, 0))
+                    field = _A_SPLITS + KW + q
+        code = _S_MISMATCH
+        if vsum2(tl.where(rowsel & (fl[None, :] == 1), theirs, 0)) == _KOP_ERROR:
+            code = _S_PEER_ERROR
+        _bad(kb, E, q, field, fm, ft, code)
+        ok = 0
     return ok
 
 
