@@ -225,7 +225,12 @@ class DeviceOps:
         raise self._error(vals)
 
     def _error(self, st: list[int]) -> ZbcclError:
-        name = self._names.get(st[g.ST_EPOCH], "device op")
+        # The host's name for that launch (it says which variant), unless graph replays moved the device's
+        # epochs past the host's count: then the kernel's own op code.
+        name = self._names.get(st[g.ST_EPOCH], "")
+        kop = g.KOP_NAMES.get(st[g.ST_OP], "device op")
+        if kop != "error" and not name.startswith(kop):
+            name = kop
         if st[g.ST_CODE] & g.S_TIMEOUT:
             late = [q for q in range(self.world) if st[g.ST_MISSING] >> q & 1]
             glob = [self.ranks[q] for q in late]

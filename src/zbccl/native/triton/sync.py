@@ -37,20 +37,13 @@ faster peer has already advanced to a later step still satisfies a wait for an e
 
 from __future__ import annotations
 
-import functools
-import time
-
-import numpy as np
-import triton
 import triton.language as tl
-from triton import knobs
 
 from . import geometry as g
+from .prims import helper, now, pause, vmin, vmin2, vsum, vsum2
 
-__all__ = ["INTERPRET", "helper", "pause", "now", "bound", "vsum", "vmin", "row_of", "begin", "sync", "finish", "flag"]
+__all__ = ["row_of", "begin", "sync", "finish", "flag"]
 
-#: Whether the kernels run under the Triton interpreter (``TRITON_INTERPRET=1`` when triton was imported).
-INTERPRET = bool(knobs.runtime.interpret)
 
 _K_EPOCH = tl.constexpr(g.K_EPOCH)
 _K_DONE = tl.constexpr(g.K_DONE)
@@ -69,113 +62,12 @@ _ST_FIELD = tl.constexpr(g.ST_FIELD)
 _ST_MINE = tl.constexpr(g.ST_MINE)
 _ST_THEIRS = tl.constexpr(g.ST_THEIRS)
 _ST_EPOCH = tl.constexpr(g.ST_EPOCH)
+_ST_OP = tl.constexpr(g.ST_OP)
 _S_TIMEOUT = tl.constexpr(g.S_TIMEOUT)
 _S_MISMATCH = tl.constexpr(g.S_MISMATCH)
 _S_PEER_ERROR = tl.constexpr(g.S_PEER_ERROR)
 _KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
 _NFIELDS = tl.constexpr(16)
-
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    def helper(fn):
-        """A device function under the interpreter: its rewritten Python, called directly. (The interpreter's
-        own device-function call re-patches triton.language on every call, ~0.5 ms each; the kernel's
-        launch has patched it already.)"""
-        interpreted = InterpretedFunction(fn)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            return interpreted.rewrite()(*args, **kwargs)
-
-        return call
-
-    # The interpreter runs a kernel's Python on the host: back off with a real sleep (the peers are other
-    # processes on the same cores) and time out by the host clock.
-    def _host_pause(polls) -> None:
-        # Exponential back-off to 2 ms: an interpreted poll costs the host far more than a GPU's, and the
-        # peer it waits for needs the same cores.
-        time.sleep(min(50e-6 * 2 ** min(_host_int(polls), 6), 2e-3))
-
-    def _host_now() -> int:
-        return time.monotonic_ns()
-
-    def _host_int(x) -> int:
-        # A scalar kernel argument is a 1-element array under the interpreter, which numpy 2 will not
-        # turn into an int for range(); loop bounds go through here.
-        data = getattr(getattr(x, "handle", None), "data", x)
-        return int(np.asarray(data).reshape(-1)[0])
-
-    @helper
-    def pause(polls):
-        _host_pause(polls)
-
-    @helper
-    def now():
-        return tl.full([], _host_now(), tl.int64)
-
-    @helper
-    def bound(x):
-        return _host_int(x)
-
-    def _host_reduce(x, how):
-        # tl.sum/tl.min run their combine function as a device-function call, which the interpreter pays
-        # dearly for (see helper); a 1-d reduction is one numpy call.
-        from triton.runtime.interpreter import TensorHandle
-
-        data = np.asarray(x.handle.data)
-        value = np.array(data.sum() if how == 0 else data.min(), dtype=data.dtype)
-        return tl.core.tensor(TensorHandle(value, x.dtype.scalar), x.dtype.scalar)
-
-    @helper
-    def vsum(x):
-        return _host_reduce(x, 0)
-
-    @helper
-    def vmin(x):
-        return _host_reduce(x, 1)
-
-    @helper
-    def vsum2(x):
-        return _host_reduce(x, 0)
-
-    @helper
-    def vmin2(x):
-        return _host_reduce(x, 1)
-else:
-    from triton.language.extra.cuda import utils as _cuda
-
-    helper = triton.jit
-
-    @helper
-    def pause(polls):
-        tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @helper
-    def now():
-        return _cuda.globaltimer()
-
-    @helper
-    def bound(x):
-        return x
-
-    @helper
-    def vsum(x):
-        return tl.sum(x, axis=0)
-
-    @helper
-    def vmin(x):
-        return tl.min(x, axis=0)
-
-    @helper
-    def vsum2(x):
-        return tl.sum(tl.sum(x, axis=1), axis=0)
-
-    @helper
-    def vmin2(x):
-        return tl.min(tl.min(x, axis=1), axis=0)
-
 
 @helper
 def _i64(addr):
@@ -195,6 +87,8 @@ def flag(kb, E, code, missing):
     st = kb + _K_STATUS
     tl.atomic_or(_i64(st + _ST_MISSING * 8), missing, sem="relaxed", scope="sys")
     tl.atomic_xchg(_i64(st + _ST_EPOCH * 8), E, sem="relaxed", scope="sys")
+    op = tl.load(_i64(row_of(kb, E) + 8))  # this launch's own row: intact until the launch ends
+    tl.atomic_xchg(_i64(st + _ST_OP * 8), op, sem="relaxed", scope="sys")
     tl.atomic_or(_i64(st + _ST_CODE * 8), code, sem="release", scope="sys")
 
 
