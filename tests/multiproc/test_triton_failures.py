@@ -104,3 +104,22 @@ def _timeout(ctx):
 
 def test_a_peer_that_never_arrives_times_out_naming_it():
     assert run_world(_timeout, 2, env=ENV, timeout=120) == [True, True]
+
+
+def _dead_peer(ctx):
+    import os
+    import signal
+
+    from zbccl.errors import ZbcclRemoteError
+
+    comm, dev = device_ops(ctx, timeout_s=1.5)
+    dev.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    err = _expect(ZbcclRemoteError, dev.barrier, "died", "[1]")
+    assert err.ranks == (1,)
+    return True
+
+
+def test_a_peer_that_died_is_named_as_dead():
+    assert run_world(_dead_peer, 2, env=ENV, expect_exit={1: -9}, timeout=120)[0] is True

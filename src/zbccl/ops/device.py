@@ -234,6 +234,12 @@ class DeviceOps:
         if st[g.ST_CODE] & g.S_TIMEOUT:
             late = [q for q in range(self.world) if st[g.ST_MISSING] >> q & 1]
             glob = [self.ranks[q] for q in late]
+            dead = sorted(set(glob) & set(getattr(self.transport, "dead_peers", list)()))
+            if dead:  # the wait ran out because they are gone: say so
+                self._broken = ZbcclRemoteError(
+                    f"{name}: peer lost while the device kernel waited: global rank(s) {dead} died (process "
+                    f"exited); this communicator's device ops are out of step now", ranks=tuple(dead))
+                return self._broken
             self._broken = ZbcclTimeoutError(
                 f"{name}: timed out after {self.timeout_ns / 1e9:.1f}s in the device kernel waiting for group "
                 f"rank(s) {late} (global {glob}), expected every rank of the group to join, got no signal from "
