@@ -28,7 +28,6 @@ _KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
 _A_IN_OFF = tl.constexpr(g.A_FIELDS.index("IN_OFF"))
 _A_OUT_OFF = tl.constexpr(g.A_FIELDS.index("OUT_OFF"))
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
-_SUM, _PROD, _MAX, _MIN, _AVG = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
 
 
 # ------------------------------------------------------------------ shared pieces
@@ -64,12 +63,14 @@ def _bases(data, peers_kb, E, W: tl.constexpr, FIELD: tl.constexpr, KW: tl.const
 
 @helper
 def _chunk(n, BLOCK: tl.constexpr):
-    """Block b's share ``[lo, hi)`` of ``n`` items: G equal BLOCK-aligned chunks."""
+    """Block b's share ``[lo, hi)`` of ``n`` items: G equal BLOCK-aligned chunks. Blocks past the end get an
+    empty range (``hi == lo``: never ``hi < lo``, whose spans would run backwards over the others' items);
+    ``lo`` stays a multiple of BLOCK, which the compiler sees."""
     G = tl.num_programs(0)
     b = tl.program_id(0)
     per = ((n + G - 1) // G + BLOCK - 1) // BLOCK * BLOCK
     lo = b.to(tl.int64) * per
-    hi = tl.minimum(lo + per, n)
+    hi = tl.maximum(tl.minimum(lo + per, n), lo)
     return lo, hi
 
 
