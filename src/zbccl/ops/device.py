@@ -267,24 +267,29 @@ class DeviceOps:
             f"{theirs} on group rank {q} (global {self.ranks[q]})", ranks=(self.ranks[q],))
 
     def _read_status(self, wait: bool) -> list[int] | None:
+        """The status words: directly under the interpreter; on CUDA from a pinned snapshot copied on the
+        current stream (``wait``: a fresh one, waited for; else the last one if it has landed, and the
+        next is enqueued unless this one carries an error, which check() clears first)."""
         if self._sync:
             return self._status.tolist()
         if self._snap is None:
             self._snap = torch.zeros(g.ST_WORDS, dtype=torch.int64, pin_memory=True)
-        vals = None
-        ev = self._snap_event
-        if ev is not None and (wait or ev.query()):
-            ev.synchronize()
-            vals = self._snap.tolist()
+        if wait:
+            self._snapshot()
+            self._snap_event.synchronize()
             self._snap_event = None
-        if self._snap_event is None:
-            self._snap.copy_(self._status, non_blocking=True)
-            self._snap_event = torch.cuda.Event()
-            self._snap_event.record()
-            if wait and vals is None:
-                self._snap_event.synchronize()
-                vals, self._snap_event = self._snap.tolist(), None
+            return self._snap.tolist()
+        vals = None
+        if self._snap_event is not None and self._snap_event.query():
+            vals, self._snap_event = self._snap.tolist(), None
+        if self._snap_event is None and (vals is None or vals[g.ST_CODE] == 0):
+            self._snapshot()
         return vals
+
+    def _snapshot(self) -> None:
+        self._snap.copy_(self._status, non_blocking=True)
+        self._snap_event = torch.cuda.Event()
+        self._snap_event.record()
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, name: str, launch: Callable[[], None]) -> None:
