@@ -25,7 +25,7 @@ from ..heap import layout
 from ..heap.transports.base import Transport
 from ..native import triton as ktriton
 from ..native.triton import geometry as g
-from .args import overlap_error
+from .args import overlap_error, timeout_error
 from .device_args import (
     check_local,
     exchange_shape,
@@ -89,8 +89,12 @@ class DeviceOps:
             raise ZbcclInvalidUsageError(
                 "device ops: the kernels need a GPU, expected a cuda heap (or TRITON_INTERPRET=1 set before "
                 "triton is imported, to run them on the cpu heap), got a cpu heap")
-        self.timeout_ns = int(timeout_s * 1e9)
+        seconds, error = timeout_error(timeout_s, 60.0, op="device ops")
+        fail(error)
+        self.timeout_ns = int(seconds * 1e9)
         self.data, self.pads = transport.pointer_tables(self.ranks)
+        if self.data.data_ptr() % 16:  # the kernels build every data pointer from it: it must be 16-byte aligned
+            self.data = self.data.clone()
         self.slot_off = layout.kernel_slot_offset(slot)
         line = transport.KERNEL_LINE + self.slot_off
         transport.clear_pad(self.rank, line, g.KSLOT_BYTES)
