@@ -159,7 +159,7 @@ def _left_while_peer_waits(ctx):
 
         def tell() -> None:  # once rank 0's dispatch waits in its publish barrier
             delay = 0.001
-            while not _inside(me, {"wait_flags"}):
+            while not _inside(me, {"run_barrier"}):
                 time.sleep(delay)
                 delay = min(2 * delay, 0.02)
             store.set("liveness/waiting", b"1")
@@ -283,8 +283,10 @@ def test_finalize_interrupts_a_store_wait():
 
 
 def _cause_named_before_followers(ctx):
-    """World 3: rank 2 leaves a barrier half-way while ranks 0 and 1 wait in an all_reduce. Whichever of them
-    notices first also leaves (``ABORT_PEER``); both must name rank 2, the cause, not each other."""
+    """World 3: rank 2 leaves a store op (all_gather_object) half-way while ranks 0 and 1 wait in an all_reduce
+    (another protocol: a barrier would be an op of the same channel, where ranks 0 and 1 would find the ops
+    out of step). Whichever of them notices first also leaves (``ABORT_PEER``); both must name rank 2, the
+    cause, not each other."""
     import zbccl
 
     comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
@@ -293,16 +295,15 @@ def _cause_named_before_followers(ctx):
     try:
         zbccl.all_reduce(t)
         if comm.rank == 2:
-            _interrupt_inside({"barrier"})
+            _interrupt_inside({"_wait_keys"})
             with pytest.raises(KeyboardInterrupt):
-                comm.barrier()
+                comm.all_gather_object(2)
             store.wait(["liveness/seen0", "liveness/seen1"], timedelta(seconds=TIMEOUT + BOUND))
             return "left"
         err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 2 was interrupted")
         assert err.ranks == (2,), err.ranks
-        # the next op too: rank 2 is still named, whichever peer followed it first (not a barrier: rank 2
-        # entered barrier #1 before it was interrupted, so ranks 0 and 1 may pass that one)
-        _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 2 was interrupted")
+        # the next op too: rank 2 is still named, whichever peer followed it first
+        _timed(zbccl.ZbcclRemoteError, lambda: comm.barrier(), "rank 2 was interrupted")
         return elapsed
     finally:
         if comm.rank != 2:
@@ -316,8 +317,9 @@ def test_the_cause_is_named_before_its_followers():
 
 
 def _barrier_timeout_is_reported(ctx):
-    """A timeout in the epoch barrier (a Python protocol) leaves the op like a collective's: the late rank
-    hears "rank 0 timed out" in the op it enters next instead of waiting out its own timeout."""
+    """A timeout in a barrier (an op of the channel) leaves it like a collective's: the late rank hears
+    "rank 0 timed out" in the op it enters next (another op than rank 0's at that sequence number: the
+    ABORT is still what it reports) instead of waiting out its own timeout."""
     import zbccl
 
     comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
@@ -328,7 +330,7 @@ def _barrier_timeout_is_reported(ctx):
         if comm.rank == 0:
             _timed(zbccl.ZbcclTimeoutError, lambda: comm.barrier(timeout=1), "timed out after 1.0s")
             store.set("liveness/left", b"1")
-            _timed(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t), "broken", "ZbcclTimeoutError")
+            _timed(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t), "broken", "barrier: timed out")
             store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
             return "timed out"
         store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))

@@ -82,6 +82,8 @@ def show_field(field: int, value: int) -> str:
         return op_name(value)
     if field == H_ALGO:
         return abi.ALGO_NAMES.get(value, str(value))
+    if field == abi.H_OP:
+        return abi.OP_NAMES.get(value, str(value))
     return str(value)
 
 
@@ -186,8 +188,6 @@ def describe(ch: OpChannel, r: int) -> str:
     arrive, done = load(L_ARRIVE), load(L_DONE)
     if arrive == ch.seq:
         return f"rank {r} entered this collective (#{ch.seq}) but has not finished it"
-    if load(layout.SLOT_BARRIER) > getattr(ch.comm, "_epoch", 0):
-        return f"rank {r} is in a different collective: it waits in barrier()"
     if arrive > done or arrive > ch.seq:
         opcode = heap.header(g, layout.slot_line(slot, L_HEADER) + H_OP * 8)
         name = OP_NAMES.get(opcode, f"op code {opcode}")

@@ -130,7 +130,7 @@ static int peer_in_op(zb_chan *c, int r, int64_t seq) {
 #define LEAVE_WAIT_NS 10000000000LL
 static void mark_abort(zb_chan *c, int64_t *line, int64_t seq, int why) {
     if (ld(c, line)) return; /* the first reason stays */
-    line[W_WHY] = why, line[W_WHERE] = WHERE_COLLECTIVE;
+    line[W_WHY] = why, line[W_WHERE] = c->where ? c->where : WHERE_COLLECTIVE;
     signal_flag(c, line, seq > 0 ? seq : 1); /* seq_cst: the words are visible with it */
 }
 

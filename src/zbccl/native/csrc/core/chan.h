@@ -51,6 +51,9 @@ typedef struct {
     /* chan_phases(handle, 1): all_reduce records where its time goes (ns): arrive, reduce, push, done;
      * summed over an op's chunks, overwritten by the next op */
     int64_t trace, phase_ns[4];
+    /* the protocol (WHERE_*) this rank reports on its ABORT lines when it leaves the running op half-way:
+     * WHERE_COLLECTIVE, or a barrier's own (zb_op.aux: the communicator's barrier, EP's tagged barrier) */
+    int64_t where;
 } zb_chan;
 
 /* The core's entry points (py/chan_py.c binds them; a C caller may use them directly). */

@@ -446,6 +446,19 @@ static int bcast(zb_chan *c, zb_op *o) {
     return sync_on(c, c->done, seq);
 }
 
+/* ------------------------------------------------------------ barrier */
+
+/* The communicator's barrier (and EP's tagged barrier, which runs on it): the handshake alone, no bytes.
+ * Its header says OP_BARRIER, so a rank that runs another op at this sequence number fails on every rank
+ * (RC_MISMATCH on OP) instead of pairing with it; DONE keeps a fast rank's next header from overwriting
+ * this one before every peer copied it. AUX: the protocol (WHERE_*) a rank reports on its ABORT line
+ * when it leaves the barrier half-way (0: WHERE_BARRIER). */
+static int barrier(zb_chan *c, zb_op *o) {
+    static const int fields[] = {H_OP};
+    int rc = begin_op(c, o, fields, 1);
+    return rc ? rc : sync_on(c, c->done, o->seq);
+}
+
 /* ------------------------------------------------------------ one entry for every op */
 
 /* An op whose arguments failed on this rank (o->error set, the text already in this rank's size-vector
@@ -462,6 +475,7 @@ int run_op(zb_chan *c, zb_op *o) {
     case OP_ALL_GATHER: return allgather(c, o);
     case OP_ALL_TO_ALL: return alltoall(c, o);
     case OP_REDUCE_SCATTER: return reducescatter(c, o);
+    case OP_BARRIER: return barrier(c, o);
     default: return bcast(c, o);
     }
 }
@@ -469,7 +483,7 @@ int run_op(zb_chan *c, zb_op *o) {
 /* ------------------------------------------------------------ the core's entry */
 
 int zb_op_check(const zb_chan *c, const zb_op *o) {
-    if (o->op < OP_ALL_REDUCE || o->op > OP_BROADCAST || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0)
+    if (o->op < OP_ALL_REDUCE || o->op > OP_BARRIER || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0)
         return 1;
     if (!o->error && (o->op == OP_ALL_REDUCE || o->op == OP_REDUCE_SCATTER) &&
         !c->tp->reduce_valid((int)o->dtype, (int)o->redop))
@@ -484,6 +498,7 @@ int zb_chan_run(zb_chan *c, zb_op *o) {
     if (zb_op_check(c, o)) return -1;
     int64_t nbytes = (o->in_numel > o->out_numel ? o->in_numel : o->out_numel) * o->itemsize;
     c->timeout_ns = o->timeout_ns;
+    c->where = o->op == OP_BARRIER ? (o->aux > 0 ? o->aux : WHERE_BARRIER) : WHERE_COLLECTIVE;
     c->result[0] = c->result[1] = c->result[2] = c->result[3] = 0;
     if (nbytes >= (1 << 16)) chan_block(c);
     int rc = run_op(c, o);
