@@ -99,9 +99,13 @@ def _left_then_next(ctx, where: str, then: str):
             zbccl.all_reduce(t)  # op #1 everywhere (the communicator's first op read the tuning table)
         if comm.rank == 1:
             victim = {"collective": lambda: zbccl.all_reduce(t), "first_op": lambda: zbccl.all_reduce(t),
-                      "barrier": lambda: comm.barrier(), "ep": lambda: _dispatch(buffer, 1)}[where]
-            # first_op: the tuner's store read, where rank 1 waits for rank 0's table before posting anything
-            _interrupt_inside({"_wait_keys"} if where == "first_op" else {"all_reduce", "barrier", "dispatch"})
+                      "barrier": lambda: comm.barrier(), "ep": lambda: _dispatch(buffer, 1),
+                      "store": lambda: comm.all_gather_object(1), "new_group": lambda: comm.new_group([0, 1])}[where]
+            # first_op: the tuner's store read, where rank 1 waits for rank 0's table before posting anything;
+            # store ops: the store wait (rank 0 never joins)
+            inside = {"_wait_keys"} if where in ("first_op", "store", "new_group") else {"all_reduce", "barrier",
+                                                                                          "dispatch"}
+            _interrupt_inside(inside)
             with pytest.raises(KeyboardInterrupt):
                 victim()
             store.set("liveness/left", b"1")
@@ -113,7 +117,8 @@ def _left_then_next(ctx, where: str, then: str):
             return "left"
         store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
         nxt = {"collective": lambda: zbccl.all_reduce(t), "barrier": lambda: comm.barrier(),
-               "ep": lambda: _dispatch(buffer, 0), "store": lambda: comm.all_gather_object(0)}[then]
+               "ep": lambda: _dispatch(buffer, 0), "store": lambda: comm.all_gather_object(0),
+               "new_group": lambda: comm.new_group([0, 1])}[then]
         err, elapsed = _timed(zbccl.ZbcclRemoteError, nxt, "rank 1 was interrupted")
         assert err.ranks == (1,), err.ranks
         return elapsed
@@ -131,6 +136,13 @@ def _left_then_next(ctx, where: str, then: str):
     ("ep", "ep"),
     ("ep", "collective"),
     ("collective", "ep"),
+    ("barrier", "barrier"),
+    ("barrier", "ep"),
+    ("ep", "barrier"),
+    ("store", "collective"),
+    ("store", "barrier"),
+    ("new_group", "ep"),
+    ("collective", "new_group"),
 ])
 def test_a_rank_that_left_an_op_is_named_in_the_next_op(where, then):
     out = run_world(_left_then_next, 2, where=where, then=then, env=ENV, timeout=3 * TIMEOUT)
@@ -215,24 +227,130 @@ def test_a_receive_names_a_rank_that_left():
     assert out[1] == "left" and out[0] < BOUND
 
 
-def _dies_during_store_op(ctx):
-    """A peer that dies while this rank waits in all_gather_object is named (pidfd), not waited out."""
+def _dies_then_next(ctx, then: str):
+    """Rank 1 dies (SIGKILL, between ops) as rank 0 enters ``then``: rank 0 names it (pidfd), whatever the
+    op's protocol, instead of waiting out the timeout."""
     import zbccl
+    import zbccl.ep as deep_ep
 
-    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
-    comm.barrier()
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=16 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    t = zbccl.zeros(1 << 10)
+    buffer = deep_ep.Buffer(comm) if then == "ep" else None
+    zbccl.all_reduce(t)
     if comm.rank == 1:
+        store.set("liveness/dying", b"1")
         os.kill(os.getpid(), signal.SIGKILL)
+    store.wait(["liveness/dying"], timedelta(seconds=TIMEOUT))
+    nxt = {"collective": lambda: zbccl.all_reduce(t), "barrier": lambda: comm.barrier(),
+           "ep": lambda: _dispatch(buffer, 0), "store": lambda: comm.all_gather_object({"rank": 0}),
+           "new_group": lambda: comm.new_group([0, 1])}[then]
     try:
-        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: comm.all_gather_object({"rank": 0}), "rank 1 died")
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, nxt, "rank 1 died")
         assert err.ranks == (1,), err.ranks
         return elapsed
     finally:
         zbccl.finalize()
 
 
-def test_a_peer_dying_during_a_store_op_is_named():
-    out = run_world(_dies_during_store_op, 2, env=ENV, expect_exit={1: -9}, timeout=3 * TIMEOUT)
+@pytest.mark.parametrize("then", ["collective", "barrier", "ep", "store", "new_group"])
+def test_a_dead_peer_is_named_in_any_op(then):
+    out = run_world(_dies_then_next, 2, then=then, env=ENV, expect_exit={1: -9}, timeout=3 * TIMEOUT)
+    assert out[0] < BOUND
+
+
+def _p2p_left_or_died(ctx, how: str):
+    """p2p: rank 1 leaves a receive half-way (Ctrl-C) or dies; rank 0's receive from it and (after a
+    Ctrl-C) its next barrier name it, within about a liveness interval."""
+    import torch.distributed as dist
+
+    import zbccl  # noqa: F401 - registers the backend
+
+    dist.init_process_group("zbccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=TIMEOUT))
+    store = ctx.store()
+    try:
+        dist.barrier()
+        if ctx.rank == 1:
+            if how == "died":
+                store.set("liveness/left", b"1")
+                os.kill(os.getpid(), signal.SIGKILL)
+            _interrupt_inside({"_wait_recv"})
+            with pytest.raises(KeyboardInterrupt):
+                dist.recv(torch.zeros(4), 0)  # rank 0 never sends
+            store.set("liveness/left", b"1")
+            store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
+            return "left"
+        store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
+        what = "rank 1 died" if how == "died" else "rank 1 was interrupted"
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: dist.recv(torch.zeros(4), 1), what)
+        assert err.ranks == (1,), err.ranks
+        if how == "interrupted":
+            err, _ = _timed(zbccl.ZbcclRemoteError, lambda: dist.barrier(), what, "in the middle of a send/recv")
+            assert err.ranks == (1,), err.ranks
+        return elapsed
+    finally:
+        if ctx.rank == 0:
+            store.set("liveness/seen", b"1")
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["interrupted", "died"])
+def test_a_p2p_peer_that_left_or_died_is_named(how):
+    out = run_world(_p2p_left_or_died, 2, how=how, env=ENV, expect_exit={1: -9} if how == "died" else None,
+                    timeout=3 * TIMEOUT)
+    assert out[0] < BOUND
+
+
+def _left_init(ctx, how: str):
+    """Rank 1 leaves init half-way (Ctrl-C) or dies in it, after the hello exchange (so its pid is known),
+    while rank 0 is held back: rank 0's init then names it within about a liveness interval, not at the
+    init timeout."""
+    import zbccl
+    from zbccl.runtime import state
+
+    store = ctx.store()
+    if ctx.rank == 1:
+        if how == "died":
+            def die(*args, **kwargs):  # rank 1 posted nothing for this step: rank 0 waits for it
+                store.set("liveness/go", b"1")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            state._agree = die
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+        _interrupt_inside({"_agree"})
+        with pytest.raises(KeyboardInterrupt):
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)  # waits in the capacity agreement for rank 0
+        store.set("liveness/go", b"1")
+        store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
+        return "left"
+    real, went = state._agree, []
+
+    def held(boot, error, **kwargs):  # rank 0 enters the capacity agreement only once rank 1 left
+        store.wait(["liveness/go"], timedelta(seconds=TIMEOUT))
+        went.append(time.monotonic())
+        return real(boot, error, **kwargs)
+
+    state._agree = held
+    what = "rank 1 died" if how == "died" else "rank 1 was interrupted"
+    try:
+        with pytest.raises(zbccl.ZbcclRemoteError) as info:
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+        elapsed = time.monotonic() - went[0]
+        assert elapsed < BOUND, f"took {elapsed:.1f}s (timeout {TIMEOUT:.0f}s): {info.value}"
+        assert what in str(info.value) and "init" in str(info.value), str(info.value)
+        assert info.value.ranks == (1,), info.value.ranks
+        return elapsed
+    finally:
+        state._agree = real
+        store.set("liveness/seen", b"1")
+
+
+@pytest.mark.parametrize("how", ["interrupted", "died"])
+def test_a_rank_that_leaves_init_is_named(how):
+    out = run_world(_left_init, 2, how=how, env=ENV, expect_exit={1: -9} if how == "died" else None,
+                    timeout=3 * TIMEOUT)
     assert out[0] < BOUND
 
 

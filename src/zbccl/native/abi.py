@@ -96,8 +96,9 @@ for _name, (_head, _row) in EP_ARGS.items():
         STRUCTS[_name + "_row"] = _row
 del _name, _head, _row
 
-#: Op codes of the channel (C: OP_<NAME>). BARRIER: the communicator's barrier (no bytes; AUX: the
-#: ``ABORT_WHERE`` a rank leaving it half-way reports, 0 for BARRIER).
+#: Op codes of the channel (C: OP_<NAME>). BARRIER: the communicator's barrier (no bytes; DIGEST: the
+#: caller's tag, which every rank must post alike; AUX: the ``ABORT_WHERE`` a rank leaving it half-way
+#: reports, 0 for BARRIER).
 OPS = {"ALL_REDUCE": 1, "ALL_GATHER": 2, "REDUCE_SCATTER": 3, "ALL_TO_ALL": 4, "BROADCAST": 5, "BARRIER": 6}
 OP_NAMES = {v: k.lower() for k, v in OPS.items()}
 ALGOS = {"ONESHOT": 1, "TWOSHOT": 2, "PULL": 3, "PUSH": 4}

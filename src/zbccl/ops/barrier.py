@@ -3,8 +3,8 @@
 Synchronisation protocol (``native/csrc/core/chan_ops.c`` ``barrier``, over the handshake every
 collective runs, see :mod:`.channel`): a rank posts its header (op ``BARRIER``, its sequence number
 on the channel) and ``ARRIVE = seq``, waits for every member's ``ARRIVE >= seq``, checks that every
-header is a barrier of the same number (a rank running another op there fails the op on every rank,
-naming each rank's op), then ``DONE = seq`` and waits for every ``DONE >= seq`` (so no fast rank's
+header is a barrier of the same number with the same tag (``DIGEST``; a rank running another op there,
+or posting another tag, fails the op on every rank, naming each rank's op or tag), then ``DONE = seq`` and waits for every ``DONE >= seq`` (so no fast rank's
 next header overwrites this one before every member read it). Barriers and collectives of one
 communicator share its sequence numbers: ranks issue them in the same order.
 
@@ -22,30 +22,48 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_BARRIER, WHERE_BARRIER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
+from .diagnose import barrier_tags
 from .entry import open_op
 
 if TYPE_CHECKING:
     from .channel import OpChannel
 
-__all__ = ["barrier", "run_barrier"]
+__all__ = ["barrier", "tagged_barrier", "run_barrier"]
 
 _OP = "barrier"
 
 
-def run_barrier(comm: Communicator, timeout: float | None) -> None:
-    """``comm``'s barrier on its op channel (the caller holds the communicator's op lock)."""
+def run_barrier(comm: Communicator, timeout: float | None, *, tag: int = 0) -> list[int] | None:
+    """``comm``'s barrier on its op channel, posting ``tag`` (the caller holds the communicator's op lock).
+    Returns None, or every member's tag when they differ (every member gets the same list, and the group
+    stays in step: the op failed together in its handshake)."""
     ch: OpChannel | None = open_op(comm, OP_BARRIER, None, op=_OP, timeout=timeout)
     if ch is None:  # world size 1: nothing to wait for
-        return
+        return None
     where = comm.role or WHERE_BARRIER
     ch.where = where
     try:
-        ch.run(_OP, op=OP_BARRIER, in_off=-1, out_off=-1, itemsize=1, aux=where)
+        ch.run(_OP, op=OP_BARRIER, in_off=-1, out_off=-1, itemsize=1, aux=where, digest=tag)
+    except ZbcclInvalidUsageError:
+        tags = barrier_tags(ch)
+        if tags is None:
+            raise
+        return tags
     finally:
         ch.where = 0
+    return None
+
+
+@collective("barrier", WHERE_BARRIER)
+def tagged_barrier(tag: int, *, comm: Communicator | None = None, timeout: float | None = None) -> list[int] | None:
+    """Collective: a barrier where every rank posts ``tag`` (an int64; EP's ``Exchange.sync``: op number, kind
+    and phase). Returns None when every rank posted the same tag, else every rank's tag, on every rank
+    (the caller decides what the disagreement means; the group stays in step). Raises as :func:`barrier`."""
+    return run_barrier(comm, timeout, tag=tag)
 
 
 @collective("barrier", WHERE_BARRIER)

@@ -448,14 +448,15 @@ static int bcast(zb_chan *c, zb_op *o) {
 
 /* ------------------------------------------------------------ barrier */
 
-/* The communicator's barrier (and EP's tagged barrier, which runs on it): the handshake alone, no bytes.
- * Its header says OP_BARRIER, so a rank that runs another op at this sequence number fails on every rank
- * (RC_MISMATCH on OP) instead of pairing with it; DONE keeps a fast rank's next header from overwriting
- * this one before every peer copied it. AUX: the protocol (WHERE_*) a rank reports on its ABORT line
- * when it leaves the barrier half-way (0: WHERE_BARRIER). */
+/* The communicator's barrier (and EP's tagged barrier): the handshake alone, no bytes. Its header says
+ * OP_BARRIER, so a rank that runs another op at this sequence number fails on every rank (RC_MISMATCH on
+ * OP) instead of pairing with it; DIGEST is the caller's tag (EP: its op number, kind and phase; 0 for a
+ * plain barrier), and ranks that posted different tags fail together too (RC_MISMATCH on DIGEST). DONE
+ * keeps a fast rank's next header from overwriting this one before every peer copied it. AUX: the protocol
+ * (WHERE_*) a rank reports on its ABORT line when it leaves the barrier half-way (0: WHERE_BARRIER). */
 static int barrier(zb_chan *c, zb_op *o) {
-    static const int fields[] = {H_OP};
-    int rc = begin_op(c, o, fields, 1);
+    static const int fields[] = {H_OP, H_DIGEST};
+    int rc = begin_op(c, o, fields, 2);
     return rc ? rc : sync_on(c, c->done, o->seq);
 }
 
