@@ -69,6 +69,10 @@ class StoreBootstrap(Bootstrap):
     sealed and opened (see the module docstring).
     """
 
+    #: The watch of every wait given none (the runtime sets it: init's, then the world communicator's), so
+    #: that no store wait runs blind to a dead peer, a peer that left, or this rank's finalize.
+    default_watch: Watch | None = None
+
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, prefix: str,
                  members: tuple[int, ...] | None = None, secret: JobSecret | None = None,
                  record: bool = False) -> None:
@@ -83,9 +87,6 @@ class StoreBootstrap(Bootstrap):
         self._record = record and secret is None
         self._wrote: list[tuple[str, str]] = []
         self._read: list[tuple[int, str, str]] = []
-        #: The watch of every wait given none (the runtime's: init's, then the world communicator's), so
-        #: that no store wait runs blind to a dead peer, a peer that left, or this rank's finalize.
-        self.default_watch: Watch | None = None
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
