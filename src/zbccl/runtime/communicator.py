@@ -248,6 +248,7 @@ class Communicator:
                               prefix=f"{ctx.key_prefix}/g{slot}.{use}.{nonce}", members=tuple(members),
                               secret=ctx.bootstrap.secret)
         comm = Communicator(ctx, members, slot, boot)
+        boot.default_watch = comm.store_watch  # its store waits that name no watch watch the liveness rule too
         boot.barrier(timeout=timeout, watch=comm.store_watch)  # every member reset its lines before anyone waits
         return comm
 
