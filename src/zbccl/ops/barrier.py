@@ -2,11 +2,14 @@
 
 Synchronisation protocol (``native/csrc/core/chan_ops.c`` ``barrier``, over the handshake every
 collective runs, see :mod:`.channel`): a rank posts its header (op ``BARRIER``, its sequence number
-on the channel) and ``ARRIVE = seq``, waits for every member's ``ARRIVE >= seq``, checks that every
-header is a barrier of the same number with the same tag (``DIGEST``; a rank running another op there,
-or posting another tag, fails the op on every rank, naming each rank's op or tag), then ``DONE = seq`` and waits for every ``DONE >= seq`` (so no fast rank's
-next header overwrites this one before every member read it). Barriers and collectives of one
-communicator share its sequence numbers: ranks issue them in the same order.
+on the channel, the caller's tag in ``DIGEST``) and ``ARRIVE = seq``, and waits for every member's
+``ARRIVE >= seq``: one round, as cheap as the flag barrier it replaced. It then reads every member's
+ABORT lines (a member that arrived and left is named here) and checks every header: another op
+there, or another tag, fails the op on every rank, naming each rank's op or tag (the DONE handshake
+of a failed op). With no DONE round on success a member that passed may already post its next
+header, so headers are read as a seqlock, and a member whose header moved past this op passed it,
+which it does only once every header agreed. Barriers and collectives of one communicator share
+its sequence numbers: ranks issue them in the same order.
 
 Being an op of the channel, a barrier has the collectives' waits, liveness rule, ABORT marking
 and error texts (``runtime/liveness.py``): a member that died, finalized or left any op half-way

@@ -90,6 +90,9 @@ void post_header(zb_chan *c, const zb_op *o);
 int begin_op(zb_chan *c, const zb_op *o, const int *fields, int nfields);
 /* 1 (result[1] = rank) if a peer left an op half-way (its ABORT line); call before writing into peers. */
 int peer_left(zb_chan *c);
+/* 1 (result[1] = the rank, one that left by its own cause first) if a peer's ABORT line, its own or this
+ * channel's, is set: it left some op half-way. */
+int peer_aborted(zb_chan *c);
 /* This rank leaves op `seq` half-way for `why` (ABORT_*): mark ABORT, wait until no peer writes into us. */
 void leave_op(zb_chan *c, int64_t seq, int why);
 /* End an op that failed after ARRIVE: DONE handshake, then the original code. */

@@ -448,16 +448,68 @@ static int bcast(zb_chan *c, zb_op *o) {
 
 /* ------------------------------------------------------------ barrier */
 
-/* The communicator's barrier (and EP's tagged barrier): the handshake alone, no bytes. Its header says
- * OP_BARRIER, so a rank that runs another op at this sequence number fails on every rank (RC_MISMATCH on
- * OP) instead of pairing with it; DIGEST is the caller's tag (EP: its op number, kind and phase; 0 for a
- * plain barrier), and ranks that posted different tags fail together too (RC_MISMATCH on DIGEST). DONE
- * keeps a fast rank's next header from overwriting this one before every peer copied it. AUX: the protocol
- * (WHERE_*) a rank reports on its ABORT line when it leaves the barrier half-way (0: WHERE_BARRIER). */
+/* The communicator's barrier (and EP's tagged barrier): one handshake round, no bytes.
+ *
+ * A rank posts its header (OP_BARRIER; DIGEST the caller's tag, 0 for a plain barrier; AUX the protocol,
+ * WHERE_*, its ABORT lines name if it leaves half-way, 0: WHERE_BARRIER) and ARRIVE, waits for every
+ * ARRIVE, then checks every peer's header: another op (RC_MISMATCH on OP), another tag (on DIGEST) or a
+ * posted error fails the op on every rank (the DONE handshake of fail_op). There is no DONE round on
+ * success, so a peer that passed may already be posting its next header while we read: headers are read
+ * as a seqlock (post_header: SEQ 0 while the fields change), and a peer whose SEQ moved past this op
+ * passed it, which it does only once every header agreed, ours included (agreement is symmetric, and a
+ * rank that found a disagreement waits in fail_op for everyone's DONE, so its header stays put until
+ * every rank read it). After the ARRIVE round every peer's ABORT lines are read once: a peer that arrived
+ * and then left is reported here. DONE = seq is signalled on the way out, without waiting, so that
+ * leave_op and the timeout's description see this rank finished. */
+static int barrier_headers(zb_chan *c, const zb_op *o) {
+    int64_t seq = o->seq;
+    memcpy(c->hdrcopy[c->me], c->hdr[c->me], sizeof(c->hdrcopy[0]));
+    for (int r = 0; r < c->W; r++) {
+        if (r == c->me) continue;
+        int64_t s1 = __atomic_load_n(c->hdr[r], __ATOMIC_ACQUIRE);
+        if (s1 == seq) {
+            memcpy(c->hdrcopy[r], c->hdr[r], sizeof(c->hdrcopy[r]));
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(c->hdr[r], __ATOMIC_RELAXED) == seq) {
+                if (c->hdrcopy[r][H_ERROR]) {
+                    c->result[1] = r;
+                    c->result[2] = c->hdrcopy[r][H_ERROR];
+                    memcpy(c->veccopy[0], c->vec[r], sizeof(c->veccopy[0])); /* its error text */
+                    return c->hdrcopy[r][H_ERROR] == ERR_NOMEM ? RC_NOMEM : RC_PEER_ERROR;
+                }
+                int field = c->hdrcopy[r][H_OP] != OP_BARRIER ? H_OP : c->hdrcopy[r][H_DIGEST] != o->digest ? H_DIGEST : -1;
+                if (field >= 0) {
+                    c->result[1] = r;
+                    c->result[2] = field;
+                    return RC_MISMATCH;
+                }
+                continue;
+            }
+        } else if (s1 != 0 && s1 < seq) { /* cannot happen once its ARRIVE reached seq */
+            c->result[1] = r;
+            return RC_STEP;
+        }
+        memcpy(c->hdrcopy[r], c->hdrcopy[c->me], sizeof(c->hdrcopy[r])); /* it passed: it posted what we did */
+    }
+    return RC_OK;
+}
+
 static int barrier(zb_chan *c, zb_op *o) {
-    static const int fields[] = {H_OP, H_DIGEST};
-    int rc = begin_op(c, o, fields, 2);
-    return rc ? rc : sync_on(c, c->done, o->seq);
+    int64_t seq = o->seq;
+    post_header(c, o);
+    int rc = sync_on(c, c->arrive, seq);
+    if (rc) return rc;
+    /* a peer that arrived and then left (Ctrl-C in this barrier, say) is named here, as the DONE round of
+     * a collective would, not only in the next op */
+    if (peer_aborted(c)) return RC_ABORTED;
+    rc = barrier_headers(c, o);
+    if (rc) {
+        /* a peer running the oneshot all_reduce may wait on the election word instead of our DONE */
+        if (elect_claim(c, seq)) elect_release(c, seq, rc);
+        return fail_op(c, seq, rc);
+    }
+    signal_flag(c, c->done[c->me], seq);
+    return RC_OK;
 }
 
 /* ------------------------------------------------------------ one entry for every op */
