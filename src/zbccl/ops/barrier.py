@@ -23,17 +23,12 @@ which sits below the ops, by :mod:`zbccl.ops` when it is imported).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_BARRIER, WHERE_BARRIER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from .diagnose import barrier_tags
 from .entry import open_op
-
-if TYPE_CHECKING:
-    from .channel import OpChannel
 
 __all__ = ["barrier", "tagged_barrier", "run_barrier"]
 
@@ -44,13 +39,20 @@ def run_barrier(comm: Communicator, timeout: float | None, *, tag: int = 0) -> l
     """``comm``'s barrier on its op channel, posting ``tag`` (the caller holds the communicator's op lock).
     Returns None, or every member's tag when they differ (every member gets the same list, and the group
     stays in step: the op failed together in its handshake)."""
-    ch: OpChannel | None = open_op(comm, OP_BARRIER, None, op=_OP, timeout=timeout)
-    if ch is None:  # world size 1: nothing to wait for
-        return None
-    where = comm.role or WHERE_BARRIER
-    ch.where = where
+    ch = comm.op_state
+    if ch is None or timeout is not None or not ch.plain:
+        ch = open_op(comm, OP_BARRIER, None, op=_OP, timeout=timeout)
+        if ch is None:  # world size 1: nothing to wait for
+            return None
+    key = (_OP, comm.role)
+    plan = ch.choices.get(key)
+    if plan is None:  # the struct is filled once; a barrier only changes its tag
+        plan = ch.plan(key, op=OP_BARRIER, in_off=-1, out_off=-1, itemsize=1, aux=comm.role or WHERE_BARRIER)
+    args = plan[0]
+    args.digest = tag
+    ch.where = args.aux
     try:
-        ch.run(_OP, op=OP_BARRIER, in_off=-1, out_off=-1, itemsize=1, aux=where, digest=tag)
+        ch.submit(plan, op=_OP)
     except ZbcclInvalidUsageError:
         tags = barrier_tags(ch)
         if tags is None:
