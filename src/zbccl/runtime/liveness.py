@@ -1,9 +1,10 @@
 """One liveness rule and one meaning of ABORT, for every wait of every protocol.
 
-zbccl has four ways to wait on peers: the native op channel (``native/csrc/core/chan.c``
-``wait_all``), the communicator's epoch barrier (:mod:`.waits`), EP's tagged barrier (the same
-barrier, under ``ep/exchange.py``) and p2p mailboxes (``adapters/p2p.py``), plus the store's
-waits (``bootstrap/store.py``). All of them apply this module's rule at each liveness interval
+zbccl waits on peers in three places: the native op channel (``native/csrc/core/chan.c``
+``wait_all``: every collective, and the communicator's barrier and EP's tagged barrier, which are
+ops of the channel, ``ops/barrier.py``), p2p mailboxes (``adapters/p2p.py``; and the flag waits
+of :mod:`.waits`), and the store's waits (``bootstrap/store.py``: the store ops, and init once the
+ranks' pids are known). All of them apply this module's rule at each liveness interval
 (``ZBCCL_LIVENESS_INTERVAL``); ``chan.c`` ``check_peers`` applies the same rule in C.
 
 **ABORT** means: *this rank left an op half-way* (Ctrl-C, an unexpected exception, a timeout, a
