@@ -463,6 +463,7 @@ static int bcast(zb_chan *c, zb_op *o) {
  * leave_op and the timeout's description see this rank finished. */
 static int barrier_headers(zb_chan *c, const zb_op *o) {
     int64_t seq = o->seq;
+    int step = -1, error = -1, odd = -1, field = -1;
     memcpy(c->hdrcopy[c->me], c->hdr[c->me], sizeof(c->hdrcopy[0]));
     for (int r = 0; r < c->W; r++) {
         if (r == c->me) continue;
@@ -470,26 +471,33 @@ static int barrier_headers(zb_chan *c, const zb_op *o) {
         if (s1 == seq) {
             memcpy(c->hdrcopy[r], c->hdr[r], sizeof(c->hdrcopy[r]));
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            if (__atomic_load_n(c->hdr[r], __ATOMIC_RELAXED) == seq) {
-                if (c->hdrcopy[r][H_ERROR]) {
-                    c->result[1] = r;
-                    c->result[2] = c->hdrcopy[r][H_ERROR];
-                    memcpy(c->veccopy[0], c->vec[r], sizeof(c->veccopy[0])); /* its error text */
-                    return c->hdrcopy[r][H_ERROR] == ERR_NOMEM ? RC_NOMEM : RC_PEER_ERROR;
-                }
-                int field = c->hdrcopy[r][H_OP] != OP_BARRIER ? H_OP : c->hdrcopy[r][H_DIGEST] != o->digest ? H_DIGEST : -1;
-                if (field >= 0) {
-                    c->result[1] = r;
-                    c->result[2] = field;
-                    return RC_MISMATCH;
-                }
+            if (__atomic_load_n(c->hdr[r], __ATOMIC_RELAXED) == seq) { /* a whole copy of its header at seq */
+                if (c->hdrcopy[r][H_ERROR] && error < 0) error = r;
+                int f = c->hdrcopy[r][H_OP] != OP_BARRIER ? H_OP : c->hdrcopy[r][H_DIGEST] != o->digest ? H_DIGEST : -1;
+                if (f >= 0 && odd < 0) odd = r, field = f;
                 continue;
             }
-        } else if (s1 != 0 && s1 < seq) { /* cannot happen once its ARRIVE reached seq */
-            c->result[1] = r;
-            return RC_STEP;
+        } else if (s1 != 0 && s1 < seq && step < 0) { /* cannot happen once its ARRIVE reached seq */
+            step = r;
         }
         memcpy(c->hdrcopy[r], c->hdrcopy[c->me], sizeof(c->hdrcopy[r])); /* it passed: it posted what we did */
+    }
+    /* every row is copied (a disagreement keeps every rank's header in place: nobody passes), in
+     * check_headers' order of verdicts */
+    if (step >= 0) {
+        c->result[1] = step;
+        return RC_STEP;
+    }
+    if (error >= 0) {
+        c->result[1] = error;
+        c->result[2] = c->hdrcopy[error][H_ERROR];
+        memcpy(c->veccopy[0], c->vec[error], sizeof(c->veccopy[0])); /* its error text */
+        return c->hdrcopy[error][H_ERROR] == ERR_NOMEM ? RC_NOMEM : RC_PEER_ERROR;
+    }
+    if (odd >= 0) {
+        c->result[1] = odd;
+        c->result[2] = field;
+        return RC_MISMATCH;
     }
     return RC_OK;
 }
