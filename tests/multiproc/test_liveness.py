@@ -305,8 +305,8 @@ def test_a_p2p_peer_that_left_or_died_is_named(how):
 
 def _left_init(ctx, how: str):
     """Rank 1 leaves init half-way (Ctrl-C) or dies in it, after the hello exchange (so its pid is known),
-    while rank 0 is held back: rank 0's init then names it within about a liveness interval, not at the
-    init timeout."""
+    or is interrupted in the hello exchange itself, while rank 0 is held back: rank 0's init then names it
+    within about a liveness interval, not at the init timeout."""
     import zbccl
     from zbccl.runtime import state
 
@@ -319,20 +319,21 @@ def _left_init(ctx, how: str):
 
             state._agree = die
             ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
-        _interrupt_inside({"_agree"})
+        _interrupt_inside({"_hello"} if how == "interrupted_in_hello" else {"_agree"})
         with pytest.raises(KeyboardInterrupt):
-            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)  # waits in the capacity agreement for rank 0
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)  # waits in the hello or capacity exchange for rank 0
         store.set("liveness/go", b"1")
         store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
         return "left"
-    real, went = state._agree, []
+    step = "_hello" if how == "interrupted_in_hello" else "_agree"
+    real, went = getattr(state, step), []
 
-    def held(boot, error, **kwargs):  # rank 0 enters the capacity agreement only once rank 1 left
+    def held(*args, **kwargs):  # rank 0 enters that exchange only once rank 1 left
         store.wait(["liveness/go"], timedelta(seconds=TIMEOUT))
         went.append(time.monotonic())
-        return real(boot, error, **kwargs)
+        return real(*args, **kwargs)
 
-    state._agree = held
+    setattr(state, step, held)
     what = "rank 1 died" if how == "died" else "rank 1 was interrupted"
     try:
         with pytest.raises(zbccl.ZbcclRemoteError) as info:
@@ -343,11 +344,11 @@ def _left_init(ctx, how: str):
         assert info.value.ranks == (1,), info.value.ranks
         return elapsed
     finally:
-        state._agree = real
+        setattr(state, step, real)
         store.set("liveness/seen", b"1")
 
 
-@pytest.mark.parametrize("how", ["interrupted", "died"])
+@pytest.mark.parametrize("how", ["interrupted", "died", "interrupted_in_hello"])
 def test_a_rank_that_leaves_init_is_named(how):
     out = run_world(_left_init, 2, how=how, env=ENV, expect_exit={1: -9} if how == "died" else None,
                     timeout=3 * TIMEOUT)

@@ -28,10 +28,10 @@ leaves": a timed-out ``recv``/``wait`` is cancelled cleanly, so the group stays 
 4. any member left an op because a peer did (``ABORT_PEER``): ``ZbcclRemoteError`` naming it.
 
 **Init** has no heap to hold ABORT lines until its end, so its store waits watch the same rule
-through the store (:func:`init_watch`, from the moment the ranks' pids are known, after the hello
-exchange): a rank that leaves init half-way announces it there (:func:`left_init`, a per-rank
-counter holding its ``ABORT_*`` reason), and the local peers' processes are watched by pidfd
-(the transport's ``watch_peers``).
+through the store (:func:`init_watch`): a rank that leaves init half-way announces it there
+(:func:`left_init`, a per-rank counter holding its ``ABORT_*`` reason), and from the moment the
+ranks' pids are known (after the hello exchange) the local peers' processes are watched by pidfd
+(the transport's ``watch_peers``). A rank that dies before its hello is named at the timeout.
 
 The order names the cause before its followers. Members that already reached what this rank waits
 for are not checked for death in 3 (they may finish and exit), but their ABORT is: a rank that left
@@ -225,7 +225,8 @@ def init_watch(boot, transport):
     """The liveness rule of init's store waits on bootstrap ``boot`` (watch(pending, op), see
     ``bootstrap/store.py``): a member that left init (:func:`left_init`; by its own cause first, then one
     that followed a peer) or a pending member whose process died (``transport.dead_peers()``, after
-    ``transport.watch_peers``) raises :class:`ZbcclRemoteError` naming it (the members' numbering)."""
+    ``transport.watch_peers``; None before the hello exchange, when no pid is known) raises
+    :class:`ZbcclRemoteError` naming it (the members' numbering)."""
     index = {m: i for i, m in enumerate(boot.members)}
 
     def watch(pending: Sequence[int], op: str) -> None:
@@ -238,6 +239,8 @@ def init_watch(boot, transport):
                 what = _WHAT.get(why, "hit an unexpected error")
                 raise ZbcclRemoteError(f"init: {op}: peer lost while waiting: rank {r} {what} in the middle of init "
                                        "and left it", ranks=(r,))
+        if transport is None:
+            return
         dead = set(transport.dead_peers())
         gone = [m for m in pending if index.get(m, -1) in dead]
         if gone:

@@ -184,8 +184,14 @@ def _generation(rdv) -> int:
 
 def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_bytes: int | None,
                    timeout: float) -> Context:
-    job_id, topo, heap_sizes, asked_max = _hello(boot, nbytes, max_bytes, timeout)
-    # From here the peers' pids are known: every wait of init watches them and the peers that left init.
+    boot.default_watch = init_watch(boot, None)  # every wait of init watches the peers that left init
+    try:
+        job_id, topo, heap_sizes, asked_max = _hello(boot, nbytes, max_bytes, timeout)
+    except BaseException as exc:
+        boot.default_watch = None
+        left_init(boot, exc)
+        raise
+    # From here the peers' pids are known: every wait of init watches their processes too.
     transport = transports.create(topo, "cpu", populate=env.PREFAULT.get())
     transport.watch_peers(topo)
     boot.default_watch = init_watch(boot, transport)
