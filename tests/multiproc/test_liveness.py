@@ -99,9 +99,13 @@ def _left_then_next(ctx, where: str, then: str):
             zbccl.all_reduce(t)  # op #1 everywhere (the communicator's first op read the tuning table)
         if comm.rank == 1:
             victim = {"collective": lambda: zbccl.all_reduce(t), "first_op": lambda: zbccl.all_reduce(t),
-                      "barrier": lambda: comm.barrier(), "ep": lambda: _dispatch(buffer, 1)}[where]
-            # first_op: the tuner's store read, where rank 1 waits for rank 0's table before posting anything
-            _interrupt_inside({"_wait_keys"} if where == "first_op" else {"all_reduce", "barrier", "dispatch"})
+                      "barrier": lambda: comm.barrier(), "ep": lambda: _dispatch(buffer, 1),
+                      "store": lambda: comm.all_gather_object(1), "new_group": lambda: comm.new_group([0, 1])}[where]
+            # first_op: the tuner's store read, where rank 1 waits for rank 0's table before posting anything;
+            # store ops: the store wait (rank 0 never joins)
+            inside = {"_wait_keys"} if where in ("first_op", "store", "new_group") else {"all_reduce", "barrier",
+                                                                                          "dispatch"}
+            _interrupt_inside(inside)
             with pytest.raises(KeyboardInterrupt):
                 victim()
             store.set("liveness/left", b"1")
@@ -113,7 +117,8 @@ def _left_then_next(ctx, where: str, then: str):
             return "left"
         store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
         nxt = {"collective": lambda: zbccl.all_reduce(t), "barrier": lambda: comm.barrier(),
-               "ep": lambda: _dispatch(buffer, 0), "store": lambda: comm.all_gather_object(0)}[then]
+               "ep": lambda: _dispatch(buffer, 0), "store": lambda: comm.all_gather_object(0),
+               "new_group": lambda: comm.new_group([0, 1])}[then]
         err, elapsed = _timed(zbccl.ZbcclRemoteError, nxt, "rank 1 was interrupted")
         assert err.ranks == (1,), err.ranks
         return elapsed
@@ -131,6 +136,13 @@ def _left_then_next(ctx, where: str, then: str):
     ("ep", "ep"),
     ("ep", "collective"),
     ("collective", "ep"),
+    ("barrier", "barrier"),
+    ("barrier", "ep"),
+    ("ep", "barrier"),
+    ("store", "collective"),
+    ("store", "barrier"),
+    ("new_group", "ep"),
+    ("collective", "new_group"),
 ])
 def test_a_rank_that_left_an_op_is_named_in_the_next_op(where, then):
     out = run_world(_left_then_next, 2, where=where, then=then, env=ENV, timeout=3 * TIMEOUT)
@@ -159,7 +171,7 @@ def _left_while_peer_waits(ctx):
 
         def tell() -> None:  # once rank 0's dispatch waits in its publish barrier
             delay = 0.001
-            while not _inside(me, {"wait_flags"}):
+            while not _inside(me, {"run_barrier"}):
                 time.sleep(delay)
                 delay = min(2 * delay, 0.02)
             store.set("liveness/waiting", b"1")
@@ -215,24 +227,131 @@ def test_a_receive_names_a_rank_that_left():
     assert out[1] == "left" and out[0] < BOUND
 
 
-def _dies_during_store_op(ctx):
-    """A peer that dies while this rank waits in all_gather_object is named (pidfd), not waited out."""
+def _dies_then_next(ctx, then: str):
+    """Rank 1 dies (SIGKILL, between ops) as rank 0 enters ``then``: rank 0 names it (pidfd), whatever the
+    op's protocol, instead of waiting out the timeout."""
     import zbccl
+    import zbccl.ep as deep_ep
 
-    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
-    comm.barrier()
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=16 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    t = zbccl.zeros(1 << 10)
+    buffer = deep_ep.Buffer(comm) if then == "ep" else None
+    zbccl.all_reduce(t)
     if comm.rank == 1:
+        store.set("liveness/dying", b"1")
         os.kill(os.getpid(), signal.SIGKILL)
+    store.wait(["liveness/dying"], timedelta(seconds=TIMEOUT))
+    nxt = {"collective": lambda: zbccl.all_reduce(t), "barrier": lambda: comm.barrier(),
+           "ep": lambda: _dispatch(buffer, 0), "store": lambda: comm.all_gather_object({"rank": 0}),
+           "new_group": lambda: comm.new_group([0, 1])}[then]
     try:
-        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: comm.all_gather_object({"rank": 0}), "rank 1 died")
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, nxt, "rank 1 died")
         assert err.ranks == (1,), err.ranks
         return elapsed
     finally:
         zbccl.finalize()
 
 
-def test_a_peer_dying_during_a_store_op_is_named():
-    out = run_world(_dies_during_store_op, 2, env=ENV, expect_exit={1: -9}, timeout=3 * TIMEOUT)
+@pytest.mark.parametrize("then", ["collective", "barrier", "ep", "store", "new_group"])
+def test_a_dead_peer_is_named_in_any_op(then):
+    out = run_world(_dies_then_next, 2, then=then, env=ENV, expect_exit={1: -9}, timeout=3 * TIMEOUT)
+    assert out[0] < BOUND
+
+
+def _p2p_left_or_died(ctx, how: str):
+    """p2p: rank 1 leaves a receive half-way (Ctrl-C) or dies; rank 0's receive from it and (after a
+    Ctrl-C) its next barrier name it, within about a liveness interval."""
+    import torch.distributed as dist
+
+    import zbccl  # noqa: F401 - registers the backend
+
+    dist.init_process_group("zbccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=TIMEOUT))
+    store = ctx.store()
+    try:
+        dist.barrier()
+        if ctx.rank == 1:
+            if how == "died":
+                store.set("liveness/left", b"1")
+                os.kill(os.getpid(), signal.SIGKILL)
+            _interrupt_inside({"_wait_recv"})
+            with pytest.raises(KeyboardInterrupt):
+                dist.recv(torch.zeros(4), 0)  # rank 0 never sends
+            store.set("liveness/left", b"1")
+            store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
+            return "left"
+        store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))
+        what = "rank 1 died" if how == "died" else "rank 1 was interrupted"
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: dist.recv(torch.zeros(4), 1), what)
+        assert err.ranks == (1,), err.ranks
+        if how == "interrupted":
+            err, _ = _timed(zbccl.ZbcclRemoteError, lambda: dist.barrier(), what, "in the middle of a send/recv")
+            assert err.ranks == (1,), err.ranks
+        return elapsed
+    finally:
+        if ctx.rank == 0:
+            store.set("liveness/seen", b"1")
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["interrupted", "died"])
+def test_a_p2p_peer_that_left_or_died_is_named(how):
+    out = run_world(_p2p_left_or_died, 2, how=how, env=ENV, expect_exit={1: -9} if how == "died" else None,
+                    timeout=3 * TIMEOUT)
+    assert out[0] < BOUND
+
+
+def _left_init(ctx, how: str):
+    """Rank 1 leaves init half-way (Ctrl-C) or dies in it, after the hello exchange (so its pid is known),
+    or is interrupted in the hello exchange itself, while rank 0 is held back: rank 0's init then names it
+    within about a liveness interval, not at the init timeout."""
+    import zbccl
+    from zbccl.runtime import state
+
+    store = ctx.store()
+    if ctx.rank == 1:
+        if how == "died":
+            def die(*args, **kwargs):  # rank 1 posted nothing for this step: rank 0 waits for it
+                store.set("liveness/go", b"1")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            state._agree = die
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+        _interrupt_inside({"_hello"} if how == "interrupted_in_hello" else {"_agree"})
+        with pytest.raises(KeyboardInterrupt):
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)  # waits in the hello or capacity exchange for rank 0
+        store.set("liveness/go", b"1")
+        store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
+        return "left"
+    step = "_hello" if how == "interrupted_in_hello" else "_agree"
+    real, went = getattr(state, step), []
+
+    def held(*args, **kwargs):  # rank 0 enters that exchange only once rank 1 left
+        store.wait(["liveness/go"], timedelta(seconds=TIMEOUT))
+        went.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    setattr(state, step, held)
+    what = "rank 1 died" if how == "died" else "rank 1 was interrupted"
+    try:
+        with pytest.raises(zbccl.ZbcclRemoteError) as info:
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+        elapsed = time.monotonic() - went[0]
+        assert elapsed < BOUND, f"took {elapsed:.1f}s (timeout {TIMEOUT:.0f}s): {info.value}"
+        assert what in str(info.value) and "init" in str(info.value), str(info.value)
+        assert info.value.ranks == (1,), info.value.ranks
+        return elapsed
+    finally:
+        setattr(state, step, real)
+        store.set("liveness/seen", b"1")
+
+
+@pytest.mark.parametrize("how", ["interrupted", "died", "interrupted_in_hello"])
+def test_a_rank_that_leaves_init_is_named(how):
+    out = run_world(_left_init, 2, how=how, env=ENV, expect_exit={1: -9} if how == "died" else None,
+                    timeout=3 * TIMEOUT)
     assert out[0] < BOUND
 
 
@@ -283,8 +402,10 @@ def test_finalize_interrupts_a_store_wait():
 
 
 def _cause_named_before_followers(ctx):
-    """World 3: rank 2 leaves a barrier half-way while ranks 0 and 1 wait in an all_reduce. Whichever of them
-    notices first also leaves (``ABORT_PEER``); both must name rank 2, the cause, not each other."""
+    """World 3: rank 2 leaves a store op (all_gather_object) half-way while ranks 0 and 1 wait in an all_reduce
+    (another protocol: a barrier would be an op of the same channel, where ranks 0 and 1 would find the ops
+    out of step). Whichever of them notices first also leaves (``ABORT_PEER``); both must name rank 2, the
+    cause, not each other."""
     import zbccl
 
     comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
@@ -293,16 +414,15 @@ def _cause_named_before_followers(ctx):
     try:
         zbccl.all_reduce(t)
         if comm.rank == 2:
-            _interrupt_inside({"barrier"})
+            _interrupt_inside({"_wait_keys"})
             with pytest.raises(KeyboardInterrupt):
-                comm.barrier()
+                comm.all_gather_object(2)
             store.wait(["liveness/seen0", "liveness/seen1"], timedelta(seconds=TIMEOUT + BOUND))
             return "left"
         err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 2 was interrupted")
         assert err.ranks == (2,), err.ranks
-        # the next op too: rank 2 is still named, whichever peer followed it first (not a barrier: rank 2
-        # entered barrier #1 before it was interrupted, so ranks 0 and 1 may pass that one)
-        _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 2 was interrupted")
+        # the next op too: rank 2 is still named, whichever peer followed it first
+        _timed(zbccl.ZbcclRemoteError, lambda: comm.barrier(), "rank 2 was interrupted")
         return elapsed
     finally:
         if comm.rank != 2:
@@ -316,8 +436,9 @@ def test_the_cause_is_named_before_its_followers():
 
 
 def _barrier_timeout_is_reported(ctx):
-    """A timeout in the epoch barrier (a Python protocol) leaves the op like a collective's: the late rank
-    hears "rank 0 timed out" in the op it enters next instead of waiting out its own timeout."""
+    """A timeout in a barrier (an op of the channel) leaves it like a collective's: the late rank hears
+    "rank 0 timed out" in the op it enters next (another op than rank 0's at that sequence number: the
+    ABORT is still what it reports) instead of waiting out its own timeout."""
     import zbccl
 
     comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
@@ -328,7 +449,7 @@ def _barrier_timeout_is_reported(ctx):
         if comm.rank == 0:
             _timed(zbccl.ZbcclTimeoutError, lambda: comm.barrier(timeout=1), "timed out after 1.0s")
             store.set("liveness/left", b"1")
-            _timed(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t), "broken", "ZbcclTimeoutError")
+            _timed(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t), "broken", "barrier: timed out")
             store.wait(["liveness/seen"], timedelta(seconds=TIMEOUT + BOUND))
             return "timed out"
         store.wait(["liveness/left"], timedelta(seconds=TIMEOUT))

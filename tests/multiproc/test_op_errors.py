@@ -215,8 +215,10 @@ def test_per_op_timeout_names_the_missing_rank():
 
 
 def _elsewhere(ctx):
-    """A late rank in a barrier is named as such, not "never arrived"; the rank that timed out leaves the
-    group broken (its peers hear it within seconds) and refuses further ops."""
+    """A rank in a barrier while its peer runs an all_reduce: both are ops of the one channel, so both ranks
+    fail at once naming each rank's op, and the group stays in step. A rank that does not come is named by
+    the timeout; the rank that timed out leaves the group broken (its peer hears it within seconds, in a
+    barrier) and refuses further ops."""
     import zbccl
 
     comm = ctx.init(heap_size=4 * MiB, timeout=300)
@@ -224,12 +226,19 @@ def _elsewhere(ctx):
     t = zbccl.zeros(4096)
     try:
         zbccl.all_reduce(t)  # op #1 everywhere
-        if comm.rank == 1:  # waits in barrier() until rank 0's op times out and marks its ABORT line
+        if comm.rank == 1:
+            _expect(zbccl.ZbcclInvalidUsageError, lambda: comm.barrier(timeout=60), "ranks disagree on op",
+                    "rank 0 all_reduce, rank 1 barrier")
+            zbccl.all_reduce(t)  # in step again
+            store.wait(["op-errors/0-left"], timedelta(seconds=60))  # stays out of rank 0's next op
             _expect(zbccl.ZbcclRemoteError, lambda: comm.barrier(timeout=60), "rank 0 timed out", "broken")
             store.set("op-errors/1-heard", b"1")  # rank 0 may finalize now
             return "late"
-        _expect(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=2),
-                "rank 1 is in a different collective: it waits in barrier()")
+        _expect(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t, timeout=60), "ranks disagree on op",
+                "rank 0 all_reduce, rank 1 barrier")
+        zbccl.all_reduce(t)
+        _expect(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=2), "rank 1 never arrived")
+        store.set("op-errors/0-left", b"1")
         _expect(zbccl.ZbcclInvalidUsageError, lambda: zbccl.all_reduce(t), "broken", "timed out")
         store.wait(["op-errors/1-heard"], timedelta(seconds=60))
         return "early"

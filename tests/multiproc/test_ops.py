@@ -502,3 +502,38 @@ def _against_gloo(ctx):
 
 def test_matches_gloo():
     assert run_world(_against_gloo, 2) == [True, True]
+
+
+def _barriers_interleaved(ctx):
+    """Barriers (plain and tagged) back to back with collectives, on skewed ranks: the barrier has no DONE
+    round, so a fast rank posts its next header while a slow one still reads this one (a seqlock read);
+    no false "out of step" or "disagree" may come of it, and a tag that differs fails on every rank with
+    the same tags, the group staying in step."""
+    import random
+
+    import zbccl
+    from zbccl.ops.barrier import tagged_barrier
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=120)
+    W, me = comm.world_size, comm.rank
+    rng = random.Random(1234 + me)  # per-rank skew, the same sequence of ops on every rank
+    t = zbccl.zeros(64)
+    for i in range(300):
+        if rng.random() < 0.3:  # skew: some work first, so this rank arrives later than the others now and then
+            sum(range(rng.randrange(20000)))
+        comm.barrier()
+        assert tagged_barrier(i, comm=comm) is None
+        t.fill_(me + i)
+        zbccl.all_reduce(t)
+        assert t[0].item() == sum(r + i for r in range(W)), (i, t[0].item())
+        zbccl.barrier()
+    got = tagged_barrier(100 + me, comm=comm)  # tags differ: every rank gets every rank's tag
+    assert got == [100 + r for r in range(W)], got
+    comm.barrier()  # still in step
+    zbccl.finalize()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_barriers_interleaved_with_collectives(world_size):
+    assert all(run_world(_barriers_interleaved, world_size, timeout=240))

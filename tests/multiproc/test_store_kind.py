@@ -82,7 +82,7 @@ def _auto_policy(ctx):
         zbccl.all_reduce(zbccl.zeros(16))
         assert 4 not in _kinds(ch)
         # the kind not in use is re-measured once its last sample is stale, whatever the op rate
-        comm.barrier()
+        comm.all_gather_object(None)  # a sync off the channel: rank 0's header still holds its last all_reduce
         before, in_use = _kinds(ch).get(16), _used_kind(comm)  # the kind the last op used, as observed
         time.sleep(STALE_S * 1.5)  # lets a sample age past KIND_STALE_NS; no rank waits on another here
         used = []
@@ -120,7 +120,9 @@ def _fixed(ctx):
                 zbccl.all_reduce(t)
                 if comm.rank == 0:
                     used.append(_used_kind(comm))
-        comm.barrier()  # no op in flight: every rank reads what rank 0 posted for the last one
+        # no op in flight: every rank reads what rank 0 posted for the last one (a store sync: a barrier is an
+        # op of the channel and would post its own header)
+        comm.all_gather_object(None)
         return _kinds(ch), used, _used_kind(comm)
     finally:
         zbccl.finalize()

@@ -36,6 +36,13 @@ peers) at each liveness interval and is bounded by the group's timeout. A wait
 left by Ctrl-C or an unexpected exception marks this rank's ABORT line (the
 peers name it at once); a timed-out wait does not: the receive is cancelled and
 the group stays usable.
+
+Why p2p is not an op of the op channel (as barrier and EP's exchange are): a channel op is collective,
+numbered in the one order every member runs; messages match per (src, dst, tag), in any order with
+respect to the group's collectives and to each other, so they cannot take the channel's sequence
+numbers. What they share with it: the same native flag wait (spin, yield, futex), the same rule
+at each liveness interval (``runtime/liveness.py``, the twin of ``chan.c`` ``check_peers``), the
+same ABORT line and the same error texts naming the rank.
 """
 
 from __future__ import annotations
@@ -365,8 +372,8 @@ class PointToPoint:
         return flags.ptr
 
     def _check_alive(self, peers: list[int], op: str) -> None:
-        if self.ctx.finalized or self.closed:
-            raise ZbcclInvalidUsageError(f"{op}: the process group or zbccl was shut down while the op waited")
+        if self.closed and not self.ctx.finalized:  # this rank's finalize: the rule's own text (check, below)
+            raise ZbcclInvalidUsageError(f"{op}: the process group was shut down while the op waited")
         ranks = [self.comm.ranks[p] for p in peers]
         check_peers(self.ctx, ranks, op=op, labels={g: p for g, p in zip(ranks, peers)})
 

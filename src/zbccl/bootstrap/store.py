@@ -11,9 +11,11 @@ deletes its own key of round ``k-1``. A long-running job keeps at most one
 round per tag in the store.
 
 A wait may be given a ``watch(pending_ranks, op)`` callable (the runtime's
-liveness check, ``runtime/liveness.py``): it is called at each poll with the
+liveness check, ``runtime/liveness.py``), else it runs the bootstrap's
+``default_watch`` (init's watch once the ranks' pids are known, then the world
+communicator's): it is called at each poll with the
 ranks whose keys are still missing and raises when one of them died or any
-member left an op half-way, or when this rank was finalized. Polls start at
+member left an op (or init) half-way, or when this rank was finalized. Polls start at
 ``ZBCCL_LIVENESS_INTERVAL`` and back off to four times it, so a watched wait
 notices within a few intervals without loading the store.
 
@@ -66,6 +68,10 @@ class StoreBootstrap(Bootstrap):
     messages (global ranks for a sub-group). With ``secret`` every value is
     sealed and opened (see the module docstring).
     """
+
+    #: The watch of every wait given none (the runtime sets it: init's, then the world communicator's), so
+    #: that no store wait runs blind to a dead peer, a peer that left, or this rank's finalize.
+    default_watch: Watch | None = None
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, prefix: str,
                  members: tuple[int, ...] | None = None, secret: JobSecret | None = None,
@@ -127,6 +133,7 @@ class StoreBootstrap(Bootstrap):
                    watch: Watch | None = None) -> None:
         deadline = time.monotonic() + timeout
         pending = list(zip(keys, owners))
+        watch = watch if watch is not None else self.default_watch
         if watch is not None:
             first = env.LIVENESS_INTERVAL.get()
             poll, most = first, 4 * first

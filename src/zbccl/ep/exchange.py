@@ -19,22 +19,24 @@
    blocks are freed and the caller may reuse its inputs. It runs even when this rank's pull
    failed, so such a failure stays on its rank and the group stays in step.
 
-Every barrier is tagged (:meth:`Exchange.sync`): before it a rank writes which op (its number and
-kind) and which phase (publish, the closing barrier, clean) it is in, and after it reads the
-peers' tags. Ranks whose calls do not match (one skipped a receive hook, or ran another op) would
-otherwise pair one rank's publish with another's closing barrier and read stale headers; they all
-raise ``ZbcclInvalidUsageError`` at that barrier instead, naming each rank's op, and the Buffer
-refuses further ops.
+Every barrier is tagged (:meth:`Exchange.sync`): it is the communicator's barrier, an op of its op
+channel (``ops/barrier.py``), and each rank posts in its header which op (its number and kind) and
+which phase (publish, the closing barrier, clean) it is in; the channel's handshake compares them.
+Ranks whose calls do not match (one skipped a receive hook, or ran another op) would otherwise pair
+one rank's publish with another's closing barrier and read stale headers; they all raise
+``ZbcclInvalidUsageError`` at that barrier instead, naming each rank's op, and the Buffer refuses
+further ops.
 
-Both waits take the Buffer's timeout; a dead peer raises ``ZbcclRemoteError`` within a
-liveness interval, a missing one ``ZbcclTimeoutError`` naming it (the ops' own guarantees).
+Both waits are the op channel's (the Buffer's timeout; a dead peer raises ``ZbcclRemoteError`` within
+a liveness interval, a missing one ``ZbcclTimeoutError`` naming it: the ops' own guarantees).
 
 **Leaving an op half-way** (:meth:`Exchange.op`, around every Buffer op): Ctrl-C or an unexpected
 exception at any point of the op, or a timeout or lost peer in its barriers, marks this rank's
 ABORT line, with the same meaning as the op channel's (``runtime/liveness.py``): peers waiting in
 this op's barriers, or in the next op they enter on any communicator, raise ``ZbcclRemoteError``
-naming this rank within about a liveness interval, and this rank refuses later ops. The barriers
-read every member's ABORT line at each liveness interval (``runtime/waits.py``). Errors every rank
+naming this rank within about a liveness interval, and this rank refuses later ops. The barriers,
+ops of the channel, read every member's ABORT line at each liveness interval (``chan.c``
+``check_peers``) and mark this rank's with ``WHERE_EP`` when it leaves one half-way. Errors every rank
 raises together (bad input, out of memory, ranks out of step) mark nothing: the Buffer stays usable.
 """
 
@@ -53,6 +55,7 @@ from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..heap.views import HeapHandle
 from ..native.abi import EP_OP_NAMES, WHERE_EP
 from ..ops import all_gather_into_tensor
+from ..ops.barrier import tagged_barrier
 from ..runtime.liveness import leave
 from .caps import Capabilities
 from .stores import PullStores
@@ -148,23 +151,15 @@ class Exchange:
         #: The native kernels every EP op runs on (raises here, at the Buffer's construction, without them).
         self.caps = Capabilities.of(comm.heap.prims)
         # Two header slots, used by alternate ops: a rank writes slot s of op n + 2 only after op n + 1's
-        # barrier, which every peer enters only after it copied op n's headers out of slot s. After them,
-        # the two tag words of the tagged barriers (sync: barrier k writes word k % 2, by the same argument).
-        block = heap_empty(comm, (2 * HDR_LEN + 8,), torch.int64, fallback=False)
-        self._hdr = block[:2 * HDR_LEN].view(2, HDR_LEN)
+        # barrier, which every peer enters only after it copied op n's headers out of slot s.
+        self._hdr = heap_empty(comm, (2, HDR_LEN), torch.int64, fallback=False)
         self._hdr_np = self._hdr.numpy()
-        block[2 * HDR_LEN:].fill_(-1)  # the tag words: no op yet
         self._all = torch.empty(self.R * HDR_LEN, dtype=torch.int64)
         self._slot = 0
         # The peers' header offsets, once (the Buffer's construction is collective).
         offs = torch.full((self.R,), self.offset_of(self._hdr), dtype=torch.int64)
         all_gather_into_tensor(offs, offs[self.me:self.me + 1].clone(), comm=comm, timeout=timeout)
         self._hdr_off = offs.tolist()
-        # Each peer's tag words, viewed once through the transport (the block never moves).
-        heap = comm.heap
-        self._tags = [heap.view(comm.ranks[r], off + 2 * HDR_LEN * 8, (2,), torch.int64, op="ep").numpy()
-                      for r, off in enumerate(self._hdr_off)]
-        self._nsync = 0
         #: Set once the ranks were found out of step: the Buffer refuses every later op with it.
         self.broken: str | None = None
         self._plan: torch.Tensor | None = None
@@ -248,12 +243,9 @@ class Exchange:
         :class:`ZbcclInvalidUsageError` on every rank when the ranks' tags differ (their calls do not match)."""
         if self.broken:
             raise ZbcclInvalidUsageError(f"{op}: {self.broken}")
-        k, self._nsync = self._nsync & 1, self._nsync + 1
         tag = (seq << 10) | (code << 2) | phase
-        self._tags[self.me][k] = tag
-        self.comm.barrier(timeout=self.timeout)
-        tags = [int(t[k]) for t in self._tags]
-        if any(t != tag for t in tags):
+        tags = tagged_barrier(tag, comm=self.comm, timeout=self.timeout)
+        if tags is not None:
             where = "; ".join(f"rank {r} in {_describe(t)}" for r, t in enumerate(tags))
             self.broken = (f"the Buffer's ranks went out of step ({where}), expected every rank in the same op and "
                            "phase: every rank must run the same EP ops in the same order and call every receive "
@@ -337,7 +329,7 @@ class Exchange:
 
 def _describe(tag: int) -> str:
     """A tag of :meth:`Exchange.sync` in words."""
-    if tag < 0:
-        return "no op yet"
+    if tag <= 0:
+        return "a plain barrier (no EP op)"
     seq, code, phase = tag >> 10, (tag >> 2) & 0xFF, tag & 3
     return f"op #{seq} {EP_OP_NAMES.get(code, f'(code {code})')}, {_PHASE_NAMES.get(phase, f'phase {phase}')}"

@@ -82,7 +82,8 @@ STATE_READY = 1
 STATE_FINALIZED = 2
 STATE_FAILED = 3
 
-# Lines inside a comm slot.
+# Lines inside a comm slot (the op channel's are native/abi.py SLOT_LINES). Line 0 held the barrier epoch
+# before the barrier became an op of the channel (ops/barrier.py); it stays free.
 SLOT_BARRIER = 0
 
 

@@ -96,7 +96,10 @@ for _name, (_head, _row) in EP_ARGS.items():
         STRUCTS[_name + "_row"] = _row
 del _name, _head, _row
 
-OPS = {"ALL_REDUCE": 1, "ALL_GATHER": 2, "REDUCE_SCATTER": 3, "ALL_TO_ALL": 4, "BROADCAST": 5}
+#: Op codes of the channel (C: OP_<NAME>). BARRIER: the communicator's barrier (no bytes; DIGEST: the
+#: caller's tag, which every rank must post alike; AUX: the ``ABORT_WHERE`` a rank leaving it half-way
+#: reports, 0 for BARRIER).
+OPS = {"ALL_REDUCE": 1, "ALL_GATHER": 2, "REDUCE_SCATTER": 3, "ALL_TO_ALL": 4, "BROADCAST": 5, "BARRIER": 6}
 OP_NAMES = {v: k.lower() for k, v in OPS.items()}
 ALGOS = {"ONESHOT": 1, "TWOSHOT": 2, "PULL": 3, "PUSH": 4}
 ALGO_NAMES = {v: k.lower() for k, v in ALGOS.items()}
@@ -127,7 +130,7 @@ ABORTS = {"INTERRUPT": 1, "EXCEPTION": 2, "TIMEOUT": 3, "PEER": 4}
 #: also marks its slot's line, which its in-op handshake reads (chan.c ``peer_left``).
 #: Which protocol's op a rank left (the ABORT line's WHERE word; C: ``WHERE_<NAME>``).
 ABORT_WHERE = {"COLLECTIVE": 1, "BARRIER": 2, "EP": 3, "P2P": 4, "STORE": 5}
-#: Lines of a comm slot the op channel uses (line 0 is the communicator's barrier epoch).
+#: Lines of a comm slot the op channel uses (line 0, once the barrier epoch, is unused: the barrier is an op).
 #: ELECT: group rank 0's line only, the oneshot all_reduce's election word (chan_ops.c "oneshot").
 SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "ABORT": 6, "ELECT": 7, "VECTORS": 8}
 #: int64 words of a 64-byte flag line (C: ``W_<NAME>``). VALUE: the flag; WAITERS: the int32 at its byte 0

@@ -6,7 +6,8 @@ are the tests' oracle.
 """
 
 from .allreduce import all_reduce, bind_all_reduce
-from .broadcast import barrier, broadcast
+from .barrier import barrier
+from .broadcast import broadcast
 from .exchange import all_gather_into_tensor, all_gather_v, all_to_all_single
 from .operands import strict_heap
 from .reduce_scatter import reduce_scatter_tensor, reduce_scatter_v

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ZbcclInvalidUsageError
-from ..native.abi import OP_BROADCAST, WHERE_BARRIER
+from ..native.abi import OP_BROADCAST
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
 from . import null
@@ -24,7 +24,7 @@ from .entry import run_op
 from .operands import Operand
 from .tuner import choose
 
-__all__ = ["broadcast", "barrier"]
+__all__ = ["broadcast"]
 
 _OP = "broadcast"
 
@@ -80,10 +80,3 @@ def _receive(ch: OpChannel, tensor: torch.Tensor, dt: int, src: int) -> None:
            out_addr=dst.data_ptr(), itemsize=isz)
     if dst is not tensor:
         tensor.copy_(dst)
-
-
-@collective("barrier", WHERE_BARRIER)
-def barrier(*, comm: Communicator | None = None, timeout: float | None = None) -> None:
-    """Collective: return once every rank of ``comm`` entered (see ``Communicator.barrier``: a peer
-    that left a collective half-way makes it raise :class:`~zbccl.errors.ZbcclRemoteError`)."""
-    comm.barrier(timeout)

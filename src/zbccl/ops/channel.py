@@ -143,6 +143,9 @@ class OpChannel:
         self.broken: str | None = ctx.left
         #: True while nothing per-op needs checking at entry (not broken, the default timeout).
         self.plain = self.broken is None
+        #: The protocol (``ABORT_WHERE``) of the op running now, for the ABORT lines if it is left half-way:
+        #: 0 (a collective, or the communicator's role) but while a barrier runs (``ops/barrier.py``).
+        self.where = 0
         self._open(comm)
 
     def _open(self, comm: Communicator) -> None:
@@ -345,12 +348,13 @@ class OpChannel:
         ops, unless ``why`` is ``ABORT_PEER``)."""
         if why != ABORT_PEER:
             self.mark_broken(text)
+        where = self.where or self.comm.role or WHERE_COLLECTIVE
         transport, me, line = self.ctx.heap.transport, self.ctx.rank, layout.slot_line(self.comm.slot, L_ABORT)
         if transport.load(me, line) == 0:  # the reason first: a peer reads it once it sees the line set
             transport.signal(me, line + 8 * W_WHY, why)
-            transport.signal(me, line + 8 * W_WHERE, WHERE_COLLECTIVE)
+            transport.signal(me, line + 8 * W_WHERE, where)
             transport.signal(me, line, max(1, self.seq))
-        liveness.mark_left(self.ctx, why, text, where=WHERE_COLLECTIVE, seq=self.seq)
+        liveness.mark_left(self.ctx, why, text, where=where, seq=self.seq)
 
     def mark_broken(self, text: str) -> None:
         """Every later op on this rank refuses (:meth:`enter`), the hot entry's included."""

@@ -63,12 +63,12 @@ LEAVING = frozenset((RC_TIMEOUT, RC_ABORTED, RC_DEAD, RC_GONE))
 if TYPE_CHECKING:
     from .channel import OpChannel
 
-__all__ = ["error_for", "late_message", "describe", "show_field", "FIELD_NAMES"]
+__all__ = ["error_for", "late_message", "describe", "show_field", "barrier_tags", "FIELD_NAMES"]
 
 #: Header fields as error messages name them.
 FIELD_NAMES = {abi.H_OP: "op", H_DTYPE: "dtype", H_REDOP: "reduce op", abi.H_IN_NUMEL: "input numel",
                abi.H_OUT_NUMEL: "output numel", H_ALGO: "algorithm", abi.H_ROOT: "root rank",
-               H_ROW: "elements per row", abi.H_AUX: "chunk elements"}
+               H_ROW: "elements per row", abi.H_AUX: "chunk elements", abi.H_DIGEST: "barrier tag"}
 #: What AUX carries where it is not all_reduce's chunk, by the header's op code.
 AUX_NAMES = {abi.OP_ALL_GATHER: "the gathered dimension (rows before it, 0: dim 0)",
              abi.OP_REDUCE_SCATTER: "the scattered dimension (rows before it, 0: dim 0)"}
@@ -82,7 +82,18 @@ def show_field(field: int, value: int) -> str:
         return op_name(value)
     if field == H_ALGO:
         return abi.ALGO_NAMES.get(value, str(value))
+    if field == abi.H_OP:
+        return abi.OP_NAMES.get(value, str(value))
     return str(value)
+
+
+def barrier_tags(ch: OpChannel) -> list[int] | None:
+    """Every group rank's tag if the last op was a tagged barrier that failed on them (``RC_MISMATCH`` on
+    ``DIGEST``: every rank read the same headers, so every rank gets the same list), else None."""
+    hdrs, _, res = _copies(ch)
+    if res[0] != RC_MISMATCH or res[2] != abi.H_DIGEST:
+        return None
+    return [int(v) for v in hdrs[:, abi.H_DIGEST]]
 
 
 def _copies(ch: OpChannel) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -186,8 +197,6 @@ def describe(ch: OpChannel, r: int) -> str:
     arrive, done = load(L_ARRIVE), load(L_DONE)
     if arrive == ch.seq:
         return f"rank {r} entered this collective (#{ch.seq}) but has not finished it"
-    if load(layout.SLOT_BARRIER) > getattr(ch.comm, "_epoch", 0):
-        return f"rank {r} is in a different collective: it waits in barrier()"
     if arrive > done or arrive > ch.seq:
         opcode = heap.header(g, layout.slot_line(slot, L_HEADER) + H_OP * 8)
         name = OP_NAMES.get(opcode, f"op code {opcode}")

@@ -4,28 +4,23 @@ The world communicator uses comm slot 0 of every segment's control area; each
 sub-communicator from :meth:`Communicator.new_group` gets a fresh slot, so its
 barrier epochs and (later) op headers never mix with another group's.
 
-Barrier protocol (one flag line per rank per communicator, in the owner's
-segment): rank ``r`` raises its own epoch flag to ``e`` (release store, futex
-wake if someone sleeps), then waits until every other member's flag is
-``>= e``. Epochs only grow, so flags are never reset and back-to-back barriers
-cannot confuse one another; a fast rank may already be at ``e+1``, which still
-satisfies ``>= e``. While it waits, the barrier applies the one liveness rule
-(:mod:`.liveness`) at each liveness interval: a member that left any op half-way
-(its ABORT line) broke the communicator, and the barrier raises
-:class:`~zbccl.errors.ZbcclRemoteError` naming it instead of waiting out the
-timeout. The store ops (``all_gather_object``, ``new_group``, ``destroy``) watch
-the same rule at each poll of the store.
+Barrier: an op of the communicator's op channel (``ops/barrier.py``: header, ``ARRIVE``,
+``DONE``, the native waits), so it shares the collectives' sequence numbers, liveness rule,
+ABORT marking and error texts (:mod:`.liveness`). The runtime sits below the ops layer, so the
+ops hand it that engine (:attr:`Communicator.barrier_engine`) when :mod:`zbccl.ops` is imported;
+a communicator spanning hosts meets in the store instead. The store ops (``all_gather_object``,
+``new_group``, ``destroy``) watch the same liveness rule at each poll of the store.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import env
 from ..bootstrap.store import StoreBootstrap
-from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclSystemError
 from ..heap import layout
 from ..heap.views import HeapHandle, view_heap
 from ..native.abi import WHERE_BARRIER, WHERE_STORE
@@ -33,7 +28,6 @@ from .liveness import store_watch
 from .oplock import OpLock
 from .registry import guarded
 from .slots import acquire_slot, check_slot_free, parse_slot_record, release_slot, reset_slot
-from .waits import FlagSet, wait_flags
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +51,9 @@ class Communicator:
 
     #: False only for the :class:`NonMember` placeholder ``new_group`` returns to non-members.
     is_member = True
+    #: ``engine(comm, timeout)``: the barrier as an op of the op channel (``ops/barrier.py`` ``run_barrier``),
+    #: installed by the ops layer when it is imported (``import zbccl`` does); this layer may not import it.
+    barrier_engine: ClassVar[Callable[[Communicator, float | None], None] | None] = None
 
     def __init__(self, ctx: Context, ranks: Sequence[int], slot: int, bootstrap: StoreBootstrap) -> None:
         self._ctx = ctx
@@ -66,7 +63,6 @@ class Communicator:
         self.rank = self.ranks.index(ctx.rank)
         self.destroyed = False
         self._op_lock = OpLock()
-        self._epoch = 0
         #: The ops layer's per-communicator state (its op channel), created by the ops on first use.
         #: :meth:`destroy` calls its ``close()`` and drops it; this layer never looks inside.
         self.op_state: Any = None
@@ -80,12 +76,6 @@ class Communicator:
         #: The liveness check of this communicator's store waits (bootstrap/store.py ``watch``).
         self.store_watch = store_watch(ctx, self.ranks)
         self._single_host = all(ctx.heap.reachable(r) for r in self.ranks)
-        if self._single_host:
-            line = layout.slot_line(slot, layout.SLOT_BARRIER)
-            self._my_flag = ctx.heap.ctrl_addr(ctx.rank, line)
-            peers = [r for r in self.ranks if r != ctx.rank]
-            self._peer_flags = FlagSet(peers, [ctx.heap.ctrl_addr(r, line) for r in peers],
-                                       [self.ranks.index(r) for r in peers])
 
     # ----------------------------------------------------------------- identity
     @property
@@ -175,18 +165,19 @@ class Communicator:
     def barrier(self, timeout: float | None = None) -> None:
         """Collective: return once every member has entered this barrier.
 
-        Blocks the host. Raises :class:`~zbccl.errors.ZbcclTimeoutError` naming
-        the ranks that never arrived, or :class:`~zbccl.errors.ZbcclRemoteError`
-        as soon as a member is found dead.
+        Blocks the host. An op of the communicator's op channel (``ops/barrier.py``): raises
+        :class:`~zbccl.errors.ZbcclTimeoutError` naming the ranks that never arrived,
+        :class:`~zbccl.errors.ZbcclRemoteError` within about a liveness interval once a member
+        died, finalized or left any op half-way, and :class:`~zbccl.errors.ZbcclInvalidUsageError`
+        on every rank when a member runs another op (or passed a bad ``timeout``).
         """
-        ctx = self._ctx
-        timeout = _seconds(timeout, ctx.timeout, "barrier")
         if not self._single_host:
-            self.bootstrap.barrier(timeout=timeout, watch=self.store_watch)
+            self.bootstrap.barrier(timeout=_seconds(timeout, self._ctx.timeout, "barrier"), watch=self.store_watch)
             return
-        self._epoch += 1
-        ctx.prims.signal(self._my_flag, self._epoch)
-        wait_flags(ctx, self._peer_flags, self._epoch, timeout=timeout, op="barrier")
+        engine = Communicator.barrier_engine
+        if engine is None:
+            raise ZbcclSystemError("barrier: the ops layer is not loaded, expected 'import zbccl' before any op")
+        engine(self, timeout)
 
     @guarded("all_gather_object", WHERE_STORE)
     def all_gather_object(self, obj: object, *, timeout: float | None = None) -> list:
@@ -257,6 +248,7 @@ class Communicator:
                               prefix=f"{ctx.key_prefix}/g{slot}.{use}.{nonce}", members=tuple(members),
                               secret=ctx.bootstrap.secret)
         comm = Communicator(ctx, members, slot, boot)
+        boot.default_watch = comm.store_watch  # its store waits that name no watch watch the liveness rule too
         boot.barrier(timeout=timeout, watch=comm.store_watch)  # every member reset its lines before anyone waits
         return comm
 

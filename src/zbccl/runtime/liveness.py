@@ -1,9 +1,10 @@
 """One liveness rule and one meaning of ABORT, for every wait of every protocol.
 
-zbccl has four ways to wait on peers: the native op channel (``native/csrc/core/chan.c``
-``wait_all``), the communicator's epoch barrier (:mod:`.waits`), EP's tagged barrier (the same
-barrier, under ``ep/exchange.py``) and p2p mailboxes (``adapters/p2p.py``), plus the store's
-waits (``bootstrap/store.py``). All of them apply this module's rule at each liveness interval
+zbccl waits on peers in three places: the native op channel (``native/csrc/core/chan.c``
+``wait_all``: every collective, and the communicator's barrier and EP's tagged barrier, which are
+ops of the channel, ``ops/barrier.py``), p2p mailboxes (``adapters/p2p.py``; and the flag waits
+of :mod:`.waits`), and the store's waits (``bootstrap/store.py``: the store ops, and init once the
+ranks' pids are known). All of them apply this module's rule at each liveness interval
 (``ZBCCL_LIVENESS_INTERVAL``); ``chan.c`` ``check_peers`` applies the same rule in C.
 
 **ABORT** means: *this rank left an op half-way* (Ctrl-C, an unexpected exception, a timeout, a
@@ -25,6 +26,12 @@ leaves": a timed-out ``recv``/``wait`` is cancelled cleanly, so the group stays 
 3. a member it still waits for failed (``zbccl.abort``), called ``finalize`` or died (the
    transport's dead peers: pidfds): ``ZbcclRemoteError`` naming it;
 4. any member left an op because a peer did (``ABORT_PEER``): ``ZbcclRemoteError`` naming it.
+
+**Init** has no heap to hold ABORT lines until its end, so its store waits watch the same rule
+through the store (:func:`init_watch`): a rank that leaves init half-way announces it there
+(:func:`left_init`, a per-rank counter holding its ``ABORT_*`` reason), and from the moment the
+ranks' pids are known (after the hello exchange) the local peers' processes are watched by pidfd
+(the transport's ``watch_peers``). A rank that dies before its hello is named at the timeout.
 
 The order names the cause before its followers. Members that already reached what this rank waits
 for are not checked for death in 3 (they may finish and exit), but their ABORT is: a rank that left
@@ -57,7 +64,7 @@ if TYPE_CHECKING:
     from .context import Context
 
 __all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "abort_addr", "aborted", "abort_error", "who_left", "check", "mark_left",
-           "reason", "leave", "store_watch"]
+           "reason", "leave", "store_watch", "init_watch", "left_init"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
 FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
@@ -195,5 +202,49 @@ def store_watch(ctx: Context, members: Sequence[int]):
 
     def watch(pending: Sequence[int], op: str) -> None:
         check(ctx, peers, op=op, pending=[p for p in pending if p in peers])
+
+    return watch
+
+
+def left_init(boot, exc: BaseException) -> None:
+    """This rank leaves init half-way by ``exc`` (after the hello exchange): tell the peers through the
+    store (``left/<rank>`` holds the ``ABORT_*`` reason, ``left`` counts the ranks that left), so that
+    their init waits name it within a few liveness intervals. Errors every rank raises together (init
+    agrees on every failure it can) announce nothing. Best effort: the store may be gone."""
+    why = reason(exc)
+    if not why:
+        return
+    try:
+        boot.add(f"left/{boot.rank}", why)
+        boot.add("left", 1)
+    except BaseException:  # noqa: BLE001 - the store is gone or this is a second Ctrl-C: the timeout remains
+        pass
+
+
+def init_watch(boot, transport):
+    """The liveness rule of init's store waits on bootstrap ``boot`` (watch(pending, op), see
+    ``bootstrap/store.py``): a member that left init (:func:`left_init`; by its own cause first, then one
+    that followed a peer) or a pending member whose process died (``transport.dead_peers()``, after
+    ``transport.watch_peers``; None before the hello exchange, when no pid is known) raises
+    :class:`ZbcclRemoteError` naming it (the members' numbering)."""
+    index = {m: i for i, m in enumerate(boot.members)}
+
+    def watch(pending: Sequence[int], op: str) -> None:
+        if boot.add("left", 0) > 0:  # one round trip while nobody left
+            left = [(boot.members[r], boot.add(f"left/{r}", 0)) for r in range(boot.world_size) if r != boot.rank]
+            left = [(r, why) for r, why in left if why]
+            left.sort(key=lambda rw: rw[1] == ABORT_PEER)  # a cause before its followers
+            if left:
+                r, why = left[0]
+                what = _WHAT.get(why, "hit an unexpected error")
+                raise ZbcclRemoteError(f"init: {op}: peer lost while waiting: rank {r} {what} in the middle of init "
+                                       "and left it", ranks=(r,))
+        if transport is None:
+            return
+        dead = set(transport.dead_peers())
+        gone = [m for m in pending if index.get(m, -1) in dead]
+        if gone:
+            what = "; ".join(f"rank {m} died (its process exited or was killed)" for m in gone)
+            raise ZbcclRemoteError(f"init: {op}: peer lost while waiting: {what}", ranks=tuple(gone))
 
     return watch

@@ -27,6 +27,7 @@ from ..sma import CachingAllocator
 from . import registry
 from .communicator import Communicator
 from .context import Context
+from .liveness import init_watch, left_init
 from .registry import get_default, in_forked_child, is_initialized, resolve_comm
 from .threads import set_threads
 
@@ -124,6 +125,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
                               members=rdv.members, record=True)
         ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds)
         comm = Communicator(ctx, range(rdv.world_size), 0, boot)
+        boot.default_watch = comm.store_watch  # every later store wait of the world watches the liveness rule
         registry.set_default(comm)
         _register_atexit()
         return comm
@@ -182,20 +184,29 @@ def _generation(rdv) -> int:
 
 def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_bytes: int | None,
                    timeout: float) -> Context:
-    job_id, topo, heap_sizes, asked_max = _hello(boot, nbytes, max_bytes, timeout)
-    error = None
-    if not env.SKIP_SHM_CHECK.get():
-        needed = sum(layout.segment_bytes(heap_sizes[r]) for r in topo.local_ranks)
-        try:
-            check_capacity(needed, nranks=topo.local_world_size)
-        except ZbcclOutOfMemoryError as exc:
-            error = str(exc)
-    _agree(boot, error, timeout=timeout, tag="capacity")
-    if max_bytes is None:  # auto: sized by the same capacity the check just read, shared by the local ranks
-        max_bytes = auto_heap_max(nbytes, nranks=topo.local_world_size)
-    max_sizes = _exchange_max(boot, max_bytes, asked_max, timeout)
-    transport = transports.create(topo, "cpu", populate=env.PREFAULT.get())
+    boot.default_watch = init_watch(boot, None)  # every wait of init watches the peers that left init
     try:
+        job_id, topo, heap_sizes, asked_max = _hello(boot, nbytes, max_bytes, timeout)
+    except BaseException as exc:
+        boot.default_watch = None
+        left_init(boot, exc)
+        raise
+    # From here the peers' pids are known: every wait of init watches their processes too.
+    transport = transports.create(topo, "cpu", populate=env.PREFAULT.get())
+    transport.watch_peers(topo)
+    boot.default_watch = init_watch(boot, transport)
+    try:
+        error = None
+        if not env.SKIP_SHM_CHECK.get():
+            needed = sum(layout.segment_bytes(heap_sizes[r]) for r in topo.local_ranks)
+            try:
+                check_capacity(needed, nranks=topo.local_world_size)
+            except ZbcclOutOfMemoryError as exc:
+                error = str(exc)
+        _agree(boot, error, timeout=timeout, tag="capacity")
+        if max_bytes is None:  # auto: sized by the same capacity the check just read, shared by the local ranks
+            max_bytes = auto_heap_max(nbytes, nranks=topo.local_world_size)
+        max_sizes = _exchange_max(boot, max_bytes, asked_max, timeout)
         segments = transport.establish(boot, topo, data_bytes=heap_sizes, reserve_bytes=max_sizes,
                                        job_id=job_id, timeout=timeout)
         heap = GlobalHeap(boot.rank, segments, heap_sizes, transport, max_sizes=max_sizes)
@@ -204,7 +215,9 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
         heap.check_peer_headers()
         # From here every store value is sealed; the init records exchanged before are checked now.
         boot.adopt_secret(transport.job_secret(job_id, boot.world_size), timeout=timeout)
-    except BaseException:
+    except BaseException as exc:
+        boot.default_watch = None
+        left_init(boot, exc)  # the peers' init waits name this rank now, not at their timeout
         transport.close(unmap=True)
         raise
     spin = env.WAIT_SPIN.get()
@@ -272,17 +285,18 @@ def finalize() -> None:
         if ctx.finalized:
             return
         ctx.finalized = True
+        heap = ctx.heap
+        if not ctx.forked:  # the parent's heap and header are not ours to touch (see _after_fork_in_child)
+            try:  # first: in-flight waits (native and Python) and the peers notice it, whatever happens next
+                heap.set_header(layout.H_STATE, layout.STATE_FINALIZED)
+            except Exception:  # noqa: BLE001 - best effort on a broken heap
+                pass
         for c in list(ctx.comms):
             c._live = False
             if getattr(c.op_state, "disable", None) is not None:
                 c.op_state.disable(0)  # the native hot entry serves no more calls (it skips _live)
         if ctx.forked:
-            return  # the parent's heap and header: not ours to touch (see _after_fork_in_child)
-        heap = ctx.heap
-        try:  # first: in-flight waits (native and Python) notice it and leave
-            heap.set_header(layout.H_STATE, layout.STATE_FINALIZED)
-        except Exception:  # noqa: BLE001 - best effort on a broken heap
-            pass
+            return
         left = _wait_ops_left(ctx)
         for hook in list(_finalize_hooks):
             try:

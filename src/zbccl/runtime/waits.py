@@ -1,6 +1,8 @@
 """Bounded waits on peers' flags, with death detection.
 
-Every Python wait on peers' flags goes through :func:`wait_flags`. The native
+Python waits on peers' flags (p2p's use the same primitive and rule; the
+collectives and the barrier wait in the native op channel) go through
+:func:`wait_flags`. The native
 primitive spins, yields, then sleeps on a futex, and returns after at most one
 *liveness slice*. Between slices it applies the one liveness rule of
 :mod:`.liveness` (this rank's finalize, every peer's ABORT line, the late

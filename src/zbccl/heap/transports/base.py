@@ -287,6 +287,11 @@ class Transport(ABC):
         """
 
     # ------------------------------------------------------------ liveness
+    def watch_peers(self, topology: Topology) -> None:  # noqa: B027 - optional: transports that can, do
+        """Local, before :meth:`establish`: start watching the peers' processes as ``topology`` announced
+        them (their pids, not yet verified), so that :meth:`dead_peers` reports a peer that dies during
+        init. :meth:`establish` replaces what it watches with verified handles. Never blocks."""
+
     @abstractmethod
     def dead_peers(self) -> list[int]:
         """Reachable ranks whose process is gone (exited or killed). Cheap; never blocks."""

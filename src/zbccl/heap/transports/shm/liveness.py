@@ -17,7 +17,15 @@ class Pidfds:
         self._poll = select.poll()
 
     def add(self, rank: int, pidfd: int) -> None:
-        """Own ``pidfd`` (of ``rank``'s process) from now on."""
+        """Own ``pidfd`` (of ``rank``'s process) from now on (one that watched ``rank`` before is closed)."""
+        old = self._fds.get(rank)
+        if old is not None:
+            self._poll.unregister(old)
+            self._rank_of.pop(old, None)
+            try:
+                os.close(old)
+            except OSError:
+                pass
         self._fds[rank] = pidfd
         self._rank_of[pidfd] = rank
         self._poll.register(pidfd, select.POLLIN)

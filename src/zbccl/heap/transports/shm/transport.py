@@ -100,6 +100,7 @@ class ShmTransport(Transport):
         self._size_word: dict[int, int] = {}  # peer rank -> address of its published size word
         self._fd = -1  # this rank's memfd, kept for growth
         self._live = Pidfds()
+        self._gone_early: set[int] = set()  # local peers whose announced pid was gone before watch_peers
         self._prims = flags.primitives()
         self._native = _ShmNative(self)
         self.views = 0  # views of peers' data alive (finalize keeps the mappings while any is)
@@ -360,10 +361,24 @@ class ShmTransport(Transport):
                                       for r in range(world_size)], job_id)
 
     # ------------------------------------------------------------ liveness
+    def watch_peers(self, topology: Topology) -> None:
+        # A pidfd of each local peer's announced pid: its death during the rest of init is seen at once. The
+        # pid is not verified yet (the store is not authenticated), so a wrong one can only fail init early;
+        # the handout's verified pidfd (SO_PEERCRED) replaces it (_connect).
+        for r in topology.local_ranks:
+            if r == topology.rank or self._live.fd(r) >= 0:
+                continue
+            try:
+                self._live.add(r, os.pidfd_open(topology.infos[r].pid))
+            except ProcessLookupError:  # gone already: the next check names it
+                self._gone_early.add(r)
+            except (OSError, AttributeError):  # no pidfds here (the handout will say so): blind until then
+                pass
+
     def dead_peers(self) -> list[int]:
         # A pidfd becomes readable when its process exits, whoever else still
         # holds the descriptors that process had.
-        return self._live.dead()
+        return sorted(set(self._live.dead()) | self._gone_early)
 
     def native(self) -> NativeHandle:
         return self._native

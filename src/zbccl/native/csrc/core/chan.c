@@ -99,6 +99,19 @@ static int check_peers(zb_chan *c, int64_t **flags, int64_t target) {
     return 0;
 }
 
+int peer_aborted(zb_chan *c) {
+    int left = -1;
+    for (int r = 0; r < c->W; r++) {
+        if (r == c->me) continue;
+        int64_t why = abort_why(c, r);
+        if (why && (left < 0 || why != ABORT_PEER)) left = r;
+        if (why && why != ABORT_PEER) break;
+    }
+    if (left < 0) return 0;
+    c->result[1] = left;
+    return 1;
+}
+
 /* 1 (and result[1] = the rank) if a peer left an op half-way: ranks write into peers' tensors only
  * after this check, made after their own ARRIVE with a full fence between (see leave_op). */
 int peer_left(zb_chan *c) {
@@ -130,7 +143,7 @@ static int peer_in_op(zb_chan *c, int r, int64_t seq) {
 #define LEAVE_WAIT_NS 10000000000LL
 static void mark_abort(zb_chan *c, int64_t *line, int64_t seq, int why) {
     if (ld(c, line)) return; /* the first reason stays */
-    line[W_WHY] = why, line[W_WHERE] = WHERE_COLLECTIVE;
+    line[W_WHY] = why, line[W_WHERE] = c->where ? c->where : WHERE_COLLECTIVE;
     signal_flag(c, line, seq > 0 ? seq : 1); /* seq_cst: the words are visible with it */
 }
 
@@ -225,10 +238,15 @@ int check_headers(zb_chan *c, int64_t seq, const int *fields, int nfields) {
 }
 
 void post_header(zb_chan *c, const zb_op *o) {
+    /* A seqlock for the one reader that may race with the next header (the barrier, chan_ops.c): SEQ is 0
+     * while the fields change and the op's number once they are written. Every other reader copies the
+     * header only between ARRIVE and the DONE handshake, when it cannot change. */
+    __atomic_store_n(c->hdr[c->me], 0, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
     /* zb_op leads with the header's fields (abi.py), so this rank's header is a copy of them */
     memcpy(c->hdr[c->me] + 1, &o->op, (HDR_FIELDS - 1) * sizeof(int64_t));
     c->hdr[c->me][H_PHASE_BASE] = ld(c, c->phase[c->me]);
-    __atomic_store_n(c->hdr[c->me], o->seq, __ATOMIC_RELAXED);
+    __atomic_store_n(c->hdr[c->me], o->seq, __ATOMIC_RELEASE);
 }
 
 int elect_claim(zb_chan *c, int64_t seq) { return c->tp->raise_to(c->elect, 2 * seq); }

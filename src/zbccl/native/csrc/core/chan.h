@@ -51,6 +51,9 @@ typedef struct {
     /* chan_phases(handle, 1): all_reduce records where its time goes (ns): arrive, reduce, push, done;
      * summed over an op's chunks, overwritten by the next op */
     int64_t trace, phase_ns[4];
+    /* the protocol (WHERE_*) this rank reports on its ABORT lines when it leaves the running op half-way:
+     * WHERE_COLLECTIVE, or a barrier's own (zb_op.aux: the communicator's barrier, EP's tagged barrier) */
+    int64_t where;
 } zb_chan;
 
 /* The core's entry points (py/chan_py.c binds them; a C caller may use them directly). */
@@ -87,6 +90,9 @@ void post_header(zb_chan *c, const zb_op *o);
 int begin_op(zb_chan *c, const zb_op *o, const int *fields, int nfields);
 /* 1 (result[1] = rank) if a peer left an op half-way (its ABORT line); call before writing into peers. */
 int peer_left(zb_chan *c);
+/* 1 (result[1] = the rank, one that left by its own cause first) if a peer's ABORT line, its own or this
+ * channel's, is set: it left some op half-way. */
+int peer_aborted(zb_chan *c);
 /* This rank leaves op `seq` half-way for `why` (ABORT_*): mark ABORT, wait until no peer writes into us. */
 void leave_op(zb_chan *c, int64_t seq, int why);
 /* End an op that failed after ARRIVE: DONE handshake, then the original code. */

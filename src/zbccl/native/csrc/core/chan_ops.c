@@ -446,6 +446,80 @@ static int bcast(zb_chan *c, zb_op *o) {
     return sync_on(c, c->done, seq);
 }
 
+/* ------------------------------------------------------------ barrier */
+
+/* The communicator's barrier (and EP's tagged barrier): one handshake round, no bytes.
+ *
+ * A rank posts its header (OP_BARRIER; DIGEST the caller's tag, 0 for a plain barrier; AUX the protocol,
+ * WHERE_*, its ABORT lines name if it leaves half-way, 0: WHERE_BARRIER) and ARRIVE, waits for every
+ * ARRIVE, then checks every peer's header: another op (RC_MISMATCH on OP), another tag (on DIGEST) or a
+ * posted error fails the op on every rank (the DONE handshake of fail_op). There is no DONE round on
+ * success, so a peer that passed may already be posting its next header while we read: headers are read
+ * as a seqlock (post_header: SEQ 0 while the fields change), and a peer whose SEQ moved past this op
+ * passed it, which it does only once every header agreed, ours included (agreement is symmetric, and a
+ * rank that found a disagreement waits in fail_op for everyone's DONE, so its header stays put until
+ * every rank read it). After the ARRIVE round every peer's ABORT lines are read once: a peer that arrived
+ * and then left is reported here. DONE = seq is signalled on the way out, without waiting, so that
+ * leave_op and the timeout's description see this rank finished. */
+static int barrier_headers(zb_chan *c, const zb_op *o) {
+    int64_t seq = o->seq;
+    int step = -1, error = -1, odd = -1, field = -1;
+    memcpy(c->hdrcopy[c->me], c->hdr[c->me], sizeof(c->hdrcopy[0]));
+    for (int r = 0; r < c->W; r++) {
+        if (r == c->me) continue;
+        int64_t s1 = __atomic_load_n(c->hdr[r], __ATOMIC_ACQUIRE);
+        if (s1 == seq) {
+            memcpy(c->hdrcopy[r], c->hdr[r], sizeof(c->hdrcopy[r]));
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(c->hdr[r], __ATOMIC_RELAXED) == seq) { /* a whole copy of its header at seq */
+                if (c->hdrcopy[r][H_ERROR] && error < 0) error = r;
+                int f = c->hdrcopy[r][H_OP] != OP_BARRIER ? H_OP : c->hdrcopy[r][H_DIGEST] != o->digest ? H_DIGEST : -1;
+                if (f >= 0 && odd < 0) odd = r, field = f;
+                continue;
+            }
+        } else if (s1 != 0 && s1 < seq && step < 0) { /* cannot happen once its ARRIVE reached seq */
+            step = r;
+        }
+        memcpy(c->hdrcopy[r], c->hdrcopy[c->me], sizeof(c->hdrcopy[r])); /* it passed: it posted what we did */
+    }
+    /* every row is copied (a disagreement keeps every rank's header in place: nobody passes), in
+     * check_headers' order of verdicts */
+    if (step >= 0) {
+        c->result[1] = step;
+        return RC_STEP;
+    }
+    if (error >= 0) {
+        c->result[1] = error;
+        c->result[2] = c->hdrcopy[error][H_ERROR];
+        memcpy(c->veccopy[0], c->vec[error], sizeof(c->veccopy[0])); /* its error text */
+        return c->hdrcopy[error][H_ERROR] == ERR_NOMEM ? RC_NOMEM : RC_PEER_ERROR;
+    }
+    if (odd >= 0) {
+        c->result[1] = odd;
+        c->result[2] = field;
+        return RC_MISMATCH;
+    }
+    return RC_OK;
+}
+
+static int barrier(zb_chan *c, zb_op *o) {
+    int64_t seq = o->seq;
+    post_header(c, o);
+    int rc = sync_on(c, c->arrive, seq);
+    if (rc) return rc;
+    /* a peer that arrived and then left (Ctrl-C in this barrier, say) is named here, as the DONE round of
+     * a collective would, not only in the next op */
+    if (peer_aborted(c)) return RC_ABORTED;
+    rc = barrier_headers(c, o);
+    if (rc) {
+        /* a peer running the oneshot all_reduce may wait on the election word instead of our DONE */
+        if (elect_claim(c, seq)) elect_release(c, seq, rc);
+        return fail_op(c, seq, rc);
+    }
+    signal_flag(c, c->done[c->me], seq);
+    return RC_OK;
+}
+
 /* ------------------------------------------------------------ one entry for every op */
 
 /* An op whose arguments failed on this rank (o->error set, the text already in this rank's size-vector
@@ -462,6 +536,7 @@ int run_op(zb_chan *c, zb_op *o) {
     case OP_ALL_GATHER: return allgather(c, o);
     case OP_ALL_TO_ALL: return alltoall(c, o);
     case OP_REDUCE_SCATTER: return reducescatter(c, o);
+    case OP_BARRIER: return barrier(c, o);
     default: return bcast(c, o);
     }
 }
@@ -469,7 +544,7 @@ int run_op(zb_chan *c, zb_op *o) {
 /* ------------------------------------------------------------ the core's entry */
 
 int zb_op_check(const zb_chan *c, const zb_op *o) {
-    if (o->op < OP_ALL_REDUCE || o->op > OP_BROADCAST || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0)
+    if (o->op < OP_ALL_REDUCE || o->op > OP_BARRIER || o->nvec < 0 || o->nvec > VEC_CAP || o->timeout_ns <= 0)
         return 1;
     if (!o->error && (o->op == OP_ALL_REDUCE || o->op == OP_REDUCE_SCATTER) &&
         !c->tp->reduce_valid((int)o->dtype, (int)o->redop))
@@ -484,6 +559,7 @@ int zb_chan_run(zb_chan *c, zb_op *o) {
     if (zb_op_check(c, o)) return -1;
     int64_t nbytes = (o->in_numel > o->out_numel ? o->in_numel : o->out_numel) * o->itemsize;
     c->timeout_ns = o->timeout_ns;
+    c->where = o->op == OP_BARRIER ? (o->aux > 0 ? o->aux : WHERE_BARRIER) : WHERE_COLLECTIVE;
     c->result[0] = c->result[1] = c->result[2] = c->result[3] = 0;
     if (nbytes >= (1 << 16)) chan_block(c);
     int rc = run_op(c, o);
