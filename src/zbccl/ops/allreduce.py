@@ -82,6 +82,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
         ch = getattr(c, "op_state", None)
         if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, tensor, op=_OP):
             return tensor
+        return _all_reduce(tensor, comm=comm)  # no keywords for collective() to pass on
     return _all_reduce(tensor, op, comm=comm, timeout=timeout)
 
 
