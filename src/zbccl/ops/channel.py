@@ -336,7 +336,7 @@ class OpChannel:
         raw = text.encode()[: (VEC_CAP - 2) * 8]
         vec = self.vectors[self.rank]
         vec[0] = len(raw)
-        vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        vec.view(np.uint8)[8:8 + len(raw)] = memoryview(raw)
         self.run(op, op=opcode, in_off=0, out_off=-1, error=kind, itemsize=1)
         raise AssertionError("unreachable: an op whose header carries an error fails")  # pragma: no cover
 
