@@ -123,11 +123,6 @@ class OpChannel:
         pad = heap.transport.pad_view
         self.vectors = [pad(g, layout.slot_line(comm.slot, L_VECTORS), VEC_CAP * 8).numpy().view(np.int64)
                         for g in comm.ranks]
-        #: Native-core address of byte 0 of this rank's heap, and its size as last read (it may only grow:
-        #: :meth:`fits` re-reads the published size before refusing an operand).
-        self.my_base = heap.addr(me, 0)
-        self._size_word = heap.ctrl_addr(me, layout.H_HEAP_BYTES)
-        self.my_size = self.prims.load_acquire(self._size_word)
         #: What this communicator decided per op shape, cleared together when the tuning table changes:
         #: (op, dtype, bytes) -> (algorithm, chunk) from ``tuner.choose``, and per heap-operand key the
         #: prefilled ``zb_op`` of that call (:meth:`plan`), so a repeated op only writes its sequence number.
@@ -375,22 +370,17 @@ class OpChannel:
         return got if got[0] else liveness.aborted(transport, g, layout.slot_line(self.comm.slot, L_ABORT))
 
     # --------------------------------------------------------- memory
-    def fits(self, off: int, nbytes: int) -> bool:
-        """Whether ``[off, off+nbytes)`` lies in this rank's heap, as large as it is now."""
-        if 0 <= off and off + nbytes <= self.my_size:
-            return True
-        self.my_size = self.prims.load_acquire(self._size_word)  # the heap may have grown
-        return 0 <= off and off + nbytes <= self.my_size
-
     def offset_of(self, t: torch.Tensor) -> int:
-        """Heap offset of a contiguous tensor's data in this rank's heap, or -1."""
-        if not t.is_contiguous():
+        """Heap offset of a contiguous, non-empty tensor's data in this rank's heap (as large as it is now), or
+        -1: the transport's answer (:meth:`~zbccl.heap.transports.base.Transport.offset_of`), no address here."""
+        if not t.is_contiguous() or not t.numel():
             return -1
-        ptr = t.data_ptr()
-        if ptr == 0:  # zero-element tensors report 0; their storage still has an address
-            ptr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-        off = ptr - self.my_base
-        return off if self.fits(off, t.numel() * t.element_size()) else -1
+        return self.ctx.heap.offset_of(t)
+
+    def block_addr(self, offset: int, nbytes: int) -> int:
+        """Native-core address of ``[offset, offset+nbytes)`` of this rank's heap (bounds-checked), for an op's
+        ``zb_op`` (a staged operand's block): the transport's native handle makes it."""
+        return self.ctx.heap.addr(self.ctx.rank, offset, nbytes, op="collective")
 
     def sizes(self, counts: list[int]) -> int:
         """Address of an int64 copy of a size vector, cached per vector (alive as long as the plans
