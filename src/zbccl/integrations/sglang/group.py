@@ -51,7 +51,6 @@ from ... import ops
 from ...adapters.list_forms import allgather_list, gather_list, reduce_scatter_list
 from ...adapters.objects import object_to_tensor, tensor_to_object
 from ...adapters.p2p import PointToPoint
-from ...ops.channel import channel_of
 
 __all__ = ["ROUTED_GROUPS", "ROUTES", "ZbcclGroup", "attach", "around", "group_of", "running", "stats",
            "reset_start"]
@@ -199,7 +198,7 @@ class ZbcclGroup:
         self.ranks = list(gc.ranks)
         self.world_size = comm.world_size
         self.rank = comm.rank
-        self.ch = channel_of(comm)
+        self._all_reduce = ops.bind_all_reduce(comm)  # the native hot entry first, then all_reduce's one door
         self.p2p = PointToPoint(comm, incarnation=f"sglang-{self.name}")
         self.calls = dict.fromkeys(ROUTES, 0)
         ZbcclGroup.live.append(self)
@@ -210,11 +209,7 @@ class ZbcclGroup:
     # ------------------------------------------------------------ tensor collectives
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         self.calls["all_reduce"] += 1
-        ch = self.ch
-        if ch.hot is not None and ch.run_hot(ch.hot, input_, op="all_reduce"):
-            return input_
-        ops.all_reduce(input_, comm=self.comm)
-        return input_
+        return self._all_reduce(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1,
                    output_tensor_list: list[torch.Tensor] | None = None) -> torch.Tensor | None:
