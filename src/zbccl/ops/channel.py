@@ -267,7 +267,7 @@ class OpChannel:
     def run(self, name: str, /, **fields: int) -> None:
         """An op that runs once: its ``zb_op`` fields by name (``abi.ARGS``; ``seq`` and ``timeout_ns`` are
         the channel's) into the channel's own struct, then :meth:`submit`. ``name``: the op, for errors."""
-        fill_op(self._args, **fields)
+        fill_op(self._args, timeout_ns=self.default_timeout_ns, **fields)
         self.submit(self._scratch, op=name)
 
     def staged(self) -> int:
@@ -299,6 +299,9 @@ class OpChannel:
                 rc = self._hot_submit(self.hot_table, plan[1], self.timeout_ns)
                 if rc < 0:
                     raise self._busy_error()
+            elif self.plain:  # the struct holds the default timeout (plan, run)
+                self._seq = args.seq = self._seq + 1
+                rc = self._chan_run(self.handle, plan[1])
             else:
                 self._seq = args.seq = self._seq + 1
                 args.timeout_ns = self.timeout_ns
