@@ -166,20 +166,14 @@ def make(_fn, _name, _where, _d):
             fast = c._live and lock.try_acquire()
         except AttributeError:
             fast = False
-        if fast:
-            if c._live:
-                try:
-                    return _fn({call})
-                except BaseException as exc:
-                    leave(c._ctx, exc, op=_name, where=c.role or _where)
-                    raise
-                finally:
-                    lock.release()
+        if fast and not c._live:
             lock.release()  # finalize ran in between (see _enter): the checks below say so
             check_usable(c, _name)
-        c = resolve_comm(comm, op=_name)
-        lock = c._op_lock
-        _enter(c, _name, {timeout})
+            fast = False
+        if not fast:
+            c = resolve_comm(comm, op=_name)
+            lock = c._op_lock
+            _enter(c, _name, {timeout})
         try:
             return _fn({call})
         except BaseException as exc:
