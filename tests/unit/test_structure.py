@@ -114,9 +114,13 @@ def test_no_environment_writes_at_import():
             assert "putenv" not in src, path
 
 
-# Raw access to memory by address belongs to the transports (heap/transports/<name>/) and the native layer's
-# own helpers: everything above the seam goes through the transport's verbs and views.
-_SEAM = ("heap/transports/", "native/")
+# Raw access to memory by address belongs to the transports (heap/transports/<name>/): everything above the
+# seam, the native layer's Python included, goes through the transport's verbs and views, and reads what
+# native code owns through the native module's own functions.
+_SEAM = ("heap/transports/",)
+#: The words the project's before-stop hook counts, as text (comments and docstrings too), outside the transports:
+#: grep -rnE "<this>" --include=*.py src/zbccl | grep -v "^src/zbccl/heap/transports/"
+_RAW_WORDS = re.compile(r"from_address|frombuffer|ctypes\.memset|ctypes\.memmove|ctypes\.string_at")
 _RAW_CALLS = {"from_address", "memset", "memmove", "string_at", "pidfd_open", "wrap_address"}
 
 
@@ -146,6 +150,29 @@ def test_raw_memory_access_stays_under_the_transports():
         if not rel.startswith(_SEAM):
             bad += _raw_access(path)
     assert not bad, "raw address access outside heap/transports/ (use the transport's verbs):\n" + "\n".join(bad)
+
+
+def _raw_words(root: Path) -> list[str]:
+    """The lines of ``root``'s Python files outside ``heap/transports/`` that name a raw-address call (the hook's
+    grep: textual, so a comment or docstring naming one counts too)."""
+    return [f"{rel}:{i}: {line.strip()}" for path in sorted(root.rglob("*.py"))
+            if not (rel := path.relative_to(root).as_posix()).startswith(_SEAM)
+            for i, line in enumerate(path.read_text().splitlines(), 1) if _RAW_WORDS.search(line)]
+
+
+def test_no_raw_address_words_above_the_seam():
+    bad = _raw_words(SRC)
+    assert not bad, ("raw-address words outside heap/transports/ (the before-stop hook's grep; use the "
+                     "transport's verbs, or the native module's accessors):\n" + "\n".join(bad))
+
+
+def test_the_raw_words_check_matches_the_hook(tmp_path):
+    (tmp_path / "heap" / "transports").mkdir(parents=True)
+    (tmp_path / "heap" / "transports" / "ok.py").write_text("x = y.from_address(8)\n")
+    (tmp_path / "above.py").write_text("import ctypes\n# np.frombuffer in a comment\nctypes.memmove(8, 16, 1)\n"
+                                       "ctypes.string_at(8)\nctypes.memset(8, 0, 1)\nc.from_address(8)\n"
+                                       "prims.memset(8, 0, 1)\n")
+    assert [f.split(":")[1] for f in _raw_words(tmp_path)] == ["2", "3", "4", "5", "6"]
 
 
 def test_the_raw_access_check_sees_each_form(tmp_path):

@@ -58,7 +58,7 @@ _DRAIN_BATCH = 1024
 _KIND = "heap_scope"
 _STRICT = 1
 
-_REFILL = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32)
+_REFILL = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32)
 _RELEASE = ctypes.CFUNCTYPE(None, ctypes.c_uint64)
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 
@@ -136,7 +136,7 @@ class _Registration:
         while True:
             k = lib.zbh_drain(self.heap_id, buf, _DRAIN_BATCH)
             for i in range(k):
-                self.sma.free(buf[i] - self.base)
+                self.sma.free(buf[i])  # heap offsets
             if k < _DRAIN_BATCH:
                 return
 
@@ -159,8 +159,9 @@ def _size_classes(sma: Any, heap_bytes: int, max_bytes: int) -> tuple[list[int],
     return sizes, depth, limit
 
 
-def _callbacks(sma: Any, base: int) -> tuple[Any, Any]:
-    """ctypes callbacks the hook calls on a miss (refill) and on an uncached free (release)."""
+def _callbacks(sma: Any) -> tuple[Any, Any]:
+    """ctypes callbacks the hook calls on a miss (refill) and on an uncached free (release), in heap offsets
+    (the hook turns them into addresses)."""
 
     def refill(size: int, requested: int, flags: int) -> int:
         try:  # nothing may propagate into C; a failure is "heap full"
@@ -170,14 +171,14 @@ def _callbacks(sma: Any, base: int) -> tuple[Any, Any]:
                 sma.record_fallback(requested)
         except BaseException:  # noqa: BLE001
             _log.exception("heap_scope: refill of %d bytes failed; treating the heap as full", size)
-            return 0
-        return 0 if offset is None else base + offset
+            return -1
+        return -1 if offset is None else offset
 
-    def release(addr: int) -> None:
+    def release(offset: int) -> None:
         try:
-            sma.free(addr - base)
+            sma.free(offset)
         except BaseException:  # noqa: BLE001
-            _log.exception("heap_scope: returning block %#x to the SMA failed; block leaked", addr)
+            _log.exception("heap_scope: returning block at offset %#x to the SMA failed; block leaked", offset)
 
     return _REFILL(refill), _RELEASE(release)
 
@@ -198,7 +199,7 @@ def _register(comm: Any) -> _Registration:
             _unregister_locked(reg)
         lib = _hook()
         sizes, depth, limit = _size_classes(sma, nbytes, max_bytes)
-        refill, release = _callbacks(sma, base)
+        refill, release = _callbacks(sma)
         hid = lib.zbh_register(base, max_bytes, (ctypes.c_uint64 * len(sizes))(*sizes),
                                (ctypes.c_uint32 * len(depth))(*depth), len(sizes), limit, refill, release)
         if hid <= 0:

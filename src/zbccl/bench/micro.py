@@ -11,7 +11,8 @@
 * ``small_call`` (:func:`small_call_overhead`, collective): ``zbccl.all_reduce``
   of 4 KiB fp32 on a heap tensor, the whole call (every rank, back-to-back,
   slowest rank) against its Python part alone: the same call on every rank at
-  once with the channel's native ``chan_run`` replaced by a stub that returns
+  once with the channel's native call (``chan_run``, or ``hot_submit``, which
+  also takes the channel's lock and numbers the op) replaced by a stub that returns
   0, so only the Python steps between the call and the native op remain (the
   stub's own cost, an empty Python call, is subtracted; the ctypes crossing
   itself is ``native_ns``). The Python part is timed in thread CPU time
@@ -102,14 +103,20 @@ def small_call_overhead(comm, *, ctl, nbytes: int = 4096, quick: bool = False) -
     ch = comm.op_state
     iters = 2000 if quick else 20000
     comm.barrier()
-    seq, real, hot = ch.seq, ch._chan_run, ch.hot
-    ch._chan_run, ch.hot = (lambda handle, args: 0), None  # the Python path (the hot entry cannot be stubbed)
+    seq, hot, real = ch.seq, ch.hot, {k: getattr(ch, k) for k in ("_chan_run", "_hot_submit") if hasattr(ch, k)}
+    # the Python path (the hot entry cannot be stubbed): submit's native call is chan_run, or hot_submit where
+    # the channel has a hot table (the channel's lock, the op's number and chan_run in one call)
+    for k in real:
+        setattr(ch, k, lambda *args: 0)
+    ch.hot = None
     try:
         # CPU time of this thread: nothing waits with the stub, and a busy machine's preemptions don't count
-        stub_ns = _ns_per_call(lambda: (lambda handle, args: 0)(0, 0), iters, clock=time.thread_time)
+        stub_ns = _ns_per_call(lambda: (lambda *args: 0)(0, 0, 0), iters, clock=time.thread_time)
         python_ns = _ns_per_call(call, iters, clock=time.thread_time) - stub_ns
     finally:
-        ch._chan_run, ch.seq, ch.hot = real, seq, hot
+        for k, fn in real.items():
+            setattr(ch, k, fn)
+        ch.hot, ch.seq = hot, seq
     python_ns = ctl.max([python_ns])[0]
     comm.barrier()
     call()  # the channel still works: one more real call on every rank
@@ -128,5 +135,5 @@ def format_overheads(o: dict) -> list[str]:
     if sc:
         lines.append(f"all_reduce {sc['bytes']} B {sc['dtype']}: whole call {sc['whole_ns'] / 1e3:.2f} us, "
                      f"Python part {sc['python_ns']:.0f} ns ({100 * sc['python_share']:.0f}%; "
-                     f"native chan_run stubbed, CPU time, slowest rank)")
+                     f"native call stubbed, CPU time, slowest rank)")
     return lines

@@ -48,7 +48,6 @@ from array import array
 from collections.abc import Iterator
 from functools import partial
 
-import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
@@ -261,11 +260,11 @@ class Exchange:
         vals = [0] * HDR_LEN
         for k, v in fields.items():
             vals[k] = int(v)
-        self._hdr_np[slot] = np.frombuffer(array("q", vals), dtype=np.int64)  # not a tensor build (µs per op)
+        self._hdr_np[slot] = vals  # a list into the numpy view: not a tensor build (µs per op)
         if fail is not None:
             h[F.STATUS] = fail.status
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
-            h[_MSG_AT:].view(torch.uint8).copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+            h[_MSG_AT:].view(torch.uint8).numpy()[:] = memoryview(msg)
         # The handshake: a barrier (release/acquire), then each peer's header copied out of its heap.
         self.sync(op, int(fields[F.OP]), int(fields[F.SEQ]), PHASE_PUBLISH)
         nbytes = HDR_LEN * 8

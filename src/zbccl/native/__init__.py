@@ -72,7 +72,8 @@ LIBRARIES: dict[str, tuple] = {
 
 #: name -> generated headers ``(file name, text)`` of that library.
 GENERATED: dict[str, tuple[tuple[str, str], ...]] = {"core": (("zb_abi.h", abi.c_header()),),
-                                                     "cpu_alloc_hook": (("zb_hook_abi.h", abi.hook_header()),)}
+                                                     "cpu_alloc_hook": (("zb_hook_abi.h", abi.hook_header()),),
+                                                     "hot": (("zb_abi.h", abi.c_header()),)}
 
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """The one source of everything that crosses between Python and C: constants, codes and structs.
 
-``native/build.py`` turns this module into the C headers ``zb_abi.h`` (the core, see
+``native/build.py`` turns this module into the C headers ``zb_abi.h`` (the core and the hot entry, see
 :func:`c_header`) and ``zb_hook_abi.h`` (the allocator hook, see :func:`hook_header`) before
 compiling, and hashes their text into the build key, so a changed constant rebuilds the library.
 Nothing here is written by hand twice: Python imports these names, C includes the generated headers,
@@ -238,7 +238,11 @@ def c_header() -> str:
     for name, fields in STRUCTS.items():
         lines += _struct(name, fields)
     lines += ["#define ZB_ABI_STRUCTS(X) " + " ".join(f"X({n})" for n in STRUCTS),
+              "#ifdef __cplusplus  /* the hot entry (py/hot.cpp) includes this header too */",
+              f"static_assert(offsetof(zb_op, in_addr) == {HDR_FIELDS} * 8, \"header fields lead zb_op\");",
+              "#else",
               f"_Static_assert(offsetof(zb_op, in_addr) == {HDR_FIELDS} * 8, \"header fields lead zb_op\");",
+              "#endif",
               "", "#endif", ""]
     return "\n".join(lines)
 

@@ -82,6 +82,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
         ch = getattr(c, "op_state", None)
         if ch is not None and ch.hot is not None and ch.run_hot(ch.hot, tensor, op=_OP):
             return tensor
+        return _all_reduce(tensor, comm=comm)  # no keywords for collective() to pass on
     return _all_reduce(tensor, op, comm=comm, timeout=timeout)
 
 
@@ -160,10 +161,10 @@ def _args(ch: OpChannel, tensor: torch.Tensor) -> tuple[int, int, int, int, int]
 def _plan(ch: OpChannel, tensor: torch.Tensor, dt: int, red: int, key: tuple) -> tuple | None:
     """The prefilled call for a contiguous heap tensor (zero-copy), or None."""
     count, itemsize, algo, chunk_elems, nbytes = _args(ch, tensor)
-    addr = tensor.data_ptr()
-    off = addr - ch.my_base
-    if not nbytes or not ch.fits(off, nbytes):
+    off = ch.offset_of(tensor)
+    if off < 0:
         return None
+    addr = tensor.data_ptr()
     return ch.plan(key, op=OP_ALL_REDUCE, dtype=dt, redop=red, in_numel=count, out_numel=count, in_off=off, out_off=-1,
                    algo=algo, aux=chunk_elems, in_addr=addr, out_addr=addr, itemsize=itemsize)
 

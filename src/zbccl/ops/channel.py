@@ -75,7 +75,6 @@ from ..native.abi import (
     ZbOp,
     fill_op,
 )
-from ..native.memory import int64_cell
 from ..runtime import liveness
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet
@@ -110,8 +109,8 @@ class OpChannel:
                 f"collective: communicator too large, expected at most {abi.MAX_WORLD} ranks, got {comm.world_size}")
         self.comm, self.ctx, self.prims = comm, ctx, ctx.prims
         self.world_size, self.rank = comm.world_size, comm.rank
-        #: The op sequence number's storage: the native hot table's word once there is one (:meth:`_open`).
-        self._seq = ctypes.c_int64(0)
+        #: The op sequence number without a native hot table (with one, the table holds it: :attr:`seq`).
+        self._seq = 0
 
         def line(g: int, i: int) -> int:  # native-core address of line i of g's comm slot (for native waits)
             return heap.ctrl_addr(g, layout.slot_line(comm.slot, i))
@@ -125,11 +124,6 @@ class OpChannel:
         pad = heap.transport.pad_view
         self.vectors = [pad(g, layout.slot_line(comm.slot, L_VECTORS), VEC_CAP * 8).numpy().view(np.int64)
                         for g in comm.ranks]
-        #: Native-core address of byte 0 of this rank's heap, and its size as last read (it may only grow:
-        #: :meth:`fits` re-reads the published size before refusing an operand).
-        self.my_base = heap.addr(me, 0)
-        self._size_word = heap.ctrl_addr(me, layout.H_HEAP_BYTES)
-        self.my_size = self.prims.load_acquire(self._size_word)
         #: What this communicator decided per op shape, cleared together when the tuning table changes:
         #: (op, dtype, bytes) -> (algorithm, chunk) from ``tuner.choose``, and per heap-operand key the
         #: prefilled ``zb_op`` of that call (:meth:`plan`), so a repeated op only writes its sequence number.
@@ -176,31 +170,37 @@ class OpChannel:
         self._chan_run = self.prims.chan_run
         self.configure_stores()
         # The native hot entry (native/csrc/py/hot.cpp): its table holds the channel's lock and sequence
-        # number, so every op, hot or not, takes that lock and counts there.
+        # number, so every op, hot or not, takes that lock and counts there: submit's one native call
+        # (hot_submit) takes the lock, numbers the op and runs it.
         which = env.HOT_ENTRY.get()
         hot = native.hot() if which != "off" and hasattr(self.prims, "chan_call_addr") else None
         self._hot_mod, self._hot_plans = hot, {}
         self.hot_table = hot.hot_new(self.handle, self.prims.chan_call_addr()) if hot is not None else 0
         if self.hot_table:
-            self._seq = int64_cell(self.hot_table + hot.SEQ_OFFSET)
-            self._acquire, self._release = hot.hot_acquire, hot.hot_release
+            self._acquire, self._release, self._hot_submit = hot.hot_acquire, hot.hot_release, hot.hot_submit
             self.hot = hot.hot_entry(self.hot_table, False)
             self.hot_gather = hot.hot_entry(self.hot_table, True) if which == "all" else None
 
     @property
     def seq(self) -> int:
         """Sequence number of the last op this rank started on the channel."""
-        return self._seq.value
+        return self._hot_mod.hot_seq(self.hot_table) if self.hot_table else self._seq
 
     @seq.setter
     def seq(self, value: int) -> None:
-        self._seq.value = value
+        if self.hot_table:
+            self._hot_mod.hot_seq(self.hot_table, value)
+        else:
+            self._seq = value
 
     def _lock(self) -> None:
         """Take the channel's native lock (held by a hot call of another thread at most for its op)."""
         if self.hot_table and not self._acquire(self.hot_table, self.timeout_ns + 15_000_000_000):
-            raise ZbcclInvalidUsageError(f"collective: another thread's op on this communicator did not finish "
-                                         f"within {self.timeout + 15:.0f}s", ranks=(self.rank,))
+            raise self._busy_error()
+
+    def _busy_error(self) -> ZbcclInvalidUsageError:
+        return ZbcclInvalidUsageError(f"collective: another thread's op on this communicator did not finish "
+                                      f"within {self.timeout + 15:.0f}s", ranks=(self.rank,))
 
     def _unlock(self) -> None:
         if self.hot_table:
@@ -271,7 +271,7 @@ class OpChannel:
     def run(self, name: str, /, **fields: int) -> None:
         """An op that runs once: its ``zb_op`` fields by name (``abi.ARGS``; ``seq`` and ``timeout_ns`` are
         the channel's) into the channel's own struct, then :meth:`submit`. ``name``: the op, for errors."""
-        fill_op(self._args, **fields)
+        fill_op(self._args, timeout_ns=self.default_timeout_ns, **fields)
         self.submit(self._scratch, op=name)
 
     def staged(self) -> int:
@@ -281,9 +281,9 @@ class OpChannel:
     def plan(self, key: tuple, **fields: int) -> tuple:
         """A ``zb_op`` filled by field name (as :meth:`run` takes them) for a call that repeats (heap
         operands at fixed addresses), cached under ``key``: ``(struct, its address, input bytes)``;
-        :meth:`submit` runs it."""
+        :meth:`submit` runs it. It holds the communicator's default timeout (the hot entry's)."""
         args = ZbOp()
-        fill_op(args, **fields)
+        fill_op(args, timeout_ns=self.default_timeout_ns, **fields)
         if len(self.choices) > 4096:
             self.forget_plans()
         plan = self.choices[key] = (args, ctypes.addressof(args), fields.get("in_numel", 0) * fields.get("itemsize", 0))
@@ -292,22 +292,30 @@ class OpChannel:
     def submit(self, plan: tuple, *, op: str) -> None:
         """Run ``plan``'s ``zb_op`` (from :meth:`plan`, or :meth:`run`'s) as this channel's next op: the one
         way into the native channel but the hot entry (which takes the same lock and sequence number).
-        Holds the channel's lock for the call, gives the op its sequence number and this op's timeout,
-        marks this rank's ABORT line if the op is left half-way (:meth:`left`), raises on a result code."""
-        self._lock()
-        seq = self.seq
+        Called with the communicator's op lock held (ops from Python run one at a time). One native call
+        (``hot_submit``) holds the channel's lock against a hot call of another thread, gives the op its
+        sequence number and this op's timeout and runs it; without a hot table no other door exists and
+        Python numbers the op. Marks this rank's ABORT line if the op is left half-way (:meth:`left`),
+        raises on a result code. The plan keeps the default timeout (a cached plan is the hot entry's)."""
+        args = plan[0]
         try:
-            args = plan[0]
-            self.seq = args.seq = seq + 1
-            args.timeout_ns = self.timeout_ns
-            rc = self._chan_run(self.handle, plan[1])
+            if self.hot_table:
+                rc = self._hot_submit(self.hot_table, plan[1], self.timeout_ns)
+                if rc < 0:
+                    raise self._busy_error()
+            elif self.plain:  # the struct holds the default timeout (plan, run)
+                self._seq = args.seq = self._seq + 1
+                rc = self._chan_run(self.handle, plan[1])
+            else:
+                self._seq = args.seq = self._seq + 1
+                args.timeout_ns = self.timeout_ns
+                try:
+                    rc = self._chan_run(self.handle, plan[1])
+                finally:
+                    args.timeout_ns = self.default_timeout_ns
         except BaseException as exc:  # Ctrl-C in a wait: the peers must learn this rank left
-            self._unlock()
-            self.left(seq, exc, op=op)
+            self.left(args.seq - 1, exc, op=op)
             raise
-        self._unlock()
-        if not self.plain:  # an op with its own timeout: a cached plan (the hot entry's too) keeps the default
-            args.timeout_ns = self.default_timeout_ns
         if rc:
             self.raise_for(rc, op=op)
 
@@ -330,7 +338,7 @@ class OpChannel:
         raw = text.encode()[: (VEC_CAP - 2) * 8]
         vec = self.vectors[self.rank]
         vec[0] = len(raw)
-        vec.view(np.uint8)[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        vec.view(np.uint8)[8:8 + len(raw)] = memoryview(raw)
         self.run(op, op=opcode, in_off=0, out_off=-1, error=kind, itemsize=1)
         raise AssertionError("unreachable: an op whose header carries an error fails")  # pragma: no cover
 
@@ -370,22 +378,17 @@ class OpChannel:
         return got if got[0] else liveness.aborted(transport, g, layout.slot_line(self.comm.slot, L_ABORT))
 
     # --------------------------------------------------------- memory
-    def fits(self, off: int, nbytes: int) -> bool:
-        """Whether ``[off, off+nbytes)`` lies in this rank's heap, as large as it is now."""
-        if 0 <= off and off + nbytes <= self.my_size:
-            return True
-        self.my_size = self.prims.load_acquire(self._size_word)  # the heap may have grown
-        return 0 <= off and off + nbytes <= self.my_size
-
     def offset_of(self, t: torch.Tensor) -> int:
-        """Heap offset of a contiguous tensor's data in this rank's heap, or -1."""
-        if not t.is_contiguous():
+        """Heap offset of a contiguous, non-empty tensor's data in this rank's heap (as large as it is now), or
+        -1: the transport's answer (:meth:`~zbccl.heap.transports.base.Transport.offset_of`), no address here."""
+        if not t.is_contiguous() or not t.numel():
             return -1
-        ptr = t.data_ptr()
-        if ptr == 0:  # zero-element tensors report 0; their storage still has an address
-            ptr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-        off = ptr - self.my_base
-        return off if self.fits(off, t.numel() * t.element_size()) else -1
+        return self.ctx.heap.offset_of(t)
+
+    def block_addr(self, offset: int, nbytes: int) -> int:
+        """Native-core address of ``[offset, offset+nbytes)`` of this rank's heap (bounds-checked), for an op's
+        ``zb_op`` (a staged operand's block): the transport's native handle makes it."""
+        return self.ctx.heap.addr(self.ctx.rank, offset, nbytes, op="collective")
 
     def sizes(self, counts: list[int]) -> int:
         """Address of an int64 copy of a size vector, cached per vector (alive as long as the plans

@@ -166,20 +166,19 @@ def _shape(ch: OpChannel, input: torch.Tensor, n_out: int, counts: list[int] | N
 
 def _out_offset(ch: OpChannel, out: torch.Tensor) -> int:
     """Heap offset of a contiguous output, -1 outside the heap (the op then cannot push)."""
-    off, nbytes = out.data_ptr() - ch.my_base, out.numel() * out.element_size()
-    return off if nbytes and ch.fits(off, nbytes) else -1
+    return ch.offset_of(out)
 
 
 def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, counts, out_counts, row: int,
           dt: int, aux: int) -> tuple | None:
     """The prefilled call for contiguous tensors whose input is in the heap (zero-copy), or None."""
     n_in, n_out, isz = input.numel(), output.numel(), input.element_size()
-    in_addr = input.data_ptr()
-    if not n_in or not ch.fits(in_addr - ch.my_base, n_in * isz):
+    in_off = ch.offset_of(input)
+    if in_off < 0:
         return None
     opcode, algo, counts_addr, nvec = _shape(ch, input, n_out, counts, out_counts)
-    return ch.plan(key, op=opcode, dtype=dt, in_numel=n_in, out_numel=n_out, in_off=in_addr - ch.my_base,
-                   out_off=_out_offset(ch, output), algo=algo, row=row, aux=aux, in_addr=in_addr,
+    return ch.plan(key, op=opcode, dtype=dt, in_numel=n_in, out_numel=n_out, in_off=in_off,
+                   out_off=_out_offset(ch, output), algo=algo, row=row, aux=aux, in_addr=input.data_ptr(),
                    out_addr=output.data_ptr(), itemsize=isz, counts=counts_addr, nvec=nvec)
 
 
@@ -192,11 +191,11 @@ def _general(ch: OpChannel, output: torch.Tensor, input: torch.Tensor, op: str, 
     out_t = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     out_addr = out_t.data_ptr()
     out_off = _out_offset(ch, out_t) if out_t is output else -1
-    in_addr = input.data_ptr()
-    if n_in and input.is_contiguous() and ch.fits(in_addr - ch.my_base, n_in * isz):
-        ch.run(op, op=opcode, dtype=dt, in_numel=n_in, out_numel=n_out, in_off=in_addr - ch.my_base, out_off=out_off,
-               algo=algo, row=row, aux=aux, in_addr=in_addr, out_addr=out_addr, itemsize=isz, counts=counts_addr,
-               nvec=nvec)
+    in_off = ch.offset_of(input)
+    if in_off >= 0:
+        ch.run(op, op=opcode, dtype=dt, in_numel=n_in, out_numel=n_out, in_off=in_off, out_off=out_off,
+               algo=algo, row=row, aux=aux, in_addr=input.data_ptr(), out_addr=out_addr, itemsize=isz,
+               counts=counts_addr, nvec=nvec)
     else:
         _private_input(ch, opcode, op, input, n_out, out_off, out_addr, (algo, row, dt, counts_addr, nvec, aux))
     if out_t is not output:

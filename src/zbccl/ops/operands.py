@@ -77,7 +77,12 @@ class Operand:
                     self.error = f"{op}: cannot stage the {role} ({self.nbytes} bytes) through the heap: {exc}"
                     self.kind = ERR_NOMEM
                     self.offset = 0
-        self.addr = ch.my_base + self.offset
+        # The native op's address of the operand: the tensor's own in the heap; else its staging block's, or the
+        # heap's byte 0 when nothing moves (an error, no bytes), from the transport's native handle.
+        if self.block is None and not self.error and self.nbytes:
+            self.addr = t.data_ptr()
+        else:
+            self.addr = ch.block_addr(self.offset, self.nbytes if self.block is not None else 0)
 
     def _stage(self, read: bool) -> None:
         sma = self._ch.ctx.sma

@@ -169,12 +169,12 @@ def _plan(ch: OpChannel, key: tuple, output: torch.Tensor, input: torch.Tensor, 
           dt: int, red: int, aux: int) -> tuple | None:
     """The prefilled call when the input is a contiguous heap tensor (zero-copy), or None."""
     isz, n_in = input.element_size(), input.numel()
-    in_addr = input.data_ptr()
-    if not n_in or not ch.fits(in_addr - ch.my_base, n_in * isz):
+    in_off = ch.offset_of(input)
+    if in_off < 0:
         return None
     algo, _ = choose(ch, OP_REDUCE_SCATTER, input.dtype, n_in * isz)
     return ch.plan(key, op=OP_REDUCE_SCATTER, dtype=dt, redop=red, in_numel=n_in, out_numel=output.numel(),
-                   in_off=in_addr - ch.my_base, out_off=-1, algo=algo, row=row, aux=aux, in_addr=in_addr,
+                   in_off=in_off, out_off=-1, algo=algo, row=row, aux=aux, in_addr=input.data_ptr(),
                    out_addr=output.data_ptr(), itemsize=isz, counts=ch.sizes(counts), nvec=ch.world_size)
 
 

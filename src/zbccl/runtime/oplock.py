@@ -34,8 +34,8 @@ class OpLock:
     """FIFO, reentrant lock with a timeout and a stop condition.
 
     Ownership is one C ``Lock`` (``mutex``); the uncontended path is a single
-    non-blocking acquire, which :func:`.registry.collective` inlines (ops of a
-    few microseconds must not pay a microsecond here). Contended threads queue
+    non-blocking acquire (:meth:`try_acquire`, which :func:`.registry.collective`'s
+    guard tries first: ops of a few microseconds must not pay a microsecond here). Contended threads queue
     under a condition and take ``mutex`` only at the queue's head; a newcomer
     skips the queue only while it is empty. Reentry by the owner counts ``depth``.
     """

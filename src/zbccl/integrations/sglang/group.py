@@ -39,7 +39,6 @@ before zbccl does); and ``broadcast_object`` when SGLang's shared-memory ``mq_br
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 import warnings
 from dataclasses import dataclass
@@ -50,8 +49,8 @@ import torch.distributed as dist
 
 from ... import ops
 from ...adapters.list_forms import allgather_list, gather_list, reduce_scatter_list
+from ...adapters.objects import object_to_tensor, tensor_to_object
 from ...adapters.p2p import PointToPoint
-from ...ops.channel import channel_of
 
 __all__ = ["ROUTED_GROUPS", "ROUTES", "ZbcclGroup", "attach", "around", "group_of", "running", "stats",
            "reset_start"]
@@ -187,14 +186,6 @@ def stats() -> dict:
     return {g.name: {"ranks": list(g.ranks), "calls": dict(g.calls)} for g in ZbcclGroup.live}
 
 
-def _to_tensor(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def _from_tensor(t: torch.Tensor):
-    return pickle.loads(t.numpy().tobytes())
-
-
 class ZbcclGroup:
     """The zbccl side of one ``GroupCoordinator``: its routed methods, with SGLang's signatures."""
 
@@ -207,7 +198,7 @@ class ZbcclGroup:
         self.ranks = list(gc.ranks)
         self.world_size = comm.world_size
         self.rank = comm.rank
-        self.ch = channel_of(comm)
+        self._all_reduce = ops.bind_all_reduce(comm)  # the native hot entry first, then all_reduce's one door
         self.p2p = PointToPoint(comm, incarnation=f"sglang-{self.name}")
         self.calls = dict.fromkeys(ROUTES, 0)
         ZbcclGroup.live.append(self)
@@ -218,11 +209,7 @@ class ZbcclGroup:
     # ------------------------------------------------------------ tensor collectives
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         self.calls["all_reduce"] += 1
-        ch = self.ch
-        if ch.hot is not None and ch.run_hot(ch.hot, input_, op="all_reduce"):
-            return input_
-        ops.all_reduce(input_, comm=self.comm)
-        return input_
+        return self._all_reduce(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1,
                    output_tensor_list: list[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -333,12 +320,12 @@ class ZbcclGroup:
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast_object: invalid src rank, expected 0 <= src < {self.world_size}, got {src}")
         me = self.rank == src
-        payload = _to_tensor(obj) if me else None
+        payload = object_to_tensor(obj) if me else None
         n = torch.tensor([payload.numel() if me else 0], dtype=torch.int64)
         ops.broadcast(n, src, comm=self.comm)
         buf = payload if me else torch.empty(int(n.item()), dtype=torch.uint8)
         ops.broadcast(buf, src, comm=self.comm)
-        return obj if me else _from_tensor(buf)
+        return obj if me else tensor_to_object(buf)
 
     def broadcast_object(self, obj: Any = None, src: int = 0):
         self._count("broadcast_object")
@@ -360,13 +347,13 @@ class ZbcclGroup:
 
     def all_gather_object(self, obj: Any) -> list:
         self._count("all_gather_object")
-        mine = _to_tensor(obj)
+        mine = object_to_tensor(obj)
         sizes = torch.empty(self.world_size, dtype=torch.int64)
         ops.all_gather_into_tensor(sizes, torch.tensor([mine.numel()], dtype=torch.int64), comm=self.comm)
         counts = [int(s) for s in sizes.tolist()]
         flat = torch.empty(sum(counts), dtype=torch.uint8)
         ops.all_gather_v(flat, mine, counts, comm=self.comm)
-        return [_from_tensor(part) for part in torch.split(flat, counts)]
+        return [tensor_to_object(part) for part in torch.split(flat, counts)]
 
     def _check_peer(self, peer: int, op: str, role: str) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:
@@ -376,7 +363,7 @@ class ZbcclGroup:
     def send_object(self, obj: Any, dst: int, async_send: bool = False, tag: int = 0) -> list[P2PWork]:
         self._count("send_object")
         self._check_peer(dst, "send_object", "dst")
-        payload = _to_tensor(obj)
+        payload = object_to_tensor(obj)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         works = [P2PWork(self.p2p.send([size], dst, (tag << 2) | _TAG_OBJ_SIZE), size),
                  P2PWork(self.p2p.send([payload], dst, (tag << 2) | _TAG_OBJ), payload)]
@@ -393,7 +380,7 @@ class ZbcclGroup:
         self.p2p.recv([size], src, (tag << 2) | _TAG_OBJ_SIZE).wait()
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.p2p.recv([payload], src, (tag << 2) | _TAG_OBJ).wait()
-        return _from_tensor(payload)
+        return tensor_to_object(payload)
 
     # ------------------------------------------------------------ tensor dicts
     @staticmethod

@@ -36,7 +36,6 @@ Other groups (``dcp``, ``ep``, ...) are vLLM's ``CpuCommunicator`` unchanged.
 from __future__ import annotations
 
 import logging
-import pickle
 import warnings
 from typing import Any
 
@@ -47,6 +46,7 @@ from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicat
 
 from ... import ops
 from ...adapters.list_forms import gather_list
+from ...adapters.objects import object_to_tensor, tensor_to_object
 from ...adapters.p2p import PointToPoint
 
 __all__ = ["ZbcclCpuCommunicator", "start_group"]
@@ -201,7 +201,7 @@ class ZbcclCpuCommunicator(CpuCommunicator):
         tensors = {k: v for k, v in tensor_dict.items() if isinstance(v, torch.Tensor)}
         meta = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
         others = {k: v for k, v in tensor_dict.items() if k not in tensors}
-        header = torch.frombuffer(bytearray(pickle.dumps((meta, others))), dtype=torch.uint8)
+        header = object_to_tensor((meta, others))
         self.p2p.send([torch.tensor([header.numel()], dtype=torch.int64)], dst, _TAG_META).wait()
         self.p2p.send([header], dst, _TAG_META).wait()
         for v in tensors.values():
@@ -215,7 +215,7 @@ class ZbcclCpuCommunicator(CpuCommunicator):
         self.p2p.recv([n], src, _TAG_META).wait()
         header = torch.empty(int(n.item()), dtype=torch.uint8)
         self.p2p.recv([header], src, _TAG_META).wait()
-        meta, others = pickle.loads(header.numpy().tobytes())
+        meta, others = tensor_to_object(header)
         out: dict[str, Any] = {}
         for key, shape, dtype in meta:
             t = torch.empty(shape, dtype=dtype)

@@ -98,12 +98,13 @@ def _native_timer(key: str, run):
 
 
 def _time_native(key: str, comm) -> None:
-    """Sum the time of ``comm``'s native op calls (its channel's ``chan_run`` and hot entries) under ``key``."""
+    """Sum the time of ``comm``'s native op calls (its channel's ``chan_run`` or ``hot_submit``, and hot entries)
+    under ``key``."""
     from ...ops.channel import channel_of
 
     ch = channel_of(comm)
-    for name in ("_chan_run", "hot", "hot_gather"):  # every way into a native op
-        fn = getattr(ch, name)
+    for name in ("_chan_run", "_hot_submit", "hot", "hot_gather"):  # every way into a native op
+        fn = getattr(ch, name, None)
         if fn is not None:
             setattr(ch, name, _native_timer(key, getattr(fn, "__wrapped__", fn)))
 

@@ -14,10 +14,13 @@
 //   allocate(n): scope off -> base. Else class = smallest class >= n;
 //                hit: pop under the heap mutex (no Python).
 //                miss: refill(class bytes) -> Python sma.try_malloc, outside
-//                any native lock; 0 means full: strict -> c10::OutOfMemoryError,
+//                any native lock; -1 means full: strict -> c10::OutOfMemoryError,
 //                else base allocator + fallback counters.
 //   delete(ctx): push to the class stack if under depth and byte limits,
-//                else release(addr) -> Python sma.free, outside the lock.
+//                else release(offset) -> Python sma.free, outside the lock.
+//
+// Python speaks heap offsets only (refill, release, zbh_drain): the block's address
+// is this file's (base + offset), so no Python code does address arithmetic.
 //
 // A heap block's DataPtr has context == data (torch's raw_allocate asserts it,
 // and copy-on-write clones need it) and a deleter chosen per heap registration
@@ -50,9 +53,9 @@
 
 namespace {
 
-// refill(class bytes, requested bytes, flags bit 0: strict) -> block address, or 0: heap full
-using RefillFn = uint64_t (*)(uint64_t size, uint64_t requested, int32_t flags);
-using ReleaseFn = void (*)(uint64_t addr);
+// refill(class bytes, requested bytes, flags bit 0: strict) -> block offset in the heap, or -1: heap full
+using RefillFn = int64_t (*)(uint64_t size, uint64_t requested, int32_t flags);
+using ReleaseFn = void (*)(uint64_t offset);
 
 constexpr uint64_t kAddrMask = (uint64_t{1} << 48) - 1;  // user-space addresses
 constexpr int kMaxHeaps = 1024;  // registrations per process (ids are never reused); one deleter each
@@ -166,14 +169,14 @@ c10::DataPtr HookAllocator::heap_allocate(Heap* h, size_t n) {
     }
     h->c[kMisses]++;
   }
-  uint64_t addr;
+  int64_t off;
   {
     CallbackGuard guard;
-    addr = h->refill(size, n, tls.strict ? 1 : 0);
+    off = h->refill(size, n, tls.strict ? 1 : 0);
   }
-  if (addr != 0) {
+  if (off >= 0) {
     std::lock_guard<std::mutex> g(h->mu);
-    if (h->alive) return make_ptr(h, cls, addr);  // a block handed out as the heap died is dropped
+    if (h->alive) return make_ptr(h, cls, h->base + static_cast<uint64_t>(off));  // else dropped: the heap died
   }
   return fallback(h, n);
 }
@@ -181,11 +184,10 @@ c10::DataPtr HookAllocator::heap_allocate(Heap* h, size_t n) {
 // Larger than every class, so larger than the heap: refill only lets Python see
 // the failure (it counts the SMA's fallback); a block it returns anyway is given back.
 c10::DataPtr HookAllocator::oversize(Heap* h, size_t n) {
-  uint64_t addr;
   {
     CallbackGuard guard;
-    addr = h->refill(n, n, tls.strict ? 1 : 0);
-    if (addr != 0) h->release(addr);
+    int64_t off = h->refill(n, n, tls.strict ? 1 : 0);
+    if (off >= 0) h->release(static_cast<uint64_t>(off));
   }
   return fallback(h, n);
 }
@@ -231,7 +233,7 @@ void heap_free(Heap* h, uint64_t addr) {
     h->c[kReleases]++;
   }
   CallbackGuard guard;
-  h->release(addr);
+  h->release(addr - h->base);
 }
 
 // The raw deleter: an address only. A block still live in an unregistered heap
@@ -316,7 +318,7 @@ int32_t zbh_unregister(int32_t id) {
   return 0;
 }
 
-// Pop up to `cap` cached blocks into `out`; returns how many.
+// Pop up to `cap` cached blocks into `out` (their heap offsets); returns how many.
 uint64_t zbh_drain(int32_t id, uint64_t* out, uint64_t cap) {
   Heap* h = heap_by_id(id);
   if (h == nullptr) return 0;
@@ -325,7 +327,7 @@ uint64_t zbh_drain(int32_t id, uint64_t* out, uint64_t cap) {
   for (size_t cls = 0; cls < h->stacks.size() && k < cap; ++cls) {
     auto& st = h->stacks[cls];
     while (!st.empty() && k < cap) {
-      out[k++] = st.back();
+      out[k++] = st.back() - h->base;
       st.pop_back();
       h->c[kCachedBlocks]--;
       h->c[kCachedBytes] -= h->sizes[cls];

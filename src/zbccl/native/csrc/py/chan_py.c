@@ -168,9 +168,10 @@ static PyObject *py_chan_result(PyObject *self, PyObject *const *args, Py_ssize_
             if (!v || PyList_Append(late, v) < 0) { Py_XDECREF(v); Py_DECREF(late); return NULL; }
             Py_DECREF(v);
         }
-    return Py_BuildValue("(LLLLNLL)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
-                         (long long)(intptr_t)c->hdrcopy, late, (long long)(intptr_t)c->veccopy,
-                         (long long)c->result[3] - 1);
+    /* the copies as bytes (W headers, then the two size-vector areas), so Python reads no native address */
+    return Py_BuildValue("(LLLy#Ny#L)", (long long)c->result[0], (long long)c->result[1], (long long)c->result[2],
+                         (const char *)c->hdrcopy, (Py_ssize_t)(c->W * sizeof(c->hdrcopy[0])), late,
+                         (const char *)c->veccopy, (Py_ssize_t)sizeof(c->veccopy), (long long)c->result[3] - 1);
 }
 
 /* abi_layout() -> {name: (sizeof, (offsetof of each field, ...))} of every struct Python fills (abi.STRUCTS,
@@ -218,8 +219,8 @@ static PyMethodDef chan_methods[] = {
     {"chan_phases", (PyCFunction)(void (*)(void))py_chan_phases, METH_FASTCALL,
      "chan_phases(handle, on) -> the last all_reduce's (arrive, reduce, push, done) ns; on: record."},
     {"chan_result", (PyCFunction)(void (*)(void))py_chan_result, METH_FASTCALL,
-     "chan_result(handle) -> (code, rank, field, headers_ptr, late ranks, vector copies ptr, rank that may "
-     "still write into this rank's memory or -1) of the last op."},
+     "chan_result(handle) -> (code, rank, field, headers (bytes: W x 16 int64), late ranks, size-vector copies "
+     "(bytes: 2 x VEC_CAP int64), rank that may still write into this rank's memory or -1) of the last op."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,11 +13,16 @@
  * may hold its entry function after the channel closed):
  *   enabled  0 once the channel closed, broke, or the process forked (pthread_atfork child)
  *   busy     the channel's native lock: every op on the channel, hot or from Python, holds it
- *   seq      the channel's op sequence number (OpChannel.seq is a view of this word)
+ *   seq      the channel's op sequence number (OpChannel.seq reads and writes it through hot_seq)
  * The hot entry takes `busy` (CAS, never waits) before it reads `enabled`; a closing channel clears
  * `enabled` before it waits for `busy` to drop: so either the entry sees the channel disabled or
  * the close waits for its op (both sequentially consistent). Registrations and clears run with
- * `busy` held by the Python layer.
+ * `busy` held by the Python layer (hot_acquire/hot_release).
+ *
+ * hot_submit is the Python path's one native call per op (OpChannel.submit, with the communicator's op
+ * lock held): it takes `busy` (waiting for a hot call of another thread, without the GIL), numbers the
+ * op, gives it this call's timeout, runs it and drops `busy`, so the Python layer takes no second lock
+ * and touches no word of the table itself.
  */
 #include <Python.h>
 
@@ -31,6 +36,8 @@
 #include <cstdint>
 #include <mutex>
 #include <vector>
+
+#include "zb_abi.h"
 
 namespace {
 
@@ -116,10 +123,10 @@ PyObject *run(Table *t, const Entry &k) {
         unlock(t);
         return PyLong_FromLong(-1);
     }
-    int64_t *op = nullptr;
+    zb_op *op = nullptr;
     for (int i = 0; i < kSlots; i++) {
         if (same_key(t->e[i], k)) {
-            op = (int64_t *)(uintptr_t)t->e[i].op;
+            op = (zb_op *)(uintptr_t)t->e[i].op;
             break;
         }
     }
@@ -127,7 +134,7 @@ PyObject *run(Table *t, const Entry &k) {
         unlock(t);
         return PyLong_FromLong(-1);
     }
-    op[0] = ++t->seq; /* zb_op leads with SEQ */
+    op->seq = ++t->seq;
     int rc = ((ChanCall)(uintptr_t)t->call)((void *)(uintptr_t)t->chan, (void *)op);
     unlock(t);
     return rc < 0 ? nullptr : PyLong_FromLong(rc);
@@ -263,6 +270,39 @@ PyObject *py_disable(PyObject *, PyObject *args) {
     return PyBool_FromLong(timeout_ns <= 0 || wait_busy(t, timeout_ns, false));
 }
 
+/* hot_submit(table, zb_op address, timeout_ns) -> the op's result code, or -1 when the channel stayed
+ * busy (another thread's hot call) past timeout_ns + 15 s. The zb_op keeps its own timeout_ns after the
+ * call (a cached plan holds the communicator's default, which the hot entry uses). */
+PyObject *py_submit(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "hot_submit() takes 3 arguments, got %zd", nargs);
+    Table *t = table_of(args[0]);
+    if (!t) return nullptr;
+    zb_op *op = (zb_op *)PyLong_AsVoidPtr(args[1]);
+    long long timeout_ns = PyLong_AsLongLong(args[2]);
+    if ((!op || timeout_ns == -1) && PyErr_Occurred()) return nullptr;
+    if (!wait_busy(t, timeout_ns + 15000000000LL, true)) return PyLong_FromLong(-1);
+    int64_t keep = op->timeout_ns;
+    op->seq = ++t->seq;
+    op->timeout_ns = timeout_ns;
+    int rc = ((ChanCall)(uintptr_t)t->call)((void *)(uintptr_t)t->chan, (void *)op);
+    op->timeout_ns = keep;
+    unlock(t);
+    return rc < 0 ? nullptr : PyLong_FromLong(rc);
+}
+
+/* hot_seq(table[, value]) -> the channel's op sequence number (first set to value when given). */
+PyObject *py_seq(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "hot_seq() takes 1 or 2 arguments");
+    Table *t = table_of(args[0]);
+    if (!t) return nullptr;
+    if (nargs == 2) {
+        long long v = PyLong_AsLongLong(args[1]);
+        if (v == -1 && PyErr_Occurred()) return nullptr;
+        t->seq = v;
+    }
+    return PyLong_FromLongLong(t->seq);
+}
+
 PyMethodDef methods[] = {
     {"hot_new", py_new, METH_VARARGS, "hot_new(chan_handle, chan_call_addr) -> table address (enabled)."},
     {"hot_entry", py_entry, METH_VARARGS,
@@ -275,6 +315,11 @@ PyMethodDef methods[] = {
     {"hot_acquire", py_acquire, METH_VARARGS,
      "hot_acquire(table, timeout_ns) -> bool: take the channel's native lock, waiting without the GIL."},
     {"hot_release", py_release, METH_O, "hot_release(table): drop the channel's native lock."},
+    {"hot_submit", (PyCFunction)(void (*)(void))py_submit, METH_FASTCALL,
+     "hot_submit(table, zb_op address, timeout_ns) -> result code (-1: the channel stayed busy): the Python "
+     "path's op, numbered and run under the channel's native lock."},
+    {"hot_seq", (PyCFunction)(void (*)(void))py_seq, METH_FASTCALL,
+     "hot_seq(table[, value]) -> the channel's op sequence number (set first when value is given)."},
     {"hot_disable", py_disable, METH_VARARGS,
      "hot_disable(table, timeout_ns) -> bool: no more hot calls; then wait (GIL released) until none runs."},
     {nullptr, nullptr, 0, nullptr},
@@ -290,10 +335,5 @@ PyMODINIT_FUNC PyInit__native_hot(void) {
     std::call_once(once, [] { pthread_atfork(nullptr, nullptr, disable_all_in_child); });
     PyObject *m = PyModule_Create(&module);
     if (!m) return nullptr;
-    if (PyModule_AddIntConstant(m, "SEQ_OFFSET", offsetof(Table, seq)) < 0 ||
-        PyModule_AddIntConstant(m, "ENABLED_OFFSET", offsetof(Table, enabled)) < 0) {
-        Py_DECREF(m);
-        return nullptr;
-    }
     return m;
 }
