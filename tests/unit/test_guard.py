@@ -10,13 +10,13 @@ import pytest
 from zbccl.runtime.oplock import OpLock
 from zbccl.runtime.registry import collective
 
-allreduce, broadcast, exchange, reduce_scatter = (importlib.import_module(f"zbccl.ops.{m}") for m in (
-    "allreduce", "broadcast", "exchange", "reduce_scatter"))  # the modules (zbccl.ops exports the functions)
+allreduce, barrier, broadcast, exchange, reduce_scatter = (importlib.import_module(f"zbccl.ops.{m}") for m in (
+    "allreduce", "barrier", "broadcast", "exchange", "reduce_scatter"))  # the modules (zbccl.ops exports the functions)
 
 
 @pytest.mark.parametrize("fn", [allreduce._all_reduce, exchange.all_gather_into_tensor, exchange.all_to_all_single,
                                 exchange.all_gather_v, reduce_scatter.reduce_scatter_tensor, broadcast.broadcast,
-                                broadcast.barrier])
+                                barrier.barrier, barrier.tagged_barrier])
 def test_the_guard_has_the_ops_signature(fn):
     guard = inspect.signature(fn, follow_wrapped=False)
     assert guard == inspect.signature(fn.__wrapped__)
