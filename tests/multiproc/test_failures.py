@@ -44,6 +44,26 @@ def test_rank_that_never_joins_is_named():
     assert "never arrived" in out[0] and "never arrived" in out[1]
 
 
+def _never_joins_skewed(ctx):
+    import zbccl
+
+    if ctx.rank == 2:
+        return None  # this rank never calls init
+    _meet(ctx, "join", [0, 1])
+    # rank 0 gives up first and announces that it left init: rank 1 must still name the rank that
+    # never came (the cause), not rank 0 (which only followed it)
+    with pytest.raises(zbccl.ZbcclTimeoutError) as info:
+        ctx.init(heap_size=MiB, timeout=4 if ctx.rank == 0 else 30)
+    assert info.value.ranks == (2,), str(info.value)
+    return str(info.value)
+
+
+def test_a_rank_that_timed_out_in_init_is_not_named_as_the_cause():
+    out = run_world(_never_joins_skewed, 3)
+    assert "never arrived" in out[0] and "never arrived" in out[1], out
+    assert "[2]" in out[1] and "rank 0 timed out" in out[1], out[1]
+
+
 def _killed(ctx, victim):
     import zbccl
 

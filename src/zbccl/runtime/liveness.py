@@ -234,6 +234,13 @@ def init_watch(boot, transport):
             left = [(boot.members[r], boot.add(f"left/{r}", 0)) for r in range(boot.world_size) if r != boot.rank]
             left = [(r, why) for r, why in left if why]
             left.sort(key=lambda rw: rw[1] == ABORT_PEER)  # a cause before its followers
+            absent = [m for m in pending if m not in {r for r, _ in left}]
+            if left and absent and all(why == ABORT_TIMEOUT for _, why in left):
+                # The leavers timed out waiting too: the cause is who never came, as this rank's own
+                # timeout would say (at about the same moment; said now, naming the same ranks).
+                timed = ", ".join(str(r) for r, _ in left)
+                raise ZbcclTimeoutError(f"init: {op}: ranks {absent} never arrived (rank {timed} timed out "
+                                        "waiting for them and left init)", ranks=tuple(absent))
             if left:
                 r, why = left[0]
                 what = _WHAT.get(why, "hit an unexpected error")
