@@ -1,4 +1,4 @@
-"""What a newcomer meets first: heap tensors' device argument, the CUDA backend name refused, ``zbccl info``."""
+"""What a newcomer meets first: heap tensors' device argument, the backend's devices, ``zbccl info``."""
 
 from __future__ import annotations
 
@@ -32,10 +32,18 @@ def test_heap_tensors_take_a_cpu_device(world1) -> None:
         zbccl.zeros(4, device="nowhere")
 
 
-def test_the_cuda_backend_name_is_refused() -> None:
-    with pytest.raises(Exception, match="zbccl runs CPU tensors only .* expected backend 'zbccl' or 'cpu:zbccl'"):
-        dist.init_process_group("cuda:zbccl", store=dist.HashStore(), rank=0, world_size=1)
-    assert not dist.is_initialized() and not zbccl.is_initialized()
+def test_the_backend_registers_cpu_and_cuda(monkeypatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert dist.Backend.backend_capability["zbccl"] == ["cpu", "cuda"]
+    dist.init_process_group("cuda:zbccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # torch hands a Python process group the whole group: CPU tensors reach zbccl too
+        t = torch.arange(5.0)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.arange(5.0)) and zbccl.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    assert not zbccl.is_initialized()
 
 
 def test_info_shows_values_as_a_person_reads_them() -> None:

@@ -50,7 +50,7 @@ from .list_forms import (
     reduce_to,
     scatter_list,
 )
-from .work import CompletedWork, timeout_seconds
+from .work import CompletedWork, DeviceWork, timeout_seconds, wait_event
 
 __all__ = ["ProcessGroupZbccl", "reduce_op_name"]
 
@@ -108,6 +108,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._closed = False
+        self._side: dict[torch.device, torch.cuda.Stream] = {}  # async CUDA ops' streams (one per device)
         #: Why this group runs everything on gloo (None when zbccl runs it).
         self.fallback_reason = reason
 
@@ -140,16 +141,48 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def _zb(self, key: str) -> bool:
         return self._comm is not None and key not in self._fallback
 
-    def _done(self, opts, result: list[torch.Tensor], run: Callable[[], None]) -> dist.Work:
-        """Run ``run`` now; sync ops raise, async ops carry the error in their Work."""
+    def _done(self, opts, result: list[torch.Tensor], run: Callable[[], None],
+              inputs: tuple[torch.Tensor, ...] = ()) -> dist.Work:
+        """Run ``run`` now; sync ops raise, async ops carry the error in their Work. CUDA ops are enqueued (on
+        the current stream; async ones on this group's side stream, see :meth:`_device_async`)."""
         if not getattr(opts, "asyncOp", False):
             run()
             return _SYNC_DONE  # a sync call's Work is only waited on (torch drops it): one shared object
+        if result and isinstance(result[0], torch.Tensor) and result[0].is_cuda:
+            return self._device_async(result, inputs, run)
         try:
             run()
         except Exception as exc:  # noqa: BLE001 - the Work hands it to wait()/exception()/the future
             return CompletedWork(result, exc)
         return CompletedWork(result)
+
+    def _device_async(self, result: list[torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                      run: Callable[[], None]) -> dist.Work:
+        """An ``async_op=True`` CUDA collective, as NCCL runs one: on this group's side stream, after the work
+        already on the current stream; its Work's event is recorded after the op, ``wait()`` orders the
+        current stream after it. The operands are marked used by the side stream (``record_stream``), so the
+        caching allocator does not reuse them before the op ran. Inside a capture the side stream joins the
+        capture (``wait()`` must join it back before the capture ends, as with NCCL)."""
+        device = result[0].device
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        cur = torch.cuda.current_stream(device)
+        captured = torch.cuda.is_current_stream_capturing()
+        side.wait_stream(cur)
+        try:
+            with torch.cuda.stream(side):
+                run()
+        except Exception as exc:  # noqa: BLE001 - the Work hands it to wait()/exception()/the future
+            cur.wait_stream(side)  # joined back: a capture must end with its forked streams joined
+            return CompletedWork(result, exc)
+        event = torch.cuda.Event()
+        event.record(side)
+        for t in (*result, *inputs):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(side)
+        comm = self._comm
+        return DeviceWork(result, event, side, comm.device_state.get("cuda"), timeout=comm.timeout, captured=captured)
 
     def _g(self, opts, result: list[torch.Tensor], call) -> dist.Work:
         """Run an op on the inner gloo group to completion (see :mod:`.gloo_route` for why)."""
@@ -192,7 +225,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         comm = self._comm
 
         return self._done(opts, [t for outs in output_lists for t in outs], lambda: [
-            allgather_list(comm, outs, inp) for outs, inp in zip(output_lists, inputs)])
+            allgather_list(comm, outs, inp) for outs, inp in zip(output_lists, inputs)], tuple(inputs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
@@ -200,7 +233,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, [output], lambda s: gloo_route.allgather_flat(self._gloo, output, input, s))
         comm = self._comm
         return self._done(opts, [output], lambda: all_gather_into_tensor(as_bytes(output), as_bytes(input),
-                                                                         comm=comm))
+                                                                         comm=comm), (input,))
 
     _allgather_base = all_gather_single
 
@@ -213,7 +246,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         comm = self._comm
 
         return self._done(opts, outputs, lambda: [
-            all_gather_into_tensor(as_bytes(out), as_bytes(inp), comm=comm) for out, inp in zip(outputs, inputs)])
+            all_gather_into_tensor(as_bytes(out), as_bytes(inp), comm=comm) for out, inp in zip(outputs, inputs)],
+            tuple(inputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -247,7 +281,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         return self._done(opts, outputs, lambda: [
             reduce_scatter_list(comm, as_real(out, red, op=_RS), [as_real(i, red, op=_RS) for i in ins], red)
-            for out, ins in zip(outputs, input_lists)])
+            for out, ins in zip(outputs, input_lists)], tuple(t for ins in input_lists for t in ins))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
@@ -256,7 +290,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, [output], lambda s: self._gloo._reduce_scatter_base(s(output), s(input), opts))
         comm = self._comm
         return self._done(opts, [output], lambda: reduce_scatter_tensor(
-            as_real(output, red, op=_RS), as_real(input, red, op=_RS), red, comm=comm))
+            as_real(output, red, op=_RS), as_real(input, red, op=_RS), red, comm=comm), (input,))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -271,7 +305,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         return self._done(opts, outputs, lambda: [
             reduce_scatter_tensor(as_real(out, red, op=_RS), as_real(inp, red, op=_RS), red, comm=comm)
-            for out, inp in zip(outputs, inputs)])
+            for out, inp in zip(outputs, inputs)], tuple(inputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -286,7 +320,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         outs = list(output_split_sizes) or None
         ins = list(input_split_sizes) or None
         return self._done(opts, [output], lambda: all_to_all_single(as_bytes_rows(output), as_bytes_rows(input),
-                                                                    outs, ins, comm=comm))
+                                                                    outs, ins, comm=comm), (input,))
 
     alltoall_base = all_to_all_single
 
@@ -296,7 +330,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, outputs, lambda s: gloo_route.alltoall_list(self._gloo, outputs, inputs, s))
         comm = self._comm
 
-        return self._done(opts, outputs, lambda: alltoall_list(comm, outputs, inputs))
+        return self._done(opts, outputs, lambda: alltoall_list(comm, outputs, inputs), tuple(inputs))
 
     # ------------------------------------------------------------ rooted ops
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
@@ -344,20 +378,33 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, [], lambda s: self._gloo.barrier(opts))
         comm = self._comm
         timeout = timeout_seconds(opts.timeout)  # torch's "unset" is negative: the group's default
+        device = getattr(opts, "device", None)
+        if getattr(device, "type", None) == "cuda" and torch.cuda.is_initialized():
+            return self._done(opts, [], lambda: _cuda_barrier(comm, device, timeout))
         return self._done(opts, [], lambda: barrier(comm=comm, timeout=timeout))
 
     # ------------------------------------------------------------ point to point
+    def _device_p2p(self, tensors, post, *, receive: bool, anysource: bool = False) -> dist.Work:
+        return gloo_route.device_p2p(tensors, post, default_timeout=self._gloo.options._timeout.total_seconds(),
+                                     anysource=anysource, receive=receive)
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].is_cuda:  # through gloo on host copies (zbccl's mailboxes are CPU memory)
+            return self._device_p2p(tensors, lambda h: self._gloo.send(h, dst, tag), receive=False)
         if self._p2p is None or not self._zb("send"):
             return self._p2p_gloo(self._gloo.send(tensors, dst, tag), tensors)
         return self._p2p.send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].is_cuda:
+            return self._device_p2p(tensors, lambda h: self._gloo.recv(h, src, tag), receive=True)
         if self._p2p is None or not self._zb("recv"):
             return self._p2p_gloo(self._gloo.recv(tensors, src, tag), tensors)
         return self._p2p.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].is_cuda:
+            return self._device_p2p(tensors, lambda h: self._gloo.recv_anysource(h, tag), receive=True, anysource=True)
         if self._p2p is None or not self._zb("recv"):
             return self._p2p_gloo(self._gloo.recv_anysource(tensors, tag), tensors, anysource=True)
         return self._p2p.recv(tensors, None, tag)
@@ -390,6 +437,22 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         if self._comm is not None:
             abort("the process group was aborted")
         self._closed = True
+
+
+def _cuda_barrier(comm, device: torch.device, timeout: float | None) -> None:
+    """NCCL's barrier: return once every rank's device work issued before it completed. Outside a capture:
+    this rank's stream is drained (bounded, device-side errors raised), then the host barrier. Inside a
+    capture: a device barrier on the current stream (the host cannot wait in a capture)."""
+    with torch.cuda.device(device):
+        if torch.cuda.is_current_stream_capturing():
+            barrier(comm=comm, timeout=timeout, device="cuda")
+            return
+        event = torch.cuda.Event()
+        event.record()
+        ops = comm.device_state.get("cuda")
+        check = getattr(ops, "check", None) or (lambda: None)
+        wait_event(event, timeout or comm.timeout, check=check, op="barrier")
+    barrier(comm=comm, timeout=timeout)
 
 
 #: What every synchronous call returns: complete, successful, no result kept.

@@ -16,12 +16,13 @@ from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_BROADCAST, WHERE_BARRIER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null
+from . import null, route
 from .args import rank_error, tensor_error, written_error
 from .channel import OpChannel
 from .dtypes import dtype_code
 from .entry import run_op
 from .operands import Operand
+from .route import device_of
 from .tuner import choose
 
 __all__ = ["broadcast", "barrier"]
@@ -42,6 +43,11 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
     """
     W = comm.world_size
     error = tensor_error(tensor, "tensor", op=_OP)
+    if error is not None and (device := device_of(_OP, tensor)) is not None:  # a CUDA tensor: the device ops
+        src, error = rank_error(src, W, op=_OP)
+        if error is not None:
+            raise ZbcclInvalidUsageError(error)
+        return route.broadcast(comm, device, tensor, src, timeout)
     dt = 0
     if error is None:
         src, error = rank_error(src, W, op=_OP)
@@ -83,7 +89,17 @@ def _receive(ch: OpChannel, tensor: torch.Tensor, dt: int, src: int) -> None:
 
 
 @collective("barrier", WHERE_BARRIER)
-def barrier(*, comm: Communicator | None = None, timeout: float | None = None) -> None:
+def barrier(*, comm: Communicator | None = None, timeout: float | None = None, device: str | None = None) -> None:
     """Collective: return once every rank of ``comm`` entered (see ``Communicator.barrier``: a peer
-    that left a collective half-way makes it raise :class:`~zbccl.errors.ZbcclRemoteError`)."""
-    comm.barrier(timeout)
+    that left a collective half-way makes it raise :class:`~zbccl.errors.ZbcclRemoteError`).
+
+    ``device="cuda"``: a device barrier instead, enqueued on the current stream (later work on it starts
+    once every rank's stream reached the barrier); the host does not wait, and it can be captured in a
+    CUDA graph."""
+    if device is None or device == "cpu":
+        comm.barrier(timeout)
+        return
+    if device not in ("cuda",):
+        raise ZbcclInvalidUsageError(f"barrier: unsupported device, expected None, 'cpu' or 'cuda', got {device!r}")
+    if comm.world_size > 1:
+        route.barrier(comm, device, timeout)

@@ -31,7 +31,7 @@ from ..heap.views import HeapHandle, view_heap
 from ..native.abi import WHERE_BARRIER, WHERE_STORE
 from .liveness import store_watch
 from .oplock import OpLock
-from .registry import guarded
+from .registry import check_usable, close_device_state, device_ops_factory, guarded
 from .slots import acquire_slot, check_slot_free, parse_slot_record, release_slot, reset_slot
 from .waits import FlagSet, wait_flags
 
@@ -70,6 +70,9 @@ class Communicator:
         #: The ops layer's per-communicator state (its op channel), created by the ops on first use.
         #: :meth:`destroy` calls its ``close()`` and drops it; this layer never looks inside.
         self.op_state: Any = None
+        #: The ops layer's device ops of this communicator, by device type (``"cuda"``): made on first use by
+        #: :meth:`device_ops` through the factory the ops layer registers (``registry.set_device_ops_factory``).
+        self.device_state: dict[str, Any] = {}
         #: The protocol its ops belong to when a rank leaves one half-way (``native/abi.py`` ``ABORT_WHERE``;
         #: 0: each op's own). EP's Buffer sets it on its private communicator.
         self.role = 0
@@ -165,6 +168,18 @@ class Communicator:
         Not collective; does not block.
         """
         return view_heap(self._ctx.heap, self._global(rank, "peer_tensor"), handle)
+
+    def device_ops(self, device: str = "cuda") -> Any:
+        """This communicator's collectives over the ``device`` heap (``zbccl.ops.device.DeviceOps``): made on
+        first use, then cached. Local, not collective. Each of its ops is enqueued on the current stream and
+        never blocks the host. Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` when zbccl was initialized
+        without a heap on that device, or when first made inside a CUDA graph capture (make it before: the
+        capture may not allocate its pointer tables)."""
+        ops = self.device_state.get(device)
+        if ops is None:
+            check_usable(self, "device_ops")
+            ops = self.device_state[device] = device_ops_factory()(self, device)
+        return ops
 
     # -------------------------------------------------------------------- sync
     def _stopped(self) -> bool:
@@ -281,6 +296,7 @@ class Communicator:
         state, self.op_state = self.op_state, None
         if state is not None:  # the ops layer's channel: free its native half now
             state.close()
+        close_device_state(self)
         self._op_lock.wake()
         if self.rank == 0:
             release_slot(self._ctx.bootstrap, self.slot)

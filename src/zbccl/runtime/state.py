@@ -276,6 +276,7 @@ def finalize() -> None:
             c._live = False
             if getattr(c.op_state, "disable", None) is not None:
                 c.op_state.disable(0)  # the native hot entry serves no more calls (it skips _live)
+            registry.close_device_state(c)  # before any device heap goes
         if ctx.forked:
             return  # the parent's heap and header: not ours to touch (see _after_fork_in_child)
         heap = ctx.heap

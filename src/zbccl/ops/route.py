@@ -1,0 +1,225 @@
+"""Device routing: the public collectives run device tensors on the communicator's device ops.
+
+CPU tensors take the op channel (the native protocol) exactly as before. An op reaches this module
+only from its local checks, where they found a tensor that is not on the CPU (``args.tensor_error``),
+so the CPU path pays nothing for it: no device test, no lookup.
+
+A CUDA collective goes to ``comm.device_ops("cuda")`` (``ops/device.py`` ``DeviceOps``: Triton kernels
+over the CUDA heap's pointer tables), made on first use over the runtime's CUDA heap
+(``ctx.device_heaps["cuda"]``). Synchronisation is the kernels' (each rank publishes its arguments in
+its signal-pad row, signals, and spins, bounded, on its peers' rows, in device memory; epochs live in
+device memory): this module only orders the op on a stream and never waits on the host.
+
+Ordering (the lane): every rank must run a communicator's ops in the same order, and the device runs
+work of different streams in any order. So an op enqueued on another stream than this
+communicator's previous device op first makes its stream wait for that one (``wait_stream``, only when
+the stream changes: nothing on the common path). Inside a CUDA graph capture the lane moves to the
+capturing stream without a cross-stream wait (a capture may not wait on uncaptured work; torch's
+``cuda.graph`` synchronises the device before it captures).
+
+Graph capture: nothing here reads device memory or allocates. The device ops (and their pointer
+tables) must exist before a capture: making them inside one raises, naming the op and how to warm up.
+
+World size 1 needs no device ops (nor a device heap): the null backend's copies, on the current stream.
+
+Errors raised here are local (this rank): a peer's kernel then times out on the device and names this
+rank in its status word (``DeviceOps.check``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError
+from ..runtime import registry
+from . import null
+
+__all__ = ["device_of", "lane", "make_device_ops", "capturing", "all_reduce", "all_gather", "all_gather_v",
+           "reduce_scatter", "reduce_scatter_v", "all_to_all", "broadcast", "barrier", "cuda_heap_hint"]
+
+#: How to ask for a CUDA heap (the text of the error a CUDA tensor gets without one).
+cuda_heap_hint = ("initialize zbccl with a CUDA heap: zbccl.init(..., device='cuda') (or "
+                  "ZBCCL_DEVICE=cuda), and allocate the tensors with zbccl.empty(..., device='cuda') or "
+                  "under zbccl.heap_scope()")
+
+
+def device_of(op: str, *tensors: Any) -> str | None:
+    """The device type of the op's tensors when none is on the CPU (``"cuda"``); None when every operand
+    is a CPU tensor or one is not a tensor at all (the CPU checks' error stands). Raises
+    :class:`ZbcclInvalidUsageError` for operands on different devices."""
+    devices = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return None
+        devices.append(t.device)
+    if all(d.type == "cpu" for d in devices):
+        return None
+    if len(set(devices)) > 1:
+        got = ", ".join(str(d) for d in devices)
+        raise ZbcclInvalidUsageError(f"{op}: operands on different devices, expected every tensor on one device, "
+                                     f"got {got}")
+    kind = devices[0].type
+    if kind != "cuda" and kind not in _FAKE_DEVICES:
+        raise ZbcclInvalidUsageError(f"{op}: unsupported device, expected CPU or CUDA tensors, got {devices[0]}")
+    return kind
+
+
+#: Device types besides "cuda" that tests register device ops for (see tests/unit/test_routing.py).
+_FAKE_DEVICES: set[str] = set()
+
+
+def capturing(device: str) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def make_device_ops(comm, device: str):
+    """The factory behind ``Communicator.device_ops``: a ``DeviceOps`` over the runtime's heap on ``device``."""
+    if capturing(device):
+        raise ZbcclInvalidUsageError(
+            f"device_ops: first {device} collective of this communicator inside a CUDA graph capture, expected "
+            f"its device ops made before the capture (run each op once eagerly, or call "
+            f"comm.device_ops({device!r}), before capturing), got a capture in progress")
+    factory = _factories.get(device)
+    if factory is not None:
+        return factory(comm)
+    ctx = comm._ctx
+    heap = (getattr(ctx, "device_heaps", None) or {}).get(device)
+    if heap is None:
+        raise ZbcclInvalidUsageError(
+            f"device_ops: no {device} heap, expected zbccl initialized with one, got a CPU heap only; "
+            f"{cuda_heap_hint}")
+    from .device import DeviceOps  # triton is imported by the kernels only when they run
+
+    transport = getattr(heap, "transport", heap)
+    return DeviceOps(comm.rank, comm.ranks, transport, slot=comm.slot, timeout_s=comm.timeout)
+
+
+#: Device-ops factories by device type, registered by tests (a fake device), consulted before the heap.
+_factories: dict[str, Any] = {}
+
+registry.set_device_ops_factory(make_device_ops)
+
+
+class _Lane:
+    """The stream of a communicator's last device op on one device (see "Ordering" above)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+
+
+def lane(comm, device: str, op: str):
+    """The communicator's device ops, after ordering the current stream behind its previous device op."""
+    ops = comm.device_state.get(device)
+    if ops is None:
+        ops = comm.device_ops(device)
+    if device != "cuda":
+        return ops
+    key = device + "/lane"
+    ln = comm.device_state.get(key)
+    if ln is None:
+        ln = comm.device_state[key] = _Lane()
+    cur = torch.cuda.current_stream()
+    prev = ln.stream
+    if prev is not None and prev != cur and not torch.cuda.is_current_stream_capturing():
+        cur.wait_stream(prev)
+    ln.stream = cur
+    return ops
+
+
+def _contiguous(op: str, **tensors: torch.Tensor) -> None:
+    for role, t in tensors.items():
+        if not t.is_contiguous():
+            raise ZbcclInvalidUsageError(
+                f"{op}: {role} must be a contiguous tensor on {t.device} (device collectives use heap tensors in "
+                f"place, never a staged copy), got shape {tuple(t.shape)} with strides {t.stride()}")
+
+
+def _timeout(op: str, timeout) -> None:
+    if timeout is not None:
+        raise ZbcclInvalidUsageError(
+            f"{op}: a per-op timeout is not supported for device tensors (the kernels' bounded waits use the "
+            f"communicator's timeout, set at init), expected timeout=None, got {timeout!r}")
+
+
+def all_reduce(comm, device: str, tensor: torch.Tensor, op, timeout) -> torch.Tensor:
+    _timeout("all_reduce", timeout)
+    _contiguous("all_reduce", tensor=tensor)
+    if comm.world_size > 1:
+        lane(comm, device, "all_reduce").all_reduce(tensor, op)
+    return tensor
+
+
+def all_gather(comm, device: str, output: torch.Tensor, input: torch.Tensor, dim: int, timeout) -> torch.Tensor:
+    _timeout("all_gather", timeout)
+    _contiguous("all_gather", output=output, input=input)
+    if comm.world_size == 1:
+        null.copy_into(output, input)
+    else:
+        lane(comm, device, "all_gather").all_gather(output, input, dim=dim)
+    return output
+
+
+def all_gather_v(comm, device: str, output, input, sizes, dim: int, timeout) -> torch.Tensor:
+    _timeout("all_gather_v", timeout)
+    _contiguous("all_gather_v", output=output, input=input)
+    if comm.world_size == 1:
+        null.copy_into(output, input)
+    else:
+        lane(comm, device, "all_gather_v").all_gather_v(output, input, list(sizes), dim=dim)
+    return output
+
+
+def reduce_scatter(comm, device: str, output, input, op, dim: int, timeout) -> torch.Tensor:
+    _timeout("reduce_scatter", timeout)
+    _contiguous("reduce_scatter", output=output, input=input)
+    if comm.world_size == 1:
+        null.copy_into(output, input)
+    else:
+        lane(comm, device, "reduce_scatter").reduce_scatter(output, input, op, dim=dim)
+    return output
+
+
+def reduce_scatter_v(comm, device: str, output, input, sizes, op, dim: int, timeout) -> torch.Tensor:
+    _timeout("reduce_scatter_v", timeout)
+    _contiguous("reduce_scatter_v", output=output, input=input)
+    if comm.world_size == 1:
+        null.copy_into(output, input)
+    else:
+        lane(comm, device, "reduce_scatter_v").reduce_scatter_v(output, input, list(sizes), op, dim=dim)
+    return output
+
+
+def all_to_all(comm, device: str, output, input, out_splits, in_splits, timeout) -> torch.Tensor:
+    _timeout("all_to_all", timeout)
+    _contiguous("all_to_all", output=output, input=input)
+    if comm.world_size == 1:
+        null.copy_into(output, input)
+        return output
+    ops = lane(comm, device, "all_to_all")
+    if out_splits is None and in_splits is None:
+        ops.all_to_all(output, input)
+    else:
+        W = comm.world_size
+        outs = list(out_splits) if out_splits is not None else [output.shape[0] // W] * W
+        ins = list(in_splits) if in_splits is not None else [input.shape[0] // W] * W
+        ops.all_to_all_v(output, input, outs, ins)
+    return output
+
+
+def broadcast(comm, device: str, tensor: torch.Tensor, src: int, timeout) -> torch.Tensor:
+    _timeout("broadcast", timeout)
+    _contiguous("broadcast", tensor=tensor)
+    if comm.world_size > 1:
+        lane(comm, device, "broadcast").broadcast(tensor, src)
+    return tensor
+
+
+def barrier(comm, device: str, timeout) -> None:
+    """A device barrier on the current stream: later work on it starts once every rank's stream reached it."""
+    _timeout("barrier", timeout)
+    lane(comm, device, "barrier").barrier()
