@@ -30,6 +30,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 
 from ..errors import ZbcclInvalidUsageError
+from ..ops.route import capturing
 from .work import CompletedWork, PendingWork
 
 __all__ = ["Stand", "on_gloo", "p2p_work", "device_p2p", "allgather_list", "alltoall_list", "allgather_flat"]
@@ -45,7 +46,7 @@ class Stand:
         if t.is_contiguous() and t.device.type == "cpu":
             return t
         if t.device.type != "cpu":  # a device tensor travels through a host copy (gloo runs on the host)
-            if torch.cuda.is_current_stream_capturing():
+            if capturing("cuda"):
                 raise ZbcclInvalidUsageError(
                     "gloo fallback: this op runs on gloo (ZBCCL_FALLBACK_OPS, a bitwise reduce op, or zbccl could "
                     "not start), which copies device tensors through the host, expected an op zbccl runs on the "
@@ -150,7 +151,7 @@ def device_p2p(result: list[torch.Tensor], post: Callable[[list[torch.Tensor]], 
                anysource: bool = False, receive: bool) -> PendingWork:
     """send/recv of CUDA tensors on gloo (zbccl's p2p mailboxes hold CPU tensors): through host copies, a
     receive copied back into the device tensors once gloo's completes. ``post(host_tensors)`` starts gloo's op."""
-    if torch.cuda.is_current_stream_capturing():
+    if capturing("cuda"):
         raise ZbcclInvalidUsageError("send/recv: CUDA tensors go through gloo with host copies, expected no CUDA "
                                      "graph capture, got a capture in progress")
     host = [t.to("cpu", memory_format=torch.contiguous_format) for t in result]

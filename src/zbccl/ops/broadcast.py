@@ -99,7 +99,7 @@ def barrier(*, comm: Communicator | None = None, timeout: float | None = None, d
     if device is None or device == "cpu":
         comm.barrier(timeout)
         return
-    if device not in ("cuda",):
+    if device != "cuda" and device not in route._FAKE_DEVICES:
         raise ZbcclInvalidUsageError(f"barrier: unsupported device, expected None, 'cpu' or 'cuda', got {device!r}")
     if comm.world_size > 1:
         route.barrier(comm, device, timeout)

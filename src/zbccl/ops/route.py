@@ -72,7 +72,7 @@ _FAKE_DEVICES: set[str] = set()
 
 def capturing(device: str) -> bool:
     """Whether the current stream of ``device`` is capturing a CUDA graph."""
-    return device == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def make_device_ops(comm, device: str):
