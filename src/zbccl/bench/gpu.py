@@ -1,0 +1,242 @@
+"""GPU check of zbccl's CUDA path: ``python -m zbccl.bench.gpu [--quick] [--worlds 2,4] [--only NAMES] [--json PATH]``.
+
+What ``scripts/gpu_check.sh`` runs on a machine with a CUDA GPU (every rank on GPU 0). Each check runs
+in its own guard and prints one line, ``CHECK <name> PASS|FAIL|SKIP <detail>``, then the next one runs;
+every spawned world has a wall-clock timeout (its ranks are killed at it), so the whole run ends in
+bounded time (under 6 minutes with the defaults). Checks, per world size (2 and 4):
+
+* ``w<N>/<op>``: every op on heap tensors, every dtype it serves, odd sizes, bit-exact against a
+  plain-torch reference (``gpu_cases.correctness``);
+* ``w<N>/graph/<op>``: each op captured in a CUDA graph and replayed on new payloads, and
+  ``w<N>/graph/decode_step``: matmul -> all_reduce -> matmul captured once, replayed many times,
+  bit-exact against the same step run eagerly (``gpu_cases.graph_cases``, ``decode_step``);
+* ``w<N>/bench``: all_reduce and all_gather, 4 KiB to 64 MiB, against the device memcpy and torch
+  SymmetricMemory's one-shot/two-shot all_reduce and a staged cudaMemcpy all_reduce, interleaved in
+  the same processes (``gpu_bench``); the table it prints is the one ``docs/benchmarks.md`` keeps.
+
+Without CUDA it prints ``CHECK cuda SKIP no CUDA ...`` and exits with status 3.
+Exit status: 0 when every check passed, 1 when one failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+__all__ = ["main", "cuda_status", "format_table", "summarise_cases"]
+
+#: Wall-clock limits of the spawned worlds (s): a hung rank is killed at these. The run's budget
+#: (``--budget``) bounds them further: a world gets at most what is left of it.
+LIMITS = {"cases": 110.0, "bench": 80.0}
+NO_CUDA = 3
+
+
+def cuda_status() -> str | None:
+    """None when a CUDA device is usable here, else why not (one line)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"no CUDA: torch.cuda.is_available() is False (torch {torch.__version__}, built with CUDA "
+                f"{torch.version.cuda}); run this on a machine with an NVIDIA GPU")
+    return None
+
+
+def _check(name: str, fn: Callable[[], tuple[bool, str]], out: list) -> bool:
+    """Run one guarded check and print its line; never raises."""
+    t0 = time.monotonic()
+    try:
+        ok, detail = fn()
+    except BaseException as exc:  # noqa: BLE001 - a check fails, the next one runs (Ctrl-C included: it ends the run)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        ok, detail = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    line = f"CHECK {name} {'PASS' if ok else 'FAIL'} {detail} ({time.monotonic() - t0:.1f}s)"
+    print(line, flush=True)
+    out.append({"name": name, "ok": ok, "detail": detail})
+    return ok
+
+
+def summarise_cases(results: list[list[tuple[str, bool, str]]]) -> dict[str, tuple[bool, str]]:
+    """Per-rank case results -> per op group (``all_reduce``, ``graph/all_gather`` ...): ``(ok, detail)``:
+    how many cases passed on every rank, and the first failures with the rank that saw them."""
+    groups: dict[str, dict] = {}
+    for rank, cases in enumerate(results):
+        for name, ok, detail in cases:
+            parts = name.split("/")
+            key = "/".join(parts[:2]) if parts[0] == "graph" else parts[0]
+            g = groups.setdefault(key, {"cases": {}, "fail": []})
+            g["cases"][name] = g["cases"].get(name, True) and ok
+            if not ok and len(g["fail"]) < 3:
+                g["fail"].append(f"[rank {rank}] {name}: {detail.splitlines()[0] if detail else ''}")
+    out = {}
+    for key, g in groups.items():
+        n_ok = sum(g["cases"].values())
+        n = len(g["cases"])
+        out[key] = (n_ok == n, f"{n_ok}/{n} cases bit-exact" + ("; " + " | ".join(g["fail"]) if g["fail"] else ""))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- rank entries
+def _cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, heap_bytes: int) -> list:
+    from .gpu_cases import Rank, correctness, decode_step, graph_cases
+
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0)
+    try:
+        res = correctness(rk, quick=quick)
+        res += graph_cases(rk)
+        res += decode_step(rk, replays=replays)
+        return res
+    finally:
+        rk.close()
+
+
+def _bench_rank(*, rank: int, world_size: int, store, quick: bool, heap_bytes: int) -> dict:
+    from .gpu_bench import bench
+    from .gpu_cases import Rank
+
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0)
+    try:
+        return bench(rk, quick=quick)
+    finally:
+        rk.close()
+
+
+_deadline = float("inf")
+
+
+def _launch(fn, world: int, limit: float, **kwargs):
+    from ..tools.launch import launch_local
+
+    left = _deadline - time.monotonic()
+    if left < 15:
+        raise TimeoutError(f"skipped: the run's time budget is spent ({left:.0f}s left)")
+    return launch_local(fn, world, timeout=min(limit, left), threads=1, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------- the table
+def format_table(world: int, ranks: list[dict]) -> list[str]:
+    """Markdown rows from every rank's bench result: the slowest rank's median per implementation."""
+    from .report import busbw_factor
+
+    head = ("| W | op | size | zbccl us | busbw GB/s | zb 1-shot us | zb 2-shot us | symm 1-shot us | "
+            "symm 2-shot us | staged us | memcpy GB/s | busbw/memcpy | 1-shot/zbccl | #wrong |")
+    lines = [head, "|" + "---|" * 14]
+    for i, row in enumerate(ranks[0]["rows"]):
+        rows = [r["rows"][i] for r in ranks]
+        us = {k: max(r["us"].get(k, float("nan")) for r in rows) for k in rows[0]["us"]}
+        wrong = sum(sum(r["wrong"].values()) for r in rows)
+        size = row["bytes"]
+        memcpy_gbs = size / max(r["memcpy_us"] for r in rows) / 1e3
+        zb = us.get("zbccl")
+        busbw = size * busbw_factor(row["op"], world) / zb / 1e3 if zb else None
+        cell = lambda k, us=us: f"{us[k]:.1f}" if k in us else "-"  # noqa: E731
+        ratio = f"{us['symm_1shot'] / zb:.2f}" if zb and "symm_1shot" in us else "-"
+        lines.append(f"| {world} | {row['op']} | {_size(size)} | {cell('zbccl')} | "
+                     f"{'-' if busbw is None else f'{busbw:.1f}'} | {cell('zb_1shot')} | {cell('zb_2shot')} | "
+                     f"{cell('symm_1shot')} | {cell('symm_2shot')} | {cell('staged')} | {memcpy_gbs:.1f} | "
+                     f"{'-' if busbw is None else f'{busbw / memcpy_gbs:.2f}'} | {ratio} | {wrong} |")
+    return lines
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+# ----------------------------------------------------------------------------------------- main
+def _env_line() -> str:
+    import torch
+
+    parts = [f"torch {torch.__version__}", f"cuda {torch.version.cuda}", torch.cuda.get_device_name(0)]
+    for mod in ("triton", "cuda.bindings"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            parts.append(f"{mod} {getattr(m, '__version__', '?')}")
+        except ImportError as exc:
+            parts.append(f"{mod} missing ({exc})")
+    return ", ".join(parts)
+
+
+def _native() -> tuple[bool, str]:
+    """Build (or find) the native core once here, before the ranks need it, and say how long it took."""
+    from .. import native
+
+    t0 = time.monotonic()
+    native.prepare(world_size=2)
+    return True, f"ready in {time.monotonic() - t0:.1f}s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zbccl.bench.gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about half the time)")
+    p.add_argument("--worlds", default="2,4", help="world sizes, comma-separated (default 2,4)")
+    p.add_argument("--only", default="", help="comma-separated subset of: cases,bench (default both)")
+    p.add_argument("--replays", type=int, default=100, help="replays of the captured decode step")
+    p.add_argument("--heap", default="512M", help="CUDA heap per rank (default 512M)")
+    p.add_argument("--json", default=None, help="write every check and bench row here")
+    p.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run (default 330)")
+    args = p.parse_args(argv)
+    global _deadline
+    _deadline = time.monotonic() + args.budget
+    why = cuda_status()
+    if why is not None:
+        print(f"CHECK cuda SKIP {why}", flush=True)
+        return NO_CUDA
+    from ..env import parse_size
+
+    os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")  # the ranks share GPU 0
+    worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
+    only = {s.strip() for s in args.only.split(",") if s.strip()} or {"cases", "bench"}
+    heap = parse_size(args.heap)
+    checks: list = []
+    tables: list[str] = []
+    _check("env", lambda: (True, _env_line()), checks)
+    if not _check("native", _native, checks):
+        print("zbccl: the native core is needed at world size > 1; every zbccl check below will fail", flush=True)
+    for w in worlds:
+        if "cases" in only:
+            def run_cases(w=w):
+                res = _launch(_cases_rank, w, LIMITS["cases"], quick=args.quick, replays=args.replays,
+                              heap_bytes=heap)
+                for key, (ok, detail) in summarise_cases(res).items():
+                    _check(f"w{w}/{key}", lambda ok=ok, detail=detail: (ok, detail), checks)
+                return True, f"{sum(len(r) for r in res) // w} cases per rank"
+
+            _check(f"w{w}/cases", run_cases, checks)
+        if "bench" in only:
+            def run_bench(w=w):
+                res = _launch(_bench_rank, w, LIMITS["bench"], quick=args.quick, heap_bytes=heap)
+                tables.extend(format_table(w, res) if res[0]["rows"] else [])
+                errors = sorted({e for r in res for e in r["errors"]})
+                wrong = sum(sum(row["wrong"].values()) for r in res for row in r["rows"])
+                ok = not errors and wrong == 0 and bool(res[0]["rows"])
+                return ok, f"{len(res[0]['rows'])} rows, #wrong {wrong}" + (f"; {'; '.join(errors[:4])}" if errors else "")
+
+            _check(f"w{w}/bench", run_bench, checks)
+    if tables:
+        print("\n" + "\n".join(_dedup_heads(tables)), flush=True)
+    failed = [c["name"] for c in checks if not c["ok"]]
+    print(f"\nSUMMARY {len(checks) - len(failed)}/{len(checks)} checks passed"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"checks": checks, "table": tables}, f, indent=1)
+    return 0 if not failed else 1
+
+
+def _dedup_heads(lines: list[str]) -> list[str]:
+    out, seen = [], set()
+    for ln in lines:
+        if ln.startswith("| W |") or ln.startswith("|---"):
+            if ln in seen:
+                continue
+            seen.add(ln)
+        out.append(ln)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

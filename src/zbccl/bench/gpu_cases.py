@@ -1,0 +1,377 @@
+"""The per-rank work of the GPU check (``bench/gpu.py``): correctness of every op, graph capture.
+
+Runs inside each spawned rank, all ranks on GPU 0 (``cuda:0``). Every case fills heap tensors with
+:func:`payload` (value = f(rank, index, iteration), small integers, exact in every dtype and in every
+sum of 4 ranks), runs the op, waits for it on the host with a bound (an event polled with back-off,
+never an unbounded synchronize), and compares bit-exactly with a plain-torch reference computed from
+every rank's payload. After each case the ranks agree through their gloo group whether any of them
+hit a device-side error (a timeout, a lost peer): then the rest of the world's cases are skipped on
+every rank, so no rank waits for a peer that stopped.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..ops.dtypes import DTYPE_CODES
+
+__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step"]
+
+DEV = "cuda:0"
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: Every dtype the collectives serve (``ops/dtypes.py``; fp8 is EP's), bool only where nothing is reduced.
+MOVE_DTYPES = tuple(DTYPE_CODES)
+REDUCE_DTYPES = tuple(d for d in MOVE_DTYPES if d != torch.bool)
+ODD_SIZES = (1, 3, 1001, 65537)
+
+
+def payload(rank: int, shape, dtype: torch.dtype, *, it: int = 0, device="cpu") -> torch.Tensor:
+    """Rank ``rank``'s values: ``(7 i + 13 rank + 5 it) mod 31`` (minus 15 for signed dtypes): every value
+    encodes its source, and every sum of up to 4 ranks is exact in every dtype (fp8 and bool included)."""
+    n = 1
+    for s in shape:
+        n *= s
+    v = (torch.arange(n, dtype=torch.int64, device=device) * 7 + rank * 13 + it * 5) % 31
+    if dtype == torch.bool:
+        return (v % 2 == 1).reshape(shape)
+    if dtype not in (torch.uint8,):
+        v = v - 15
+    if dtype == torch.float8_e4m3fn:
+        return (v % 17).to(torch.float32).to(dtype).reshape(shape)  # 0..16: exact in e4m3
+    return v.to(dtype).reshape(shape)
+
+
+def _reduce(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.stack([p.to(torch.float64) for p in parts])
+    if op == "sum":
+        r = x.sum(0)
+    elif op == "avg":
+        r = x.sum(0) / len(parts)
+    elif op == "max":
+        r = x.amax(0)
+    else:
+        r = x.amin(0)
+    return r.to(dtype)
+
+
+class Rank:
+    """One rank's handles: its zbccl communicator (CUDA heap), its gloo group, and the agreement step."""
+
+    def __init__(self, rank: int, world_size: int, store, *, heap_bytes: int, timeout: float,
+                 device: str = DEV) -> None:
+        import zbccl
+
+        self.device = torch.device(device)
+        self.rank, self.world = rank, world_size
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout * 3))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self.comm = init_cuda(store, rank, world_size, heap_bytes=heap_bytes, timeout=timeout)
+        else:  # the CPU dry run of the cases (tests/multiproc/test_gpu_cases_cpu.py)
+            self.comm = zbccl.init(store=dist.PrefixStore("zbccl", store), rank=rank, world_size=world_size,
+                                   heap_size=heap_bytes, timeout=timeout)
+        self.timeout = timeout
+        self.zbccl = zbccl
+        self.broken: str | None = None
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        return self.zbccl.empty(*shape, dtype=dtype, device=self.device)
+
+    def finish(self) -> None:
+        """Wait for the op on the host (bounded) and raise what the kernels reported."""
+        from ..adapters.work import wait_event
+
+        if self.device.type != "cuda":
+            return  # CPU ops complete inside the call
+        ev = torch.cuda.Event()
+        ev.record()
+        ops = self.comm.device_state.get("cuda")
+        wait_event(ev, self.timeout + 10, check=getattr(ops, "check", None) or (lambda: None), op="gpu_check")
+
+    def agree(self, failed: str | None) -> str | None:
+        """Every rank learns whether any rank broke (device error): the first reason, or None."""
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        dist.all_reduce(flag)
+        if flag.item() and self.broken is None:
+            self.broken = failed or "a peer hit a device-side error"
+        return self.broken
+
+    def close(self) -> None:
+        try:
+            self.zbccl.finalize()
+        finally:
+            dist.destroy_process_group()
+
+
+def init_cuda(store, rank: int, world_size: int, *, heap_bytes: int, timeout: float):
+    """``zbccl.init`` with a CUDA heap of ``heap_bytes`` (a small CPU heap beside it)."""
+    import zbccl
+
+    return zbccl.init(store=dist.PrefixStore("zbccl", store), rank=rank, world_size=world_size, heap_size="8M",
+                      device="cuda", device_heap_size=heap_bytes, timeout=timeout)
+
+
+def _case(rk: Rank, name: str, fn: Callable[[], str | None], results: list) -> None:
+    """Run one case (``fn`` returns None when right, else what is wrong) unless the world broke."""
+    if rk.broken:
+        results.append((name, False, f"skipped: {rk.broken}"))
+        return
+    device_error = None
+    try:
+        wrong = fn()
+    except Exception as exc:  # noqa: BLE001 - the case fails, the check goes on
+        wrong = f"{type(exc).__name__}: {exc}"
+        if type(exc).__name__ in ("ZbcclTimeoutError", "ZbcclRemoteError"):
+            device_error = f"{name}: {wrong}"
+        elif not isinstance(exc, (ValueError, TypeError)) and "Zbccl" not in type(exc).__name__:
+            wrong += "\n" + traceback.format_exc(limit=4)
+    results.append((name, wrong is None, wrong or ""))
+    rk.agree(device_error)
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if torch.equal(got, want):
+        return None
+    bad = (got != want).reshape(-1).nonzero()
+    i = int(bad[0])
+    return f"{bad.numel()} wrong elements, first at {i}: got {got.reshape(-1)[i].item()}, want {want.reshape(-1)[i].item()}"
+
+
+def correctness(rk: Rank, *, quick: bool) -> list[tuple[str, bool, str]]:
+    """Every op, every dtype it serves, odd sizes, eager: ``[(name, ok, detail)]``."""
+    W, r, zb, res = rk.world, rk.rank, rk.zbccl, []
+    sizes = ODD_SIZES[:3] if quick else ODD_SIZES
+    P = lambda q, shape, dt, it=0: payload(q, shape, dt, it=it)  # noqa: E731
+
+    def run(name, op):
+        _case(rk, name, op, res)
+
+    for dt in REDUCE_DTYPES:
+        for n in sizes:
+            for red in ("sum", "avg", "max", "min") if dt in FLOATS else ("sum", "max", "min"):
+                if red != "sum" and n != sizes[-1]:
+                    continue
+
+                def ar(n=n, dt=dt, red=red):
+                    t = rk.empty((n,), dt)
+                    t.copy_(P(r, (n,), dt))
+                    zb.all_reduce(t, red)
+                    rk.finish()
+                    return _diff(t, _reduce([P(q, (n,), dt) for q in range(W)], red, dt))
+
+                run(f"all_reduce/{red}/{_dn(dt)}/n={n}", ar)
+            for n2 in (n,):
+                def rs(n=n2, dt=dt):
+                    inp, out = rk.empty((W * n,), dt), rk.empty((n,), dt)
+                    inp.copy_(P(r, (W * n,), dt))
+                    zb.reduce_scatter_tensor(out, inp)
+                    rk.finish()
+                    full = _reduce([P(q, (W * n,), dt) for q in range(W)], "sum", dt)
+                    return _diff(out, full[r * n:(r + 1) * n])
+
+                run(f"reduce_scatter/{_dn(dt)}/n={n2}", rs)
+
+        def rsv(dt=dt):
+            sizes_v = [2 + q for q in range(W)]
+            inp, out = rk.empty((sum(sizes_v), 3), dt), rk.empty((sizes_v[r], 3), dt)
+            inp.copy_(P(r, (sum(sizes_v), 3), dt))
+            zb.reduce_scatter_v(out, inp, sizes_v)
+            rk.finish()
+            full = _reduce([P(q, (sum(sizes_v), 3), dt) for q in range(W)], "sum", dt)
+            lo = sum(sizes_v[:r])
+            return _diff(out, full[lo:lo + sizes_v[r]])
+
+        run(f"reduce_scatter_v/{_dn(dt)}", rsv)
+
+        def rs_dim(dt=dt):
+            inp, out = rk.empty((3, W * 5), dt), rk.empty((3, 5), dt)
+            inp.copy_(P(r, (3, W * 5), dt))
+            zb.reduce_scatter_tensor(out, inp, dim=1)
+            rk.finish()
+            full = _reduce([P(q, (3, W * 5), dt) for q in range(W)], "sum", dt)
+            return _diff(out, full[:, r * 5:(r + 1) * 5])
+
+        run(f"reduce_scatter/dim1/{_dn(dt)}", rs_dim)
+    for dt in MOVE_DTYPES:
+        _movement(rk, dt, sizes, res)
+    run("barrier/device", lambda: (zb.barrier(device=rk.device.type), rk.finish())[1])
+    return res
+
+
+def _movement(rk: Rank, dt: torch.dtype, sizes, res: list) -> None:
+    """all_gather(v), all_to_all(v) and broadcast of ``dt``."""
+    W, r, zb = rk.world, rk.rank, rk.zbccl
+    P = lambda q, shape, it=0: payload(q, shape, dt, it=it)  # noqa: E731
+    for n in sizes:
+        def ag(n=n):
+            inp, out = rk.empty((n,), dt), rk.empty((W * n,), dt)
+            inp.copy_(P(r, (n,)))
+            zb.all_gather_into_tensor(out, inp)
+            rk.finish()
+            return _diff(out, torch.cat([P(q, (n,)) for q in range(W)]))
+
+        _case(rk, f"all_gather/{_dn(dt)}/n={n}", ag, res)
+
+        def a2a(n=n):
+            inp, out = rk.empty((W * n,), dt), rk.empty((W * n,), dt)
+            inp.copy_(P(r, (W * n,)))
+            zb.all_to_all_single(out, inp)
+            rk.finish()
+            return _diff(out, torch.cat([P(q, (W * n,))[r * n:(r + 1) * n] for q in range(W)]))
+
+        _case(rk, f"all_to_all/{_dn(dt)}/n={n}", a2a, res)
+
+        def bc(n=n):
+            t = rk.empty((n,), dt)
+            t.copy_(P(r, (n,)))
+            zb.broadcast(t, W - 1)
+            rk.finish()
+            return _diff(t, P(W - 1, (n,)))
+
+        _case(rk, f"broadcast/{_dn(dt)}/n={n}", bc, res)
+
+    def ag_dim():
+        inp, out = rk.empty((3, 5), dt), rk.empty((3, 5 * W), dt)
+        inp.copy_(P(r, (3, 5)))
+        zb.all_gather_into_tensor(out, inp, dim=1)
+        rk.finish()
+        return _diff(out, torch.cat([P(q, (3, 5)) for q in range(W)], dim=1))
+
+    _case(rk, f"all_gather/dim1/{_dn(dt)}", ag_dim, res)
+
+    def agv():
+        rows = [1 + 2 * q for q in range(W)]
+        inp, out = rk.empty((rows[r], 3), dt), rk.empty((sum(rows), 3), dt)
+        inp.copy_(P(r, (rows[r], 3)))
+        zb.all_gather_v(out, inp, rows)
+        rk.finish()
+        return _diff(out, torch.cat([P(q, (rows[q], 3)) for q in range(W)]))
+
+    _case(rk, f"all_gather_v/{_dn(dt)}", agv, res)
+
+    def a2av():
+        split = lambda a, b: 1 + (a + 2 * b) % 3  # noqa: E731 - rows rank a sends to rank b
+        ins = [split(r, q) for q in range(W)]
+        outs = [split(q, r) for q in range(W)]
+        inp, out = rk.empty((sum(ins), 2), dt), rk.empty((sum(outs), 2), dt)
+        inp.copy_(P(r, (sum(ins), 2)))
+        zb.all_to_all_single(out, inp, outs, ins)
+        rk.finish()
+        want = []
+        for q in range(W):
+            src = P(q, (sum(split(q, b) for b in range(W)), 2))
+            lo = sum(split(q, b) for b in range(r))
+            want.append(src[lo:lo + split(q, r)])
+        return _diff(out, torch.cat(want))
+
+    _case(rk, f"all_to_all_v/{_dn(dt)}", a2av, res)
+
+
+def _dn(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
+    """Every op captured in a CUDA graph after one eager warm-up, then replayed ``replays`` times on new
+    payloads (copied into the captured tensors before each replay), each replay bit-exact."""
+    W, r, zb, res = rk.world, rk.rank, rk.zbccl, []
+    dt, n = torch.bfloat16, 1001
+    P = lambda q, shape, it, d=dt: payload(q, shape, d, it=it)  # noqa: E731
+    cases = {
+        "all_reduce": ((n,), (n,), lambda o, i: zb.all_reduce(i),
+                       lambda it: _reduce([P(q, (n,), it) for q in range(W)], "sum", dt), True),
+        "all_gather": ((W * n,), (n,), lambda o, i: zb.all_gather_into_tensor(o, i),
+                       lambda it: torch.cat([P(q, (n,), it) for q in range(W)]), False),
+        "reduce_scatter": ((n,), (W * n,), lambda o, i: zb.reduce_scatter_tensor(o, i),
+                           lambda it: _reduce([P(q, (W * n,), it) for q in range(W)], "sum", dt)[r * n:(r + 1) * n],
+                           False),
+        "all_to_all": ((W * n,), (W * n,), lambda o, i: zb.all_to_all_single(o, i),
+                       lambda it: torch.cat([P(q, (W * n,), it)[r * n:(r + 1) * n] for q in range(W)]), False),
+        "broadcast": ((n,), (n,), lambda o, i: zb.broadcast(i, 0), lambda it: P(0, (n,), it), True),
+    }
+    for name, (oshape, ishape, call, want, inplace) in cases.items():
+        def case(oshape=oshape, ishape=ishape, call=call, want=want, inplace=inplace):
+            out, inp = rk.empty(oshape, dt), rk.empty(ishape, dt)
+            inp.copy_(P(r, ishape, 0))
+            call(out, inp)  # eager warm-up: the device ops and their tables exist before the capture
+            rk.finish()
+            wrong = _diff(inp if inplace else out, want(0))
+            if wrong:
+                return f"eager: {wrong}"
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                call(out, inp)
+            for it in range(1, replays + 1):
+                inp.copy_(P(r, ishape, it))
+                g.replay()
+                rk.finish()
+                wrong = _diff(inp if inplace else out, want(it))
+                if wrong:
+                    return f"replay {it}: {wrong}"
+            return None
+
+        _case(rk, f"graph/{name}/bfloat16/n={n}", case, res)
+    return res
+
+
+def decode_step(rk: Rank, *, replays: int) -> list[tuple[str, bool, str]]:
+    """A decode-style step, ``(x @ A_rank) -> all_reduce -> @ B``, captured once and replayed ``replays``
+    times on new inputs: each replay bit-exact against the same step run eagerly, and the eager step
+    against a plain-torch reference (the sum over ranks of ``x @ A_q``, computed here, fp32 tolerance)."""
+    res: list = []
+    W, r, zb = rk.world, rk.rank, rk.zbccl
+
+    def weights(q: int, shape) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + q)
+        return (torch.randn(shape, generator=g) / 32).to(rk.device)
+
+    def case():
+        B, H, F = 8, 512, 1024
+        A = [weights(q, (H, F)) for q in range(W)]
+        Bw = weights(99, (F, H))
+        x = torch.empty(B, H, device=rk.device)
+        h = rk.empty((B, F), torch.float32)
+
+        def step():
+            torch.matmul(x, A[r], out=h)
+            zb.all_reduce(h)
+            return h @ Bw
+
+        inputs = [(payload(0, (B, H), torch.float32, it=i) / 16).to(rk.device) for i in range(replays)]
+        eager = []
+        for xi in inputs:
+            x.copy_(xi)
+            eager.append(step().clone())
+        rk.finish()
+        ref = (sum(inputs[0] @ A[q] for q in range(W))) @ Bw
+        err = (eager[0] - ref).abs().max().item()
+        if err > 1e-3 * max(1.0, ref.abs().max().item()):
+            return f"eager step differs from the plain-torch reference by {err:.3g}"
+        g = torch.cuda.CUDAGraph()
+        x.copy_(inputs[0])
+        with torch.cuda.graph(g):
+            y = step()
+        outs = []
+        for xi in inputs:
+            x.copy_(xi)
+            g.replay()
+            outs.append(y.clone())
+        rk.finish()
+        for i, (a, b) in enumerate(zip(outs, eager)):
+            if not torch.equal(a, b):
+                return f"replay {i} differs from eager by {(a - b).abs().max().item():.3g}"
+        return None
+
+    _case(rk, f"graph/decode_step/{replays}_replays", case, res)
+    return res

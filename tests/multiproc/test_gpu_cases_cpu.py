@@ -1,0 +1,38 @@
+"""A dry run of the GPU check's cases on the CPU ops (world 2), where no GPU is.
+
+``bench/gpu_cases.py`` is what ``scripts/gpu_check.sh`` runs on each rank of a GPU world; its payloads,
+plain-torch references and comparisons are the check's oracle. Run here over zbccl's CPU ops (known
+correct, checked by tests/multiproc/test_ops.py), every eager case must pass: a wrong reference or a
+case that misuses an op shows up here, not in the GPU machine's few minutes.
+"""
+
+from __future__ import annotations
+
+from tests.spawn import run_world
+
+
+def _rank(ctx):
+    from zbccl.bench.gpu_cases import Rank, correctness, decode_step
+
+    rk = Rank(ctx.rank, ctx.world_size, ctx.store(), heap_bytes=16 << 20, timeout=30.0, device="cpu")
+    try:
+        res = correctness(rk, quick=True)
+        # the eager half of the decode step (its capture needs CUDA: it fails there with that reason)
+        res += [(n, ok, d) for n, ok, d in decode_step(rk, replays=2)]
+        return res
+    finally:
+        rk.close()
+
+
+def test_the_gpu_cases_pass_on_the_cpu_ops():
+    from zbccl.bench.gpu import summarise_cases
+
+    results = run_world(_rank, 2, timeout=240)
+    cases = [c for c in results[0] if not c[0].startswith("graph/")]
+    assert len(cases) > 150
+    bad = [(r, c) for r, res in enumerate(results) for c in res if not c[1] and not c[0].startswith("graph/")]
+    assert not bad, bad[:5]
+    decode = [c for c in results[0] if c[0].startswith("graph/decode_step")]
+    assert decode and "CUDA" in decode[0][2], decode  # the eager half and its reference passed: only the capture
+    summary = summarise_cases(results)
+    assert all(ok for key, (ok, _) in summary.items() if not key.startswith("graph/")), summary
