@@ -17,8 +17,15 @@ the stream changes: nothing on the common path). Inside a CUDA graph capture the
 capturing stream without a cross-stream wait (a capture may not wait on uncaptured work; torch's
 ``cuda.graph`` synchronises the device before it captures).
 
+Growth: peers' heaps grow in place (their ranges are reserved at the maximum), and a kernel may read a
+peer's new chunk as soon as the peer publishes it. So before each eager op the lane reads every peer's
+published size, which maps what grew (once per growth). A capture cannot map: a peer grown since the
+last eager op raises there, naming it.
+
 Graph capture: nothing here reads device memory or allocates. The device ops (and their pointer
 tables) must exist before a capture: making them inside one raises, naming the op and how to warm up.
+Addresses are fixed at capture (heap tensors never move), and the kernels exchange offsets on the
+device at each replay.
 
 World size 1 needs no device ops (nor a device heap): the null backend's copies, on the current stream.
 
@@ -104,16 +111,21 @@ registry.set_device_ops_factory(make_device_ops)
 
 
 class _Lane:
-    """The stream of a communicator's last device op on one device (see "Ordering" above)."""
+    """A communicator's device ops on one device, the stream of its last op (see "Ordering" above), and the
+    peers' mappings it keeps current (see "Growth")."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("stream", "transport", "peers")
 
-    def __init__(self) -> None:
+    def __init__(self, comm, device: str) -> None:
         self.stream: Any = None
+        heap = (getattr(comm._ctx, "device_heaps", None) or {}).get(device)
+        self.transport = getattr(heap, "transport", heap)
+        self.peers = [r for r in comm.ranks if r != comm._ctx.rank]
 
 
 def lane(comm, device: str, op: str):
-    """The communicator's device ops, after ordering the current stream behind its previous device op."""
+    """The communicator's device ops, after ordering the current stream behind its previous device op and
+    mapping what peers' heaps grew by."""
     ops = comm.device_state.get(device)
     if ops is None:
         ops = comm.device_ops(device)
@@ -122,13 +134,35 @@ def lane(comm, device: str, op: str):
     key = device + "/lane"
     ln = comm.device_state.get(key)
     if ln is None:
-        ln = comm.device_state[key] = _Lane()
+        ln = comm.device_state[key] = _Lane(comm, device)
+    capture = torch.cuda.is_current_stream_capturing()
+    if ln.transport is not None:
+        _mapped(ln, op, capture)
     cur = torch.cuda.current_stream()
     prev = ln.stream
-    if prev is not None and prev != cur and not torch.cuda.is_current_stream_capturing():
+    if prev is not None and prev != cur and not capture:
         cur.wait_stream(prev)
     ln.stream = cur
     return ops
+
+
+def _mapped(ln: _Lane, op: str, capture: bool) -> None:
+    """Growth: a peer's kernel-visible heap is what this process mapped of it. A peer that grew publishes its
+    new size; reading it (``transport.size``) maps the new chunks here (a socket round trip and a
+    ``cuMemMap``, once per growth). Inside a capture that cannot happen: raise instead, naming the peers
+    (``transport.stale_peers``: the ranks whose published size exceeds what is mapped here)."""
+    t = ln.transport
+    if capture:
+        stale = getattr(t, "stale_peers", None)
+        grown = stale(ln.peers) if stale is not None else []
+        if grown:
+            raise ZbcclInvalidUsageError(
+                f"{op}: the heaps of ranks {list(grown)} grew since this rank last mapped them, expected every "
+                "peer's heap mapped before a CUDA graph capture (run one eager collective on this communicator "
+                "after the growth, then capture), got a capture in progress", ranks=tuple(grown))
+        return
+    for r in ln.peers:
+        t.size(r)
 
 
 def _contiguous(op: str, **tensors: torch.Tensor) -> None:
