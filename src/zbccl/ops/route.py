@@ -101,7 +101,8 @@ def make_device_ops(comm, device: str):
     from .device import DeviceOps  # triton is imported by the kernels only when they run
 
     transport = getattr(heap, "transport", heap)
-    return DeviceOps(comm.rank, comm.ranks, transport, slot=comm.slot, timeout_s=comm.timeout)
+    # collective: each rank zeroes its kernel slot of this communicator, then a host barrier of the group
+    return DeviceOps(comm.rank, comm.ranks, transport, slot=comm.slot, timeout_s=comm.timeout, barrier=comm.barrier)
 
 
 #: Device-ops factories by device type, registered by tests (a fake device), consulted before the heap.

@@ -171,7 +171,8 @@ class Communicator:
 
     def device_ops(self, device: str = "cuda") -> Any:
         """This communicator's collectives over the ``device`` heap (``zbccl.ops.device.DeviceOps``): made on
-        first use, then cached. Local, not collective. Each of its ops is enqueued on the current stream and
+        first use, then cached. Collective on first use (every member zeroes its kernel slot, then a host
+        barrier): the first device collective of the communicator makes it on every rank. Each of its ops is enqueued on the current stream and
         never blocks the host. Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` when zbccl was initialized
         without a heap on that device, or when first made inside a CUDA graph capture (make it before: the
         capture may not allocate its pointer tables)."""
