@@ -40,7 +40,7 @@ from ....errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclSyste
 __all__ = [
     "INSTALL_HINT", "driver", "check", "ensure_context", "device_count", "granularity", "round_up", "create",
     "export_fd", "import_fd", "release", "reserve", "free_va", "map_chunk", "unmap", "Chunk", "Mapping",
-    "write_value64", "copy_dtoh", "copy_htod", "stream_sync", "device_name",
+    "write_value64", "copy_dtoh", "copy_htod", "stream_sync", "device_name", "mem_alloc", "mem_free",
 ]
 
 #: How to get the bindings, for every "missing" message.
@@ -330,3 +330,12 @@ class Mapping:
             self.va = 0
         if first is not None:
             raise first
+
+
+def mem_alloc(nbytes: int) -> int:
+    """Ordinary device memory (``cuMemAlloc``) on the current context's device: a heap_scope fallback."""
+    return int(check(driver().cuMemAlloc(nbytes), "cuMemAlloc"))
+
+
+def mem_free(ptr: int) -> None:
+    check(driver().cuMemFree(ptr), "cuMemFree")
