@@ -25,11 +25,19 @@ def test_heap_tensors_take_a_cpu_device(world1) -> None:
         assert t.device.type == "cpu" and zbccl.is_heap_tensor(t)
     assert zbccl.zeros(2, 3, device="cpu").sum() == 0
     assert zbccl.is_heap_tensor(zbccl.empty_like(torch.ones(3), device="cpu"))
-    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: the heap holds CPU tensors only .* expected "
-                                                           "device 'cpu', got 'cuda'"):
+    # a job without a CUDA heap (init(device="cuda") builds one): a clear error, nothing allocated
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match=r"empty: no cuda heap in this job, expected one built "
+                                                           r"at init \(init\(device='cuda'\).*got heaps for \['cpu'\]"):
         zbccl.empty(4, device="cuda")
-    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: bad device, expected 'cpu', got 'nowhere'"):
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: no heap on that device, expected 'cpu' or "
+                                                           "'cuda', got 'meta'"):
+        zbccl.empty(4, device="meta")
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="memory_stats: no cuda heap in this job"):
+        zbccl.memory_stats(device="cuda")
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: bad device, expected 'cpu' or 'cuda', got "
+                                                           "'nowhere'"):
         zbccl.zeros(4, device="nowhere")
+    assert zbccl.memory_stats()["active_blocks"] == zbccl.memory_stats(device="cpu")["active_blocks"]
 
 
 def test_the_backend_registers_cpu_and_cuda(monkeypatch) -> None:

@@ -27,9 +27,17 @@ def test_several_cpu_hosts_map_each_host_over_shm():
     assert transports.select(_topo(["a", "b"]), "cpu") is ShmTransport
 
 
-def test_cuda_and_mooncake_are_reserved_with_a_clear_error():
-    with pytest.raises(ZbcclInvalidUsageError, match="no transport for device cuda.*planned: cuda"):
-        transports.select(_topo(["a", "a"]), "cuda")
+def test_cuda_is_the_cuda_transport_and_mooncake_is_reserved_with_a_clear_error():
+    from zbccl.heap.transports.cuda.transport import CudaTransport
+
+    assert transports.select(_topo(["a", "a"]), "cuda") is CudaTransport
+    assert transports.select(_topo(["a", "a"]), "cuda:1") is CudaTransport
+    assert transports.select(_topo(["a", "b"]), "cuda") is CudaTransport  # each host maps its own ranks
+    t = transports.create(_topo(["a", "a"]), "cuda")  # nothing touches CUDA before establish
+    assert t.name == "cuda" and t.device.type == "cuda" and t.stream is None
+    t.close(unmap=True)
+    with pytest.raises(ZbcclInvalidUsageError, match="no transport for device meta.*expected device cpu"):
+        transports.select(_topo(["a", "a"]), "meta")
     with pytest.raises(ZbcclInvalidUsageError, match="mooncake transport is not available yet"):
         transports.resolve("mooncake")
     with pytest.raises(ZbcclInvalidUsageError, match="unknown transport.*got 'nvlink'"):
@@ -40,3 +48,10 @@ def test_cuda_and_mooncake_are_reserved_with_a_clear_error():
 def test_shm_refuses_a_device_it_cannot_hold():
     with pytest.raises(ZbcclInvalidUsageError, match="expected device cpu"):
         ShmTransport(device="cuda")
+
+
+def test_cuda_refuses_a_host_device():
+    from zbccl.heap.transports.cuda.transport import CudaTransport
+
+    with pytest.raises(ZbcclInvalidUsageError, match="expected a cuda device, got cpu"):
+        CudaTransport(device="cpu")

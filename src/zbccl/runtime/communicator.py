@@ -165,9 +165,36 @@ class Communicator:
         when both allocated symmetrically). The view is bounds-checked against
         that rank's real heap size; an out-of-bounds handle raises
         :class:`~zbccl.errors.ZbcclInvalidUsageError` and touches nothing.
-        Not collective; does not block.
+        Not collective; does not block. A handle of a CUDA tensor (``handle.device == "cuda"``)
+        is applied to the job's CUDA heap, and the view is a CUDA tensor.
         """
-        return view_heap(self._ctx.heap, self._global(rank, "peer_tensor"), handle)
+        rank = self._global(rank, "peer_tensor")
+        kind = getattr(handle, "device", "cpu")
+        heap = self._ctx.heap if kind == "cpu" else self.device_heap(kind, op="peer_tensor").heap
+        return view_heap(heap, rank, handle)
+
+    def device_heap(self, device: str | torch.device = "cuda", *, op: str = "device_heap"):
+        """This job's heap on ``device`` (``"cuda"``): a :class:`~zbccl.runtime.device_heap.DeviceHeap`,
+        ``transport, heap, sma = comm.device_heap("cuda")`` (shared by every communicator of the process).
+
+        Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` when init built none (``init(device="cuda")``
+        or ``ZBCCL_DEVICE=cuda`` builds it) or ``device`` names another GPU than the heap's. Not collective.
+        """
+        import torch
+
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ZbcclInvalidUsageError(f"{op}: bad device, expected 'cuda', got {device!r} ({exc})") from None
+        dh = self._ctx.device_heaps.get(dev.type)
+        if dh is None:
+            raise ZbcclInvalidUsageError(
+                f"{op}: no {dev.type} heap in this job, expected one built at init (init(device='{dev.type}') or "
+                f"ZBCCL_DEVICE={dev.type}), got heaps for {['cpu', *self._ctx.device_heaps]}")
+        if dev.index is not None and dev.index != dh.device.index:
+            raise ZbcclInvalidUsageError(
+                f"{op}: the {dev.type} heap is on another device, expected {dh.device}, got {dev}")
+        return dh
 
     def device_ops(self, device: str = "cuda") -> Any:
         """This communicator's collectives over the ``device`` heap (``zbccl.ops.device.DeviceOps``): made on

@@ -7,11 +7,12 @@ when it is chosen.
 
 Registered today:
 
-* ``shm``: device ``cpu``, the ranks of one host (memfd segments, pidfd liveness).
+* ``shm``: device ``cpu``, the ranks of one host (memfd segments, pidfd liveness);
+* ``cuda``: device ``cuda``, the ranks of one host (CUDA VMM segments shared as
+  POSIX descriptors, device signal pads, pidfd liveness; needs ``zbccl[cuda]``).
 
-Reserved, with a clear error until their issues land: ``cuda`` (device
-``cuda``, one host: CUDA IPC/VMM segments) and ``mooncake`` (any device, more
-than one host: Mooncake Transfer Engine).
+Reserved, with a clear error until its issue lands: ``mooncake`` (any device,
+more than one host: Mooncake Transfer Engine).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def entries() -> list[Entry]:
 
 
 register(Entry("shm", "cpu", False, "zbccl.heap.transports.shm:ShmTransport"))
-register(Entry("cuda", "cuda", False, None, "CUDA IPC/VMM segments come with the CUDA issue"))
+register(Entry("cuda", "cuda", False, "zbccl.heap.transports.cuda.transport:CudaTransport"))
 register(Entry("mooncake", "any", True, None, "the inter-host transport (Mooncake Transfer Engine) is not built yet"))
 
 
@@ -82,14 +83,14 @@ def select(topology: Topology, device: torch.device | str = "cpu") -> type[Trans
     built = [e for e in fits if e.target is not None and e.device == kind]
     if built:
         return resolve(built[0].name)
-    # More than one host: today each host maps its own ranks over shm, and collectives over the
+    # More than one host: today each host maps its own ranks (shm, cuda), and collectives over the
     # whole world refuse (no inter-host transport); the store-based ops still work.
-    if multi and kind == "cpu":
-        return resolve("shm")
+    if multi and kind in ("cpu", "cuda"):
+        return resolve("shm" if kind == "cpu" else "cuda")
     planned = "; ".join(f"{e.name}: {e.note}" for e in fits if e.target is None) or "none is registered"
     raise ZbcclInvalidUsageError(
         f"heap: no transport for device {kind} over {'several hosts' if multi else 'one host'}, expected "
-        f"device cpu on one host (shm), got {kind}; planned: {planned}")
+        f"device cpu (shm) or cuda (cuda), got {kind}; planned: {planned}")
 
 
 def create(topology: Topology, device: torch.device | str = "cpu", **options) -> Transport:

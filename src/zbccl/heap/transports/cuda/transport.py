@@ -1,0 +1,497 @@
+"""CUDA transport: each rank's heap and signal pad in GPU memory (CUDA VMM), shared between the processes of one host.
+
+Memory (:mod:`.segments`): per rank a host control page (memfd: cookie,
+secret share, published size), a device signal pad (one VMM chunk, zeroed)
+and a device data segment (a VMM range reserved over the rank's maximum size,
+chunks mapped from its start). Descriptors travel through the authenticated
+handout shared with the shm transport (:mod:`..handout`: ``SO_PEERCRED`` both
+ways, the cookie checked after mapping); death is noticed by pidfd
+(:mod:`..liveness`), as on shm. Peers may sit on the same GPU (tests, one
+GPU shared by several ranks) or on different ones (access is set for this
+rank's device; the devices must be peer-capable).
+
+Establish (collective over the local ranks): create own memory and start the
+server -> agree "cuda-listen" (pid, uid, token, cookie, or the error) -> fetch
+every peer's offer, import, map, check the cookie -> agree "cuda-mapped". The
+server keeps serving: growth adds a chunk, and a peer that reads a published
+size beyond what it mapped fetches the offer again and maps the new chunks
+(one socket round trip and a ``cuMemMap`` per growth, never per access).
+Addresses never move: a rank's range is reserved at its maximum from the start.
+
+Verbs and their cost (host verbs, for control paths and tests; the
+collectives' kernels touch the same memory from the device and never call
+these):
+
+* views are CUDA tensors aliasing the mapping (zero-copy, no synchronisation
+  of their own: they run on the caller's stream, as any torch op);
+* ``put``/``get``/``get_into``/``zero`` copy on the transport's private
+  stream after it waited for the caller's current stream, and return once the
+  copy completed (host-synchronous, as the base contract says);
+* ``signal`` is a release: it first synchronises the device (every stream of
+  this process: whatever was written through views, on any stream, is done),
+  then ``cuStreamWriteValue64`` on the private stream, and waits for it
+  (tens of microseconds);
+* ``load`` is an 8-byte device-to-host copy into pinned memory on the private
+  stream (about 10 us); ``fetch_add`` a one-thread Triton kernel doing a
+  system-scope ``atomic_add`` (acq_rel) after a device synchronise (compiled
+  once per process, then tens of microseconds);
+* ``wait_until`` polls the words (one batch of 8-byte copies and one stream
+  synchronise per poll), backing off from 10 us to 500 us between polls, and
+  checks the pidfds every ``liveness`` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .... import errors
+from ....bootstrap.base import Bootstrap
+from ....bootstrap.secret import JobSecret
+from ....bootstrap.topology import Topology
+from ....errors import ZbcclError, ZbcclRemoteError, ZbcclSystemError
+from ... import flags, layout
+from ..base import NativeHandle, Segment, SignalPad, Transport
+from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive
+from ..liveness import Pidfds
+from . import vmm
+from .segments import OwnMemory, PeerMemory
+from .tensors import device_tensor
+
+__all__ = ["CudaTransport", "signal_pad_bytes"]
+
+#: Until the kernels' pad geometry lands (``layout.kernel_pad_bytes``), the pad holds the host protocols'
+#: control area (1 MiB). TODO(i23kern): resolved by merging i23kern, which adds ``layout.kernel_pad_bytes``.
+_PLACEHOLDER_PAD = layout.CTRL_BYTES
+_POLL_MIN_S, _POLL_MAX_S, _SPIN_POLLS = 10e-6, 500e-6, 32
+
+
+def signal_pad_bytes(world: int) -> int:
+    """Bytes of a rank's device signal pad: the kernels' area for ``world`` ranks, at least the control area."""
+    kernel = getattr(layout, "kernel_pad_bytes", None)
+    return max(layout.CTRL_BYTES, kernel(world) if kernel is not None else _PLACEHOLDER_PAD)
+
+
+class CudaTransport(Transport):
+    """GPU memory shared between the processes of one host (see the module docstring)."""
+
+    name = "cuda"
+
+    def __init__(self, *, device: torch.device | str = "cuda", populate: bool = True) -> None:
+        super().__init__(device=device)
+        if self.device.type != "cuda":
+            raise errors.ZbcclInvalidUsageError(
+                f"heap: the cuda transport holds GPU memory, expected a cuda device, got {self.device}")
+        del populate  # accepted like shm's (device memory is always backed when mapped)
+        self.rank = -1
+        self.index = -1  # the CUDA device ordinal, known at establish
+        self.segments: dict[int, Segment] = {}
+        self._own: OwnMemory | None = None
+        self._peers: dict[int, PeerMemory] = {}
+        self._members: dict[int, Member] = {}
+        self._job = ""
+        self._server: FdServer | None = None
+        self._live = Pidfds()
+        self._prims = flags.primitives()
+        self._lock = threading.Lock()  # the pinned word buffer and the private stream's host waits
+        self._words = None  # pinned int64 host buffer for word reads
+        self._tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._own_flat: torch.Tensor | None = None
+        self._fetch_out: torch.Tensor | None = None
+        self._native = _CudaNative(self)
+        self._timeout = 60.0
+        self._pid = os.getpid()
+        self.views = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def establish(self, bootstrap: Bootstrap, topology: Topology, *, data_bytes: list[int], job_id: str,
+                  timeout: float, reserve_bytes: list[int] | None = None) -> dict[int, Segment]:
+        rank = self.rank = bootstrap.rank
+        reserve = list(data_bytes) if reserve_bytes is None else list(reserve_bytes)
+        peers = [r for r in topology.local_ranks if r != rank]
+        self._job, self._timeout, self._pid = job_id, timeout, os.getpid()
+        me = Member(rank, os.getpid(), os.geteuid(), secrets.token_hex(16), 1)
+        error: ZbcclError | None = None
+        try:
+            try:
+                self._open_device()
+                own = self._own = OwnMemory(rank, self.index, job_id, data=data_bytes[rank], reserve=reserve[rank],
+                                            pad=signal_pad_bytes(bootstrap.world_size))
+                me = Member(rank, me.pid, me.uid, me.token, own.cookie)
+                self._server = FdServer(job_id, rank, me.token, offer=own.offer, persistent=True)
+            except ZbcclError as exc:
+                error = exc
+            except OSError as exc:
+                error = os_error("heap: cannot create this rank's cuda segment", exc, rank)
+            got = agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
+                        error, timeout=timeout, tag="cuda-listen")
+            self._members = {p: member_of(p, got[p]) for p in peers}
+            error = check_uids(me, self._members)
+            if error is None:
+                self._server.serve(list(self._members.values()))
+                try:
+                    for p in peers:
+                        self._attach(p, reserve[p], data_bytes[p], timeout)
+                except ZbcclError as exc:
+                    error = exc
+                except OSError as exc:
+                    error = os_error("heap: cannot map the peers' cuda segments", exc, rank)
+            agree(bootstrap, {}, error, timeout=timeout, tag="cuda-mapped")
+        except BaseException:
+            self.close(unmap=True)
+            raise
+        self.segments[rank] = Segment(rank, data_bytes[rank], "cuda", owner=True, reserved=reserve[rank])
+        return dict(self.segments)
+
+    def _open_device(self) -> None:
+        if not torch.cuda.is_available():
+            raise ZbcclSystemError("heap: the cuda transport needs a GPU, expected torch.cuda.is_available(), "
+                                   f"got False (torch {torch.__version__}, built for CUDA {torch.version.cuda})", ranks=(self.rank,))
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.index)
+        with torch.cuda.device(self.index):
+            torch.cuda.init()
+            vmm.ensure_context(self.index)
+            self.stream = torch.cuda.Stream(self.device)
+        self._words = torch.zeros(64, dtype=torch.int64, pin_memory=True)
+        self._fetch_out = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def _attach(self, peer: int, reserve: int, nbytes: int, timeout: float) -> None:
+        payload, fds, pidfd = receive(self._job, self._members[peer], timeout=timeout)
+        mem = PeerMemory(peer, self.index, reserve=reserve)
+        try:
+            with self._on_device():
+                mem.attach(payload, fds, self._members[peer].cookie)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        self._peers[peer] = mem
+        self.segments[peer] = Segment(peer, nbytes, "cuda", owner=False, reserved=reserve)
+        self._live.add(peer, pidfd)
+
+    def grow(self, nbytes: int) -> None:
+        """Owner only: back ``nbytes`` of data (a new chunk when needed), then publish the size (release)."""
+        seg = self.segments.get(self.rank)
+        if seg is None or self._own is None:
+            raise ZbcclSystemError("heap: grow: this process holds no cuda segment of its own to grow")
+        if nbytes <= seg.nbytes:
+            return
+        if nbytes > seg.reserved:
+            raise errors.ZbcclOutOfMemoryError(
+                f"heap: grow: heap of {nbytes} bytes requested, expected at most the {seg.reserved} reserved")
+        with self._on_device():
+            self._own.grow(nbytes)  # nothing changed if it raises
+        seg.nbytes = nbytes
+        self._own_flat = None
+        self._own.publish(nbytes, self._prims)
+
+    def close(self, *, unmap: bool) -> None:
+        if self._server is not None:
+            self._server.stop()  # before the offered descriptors close
+            self._server = None
+        self._live.close()
+        forked = self._pid != os.getpid()  # a forked child: CUDA is unusable here, and the memory is the parent's
+        if self._own is not None:
+            self._own.close(unmap=False)
+        self._own_flat = None
+        self._tables.clear()
+        if unmap and not forked:
+            if self.index >= 0 and torch.cuda.is_initialized():
+                torch.cuda.synchronize(self.device)  # no kernel of ours still reads the mappings
+            for mem in self._peers.values():
+                mem.close()
+            self._peers.clear()
+            if self._own is not None:
+                self._own.close(unmap=True)
+                self._own = None
+            self.segments.clear()
+
+    # ------------------------------------------------------------ geometry
+    def reachable(self, rank: int) -> bool:
+        return rank in self.segments
+
+    def size(self, rank: int) -> int:
+        if rank == self.rank:
+            seg = self.segments.get(rank)
+            return seg.nbytes if seg is not None else 0
+        mem = self._peers.get(rank)
+        if mem is None:
+            return 0
+        size = mem.published(self._prims)
+        if size > mem.mapped:
+            self._refresh(rank, mem)
+        return min(size, mem.mapped)
+
+    def _refresh(self, rank: int, mem: PeerMemory) -> None:
+        def fetch():
+            payload, fds, _ = receive(self._job, self._members[rank], timeout=self._timeout, pidfd=False)
+            return payload, fds
+
+        try:
+            with self._on_device():
+                mem.refresh(fetch)
+        except ZbcclRemoteError:
+            if rank in self._live.dead():
+                raise ZbcclRemoteError(f"heap: rank {rank} died before its grown heap could be mapped here",
+                                       ranks=(rank,)) from None
+            raise
+
+    def signal_pad(self, rank: int) -> SignalPad:
+        mem = self._own if rank == self.rank else self._peers.get(rank)
+        nbytes = mem.pad.mapped if mem is not None and mem.pad is not None else 0
+        return SignalPad(rank, nbytes, self.LINE)
+
+    def _data_va(self, rank: int) -> int:
+        mem = self._own if rank == self.rank else self._peers[rank]
+        return mem.data.va
+
+    def _pad_va(self, rank: int) -> int:
+        mem = self._own if rank == self.rank else self._peers[rank]
+        return mem.pad.va
+
+    # ------------------------------------------------------------ views
+    def view(self, rank: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *,
+             stride: Sequence[int] | None = None, release: Callable[[], None] | None = None,
+             op: str = "view") -> torch.Tensor:
+        isz = dtype.itemsize
+        if stride is None:
+            span = isz * math.prod(shape)
+        else:
+            span = 0 if 0 in shape else (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * isz
+        if offset % isz:
+            raise errors.ZbcclInvalidUsageError(
+                f"{op}: offset not aligned to {dtype}, expected a multiple of {isz}, got {offset}")
+        if rank not in self.segments or offset < 0 or span < 0 or offset + span > self.size(rank):
+            self.check_data(rank, offset, span, op=op)  # raises, naming what is wrong
+        if rank == self.rank:
+            if release is None:
+                flat = self._own_bytes(offset + span)[offset:offset + span]
+            else:
+                flat = device_tensor(self._data_va(rank) + offset, span, self.device, release)
+        else:
+            self.views += 1
+            flat = device_tensor(self._data_va(rank) + offset, span, self.device, _Release(self, release))
+        typed = flat.view(dtype)
+        return typed.view(shape) if stride is None else typed.as_strided(shape, stride)
+
+    def _own_bytes(self, end: int) -> torch.Tensor:
+        flat = self._own_flat
+        if flat is None or flat.numel() < end:
+            flat = self._own_flat = device_tensor(self._data_va(self.rank), self.size(self.rank), self.device)
+        return flat
+
+    def pad_view(self, rank: int, line: int, nbytes: int, *, op: str = "signal pad") -> torch.Tensor:
+        self.check_pad(rank, line, nbytes, op=op)
+        return device_tensor(self._pad_va(rank) + line, nbytes, self.device)
+
+    def live_views(self) -> int:
+        return self.views
+
+    def offset_of(self, rank: int, t: torch.Tensor) -> int:
+        if not isinstance(t, torch.Tensor) or t.device != self.device or rank not in self.segments:
+            return -1
+        st = t.untyped_storage()
+        lo = st.data_ptr() - self._data_va(rank)
+        if lo < 0 or st.nbytes() == 0 or lo + st.nbytes() > self.size(rank):
+            return -1
+        return lo + t.storage_offset() * t.element_size()
+
+    def pointer_tables(self, ranks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data bases, pad bases)``: int64 tensors ``[len(ranks)]`` on this device. Cached (bases never move:
+        each rank's range is reserved at its maximum, so growth keeps every address)."""
+        key = tuple(int(r) for r in ranks)
+        got = self._tables.get(key)
+        if got is None:
+            bad = [r for r in key if r not in self.segments]
+            if bad:
+                raise errors.ZbcclInvalidUsageError(
+                    f"pointer_tables: ranks not mapped here, expected ranks of {sorted(self.segments)}, got {bad}")
+            data = torch.tensor([self._data_va(r) for r in key], dtype=torch.int64).to(self.device)
+            pads = torch.tensor([self._pad_va(r) for r in key], dtype=torch.int64).to(self.device)
+            got = self._tables[key] = (data, pads)
+        return got
+
+    # ------------------------------------------------------------ put / get (private stream, host-synchronous)
+    def _on_device(self):
+        return _Device(self)
+
+    def _copy(self, fn: Callable[[], None]) -> None:
+        with self._on_device():
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                fn()
+            self.stream.synchronize()
+
+    def put(self, rank: int, offset: int, src, *, op: str = "put") -> None:
+        if isinstance(src, torch.Tensor):
+            data = src.contiguous().view(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8)
+        else:
+            raw = bytearray(src)
+            data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        dst = self.view_bytes(rank, offset, data.numel(), op=op)
+        if data.numel():
+            self._copy(lambda: dst.copy_(data))
+
+    def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
+        src = self.view_bytes(rank, offset, nbytes, op=op)
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+        if nbytes:
+            self._copy(lambda: out.copy_(src, non_blocking=True))
+        return out.numpy().tobytes()
+
+    def get_into(self, rank: int, offset: int, dst: torch.Tensor, *, op: str = "get") -> None:
+        nbytes = dst.numel() * dst.element_size()
+        src = self.view(rank, offset, (nbytes,), torch.uint8, op=op)
+        if nbytes:
+            self._copy(lambda: dst.copy_(src.view(dst.dtype).view(dst.shape)))
+
+    def zero(self, rank: int, offset: int, nbytes: int, *, op: str = "zero") -> None:
+        view = self.view_bytes(rank, offset, nbytes, op=op)
+        if nbytes:
+            self._copy(view.zero_)
+
+    def clear_pad(self, rank: int, line: int, nbytes: int) -> None:
+        if nbytes:
+            view = self.pad_view(rank, line, nbytes, op="clear_pad")
+            self._copy(view.zero_)
+
+    # ------------------------------------------------------------ signals (device words, host verbs)
+    def _word(self, rank: int, line: int, op: str) -> int:
+        mem = self._own if rank == self.rank else self._peers.get(rank)
+        if mem is None or mem.pad is None or not 0 <= line <= mem.pad.mapped - 8 or line % 8:
+            self.check_pad(rank, line, 8, op=op)
+        return mem.pad.va + line
+
+    def signal(self, rank: int, line: int, value: int) -> None:
+        addr = self._word(rank, line, "signal")
+        with self._on_device(), self._lock:
+            torch.cuda.synchronize(self.device)  # release: every write of this process, on any stream, is done
+            vmm.write_value64(self.stream.cuda_stream, addr, value)
+            vmm.stream_sync(self.stream.cuda_stream)
+
+    def load(self, rank: int, line: int) -> int:
+        addr = self._word(rank, line, "load")
+        with self._on_device(), self._lock:
+            return self._read([addr])[0]
+
+    def _read(self, addrs: list[int]) -> list[int]:
+        """The words at ``addrs`` (device), one stream synchronise for all (caller holds ``_lock``)."""
+        if len(addrs) > self._words.numel():
+            self._words = torch.zeros(len(addrs), dtype=torch.int64, pin_memory=True)
+        base, s = self._words.data_ptr(), self.stream.cuda_stream
+        for i, a in enumerate(addrs):
+            vmm.copy_dtoh(base + 8 * i, a, 8, s)
+        vmm.stream_sync(s)
+        return self._words[:len(addrs)].tolist()
+
+    def fetch_add(self, rank: int, line: int, delta: int) -> int:
+        from .kernels import fetch_add
+
+        addr = self._word(rank, line, "fetch_add")
+        with self._on_device(), self._lock:
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.stream(self.stream):
+                fetch_add(addr, delta, self._fetch_out)
+                return int(self._fetch_out.item())
+
+    def wait_until(self, lines: Sequence[tuple[int, int]], target: int, *, timeout: float, op: str = "wait",
+                   liveness: float = 1.0, labels: dict[int, int] | None = None) -> None:
+        ranks = [r for r, _ in lines]
+        addrs = [self._word(r, line, op) for r, line in lines]
+        label = (labels or {}).get
+        start = time.monotonic()
+        deadline, next_live = start + timeout, start + liveness
+        pause, polls = _POLL_MIN_S, 0
+        while True:
+            with self._on_device(), self._lock:
+                values = self._read(addrs)
+            late = [(r, v) for r, v in zip(ranks, values) if v < target]
+            if not late:
+                return
+            now = time.monotonic()
+            if now >= next_live or now >= deadline:
+                next_live = now + liveness
+                dead = sorted({r for r, _ in late} & set(self.dead_peers()))
+                if dead:
+                    names = [label(r, r) for r in dead]
+                    raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died (process exited)",
+                                           ranks=tuple(names))
+                if now >= deadline:
+                    names = [label(r, r) for r, _ in late]
+                    got = ", ".join(f"{v} on rank {label(r, r)}" for r, v in late)
+                    raise errors.ZbcclTimeoutError(
+                        f"{op}: timed out after {timeout:.1f}s waiting for ranks {names}, expected their signal >= "
+                        f"{target}, got {got}", ranks=tuple(names))
+            polls += 1
+            if polls > _SPIN_POLLS:
+                time.sleep(min(pause, max(0.0, min(deadline, next_live) - now)))
+                pause = min(2 * pause, _POLL_MAX_S)
+
+    # ------------------------------------------------------------ trust, liveness, native
+    def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
+        if sorted(self.segments) != list(range(world_size)) or self._own is None:
+            return None
+        shares = [self._own.secret() if r == self.rank else self._peers[r].secret() for r in range(world_size)]
+        return JobSecret.from_shares(shares, job_id)
+
+    def dead_peers(self) -> list[int]:
+        return self._live.dead()
+
+    def native(self) -> NativeHandle:
+        return self._native
+
+
+class _Device:
+    """``with``: the transport's device current on this thread, and its primary context for driver calls."""
+
+    __slots__ = ("t", "guard")
+
+    def __init__(self, t: CudaTransport) -> None:
+        self.t, self.guard = t, torch.cuda.device(t.index)
+
+    def __enter__(self) -> None:
+        self.guard.__enter__()
+        vmm.ensure_context(self.t.index)
+
+    def __exit__(self, *exc) -> None:
+        self.guard.__exit__(*exc)
+
+
+class _Release:
+    """A peer view's finalizer: one view fewer alive, then the caller's ``release``."""
+
+    __slots__ = ("transport", "release")
+
+    def __init__(self, transport: CudaTransport, release: Callable[[], None] | None) -> None:
+        self.transport, self.release = transport, release
+
+    def __call__(self) -> None:
+        self.transport.views -= 1
+        if self.release is not None:
+            self.release()
+
+
+class _CudaNative(NativeHandle):
+    """Device addresses (in this process) of every mapped rank's data and pad, and the peers' pidfds."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, transport: CudaTransport) -> None:
+        self._t = transport
+
+    def data_addr(self, rank: int, offset: int = 0, nbytes: int = 0, *, op: str = "heap") -> int:
+        t = self._t
+        t.check_data(rank, offset, nbytes, op=op)
+        return t._data_va(rank) + offset
+
+    def pad_addr(self, rank: int, line: int = 0) -> int:
+        return self._t._word(rank, line, "signal pad")
+
+    def liveness_fd(self, rank: int) -> int:
+        return self._t._live.fd(rank)
