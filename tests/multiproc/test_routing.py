@@ -125,6 +125,7 @@ def _rank(ctx):
     out["strided"] = _errors(lambda: zbccl.all_reduce(m(4, 4).t()))
     out["src"] = _errors(lambda: zbccl.broadcast(m(4), W))
     out["no_heap"] = _errors(lambda: comm.device_ops("cuda"))
+    out["no_heap_op"] = _errors(lambda: route.lane(comm, "cuda", "all_reduce"))
     out["calls_after_errors"] = list(ops.calls)
 
     # A sub-group gets its own device ops; destroy closes them.
@@ -170,8 +171,9 @@ def test_device_tensors_reach_the_device_ops_and_cpu_tensors_do_not():
         assert "all_reduce: a per-op timeout is not supported for device tensors" in got["timeout"]
         assert "all_reduce: tensor must be a contiguous tensor on meta" in got["strided"]
         assert f"broadcast: src out of range, expected [0, {W}), got {W}" in got["src"]
-        assert "device_ops: no cuda heap, expected zbccl initialized with one" in got["no_heap"]
-        assert "zbccl.init(" in got["no_heap"]
+        assert "device_ops: no cuda heap in this job, expected one built at init (init(device='cuda') or " \
+            "ZBCCL_DEVICE=cuda)" in got["no_heap"]
+        assert "all_reduce: no cuda heap in this job" in got["no_heap_op"]
         assert got["calls_after_errors"] == []
         n, distinct, sub_calls, sub_closed, world_closed = got["sub"]
         assert n == 2 and distinct and sub_calls == [("all_reduce", (2,), "sum")] and sub_closed and not world_closed

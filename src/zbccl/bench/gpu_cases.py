@@ -114,7 +114,7 @@ def init_cuda(store, rank: int, world_size: int, *, heap_bytes: int, timeout: fl
     import zbccl
 
     return zbccl.init(store=dist.PrefixStore("zbccl", store), rank=rank, world_size=world_size, heap_size="8M",
-                      device="cuda", device_heap_size=heap_bytes, timeout=timeout)
+                      device="cuda", cuda_heap_size=heap_bytes, timeout=timeout)
 
 
 def _case(rk: Rank, name: str, fn: Callable[[], str | None], results: list) -> None:

@@ -44,13 +44,7 @@ from ..runtime import registry
 from . import null
 
 __all__ = ["device_of", "lane", "make_device_ops", "capturing", "all_reduce", "all_gather", "all_gather_v",
-           "reduce_scatter", "reduce_scatter_v", "all_to_all", "broadcast", "barrier", "cuda_heap_hint"]
-
-#: How to ask for a CUDA heap (the text of the error a CUDA tensor gets without one).
-cuda_heap_hint = ("initialize zbccl with a CUDA heap: zbccl.init(..., device='cuda') (or "
-                  "ZBCCL_DEVICE=cuda), and allocate the tensors with zbccl.empty(..., device='cuda') or "
-                  "under zbccl.heap_scope()")
-
+           "reduce_scatter", "reduce_scatter_v", "all_to_all", "broadcast", "barrier"]
 
 def device_of(op: str, *tensors: Any) -> str | None:
     """The device type of the op's tensors when none is on the CPU (``"cuda"``); None when every operand
@@ -82,25 +76,20 @@ def capturing(device: str) -> bool:
     return device == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def make_device_ops(comm, device: str):
-    """The factory behind ``Communicator.device_ops``: a ``DeviceOps`` over the runtime's heap on ``device``."""
+def make_device_ops(comm, device: str, op: str = "device_ops"):
+    """The factory behind ``Communicator.device_ops``: a ``DeviceOps`` over the runtime's heap on ``device``
+    (``comm.device_heap``: its error says how to ask for one at init)."""
     if capturing(device):
         raise ZbcclInvalidUsageError(
-            f"device_ops: first {device} collective of this communicator inside a CUDA graph capture, expected "
+            f"{op}: first {device} collective of this communicator inside a CUDA graph capture, expected "
             f"its device ops made before the capture (run each op once eagerly, or call "
             f"comm.device_ops({device!r}), before capturing), got a capture in progress")
     factory = _factories.get(device)
     if factory is not None:
         return factory(comm)
-    ctx = comm._ctx
-    heap = (getattr(ctx, "device_heaps", None) or {}).get(device)
-    if heap is None:
-        raise ZbcclInvalidUsageError(
-            f"device_ops: no {device} heap, expected zbccl initialized with one, got a CPU heap only; "
-            f"{cuda_heap_hint}")
+    transport = comm.device_heap(device, op=op).transport
     from .device import DeviceOps  # triton is imported by the kernels only when they run
 
-    transport = getattr(heap, "transport", heap)
     # collective: each rank zeroes its kernel slot of this communicator, then a host barrier of the group
     return DeviceOps(comm.rank, comm.ranks, transport, slot=comm.slot, timeout_s=comm.timeout, barrier=comm.barrier)
 
@@ -119,9 +108,8 @@ class _Lane:
 
     def __init__(self, comm, device: str) -> None:
         self.stream: Any = None
-        heap = (getattr(comm._ctx, "device_heaps", None) or {}).get(device)
-        self.transport = getattr(heap, "transport", heap)
-        self.peers = [r for r in comm.ranks if r != comm._ctx.rank]
+        self.transport = comm.device_heap(device).transport
+        self.peers = [r for r in comm.ranks if r != comm.global_rank]
 
 
 def lane(comm, device: str, op: str):
@@ -129,7 +117,7 @@ def lane(comm, device: str, op: str):
     mapping what peers' heaps grew by."""
     ops = comm.device_state.get(device)
     if ops is None:
-        ops = comm.device_ops(device)
+        ops = comm.device_ops(device, op=op)
     if device != "cuda":
         return ops
     key = device + "/lane"

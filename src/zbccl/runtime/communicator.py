@@ -196,7 +196,7 @@ class Communicator:
                 f"{op}: the {dev.type} heap is on another device, expected {dh.device}, got {dev}")
         return dh
 
-    def device_ops(self, device: str = "cuda") -> Any:
+    def device_ops(self, device: str = "cuda", *, op: str = "device_ops") -> Any:
         """This communicator's collectives over the ``device`` heap (``zbccl.ops.device.DeviceOps``): made on
         first use, then cached. Collective on first use (every member zeroes its kernel slot, then a host
         barrier): the first device collective of the communicator makes it on every rank. Each of its ops is enqueued on the current stream and
@@ -205,8 +205,8 @@ class Communicator:
         capture may not allocate its pointer tables)."""
         ops = self.device_state.get(device)
         if ops is None:
-            check_usable(self, "device_ops")
-            ops = self.device_state[device] = device_ops_factory()(self, device)
+            check_usable(self, op)
+            ops = self.device_state[device] = device_ops_factory()(self, device, op)
         return ops
 
     # -------------------------------------------------------------------- sync

@@ -45,7 +45,7 @@ _forked_from: int | None = None  # pid of the parent whose communicator this pro
 _fallback: str | None = None  # why the 'zbccl' torch backend runs the world on gloo (resolve_comm says it)
 # Makes a communicator's device ops (``Communicator.device_ops``): registered by the ops layer, which this
 # layer may not import.
-_device_ops_factory: Callable[[Communicator, str], Any] | None = None
+_device_ops_factory: Callable[[Communicator, str, str], Any] | None = None
 
 
 def get_default() -> Communicator | None:
@@ -66,13 +66,13 @@ def note_fallback(reason: str | None) -> None:
     _fallback = reason
 
 
-def set_device_ops_factory(factory: Callable[[Communicator, str], Any]) -> None:
-    """Register ``factory(comm, device) -> device ops`` (the ops layer does, at its import)."""
+def set_device_ops_factory(factory: Callable[[Communicator, str, str], Any]) -> None:
+    """Register ``factory(comm, device, op) -> device ops`` (the ops layer does, at its import)."""
     global _device_ops_factory
     _device_ops_factory = factory
 
 
-def device_ops_factory() -> Callable[[Communicator, str], Any]:
+def device_ops_factory() -> Callable[[Communicator, str, str], Any]:
     if _device_ops_factory is None:  # only a process that imported zbccl.runtime without zbccl.ops
         raise ZbcclInvalidUsageError("device_ops: the ops layer is not loaded, expected `import zbccl` first")
     return _device_ops_factory
