@@ -7,11 +7,17 @@ ranks (torch translates global ranks before it calls a process group), and a
 zbccl communicator numbers its members in the same sorted order, so they pass
 through unchanged.
 
-Host semantics: every collective blocks the calling thread until it is
+Host semantics: every CPU collective blocks the calling thread until it is
 complete on this rank (see :mod:`.work`). ``async_op=True`` is accepted; the
 op still completes inside the call and its Work is already complete; an
 error then travels in the Work (``wait()``, ``exception()``, the future)
 instead of raising at the call.
+
+CUDA tensors follow NCCL's semantics (``docs/cuda-ops.md``): the op is
+enqueued on the current stream and the host does not wait; with
+``async_op=True`` it runs on this group's side stream after the current
+stream's work, and its :class:`~.work.DeviceWork` (a CUDA event) makes the
+current stream wait in ``wait()``.
 
 Ops zbccl does not run (``ZBCCL_FALLBACK_OPS``, bitwise reduce ops, all of
 them after an initialisation fallback) run on the group's inner gloo group
@@ -91,9 +97,10 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     ``fallback`` holds the op keys (see :data:`~zbccl.adapters.backend.FALLBACK_KEYS`)
     that always run on ``gloo``. Made by the backend's creator, never directly.
 
-    Every collective is a collective over the group's members and blocks the host until it is
-    complete on this rank. ``async_op=True`` does not make it run in the background: the call
-    returns a Work that is already complete (its error, if any, inside it). Only receives
+    Every collective is a collective over the group's members. On CPU tensors it blocks the host until
+    it is complete on this rank, and ``async_op=True`` does not make it run in the background: the call
+    returns a Work that is already complete (its error, if any, inside it). On CUDA tensors it is
+    enqueued on a stream and never blocks the host (see the module docstring). Only receives
     (``irecv``) and sends of heap tensors (``isend``) return Works that complete later.
     """
 
