@@ -49,3 +49,11 @@ def test_payloads_encode_their_source_and_sum_exactly_in_every_dtype():
         exact = sum(p.to(torch.float64) for p in parts)
         assert torch.equal(exact.to(dt).to(torch.float64), exact), dt
     assert set(REDUCE_DTYPES) < set(MOVE_DTYPES)
+
+
+def test_all_gather_rows_count_the_output_as_nccl_tests_do():
+    rows = {"rows": [{"op": "all_gather", "bytes": 1 << 20, "memcpy_us": 10.0, "us": {"zbccl": 100.0},
+                      "wrong": {"zbccl": 0}}], "errors": []}
+    cells = [c.strip() for c in gpu.format_table(4, [rows])[2].strip("|").split("|")]
+    assert cells[4] == f"{4 * (1 << 20) * 0.75 / 100 / 1e3:.1f}"  # S = W * size, factor (W-1)/W
+    assert cells[5:10] == ["-"] * 5 and cells[12] == "-"

@@ -119,8 +119,9 @@ def _launch(fn, world: int, limit: float, **kwargs):
 
 # ----------------------------------------------------------------------------------------- the table
 def format_table(world: int, ranks: list[dict]) -> list[str]:
-    """Markdown rows from every rank's bench result: the slowest rank's median per implementation."""
-    from .report import busbw_factor
+    """Markdown rows from every rank's bench result: the slowest rank's median per implementation. ``size``:
+    each rank's input bytes; busbw as nccl-tests (all_gather's data size is its output: ``W * size``)."""
+    from .report import algbw_bytes, busbw_factor
 
     head = ("| W | op | size | zbccl us | busbw GB/s | zb 1-shot us | zb 2-shot us | symm 1-shot us | "
             "symm 2-shot us | staged us | memcpy GB/s | busbw/memcpy | 1-shot/zbccl | #wrong |")
@@ -132,7 +133,7 @@ def format_table(world: int, ranks: list[dict]) -> list[str]:
         size = row["bytes"]
         memcpy_gbs = size / max(r["memcpy_us"] for r in rows) / 1e3
         zb = us.get("zbccl")
-        busbw = size * busbw_factor(row["op"], world) / zb / 1e3 if zb else None
+        busbw = algbw_bytes(row["op"], size, world) * busbw_factor(row["op"], world) / zb / 1e3 if zb else None
         cell = lambda k, us=us: f"{us[k]:.1f}" if k in us else "-"  # noqa: E731
         ratio = f"{us['symm_1shot'] / zb:.2f}" if zb and "symm_1shot" in us else "-"
         lines.append(f"| {world} | {row['op']} | {_size(size)} | {cell('zbccl')} | "
