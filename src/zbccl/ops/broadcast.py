@@ -44,9 +44,6 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
     W = comm.world_size
     error = tensor_error(tensor, "tensor", op=_OP)
     if error is not None and (device := device_of(_OP, tensor)) is not None:  # a CUDA tensor: the device ops
-        src, error = rank_error(src, W, op=_OP)
-        if error is not None:
-            raise ZbcclInvalidUsageError(error)
         return route.broadcast(comm, device, tensor, src, timeout)
     dt = 0
     if error is None:

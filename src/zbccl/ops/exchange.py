@@ -29,7 +29,6 @@ import numpy as np
 import torch
 import torch.autograd.profiler as _profiler
 
-from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_ALL_GATHER, OP_ALL_TO_ALL
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
@@ -225,9 +224,7 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
     rows, size_error = index_list(sizes, "sizes", op=op)
     if error is not None and (device := device_of(op, output, input)) is not None:  # CUDA: the device ops
-        if size_error is not None:
-            raise ZbcclInvalidUsageError(size_error)
-        return route.all_gather_v(comm, device, output, input, rows, dim, timeout)
+        return route.all_gather_v(comm, device, output, input, sizes, dim, timeout)
     error = error or size_error
     blocks = 1
     if error is None and len(rows) != comm.world_size:

@@ -29,8 +29,10 @@ device at each replay.
 
 World size 1 needs no device ops (nor a device heap): the null backend's copies, on the current stream.
 
-Errors raised here are local (this rank): a peer's kernel then times out on the device and names this
-rank in its status word (``DeviceOps.check``).
+Argument errors: the device ops check every operand (device, layout, heap placement, sizes) and, when
+only this rank's call is wrong, still run the handshake as an ERROR launch, so that every peer raises
+too instead of waiting; then this rank raises. A per-op ``timeout=`` is refused here (the kernels'
+waits are bounded by the communicator's timeout).
 """
 
 from __future__ import annotations
@@ -47,24 +49,14 @@ __all__ = ["device_of", "lane", "make_device_ops", "capturing", "all_reduce", "a
            "reduce_scatter", "reduce_scatter_v", "all_to_all", "broadcast", "barrier"]
 
 def device_of(op: str, *tensors: Any) -> str | None:
-    """The device type of the op's tensors when none is on the CPU (``"cuda"``); None when every operand
-    is a CPU tensor or one is not a tensor at all (the CPU checks' error stands). Raises
-    :class:`ZbcclInvalidUsageError` for operands on different devices."""
-    devices = []
+    """``"cuda"`` when an operand is a CUDA tensor: the device ops run the op, and their checks report any
+    other operand's device (or layout) on every rank (an ERROR launch the peers' kernels see). None
+    otherwise: the CPU path's checks stand, and their error fails the op on every rank through the op
+    channel (an operand on another device, not a tensor, ...)."""
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            return None
-        devices.append(t.device)
-    if all(d.type == "cpu" for d in devices):
-        return None
-    if len(set(devices)) > 1:
-        got = ", ".join(str(d) for d in devices)
-        raise ZbcclInvalidUsageError(f"{op}: operands on different devices, expected every tensor on one device, "
-                                     f"got {got}")
-    kind = devices[0].type
-    if kind != "cuda" and kind not in _FAKE_DEVICES:
-        raise ZbcclInvalidUsageError(f"{op}: unsupported device, expected CPU or CUDA tensors, got {devices[0]}")
-    return kind
+        if isinstance(t, torch.Tensor) and (t.is_cuda or (_FAKE_DEVICES and t.device.type in _FAKE_DEVICES)):
+            return t.device.type
+    return None
 
 
 #: Device types besides "cuda" that tests register device ops for (see tests/unit/test_routing.py).
@@ -154,14 +146,6 @@ def _mapped(ln: _Lane, op: str, capture: bool) -> None:
         t.size(r)
 
 
-def _contiguous(op: str, **tensors: torch.Tensor) -> None:
-    for role, t in tensors.items():
-        if not t.is_contiguous():
-            raise ZbcclInvalidUsageError(
-                f"{op}: {role} must be a contiguous tensor on {t.device} (device collectives use heap tensors in "
-                f"place, never a staged copy), got shape {tuple(t.shape)} with strides {t.stride()}")
-
-
 def _timeout(op: str, timeout) -> None:
     if timeout is not None:
         raise ZbcclInvalidUsageError(
@@ -171,7 +155,6 @@ def _timeout(op: str, timeout) -> None:
 
 def all_reduce(comm, device: str, tensor: torch.Tensor, op, timeout) -> torch.Tensor:
     _timeout("all_reduce", timeout)
-    _contiguous("all_reduce", tensor=tensor)
     if comm.world_size > 1:
         lane(comm, device, "all_reduce").all_reduce(tensor, op)
     return tensor
@@ -179,7 +162,6 @@ def all_reduce(comm, device: str, tensor: torch.Tensor, op, timeout) -> torch.Te
 
 def all_gather(comm, device: str, output: torch.Tensor, input: torch.Tensor, dim: int, timeout) -> torch.Tensor:
     _timeout("all_gather", timeout)
-    _contiguous("all_gather", output=output, input=input)
     if comm.world_size == 1:
         null.copy_into(output, input)
     else:
@@ -189,17 +171,15 @@ def all_gather(comm, device: str, output: torch.Tensor, input: torch.Tensor, dim
 
 def all_gather_v(comm, device: str, output, input, sizes, dim: int, timeout) -> torch.Tensor:
     _timeout("all_gather_v", timeout)
-    _contiguous("all_gather_v", output=output, input=input)
     if comm.world_size == 1:
         null.copy_into(output, input)
     else:
-        lane(comm, device, "all_gather_v").all_gather_v(output, input, list(sizes), dim=dim)
+        lane(comm, device, "all_gather_v").all_gather_v(output, input, sizes, dim=dim)
     return output
 
 
 def reduce_scatter(comm, device: str, output, input, op, dim: int, timeout) -> torch.Tensor:
     _timeout("reduce_scatter", timeout)
-    _contiguous("reduce_scatter", output=output, input=input)
     if comm.world_size == 1:
         null.copy_into(output, input)
     else:
@@ -209,17 +189,15 @@ def reduce_scatter(comm, device: str, output, input, op, dim: int, timeout) -> t
 
 def reduce_scatter_v(comm, device: str, output, input, sizes, op, dim: int, timeout) -> torch.Tensor:
     _timeout("reduce_scatter_v", timeout)
-    _contiguous("reduce_scatter_v", output=output, input=input)
     if comm.world_size == 1:
         null.copy_into(output, input)
     else:
-        lane(comm, device, "reduce_scatter_v").reduce_scatter_v(output, input, list(sizes), op, dim=dim)
+        lane(comm, device, "reduce_scatter_v").reduce_scatter_v(output, input, sizes, op, dim=dim)
     return output
 
 
 def all_to_all(comm, device: str, output, input, out_splits, in_splits, timeout) -> torch.Tensor:
     _timeout("all_to_all", timeout)
-    _contiguous("all_to_all", output=output, input=input)
     if comm.world_size == 1:
         null.copy_into(output, input)
         return output
@@ -228,15 +206,14 @@ def all_to_all(comm, device: str, output, input, out_splits, in_splits, timeout)
         ops.all_to_all(output, input)
     else:
         W = comm.world_size
-        outs = list(out_splits) if out_splits is not None else [output.shape[0] // W] * W
-        ins = list(in_splits) if in_splits is not None else [input.shape[0] // W] * W
+        outs = out_splits if out_splits is not None else [output.shape[0] // W] * W
+        ins = in_splits if in_splits is not None else [input.shape[0] // W] * W
         ops.all_to_all_v(output, input, outs, ins)
     return output
 
 
 def broadcast(comm, device: str, tensor: torch.Tensor, src: int, timeout) -> torch.Tensor:
     _timeout("broadcast", timeout)
-    _contiguous("broadcast", tensor=tensor)
     if comm.world_size > 1:
         lane(comm, device, "broadcast").broadcast(tensor, src)
     return tensor
