@@ -205,6 +205,7 @@ def bench(rk: Rank, *, quick: bool, sizes: list[int] | None = None) -> dict:
                     samples[name].append(_time(rk, call, iters))
             row["us"] = {k: statistics.median(v) for k, v in samples.items() if v}
             rows.append(row)
+            del impls, live  # this cell's heap tensors return to the heap before the next one
     return {"rows": rows, "errors": errors}
 
 
