@@ -36,3 +36,16 @@ def test_the_gpu_cases_pass_on_the_cpu_ops():
     assert decode and "CUDA" in decode[0][2], decode  # the eager half and its reference passed: only the capture
     summary = summarise_cases(results)
     assert all(ok for key, (ok, _) in summary.items() if not key.startswith("graph/")), summary
+
+
+def test_the_gpu_check_driver_runs_end_to_end_on_the_cpu_ops(capsys):
+    """``python -m zbccl.bench.gpu --cpu-dry-run``: its worlds, guards, summary and exit status, here."""
+    from zbccl.bench import gpu
+
+    rc = gpu.main(["--cpu-dry-run", "--worlds", "2", "--replays", "2", "--heap", "32M", "--quick"])
+    lines = capsys.readouterr().out.splitlines()
+    checks = {ln.split()[1]: ln.split()[2] for ln in lines if ln.startswith("CHECK ")}
+    assert checks.pop("w2/graph/decode_step") == "FAIL"  # its capture needs CUDA: the one failure, reported
+    assert checks and set(checks.values()) == {"PASS"}, lines
+    assert {"env", "native", "w2/cases", "w2/all_reduce", "w2/all_to_all_v", "w2/scope"} <= set(checks)
+    assert rc == 1 and lines[-1] == f"SUMMARY {len(checks)}/{len(checks) + 1} checks passed; failed: w2/graph/decode_step"

@@ -27,6 +27,9 @@ import sys
 import time
 from collections.abc import Callable
 
+from .gpu_bench import bench_rank
+from .gpu_cases import cases_rank
+
 __all__ = ["main", "cuda_status", "format_table", "summarise_cases"]
 
 #: Wall-clock limits of the spawned worlds (s): a hung rank is killed at these. The run's budget
@@ -80,31 +83,6 @@ def summarise_cases(results: list[list[tuple[str, bool, str]]]) -> dict[str, tup
     return out
 
 
-# ----------------------------------------------------------------------------------------- rank entries
-def _cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, heap_bytes: int) -> list:
-    from .gpu_cases import Rank, correctness, decode_step, graph_cases
-
-    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0)
-    try:
-        res = correctness(rk, quick=quick)
-        res += graph_cases(rk)
-        res += decode_step(rk, replays=replays)
-        return res
-    finally:
-        rk.close()
-
-
-def _bench_rank(*, rank: int, world_size: int, store, quick: bool, heap_bytes: int) -> dict:
-    from .gpu_bench import bench
-    from .gpu_cases import Rank
-
-    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0)
-    try:
-        return bench(rk, quick=quick)
-    finally:
-        rk.close()
-
-
 _deadline = float("inf")
 
 
@@ -148,10 +126,11 @@ def _size(n: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------- main
-def _env_line() -> str:
+def _env_line(device: str) -> str:
     import torch
 
-    parts = [f"torch {torch.__version__}", f"cuda {torch.version.cuda}", torch.cuda.get_device_name(0)]
+    gpu = torch.cuda.get_device_name(0) if device != "cpu" else "CPU dry run"
+    parts = [f"torch {torch.__version__}", f"cuda {torch.version.cuda}", gpu]
     for mod in ("triton", "cuda.bindings"):
         try:
             m = __import__(mod, fromlist=["__version__"])
@@ -179,10 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heap", default="512M", help="CUDA heap per rank (default 512M)")
     p.add_argument("--json", default=None, help="write every check and bench row here")
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run (default 330)")
+    p.add_argument("--cpu-dry-run", action="store_true",
+                   help="run the cases on zbccl's CPU ops instead (checks this driver where no GPU is)")
     args = p.parse_args(argv)
     global _deadline
     _deadline = time.monotonic() + args.budget
-    why = cuda_status()
+    device = "cpu" if args.cpu_dry_run else "cuda:0"
+    why = None if args.cpu_dry_run else cuda_status()
     if why is not None:
         print(f"CHECK cuda SKIP {why}", flush=True)
         return NO_CUDA
@@ -191,17 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")  # the ranks share GPU 0
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
     only = {s.strip() for s in args.only.split(",") if s.strip()} or {"cases", "bench"}
+    if args.cpu_dry_run:
+        only.discard("bench")  # CUDA events and torch SymmetricMemory: GPU only
     heap = parse_size(args.heap)
     checks: list = []
     tables: list[str] = []
-    _check("env", lambda: (True, _env_line()), checks)
+    _check("env", lambda: (True, _env_line(device)), checks)
     if not _check("native", _native, checks):
         print("zbccl: the native core is needed at world size > 1; every zbccl check below will fail", flush=True)
     for w in worlds:
         if "cases" in only:
             def run_cases(w=w):
-                res = _launch(_cases_rank, w, LIMITS["cases"], quick=args.quick, replays=args.replays,
-                              heap_bytes=heap)
+                res = _launch(cases_rank, w, LIMITS["cases"], quick=args.quick, replays=args.replays,
+                              heap_bytes=heap, device=device)
                 for key, (ok, detail) in summarise_cases(res).items():
                     _check(f"w{w}/{key}", lambda ok=ok, detail=detail: (ok, detail), checks)
                 return True, f"{sum(len(r) for r in res) // w} cases per rank"
@@ -209,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             _check(f"w{w}/cases", run_cases, checks)
         if "bench" in only:
             def run_bench(w=w):
-                res = _launch(_bench_rank, w, LIMITS["bench"], quick=args.quick, heap_bytes=heap)
+                res = _launch(bench_rank, w, LIMITS["bench"], quick=args.quick, heap_bytes=heap)
                 tables.extend(format_table(w, res) if res[0]["rows"] else [])
                 errors = sorted({e for r in res for e in r["errors"]})
                 wrong = sum(sum(row["wrong"].values()) for r in res for row in r["rows"])

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .gpu_cases import DEV, Rank, payload
 
-__all__ = ["SIZES", "bench"]
+__all__ = ["SIZES", "bench", "bench_rank"]
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 #: The staged baseline runs up to this size (it is a small-message latency baseline).
@@ -216,3 +216,12 @@ def _any_failed(error: str | None, errors: list[str]) -> bool:
     flag = torch.tensor([1 if error else 0], dtype=torch.int32)
     dist.all_reduce(flag)
     return bool(flag.item())
+
+
+def bench_rank(*, rank: int, world_size: int, store, quick: bool, heap_bytes: int) -> dict:
+    """One rank of a bench world (``tools.launch.launch_local``)."""
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0)
+    try:
+        return bench(rk, quick=quick)
+    finally:
+        rk.close()

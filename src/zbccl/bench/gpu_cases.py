@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..ops.dtypes import DTYPE_CODES
 
-__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step"]
+__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step", "cases_rank"]
 
 DEV = "cuda:0"
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -401,3 +401,17 @@ def decode_step(rk: Rank, *, replays: int) -> list[tuple[str, bool, str]]:
 
     _case(rk, "scope/decode_step", scoped, res)
     return res
+
+
+def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, heap_bytes: int,
+               device: str = DEV) -> list:
+    """One rank of a cases world (``tools.launch.launch_local``): every eager case, then the graph cases."""
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, device=device)
+    try:
+        res = correctness(rk, quick=quick)
+        if rk.device.type == "cuda":
+            res += graph_cases(rk)
+        res += decode_step(rk, replays=replays)
+        return res
+    finally:
+        rk.close()
