@@ -108,3 +108,28 @@ def _torch_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_dlpack_views_alias_memory_and_call_release_once():
+    """The DLPack way in (used for a peer GPU's memory) on host memory: zero-copy, release when the last view dies."""
+    import ctypes
+    import gc
+
+    import torch
+
+    from zbccl.heap.transports.cuda import tensors
+
+    buf = (ctypes.c_uint8 * 64)(*range(64))
+    released = []
+    t = tensors.dlpack_tensor(ctypes.addressof(buf), 64, tensors.KDLCPU, 0, lambda: released.append(1))
+    assert t.dtype == torch.uint8 and t.shape == (64,) and t.data_ptr() == ctypes.addressof(buf)
+    assert t[:4].tolist() == [0, 1, 2, 3]
+    t[0] = 99
+    assert buf[0] == 99
+    words = t.view(torch.int64)[1:3]
+    del t
+    gc.collect()
+    assert released == []  # a view still uses the storage
+    del words
+    gc.collect()
+    assert released == [1] and not tensors._alive
