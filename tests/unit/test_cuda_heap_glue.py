@@ -126,14 +126,18 @@ def test_full_heap_falls_back_unless_strict(pool):
     assert sma.stats()["active_blocks"] == 0
 
 
-def test_other_devices_and_retired_pools_get_nothing(pool):
+def test_other_devices_and_retired_pools_get_ordinary_memory(pool):
     p, sma, fb, alloc, free = pool
-    assert alloc(1 << 20, 1, None) is None  # the heap lives on device 0
+    other = alloc(1 << 20, 1, None)  # the heap lives on device 0: device 1's request is ordinary memory
+    assert other in fb.live and sma.stats()["active_blocks"] == 0
     a = alloc(1 << 20, 0, None)
-    p.retired = True  # finalize: later frees are dropped (the heap may be gone), allocations refused
-    assert alloc(1 << 20, 0, None) is None
+    p.retired = True  # finalize: later frees of heap segments are dropped (the heap may be gone) ...
+    late = alloc(1 << 20, 0, None)  # ... and a scope still open gets ordinary memory
+    assert late in fb.live and sma.stats()["fallback_allocs"] == 0  # not the closed heap's fallback
     free(a, 1 << 20, 0, None)
-    assert sma.stats()["active_blocks"] == 1 and p.counts["refused"] == 2
+    free(late, 1 << 20, 0, None)
+    free(other, 1 << 20, 0, None)
+    assert sma.stats()["active_blocks"] == 1 and not fb.live and p.counts["fallback_segments"] == 2
     free(0, 0, 0, None)  # torch may free NULL: nothing happens
 
 

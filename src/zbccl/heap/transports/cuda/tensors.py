@@ -119,9 +119,12 @@ def device_tensor(addr: int, nbytes: int, device: torch.device, release: Callabl
             release()
         return torch.empty(0, dtype=torch.uint8, device=device)
     span = _Span(addr, nbytes)
-    with torch.cuda.device(device):
-        t = torch.as_tensor(span)
-    if t.device == device and t.data_ptr() == addr:
+    try:
+        with torch.cuda.device(device):
+            t = torch.as_tensor(span)
+    except (RuntimeError, TypeError, ValueError):  # torch could not place the pointer: state the device ourselves
+        t = None
+    if t is not None and t.device == device and t.data_ptr() == addr:
         if release is not None:
             weakref.finalize(span, release)
         return t
