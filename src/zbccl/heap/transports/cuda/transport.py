@@ -363,7 +363,7 @@ class CudaTransport(Transport):
 
     def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
         src = self.view_bytes(rank, offset, nbytes, op=op)
-        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0 and self.device.type == "cuda")
         if nbytes:
             self._copy(lambda: out.copy_(src, non_blocking=True))
         return out.numpy().tobytes()
