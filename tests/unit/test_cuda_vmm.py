@@ -108,3 +108,56 @@ def _torch_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_dlpack_views_alias_memory_and_call_release_once():
+    """The DLPack way in (used for a peer GPU's memory) on host memory: zero-copy, release when the last view dies."""
+    import ctypes
+    import gc
+
+    import torch
+
+    from zbccl.heap.transports.cuda import tensors
+
+    buf = (ctypes.c_uint8 * 64)(*range(64))
+    released = []
+    t = tensors.dlpack_tensor(ctypes.addressof(buf), 64, tensors.KDLCPU, 0, lambda: released.append(1))
+    assert t.dtype == torch.uint8 and t.shape == (64,) and t.data_ptr() == ctypes.addressof(buf)
+    assert t[:4].tolist() == [0, 1, 2, 3]
+    t[0] = 99
+    assert buf[0] == 99
+    words = t.view(torch.int64)[1:3]
+    del t
+    gc.collect()
+    assert released == []  # a view still uses the storage
+    del words
+    gc.collect()
+    assert released == [1] and not tensors._alive
+
+
+_KERNELS = """
+import torch
+from zbccl.heap.transports.cuda import kernels
+w = torch.tensor([5, 0], dtype=torch.int64)
+out = torch.zeros(1, dtype=torch.int64)
+kernels.fetch_add(w.data_ptr(), 3, out)
+assert (out.item(), w.tolist()) == (5, [8, 0]), (out, w)
+kernels.fetch_add(w.data_ptr() + 8, -2, out)
+assert (out.item(), w.tolist()) == (0, [8, -2]), (out, w)
+a = torch.arange(3000, dtype=torch.int64) + 1_000_000
+b = torch.arange(3000, dtype=torch.int64) + 2_000_000
+rows = kernels.gather_rows(torch.tensor([b.data_ptr(), a.data_ptr()], dtype=torch.int64), 2500)
+assert torch.equal(rows[0], b[:2500]) and torch.equal(rows[1], a[:2500]), rows[:, :4]
+print("ok")
+"""
+
+
+def test_transport_kernels_under_the_triton_interpreter():
+    """The transport's own kernels (fetch_add's system-scope atomic, loads through an int64 pointer table) run
+    under TRITON_INTERPRET=1 on host memory by raw address, as they do on device memory on a GPU."""
+    pytest.importorskip("triton")
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _KERNELS], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -38,6 +38,9 @@ def test_heap_tensors_take_a_cpu_device(world1) -> None:
                                                            "'nowhere'"):
         zbccl.zeros(4, device="nowhere")
     assert zbccl.memory_stats()["active_blocks"] == zbccl.memory_stats(device="cpu")["active_blocks"]
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="heap_scope: no cuda heap in this job"):
+        with zbccl.heap_scope(device="cuda"):
+            pass
 
 
 def test_the_backend_registers_cpu_and_cuda(monkeypatch) -> None:

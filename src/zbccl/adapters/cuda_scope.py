@@ -87,9 +87,13 @@ def callbacks(p: _Pool, *, fallback_alloc=None, fallback_free=None) -> tuple[Any
 
     def alloc(size: int, device: int, stream: int | None) -> int:
         try:  # nothing may propagate into C: 0 is "out of memory" to torch
-            if p.retired or device != p.device:
-                p.counts["refused"] += 1
-                return 0
+            if p.retired or device != p.device:  # after finalize (or another device): ordinary memory
+                ptr = fallback_alloc(size)
+                with p.mutex:
+                    p.foreign[ptr] = size
+                    p.counts["fallback_segments"] += 1
+                    p.counts["fallback_bytes"] += size
+                return ptr
             offset = p.sma.try_malloc(size, kind="heap_scope")
             if offset is not None:
                 with p.mutex:
@@ -203,7 +207,8 @@ def pool_stats(sma: Any) -> dict[str, int]:
 
 def detach_all() -> None:
     """``zbccl.finalize``: end every pool (torch frees its unused segments back to the SMA now), then stop
-    serving: later frees of segments still alive are dropped, later allocations refused (0)."""
+    serving the heap: later frees of its segments still alive are dropped, and allocations in a scope still
+    open go to ordinary memory (as the CPU hook does)."""
     import torch
 
     with _lock:

@@ -6,9 +6,9 @@ primitives (``waiters`` lets a writer skip the futex wake when nobody sleeps).
 
 ::
 
-    offset 0                      64 KiB                          CTRL_BYTES
-    | header (one line per field) | comm slot 0 | slot 1 | ...    | heap ...
-                                  ^ 8 KiB each, MAX_COMMS of them
+    offset 0                      64 KiB                          1 MiB (COMM_BYTES)       CTRL_BYTES
+    | header (one line per field) | comm slot 0 | slot 1 | ...    | kernel area            | heap ...
+                                  ^ 8 KiB each, MAX_COMMS of them  ^ KERNEL_AREA: one kernel slot per comm slot
 
 Header lines are written only by the owner and read by peers:
 
@@ -29,9 +29,17 @@ Header lines are written only by the owner and read by peers:
 A comm slot belongs to one communicator (the world is slot 0). Line 0 of the
 slot holds the owner's barrier epoch; the other lines are reserved for the
 collectives' per-op headers and flags.
+
+The kernel area holds the device collectives' signal words (``native/triton/geometry.py`` owns the
+inside of a kernel slot): one kernel slot of ``KSLOT_BYTES`` per comm slot, at
+:func:`kernel_slot_offset` from the area's start. The shm transport keeps the area in its pad at
+``KERNEL_AREA`` (so the Triton kernels run over the real heap under the interpreter); a device
+transport keeps it in a separate device allocation of :func:`kernel_pad_bytes` bytes, at offset 0.
 """
 
 from __future__ import annotations
+
+from ..native.triton.geometry import KMAX_WORLD, KSLOT_BYTES
 
 __all__ = [
     "LINE", "MAGIC_VALUE", "LAYOUT_VERSION", "HEADER_BYTES", "SLOT_BYTES", "MAX_COMMS", "CTRL_BYTES",
@@ -39,6 +47,7 @@ __all__ = [
     "H_MAGIC", "H_VERSION", "H_RANK", "H_HEAP_BYTES", "H_PID", "H_STATE", "H_ERROR", "H_COOKIE",
     "H_SECRET", "SECRET_BYTES", "H_PROBE_FLAG", "H_PROBE", "PROBE_BYTES",
     "slot_offset", "slot_line", "segment_bytes", "SLOT_BARRIER",
+    "COMM_BYTES", "KERNEL_AREA", "KSLOT_BYTES", "KMAX_WORLD", "kernel_slot_offset", "kernel_pad_bytes",
 ]
 
 LINE = 64
@@ -47,8 +56,8 @@ LAYOUT_VERSION = 1
 
 HEADER_BYTES = 64 << 10
 SLOT_BYTES = 8 << 10
-CTRL_BYTES = 1 << 20
-MAX_COMMS = (CTRL_BYTES - HEADER_BYTES) // SLOT_BYTES
+COMM_BYTES = 1 << 20
+MAX_COMMS = (COMM_BYTES - HEADER_BYTES) // SLOT_BYTES
 PAGE = 4096
 
 # Header fields: byte offsets of their lines.
@@ -89,6 +98,29 @@ def slot_line(slot: int, line: int) -> int:
     if not 0 <= line < SLOT_BYTES // LINE:
         raise ValueError(f"slot line {line} out of range [0, {SLOT_BYTES // LINE})")
     return slot_offset(slot) + line * LINE
+
+
+def kernel_slot_offset(slot: int) -> int:
+    """Byte offset of comm slot ``slot``'s kernel slot inside a kernel area."""
+    if not 0 <= slot < MAX_COMMS:
+        raise ValueError(f"comm slot {slot} out of range [0, {MAX_COMMS})")
+    return slot * KSLOT_BYTES
+
+
+def kernel_pad_bytes(world: int) -> int:
+    """Bytes of a kernel area serving communicators of up to ``world`` ranks (page-rounded).
+
+    The geometry is fixed (``KMAX_WORLD`` signal words per block), so every world up to that needs the
+    same; a larger one cannot run the device kernels.
+    """
+    if not 1 <= world <= KMAX_WORLD:
+        raise ValueError(f"device kernels serve 1 to {KMAX_WORLD} ranks, got a world of {world}")
+    return (MAX_COMMS * KSLOT_BYTES + PAGE - 1) // PAGE * PAGE
+
+
+#: Where the kernel area starts in a shm segment's control area, and the control area's size.
+KERNEL_AREA = COMM_BYTES
+CTRL_BYTES = COMM_BYTES + kernel_pad_bytes(KMAX_WORLD)
 
 
 def segment_bytes(heap_bytes: int) -> int:

@@ -384,7 +384,8 @@ def _after_fork_in_child() -> None:
     # Inherited heap tensors still die in the child (finalizers call sma.free on the child's private
     # copy of the allocator). A thread that held the allocator's lock at fork does not exist here,
     # so that lock would block those frees forever: re-arm it (nothing else uses this copy).
-    ctx.sma.after_fork_in_child()
+    for sma in [ctx.sma] + [dh.sma for dh in ctx.device_heaps.values()]:
+        sma.after_fork_in_child()
     try:
         for t in [ctx.heap.transport] + [dh.transport for dh in ctx.device_heaps.values()]:
             t.close(unmap=False)

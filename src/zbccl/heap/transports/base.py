@@ -141,6 +141,8 @@ class Transport(ABC):
     name: ClassVar[str] = ""
     #: Bytes of one signal line: a waited-on word sits alone on one.
     LINE: ClassVar[int] = 64
+    #: Byte offset of the device kernels' signal area (``layout.kernel_pad_bytes``) in each rank's pad.
+    KERNEL_LINE: ClassVar[int] = 0
 
     def __init__(self, *, device: torch.device | str = "cpu") -> None:
         #: The device the data segments are on (tensors from the views are on it).
@@ -148,6 +150,7 @@ class Transport(ABC):
         #: The stream the verbs' device work goes on; None for host transports, whose verbs complete on the
         #: calling thread (a device transport documents whether a verb is stream-ordered or host-synchronous).
         self.stream = None
+        self._tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # pointer_tables' cache
 
     # ------------------------------------------------------------ lifecycle
     @abstractmethod
@@ -291,6 +294,23 @@ class Transport(ABC):
     @abstractmethod
     def native(self) -> NativeHandle:
         """Native-core handle: only for native code that runs over this transport (see :class:`NativeHandle`)."""
+
+    def pointer_tables(self, ranks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two int64 tensors ``[len(ranks)]`` on :attr:`device`: each listed rank's data base and the base of
+        its kernel signal area (byte :attr:`KERNEL_LINE` of its pad), in this process's address space, for
+        the device kernels (``native/triton``). Cached per rank list: growth never moves a base here (the
+        mappings reserve the most a segment may grow to); a transport whose growth remaps clears
+        ``self._tables``. Do not write to them. Not collective; does not block."""
+        key = tuple(ranks)
+        cache = self.__dict__.setdefault("_tables", {})
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        native = self.native()
+        bases = [native.data_addr(r) for r in key] + [native.pad_addr(r, self.KERNEL_LINE) for r in key]
+        both = torch.tensor(bases, dtype=torch.int64).to(self.device)
+        tables = cache[key] = (both[:len(key)], both[len(key):])
+        return tables
 
     # ------------------------------------------------------------ helpers for implementations
     def check_data(self, rank: int, offset: int, nbytes: int, *, op: str) -> None:

@@ -237,7 +237,7 @@ class PeerMemory:
     def secret(self) -> bytes:
         return bytes(tensor_at(self.ctrl_addr + layout.H_SECRET, layout.SECRET_BYTES).numpy())
 
-    def close(self) -> None:
+    def close(self, *, unmap: bool = True) -> None:
         for m in (self.data, self.pad):
             if m is not None:
                 m.close()

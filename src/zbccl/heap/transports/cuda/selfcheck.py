@@ -7,6 +7,7 @@ on its own line ``CHECK <name> PASS|FAIL <detail>``:
 
 * ``torch_peer_read``: the peer's values (``f(rank, i)``) read through the mapping by a torch op;
 * ``triton_peer_read``: the same through a Triton kernel loading from an int64 table of base pointers;
+* ``dlpack_peer_read``: the same through a DLPack view (the way a peer GPU's memory is wrapped);
 * ``peer_write``: values written into the peer's memory are seen by the peer in its own;
 * ``stream_write_value64``: a ``cuStreamWriteValue64`` into the peer's memory is seen there;
 * ``triton_atomic``: system-scope atomic adds from both processes onto one word sum exactly;
@@ -192,6 +193,21 @@ def _rank_main(rank: int, name: str, device: int, timeout: float) -> None:  # no
         return "own and peer rows match"
 
     ok &= _check(rank, "triton_peer_read", triton_read)
+
+    def dlpack_read():
+        from zbccl.heap.transports.cuda.tensors import KDLCUDA, dlpack_tensor
+
+        t = dlpack_tensor(theirs.va, 8 * N, KDLCUDA, device).view(torch.int64)
+        if t.device != dev or t.data_ptr() != theirs.va:
+            raise AssertionError(f"expected a view on {dev} at {theirs.va:#x}, got {t.device} at {t.data_ptr():#x}")
+        idx = torch.arange(N, dtype=torch.int64, device=dev)
+        bad = int((t != _f(other, idx)).sum())
+        if bad:
+            raise AssertionError(f"{bad} of {N} wrong, first {t[:4].tolist()}")
+        cai = state["remote"]
+        return f"DLPack view matches; the __cuda_array_interface__ view is on {cai.device} at {cai.data_ptr():#x}"
+
+    ok &= _check(rank, "dlpack_peer_read", dlpack_read)
 
     def peer_write():
         idx = torch.arange(N, dtype=torch.int64, device=dev)

@@ -42,6 +42,7 @@ these):
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -65,6 +66,8 @@ from .segments import OwnMemory, PeerMemory
 from .tensors import device_tensor
 
 __all__ = ["CudaTransport", "signal_pad_bytes"]
+
+_log = logging.getLogger("zbccl")
 
 #: Until the kernels' pad geometry lands (``layout.kernel_pad_bytes``), the pad holds the host protocols'
 #: control area (1 MiB). TODO(i23kern): resolved by merging i23kern, which adds ``layout.kernel_pad_bytes``.
@@ -107,6 +110,7 @@ class CudaTransport(Transport):
         self._native = _CudaNative(self)
         self._timeout = 60.0
         self._pid = os.getpid()
+        self._write_value_ok = True
         self.views = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -121,8 +125,9 @@ class CudaTransport(Transport):
         try:
             try:
                 self._open_device()
-                own = self._own = OwnMemory(rank, self.index, job_id, data=data_bytes[rank], reserve=reserve[rank],
-                                            pad=signal_pad_bytes(bootstrap.world_size))
+                with self._on_device():
+                    own = self._own = OwnMemory(rank, self.index, job_id, data=data_bytes[rank],
+                                                reserve=reserve[rank], pad=signal_pad_bytes(bootstrap.world_size))
                 me = Member(rank, me.pid, me.uid, me.token, own.cookie)
                 self._server = FdServer(job_id, rank, me.token, offer=own.offer, persistent=True)
             except ZbcclError as exc:
@@ -144,7 +149,10 @@ class CudaTransport(Transport):
                     error = os_error("heap: cannot map the peers' cuda segments", exc, rank)
             agree(bootstrap, {}, error, timeout=timeout, tag="cuda-mapped")
         except BaseException:
-            self.close(unmap=True)
+            try:
+                self.close(unmap=True)
+            except Exception as exc:  # noqa: BLE001 - the set-up error is the one to report
+                _log.warning("zbccl: cleaning up a failed cuda transport set-up failed too: %s", exc)
             raise
         self.segments[rank] = Segment(rank, data_bytes[rank], "cuda", owner=True, reserved=reserve[rank])
         return dict(self.segments)
@@ -152,7 +160,8 @@ class CudaTransport(Transport):
     def _open_device(self) -> None:
         if not torch.cuda.is_available():
             raise ZbcclSystemError("heap: the cuda transport needs a GPU, expected torch.cuda.is_available(), "
-                                   f"got False (torch {torch.__version__}, built for CUDA {torch.version.cuda})", ranks=(self.rank,))
+                                   f"got False (torch {torch.__version__}, built for CUDA {torch.version.cuda})",
+                                   ranks=(self.rank,))
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self.index)
         with torch.cuda.device(self.index):
@@ -202,15 +211,29 @@ class CudaTransport(Transport):
         self._own_flat = None
         self._tables.clear()
         if unmap and not forked:
-            if self.index >= 0 and torch.cuda.is_initialized():
-                torch.cuda.synchronize(self.device)  # no kernel of ours still reads the mappings
-            for mem in self._peers.values():
-                mem.close()
-            self._peers.clear()
-            if self._own is not None:
-                self._own.close(unmap=True)
+            try:
+                if self.index >= 0:
+                    with self._on_device():
+                        torch.cuda.synchronize(self.device)  # no kernel of ours still reads the mappings
+                        self._unmap_all()
+                else:
+                    self._unmap_all()  # nothing of CUDA was set up (no device): only host memory to release
+            finally:
+                self._peers.clear()
                 self._own = None
-            self.segments.clear()
+                self.segments.clear()
+
+    def _unmap_all(self) -> None:
+        first: BaseException | None = None
+        for mem in [*self._peers.values(), self._own]:
+            if mem is None:
+                continue
+            try:
+                mem.close(unmap=True)
+            except BaseException as exc:  # noqa: BLE001 - release the rest, then report
+                first = first or exc
+        if first is not None:
+            raise first
 
     # ------------------------------------------------------------ geometry
     def reachable(self, rank: int) -> bool:
@@ -340,7 +363,7 @@ class CudaTransport(Transport):
 
     def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
         src = self.view_bytes(rank, offset, nbytes, op=op)
-        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0 and self.device.type == "cuda")
         if nbytes:
             self._copy(lambda: out.copy_(src, non_blocking=True))
         return out.numpy().tobytes()
@@ -372,8 +395,23 @@ class CudaTransport(Transport):
         addr = self._word(rank, line, "signal")
         with self._on_device(), self._lock:
             torch.cuda.synchronize(self.device)  # release: every write of this process, on any stream, is done
-            vmm.write_value64(self.stream.cuda_stream, addr, value)
+            self._store_word(addr, value)
             vmm.stream_sync(self.stream.cuda_stream)
+
+    def _store_word(self, addr: int, value: int) -> None:
+        """Enqueue one 64-bit store on the private stream: ``cuStreamWriteValue64``, or a one-element fill
+        where the device refuses stream memory operations (caller holds ``_lock``)."""
+        if self._write_value_ok:
+            try:
+                vmm.write_value64(self.stream.cuda_stream, addr, value)
+                return
+            except ZbcclSystemError as exc:
+                if "CUDA_ERROR_NOT_SUPPORTED" not in str(exc):
+                    raise
+                self._write_value_ok = False
+                _log.info("zbccl: cuStreamWriteValue64 unsupported here; signals use a one-element fill")
+        with torch.cuda.stream(self.stream):
+            device_tensor(addr, 8, self.device).view(torch.int64).fill_(value)
 
     def load(self, rank: int, line: int) -> int:
         addr = self._word(rank, line, "load")

@@ -85,6 +85,7 @@ class ShmTransport(Transport):
     """Shared memory between processes of one host (see the module docstring)."""
 
     name = "shm"
+    KERNEL_LINE = layout.KERNEL_AREA
 
     def __init__(self, *, device: torch.device | str = "cpu", populate: bool = True) -> None:
         super().__init__(device=device)

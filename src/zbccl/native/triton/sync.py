@@ -1,0 +1,328 @@
+"""The kernels' handshake: publish arguments, signal, wait (bounded), agree, and the launch epoch.
+
+Synchronisation protocol (one launch of any collective kernel, per block ``b``; geometry in
+:mod:`.geometry`, all words int64 in the ranks' kernel slots):
+
+1. **Epoch.** Every block reads its rank's ``K_EPOCH`` word ``e`` (launches completed) and works as launch
+   ``E = e + 1``. The last block of the launch to finish (``K_DONE`` counter, an atomic add) resets
+   ``K_DONE`` and stores ``E`` into ``K_EPOCH``; launches of one stream never overlap, so every block of
+   the next launch reads ``E``. Nothing comes from the host: a graph replay stays in step.
+2. **Publish.** Every block writes this rank's argument row (same values from every block), then the
+   row's EPOCH word (release), then signals step 0: for each group rank ``q`` it stores
+   ``E * PHASE + 0`` into word ``[b][me]`` of ``q``'s signal block (atomic exchange, release, system
+   scope: the peers are other processes).
+3. **Wait.** It spins (acquire, system scope) on its own words ``[b][0..W)`` until each is
+   ``>= E * PHASE + step``, backing off between polls, for at most ``timeout_ns`` (GPU: the global
+   timer; interpreter: the host clock). Block ``b`` waits only for block ``b`` of the peers: no block
+   ever waits for another block of its own launch (under the interpreter the blocks of one launch run
+   one after the other, and on a GPU they need not be co-resident). While waiting at entry it also
+   peeks the late peers' rows: a peer whose row already belongs to launch ``E`` with fewer than
+   ``b + 1`` blocks will never come (a mismatch, reported as one instead of a timeout).
+4. **Agree.** It reads every peer's row and compares the fields the op requires (``check`` bit mask)
+   and, for the v-variants, the splits. Any difference: the block records it (status words: the lowest
+   such rank, the field, both values), skips the work, and only does the exit barrier. Every rank
+   sees the same rows, so every rank reports the mismatch.
+5. **Work**, then the **exit barrier** (step ``STEP_EXIT``): a rank's memory is not reused (the next
+   op, the caller's writes) until every peer's block ``b`` has finished reading it. Ops that write
+   memory peers read (in-place one-shot, two-shot) add barriers at steps ``1, 2, ...`` in between.
+6. **Timeout.** A wait that runs out records ``S_TIMEOUT`` and the bit of every rank still missing
+   in the status words, and the block skips the rest of the launch (it still counts in ``K_DONE``):
+   the kernel exits instead of hanging. After a timeout the communicator's kernel slot is out of step;
+   ``DeviceOps`` refuses further ops.
+
+Words only grow (``E * PHASE + step`` increases along a launch and across launches), so a word that a
+faster peer has already advanced to a later step still satisfies a wait for an earlier one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import triton
+import triton.language as tl
+from triton import knobs
+
+from . import geometry as g
+
+__all__ = ["INTERPRET", "pause", "now", "bound", "row_of", "begin", "sync", "finish", "flag"]
+
+#: Whether the kernels run under the Triton interpreter (``TRITON_INTERPRET=1`` when triton was imported).
+INTERPRET = bool(knobs.runtime.interpret)
+
+_K_EPOCH = tl.constexpr(g.K_EPOCH)
+_K_DONE = tl.constexpr(g.K_DONE)
+_K_STATUS = tl.constexpr(g.K_STATUS)
+_K_ARGS = tl.constexpr(g.K_ARGS)
+_K_SIG = tl.constexpr(g.K_SIG)
+_A_SPLITS = tl.constexpr(g.A_SPLITS)
+_ROW_BYTES = tl.constexpr(g.ROW_BYTES)
+_A_GRID = tl.constexpr(g.A_GRID)
+_PHASE = tl.constexpr(g.PHASE)
+_ST_CODE = tl.constexpr(g.ST_CODE)
+_ST_MISSING = tl.constexpr(g.ST_MISSING)
+_ST_BAD = tl.constexpr(g.ST_BAD)
+_ST_FIELD = tl.constexpr(g.ST_FIELD)
+_ST_MINE = tl.constexpr(g.ST_MINE)
+_ST_THEIRS = tl.constexpr(g.ST_THEIRS)
+_ST_EPOCH = tl.constexpr(g.ST_EPOCH)
+_S_TIMEOUT = tl.constexpr(g.S_TIMEOUT)
+_S_MISMATCH = tl.constexpr(g.S_MISMATCH)
+_S_PEER_ERROR = tl.constexpr(g.S_PEER_ERROR)
+_KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
+_NFIELDS = tl.constexpr(16)
+
+if INTERPRET:
+    # The interpreter runs a kernel's Python on the host: back off with a real sleep (the peers are other
+    # processes on the same cores) and time out by the host clock.
+    def _host_pause() -> None:
+        time.sleep(50e-6)
+
+    def _host_now() -> int:
+        return time.monotonic_ns()
+
+    def _host_int(x) -> int:
+        # A scalar kernel argument is a 1-element array under the interpreter, which numpy 2 will not
+        # turn into an int for range(); loop bounds go through here.
+        data = getattr(getattr(x, "handle", None), "data", x)
+        return int(np.asarray(data).reshape(-1)[0])
+
+    @triton.jit
+    def pause():
+        _host_pause()
+
+    @triton.jit
+    def now():
+        return _host_now()
+
+    @triton.jit
+    def bound(x):
+        return _host_int(x)
+else:
+    from triton.language.extra.cuda import utils as _cuda
+
+    @triton.jit
+    def pause():
+        tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+    @triton.jit
+    def now():
+        return _cuda.globaltimer()
+
+    @triton.jit
+    def bound(x):
+        return x
+
+
+@triton.jit
+def _i64(addr):
+    return addr.to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def row_of(kb, E):
+    """The argument row of launch E in the kernel slot at ``kb`` (two rows, by E's parity: a peer one
+    launch ahead never overwrites the row of a launch this rank still reads)."""
+    return kb + _K_ARGS + (E % 2) * _ROW_BYTES
+
+
+@triton.jit
+def flag(kb, E, code, missing):
+    """Record ``code`` (S_* bits) and the ``missing`` rank bits in this rank's status words."""
+    st = kb + _K_STATUS
+    tl.atomic_or(_i64(st + _ST_MISSING * 8), missing, sem="relaxed", scope="sys")
+    tl.atomic_xchg(_i64(st + _ST_EPOCH * 8), E, sem="relaxed", scope="sys")
+    tl.atomic_or(_i64(st + _ST_CODE * 8), code, sem="release", scope="sys")
+
+
+@triton.jit
+def _bad(kb, E, q, field, mine, theirs, code):
+    """Record the first disagreeing rank ``q`` (the first block to get here wins), then ``code``."""
+    st = kb + _K_STATUS
+    first = tl.zeros([], tl.int64) + q + 1
+    won = tl.atomic_cas(_i64(st + _ST_BAD * 8), first * 0, first, sem="acq_rel", scope="sys")
+    if won == 0:
+        tl.store(_i64(st + _ST_FIELD * 8), field)
+        tl.store(_i64(st + _ST_MINE * 8), mine)
+        tl.store(_i64(st + _ST_THEIRS * 8), theirs)
+    flag(kb, E, code, 0)
+
+
+@triton.jit
+def _bits(lanes, cond):
+    one = tl.full(lanes.shape, 1, tl.int64)
+    return tl.sum(tl.where(cond, one << lanes.to(tl.int64), 0), axis=0)
+
+
+@triton.jit
+def _signal(peers_kb, me, b, value, mask, KW: tl.constexpr):
+    """Store ``value`` into word [b][me] of every masked peer's signal block (release, system scope)."""
+    ptrs = _i64(peers_kb + _K_SIG + (b * KW + me) * 8)
+    tl.atomic_xchg(ptrs, tl.full([KW], 0, tl.int64) + value, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: tl.constexpr):
+    """Spin until this rank's words [b][q] reach ``target`` for every masked q, or time out.
+
+    Returns ``(late, gone)`` rank bit masks: ranks still missing at the timeout, and (PEEK) ranks whose
+    row says they run launch E with no block ``b``.
+    """
+    lanes = tl.arange(0, KW)
+    ptrs = _i64(kb + _K_SIG + (b * KW + lanes) * 8)
+    vals = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    late = mask & (vals < target)
+    gone = late & (lanes < 0)
+    n = tl.sum(late.to(tl.int32), axis=0)
+    t0 = now()
+    elapsed = t0 - t0
+    while (n > 0) & (elapsed <= timeout_ns):
+        pause()
+        vals = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+        late = mask & (vals < target) & ~gone
+        if PEEK:
+            row = row_of(peers_kb, E)
+            pe = tl.atomic_add(_i64(row), 0, mask=late, sem="acquire", scope="sys")
+            pg = tl.load(_i64(row + _A_GRID * 8), mask=late, other=0, volatile=True)
+            gone = gone | (late & (pe == E) & (pg <= b))
+            late = late & ~gone
+        n = tl.sum(late.to(tl.int32), axis=0)
+        elapsed = now() - t0
+    return _bits(lanes, late), _bits(lanes, gone)
+
+
+@triton.jit
+def sync(kb, peers_kb, me, b, E, step, arrived, timeout_ns, KW: tl.constexpr):
+    """One barrier round among the ``arrived`` ranks (bit mask) for block ``b``: 1 if all came, else 0
+    (the timeout is recorded in the status words)."""
+    tl.debug_barrier()  # every thread's writes of this block precede the release below
+    lanes = tl.arange(0, KW)
+    mask = ((arrived >> lanes.to(tl.int64)) & 1) != 0
+    target = E * _PHASE + step
+    _signal(peers_kb, me, b, target, mask, KW)
+    late, gone = _wait(kb, peers_kb, b, E, target, mask, timeout_ns, False, KW)
+    ok = 1
+    if late != 0:
+        flag(kb, E, _S_TIMEOUT, late)
+        ok = 0
+    tl.debug_barrier()  # what the acquire made visible is visible to every thread of the block
+    return ok
+
+
+@triton.jit
+def _publish(kb, E, fields, splits_ptr, NSPL: tl.constexpr):
+    """Write this rank's argument row: the fields, the splits (NSPL int64 from ``splits_ptr``), then the
+    row's EPOCH (release)."""
+    row = row_of(kb, E)
+    lanes = tl.arange(0, _NFIELDS)
+    tl.store(_i64(row + lanes * 8), fields, mask=lanes > 0)
+    if NSPL > 0:
+        sl = tl.arange(0, NSPL)
+        tl.store(_i64(row + (_A_SPLITS + sl) * 8), tl.load(splits_ptr + sl))
+    tl.debug_barrier()
+    tl.atomic_xchg(_i64(row), E, sem="release", scope="sys")
+
+
+@triton.jit
+def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
+    """Compare every arrived peer's row with this rank's; record the first difference. 1 if all agree.
+
+    ``check``: bit i set compares field i. SPLITS: 0 none; 1 the whole splits vector (all_gather_v,
+    reduce_scatter_v: every rank passes every rank's size); 2 all_to_all_v: the row holds the rank's
+    in_splits then (from A_SPLITS + KW) its out_splits, and q's in_splits[me] must equal my out_splits[q].
+    """
+    fl = tl.arange(0, _NFIELDS)
+    myrow = row_of(kb, E)
+    mine = tl.load(_i64(myrow + fl * 8))
+    cmask = ((check >> fl.to(tl.int64)) & 1) != 0
+    ok = 1
+    for q in range(W):
+        if (q != me) & (((arrived >> q) & 1) != 0) & (ok == 1):
+            prow = row_of(tl.sum(tl.where(tl.arange(0, KW) == q, peers_kb, 0), axis=0), E)
+            theirs = tl.load(_i64(prow + fl * 8), volatile=True)
+            diff = cmask & (theirs != mine)
+            nd = tl.sum(diff.to(tl.int32), axis=0)
+            if nd > 0:
+                field = tl.min(tl.where(diff, fl, _NFIELDS), axis=0)
+                fm = tl.sum(tl.where(fl == field, mine, 0), axis=0)
+                ft = tl.sum(tl.where(fl == field, theirs, 0), axis=0)
+                code = _S_MISMATCH
+                op_t = tl.sum(tl.where(fl == 1, theirs, 0), axis=0)
+                if op_t == _KOP_ERROR:
+                    code = _S_PEER_ERROR
+                _bad(kb, E, q, field, fm, ft, code)
+                ok = 0
+            if SPLITS > 0:
+                if ok == 1:
+                    sl = tl.arange(0, KW)
+                    st = tl.load(_i64(prow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0, volatile=True)
+                    if SPLITS == 1:
+                        sm = tl.load(_i64(myrow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0)
+                        sd = (sl < W) & (st != sm)
+                    else:
+                        # all_to_all_v: q sends me st[me] rows; I expect my out_splits[q] (kept in my row
+                        # after the in_splits, at A_SPLITS + KW + q).
+                        want = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
+                        sd = (sl == me) & (st != want)
+                    nd = tl.sum(sd.to(tl.int32), axis=0)
+                    if nd > 0:
+                        idx = tl.min(tl.where(sd, sl, KW), axis=0)
+                        sm_i = tl.load(_i64(myrow + (_A_SPLITS + idx) * 8))
+                        if SPLITS == 2:
+                            sm_i = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
+                        st_i = tl.sum(tl.where(sl == idx, st, 0), axis=0)
+                        _bad(kb, E, q, _A_SPLITS + idx, sm_i, st_i, _S_MISMATCH)
+                        ok = 0
+    return ok
+
+
+@triton.jit
+def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeout_ns,
+          NSPL: tl.constexpr, SPLITS: tl.constexpr, KW: tl.constexpr):
+    """Steps 1-4 of the protocol for this block. Returns ``(kb, peers_kb, E, go, arrived)``: this rank's
+    kernel slot address, the peers' (a [KW] vector), the launch, 1 to do the work / 0 to skip it (a
+    mismatch: still do the exit barrier among ``arrived``) / -1 (timed out: do nothing more), and the bit
+    mask of the ranks that arrived."""
+    b = tl.program_id(0)
+    lanes = tl.arange(0, KW)
+    mask = lanes < W
+    peers_kb = tl.load(pads + lanes, mask=mask, other=0) + slot_off
+    kb = tl.load(pads + me) + slot_off
+    E = tl.load(_i64(kb + _K_EPOCH), volatile=True) + 1
+    fl = tl.arange(0, _NFIELDS)
+    _publish(kb, E, fields, splits_ptr, NSPL)
+    target = E * _PHASE
+    tl.debug_barrier()
+    _signal(peers_kb, me, b, target, mask, KW)
+    late, gone = _wait(kb, peers_kb, b, E, target, mask, timeout_ns, True, KW)
+    tl.debug_barrier()
+    all_bits = _bits(lanes, mask)
+    arrived = all_bits & ~late & ~gone
+    go = 1
+    if late != 0:
+        flag(kb, E, _S_TIMEOUT, late)
+        go = -1
+    else:
+        if gone != 0:
+            # A peer runs this launch with fewer blocks: its arguments differ (the grid follows them).
+            q = tl.min(tl.where(((gone >> lanes.to(tl.int64)) & 1) != 0, lanes, KW), axis=0)
+            prow = row_of(tl.sum(tl.where(lanes == q, peers_kb, 0), axis=0), E)
+            theirs = tl.load(_i64(prow + _A_GRID * 8), volatile=True)
+            mine = tl.sum(tl.where(fl == _A_GRID, fields, 0), axis=0)
+            _bad(kb, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
+            go = 0
+        ok = _agree(kb, peers_kb, me, W, E, arrived, check, SPLITS, KW)
+        if ok == 0:
+            go = 0
+    return kb, peers_kb, E, go, arrived
+
+
+@triton.jit
+def finish(kb, E):
+    """Step 1's end: count this block done; the launch's last block publishes epoch E."""
+    tl.debug_barrier()
+    old = tl.atomic_add(_i64(kb + _K_DONE), 1, sem="acq_rel", scope="gpu")
+    if old == tl.num_programs(0) - 1:
+        tl.store(_i64(kb + _K_DONE), 0)
+        tl.atomic_xchg(_i64(kb + _K_EPOCH), E, sem="release", scope="gpu")

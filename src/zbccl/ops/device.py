@@ -1,0 +1,460 @@
+"""The device collectives: validate, plan, launch one Triton kernel, and read what the kernels report.
+
+Synchronisation protocol: entirely on the device, in the kernels (``native/triton/sync.py``): each rank
+publishes its arguments in its kernel slot's row and signals the peers; every block waits (bounded)
+for the same block of every peer, checks their rows, pulls the peers' data straight out of their heaps,
+and ends with an exit barrier. Nothing is exchanged on the host, so every op is enqueued on the current
+stream without a host sync, and a captured CUDA graph replays in step (the epochs live in the pad).
+
+What the host does: local checks (a call only this rank gets wrong still launches the handshake, as an
+ERROR launch, so that the peers report it instead of waiting; then this rank raises), the launch shape
+(``_plan``), and :meth:`DeviceOps.check`, which reads the kernels' status words (timeouts with the
+missing ranks, mismatches with the rank and the field). Under ``TRITON_INTERPRET=1`` over the shm heap
+the kernels run on the calling thread, and every op checks the status before it returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
+from ..heap import layout
+from ..heap.transports.base import Transport
+from ..native import triton as ktriton
+from ..native.triton import geometry as g
+from .args import dim_index, index_list, overlap_error
+from .dtypes import MAX, MIN, PROD, SUM, dtype_code, reduce_op_code
+
+__all__ = ["DeviceOps"]
+
+_F = {name: 1 << i for i, name in enumerate(g.A_FIELDS)}
+_CHECK = {
+    "all_reduce": _F["OP"] | _F["DTYPE"] | _F["REDOP"] | _F["ALGO"] | _F["GRID"] | _F["NUMEL"],
+    "gather": _F["OP"] | _F["DTYPE"] | _F["GRID"] | _F["OUTER"] | _F["INNER"] | _F["VARIANT"],
+    "scatter": _F["OP"] | _F["DTYPE"] | _F["REDOP"] | _F["GRID"] | _F["OUTER"] | _F["INNER"] | _F["VARIANT"],
+    "exchange": _F["OP"] | _F["DTYPE"] | _F["GRID"] | _F["INNER"] | _F["VARIANT"],
+    "broadcast": _F["OP"] | _F["DTYPE"] | _F["GRID"] | _F["ROOT"] | _F["NUMEL"],
+    "barrier": _F["OP"] | _F["GRID"],
+}
+#: Above this many bytes ``algo="auto"`` all-reduces in two shots (when the output is in the heap).
+TWO_SHOT_BYTES = 512 << 10
+#: GPU launch shape: bytes one block moves per tile, and the most blocks a launch uses.
+_TILE_BYTES = 8 << 10
+_GPU_BLOCKS = 128
+#: all_to_all_v's launch shape is planned as if every rank moved this many bytes (no size is agreed on).
+_V_ELEMS = 1 << 20
+_ALGOS = {"auto": None, "one_shot": False, "oneshot": False, "two_shot": True, "twoshot": True}
+
+
+class DeviceOps:
+    """The device collectives of one communicator over one device heap (one kernel slot).
+
+    ``rank_in_group``: this rank's index in ``ranks`` (the group's global ranks, in group order);
+    ``transport``: the heap's transport (``pointer_tables``, ``offset_of``, the pad); ``slot``: the
+    communicator's comm slot (its kernel slot); ``timeout_s``: every device wait's bound; ``barrier``:
+    a host barrier over the group. Creating one is collective: each rank zeroes its kernel slot, then
+    ``barrier()`` (omit it only when the slot is known to be fresh on every rank).
+
+    Every op is a collective, enqueued on the current stream (on CUDA) without syncing the host, and
+    can be captured in a CUDA graph (replays stay in step: the epochs live in device memory). Tensors
+    the peers read must be contiguous tensors of this heap (``zbccl.empty(..., device=...)``).
+    """
+
+    def __init__(self, rank_in_group: int, ranks: Sequence[int], transport: Transport, *, slot: int,
+                 timeout_s: float = 60.0, barrier: Callable[[], None] | None = None) -> None:
+        self.ranks = tuple(ranks)
+        self.world = len(self.ranks)
+        if not 1 <= self.world <= g.KMAX_WORLD:
+            raise ZbcclInvalidUsageError(
+                f"device ops: group too large, expected at most {g.KMAX_WORLD} ranks, got {self.world}")
+        if not 0 <= rank_in_group < self.world:
+            raise ZbcclInvalidUsageError(
+                f"device ops: rank_in_group out of range, expected [0, {self.world}), got {rank_in_group}")
+        self.me = rank_in_group
+        self.rank = self.ranks[rank_in_group]
+        self.transport = transport
+        self.device = transport.device
+        self._k = ktriton.load()
+        if self.device.type == "cpu" and not self._k.INTERPRET:
+            raise ZbcclInvalidUsageError(
+                "device ops: the kernels need a GPU, expected a cuda heap (or TRITON_INTERPRET=1 set before "
+                "triton is imported, to run them on the cpu heap), got a cpu heap")
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.data, self.pads = transport.pointer_tables(self.ranks)
+        self.slot_off = layout.kernel_slot_offset(slot)
+        line = transport.KERNEL_LINE + self.slot_off
+        transport.clear_pad(self.rank, line, g.KSLOT_BYTES)
+        self._status = transport.pad_view(self.rank, line + g.K_STATUS, g.ST_WORDS * 8,
+                                          op="device ops").view(torch.int64)
+        self._sync = self.device.type == "cpu"  # the interpreter runs each kernel to completion at launch
+        self._epoch = 0  # launches so far: the kernels' epoch, counted on the host too (for error messages)
+        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._broken: ZbcclError | None = None
+        self._snap: torch.Tensor | None = None
+        self._snap_event = None
+        if barrier is not None:
+            barrier()
+
+    # ------------------------------------------------------------------ ops
+    def barrier(self) -> None:
+        """Collective: returns (in stream order) once every rank of the group has entered it."""
+        self._run("barrier", lambda: self._k.barrier(self.data, self.pads, slot_off=self.slot_off, me=self.me,
+                                                      world=self.world, timeout_ns=self.timeout_ns,
+                                                      check=_CHECK["barrier"]))
+
+    def all_reduce(self, t: torch.Tensor, op="sum", *, out: torch.Tensor | None = None, algo: str = "auto") -> None:
+        """Collective: ``out`` (default: ``t``, in place) = the reduction of every rank's ``t``, reduced in
+        rank order (every rank's result bit-identical; floats accumulate in float32/float64).
+
+        ``t`` [any shape], a heap tensor; ``out`` [``t``'s shape], same dtype, anywhere on the device
+        (two-shot needs it in the heap). ``algo``: ``"one_shot"`` (every rank reads every input),
+        ``"two_shot"`` (each rank reduces 1/W, then gathers) or ``"auto"``.
+        """
+        name = "all_reduce"
+        try:
+            dt, red = self._dtype(t, name), reduce_op_code(op, t.dtype, op=name)
+            in_off = self._heap_offset(t, "input", name)
+            out = t if out is None else out
+            self._local(out, "output", name)
+            if out.shape != t.shape or out.dtype != t.dtype:
+                raise ZbcclInvalidUsageError(
+                    f"{name}: output differs from the input, expected shape {list(t.shape)} {t.dtype}, got "
+                    f"{list(out.shape)} {out.dtype}")
+            inplace = out.data_ptr() == t.data_ptr()
+            if not inplace:
+                _raise(overlap_error(out, t, op=name))
+            if algo not in _ALGOS:
+                raise ZbcclInvalidUsageError(f"{name}: unknown algo, expected one of {sorted(_ALGOS)}, got {algo!r}")
+            out_off = in_off if inplace else self.transport.offset_of(self.rank, out)
+            two = _ALGOS[algo]
+            if two is None:
+                two = t.numel() * t.element_size() > TWO_SHOT_BYTES and out_off >= 0 and self.world > 1
+            if two and out_off < 0:
+                raise ZbcclInvalidUsageError(
+                    f"{name}: two_shot writes its output where the peers read it, expected an output in the "
+                    "heap (or in place), got one outside it")
+            if t.dtype == torch.bool:  # bytes 0/1: sum/max is any, product/min is all
+                red = MAX if red in (SUM, MAX) else MIN if red in (PROD, MIN) else red
+        except ZbcclError as exc:
+            self._fail(name, exc)
+        n = t.numel()
+        grid, block, warps = self._plan(-(-n // self.world) if two else n, t.element_size())
+        self._run(name, lambda: self._k.all_reduce(
+            self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
+            out_addr=self._addr(out), out_off=out_off, numel=n, dtype=dt, red=red, two_shot=two, inplace=inplace,
+            check=_CHECK["all_reduce"], timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, dim: int = 0) -> None:
+        """Collective: ``out`` = every rank's ``inp`` concatenated along ``dim`` in rank order.
+
+        ``inp`` [..., n, ...] a heap tensor (or this rank's part of ``out``, when ``dim``'s outer size is 1);
+        ``out`` [..., W * n, ...] anywhere on the device.
+        """
+        self._gather("all_gather", out, inp, None, dim)
+
+    def all_gather_v(self, out: torch.Tensor, inp: torch.Tensor, sizes, *, dim: int = 0) -> None:
+        """:meth:`all_gather` with per-rank sizes along ``dim``: ``sizes`` [W] (every rank passes all of
+        them; a list, or an int64 tensor on the device, checked by the kernels only)."""
+        self._gather("all_gather_v", out, inp, sizes, dim)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op="sum", *, dim: int = 0) -> None:
+        """Collective: ``out`` = this rank's part (the ``me``-th of W equal parts along ``dim``) of the
+        rank-order reduction of every rank's ``inp``. ``inp`` [..., W * n, ...] a heap tensor; ``out``
+        [..., n, ...] anywhere on the device (or, when ``dim``'s outer size is 1, this rank's part of ``inp``)."""
+        self._scatter("reduce_scatter", out, inp, None, op, dim)
+
+    def reduce_scatter_v(self, out: torch.Tensor, inp: torch.Tensor, sizes, op="sum", *, dim: int = 0) -> None:
+        """:meth:`reduce_scatter` with per-rank sizes along ``dim`` (``sizes`` [W], every rank passes all)."""
+        self._scatter("reduce_scatter_v", out, inp, sizes, op, dim)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Collective: rank r's ``out`` rows ``[q * n, (q + 1) * n)`` = rank q's ``inp`` rows ``[r * n, (r + 1) * n)``
+        (dim 0 split in W equal parts). ``inp`` [W * n, ...] a heap tensor; ``out`` [W * n, ...] elsewhere."""
+        self._exchange("all_to_all", out, inp, None, None)
+
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
+        """:meth:`all_to_all` with rows per rank: this rank sends ``in_splits[q]`` rows to rank q and receives
+        ``out_splits[q]`` from it (lists, or int64 [W] device tensors: checked by the kernels only; rank q's
+        ``in_splits[r]`` must equal rank r's ``out_splits[q]``, or every rank reports the mismatch)."""
+        self._exchange("all_to_all_v", out, inp, out_splits, in_splits)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        """Collective: every rank's ``t`` = group rank ``src``'s ``t`` (there a heap tensor; elsewhere anywhere
+        on the device, same shape and dtype)."""
+        name = "broadcast"
+        try:
+            dt = self._dtype(t, name)
+            if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world:
+                raise ZbcclInvalidUsageError(f"{name}: src out of range, expected a rank in [0, {self.world}), got {src!r}")
+            in_off = self._heap_offset(t, "tensor", name) if src == self.me else -1
+        except ZbcclError as exc:
+            self._fail(name, exc)
+        n, isz = t.numel(), t.element_size()
+        grid, block, warps = self._plan(n, isz)
+        self._run(name, lambda: self._k.broadcast(
+            self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
+            out_addr=self._addr(t), dtype=dt, itemsize=isz, root=src, numel=n, check=_CHECK["broadcast"],
+            timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
+
+    # ------------------------------------------------------------------ errors
+    def check(self, *, wait: bool = False) -> None:
+        """Raise what the kernels reported since the last check: :class:`ZbcclTimeoutError` naming the ranks
+        that never arrived (this object is unusable afterwards), :class:`ZbcclInvalidUsageError` for
+        arguments that differ across ranks (naming the rank and the field), :class:`ZbcclRemoteError` for a
+        peer whose call failed its own checks. Never syncs the host on CUDA unless ``wait`` (it reads
+        the status words as of the last completed snapshot, and enqueues the next)."""
+        if self._broken is not None:
+            raise type(self._broken)(str(self._broken), ranks=self._broken.ranks)
+        vals = self._read_status(wait)
+        if vals is None or vals[g.ST_CODE] == 0:
+            return
+        self._status.zero_()
+        raise self._error(vals)
+
+    def _error(self, st: list[int]) -> ZbcclError:
+        name = self._names.get(st[g.ST_EPOCH], "device op")
+        if st[g.ST_CODE] & g.S_TIMEOUT:
+            late = [q for q in range(self.world) if st[g.ST_MISSING] >> q & 1]
+            glob = [self.ranks[q] for q in late]
+            self._broken = ZbcclTimeoutError(
+                f"{name}: timed out after {self.timeout_ns / 1e9:.1f}s in the device kernel waiting for group "
+                f"rank(s) {late} (global {glob}), expected every rank of the group to join, got no signal from "
+                "them; this communicator's device ops are out of step now", ranks=tuple(glob))
+            return self._broken
+        q = st[g.ST_BAD] - 1
+        field = _field_name(st[g.ST_FIELD])
+        if st[g.ST_CODE] & g.S_PEER_ERROR:
+            return ZbcclRemoteError(
+                f"{name}: group rank {q} (global {self.ranks[q]}) failed its own checks of this call, expected a "
+                f"valid call on every rank, got an error raised on rank {q}", ranks=(self.ranks[q],))
+        mine, theirs = st[g.ST_MINE], st[g.ST_THEIRS]
+        if field == "op":
+            mine, theirs = g.KOP_NAMES.get(mine, mine), g.KOP_NAMES.get(theirs, theirs)
+        return ZbcclInvalidUsageError(
+            f"{name}: arguments differ across ranks, expected {field} {mine} (this rank's) on every rank, got "
+            f"{theirs} on group rank {q} (global {self.ranks[q]})", ranks=(self.ranks[q],))
+
+    def _read_status(self, wait: bool) -> list[int] | None:
+        if self._sync:
+            return self._status.tolist()
+        if self._snap is None:
+            self._snap = torch.zeros(g.ST_WORDS, dtype=torch.int64, pin_memory=True)
+        vals = None
+        ev = self._snap_event
+        if ev is not None and (wait or ev.query()):
+            ev.synchronize()
+            vals = self._snap.tolist()
+            self._snap_event = None
+        if self._snap_event is None:
+            self._snap.copy_(self._status, non_blocking=True)
+            self._snap_event = torch.cuda.Event()
+            self._snap_event.record()
+            if wait and vals is None:
+                self._snap_event.synchronize()
+                vals, self._snap_event = self._snap.tolist(), None
+        return vals
+
+    # ------------------------------------------------------------------ plumbing
+    def _run(self, name: str, launch: Callable[[], None]) -> None:
+        self.check()
+        launch()
+        self._epoch += 1
+        self._names[self._epoch] = name
+        if len(self._names) > 256:
+            self._names.popitem(last=False)
+        if self._sync:
+            self.check()
+
+    def _fail(self, name: str, exc: ZbcclError) -> None:
+        """This rank's call is wrong: run the handshake as ERROR (the peers report it), then raise."""
+        if self._broken is None:
+            self._k.barrier(self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world,
+                            timeout_ns=self.timeout_ns, op=g.KOP["ERROR"], check=0)
+            self._epoch += 1
+            self._names[self._epoch] = name
+        raise exc
+
+    def _plan(self, n: int, itemsize: int) -> tuple[int, int, int]:
+        """``(grid, block, num_warps)`` for moving ``n`` elements per rank range."""
+        if self._k.INTERPRET:  # few, wide programs: the interpreter pays per program and per numpy call
+            block = 1024
+            return max(1, min(4, -(-n // block))), block, 1
+        block = max(_TILE_BYTES // itemsize, 128)
+        return max(1, min(_GPU_BLOCKS, -(-n // block))), block, 8
+
+    def _addr(self, t: torch.Tensor) -> int:
+        """``t``'s address for a kernel; an empty tensor's (0, never dereferenced) becomes a valid 64-bit one,
+        so that the kernel sees a pointer-sized argument."""
+        return t.data_ptr() or self.pads.data_ptr()
+
+    def _dtype(self, t, name: str) -> int:
+        self._local(t, "input", name)
+        return dtype_code(t.dtype, op=name)
+
+    def _local(self, t, role: str, name: str) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise ZbcclInvalidUsageError(f"{name}: {role} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise ZbcclInvalidUsageError(f"{name}: {role} on the wrong device, expected {self.device}, got {t.device}")
+        if not t.is_contiguous():
+            raise ZbcclInvalidUsageError(
+                f"{name}: {role} must be contiguous, expected a dense row-major tensor, got strides {t.stride()}")
+
+    def _heap_offset(self, t: torch.Tensor, role: str, name: str) -> int:
+        off = self.transport.offset_of(self.rank, t)
+        if off < 0:
+            raise ZbcclInvalidUsageError(
+                f"{name}: the peers read the {role} where it is, expected a tensor of this rank's "
+                f"{self.device.type} heap (zbccl.empty(..., device=...)), got one outside it")
+        return off
+
+    def _splits(self, sizes, name: str) -> tuple[torch.Tensor, list[int] | None]:
+        """``sizes`` (W per-rank sizes) as int64 [KMAX_WORLD] on the device, and as ints when known here."""
+        if isinstance(sizes, torch.Tensor) and sizes.device.type != "cpu":
+            if sizes.dtype != torch.int64 or sizes.numel() != self.world:
+                raise ZbcclInvalidUsageError(
+                    f"{name}: sizes tensor, expected int64 [{self.world}], got {sizes.dtype} {list(sizes.shape)}")
+            padded = torch.zeros(g.KMAX_WORLD, dtype=torch.int64, device=self.device)
+            padded[:self.world].copy_(sizes)
+            return padded, None
+        vals, error = index_list(sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes, "sizes", op=name)
+        _raise(error)
+        if len(vals) != self.world or min(vals) < 0:
+            raise ZbcclInvalidUsageError(
+                f"{name}: sizes, expected {self.world} non-negative integers, got {vals}")
+        return _table(vals + [0] * (g.KMAX_WORLD - self.world), self.device), vals
+
+    def _gather(self, name: str, out, inp, sizes, dim) -> None:
+        try:
+            dt = self._dtype(inp, name)
+            self._local(out, "output", name)
+            d, error = dim_index(dim, max(inp.dim(), 1), op=name)
+            _raise(error)
+            shape = list(inp.shape) or [1]
+            splits, vals = (None, None) if sizes is None else self._splits(sizes, name)
+            n_me = shape[d]
+            if vals is not None and n_me != vals[self.me]:
+                raise ZbcclInvalidUsageError(
+                    f"{name}: the input disagrees with sizes, expected {vals[self.me]} along dim {d}, got "
+                    f"{list(inp.shape)}")
+            total = n_me * self.world if sizes is None else (sum(vals) if vals is not None else out.shape[d])
+            want = shape[:d] + [total] + shape[d + 1:]
+            if list(out.shape or [1]) != want or out.dtype != inp.dtype:
+                raise ZbcclInvalidUsageError(
+                    f"{name}: wrong output for a gather along dim {d}, expected {want} {inp.dtype}, got "
+                    f"{list(out.shape)} {out.dtype}")
+            outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1:])
+            isz = inp.element_size()
+            pre = n_me * self.me if sizes is None else sum(vals[:self.me]) if vals is not None else -1
+            skip = outer == 1 and pre >= 0 and inp.data_ptr() == out.data_ptr() + pre * inner * isz
+            if not skip:
+                _raise(overlap_error(out, inp, op=name))
+            in_off = self._heap_offset(inp, "input", name)
+        except ZbcclError as exc:
+            self._fail(name, exc)
+        grid, block, warps = self._plan(out.numel() // self.world, isz)
+        self._run(name, lambda: self._k.all_gather(
+            self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
+            out_addr=self._addr(out), dtype=dt, itemsize=isz, outer=outer, inner=inner, cnt=n_me, total=total,
+            skip_self=skip, check=_CHECK["gather"] | (0 if sizes is not None else _F["NUMEL"]),
+            timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
+
+    def _scatter(self, name: str, out, inp, sizes, op, dim) -> None:
+        try:
+            dt, red = self._dtype(inp, name), reduce_op_code(op, inp.dtype, op=name)
+            self._local(out, "output", name)
+            d, error = dim_index(dim, max(inp.dim(), 1), op=name)
+            _raise(error)
+            shape = list(inp.shape) or [1]
+            splits, vals = (None, None) if sizes is None else self._splits(sizes, name)
+            if sizes is None:
+                if shape[d] % self.world:
+                    raise ZbcclInvalidUsageError(
+                        f"{name}: input not divisible, expected dim {d} a multiple of {self.world}, got {list(inp.shape)}")
+                cnt, total = shape[d] // self.world, shape[d]
+            else:
+                cnt, total = (vals[self.me] if vals is not None else out.shape[d]), shape[d]
+                if vals is not None and sum(vals) != total:
+                    raise ZbcclInvalidUsageError(
+                        f"{name}: sizes do not cover the input, expected them to sum to {total} (dim {d}), got {vals}")
+            want = shape[:d] + [cnt] + shape[d + 1:]
+            if list(out.shape or [1]) != want or out.dtype != inp.dtype:
+                raise ZbcclInvalidUsageError(
+                    f"{name}: wrong output for a scatter along dim {d}, expected {want} {inp.dtype}, got "
+                    f"{list(out.shape)} {out.dtype}")
+            outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1:])
+            isz = inp.element_size()
+            pre = cnt * self.me if sizes is None else sum(vals[:self.me]) if vals is not None else -1
+            mine = outer == 1 and pre >= 0 and out.data_ptr() == inp.data_ptr() + pre * inner * isz
+            if not mine:
+                _raise(overlap_error(out, inp, op=name))
+            in_off = self._heap_offset(inp, "input", name)
+            if inp.dtype == torch.bool:
+                red = MAX if red in (SUM, MAX) else MIN if red in (PROD, MIN) else red
+        except ZbcclError as exc:
+            self._fail(name, exc)
+        grid, block, warps = self._plan(inp.numel() // self.world, isz)  # a size every rank agrees on
+        self._run(name, lambda: self._k.reduce_scatter(
+            self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
+            out_addr=self._addr(out), dtype=dt, red=red, outer=outer, inner=inner, cnt=cnt, total=total,
+            check=_CHECK["scatter"] | (0 if sizes is not None else _F["NUMEL"]), timeout_ns=self.timeout_ns,
+            grid=grid, block=block, num_warps=warps))
+
+    def _exchange(self, name: str, out, inp, out_splits, in_splits) -> None:
+        try:
+            dt = self._dtype(inp, name)
+            self._local(out, "output", name)
+            if inp.dim() == 0 or out.dim() == 0 or out.shape[1:] != inp.shape[1:] or out.dtype != inp.dtype:
+                raise ZbcclInvalidUsageError(
+                    f"{name}: output and input must be [rows, ...] alike, expected the same trailing shape and dtype, "
+                    f"got {list(out.shape)} {out.dtype} and {list(inp.shape)} {inp.dtype}")
+            rows, inner = inp.shape[0], math.prod(inp.shape[1:])
+            splits = None
+            if out_splits is None:
+                if rows % self.world or out.shape[0] != rows:
+                    raise ZbcclInvalidUsageError(
+                        f"{name}: equal splits, expected input and output rows a multiple of {self.world} and "
+                        f"equal, got {inp.shape[0]} and {out.shape[0]}")
+            else:
+                ins, in_vals = self._splits(in_splits, name)
+                outs, out_vals = self._splits(out_splits, name)
+                for what, vals, n in (("in_splits", in_vals, rows), ("out_splits", out_vals, out.shape[0])):
+                    if vals is not None and sum(vals) != n:
+                        raise ZbcclInvalidUsageError(
+                            f"{name}: {what} do not cover the tensor, expected them to sum to {n} rows, got {vals}")
+                splits = torch.cat([ins, outs])
+            _raise(overlap_error(out, inp, op=name))
+            in_off = self._heap_offset(inp, "input", name)
+        except ZbcclError as exc:
+            self._fail(name, exc)
+        isz = inp.element_size()
+        # The launch shape must agree across ranks: all_to_all_v's sizes differ per rank, so it takes a fixed one.
+        grid, block, warps = self._plan(inp.numel() // self.world if splits is None else _V_ELEMS // isz, isz)
+        self._run(name, lambda: self._k.all_to_all(
+            self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
+            out_addr=self._addr(out), dtype=dt, itemsize=isz, inner=inner, cnt=rows // self.world,
+            numel=inp.numel(), check=_CHECK["exchange"] | (0 if splits is not None else _F["NUMEL"]),
+            timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
+
+
+def _raise(error: str | None) -> None:
+    if error:
+        raise ZbcclInvalidUsageError(error)
+
+
+def _table(vals: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(vals, dtype=torch.int64)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def _field_name(i: int) -> str:
+    if i >= g.A_SPLITS + g.KMAX_WORLD:
+        return f"out_splits[{i - g.A_SPLITS - g.KMAX_WORLD}]"
+    if i >= g.A_SPLITS:
+        return f"splits[{i - g.A_SPLITS}]"
+    return {"NUMEL": "element count", "GRID": "launch shape (follows the sizes)", "OP": "op",
+            "REDOP": "reduce op"}.get(g.A_FIELDS[i], g.A_FIELDS[i].lower()) if 0 <= i < len(g.A_FIELDS) else f"field {i}"
