@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..ops.dtypes import DTYPE_CODES
 
-__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step", "cases_rank"]
+__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step", "scope_step", "cases_rank"]
 
 DEV = "cuda:0"
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -280,6 +280,12 @@ def _movement(rk: Rank, dt: torch.dtype, sizes, res: list) -> None:
     _case(rk, f"all_to_all_v/{_dn(dt)}", a2av, res)
 
 
+def _a2a_part(src: torch.Tensor, q: int, r: int, W: int, split) -> torch.Tensor:
+    """What rank ``r`` receives from rank ``q``'s all_to_all input ``src`` (rank q sends split(q, b) to b)."""
+    lo = sum(split(q, b) for b in range(r))
+    return src[lo:lo + split(q, r)]
+
+
 def _dn(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
@@ -290,6 +296,8 @@ def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
     W, r, zb, res = rk.world, rk.rank, rk.zbccl, []
     dt, n = torch.bfloat16, 1001
     P = lambda q, shape, it, d=dt: payload(q, shape, d, it=it)  # noqa: E731
+    rows = [97 + 2 * q for q in range(W)]
+    split = lambda a, b: 50 + (a + 2 * b) % 3  # noqa: E731 - elements rank a sends to rank b
     cases = {
         "all_reduce": ((n,), (n,), lambda o, i: zb.all_reduce(i),
                        lambda it: _reduce([P(q, (n,), it) for q in range(W)], "sum", dt), True),
@@ -301,6 +309,16 @@ def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
         "all_to_all": ((W * n,), (W * n,), lambda o, i: zb.all_to_all_single(o, i),
                        lambda it: torch.cat([P(q, (W * n,), it)[r * n:(r + 1) * n] for q in range(W)]), False),
         "broadcast": ((n,), (n,), lambda o, i: zb.broadcast(i, 0), lambda it: P(0, (n,), it), True),
+        "all_gather_v": ((sum(rows),), (rows[r],), lambda o, i: zb.all_gather_v(o, i, rows),
+                         lambda it: torch.cat([P(q, (rows[q],), it) for q in range(W)]), False),
+        "reduce_scatter_v": ((rows[r],), (sum(rows),), lambda o, i: zb.reduce_scatter_v(o, i, rows),
+                             lambda it: _reduce([P(q, (sum(rows),), it) for q in range(W)], "sum",
+                                                dt)[sum(rows[:r]):sum(rows[:r + 1])], False),
+        "all_to_all_v": ((sum(split(q, r) for q in range(W)),), (sum(split(r, q) for q in range(W)),),
+                         lambda o, i: zb.all_to_all_single(o, i, [split(q, r) for q in range(W)],
+                                                           [split(r, q) for q in range(W)]),
+                         lambda it: torch.cat([_a2a_part(P(q, (sum(split(q, b) for b in range(W)),), it), q, r, W,
+                                                         split) for q in range(W)]), False),
     }
     for name, (oshape, ishape, call, want, inplace) in cases.items():
         def case(oshape=oshape, ishape=ishape, call=call, want=want, inplace=inplace):
@@ -376,6 +394,18 @@ def decode_step(rk: Rank, *, replays: int) -> list[tuple[str, bool, str]]:
         return None
 
     _case(rk, f"graph/decode_step/{replays}_replays", case, res)
+    return res
+
+
+
+def scope_step(rk: Rank) -> list[tuple[str, bool, str]]:
+    """A decode step under ``heap_scope``, eager: zero staging (see ``scoped``)."""
+    res: list = []
+    W, r, zb = rk.world, rk.rank, rk.zbccl
+
+    def weights(q: int, shape) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + q)
+        return (torch.randn(shape, generator=g) / 32).to(rk.device)
 
     def scoped():
         """The eager step under ``heap_scope``: the matmul's output lands in the heap, so the all_reduce runs
@@ -409,8 +439,8 @@ def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, 
     rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, device=device)
     try:
         res = correctness(rk, quick=quick)
-        if rk.device.type == "cuda":
-            res += graph_cases(rk)
+        res += scope_step(rk)  # eager, before any capture
+        res += graph_cases(rk)  # on the CPU dry run: each case's eager half and reference, then no capture
         res += decode_step(rk, replays=replays)
         return res
     finally:
