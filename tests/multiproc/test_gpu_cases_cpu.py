@@ -52,3 +52,21 @@ def test_the_gpu_check_driver_runs_end_to_end_on_the_cpu_ops(capsys):
     assert checks and all(ln.split()[2] == "PASS" for ln in checks.values()), lines
     assert {"env", "native", "w2/cases", "w2/all_reduce", "w2/all_to_all_v", "w2/scope"} <= set(checks)
     assert rc == 1 and lines[-1].startswith(f"SUMMARY {len(checks)}/{len(checks) + 9} checks passed; failed: ")
+
+
+def _late_rank(ctx):
+    import time
+
+    from zbccl.bench.gpu_cases import cases_rank
+
+    # rank 1's clock says the budget is spent; rank 0's does not: they must still stop at the same case
+    deadline = time.time() - 1 if ctx.rank == 1 else time.time() + 3600
+    return cases_rank(rank=ctx.rank, world_size=ctx.world_size, store=ctx.store(), quick=True, replays=2,
+                      heap_bytes=16 << 20, device="cpu", deadline=deadline)
+
+
+def test_a_world_out_of_time_stops_every_rank_at_the_same_case():
+    results = run_world(_late_rank, 2, timeout=120)
+    assert [n for n, _, _ in results[0]] == [n for n, _, _ in results[1]]
+    for res in results:
+        assert res[0][1] and all(not ok and d == "skipped: the world's time budget is spent" for _, ok, d in res[1:])

@@ -33,8 +33,9 @@ from .gpu_cases import cases_rank
 __all__ = ["main", "cuda_status", "format_table", "summarise_cases"]
 
 #: Wall-clock limits of the spawned worlds (s): a hung rank is killed at these. The run's budget
-#: (``--budget``) bounds them further: a world gets at most what is left of it.
-LIMITS = {"cases": 110.0, "bench": 80.0}
+#: (``--budget``) bounds them further: a world gets at most what is left of it. Ranks stop running
+#: cases ``_WIND_DOWN_S`` before (agreed among them) and report what ran.
+LIMITS = {"cases": 120.0, "bench": 60.0}
 NO_CUDA = 3
 
 
@@ -86,13 +87,19 @@ def summarise_cases(results: list[list[tuple[str, bool, str]]]) -> dict[str, tup
 _deadline = float("inf")
 
 
+#: Seconds a world keeps after its ranks agreed to stop: teardown and sending the results back.
+_WIND_DOWN_S = 20.0
+
+
 def _launch(fn, world: int, limit: float, **kwargs):
+    """``fn`` on ``world`` ranks, killed at ``limit`` (or what is left of the run's budget); the ranks get a
+    ``deadline`` (wall clock) ``_WIND_DOWN_S`` before that, at which they agree to stop and report."""
     from ..tools.launch import launch_local
 
-    left = _deadline - time.monotonic()
-    if left < 15:
+    left = min(limit, _deadline - time.monotonic())
+    if left < 2 * _WIND_DOWN_S:
         raise TimeoutError(f"skipped: the run's time budget is spent ({left:.0f}s left)")
-    return launch_local(fn, world, timeout=min(limit, left), threads=1, **kwargs)
+    return launch_local(fn, world, timeout=left, threads=1, deadline=time.time() + left - _WIND_DOWN_S, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------- the table

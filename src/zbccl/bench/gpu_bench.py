@@ -174,7 +174,7 @@ def bench(rk: Rank, *, quick: bool, sizes: list[int] | None = None) -> dict:
     rounds = 3 if quick else 5
     for nbytes in sizes or SIZES:
         if rk.agree(rk.broken):
-            errors.append(f"{nbytes}: skipped: {rk.broken}")
+            errors.append(f"{nbytes}: {rk.broken}")
             continue
         memcpy_us = _memcpy(rk, nbytes, quick)
         for op in ("all_reduce", "all_gather"):
@@ -218,9 +218,10 @@ def _any_failed(error: str | None, errors: list[str]) -> bool:
     return bool(flag.item())
 
 
-def bench_rank(*, rank: int, world_size: int, store, quick: bool, heap_bytes: int) -> dict:
+def bench_rank(*, rank: int, world_size: int, store, quick: bool, heap_bytes: int,
+               deadline: float = float("inf")) -> dict:
     """One rank of a bench world (``tools.launch.launch_local``)."""
-    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0)
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, deadline=deadline)
     try:
         return bench(rk, quick=quick)
     finally:

@@ -11,6 +11,7 @@ every rank, so no rank waits for a peer that stopped.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,9 +66,11 @@ class Rank:
     """One rank's handles: its zbccl communicator (CUDA heap), its gloo group, and the agreement step."""
 
     def __init__(self, rank: int, world_size: int, store, *, heap_bytes: int, timeout: float,
-                 device: str = DEV) -> None:
+                 device: str = DEV, deadline: float = float("inf")) -> None:
         import zbccl
 
+        #: Wall-clock time (``time.time()``) after which the ranks agree to run no more cases.
+        self.deadline = deadline
         self.device = torch.device(device)
         self.rank, self.world = rank, world_size
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
@@ -97,11 +100,15 @@ class Rank:
         wait_event(ev, self.timeout + 10, check=getattr(ops, "check", None) or (lambda: None), op="gpu_check")
 
     def agree(self, failed: str | None) -> str | None:
-        """Every rank learns whether any rank broke (device error): the first reason, or None."""
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        """Every rank learns whether any rank broke (device error) or ran out of its time budget: the first
+        reason, or None. The ranks stop at the same case, so none waits for a peer that stopped."""
+        late = time.time() > self.deadline
+        flag = torch.tensor([1 if failed else 0, 1 if late else 0], dtype=torch.int32)
         dist.all_reduce(flag)
-        if flag.item() and self.broken is None:
+        if self.broken is None and flag[0].item():
             self.broken = failed or "a peer hit a device-side error"
+        if self.broken is None and flag[1].item():
+            self.broken = "skipped: the world's time budget is spent"
         return self.broken
 
     def close(self) -> None:
@@ -122,7 +129,7 @@ def init_cuda(store, rank: int, world_size: int, *, heap_bytes: int, timeout: fl
 def _case(rk: Rank, name: str, fn: Callable[[], str | None], results: list) -> None:
     """Run one case (``fn`` returns None when right, else what is wrong) unless the world broke."""
     if rk.broken:
-        results.append((name, False, f"skipped: {rk.broken}"))
+        results.append((name, False, rk.broken if rk.broken.startswith("skipped") else f"skipped: {rk.broken}"))
         return
     device_error = None
     try:
@@ -150,16 +157,22 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> str | None:
     return f"{bad.numel()} wrong elements, first at {i}: got {got.reshape(-1)[i].item()}, want {want.reshape(-1)[i].item()}"
 
 
-def correctness(rk: Rank, *, quick: bool) -> list[tuple[str, bool, str]]:
-    """Every op, every dtype it serves, odd sizes, eager: ``[(name, ok, detail)]``."""
+#: The dtypes checked first (then the graph cases, then the rest: a world out of time still covered these).
+CORE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def correctness(rk: Rank, *, quick: bool, core: bool | None = None) -> list[tuple[str, bool, str]]:
+    """Every op, every dtype it serves, odd sizes, eager: ``[(name, ok, detail)]``. ``core``: True only the
+    :data:`CORE_DTYPES` (and the device barrier), False only the others, None all."""
     W, r, zb, res = rk.world, rk.rank, rk.zbccl, []
+    pick = lambda dts: [d for d in dts if core is None or (d in CORE_DTYPES) == core]  # noqa: E731
     sizes = ODD_SIZES[:3] if quick else ODD_SIZES
     P = lambda q, shape, dt, it=0: payload(q, shape, dt, it=it)  # noqa: E731
 
     def run(name, op):
         _case(rk, name, op, res)
 
-    for dt in REDUCE_DTYPES:
+    for dt in pick(REDUCE_DTYPES):
         for n in sizes:
             for red in ("sum", "avg", "max", "min") if dt in FLOATS else ("sum", "max", "min"):
                 if red != "sum" and (n != sizes[-1] or dt not in OTHER_REDUCE_DTYPES):
@@ -205,9 +218,10 @@ def correctness(rk: Rank, *, quick: bool) -> list[tuple[str, bool, str]]:
             return _diff(out, full[:, r * 5:(r + 1) * 5])
 
         run(f"reduce_scatter/dim1/{_dn(dt)}", rs_dim)
-    for dt in MOVE_DTYPES:
+    for dt in pick(MOVE_DTYPES):
         _movement(rk, dt, sizes, res)
-    run("barrier/device", lambda: (zb.barrier(device=rk.device.type), rk.finish())[1])
+    if core is not False:
+        run("barrier/device", lambda: (zb.barrier(device=rk.device.type), rk.finish())[1])
     return res
 
 
@@ -434,14 +448,17 @@ def scope_step(rk: Rank) -> list[tuple[str, bool, str]]:
 
 
 def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, heap_bytes: int,
-               device: str = DEV) -> list:
-    """One rank of a cases world (``tools.launch.launch_local``): every eager case, then the graph cases."""
-    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, device=device)
+               device: str = DEV, deadline: float = float("inf")) -> list:
+    """One rank of a cases world (``tools.launch.launch_local``): the core dtypes' eager cases, the
+    heap_scope step, the graph cases, the decode step, then every other dtype (each op and dtype is one
+    more kernel to compile: the order puts what matters most first when the time budget runs out)."""
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, device=device, deadline=deadline)
     try:
-        res = correctness(rk, quick=quick)
+        res = correctness(rk, quick=quick, core=True)
         res += scope_step(rk)  # eager, before any capture
         res += graph_cases(rk)  # on the CPU dry run: each case's eager half and reference, then no capture
         res += decode_step(rk, replays=replays)
+        res += correctness(rk, quick=quick, core=False)
         return res
     finally:
         rk.close()
