@@ -35,7 +35,7 @@ __all__ = ["main", "cuda_status", "format_table", "summarise_cases"]
 #: Wall-clock limits of the spawned worlds (s): a hung rank is killed at these. The run's budget
 #: (``--budget``) bounds them further: a world gets at most what is left of it. Ranks stop running
 #: cases ``_WIND_DOWN_S`` before (agreed among them) and report what ran.
-LIMITS = {"cases": 120.0, "bench": 60.0}
+LIMITS = {"cases": 105.0, "bench": 55.0}
 NO_CUDA = 3
 
 
