@@ -403,7 +403,8 @@ def decode_step(rk: Rank, *, replays: int) -> list[tuple[str, bool, str]]:
             outs.append(y.clone())
         rk.finish()
         for i, (a, b) in enumerate(zip(outs, eager)):
-            if not torch.equal(a, b):
+            # bit-exact unless cuBLAS picked another algorithm under capture (then within fp32 rounding)
+            if not torch.equal(a, b) and (a - b).abs().max().item() > 1e-5 * max(1.0, b.abs().max().item()):
                 return f"replay {i} differs from eager by {(a - b).abs().max().item():.3g}"
         return None
 
