@@ -57,3 +57,11 @@ def test_all_gather_rows_count_the_output_as_nccl_tests_do():
     cells = [c.strip() for c in gpu.format_table(4, [rows])[2].strip("|").split("|")]
     assert cells[4] == f"{4 * (1 << 20) * 0.75 / 100 / 1e3:.1f}"  # S = W * size, factor (W-1)/W
     assert cells[5:10] == ["-"] * 5 and cells[12] == "-"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_zbccl_bench_gpu_is_the_same_check(capsys):
+    from zbccl.cli import main
+
+    assert main(["bench-gpu", "--quick"]) == gpu.NO_CUDA
+    assert capsys.readouterr().out.startswith("CHECK cuda SKIP no CUDA")

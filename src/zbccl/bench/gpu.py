@@ -156,8 +156,8 @@ def _native() -> tuple[bool, str]:
     return True, f"ready in {time.monotonic() - t0:.1f}s"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zbccl.bench.gpu", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, prog: str = "python -m zbccl.bench.gpu") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about half the time)")
     p.add_argument("--worlds", default="2,4", help="world sizes, comma-separated (default 2,4)")
     p.add_argument("--only", default="", help="comma-separated subset of: cases,bench (default both)")
