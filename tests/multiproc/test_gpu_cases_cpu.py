@@ -50,7 +50,7 @@ def test_the_gpu_check_driver_runs_end_to_end_on_the_cpu_ops(capsys):
     assert len(graphs) == 9 and all(" FAIL 0/1 " in ln and "CUDAGraph" in ln and "eager:" not in ln
                                     for ln in graphs.values()), graphs
     assert checks and all(ln.split()[2] == "PASS" for ln in checks.values()), lines
-    assert {"env", "native", "w2/cases", "w2/all_reduce", "w2/all_to_all_v", "w2/scope"} <= set(checks)
+    assert {"env", "native", "w2/cases", "w2/all_reduce", "w2/all_to_all_v", "w2/scope", "w2/pg"} <= set(checks)
     assert rc == 1 and lines[-1].startswith(f"SUMMARY {len(checks)}/{len(checks) + 9} checks passed; failed: ")
 
 

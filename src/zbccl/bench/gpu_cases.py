@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from ..ops.dtypes import DTYPE_CODES
 
-__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step", "scope_step", "cases_rank"]
+__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step", "scope_step", "pg_cases", "cases_rank"]
 
 DEV = "cuda:0"
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -69,6 +70,10 @@ class Rank:
                  device: str = DEV, deadline: float = float("inf")) -> None:
         import zbccl
 
+        from .baselines import silence_deprecations
+
+        silence_deprecations()  # torch 2.13's FutureWarnings for the *_tensor spellings (and funcol's)
+        warnings.filterwarnings("ignore", message=r".*all_gather_tensor.*", category=FutureWarning)
         #: Wall-clock time (``time.time()``) after which the ranks agree to run no more cases.
         self.deadline = deadline
         self.device = torch.device(device)
@@ -449,6 +454,73 @@ def scope_step(rk: Rank) -> list[tuple[str, bool, str]]:
     return res
 
 
+def pg_cases(rk: Rank) -> list[tuple[str, bool, str]]:
+    """torch.distributed on a ``zbccl`` group (``dist.new_group(backend="zbccl")``): sync and ``async_op``
+    collectives (Work objects over CUDA events: ``wait``, ``is_completed``, ``get_future``), the barrier,
+    and the functional all_gather, on heap tensors, each against the reference."""
+    import torch.distributed._functional_collectives as funcol
+
+    W, r, res = rk.world, rk.rank, []
+    dt, n = torch.bfloat16, 1001
+    P = lambda q, shape, it=0: payload(q, shape, dt, it=it)  # noqa: E731
+    summed = lambda shape, it=0: _reduce([P(q, shape, it) for q in range(W)], "sum", dt)  # noqa: E731
+    pg = dist.new_group(list(range(W)), backend="zbccl")
+
+    def sync_ops():
+        t = rk.empty((n,), dt)
+        t.copy_(P(r, (n,)))
+        dist.all_reduce(t, group=pg)
+        out, inp = rk.empty((W * n,), dt), rk.empty((n,), dt)
+        inp.copy_(P(r, (n,), 1))
+        dist.all_gather_into_tensor(out, inp, group=pg)
+        rs_in, rs_out = rk.empty((W * n,), dt), rk.empty((n,), dt)
+        rs_in.copy_(P(r, (W * n,), 2))
+        dist.reduce_scatter_tensor(rs_out, rs_in, group=pg)
+        a_in, a_out = rk.empty((W * n,), dt), rk.empty((W * n,), dt)
+        a_in.copy_(P(r, (W * n,), 3))
+        dist.all_to_all_single(a_out, a_in, group=pg)
+        b = rk.empty((n,), dt)
+        b.copy_(P(r, (n,), 4))
+        dist.broadcast(b, src=W - 1, group=pg)
+        dist.barrier(group=pg)
+        rk.finish()
+        return (_diff(t, summed((n,))) or _diff(out, torch.cat([P(q, (n,), 1) for q in range(W)]))
+                or _diff(rs_out, summed((W * n,), 2)[r * n:(r + 1) * n])
+                or _diff(a_out, torch.cat([P(q, (W * n,), 3)[r * n:(r + 1) * n] for q in range(W)]))
+                or _diff(b, P(W - 1, (n,), 4)))
+
+    def async_ops():
+        t = rk.empty((n,), dt)
+        t.copy_(P(r, (n,)))
+        work = dist.all_reduce(t, group=pg, async_op=True)
+        work.wait()  # the current stream waits; the host does not
+        fut = work.get_future()
+        out, inp = rk.empty((W * n,), dt), rk.empty((n,), dt)
+        inp.copy_(P(r, (n,), 1))
+        w2 = dist.all_gather_into_tensor(out, inp, group=pg, async_op=True)
+        w2.synchronize() if hasattr(w2, "synchronize") else w2.wait()
+        w2.wait()
+        got = fut.wait()
+        rk.finish()
+        if not (work.is_completed() and w2.is_completed()):
+            return "a waited Work is not completed after the device finished"
+        got = got[0] if isinstance(got, list) else got
+        return _diff(t, summed((n,))) or _diff(got, summed((n,))) or _diff(
+            out, torch.cat([P(q, (n,), 1) for q in range(W)]))
+
+    def functional():
+        inp = rk.empty((n,), dt)
+        inp.copy_(P(r, (n,), 5))
+        got = funcol.all_gather_tensor(inp, 0, pg).wait() if hasattr(funcol, "all_gather_tensor") else None
+        rk.finish()
+        return None if got is None else _diff(got, torch.cat([P(q, (n,), 5) for q in range(W)]))
+
+    _case(rk, "pg/sync_ops", sync_ops, res)
+    _case(rk, "pg/async_ops", async_ops, res)
+    _case(rk, "pg/functional_all_gather", functional, res)
+    return res
+
+
 def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, heap_bytes: int,
                device: str = DEV, deadline: float = float("inf")) -> list:
     """One rank of a cases world (``tools.launch.launch_local``): the core dtypes' eager cases, the
@@ -458,6 +530,7 @@ def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, 
     try:
         res = correctness(rk, quick=quick, core=True)
         res += scope_step(rk)  # eager, before any capture
+        res += pg_cases(rk)
         res += graph_cases(rk)  # on the CPU dry run: each case's eager half and reference, then no capture
         res += decode_step(rk, replays=replays)
         res += correctness(rk, quick=quick, core=False)
