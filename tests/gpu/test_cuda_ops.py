@@ -13,7 +13,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 def _rank(*, rank, world_size, store, what):
-    from zbccl.bench.gpu_cases import Rank, correctness, decode_step, graph_cases
+    from zbccl.bench.gpu_cases import Rank, correctness
+    from zbccl.bench.gpu_steps import decode_step, graph_cases
 
     rk = Rank(rank, world_size, store, heap_bytes=256 << 20, timeout=20.0)
     try:

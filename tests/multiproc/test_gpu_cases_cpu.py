@@ -12,7 +12,8 @@ from tests.spawn import run_world
 
 
 def _rank(ctx):
-    from zbccl.bench.gpu_cases import Rank, correctness, decode_step
+    from zbccl.bench.gpu_cases import Rank, correctness
+    from zbccl.bench.gpu_steps import decode_step
 
     rk = Rank(ctx.rank, ctx.world_size, ctx.store(), heap_bytes=16 << 20, timeout=30.0, device="cpu")
     try:
@@ -57,7 +58,7 @@ def test_the_gpu_check_driver_runs_end_to_end_on_the_cpu_ops(capsys):
 def _late_rank(ctx):
     import time
 
-    from zbccl.bench.gpu_cases import cases_rank
+    from zbccl.bench.gpu_steps import cases_rank
 
     # rank 1's clock says the budget is spent; rank 0's does not: they must still stop at the same case
     deadline = time.time() - 1 if ctx.rank == 1 else time.time() + 3600

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from .gpu_bench import bench_rank
-from .gpu_cases import cases_rank
+from .gpu_steps import cases_rank
 
 __all__ = ["main", "cuda_status", "format_table", "summarise_cases"]
 

@@ -1,4 +1,4 @@
-"""The per-rank work of the GPU check (``bench/gpu.py``): correctness of every op, graph capture.
+"""The per-rank work of the GPU check (``bench/gpu.py``): the ranks' handles and the per-op cases.
 
 Runs inside each spawned rank, all ranks on GPU 0 (``cuda:0``). Every case fills heap tensors with
 :func:`payload` (value = f(rank, index, iteration), small integers, exact in every dtype and in every
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..ops.dtypes import DTYPE_CODES
 
-__all__ = ["payload", "Rank", "correctness", "graph_cases", "decode_step", "scope_step", "pg_cases", "cases_rank"]
+__all__ = ["payload", "reduce_ref", "Rank", "run_case", "diff", "correctness", "a2a_part", "dtype_name"]
 
 DEV = "cuda:0"
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -50,7 +50,7 @@ def payload(rank: int, shape, dtype: torch.dtype, *, it: int = 0, device="cpu") 
     return v.to(dtype).reshape(shape)
 
 
-def _reduce(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
+def reduce_ref(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
     x = torch.stack([p.to(torch.float64) for p in parts])
     if op == "sum":
         r = x.sum(0)
@@ -131,7 +131,7 @@ def init_cuda(store, rank: int, world_size: int, *, heap_bytes: int, timeout: fl
                       device="cuda", cuda_heap_size=heap_bytes, timeout=timeout)
 
 
-def _case(rk: Rank, name: str, fn: Callable[[], str | None], results: list) -> None:
+def run_case(rk: Rank, name: str, fn: Callable[[], str | None], results: list) -> None:
     """Run one case (``fn`` returns None when right, else what is wrong) unless the world broke."""
     if rk.broken:
         results.append((name, False, rk.broken if rk.broken.startswith("skipped") else f"skipped: {rk.broken}"))
@@ -149,7 +149,7 @@ def _case(rk: Rank, name: str, fn: Callable[[], str | None], results: list) -> N
     rk.agree(device_error)
 
 
-def _diff(got: torch.Tensor, want: torch.Tensor) -> str | None:
+def diff(got: torch.Tensor, want: torch.Tensor) -> str | None:
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -175,7 +175,7 @@ def correctness(rk: Rank, *, quick: bool, core: bool | None = None) -> list[tupl
     P = lambda q, shape, dt, it=0: payload(q, shape, dt, it=it)  # noqa: E731
 
     def run(name, op):
-        _case(rk, name, op, res)
+        run_case(rk, name, op, res)
 
     for dt in pick(REDUCE_DTYPES):
         for n in sizes:
@@ -188,19 +188,19 @@ def correctness(rk: Rank, *, quick: bool, core: bool | None = None) -> list[tupl
                     t.copy_(P(r, (n,), dt))
                     zb.all_reduce(t, red)
                     rk.finish()
-                    return _diff(t, _reduce([P(q, (n,), dt) for q in range(W)], red, dt))
+                    return diff(t, reduce_ref([P(q, (n,), dt) for q in range(W)], red, dt))
 
-                run(f"all_reduce/{red}/{_dn(dt)}/n={n}", ar)
+                run(f"all_reduce/{red}/{dtype_name(dt)}/n={n}", ar)
             for n2 in (n,):
                 def rs(n=n2, dt=dt):
                     inp, out = rk.empty((W * n,), dt), rk.empty((n,), dt)
                     inp.copy_(P(r, (W * n,), dt))
                     zb.reduce_scatter_tensor(out, inp)
                     rk.finish()
-                    full = _reduce([P(q, (W * n,), dt) for q in range(W)], "sum", dt)
-                    return _diff(out, full[r * n:(r + 1) * n])
+                    full = reduce_ref([P(q, (W * n,), dt) for q in range(W)], "sum", dt)
+                    return diff(out, full[r * n:(r + 1) * n])
 
-                run(f"reduce_scatter/{_dn(dt)}/n={n2}", rs)
+                run(f"reduce_scatter/{dtype_name(dt)}/n={n2}", rs)
 
         def rsv(dt=dt):
             sizes_v = [2 + q for q in range(W)]
@@ -208,21 +208,21 @@ def correctness(rk: Rank, *, quick: bool, core: bool | None = None) -> list[tupl
             inp.copy_(P(r, (sum(sizes_v), 3), dt))
             zb.reduce_scatter_v(out, inp, sizes_v)
             rk.finish()
-            full = _reduce([P(q, (sum(sizes_v), 3), dt) for q in range(W)], "sum", dt)
+            full = reduce_ref([P(q, (sum(sizes_v), 3), dt) for q in range(W)], "sum", dt)
             lo = sum(sizes_v[:r])
-            return _diff(out, full[lo:lo + sizes_v[r]])
+            return diff(out, full[lo:lo + sizes_v[r]])
 
-        run(f"reduce_scatter_v/{_dn(dt)}", rsv)
+        run(f"reduce_scatter_v/{dtype_name(dt)}", rsv)
 
         def rs_dim(dt=dt):
             inp, out = rk.empty((3, W * 5), dt), rk.empty((3, 5), dt)
             inp.copy_(P(r, (3, W * 5), dt))
             zb.reduce_scatter_tensor(out, inp, dim=1)
             rk.finish()
-            full = _reduce([P(q, (3, W * 5), dt) for q in range(W)], "sum", dt)
-            return _diff(out, full[:, r * 5:(r + 1) * 5])
+            full = reduce_ref([P(q, (3, W * 5), dt) for q in range(W)], "sum", dt)
+            return diff(out, full[:, r * 5:(r + 1) * 5])
 
-        run(f"reduce_scatter/dim1/{_dn(dt)}", rs_dim)
+        run(f"reduce_scatter/dim1/{dtype_name(dt)}", rs_dim)
     for dt in pick(MOVE_DTYPES):
         _movement(rk, dt, sizes, res)
     if core is not False:
@@ -240,36 +240,36 @@ def _movement(rk: Rank, dt: torch.dtype, sizes, res: list) -> None:
             inp.copy_(P(r, (n,)))
             zb.all_gather_into_tensor(out, inp)
             rk.finish()
-            return _diff(out, torch.cat([P(q, (n,)) for q in range(W)]))
+            return diff(out, torch.cat([P(q, (n,)) for q in range(W)]))
 
-        _case(rk, f"all_gather/{_dn(dt)}/n={n}", ag, res)
+        run_case(rk, f"all_gather/{dtype_name(dt)}/n={n}", ag, res)
 
         def a2a(n=n):
             inp, out = rk.empty((W * n,), dt), rk.empty((W * n,), dt)
             inp.copy_(P(r, (W * n,)))
             zb.all_to_all_single(out, inp)
             rk.finish()
-            return _diff(out, torch.cat([P(q, (W * n,))[r * n:(r + 1) * n] for q in range(W)]))
+            return diff(out, torch.cat([P(q, (W * n,))[r * n:(r + 1) * n] for q in range(W)]))
 
-        _case(rk, f"all_to_all/{_dn(dt)}/n={n}", a2a, res)
+        run_case(rk, f"all_to_all/{dtype_name(dt)}/n={n}", a2a, res)
 
         def bc(n=n):
             t = rk.empty((n,), dt)
             t.copy_(P(r, (n,)))
             zb.broadcast(t, W - 1)
             rk.finish()
-            return _diff(t, P(W - 1, (n,)))
+            return diff(t, P(W - 1, (n,)))
 
-        _case(rk, f"broadcast/{_dn(dt)}/n={n}", bc, res)
+        run_case(rk, f"broadcast/{dtype_name(dt)}/n={n}", bc, res)
 
     def ag_dim():
         inp, out = rk.empty((3, 5), dt), rk.empty((3, 5 * W), dt)
         inp.copy_(P(r, (3, 5)))
         zb.all_gather_into_tensor(out, inp, dim=1)
         rk.finish()
-        return _diff(out, torch.cat([P(q, (3, 5)) for q in range(W)], dim=1))
+        return diff(out, torch.cat([P(q, (3, 5)) for q in range(W)], dim=1))
 
-    _case(rk, f"all_gather/dim1/{_dn(dt)}", ag_dim, res)
+    run_case(rk, f"all_gather/dim1/{dtype_name(dt)}", ag_dim, res)
 
     def agv():
         rows = [1 + 2 * q for q in range(W)]
@@ -277,9 +277,9 @@ def _movement(rk: Rank, dt: torch.dtype, sizes, res: list) -> None:
         inp.copy_(P(r, (rows[r], 3)))
         zb.all_gather_v(out, inp, rows)
         rk.finish()
-        return _diff(out, torch.cat([P(q, (rows[q], 3)) for q in range(W)]))
+        return diff(out, torch.cat([P(q, (rows[q], 3)) for q in range(W)]))
 
-    _case(rk, f"all_gather_v/{_dn(dt)}", agv, res)
+    run_case(rk, f"all_gather_v/{dtype_name(dt)}", agv, res)
 
     def a2av():
         split = lambda a, b: 1 + (a + 2 * b) % 3  # noqa: E731 - rows rank a sends to rank b
@@ -294,246 +294,16 @@ def _movement(rk: Rank, dt: torch.dtype, sizes, res: list) -> None:
             src = P(q, (sum(split(q, b) for b in range(W)), 2))
             lo = sum(split(q, b) for b in range(r))
             want.append(src[lo:lo + split(q, r)])
-        return _diff(out, torch.cat(want))
+        return diff(out, torch.cat(want))
 
-    _case(rk, f"all_to_all_v/{_dn(dt)}", a2av, res)
+    run_case(rk, f"all_to_all_v/{dtype_name(dt)}", a2av, res)
 
 
-def _a2a_part(src: torch.Tensor, q: int, r: int, W: int, split) -> torch.Tensor:
+def a2a_part(src: torch.Tensor, q: int, r: int, W: int, split) -> torch.Tensor:
     """What rank ``r`` receives from rank ``q``'s all_to_all input ``src`` (rank q sends split(q, b) to b)."""
     lo = sum(split(q, b) for b in range(r))
     return src[lo:lo + split(q, r)]
 
 
-def _dn(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
-
-
-def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
-    """Every op captured in a CUDA graph after one eager warm-up, then replayed ``replays`` times on new
-    payloads (copied into the captured tensors before each replay), each replay bit-exact."""
-    W, r, zb, res = rk.world, rk.rank, rk.zbccl, []
-    dt, n = torch.bfloat16, 1001
-    P = lambda q, shape, it, d=dt: payload(q, shape, d, it=it)  # noqa: E731
-    rows = [97 + 2 * q for q in range(W)]
-    split = lambda a, b: 50 + (a + 2 * b) % 3  # noqa: E731 - elements rank a sends to rank b
-    cases = {
-        "all_reduce": ((n,), (n,), lambda o, i: zb.all_reduce(i),
-                       lambda it: _reduce([P(q, (n,), it) for q in range(W)], "sum", dt), True),
-        "all_gather": ((W * n,), (n,), lambda o, i: zb.all_gather_into_tensor(o, i),
-                       lambda it: torch.cat([P(q, (n,), it) for q in range(W)]), False),
-        "reduce_scatter": ((n,), (W * n,), lambda o, i: zb.reduce_scatter_tensor(o, i),
-                           lambda it: _reduce([P(q, (W * n,), it) for q in range(W)], "sum", dt)[r * n:(r + 1) * n],
-                           False),
-        "all_to_all": ((W * n,), (W * n,), lambda o, i: zb.all_to_all_single(o, i),
-                       lambda it: torch.cat([P(q, (W * n,), it)[r * n:(r + 1) * n] for q in range(W)]), False),
-        "broadcast": ((n,), (n,), lambda o, i: zb.broadcast(i, 0), lambda it: P(0, (n,), it), True),
-        "all_gather_v": ((sum(rows),), (rows[r],), lambda o, i: zb.all_gather_v(o, i, rows),
-                         lambda it: torch.cat([P(q, (rows[q],), it) for q in range(W)]), False),
-        "reduce_scatter_v": ((rows[r],), (sum(rows),), lambda o, i: zb.reduce_scatter_v(o, i, rows),
-                             lambda it: _reduce([P(q, (sum(rows),), it) for q in range(W)], "sum",
-                                                dt)[sum(rows[:r]):sum(rows[:r + 1])], False),
-        "all_to_all_v": ((sum(split(q, r) for q in range(W)),), (sum(split(r, q) for q in range(W)),),
-                         lambda o, i: zb.all_to_all_single(o, i, [split(q, r) for q in range(W)],
-                                                           [split(r, q) for q in range(W)]),
-                         lambda it: torch.cat([_a2a_part(P(q, (sum(split(q, b) for b in range(W)),), it), q, r, W,
-                                                         split) for q in range(W)]), False),
-    }
-    for name, (oshape, ishape, call, want, inplace) in cases.items():
-        def case(oshape=oshape, ishape=ishape, call=call, want=want, inplace=inplace):
-            out, inp = rk.empty(oshape, dt), rk.empty(ishape, dt)
-            inp.copy_(P(r, ishape, 0))
-            call(out, inp)  # eager warm-up: the device ops and their tables exist before the capture
-            rk.finish()
-            wrong = _diff(inp if inplace else out, want(0))
-            if wrong:
-                return f"eager: {wrong}"
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                call(out, inp)
-            for it in range(1, replays + 1):
-                inp.copy_(P(r, ishape, it))
-                g.replay()
-                rk.finish()
-                wrong = _diff(inp if inplace else out, want(it))
-                if wrong:
-                    return f"replay {it}: {wrong}"
-            return None
-
-        _case(rk, f"graph/{name}/bfloat16/n={n}", case, res)
-    return res
-
-
-def decode_step(rk: Rank, *, replays: int) -> list[tuple[str, bool, str]]:
-    """A decode-style step, ``(x @ A_rank) -> all_reduce -> @ B``, captured once and replayed ``replays``
-    times on new inputs: each replay bit-exact against the same step run eagerly, and the eager step
-    against a plain-torch reference (the sum over ranks of ``x @ A_q``, computed here, fp32 tolerance);
-    replays bit-exact against eager, or within fp32 rounding where cuBLAS picks another algorithm."""
-    res: list = []
-    W, r, zb = rk.world, rk.rank, rk.zbccl
-
-    def weights(q: int, shape) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1000 + q)
-        return (torch.randn(shape, generator=g) / 32).to(rk.device)
-
-    def case():
-        B, H, F = 8, 512, 1024
-        A = [weights(q, (H, F)) for q in range(W)]
-        Bw = weights(99, (F, H))
-        x = torch.empty(B, H, device=rk.device)
-        h = rk.empty((B, F), torch.float32)
-
-        def step():
-            torch.matmul(x, A[r], out=h)
-            zb.all_reduce(h)
-            return h @ Bw
-
-        inputs = [(payload(0, (B, H), torch.float32, it=i) / 16).to(rk.device) for i in range(replays)]
-        eager = []
-        for xi in inputs:
-            x.copy_(xi)
-            eager.append(step().clone())
-        rk.finish()
-        ref = (sum(inputs[0] @ A[q] for q in range(W))) @ Bw
-        err = (eager[0] - ref).abs().max().item()
-        if err > 1e-3 * max(1.0, ref.abs().max().item()):
-            return f"eager step differs from the plain-torch reference by {err:.3g}"
-        g = torch.cuda.CUDAGraph()
-        x.copy_(inputs[0])
-        with torch.cuda.graph(g):
-            y = step()
-        outs = []
-        for xi in inputs:
-            x.copy_(xi)
-            g.replay()
-            outs.append(y.clone())
-        rk.finish()
-        for i, (a, b) in enumerate(zip(outs, eager)):
-            # bit-exact unless cuBLAS picked another algorithm under capture (then within fp32 rounding)
-            if not torch.equal(a, b) and (a - b).abs().max().item() > 1e-5 * max(1.0, b.abs().max().item()):
-                return f"replay {i} differs from eager by {(a - b).abs().max().item():.3g}"
-        return None
-
-    _case(rk, f"graph/decode_step/{replays}_replays", case, res)
-    return res
-
-
-
-def scope_step(rk: Rank) -> list[tuple[str, bool, str]]:
-    """A decode step under ``heap_scope``, eager: zero staging (see ``scoped``)."""
-    res: list = []
-    W, r, zb = rk.world, rk.rank, rk.zbccl
-
-    def weights(q: int, shape) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1000 + q)
-        return (torch.randn(shape, generator=g) / 32).to(rk.device)
-
-    def scoped():
-        """The eager step under ``heap_scope``: the matmul's output lands in the heap, so the all_reduce runs
-        on it in place, and nothing is staged."""
-        B, H, F = 8, 512, 1024
-        A, Bw = weights(r, (H, F)), weights(99, (F, H))
-        dev = rk.device.type
-        before = zb.memory_stats(device=dev)["staged_bytes"]
-        x = (payload(0, (B, H), torch.float32) / 16).to(rk.device)
-        with zb.heap_scope(device=dev):
-            h = x @ A
-            if not zb.is_heap_tensor(h):
-                return "the matmul's output under heap_scope is not a heap tensor"
-            zb.all_reduce(h)
-            y = h @ Bw
-        rk.finish()
-        staged = zb.memory_stats(device=dev)["staged_bytes"] - before
-        ref = (sum(x @ weights(q, (H, F)) for q in range(W))) @ Bw
-        err = (y - ref).abs().max().item()
-        if err > 1e-3 * max(1.0, ref.abs().max().item()):
-            return f"differs from the plain-torch reference by {err:.3g}"
-        return None if staged == 0 else f"{staged} bytes staged, expected 0"
-
-    _case(rk, "scope/decode_step", scoped, res)
-    return res
-
-
-def pg_cases(rk: Rank) -> list[tuple[str, bool, str]]:
-    """torch.distributed on a ``zbccl`` group (``dist.new_group(backend="zbccl")``): sync and ``async_op``
-    collectives (Work objects over CUDA events: ``wait``, ``is_completed``, ``get_future``), the barrier,
-    and the functional all_gather, on heap tensors, each against the reference."""
-    import torch.distributed._functional_collectives as funcol
-
-    W, r, res = rk.world, rk.rank, []
-    dt, n = torch.bfloat16, 1001
-    P = lambda q, shape, it=0: payload(q, shape, dt, it=it)  # noqa: E731
-    summed = lambda shape, it=0: _reduce([P(q, shape, it) for q in range(W)], "sum", dt)  # noqa: E731
-    pg = dist.new_group(list(range(W)), backend="zbccl")
-
-    def sync_ops():
-        t = rk.empty((n,), dt)
-        t.copy_(P(r, (n,)))
-        dist.all_reduce(t, group=pg)
-        out, inp = rk.empty((W * n,), dt), rk.empty((n,), dt)
-        inp.copy_(P(r, (n,), 1))
-        dist.all_gather_into_tensor(out, inp, group=pg)
-        rs_in, rs_out = rk.empty((W * n,), dt), rk.empty((n,), dt)
-        rs_in.copy_(P(r, (W * n,), 2))
-        dist.reduce_scatter_tensor(rs_out, rs_in, group=pg)
-        a_in, a_out = rk.empty((W * n,), dt), rk.empty((W * n,), dt)
-        a_in.copy_(P(r, (W * n,), 3))
-        dist.all_to_all_single(a_out, a_in, group=pg)
-        b = rk.empty((n,), dt)
-        b.copy_(P(r, (n,), 4))
-        dist.broadcast(b, src=W - 1, group=pg)
-        dist.barrier(group=pg)
-        rk.finish()
-        return (_diff(t, summed((n,))) or _diff(out, torch.cat([P(q, (n,), 1) for q in range(W)]))
-                or _diff(rs_out, summed((W * n,), 2)[r * n:(r + 1) * n])
-                or _diff(a_out, torch.cat([P(q, (W * n,), 3)[r * n:(r + 1) * n] for q in range(W)]))
-                or _diff(b, P(W - 1, (n,), 4)))
-
-    def async_ops():
-        t = rk.empty((n,), dt)
-        t.copy_(P(r, (n,)))
-        work = dist.all_reduce(t, group=pg, async_op=True)
-        work.wait()  # the current stream waits; the host does not
-        fut = work.get_future()
-        out, inp = rk.empty((W * n,), dt), rk.empty((n,), dt)
-        inp.copy_(P(r, (n,), 1))
-        w2 = dist.all_gather_into_tensor(out, inp, group=pg, async_op=True)
-        w2.synchronize() if hasattr(w2, "synchronize") else w2.wait()
-        w2.wait()
-        got = fut.wait()
-        rk.finish()
-        if not (work.is_completed() and w2.is_completed()):
-            return "a waited Work is not completed after the device finished"
-        got = got[0] if isinstance(got, list) else got
-        return _diff(t, summed((n,))) or _diff(got, summed((n,))) or _diff(
-            out, torch.cat([P(q, (n,), 1) for q in range(W)]))
-
-    def functional():
-        inp = rk.empty((n,), dt)
-        inp.copy_(P(r, (n,), 5))
-        got = funcol.all_gather_tensor(inp, 0, pg).wait() if hasattr(funcol, "all_gather_tensor") else None
-        rk.finish()
-        return None if got is None else _diff(got, torch.cat([P(q, (n,), 5) for q in range(W)]))
-
-    _case(rk, "pg/sync_ops", sync_ops, res)
-    _case(rk, "pg/async_ops", async_ops, res)
-    _case(rk, "pg/functional_all_gather", functional, res)
-    return res
-
-
-def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, heap_bytes: int,
-               device: str = DEV, deadline: float = float("inf")) -> list:
-    """One rank of a cases world (``tools.launch.launch_local``): the core dtypes' eager cases, the
-    heap_scope step, the graph cases, the decode step, then every other dtype (each op and dtype is one
-    more kernel to compile: the order puts what matters most first when the time budget runs out)."""
-    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, device=device, deadline=deadline)
-    try:
-        res = correctness(rk, quick=quick, core=True)
-        res += scope_step(rk)  # eager, before any capture
-        res += pg_cases(rk)
-        res += graph_cases(rk)  # on the CPU dry run: each case's eager half and reference, then no capture
-        res += decode_step(rk, replays=replays)
-        res += correctness(rk, quick=quick, core=False)
-        return res
-    finally:
-        rk.close()
