@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zbccl import ZbcclTimeoutError
-from zbccl.adapters.work import wait_event
+from zbccl.adapters.device_work import wait_event
 
 
 class Event:

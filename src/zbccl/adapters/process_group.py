@@ -45,6 +45,7 @@ from ..ops import (
 )
 from ..ops.dtypes import REDUCE_OPS, op_name
 from . import gloo_route
+from .device_work import cuda_barrier, launch
 from .list_forms import (
     allgather_list,
     alltoall_list,
@@ -56,7 +57,7 @@ from .list_forms import (
     reduce_to,
     scatter_list,
 )
-from .work import CompletedWork, DeviceWork, timeout_seconds, wait_event
+from .work import CompletedWork, timeout_seconds
 
 __all__ = ["ProcessGroupZbccl", "reduce_op_name"]
 
@@ -165,31 +166,12 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
     def _device_async(self, result: list[torch.Tensor], inputs: tuple[torch.Tensor, ...],
                       run: Callable[[], None]) -> dist.Work:
-        """An ``async_op=True`` CUDA collective, as NCCL runs one: on this group's side stream, after the work
-        already on the current stream; its Work's event is recorded after the op, ``wait()`` orders the
-        current stream after it. The operands are marked used by the side stream (``record_stream``), so the
-        caching allocator does not reuse them before the op ran. Inside a capture the side stream joins the
-        capture (``wait()`` must join it back before the capture ends, as with NCCL)."""
+        """An ``async_op=True`` CUDA collective on this group's side stream (see :func:`.device_work.launch`)."""
         device = result[0].device
         side = self._side.get(device)
         if side is None:
             side = self._side[device] = torch.cuda.Stream(device)
-        cur = torch.cuda.current_stream(device)
-        captured = torch.cuda.is_current_stream_capturing()
-        side.wait_stream(cur)
-        try:
-            with torch.cuda.stream(side):
-                run()
-        except Exception as exc:  # noqa: BLE001 - the Work hands it to wait()/exception()/the future
-            cur.wait_stream(side)  # joined back: a capture must end with its forked streams joined
-            return CompletedWork(result, exc)
-        event = torch.cuda.Event()
-        event.record(side)
-        for t in (*result, *inputs):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(side)
-        comm = self._comm
-        return DeviceWork(result, event, side, comm.device_state.get("cuda"), timeout=comm.timeout, captured=captured)
+        return launch(self._comm, side, result, inputs, run)
 
     def _g(self, opts, result: list[torch.Tensor], call) -> dist.Work:
         """Run an op on the inner gloo group to completion (see :mod:`.gloo_route` for why)."""
@@ -387,7 +369,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         timeout = timeout_seconds(opts.timeout)  # torch's "unset" is negative: the group's default
         device = getattr(opts, "device", None)
         if getattr(device, "type", None) == "cuda" and torch.cuda.is_initialized():
-            return self._done(opts, [], lambda: _cuda_barrier(comm, device, timeout))
+            return self._done(opts, [], lambda: cuda_barrier(comm, device, timeout))
         return self._done(opts, [], lambda: barrier(comm=comm, timeout=timeout))
 
     # ------------------------------------------------------------ point to point
@@ -444,22 +426,6 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         if self._comm is not None:
             abort("the process group was aborted")
         self._closed = True
-
-
-def _cuda_barrier(comm, device: torch.device, timeout: float | None) -> None:
-    """NCCL's barrier: return once every rank's device work issued before it completed. Outside a capture:
-    this rank's stream is drained (bounded, device-side errors raised), then the host barrier. Inside a
-    capture: a device barrier on the current stream (the host cannot wait in a capture)."""
-    with torch.cuda.device(device):
-        if torch.cuda.is_current_stream_capturing():
-            barrier(comm=comm, timeout=timeout, device="cuda")
-            return
-        event = torch.cuda.Event()
-        event.record()
-        ops = comm.device_state.get("cuda")
-        check = getattr(ops, "check", None) or (lambda: None)
-        wait_event(event, timeout or comm.timeout, check=check, op="barrier")
-    barrier(comm=comm, timeout=timeout)
 
 
 #: What every synchronous call returns: complete, successful, no result kept.

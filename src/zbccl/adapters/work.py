@@ -8,9 +8,8 @@ An op that failed under ``async_op=True`` does not raise at the call: its
 Work carries the error, and ``wait()``, ``exception()`` and the future give
 the :class:`~zbccl.errors.ZbcclError` subclass to the caller.
 
-CUDA collectives are enqueued on a stream and never block the host:
-:class:`DeviceWork` holds a CUDA event recorded after the op (NCCL's semantics,
-see its docstring).
+CUDA collectives are enqueued on a stream and never block the host: their
+Work is :class:`~.device_work.DeviceWork` (a CUDA event, NCCL's semantics).
 
 Point-to-point receives are the other exception: :class:`PendingWork` completes
 later (in ``wait()``, or while any other wait of the same group makes
@@ -20,7 +19,6 @@ deadlock.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -28,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..errors import ZbcclInvalidUsageError, ZbcclTimeoutError
 
-__all__ = ["CompletedWork", "PendingWork", "DeviceWork", "wait_event", "timeout_seconds"]
+__all__ = ["CompletedWork", "PendingWork", "timeout_seconds"]
 
 
 def timeout_seconds(timeout) -> float | None:
@@ -150,114 +147,3 @@ class PendingWork(CompletedWork):
             except BaseException:  # noqa: BLE001 - the future carries it
                 pass
         return super().get_future()
-
-
-#: How long past the communicator's timeout ``DeviceWork.synchronize`` waits for an event: the kernels'
-#: bounded waits end at the timeout, and their status words are written just after.
-_GRACE_S = 10.0
-
-
-class DeviceWork(CompletedWork):
-    """The handle of a collective enqueued on a CUDA stream (NCCL's semantics).
-
-    ``event`` was recorded on ``stream`` right after the op's kernels. ``wait()`` makes the *current*
-    stream wait on it and returns at once (the host never blocks), then raises any error the kernels
-    already reported (``DeviceOps.check()``: a peer that never arrived, mismatched arguments, named by
-    rank). ``is_completed()`` queries the event. ``synchronize()`` (and ``wait()`` under
-    ``blocking=True``) blocks the host until the event completed, polling with back-off up to the
-    communicator's timeout, then checks: a device-side timeout raises
-    :class:`~zbccl.errors.ZbcclTimeoutError` naming the ranks. ``get_future()`` is a CUDA-aware future
-    completed with the result tensors: its ``wait()`` and callbacks are ordered after the op on the
-    stream that uses them, as NCCL's. An op captured in a CUDA graph runs at each replay: its Work only
-    orders streams inside the capture (``wait()``); querying or blocking on it raises.
-    """
-
-    def __init__(self, result: list[torch.Tensor], event, stream, ops, *, timeout: float, captured: bool) -> None:
-        super().__init__(result)
-        self._event, self._stream, self._ops = event, stream, ops
-        self._timeout = timeout
-        self._captured = captured
-
-    def _check(self) -> None:
-        check = getattr(self._ops, "check", None)
-        if check is not None:
-            check()
-
-    def _refuse_captured(self, what: str) -> None:
-        if self._captured:
-            raise ZbcclInvalidUsageError(
-                f"{what}: the op was captured in a CUDA graph and runs at each replay, expected a Work of an "
-                "eager op, got one of a capture (use graph.replay() and stream/event synchronisation instead)")
-
-    def wait(self, timeout=None) -> bool:
-        """Order the current stream after the op (no host block); raise an error the kernels reported."""
-        if self._error is not None:
-            raise self._error
-        torch.cuda.current_stream(self._stream.device).wait_event(self._event)
-        if not self._captured:
-            self._check()
-        return True
-
-    def block_current_stream(self) -> None:
-        self.wait()
-
-    def is_completed(self) -> bool:
-        self._refuse_captured("is_completed")
-        if self._error is not None:
-            return True
-        return bool(self._event.query())
-
-    def is_success(self) -> bool:
-        if not self.is_completed():
-            return False
-        try:
-            self._check()
-        except BaseException as exc:  # noqa: BLE001 - reported as the Work's error
-            self._error = exc
-        return self._error is None
-
-    def exception(self) -> BaseException | None:
-        if self._error is None and not self._captured and self._event.query():
-            try:
-                self._check()
-            except BaseException as exc:  # noqa: BLE001 - reported as the Work's error
-                self._error = exc
-        return self._error
-
-    def synchronize(self, timeout=None) -> None:
-        """Block the host until the op completed on the device (bounded), then raise a device-side error."""
-        self._refuse_captured("synchronize")
-        if self._error is not None:
-            raise self._error
-        seconds = timeout_seconds(timeout) or self._timeout + _GRACE_S  # the kernels' own bound, then a margin
-        wait_event(self._event, seconds, check=self._check, op="synchronize")
-
-    def get_future(self) -> torch.futures.Future:
-        """A CUDA-aware future holding the result tensors, ordered after the op (see the class docstring)."""
-        if self._future is None:
-            fut = torch.futures.Future(devices=[self._stream.device])
-            if self._error is not None:
-                fut.set_exception(self._error)
-            else:
-                with torch.cuda.stream(self._stream):
-                    self._stream.wait_event(self._event)
-                    fut.set_result(self._result)
-            self._future = fut
-        return self._future
-
-
-def wait_event(event, seconds: float, *, check: Callable[[], None], op: str) -> None:
-    """Block the host until ``event`` completed, polling with back-off (50 us .. 2 ms) for at most ``seconds``;
-    ``check()`` raises a device-side error (it runs at each back-off step and at the end). Raises
-    :class:`~zbccl.errors.ZbcclTimeoutError` if the event is still pending after the bound."""
-    deadline = time.monotonic() + seconds
-    pause = 50e-6
-    while not event.query():
-        check()
-        if time.monotonic() >= deadline:
-            raise ZbcclTimeoutError(
-                f"{op}: the device op did not complete in {seconds:.1f}s, expected the kernels' bounded waits "
-                "to end it, got it still running (a kernel before it on the stream may be stuck)")
-        time.sleep(pause)
-        pause = min(pause * 2, 2e-3)
-    check()

@@ -95,7 +95,7 @@ class Rank:
 
     def finish(self) -> None:
         """Wait for the op on the host (bounded) and raise what the kernels reported."""
-        from ..adapters.work import wait_event
+        from ..adapters.device_work import wait_event
 
         if self.device.type != "cuda":
             return  # CPU ops complete inside the call
