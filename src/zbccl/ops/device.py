@@ -27,7 +27,7 @@ from ..heap.transports.base import Transport
 from ..native import triton as ktriton
 from ..native.triton import geometry as g
 from .args import dim_index, index_list, overlap_error
-from .dtypes import MAX, MIN, PROD, SUM, dtype_code, reduce_op_code
+from .dtypes import CODE_DTYPES, MAX, MIN, PROD, SUM, dtype_code, op_name, reduce_op_code
 
 __all__ = ["DeviceOps"]
 
@@ -232,6 +232,14 @@ class DeviceOps:
                 f"{name}: group rank {q} (global {self.ranks[q]}) failed its own checks of this call, expected a "
                 f"valid call on every rank, got an error raised on rank {q}", ranks=(self.ranks[q],))
         mine, theirs = st[g.ST_MINE], st[g.ST_THEIRS]
+        if field.startswith("out_splits"):
+            return ZbcclInvalidUsageError(
+                f"{name}: splits do not pair, expected group rank {q} (global {self.ranks[q]}) to send {mine} rows "
+                f"here (this rank's {field}), got {theirs} (its in_splits[{self.me}])", ranks=(self.ranks[q],))
+        if field == "dtype":
+            mine, theirs = CODE_DTYPES.get(mine, mine), CODE_DTYPES.get(theirs, theirs)
+        if field == "reduce op":
+            mine, theirs = op_name(mine), op_name(theirs)
         if field == "op":
             mine, theirs = g.KOP_NAMES.get(mine, mine), g.KOP_NAMES.get(theirs, theirs)
         return ZbcclInvalidUsageError(
