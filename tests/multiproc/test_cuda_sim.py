@@ -13,6 +13,7 @@ over it unchanged. On a GPU, ``tests/transports`` and ``tests/gpu`` run the same
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import ctypes
 import mmap
 import os
@@ -161,3 +162,37 @@ def _chunks(ctx):
 
 def test_growth_by_new_chunks_over_simulated_device_memory():
     assert run_world(_chunks, 2, env=ENV, timeout=240) == ["ok"] * 2
+
+
+def _device_ops(ctx):
+    """The device collectives (``zbccl.ops.device``) over this transport's pointer tables and pads: the kernels
+    (interpreter) find every rank's data and kernel area where the transport says they are."""
+    _simulate()
+    from tests.transports.world import open_transport
+    from zbccl.ops.device import DeviceOps
+
+    t, boot = open_transport(ctx, "cuda", data=1 << 20)
+    me, W = ctx.rank, ctx.world_size
+    try:
+        dev = DeviceOps(me, range(W), t, slot=0, timeout_s=30, barrier=lambda: boot.barrier(timeout=30))
+        vals = [torch.arange(1000, dtype=torch.float32) * (r + 1) + r for r in range(W)]
+        x = t.view(me, 4096, (1000,), torch.float32)
+        x.copy_(vals[me])
+        dev.all_reduce(x, "sum", algo="one_shot")
+        assert torch.equal(x, sum(vals[1:], vals[0])), x[:4]
+        src = t.view(me, 64 << 10, (333,), torch.int64)
+        src.copy_(torch.arange(333) + 1000 * me)
+        out = torch.empty(W * 333, dtype=torch.int64)
+        dev.all_gather(out, src)
+        assert torch.equal(out, torch.cat([torch.arange(333) + 1000 * r for r in range(W)]))
+        dev.barrier()
+        dev.check()
+        boot.barrier(timeout=60)
+        return "ok"
+    finally:
+        t.close(unmap=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_device_collectives_over_the_simulated_cuda_transport():
+    assert run_world(_device_ops, 2, env=ENV, timeout=300) == ["ok"] * 2

@@ -69,16 +69,15 @@ __all__ = ["CudaTransport", "signal_pad_bytes"]
 
 _log = logging.getLogger("zbccl")
 
-#: Until the kernels' pad geometry lands (``layout.kernel_pad_bytes``), the pad holds the host protocols'
-#: control area (1 MiB). TODO(i23kern): resolved by merging i23kern, which adds ``layout.kernel_pad_bytes``.
-_PLACEHOLDER_PAD = layout.CTRL_BYTES
 _POLL_MIN_S, _POLL_MAX_S, _SPIN_POLLS = 10e-6, 500e-6, 32
 
 
 def signal_pad_bytes(world: int) -> int:
-    """Bytes of a rank's device signal pad: the kernels' area for ``world`` ranks, at least the control area."""
-    kernel = getattr(layout, "kernel_pad_bytes", None)
-    return max(layout.CTRL_BYTES, kernel(world) if kernel is not None else _PLACEHOLDER_PAD)
+    """Bytes of a rank's device signal pad: the kernels' area (``layout.kernel_pad_bytes``, at offset 0:
+    ``KERNEL_LINE``), and at least the comm area's size, so that the host verbs' lines (``layout.slot_line``)
+    fit too. The kernel area's size does not depend on the world (a world beyond ``KMAX_WORLD`` cannot run
+    the kernels, but the transport still serves it)."""
+    return max(layout.COMM_BYTES, layout.kernel_pad_bytes(min(max(world, 1), layout.KMAX_WORLD)))
 
 
 class CudaTransport(Transport):
@@ -104,7 +103,6 @@ class CudaTransport(Transport):
         self._prims = flags.primitives()
         self._lock = threading.Lock()  # the pinned word buffer and the private stream's host waits
         self._words = None  # pinned int64 host buffer for word reads
-        self._tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._own_flat: torch.Tensor | None = None
         self._fetch_out: torch.Tensor | None = None
         self._native = _CudaNative(self)
@@ -324,21 +322,6 @@ class CudaTransport(Transport):
         if lo < 0 or st.nbytes() == 0 or lo + st.nbytes() > self.size(rank):
             return -1
         return lo + t.storage_offset() * t.element_size()
-
-    def pointer_tables(self, ranks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(data bases, pad bases)``: int64 tensors ``[len(ranks)]`` on this device. Cached (bases never move:
-        each rank's range is reserved at its maximum, so growth keeps every address)."""
-        key = tuple(int(r) for r in ranks)
-        got = self._tables.get(key)
-        if got is None:
-            bad = [r for r in key if r not in self.segments]
-            if bad:
-                raise errors.ZbcclInvalidUsageError(
-                    f"pointer_tables: ranks not mapped here, expected ranks of {sorted(self.segments)}, got {bad}")
-            data = torch.tensor([self._data_va(r) for r in key], dtype=torch.int64).to(self.device)
-            pads = torch.tensor([self._pad_va(r) for r in key], dtype=torch.int64).to(self.device)
-            got = self._tables[key] = (data, pads)
-        return got
 
     # ------------------------------------------------------------ put / get (private stream, host-synchronous)
     def _on_device(self):
