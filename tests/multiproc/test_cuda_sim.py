@@ -13,8 +13,8 @@ over it unchanged. On a GPU, ``tests/transports`` and ``tests/gpu`` run the same
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import ctypes
+import importlib.util
 import mmap
 import os
 import signal
