@@ -173,3 +173,23 @@ def test_heap_scope_device_argument_is_checked():
 
     with pytest.raises(ZbcclInvalidUsageError, match="heap_scope: bad device, expected None .* got 'gpu'"):
         zbccl.heap_scope(device="gpu")
+
+
+def test_signal_pad_holds_the_kernel_area_and_the_host_lines():
+    from zbccl.heap import layout
+    from zbccl.heap.transports.cuda.transport import signal_pad_bytes
+
+    for world in (1, 2, 4, layout.KMAX_WORLD, layout.KMAX_WORLD + 1, 64):  # beyond KMAX_WORLD: no kernels, still a pad
+        pad = signal_pad_bytes(world)
+        assert pad >= layout.kernel_pad_bytes(min(world, layout.KMAX_WORLD)) and pad >= layout.COMM_BYTES
+        assert pad >= layout.slot_line(1, 13) + 8  # the conformance suite's lines
+
+
+def test_heap_handles_name_their_heap_and_pickle():
+    import pickle
+
+    from zbccl.heap.views import HeapHandle
+
+    h = HeapHandle(rank=1, offset=512, shape=(2, 3), stride=(3, 1), dtype="bfloat16", device="cuda")
+    assert pickle.loads(pickle.dumps(h)) == h and h.span_bytes() == 12
+    assert HeapHandle(rank=0, offset=0, shape=(1,), stride=(1,), dtype="int8").device == "cpu"  # old handles
