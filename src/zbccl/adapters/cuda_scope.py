@@ -31,6 +31,7 @@ Works with torch 2.11 and later (``MemPool(allocator=)``, ``use_mem_pool``,
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import threading
@@ -71,6 +72,7 @@ class _Pool:
 
 
 _pools: dict[int, _Pool] = {}  # id(sma) -> its pool
+_atexit_done = False
 
 
 def _thread_strict() -> bool:
@@ -166,6 +168,10 @@ def _pool_of(dh: Any) -> _Pool:
         _KEEP.append(allocator)
         p.pool = mem_pool(allocator=allocator)
         _pools[id(dh.sma)] = p
+        global _atexit_done
+        if not _atexit_done:  # end the pools while Python still runs (torch must not call back later)
+            atexit.register(detach_all)
+            _atexit_done = True
         return p
 
 
