@@ -48,7 +48,7 @@ def _mmap(addr, n, prot, flags, fd):
 def _simulate() -> None:
     """Replace the device layer of the cuda transport in this (rank) process; see the module docstring."""
     from zbccl.heap import flags
-    from zbccl.heap.transports.cuda import segments, transport, vmm
+    from zbccl.heap.transports.cuda import segments, transport, vmm, words
     from zbccl.heap.transports.shm.mapping import tensor_at
 
     prims = flags.primitives()
@@ -79,6 +79,7 @@ def _simulate() -> None:
 
     segments.device_tensor = host_tensor
     transport.device_tensor = host_tensor
+    words.device_tensor = host_tensor
 
     class Stream:
         cuda_stream = 0
@@ -91,8 +92,7 @@ def _simulate() -> None:
 
     def open_device(self):
         self.index, self.device, self.stream = 0, torch.device("cpu"), Stream()
-        self._words = torch.zeros(64, dtype=torch.int64)
-        self._fetch_out = torch.zeros(1, dtype=torch.int64)
+        self.words = words.DeviceWords(self.device, self.stream, self._on_device)
 
     transport.CudaTransport._open_device = open_device
     transport.CudaTransport._on_device = lambda self: contextlib.nullcontext()
