@@ -69,7 +69,7 @@ def _exchange(ctx, n):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_empty_export_peer_tensor_on_one_gpu(world):
-    assert run_world(_exchange, world, n=4099, timeout=240) == [True] * world
+    assert run_world(_exchange, world, n=4099, timeout=120) == [True] * world
 
 
 def _scope(ctx):
@@ -100,7 +100,7 @@ def _scope(ctx):
 
 
 def test_heap_scope_puts_cuda_allocations_in_the_heap():
-    assert run_world(_scope, 2, timeout=240) == ["ok"] * 2
+    assert run_world(_scope, 2, timeout=90) == ["ok"] * 2
 
 
 def _growth(ctx):
@@ -131,4 +131,4 @@ def _growth(ctx):
 
 
 def test_growth_is_mapped_by_peers():
-    assert run_world(_growth, 2, timeout=240) == ["ok"] * 2
+    assert run_world(_growth, 2, timeout=90) == ["ok"] * 2

@@ -48,4 +48,4 @@ def _chunks(ctx):
 
 
 def test_growth_past_the_granularity_and_pointer_tables():
-    assert run_world(_chunks, 2, timeout=240) == ["ok"] * 2
+    assert run_world(_chunks, 2, timeout=90) == ["ok"] * 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import mmap
 import os
 import signal
@@ -47,7 +48,7 @@ def _mmap(addr, n, prot, flags, fd):
 def _simulate() -> None:
     """Replace the device layer of the cuda transport in this (rank) process; see the module docstring."""
     from zbccl.heap import flags
-    from zbccl.heap.transports.cuda import segments, transport, vmm
+    from zbccl.heap.transports.cuda import segments, transport, vmm, words
     from zbccl.heap.transports.shm.mapping import tensor_at
 
     prims = flags.primitives()
@@ -78,6 +79,7 @@ def _simulate() -> None:
 
     segments.device_tensor = host_tensor
     transport.device_tensor = host_tensor
+    words.device_tensor = host_tensor
 
     class Stream:
         cuda_stream = 0
@@ -90,8 +92,7 @@ def _simulate() -> None:
 
     def open_device(self):
         self.index, self.device, self.stream = 0, torch.device("cpu"), Stream()
-        self._words = torch.zeros(64, dtype=torch.int64)
-        self._fetch_out = torch.zeros(1, dtype=torch.int64)
+        self.words = words.DeviceWords(self.device, self.stream, self._on_device)
 
     transport.CudaTransport._open_device = open_device
     transport.CudaTransport._on_device = lambda self: contextlib.nullcontext()
@@ -161,3 +162,37 @@ def _chunks(ctx):
 
 def test_growth_by_new_chunks_over_simulated_device_memory():
     assert run_world(_chunks, 2, env=ENV, timeout=240) == ["ok"] * 2
+
+
+def _device_ops(ctx):
+    """The device collectives (``zbccl.ops.device``) over this transport's pointer tables and pads: the kernels
+    (interpreter) find every rank's data and kernel area where the transport says they are."""
+    _simulate()
+    from tests.transports.world import open_transport
+    from zbccl.ops.device import DeviceOps
+
+    t, boot = open_transport(ctx, "cuda", data=1 << 20)
+    me, W = ctx.rank, ctx.world_size
+    try:
+        dev = DeviceOps(me, range(W), t, slot=0, timeout_s=30, barrier=lambda: boot.barrier(timeout=30))
+        vals = [torch.arange(1000, dtype=torch.float32) * (r + 1) + r for r in range(W)]
+        x = t.view(me, 4096, (1000,), torch.float32)
+        x.copy_(vals[me])
+        dev.all_reduce(x, "sum", algo="one_shot")
+        assert torch.equal(x, sum(vals[1:], vals[0])), x[:4]
+        src = t.view(me, 64 << 10, (333,), torch.int64)
+        src.copy_(torch.arange(333) + 1000 * me)
+        out = torch.empty(W * 333, dtype=torch.int64)
+        dev.all_gather(out, src)
+        assert torch.equal(out, torch.cat([torch.arange(333) + 1000 * r for r in range(W)]))
+        dev.barrier()
+        dev.check()
+        boot.barrier(timeout=60)
+        return "ok"
+    finally:
+        t.close(unmap=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_device_collectives_over_the_simulated_cuda_transport():
+    assert run_world(_device_ops, 2, env=ENV, timeout=300) == ["ok"] * 2

@@ -173,3 +173,61 @@ def test_heap_scope_device_argument_is_checked():
 
     with pytest.raises(ZbcclInvalidUsageError, match="heap_scope: bad device, expected None .* got 'gpu'"):
         zbccl.heap_scope(device="gpu")
+
+
+def test_signal_pad_holds_the_kernel_area_and_the_host_lines():
+    from zbccl.heap import layout
+    from zbccl.heap.transports.cuda.transport import signal_pad_bytes
+
+    for world in (1, 2, 4, layout.KMAX_WORLD, layout.KMAX_WORLD + 1, 64):  # beyond KMAX_WORLD: no kernels, still a pad
+        pad = signal_pad_bytes(world)
+        assert pad >= layout.kernel_pad_bytes(min(world, layout.KMAX_WORLD)) and pad >= layout.COMM_BYTES
+        assert pad >= layout.slot_line(1, 13) + 8  # the conformance suite's lines
+
+
+def test_heap_handles_name_their_heap_and_pickle():
+    import pickle
+
+    from zbccl.heap.views import HeapHandle
+
+    h = HeapHandle(rank=1, offset=512, shape=(2, 3), stride=(3, 1), dtype="bfloat16", device="cuda")
+    assert pickle.loads(pickle.dumps(h)) == h and h.span_bytes() == 12
+    assert HeapHandle(rank=0, offset=0, shape=(1,), stride=(1,), dtype="int8").device == "cpu"  # old handles
+
+
+def test_signals_fall_back_to_a_fill_where_stream_writes_are_unsupported(monkeypatch):
+    """cuStreamWriteValue64 refused (CUDA_ERROR_NOT_SUPPORTED): the store becomes a one-element fill, once
+    and for all; any other CUDA error is raised. (Device memory and streams are host stand-ins here.)"""
+    import contextlib
+
+    import torch
+
+    from zbccl.errors import ZbcclSystemError
+    from zbccl.heap.transports.cuda import words
+    from zbccl.heap.transports.shm.mapping import tensor_at
+
+    calls = []
+
+    def refuse(stream, addr, value):
+        calls.append(value)
+        raise ZbcclSystemError("heap: cuStreamWriteValue64 failed, expected CUDA_SUCCESS, got CUDA_ERROR_NOT_SUPPORTED")
+
+    monkeypatch.setattr(words.vmm, "write_value64", refuse)
+    monkeypatch.setattr(words.vmm, "stream_sync", lambda s: None)
+    monkeypatch.setattr(words, "device_tensor", lambda addr, n, device, release=None: tensor_at(addr, n, release))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    stream = type("S", (), {"cuda_stream": 0})()
+    dw = words.DeviceWords(torch.device("cpu"), stream, contextlib.nullcontext)
+    cell = torch.zeros(2, dtype=torch.int64)
+    dw.signal(cell.data_ptr(), 7)
+    dw.signal(cell.data_ptr() + 8, 9)
+    assert cell.tolist() == [7, 9] and calls == [7]  # asked once, then the fill for good
+
+    def broken(stream, addr, value):
+        raise ZbcclSystemError("heap: cuStreamWriteValue64 failed, expected CUDA_SUCCESS, got CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(words.vmm, "write_value64", broken)
+    dw2 = words.DeviceWords(torch.device("cpu"), stream, contextlib.nullcontext)
+    with pytest.raises(ZbcclSystemError, match="CUDA_ERROR_INVALID_VALUE"):
+        dw2.signal(cell.data_ptr(), 1)

@@ -161,3 +161,22 @@ def test_transport_kernels_under_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", _KERNELS], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_transport_kernels_compile_for_hopper_without_a_gpu():
+    """fetch_add must become a system-scope acq_rel atomic (peers are other processes), down to a cubin."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zbccl.heap.transports.cuda import kernels
+
+    k = kernels._build()
+    target = GPUTarget("cuda", 90, 32)
+    fa = triton.compile(ASTSource(fn=k["fetch_add"], signature={"addr": "i64", "delta": "i32", "out": "*i64"},
+                                  constexprs={}), target=target)
+    assert "cubin" in fa.asm and "atom.global.sys.acq_rel.add.u64" in fa.asm["ptx"]
+    ga = triton.compile(ASTSource(fn=k["gather"], signature={"ptrs": "*i64", "out": "*i64", "n": "i32",
+                                                             "BLOCK": "constexpr"}, constexprs={"BLOCK": 1024}),
+                        target=target)
+    assert "cubin" in ga.asm

@@ -7,9 +7,10 @@ torch's own ``_use_uvm``). While a scope is open, ``torch.cuda.use_mem_pool``
 routes every CUDA allocation of the thread to the pool: torch's caching
 allocator asks the callbacks for *segments* (a request rounded to torch's
 segment sizes: 2 MiB, 20 MiB, or the request rounded to 2 MiB) and carves
-tensors from them, caching freed blocks inside the pool; a segment goes back
-to the SMA only when torch releases it (``torch.cuda.empty_cache()``, or the
-pool's end at ``zbccl.finalize``). Every tensor made in the scope therefore
+tensors from them, caching freed blocks inside the pool for the next scope; a
+segment goes back to the SMA only when torch releases the pool's free segments,
+which it does once the pool has ended (``zbccl.finalize`` ends it, then empties
+torch's cache). Every tensor made in the scope therefore
 lies in the heap: ``zbccl.export`` works on it, a collective uses it in place
 (``staged_bytes`` does not move).
 
@@ -30,6 +31,7 @@ Works with torch 2.11 and later (``MemPool(allocator=)``, ``use_mem_pool``,
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import threading
@@ -70,6 +72,7 @@ class _Pool:
 
 
 _pools: dict[int, _Pool] = {}  # id(sma) -> its pool
+_atexit_done = False
 
 
 def _thread_strict() -> bool:
@@ -165,6 +168,10 @@ def _pool_of(dh: Any) -> _Pool:
         _KEEP.append(allocator)
         p.pool = mem_pool(allocator=allocator)
         _pools[id(dh.sma)] = p
+        global _atexit_done
+        if not _atexit_done:  # end the pools while Python still runs (torch must not call back later)
+            atexit.register(detach_all)
+            _atexit_done = True
         return p
 
 

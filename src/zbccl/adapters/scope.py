@@ -306,10 +306,11 @@ def _open_scopes() -> list[list]:
 
 def _apply(stack: list[list]) -> None:
     """Set this thread's native scope state to the innermost scope still open (none: ordinary memory)."""
-    if stack:
+    if stack and (stack[-1][1] or _lib is not None):
         _hook().zbh_scope_enter(stack[-1][1], stack[-1][2])
     elif _lib is not None:
         _lib.zbh_scope_exit(0)
+    # else: ordinary CPU memory and the hook was never installed (a CUDA-only scope needs no native build)
 
 
 class HeapScope:

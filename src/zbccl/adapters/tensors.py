@@ -84,8 +84,11 @@ def zeros(*size, dtype: torch.dtype | None = None, device: torch.device | str | 
 
 def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                comm: Communicator | None = None) -> torch.Tensor:
-    """A contiguous heap tensor with ``t``'s shape and dtype (or ``dtype``), on ``device`` (default: the CPU
-    heap, as before; pass ``device=t.device`` for a CUDA tensor's twin in the CUDA heap)."""
+    """A contiguous heap tensor with ``t``'s shape and dtype (or ``dtype``), on ``device``: by default
+    ``t``'s device, as ``torch.empty_like`` (a CUDA ``t``: the job's CUDA heap, a clear error when it has
+    none; pass ``device="cpu"`` for a CPU twin)."""
+    if device is None and isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        device = t.device
     return empty(tuple(t.shape), dtype=dtype or t.dtype, device=device, comm=comm)
 
 

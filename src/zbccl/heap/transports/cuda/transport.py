@@ -46,8 +46,6 @@ import logging
 import math
 import os
 import secrets
-import threading
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,21 +62,19 @@ from ..liveness import Pidfds
 from . import vmm
 from .segments import OwnMemory, PeerMemory
 from .tensors import device_tensor
+from .words import DeviceWords
 
 __all__ = ["CudaTransport", "signal_pad_bytes"]
 
 _log = logging.getLogger("zbccl")
 
-#: Until the kernels' pad geometry lands (``layout.kernel_pad_bytes``), the pad holds the host protocols'
-#: control area (1 MiB). TODO(i23kern): resolved by merging i23kern, which adds ``layout.kernel_pad_bytes``.
-_PLACEHOLDER_PAD = layout.CTRL_BYTES
-_POLL_MIN_S, _POLL_MAX_S, _SPIN_POLLS = 10e-6, 500e-6, 32
-
 
 def signal_pad_bytes(world: int) -> int:
-    """Bytes of a rank's device signal pad: the kernels' area for ``world`` ranks, at least the control area."""
-    kernel = getattr(layout, "kernel_pad_bytes", None)
-    return max(layout.CTRL_BYTES, kernel(world) if kernel is not None else _PLACEHOLDER_PAD)
+    """Bytes of a rank's device signal pad: the kernels' area (``layout.kernel_pad_bytes``, at offset 0:
+    ``KERNEL_LINE``), and at least the comm area's size, so that the host verbs' lines (``layout.slot_line``)
+    fit too. The kernel area's size does not depend on the world (a world beyond ``KMAX_WORLD`` cannot run
+    the kernels, but the transport still serves it)."""
+    return max(layout.COMM_BYTES, layout.kernel_pad_bytes(min(max(world, 1), layout.KMAX_WORLD)))
 
 
 class CudaTransport(Transport):
@@ -102,15 +98,11 @@ class CudaTransport(Transport):
         self._server: FdServer | None = None
         self._live = Pidfds()
         self._prims = flags.primitives()
-        self._lock = threading.Lock()  # the pinned word buffer and the private stream's host waits
-        self._words = None  # pinned int64 host buffer for word reads
-        self._tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.words: DeviceWords | None = None  # the host verbs on device words (made at establish)
         self._own_flat: torch.Tensor | None = None
-        self._fetch_out: torch.Tensor | None = None
         self._native = _CudaNative(self)
         self._timeout = 60.0
         self._pid = os.getpid()
-        self._write_value_ok = True
         self.views = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -168,8 +160,7 @@ class CudaTransport(Transport):
             torch.cuda.init()
             vmm.ensure_context(self.index)
             self.stream = torch.cuda.Stream(self.device)
-        self._words = torch.zeros(64, dtype=torch.int64, pin_memory=True)
-        self._fetch_out = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.words = DeviceWords(self.device, self.stream, self._on_device)
 
     def _attach(self, peer: int, reserve: int, nbytes: int, timeout: float) -> None:
         payload, fds, pidfd = receive(self._job, self._members[peer], timeout=timeout)
@@ -325,21 +316,6 @@ class CudaTransport(Transport):
             return -1
         return lo + t.storage_offset() * t.element_size()
 
-    def pointer_tables(self, ranks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(data bases, pad bases)``: int64 tensors ``[len(ranks)]`` on this device. Cached (bases never move:
-        each rank's range is reserved at its maximum, so growth keeps every address)."""
-        key = tuple(int(r) for r in ranks)
-        got = self._tables.get(key)
-        if got is None:
-            bad = [r for r in key if r not in self.segments]
-            if bad:
-                raise errors.ZbcclInvalidUsageError(
-                    f"pointer_tables: ranks not mapped here, expected ranks of {sorted(self.segments)}, got {bad}")
-            data = torch.tensor([self._data_va(r) for r in key], dtype=torch.int64).to(self.device)
-            pads = torch.tensor([self._pad_va(r) for r in key], dtype=torch.int64).to(self.device)
-            got = self._tables[key] = (data, pads)
-        return got
-
     # ------------------------------------------------------------ put / get (private stream, host-synchronous)
     def _on_device(self):
         return _Device(self)
@@ -392,84 +368,19 @@ class CudaTransport(Transport):
         return mem.pad.va + line
 
     def signal(self, rank: int, line: int, value: int) -> None:
-        addr = self._word(rank, line, "signal")
-        with self._on_device(), self._lock:
-            torch.cuda.synchronize(self.device)  # release: every write of this process, on any stream, is done
-            self._store_word(addr, value)
-            vmm.stream_sync(self.stream.cuda_stream)
-
-    def _store_word(self, addr: int, value: int) -> None:
-        """Enqueue one 64-bit store on the private stream: ``cuStreamWriteValue64``, or a one-element fill
-        where the device refuses stream memory operations (caller holds ``_lock``)."""
-        if self._write_value_ok:
-            try:
-                vmm.write_value64(self.stream.cuda_stream, addr, value)
-                return
-            except ZbcclSystemError as exc:
-                if "CUDA_ERROR_NOT_SUPPORTED" not in str(exc):
-                    raise
-                self._write_value_ok = False
-                _log.info("zbccl: cuStreamWriteValue64 unsupported here; signals use a one-element fill")
-        with torch.cuda.stream(self.stream):
-            device_tensor(addr, 8, self.device).view(torch.int64).fill_(value)
+        self.words.signal(self._word(rank, line, "signal"), value)
 
     def load(self, rank: int, line: int) -> int:
-        addr = self._word(rank, line, "load")
-        with self._on_device(), self._lock:
-            return self._read([addr])[0]
-
-    def _read(self, addrs: list[int]) -> list[int]:
-        """The words at ``addrs`` (device), one stream synchronise for all (caller holds ``_lock``)."""
-        if len(addrs) > self._words.numel():
-            self._words = torch.zeros(len(addrs), dtype=torch.int64, pin_memory=True)
-        base, s = self._words.data_ptr(), self.stream.cuda_stream
-        for i, a in enumerate(addrs):
-            vmm.copy_dtoh(base + 8 * i, a, 8, s)
-        vmm.stream_sync(s)
-        return self._words[:len(addrs)].tolist()
+        return self.words.load(self._word(rank, line, "load"))
 
     def fetch_add(self, rank: int, line: int, delta: int) -> int:
-        from .kernels import fetch_add
-
-        addr = self._word(rank, line, "fetch_add")
-        with self._on_device(), self._lock:
-            torch.cuda.synchronize(self.device)
-            with torch.cuda.stream(self.stream):
-                fetch_add(addr, delta, self._fetch_out)
-                return int(self._fetch_out.item())
+        return self.words.fetch_add(self._word(rank, line, "fetch_add"), delta)
 
     def wait_until(self, lines: Sequence[tuple[int, int]], target: int, *, timeout: float, op: str = "wait",
                    liveness: float = 1.0, labels: dict[int, int] | None = None) -> None:
-        ranks = [r for r, _ in lines]
         addrs = [self._word(r, line, op) for r, line in lines]
-        label = (labels or {}).get
-        start = time.monotonic()
-        deadline, next_live = start + timeout, start + liveness
-        pause, polls = _POLL_MIN_S, 0
-        while True:
-            with self._on_device(), self._lock:
-                values = self._read(addrs)
-            late = [(r, v) for r, v in zip(ranks, values) if v < target]
-            if not late:
-                return
-            now = time.monotonic()
-            if now >= next_live or now >= deadline:
-                next_live = now + liveness
-                dead = sorted({r for r, _ in late} & set(self.dead_peers()))
-                if dead:
-                    names = [label(r, r) for r in dead]
-                    raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died (process exited)",
-                                           ranks=tuple(names))
-                if now >= deadline:
-                    names = [label(r, r) for r, _ in late]
-                    got = ", ".join(f"{v} on rank {label(r, r)}" for r, v in late)
-                    raise errors.ZbcclTimeoutError(
-                        f"{op}: timed out after {timeout:.1f}s waiting for ranks {names}, expected their signal >= "
-                        f"{target}, got {got}", ranks=tuple(names))
-            polls += 1
-            if polls > _SPIN_POLLS:
-                time.sleep(min(pause, max(0.0, min(deadline, next_live) - now)))
-                pause = min(2 * pause, _POLL_MAX_S)
+        self.words.wait(addrs, [r for r, _ in lines], target, timeout=timeout, op=op, liveness=liveness,
+                        labels=labels, dead_peers=self.dead_peers)
 
     # ------------------------------------------------------------ trust, liveness, native
     def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
