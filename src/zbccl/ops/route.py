@@ -20,7 +20,7 @@ capturing stream without a cross-stream wait (a capture may not wait on uncaptur
 Growth: peers' heaps grow in place (their ranges are reserved at the maximum), and a kernel may read a
 peer's new chunk as soon as the peer publishes it. So before each eager op the lane reads every peer's
 published size, which maps what grew (once per growth). A capture cannot map: a peer grown since the
-last eager op raises there, naming it.
+last eager op raises there, naming it (through the transport's ``stale_peers``, where it has one).
 
 Graph capture: nothing here reads device memory or allocates. The device ops (and their pointer
 tables) must exist before a capture: making them inside one raises, naming the op and how to warm up.
@@ -31,8 +31,9 @@ World size 1 needs no device ops (nor a device heap): the null backend's copies,
 
 Argument errors: the device ops check every operand (device, layout, heap placement, sizes) and, when
 only this rank's call is wrong, still run the handshake as an ERROR launch, so that every peer raises
-too instead of waiting; then this rank raises. A per-op ``timeout=`` is refused here (the kernels'
-waits are bounded by the communicator's timeout).
+too instead of waiting; then this rank raises. A per-op ``timeout=`` is refused here, on this rank
+(the kernels' waits are bounded by the communicator's timeout; a peer that passed none waits that long
+and names this rank).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from . import null
 
 __all__ = ["device_of", "lane", "make_device_ops", "capturing", "all_reduce", "all_gather", "all_gather_v",
            "reduce_scatter", "reduce_scatter_v", "all_to_all", "broadcast", "barrier"]
+
 
 def device_of(op: str, *tensors: Any) -> str | None:
     """``"cuda"`` when an operand is a CUDA tensor: the device ops run the op, and their checks report any
