@@ -29,7 +29,8 @@ def test_the_summary_names_each_failing_case_and_its_rank():
 def test_the_table_takes_the_slowest_rank_and_the_nccl_tests_factors():
     def rank(zb_us, symm_us, wrong=0):
         return {"rows": [{"op": "all_reduce", "bytes": 64 << 20, "memcpy_us": 100.0,
-                          "us": {"zbccl": zb_us, "symm_1shot": symm_us}, "wrong": {"zbccl": wrong}}], "errors": []}
+                          "us": {"zbccl": zb_us, "symm_1shot": symm_us, "zb_graph": 10.0, "symm_graph": 15.0},
+                          "wrong": {"zbccl": wrong}}], "errors": []}
 
     lines = gpu.format_table(2, [rank(1000.0, 1500.0), rank(2000.0, 1000.0, wrong=3)])
     assert lines[0].startswith("| W | op | size | zbccl us | busbw GB/s")
@@ -38,8 +39,9 @@ def test_the_table_takes_the_slowest_rank_and_the_nccl_tests_factors():
     busbw = (64 << 20) * 1.0 / 2000 / 1e3
     memcpy = (64 << 20) / 100 / 1e3
     assert cells[:5] == ["2", "all_reduce", "64 MiB", "2000.0", f"{busbw:.1f}"]
-    assert cells[7] == "1500.0" and cells[10] == f"{memcpy:.1f}" and cells[11] == f"{busbw / memcpy:.2f}"
-    assert cells[12] == "0.75" and cells[13] == "3"
+    assert cells[7] == "1500.0" and cells[9:12] == ["-", "10.0", "15.0"]
+    assert cells[12] == f"{memcpy:.1f}" and cells[13] == f"{busbw / memcpy:.2f}"
+    assert cells[14:] == ["0.75", "1.50", "3"]
 
 
 def test_payloads_encode_their_source_and_sum_exactly_in_every_dtype():
@@ -56,7 +58,7 @@ def test_all_gather_rows_count_the_output_as_nccl_tests_do():
                       "wrong": {"zbccl": 0}}], "errors": []}
     cells = [c.strip() for c in gpu.format_table(4, [rows])[2].strip("|").split("|")]
     assert cells[4] == f"{4 * (1 << 20) * 0.75 / 100 / 1e3:.1f}"  # S = W * size, factor (W-1)/W
-    assert cells[5:10] == ["-"] * 5 and cells[12] == "-"
+    assert cells[5:12] == ["-"] * 7 and cells[14:16] == ["-", "-"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

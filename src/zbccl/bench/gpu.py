@@ -105,12 +105,15 @@ def _launch(fn, world: int, limit: float, **kwargs):
 # ----------------------------------------------------------------------------------------- the table
 def format_table(world: int, ranks: list[dict]) -> list[str]:
     """Markdown rows from every rank's bench result: the slowest rank's median per implementation. ``size``:
-    each rank's input bytes; busbw as nccl-tests (all_gather's data size is its output: ``W * size``)."""
+    each rank's input bytes; busbw as nccl-tests (all_gather's data size is its output: ``W * size``).
+    The graph columns are per op of a captured graph (device time, no host launch cost); the ratios are
+    torch SymmetricMemory one-shot's time over zbccl's (above 1: zbccl faster)."""
     from .report import algbw_bytes, busbw_factor
 
     head = ("| W | op | size | zbccl us | busbw GB/s | zb 1-shot us | zb 2-shot us | symm 1-shot us | "
-            "symm 2-shot us | staged us | memcpy GB/s | busbw/memcpy | 1-shot/zbccl | #wrong |")
-    lines = [head, "|" + "---|" * 14]
+            "symm 2-shot us | staged us | zb graph us | symm graph us | memcpy GB/s | busbw/memcpy | "
+            "1-shot/zbccl | graphs 1-shot/zbccl | #wrong |")
+    lines = [head, "|" + "---|" * 17]
     for i, row in enumerate(ranks[0]["rows"]):
         rows = [r["rows"][i] for r in ranks]
         us = {k: max(r["us"].get(k, float("nan")) for r in rows) for k in rows[0]["us"]}
@@ -121,10 +124,12 @@ def format_table(world: int, ranks: list[dict]) -> list[str]:
         busbw = algbw_bytes(row["op"], size, world) * busbw_factor(row["op"], world) / zb / 1e3 if zb else None
         cell = lambda k, us=us: f"{us[k]:.1f}" if k in us else "-"  # noqa: E731
         ratio = f"{us['symm_1shot'] / zb:.2f}" if zb and "symm_1shot" in us else "-"
+        g_ratio = f"{us['symm_graph'] / us['zb_graph']:.2f}" if "symm_graph" in us and "zb_graph" in us else "-"
         lines.append(f"| {world} | {row['op']} | {_size(size)} | {cell('zbccl')} | "
                      f"{'-' if busbw is None else f'{busbw:.1f}'} | {cell('zb_1shot')} | {cell('zb_2shot')} | "
-                     f"{cell('symm_1shot')} | {cell('symm_2shot')} | {cell('staged')} | {memcpy_gbs:.1f} | "
-                     f"{'-' if busbw is None else f'{busbw / memcpy_gbs:.2f}'} | {ratio} | {wrong} |")
+                     f"{cell('symm_1shot')} | {cell('symm_2shot')} | {cell('staged')} | {cell('zb_graph')} | "
+                     f"{cell('symm_graph')} | {memcpy_gbs:.1f} | "
+                     f"{'-' if busbw is None else f'{busbw / memcpy_gbs:.2f}'} | {ratio} | {g_ratio} | {wrong} |")
     return lines
 
 

@@ -95,6 +95,8 @@ def _impls(rk: Rank, symm: _Symm, op: str, nbytes: int) -> dict[str, tuple[Calla
             return check
 
         out["zbccl"] = (lambda: zb.all_reduce(t), zb_check())
+        if nbytes <= STAGED_MAX:  # device time alone: GRAPH_OPS all_reduces captured once, replayed
+            out["zb_graph"] = _graphed(rk, lambda: zb.all_reduce(t), zb_check())
         out["zb_1shot"] = (lambda: ops.all_reduce(t, "sum", algo="one_shot"), zb_check("one_shot"))
         out["zb_2shot"] = (lambda: ops.all_reduce(t, "sum", algo="two_shot"), zb_check("two_shot"))
         if symm.error is None:
@@ -118,6 +120,8 @@ def _impls(rk: Rank, symm: _Symm, op: str, nbytes: int) -> dict[str, tuple[Calla
             out["symm_1shot"] = (lambda: torch.ops.symm_mem.one_shot_all_reduce(s, "sum", symm.group), s1)
             out["symm_2shot"] = (lambda: torch.ops.symm_mem.two_shot_all_reduce_(s, "sum", symm.group), s2)
             if nbytes <= STAGED_MAX:
+                out["symm_graph"] = _graphed(
+                    rk, lambda: torch.ops.symm_mem.one_shot_all_reduce(s, "sum", symm.group), s1)
                 out["staged"] = _staged(rk, hdl, n, want)
     else:  # all_gather
         inp, o = rk.empty((n,), DT), rk.empty((W * n,), DT)
@@ -131,6 +135,45 @@ def _impls(rk: Rank, symm: _Symm, op: str, nbytes: int) -> dict[str, tuple[Calla
 
         out["zbccl"] = (lambda: zb.all_gather_into_tensor(o, inp), ag_check)
     return out
+
+
+#: Ops per captured graph of the ``*_graph`` implementations (their time is per op).
+GRAPH_OPS = 8
+
+
+class _Graphed:
+    """``GRAPH_OPS`` calls captured in one CUDA graph at the first check (after an eager warm-up inside the
+    check), replayed by each call: the device time of the op without the host's launch cost."""
+
+    per = GRAPH_OPS
+
+    def __init__(self, rk: Rank, call: Callable[[], object]) -> None:
+        self.rk, self.call, self.graph = rk, call, None
+
+    def capture(self) -> None:
+        self.call()  # every rank's device ops and tables exist before the capture
+        self.rk.finish()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(GRAPH_OPS):
+                self.call()
+        self.graph = g
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+def _graphed(rk: Rank, call: Callable[[], object], check: Callable[[], int]):
+    """``(replay, check)`` for a graph of ``call``: the check captures it (once), then checks ``check``'s
+    eager result (the captured graph replays the same op on the same tensors)."""
+    g = _Graphed(rk, call)
+
+    def checked() -> int:
+        if g.graph is None:
+            g.capture()
+        return check()
+
+    return g, checked
 
 
 def _staged(rk: Rank, hdl, n: int, want: torch.Tensor):
@@ -202,7 +245,7 @@ def bench(rk: Rank, *, quick: bool, sizes: list[int] | None = None) -> dict:
             for i in range(rounds):
                 for name in names[i % len(names):] + names[:i % len(names)] if names else []:
                     call, iters = live[name]
-                    samples[name].append(_time(rk, call, iters))
+                    samples[name].append(_time(rk, call, iters) / getattr(call, "per", 1))
             row["us"] = {k: statistics.median(v) for k, v in samples.items() if v}
             rows.append(row)
             del impls, live  # this cell's heap tensors return to the heap before the next one
