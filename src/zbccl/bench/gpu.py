@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m zbccl.bench.gp
 
             _check(f"w{w}/bench", run_bench, checks)
     if tables:
-        print("\n" + "\n".join(_dedup_heads(tables)), flush=True)
+        stamp = time.strftime("%Y-%m-%d", time.gmtime())
+        print(f"\nGPU bench, {_env_line(device)}, {stamp}, every rank on GPU 0 (time-sliced, no MPS), bf16, "
+              "slowest rank's median:\n" + "\n".join(_dedup_heads(tables)), flush=True)
     failed = [c["name"] for c in checks if not c["ok"]]
     print(f"\nSUMMARY {len(checks) - len(failed)}/{len(checks)} checks passed"
           + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
