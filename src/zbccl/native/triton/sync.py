@@ -13,7 +13,8 @@ Synchronisation protocol (one launch of any collective kernel, per block ``b``; 
    scope: the peers are other processes).
 3. **Wait.** It spins (acquire, system scope) on its own words ``[b][0..W)`` until each is
    ``>= E * PHASE + step``, backing off between polls, for at most ``timeout_ns`` (GPU: the global
-   timer; interpreter: the host clock). Block ``b`` waits only for block ``b`` of the peers: no block
+   timer, read by one thread and shared through the block's K_STAMP word so that every thread leaves
+   the loop together; interpreter: the host clock). Block ``b`` waits only for block ``b`` of the peers: no block
    ever waits for another block of its own launch (under the interpreter the blocks of one launch run
    one after the other, and on a GPU they need not be co-resident). While waiting at entry it also
    peeks the late peers' rows: a peer whose row already belongs to launch ``E`` with fewer than
@@ -56,6 +57,7 @@ _K_DONE = tl.constexpr(g.K_DONE)
 _K_STATUS = tl.constexpr(g.K_STATUS)
 _K_ARGS = tl.constexpr(g.K_ARGS)
 _K_SIG = tl.constexpr(g.K_SIG)
+_K_STAMP = tl.constexpr(g.K_STAMP)
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
 _ROW_BYTES = tl.constexpr(g.ROW_BYTES)
 _A_GRID = tl.constexpr(g.A_GRID)
@@ -110,7 +112,7 @@ if INTERPRET:
 
     @helper
     def now():
-        return _host_now()
+        return tl.full([], _host_now(), tl.int64)
 
     @helper
     def bound(x):
@@ -194,6 +196,14 @@ def _bad(kb, E, q, field, mine, theirs, code):
 
 
 @helper
+def _stamp(word):
+    """Thread 0's previous timer reading, the same in every thread of the block (a scalar atomic runs in one
+    thread and its result is broadcast; a timer read in every thread differs across them, and a loop exit
+    that differs across threads of a block would deadlock at its next barrier)."""
+    return tl.atomic_xchg(_i64(word), now().to(tl.int64), sem="relaxed", scope="cta")
+
+
+@helper
 def _bits(lanes, cond):
     one = tl.full(lanes.shape, 1, tl.int64)
     return vsum(tl.where(cond, one << lanes.to(tl.int64), 0))
@@ -219,7 +229,9 @@ def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: 
     late = mask & (vals < target)
     gone = late & (lanes < 0)
     n = vsum(late.to(tl.int32))
-    t0 = now()
+    stamp = kb + _K_STAMP + b * 8
+    _stamp(stamp)
+    t0 = _stamp(stamp)
     elapsed = t0 - t0
     polls = 0
     while (n > 0) & (elapsed <= timeout_ns):
@@ -234,7 +246,7 @@ def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: 
             gone = gone | (late & (pe == E) & (pg <= b))
             late = late & ~gone
         n = vsum(late.to(tl.int32))
-        elapsed = now() - t0
+        elapsed = _stamp(stamp) - t0
     return _bits(lanes, late), _bits(lanes, gone)
 
 
