@@ -231,3 +231,42 @@ def test_signals_fall_back_to_a_fill_where_stream_writes_are_unsupported(monkeyp
     dw2 = words.DeviceWords(torch.device("cpu"), stream, contextlib.nullcontext)
     with pytest.raises(ZbcclSystemError, match="CUDA_ERROR_INVALID_VALUE"):
         dw2.signal(cell.data_ptr(), 1)
+
+
+def test_scopes_route_through_use_mem_pool_and_close_in_any_order(monkeypatch):
+    """enter/exit_scope drive torch's use_mem_pool (a stand-in here: torch without CUDA has none) and keep
+    this thread's strictness right when scopes close out of order."""
+    import contextlib
+
+    log = []
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device=None):
+        log.append(("enter", pool, str(device)))
+        yield
+        log.append(("exit", pool))
+
+    p = cuda_scope._Pool(CachingAllocator(1 << 20, alignment=512), BASE, 0, pool="the-pool")
+    monkeypatch.setattr(cuda_scope, "_pool_of", lambda dh: p)
+    monkeypatch.setattr(cuda_scope, "_torch_pool_api", lambda: (None, use_mem_pool, None))
+    strict = cuda_scope.enter(object(), True)
+    lax = cuda_scope.enter(object(), False)
+    assert cuda_scope._thread_strict() is False  # the innermost scope decides
+    cuda_scope.exit_scope(strict)  # the outer one closes first
+    assert cuda_scope._thread_strict() is False
+    cuda_scope.exit_scope(lax)
+    assert cuda_scope._thread_strict() is False and cuda_scope._strict.stack == []
+    assert log == [("enter", "the-pool", "cuda:0"), ("enter", "the-pool", "cuda:0"), ("exit", "the-pool"),
+                   ("exit", "the-pool")]
+    only = cuda_scope.enter(object(), True)
+    assert cuda_scope._thread_strict() is True
+    cuda_scope.exit_scope(only)
+
+
+def test_a_torch_without_cuda_pools_is_a_clear_error(monkeypatch):
+    import torch
+
+    monkeypatch.delattr(torch._C, "_cuda_customAllocator", raising=False)
+    with pytest.raises(Exception, match=r"heap_scope: CUDA allocations cannot be routed to the heap, expected "
+                                        r"torch >= 2.6 built with CUDA.*_cuda_customAllocator"):
+        cuda_scope._torch_pool_api()
