@@ -24,6 +24,11 @@ def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
     P = lambda q, shape, it, d=dt: payload(q, shape, d, it=it)  # noqa: E731
     rows = [97 + 2 * q for q in range(W)]
     split = lambda a, b: 50 + (a + 2 * b) % 3  # noqa: E731 - elements rank a sends to rank b
+    # a captured op's sizes must be in device memory (a replay reads them there): int64 [W] tensors
+    sizes_t = lambda v: torch.tensor(v, dtype=torch.int64, device=rk.device)  # noqa: E731
+    rows_t = sizes_t(rows) if rk.device.type == "cuda" else rows
+    out_t = sizes_t([split(q, r) for q in range(W)]) if rk.device.type == "cuda" else [split(q, r) for q in range(W)]
+    in_t = sizes_t([split(r, q) for q in range(W)]) if rk.device.type == "cuda" else [split(r, q) for q in range(W)]
     cases = {
         "all_reduce": ((n,), (n,), lambda o, i: zb.all_reduce(i),
                        lambda it: reduce_ref([P(q, (n,), it) for q in range(W)], "sum", dt), True),
@@ -35,14 +40,13 @@ def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
         "all_to_all": ((W * n,), (W * n,), lambda o, i: zb.all_to_all_single(o, i),
                        lambda it: torch.cat([P(q, (W * n,), it)[r * n:(r + 1) * n] for q in range(W)]), False),
         "broadcast": ((n,), (n,), lambda o, i: zb.broadcast(i, 0), lambda it: P(0, (n,), it), True),
-        "all_gather_v": ((sum(rows),), (rows[r],), lambda o, i: zb.all_gather_v(o, i, rows),
+        "all_gather_v": ((sum(rows),), (rows[r],), lambda o, i: zb.all_gather_v(o, i, rows_t),
                          lambda it: torch.cat([P(q, (rows[q],), it) for q in range(W)]), False),
-        "reduce_scatter_v": ((rows[r],), (sum(rows),), lambda o, i: zb.reduce_scatter_v(o, i, rows),
+        "reduce_scatter_v": ((rows[r],), (sum(rows),), lambda o, i: zb.reduce_scatter_v(o, i, rows_t),
                              lambda it: reduce_ref([P(q, (sum(rows),), it) for q in range(W)], "sum",
                                                 dt)[sum(rows[:r]):sum(rows[:r + 1])], False),
         "all_to_all_v": ((sum(split(q, r) for q in range(W)),), (sum(split(r, q) for q in range(W)),),
-                         lambda o, i: zb.all_to_all_single(o, i, [split(q, r) for q in range(W)],
-                                                           [split(r, q) for q in range(W)]),
+                         lambda o, i: zb.all_to_all_single(o, i, out_t, in_t),
                          lambda it: torch.cat([a2a_part(P(q, (sum(split(q, b) for b in range(W)),), it), q, r, W,
                                                          split) for q in range(W)]), False),
     }

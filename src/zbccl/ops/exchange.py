@@ -222,9 +222,9 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     """
     op = "all_gather_v"
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
-    rows, size_error = index_list(sizes, "sizes", op=op)
     if error is not None and (device := device_of(op, output, input)) is not None:  # CUDA: the device ops
-        return route.all_gather_v(comm, device, output, input, sizes, dim, timeout)
+        return route.all_gather_v(comm, device, output, input, sizes, dim, timeout)  # sizes: a list or a tensor
+    rows, size_error = index_list(sizes, "sizes", op=op)
     error = error or size_error
     blocks = 1
     if error is None and len(rows) != comm.world_size:

@@ -73,9 +73,9 @@ def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int]
     """
     op_name = "reduce_scatter_v"
     error = tensor_error(output, "output", op=op_name, written=True) or tensor_error(input, "input", op=op_name)
-    rows, size_error = index_list(sizes, "sizes", op=op_name)
     if error is not None and (device := device_of(op_name, output, input)) is not None:  # CUDA: the device ops
-        return route.reduce_scatter_v(comm, device, output, input, sizes, op, dim, timeout)
+        return route.reduce_scatter_v(comm, device, output, input, sizes, op, dim, timeout)  # a list or a tensor
+    rows, size_error = index_list(sizes, "sizes", op=op_name)
     error = error or size_error
     if error is None and dim:
         return _along(comm, op_name, output, input, op, dim, rows, timeout)
