@@ -22,27 +22,27 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _all_reduce_cases(dev, W: int, me: int) -> list[str]:
+def _all_reduce_cases(dev, W: int, me: int, dtypes) -> list[str]:
     import zbccl
     from zbccl.ops.dtypes import REDUCE_OPS
     from zbccl.ops.reference import all_reduce_ref
 
     digests = []
-    for dtype in DTYPES:
-        ops = ["sum", "max", "min", "product"] + (["avg"] if dtype.is_floating_point else [])
-        for opname in ops:
-            sizes = [1, 7, 4099] if opname == "sum" else [1000]
-            for n in sizes:
-                for inplace in (False, True):
-                    t = zbccl.empty(n, dtype=dtype)
-                    t.copy_(payload(me, n, dtype))
-                    out = t if inplace else torch.empty(n, dtype=dtype)
-                    dev.all_reduce(t, opname, out=None if inplace else out, algo="one_shot")
-                    ref = all_reduce_ref([payload(r, n, dtype) for r in range(W)], REDUCE_OPS[opname])
-                    assert torch.equal(out, ref), f"one_shot {dtype} {opname} n={n} inplace={inplace}"
-                    if not inplace:
-                        assert torch.equal(t, payload(me, n, dtype)), "the input changed"
-                    digests.append(_digest(out))
+    k = 0
+    for dtype in dtypes:
+        ops = ["sum", "sum", "max", "min", "product"] + (["avg"] if dtype.is_floating_point else [])
+        for opname, n in zip(ops, [1, 4099, 1000, 1000, 1000, 1000]):
+            inplace = k % 2 == 1  # alternate, so every dtype and op meets both forms across the dtypes
+            k += 1
+            t = zbccl.empty(n, dtype=dtype)
+            t.copy_(payload(me, n, dtype))
+            out = t if inplace else torch.empty(n, dtype=dtype)
+            dev.all_reduce(t, opname, out=None if inplace else out, algo="one_shot")
+            ref = all_reduce_ref([payload(r, n, dtype) for r in range(W)], REDUCE_OPS[opname])
+            assert torch.equal(out, ref), f"one_shot {dtype} {opname} n={n} inplace={inplace}"
+            if not inplace:
+                assert torch.equal(t, payload(me, n, dtype)), "the input changed"
+            digests.append(_digest(out))
     # A 2-d tensor, more elements than one block's tile (several tiles per block), in place.
     t = zbccl.empty(70, 131, dtype=torch.float32)
     t.copy_(payload(me, 70 * 131, torch.float32).view(70, 131))
@@ -60,7 +60,7 @@ def _replay_cases(dev, W: int, me: int) -> None:
     t = zbccl.empty(300, dtype=torch.bfloat16)
     out = torch.empty(300, dtype=torch.bfloat16)
     gathered = torch.empty(W * 300, dtype=torch.bfloat16)
-    for i in range(12):
+    for i in range(10):
         t.copy_(payload(me, 300, torch.bfloat16, salt=i))
         dev.all_reduce(t, "sum", out=out)
         dev.all_gather(gathered, t)
@@ -72,13 +72,13 @@ def _replay_cases(dev, W: int, me: int) -> None:
 def _gather_cases(dev, W: int, me: int) -> None:
     import zbccl
 
-    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool):
-        for n in (1, 7, 4099):
-            inp = zbccl.empty(n, dtype=dtype)
-            inp.copy_(payload(me, n, dtype))
-            out = torch.empty(W * n, dtype=dtype)
-            dev.all_gather(out, inp)
-            assert torch.equal(out, torch.cat([payload(r, n, dtype) for r in range(W)])), (dtype, n)
+    for dtype, n in ((torch.float32, 4099), (torch.bfloat16, 7), (torch.int64, 1), (torch.uint8, 1001),
+                     (torch.bool, 33)):
+        inp = zbccl.empty(n, dtype=dtype)
+        inp.copy_(payload(me, n, dtype))
+        out = torch.empty(W * n, dtype=dtype)
+        dev.all_gather(out, inp)
+        assert torch.equal(out, torch.cat([payload(r, n, dtype) for r in range(W)])), (dtype, n)
     # In place: the input is this rank's part of a heap output.
     out = zbccl.empty(W * 1001, dtype=torch.float16)
     mine = out[me * 1001:(me + 1) * 1001]
@@ -157,10 +157,10 @@ def _scatter_cases(dev, W: int, me: int) -> None:
             full = [payload(r, 4 * T, torch.int16).view(shp) for r in range(W)]
             inp = zbccl.empty(*shp, dtype=torch.int16)
             inp.copy_(full[me])
-            part = (lambda x: x[pre:pre + sizes[me]]) if dim == 0 else (lambda x: x[:, pre:pre + sizes[me]])
-            out = torch.empty(part(full[me]).shape, dtype=torch.int16)
+            parts = [x.narrow(dim, pre, sizes[me]) for x in full]
+            out = torch.empty(parts[me].shape, dtype=torch.int16)
             dev.reduce_scatter_v(out, inp, sizes, "sum", dim=dim)
-            assert torch.equal(out, reduce_ref([part(x) for x in full], 0)), (sizes, dim)
+            assert torch.equal(out, reduce_ref(parts, 0)), (sizes, dim)
 
 
 def _exchange_cases(dev, W: int, me: int) -> None:
@@ -203,7 +203,9 @@ def _collectives(ctx):
     comm, dev = device_ops(ctx)
     W, me = comm.world_size, comm.rank
     dev.barrier()
-    digests = _all_reduce_cases(dev, W, me)
+    # Every dtype at world 2; at world 3 (three interpreted ranks on the CI's cores) a subset.
+    dtypes = DTYPES if W == 2 else FLOATS + [torch.int32, torch.int8, torch.bool]
+    digests = _all_reduce_cases(dev, W, me, dtypes)
     _two_shot_cases(dev, W, me)
     _gather_cases(dev, W, me)
     _scatter_cases(dev, W, me)
@@ -218,4 +220,3 @@ def _collectives(ctx):
 def test_triton_collectives_match_the_reference(world):
     results = run_world(_collectives, world, env=ENV, timeout=240)
     assert all(r == results[0] for r in results), "ranks disagree on the all_reduce results"
-    assert FLOATS  # the float dtypes are among the cases

@@ -16,7 +16,6 @@ the kernels run on the calling thread, and every op checks the status before it 
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,8 +25,18 @@ from ..heap import layout
 from ..heap.transports.base import Transport
 from ..native import triton as ktriton
 from ..native.triton import geometry as g
-from .args import dim_index, index_list, overlap_error
-from .dtypes import MAX, MIN, PROD, SUM, dtype_code, reduce_op_code
+from .args import overlap_error
+from .device_args import (
+    check_local,
+    exchange_shape,
+    fail,
+    field_name,
+    gather_shape,
+    plan,
+    scatter_shape,
+    sizes_table,
+)
+from .dtypes import CODE_DTYPES, MAX, MIN, PROD, SUM, dtype_code, op_name, reduce_op_code
 
 __all__ = ["DeviceOps"]
 
@@ -42,9 +51,6 @@ _CHECK = {
 }
 #: Above this many bytes ``algo="auto"`` all-reduces in two shots (when the output is in the heap).
 TWO_SHOT_BYTES = 512 << 10
-#: GPU launch shape: bytes one block moves per tile, and the most blocks a launch uses.
-_TILE_BYTES = 8 << 10
-_GPU_BLOCKS = 128
 #: all_to_all_v's launch shape is planned as if every rank moved this many bytes (no size is agreed on).
 _V_ELEMS = 1 << 20
 _ALGOS = {"auto": None, "one_shot": False, "oneshot": False, "two_shot": True, "twoshot": True}
@@ -126,7 +132,7 @@ class DeviceOps:
                     f"{list(out.shape)} {out.dtype}")
             inplace = out.data_ptr() == t.data_ptr()
             if not inplace:
-                _raise(overlap_error(out, t, op=name))
+                fail(overlap_error(out, t, op=name))
             if algo not in _ALGOS:
                 raise ZbcclInvalidUsageError(f"{name}: unknown algo, expected one of {sorted(_ALGOS)}, got {algo!r}")
             out_off = in_off if inplace else self.transport.offset_of(self.rank, out)
@@ -137,8 +143,7 @@ class DeviceOps:
                 raise ZbcclInvalidUsageError(
                     f"{name}: two_shot writes its output where the peers read it, expected an output in the "
                     "heap (or in place), got one outside it")
-            if t.dtype == torch.bool:  # bytes 0/1: sum/max is any, product/min is all
-                red = MAX if red in (SUM, MAX) else MIN if red in (PROD, MIN) else red
+            red = _bool_op(t.dtype, red)
         except ZbcclError as exc:
             self._fail(name, exc)
         n = t.numel()
@@ -209,6 +214,8 @@ class DeviceOps:
         the status words as of the last completed snapshot, and enqueues the next)."""
         if self._broken is not None:
             raise type(self._broken)(str(self._broken), ranks=self._broken.ranks)
+        if not self._sync and torch.cuda.is_current_stream_capturing():
+            return  # nothing may touch the stream outside the captured ops; check after replaying
         vals = self._read_status(wait)
         if vals is None or vals[g.ST_CODE] == 0:
             return
@@ -226,12 +233,20 @@ class DeviceOps:
                 "them; this communicator's device ops are out of step now", ranks=tuple(glob))
             return self._broken
         q = st[g.ST_BAD] - 1
-        field = _field_name(st[g.ST_FIELD])
+        field = field_name(st[g.ST_FIELD])
         if st[g.ST_CODE] & g.S_PEER_ERROR:
             return ZbcclRemoteError(
                 f"{name}: group rank {q} (global {self.ranks[q]}) failed its own checks of this call, expected a "
                 f"valid call on every rank, got an error raised on rank {q}", ranks=(self.ranks[q],))
         mine, theirs = st[g.ST_MINE], st[g.ST_THEIRS]
+        if field.startswith("out_splits"):
+            return ZbcclInvalidUsageError(
+                f"{name}: splits do not pair, expected group rank {q} (global {self.ranks[q]}) to send {mine} rows "
+                f"here (this rank's {field}), got {theirs} (its in_splits[{self.me}])", ranks=(self.ranks[q],))
+        if field == "dtype":
+            mine, theirs = CODE_DTYPES.get(mine, mine), CODE_DTYPES.get(theirs, theirs)
+        if field == "reduce op":
+            mine, theirs = op_name(mine), op_name(theirs)
         if field == "op":
             mine, theirs = g.KOP_NAMES.get(mine, mine), g.KOP_NAMES.get(theirs, theirs)
         return ZbcclInvalidUsageError(
@@ -260,7 +275,10 @@ class DeviceOps:
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, name: str, launch: Callable[[], None]) -> None:
-        self.check()
+        if self._sync:
+            self.check()
+        elif self._broken is not None:
+            self.check()  # raises it; on CUDA the status words are read by check() alone (no copy per op)
         launch()
         self._epoch += 1
         self._names[self._epoch] = name
@@ -279,12 +297,7 @@ class DeviceOps:
         raise exc
 
     def _plan(self, n: int, itemsize: int) -> tuple[int, int, int]:
-        """``(grid, block, num_warps)`` for moving ``n`` elements per rank range."""
-        if self._k.INTERPRET:  # few, wide programs: the interpreter pays per program and per numpy call
-            block = 1024
-            return max(1, min(4, -(-n // block))), block, 1
-        block = max(_TILE_BYTES // itemsize, 128)
-        return max(1, min(_GPU_BLOCKS, -(-n // block))), block, 8
+        return plan(n, itemsize, self._k.INTERPRET)
 
     def _addr(self, t: torch.Tensor) -> int:
         """``t``'s address for a kernel; an empty tensor's (0, never dereferenced) becomes a valid 64-bit one,
@@ -296,15 +309,11 @@ class DeviceOps:
         return dtype_code(t.dtype, op=name)
 
     def _local(self, t, role: str, name: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise ZbcclInvalidUsageError(f"{name}: {role} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.device:
-            raise ZbcclInvalidUsageError(f"{name}: {role} on the wrong device, expected {self.device}, got {t.device}")
-        if not t.is_contiguous():
-            raise ZbcclInvalidUsageError(
-                f"{name}: {role} must be contiguous, expected a dense row-major tensor, got strides {t.stride()}")
+        check_local(t, self.device, role, name)
 
     def _heap_offset(self, t: torch.Tensor, role: str, name: str) -> int:
+        if t.numel() == 0:
+            return 0  # nothing for a peer to read
         off = self.transport.offset_of(self.rank, t)
         if off < 0:
             raise ZbcclInvalidUsageError(
@@ -312,54 +321,22 @@ class DeviceOps:
                 f"{self.device.type} heap (zbccl.empty(..., device=...)), got one outside it")
         return off
 
-    def _splits(self, sizes, name: str) -> tuple[torch.Tensor, list[int] | None]:
-        """``sizes`` (W per-rank sizes) as int64 [KMAX_WORLD] on the device, and as ints when known here."""
-        if isinstance(sizes, torch.Tensor) and sizes.device.type != "cpu":
-            if sizes.dtype != torch.int64 or sizes.numel() != self.world:
-                raise ZbcclInvalidUsageError(
-                    f"{name}: sizes tensor, expected int64 [{self.world}], got {sizes.dtype} {list(sizes.shape)}")
-            padded = torch.zeros(g.KMAX_WORLD, dtype=torch.int64, device=self.device)
-            padded[:self.world].copy_(sizes)
-            return padded, None
-        vals, error = index_list(sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes, "sizes", op=name)
-        _raise(error)
-        if len(vals) != self.world or min(vals) < 0:
-            raise ZbcclInvalidUsageError(
-                f"{name}: sizes, expected {self.world} non-negative integers, got {vals}")
-        return _table(vals + [0] * (g.KMAX_WORLD - self.world), self.device), vals
-
     def _gather(self, name: str, out, inp, sizes, dim) -> None:
         try:
             dt = self._dtype(inp, name)
             self._local(out, "output", name)
-            d, error = dim_index(dim, max(inp.dim(), 1), op=name)
-            _raise(error)
-            shape = list(inp.shape) or [1]
-            splits, vals = (None, None) if sizes is None else self._splits(sizes, name)
-            n_me = shape[d]
-            if vals is not None and n_me != vals[self.me]:
-                raise ZbcclInvalidUsageError(
-                    f"{name}: the input disagrees with sizes, expected {vals[self.me]} along dim {d}, got "
-                    f"{list(inp.shape)}")
-            total = n_me * self.world if sizes is None else (sum(vals) if vals is not None else out.shape[d])
-            want = shape[:d] + [total] + shape[d + 1:]
-            if list(out.shape or [1]) != want or out.dtype != inp.dtype:
-                raise ZbcclInvalidUsageError(
-                    f"{name}: wrong output for a gather along dim {d}, expected {want} {inp.dtype}, got "
-                    f"{list(out.shape)} {out.dtype}")
-            outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1:])
-            isz = inp.element_size()
-            pre = n_me * self.me if sizes is None else sum(vals[:self.me]) if vals is not None else -1
-            skip = outer == 1 and pre >= 0 and inp.data_ptr() == out.data_ptr() + pre * inner * isz
-            if not skip:
-                _raise(overlap_error(out, inp, op=name))
+            splits, vals = (None, None) if sizes is None else sizes_table(sizes, self.world, self.device, "sizes",
+                                                                          name)
+            outer, inner, cnt, total, skip = gather_shape(out, inp, vals, sizes is not None, dim, self.world,
+                                                          self.me, name)
             in_off = self._heap_offset(inp, "input", name)
         except ZbcclError as exc:
             self._fail(name, exc)
-        grid, block, warps = self._plan(out.numel() // self.world, isz)
+        isz = inp.element_size()
+        grid, block, warps = self._plan(outer * total * inner // self.world, isz)  # the same on every rank
         self._run(name, lambda: self._k.all_gather(
             self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
-            out_addr=self._addr(out), dtype=dt, itemsize=isz, outer=outer, inner=inner, cnt=n_me, total=total,
+            out_addr=self._addr(out), dtype=dt, itemsize=isz, outer=outer, inner=inner, cnt=cnt, total=total,
             skip_self=skip, check=_CHECK["gather"] | (0 if sizes is not None else _F["NUMEL"]),
             timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
 
@@ -367,36 +344,15 @@ class DeviceOps:
         try:
             dt, red = self._dtype(inp, name), reduce_op_code(op, inp.dtype, op=name)
             self._local(out, "output", name)
-            d, error = dim_index(dim, max(inp.dim(), 1), op=name)
-            _raise(error)
-            shape = list(inp.shape) or [1]
-            splits, vals = (None, None) if sizes is None else self._splits(sizes, name)
-            if sizes is None:
-                if shape[d] % self.world:
-                    raise ZbcclInvalidUsageError(
-                        f"{name}: input not divisible, expected dim {d} a multiple of {self.world}, got {list(inp.shape)}")
-                cnt, total = shape[d] // self.world, shape[d]
-            else:
-                cnt, total = (vals[self.me] if vals is not None else out.shape[d]), shape[d]
-                if vals is not None and sum(vals) != total:
-                    raise ZbcclInvalidUsageError(
-                        f"{name}: sizes do not cover the input, expected them to sum to {total} (dim {d}), got {vals}")
-            want = shape[:d] + [cnt] + shape[d + 1:]
-            if list(out.shape or [1]) != want or out.dtype != inp.dtype:
-                raise ZbcclInvalidUsageError(
-                    f"{name}: wrong output for a scatter along dim {d}, expected {want} {inp.dtype}, got "
-                    f"{list(out.shape)} {out.dtype}")
-            outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1:])
-            isz = inp.element_size()
-            pre = cnt * self.me if sizes is None else sum(vals[:self.me]) if vals is not None else -1
-            mine = outer == 1 and pre >= 0 and out.data_ptr() == inp.data_ptr() + pre * inner * isz
-            if not mine:
-                _raise(overlap_error(out, inp, op=name))
+            splits, vals = (None, None) if sizes is None else sizes_table(sizes, self.world, self.device, "sizes",
+                                                                          name)
+            outer, inner, cnt, total = scatter_shape(out, inp, vals, sizes is not None, dim, self.world, self.me,
+                                                     name)
             in_off = self._heap_offset(inp, "input", name)
-            if inp.dtype == torch.bool:
-                red = MAX if red in (SUM, MAX) else MIN if red in (PROD, MIN) else red
+            red = _bool_op(inp.dtype, red)
         except ZbcclError as exc:
             self._fail(name, exc)
+        isz = inp.element_size()
         grid, block, warps = self._plan(inp.numel() // self.world, isz)  # a size every rank agrees on
         self._run(name, lambda: self._k.reduce_scatter(
             self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
@@ -408,26 +364,12 @@ class DeviceOps:
         try:
             dt = self._dtype(inp, name)
             self._local(out, "output", name)
-            if inp.dim() == 0 or out.dim() == 0 or out.shape[1:] != inp.shape[1:] or out.dtype != inp.dtype:
-                raise ZbcclInvalidUsageError(
-                    f"{name}: output and input must be [rows, ...] alike, expected the same trailing shape and dtype, "
-                    f"got {list(out.shape)} {out.dtype} and {list(inp.shape)} {inp.dtype}")
-            rows, inner = inp.shape[0], math.prod(inp.shape[1:])
-            splits = None
-            if out_splits is None:
-                if rows % self.world or out.shape[0] != rows:
-                    raise ZbcclInvalidUsageError(
-                        f"{name}: equal splits, expected input and output rows a multiple of {self.world} and "
-                        f"equal, got {inp.shape[0]} and {out.shape[0]}")
-            else:
-                ins, in_vals = self._splits(in_splits, name)
-                outs, out_vals = self._splits(out_splits, name)
-                for what, vals, n in (("in_splits", in_vals, rows), ("out_splits", out_vals, out.shape[0])):
-                    if vals is not None and sum(vals) != n:
-                        raise ZbcclInvalidUsageError(
-                            f"{name}: {what} do not cover the tensor, expected them to sum to {n} rows, got {vals}")
+            splits = in_vals = out_vals = None
+            if out_splits is not None:
+                ins, in_vals = sizes_table(in_splits, self.world, self.device, "in_splits", name)
+                outs, out_vals = sizes_table(out_splits, self.world, self.device, "out_splits", name)
                 splits = torch.cat([ins, outs])
-            _raise(overlap_error(out, inp, op=name))
+            rows, inner = exchange_shape(out, inp, in_vals, out_vals, splits is not None, self.world, name)
             in_off = self._heap_offset(inp, "input", name)
         except ZbcclError as exc:
             self._fail(name, exc)
@@ -441,20 +383,8 @@ class DeviceOps:
             timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
 
 
-def _raise(error: str | None) -> None:
-    if error:
-        raise ZbcclInvalidUsageError(error)
-
-
-def _table(vals: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(vals, dtype=torch.int64)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-
-def _field_name(i: int) -> str:
-    if i >= g.A_SPLITS + g.KMAX_WORLD:
-        return f"out_splits[{i - g.A_SPLITS - g.KMAX_WORLD}]"
-    if i >= g.A_SPLITS:
-        return f"splits[{i - g.A_SPLITS}]"
-    return {"NUMEL": "element count", "GRID": "launch shape (follows the sizes)", "OP": "op",
-            "REDOP": "reduce op"}.get(g.A_FIELDS[i], g.A_FIELDS[i].lower()) if 0 <= i < len(g.A_FIELDS) else f"field {i}"
+def _bool_op(dtype: torch.dtype, red: int) -> int:
+    """bool is moved as bytes 0/1: sum/max reduce as max (any), product/min as min (all)."""
+    if dtype != torch.bool:
+        return red
+    return MAX if red in (SUM, MAX) else MIN if red in (PROD, MIN) else red

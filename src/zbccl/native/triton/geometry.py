@@ -8,7 +8,8 @@ sizes it with :func:`kernel_pad_bytes`). One kernel slot, in int64 words at byte
     8     K_DONE    blocks of the current launch that finished (the last one resets it, bumps K_EPOCH)
     64    K_STATUS  ST_WORDS host-visible status words (what went wrong, which ranks; see ST_*)
     256   K_ARGS    two argument rows of ROW_BYTES (A_* fields, then the splits): launch E uses row E % 2
-    1024  K_SIG     MAX_BLOCKS x KMAX_WORLD signal words: word [b][src] is written by rank ``src``'s block b
+    1024  K_STAMP   MAX_BLOCKS words: block b's last timer reading (so that all its threads agree on the time)
+    2048  K_SIG     MAX_BLOCKS x KMAX_WORLD signal words: word [b][src] is written by rank ``src``'s block b
 
 Everything is written by kernels on the device, except that the owner zeroes its slot when a
 ``DeviceOps`` is created, and ``DeviceOps.check`` reads (and clears) the status words.
@@ -17,7 +18,7 @@ Everything is written by kernels on the device, except that the owner zeroes its
 from __future__ import annotations
 
 __all__ = [
-    "KMAX_WORLD", "MAX_BLOCKS", "K_EPOCH", "K_DONE", "K_STATUS", "K_ARGS", "K_SIG", "KSLOT_BYTES",
+    "KMAX_WORLD", "MAX_BLOCKS", "K_EPOCH", "K_DONE", "K_STATUS", "K_ARGS", "K_STAMP", "K_SIG", "KSLOT_BYTES",
     "A_FIELDS", "A_EPOCH", "A_OP", "A_GRID", "A_SPLITS", "ARG_WORDS", "ROW_BYTES",
     "ST_CODE", "ST_MISSING", "ST_BAD", "ST_FIELD", "ST_MINE", "ST_THEIRS", "ST_EPOCH", "ST_WORDS",
     "S_TIMEOUT", "S_MISMATCH", "S_PEER_ERROR", "PHASE", "STEP_EXIT",
@@ -33,7 +34,8 @@ K_EPOCH = 0
 K_DONE = 8
 K_STATUS = 64
 K_ARGS = 256
-K_SIG = 1024
+K_STAMP = 1024
+K_SIG = K_STAMP + MAX_BLOCKS * 8
 KSLOT_BYTES = K_SIG + MAX_BLOCKS * KMAX_WORLD * 8
 
 #: The argument row's fields (int64 words from K_ARGS), then 2 x KMAX_WORLD split entries from A_SPLITS.
@@ -71,4 +73,4 @@ def kernel_slot_bytes() -> int:
     return KSLOT_BYTES
 
 
-assert K_ARGS + 2 * ROW_BYTES <= K_SIG, "the two argument rows overlap the signal words"
+assert K_ARGS + 2 * ROW_BYTES <= K_STAMP, "the two argument rows overlap the timer stamps"

@@ -23,6 +23,9 @@ from .sync import INTERPRET
 __all__ = ["INTERPRET", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 
 _KW = g.KMAX_WORLD
+#: itemsize -> the dtype code (``native/abi.py``) of the unsigned word the copies move.
+_RAW = {1: 5, 2: 6, 4: 7, 8: 8}
+_SIZES = {0: 4, 1: 2, 2: 2, 3: 8, 4: 1, 5: 1, 6: 2, 7: 4, 8: 8, 9: 1}
 
 
 def _dummy(pads: torch.Tensor) -> torch.Tensor:
@@ -40,7 +43,7 @@ def all_reduce(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int
                out_addr: int, out_off: int, numel: int, dtype: int, red: int, two_shot: bool, inplace: bool,
                check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> None:
     k.all_reduce_kernel[(grid,)](data, pads, _dummy(pads), slot_off, me, world, in_off, out_addr, out_off, numel,
-                                 check, timeout_ns, DT=dtype, RED=red, TWO_SHOT=bool(two_shot),
+                                 check, timeout_ns, DT=dtype, ESZ=_SIZES[dtype], RED=red, TWO_SHOT=bool(two_shot),
                                  INPLACE=bool(inplace), BLOCK=block, KW=_KW, INTERP=INTERPRET,
                                  num_warps=num_warps)
 
@@ -52,8 +55,9 @@ def all_gather(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | No
     """``splits``: None (every rank gives ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
     k.all_gather_kernel[(grid,)](data, pads, _dummy(pads) if splits is None else splits, slot_off, me, world,
                                  in_off, out_addr, dtype, outer, inner, cnt, total, check, timeout_ns,
-                                 ELEM=itemsize, VAR=splits is not None, ROWS=outer > 1, SKIP_SELF=bool(skip_self),
-                                 BLOCK=block, KW=_KW, num_warps=num_warps)
+                                 CDT=_RAW[itemsize], ESZ=itemsize, VAR=splits is not None, ROWS=outer > 1,
+                                 SKIP_SELF=bool(skip_self), BLOCK=block, KW=_KW, INTERP=INTERPRET,
+                                 num_warps=num_warps)
 
 
 def reduce_scatter(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
@@ -62,7 +66,7 @@ def reduce_scatter(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor 
     """``splits``: None (every rank's part is ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
     k.reduce_scatter_kernel[(grid,)](data, pads, _dummy(pads) if splits is None else splits, slot_off, me, world,
                                      in_off, out_addr, outer, inner, cnt, total, check, timeout_ns, DT=dtype,
-                                     RED=red, VAR=splits is not None, ROWS=outer > 1, BLOCK=block, KW=_KW,
+                                     ESZ=_SIZES[dtype], RED=red, VAR=splits is not None, ROWS=outer > 1, BLOCK=block, KW=_KW,
                                      INTERP=INTERPRET, num_warps=num_warps)
 
 
@@ -72,12 +76,14 @@ def all_to_all(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | No
     """Rows of ``inner`` elements. ``splits``: None (``cnt`` rows to and from every rank) or int64
     ``[2 * KMAX_WORLD]``: this rank's in_splits, then its out_splits."""
     k.all_to_all_kernel[(grid,)](data, pads, _dummy(pads) if splits is None else splits, slot_off, me, world, in_off,
-                                 out_addr, dtype, inner, cnt, numel, check, timeout_ns, ELEM=itemsize,
-                                 VAR=splits is not None, BLOCK=block, KW=_KW, num_warps=num_warps)
+                                 out_addr, dtype, inner, cnt, numel, check, timeout_ns, CDT=_RAW[itemsize],
+                                 ESZ=itemsize, VAR=splits is not None, BLOCK=block, KW=_KW, INTERP=INTERPRET,
+                                 num_warps=num_warps)
 
 
 def broadcast(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
               out_addr: int, dtype: int, itemsize: int, root: int, numel: int, check: int, timeout_ns: int,
               grid: int, block: int, num_warps: int) -> None:
     k.broadcast_kernel[(grid,)](data, pads, _dummy(pads), slot_off, me, world, in_off, out_addr, dtype, root, numel,
-                                check, timeout_ns, ELEM=itemsize, BLOCK=block, KW=_KW, num_warps=num_warps)
+                                check, timeout_ns, CDT=_RAW[itemsize], ESZ=itemsize, BLOCK=block, KW=_KW,
+                                INTERP=INTERPRET, num_warps=num_warps)

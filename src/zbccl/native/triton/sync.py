@@ -13,7 +13,8 @@ Synchronisation protocol (one launch of any collective kernel, per block ``b``; 
    scope: the peers are other processes).
 3. **Wait.** It spins (acquire, system scope) on its own words ``[b][0..W)`` until each is
    ``>= E * PHASE + step``, backing off between polls, for at most ``timeout_ns`` (GPU: the global
-   timer; interpreter: the host clock). Block ``b`` waits only for block ``b`` of the peers: no block
+   timer, read by one thread and shared through the block's K_STAMP word so that every thread leaves
+   the loop together; interpreter: the host clock). Block ``b`` waits only for block ``b`` of the peers: no block
    ever waits for another block of its own launch (under the interpreter the blocks of one launch run
    one after the other, and on a GPU they need not be co-resident). While waiting at entry it also
    peeks the late peers' rows: a peer whose row already belongs to launch ``E`` with fewer than
@@ -36,6 +37,7 @@ faster peer has already advanced to a later step still satisfies a wait for an e
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -45,7 +47,7 @@ from triton import knobs
 
 from . import geometry as g
 
-__all__ = ["INTERPRET", "pause", "now", "bound", "row_of", "begin", "sync", "finish", "flag"]
+__all__ = ["INTERPRET", "helper", "pause", "now", "bound", "vsum", "vmin", "row_of", "begin", "sync", "finish", "flag"]
 
 #: Whether the kernels run under the Triton interpreter (``TRITON_INTERPRET=1`` when triton was imported).
 INTERPRET = bool(knobs.runtime.interpret)
@@ -55,6 +57,7 @@ _K_DONE = tl.constexpr(g.K_DONE)
 _K_STATUS = tl.constexpr(g.K_STATUS)
 _K_ARGS = tl.constexpr(g.K_ARGS)
 _K_SIG = tl.constexpr(g.K_SIG)
+_K_STAMP = tl.constexpr(g.K_STAMP)
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
 _ROW_BYTES = tl.constexpr(g.ROW_BYTES)
 _A_GRID = tl.constexpr(g.A_GRID)
@@ -73,10 +76,26 @@ _KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
 _NFIELDS = tl.constexpr(16)
 
 if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def helper(fn):
+        """A device function under the interpreter: its rewritten Python, called directly. (The interpreter's
+        own device-function call re-patches triton.language on every call, ~0.5 ms each; the kernel's
+        launch has patched it already.)"""
+        interpreted = InterpretedFunction(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return interpreted.rewrite()(*args, **kwargs)
+
+        return call
+
     # The interpreter runs a kernel's Python on the host: back off with a real sleep (the peers are other
     # processes on the same cores) and time out by the host clock.
-    def _host_pause() -> None:
-        time.sleep(50e-6)
+    def _host_pause(polls) -> None:
+        # Exponential back-off to 2 ms: an interpreted poll costs the host far more than a GPU's, and the
+        # peer it waits for needs the same cores.
+        time.sleep(min(50e-6 * 2 ** min(_host_int(polls), 6), 2e-3))
 
     def _host_now() -> int:
         return time.monotonic_ns()
@@ -87,47 +106,74 @@ if INTERPRET:
         data = getattr(getattr(x, "handle", None), "data", x)
         return int(np.asarray(data).reshape(-1)[0])
 
-    @triton.jit
-    def pause():
-        _host_pause()
+    @helper
+    def pause(polls):
+        _host_pause(polls)
 
-    @triton.jit
+    @helper
     def now():
-        return _host_now()
+        return tl.full([], _host_now(), tl.int64)
 
-    @triton.jit
+    @helper
     def bound(x):
         return _host_int(x)
+
+    def _host_reduce(x, how):
+        # tl.sum/tl.min run their combine function as a device-function call, which the interpreter pays
+        # dearly for (see helper); a 1-d reduction is one numpy call.
+        from triton.runtime.interpreter import TensorHandle
+
+        data = np.asarray(x.handle.data)
+        value = np.array(data.sum() if how == 0 else data.min(), dtype=data.dtype)
+        return tl.core.tensor(TensorHandle(value, x.dtype.scalar), x.dtype.scalar)
+
+    @helper
+    def vsum(x):
+        return _host_reduce(x, 0)
+
+    @helper
+    def vmin(x):
+        return _host_reduce(x, 1)
 else:
     from triton.language.extra.cuda import utils as _cuda
 
-    @triton.jit
-    def pause():
+    helper = triton.jit
+
+    @helper
+    def pause(polls):
         tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
                                   pack=1)
 
-    @triton.jit
+    @helper
     def now():
         return _cuda.globaltimer()
 
-    @triton.jit
+    @helper
     def bound(x):
         return x
 
+    @helper
+    def vsum(x):
+        return tl.sum(x, axis=0)
 
-@triton.jit
+    @helper
+    def vmin(x):
+        return tl.min(x, axis=0)
+
+
+@helper
 def _i64(addr):
     return addr.to(tl.pointer_type(tl.int64))
 
 
-@triton.jit
+@helper
 def row_of(kb, E):
     """The argument row of launch E in the kernel slot at ``kb`` (two rows, by E's parity: a peer one
     launch ahead never overwrites the row of a launch this rank still reads)."""
     return kb + _K_ARGS + (E % 2) * _ROW_BYTES
 
 
-@triton.jit
+@helper
 def flag(kb, E, code, missing):
     """Record ``code`` (S_* bits) and the ``missing`` rank bits in this rank's status words."""
     st = kb + _K_STATUS
@@ -136,7 +182,7 @@ def flag(kb, E, code, missing):
     tl.atomic_or(_i64(st + _ST_CODE * 8), code, sem="release", scope="sys")
 
 
-@triton.jit
+@helper
 def _bad(kb, E, q, field, mine, theirs, code):
     """Record the first disagreeing rank ``q`` (the first block to get here wins), then ``code``."""
     st = kb + _K_STATUS
@@ -149,20 +195,28 @@ def _bad(kb, E, q, field, mine, theirs, code):
     flag(kb, E, code, 0)
 
 
-@triton.jit
+@helper
+def _stamp(word):
+    """Thread 0's previous timer reading, the same in every thread of the block (a scalar atomic runs in one
+    thread and its result is broadcast; a timer read in every thread differs across them, and a loop exit
+    that differs across threads of a block would deadlock at its next barrier)."""
+    return tl.atomic_xchg(_i64(word), now().to(tl.int64), sem="relaxed", scope="cta")
+
+
+@helper
 def _bits(lanes, cond):
     one = tl.full(lanes.shape, 1, tl.int64)
-    return tl.sum(tl.where(cond, one << lanes.to(tl.int64), 0), axis=0)
+    return vsum(tl.where(cond, one << lanes.to(tl.int64), 0))
 
 
-@triton.jit
+@helper
 def _signal(peers_kb, me, b, value, mask, KW: tl.constexpr):
     """Store ``value`` into word [b][me] of every masked peer's signal block (release, system scope)."""
     ptrs = _i64(peers_kb + _K_SIG + (b * KW + me) * 8)
     tl.atomic_xchg(ptrs, tl.full([KW], 0, tl.int64) + value, mask=mask, sem="release", scope="sys")
 
 
-@triton.jit
+@helper
 def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: tl.constexpr):
     """Spin until this rank's words [b][q] reach ``target`` for every masked q, or time out.
 
@@ -174,11 +228,15 @@ def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: 
     vals = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
     late = mask & (vals < target)
     gone = late & (lanes < 0)
-    n = tl.sum(late.to(tl.int32), axis=0)
-    t0 = now()
+    n = vsum(late.to(tl.int32))
+    stamp = kb + _K_STAMP + b * 8
+    _stamp(stamp)
+    t0 = _stamp(stamp)
     elapsed = t0 - t0
+    polls = 0
     while (n > 0) & (elapsed <= timeout_ns):
-        pause()
+        pause(polls)
+        polls += 1
         vals = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
         late = mask & (vals < target) & ~gone
         if PEEK:
@@ -187,12 +245,12 @@ def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: 
             pg = tl.load(_i64(row + _A_GRID * 8), mask=late, other=0, volatile=True)
             gone = gone | (late & (pe == E) & (pg <= b))
             late = late & ~gone
-        n = tl.sum(late.to(tl.int32), axis=0)
-        elapsed = now() - t0
+        n = vsum(late.to(tl.int32))
+        elapsed = _stamp(stamp) - t0
     return _bits(lanes, late), _bits(lanes, gone)
 
 
-@triton.jit
+@helper
 def sync(kb, peers_kb, me, b, E, step, arrived, timeout_ns, KW: tl.constexpr):
     """One barrier round among the ``arrived`` ranks (bit mask) for block ``b``: 1 if all came, else 0
     (the timeout is recorded in the status words)."""
@@ -210,7 +268,7 @@ def sync(kb, peers_kb, me, b, E, step, arrived, timeout_ns, KW: tl.constexpr):
     return ok
 
 
-@triton.jit
+@helper
 def _publish(kb, E, fields, splits_ptr, NSPL: tl.constexpr):
     """Write this rank's argument row: the fields, the splits (NSPL int64 from ``splits_ptr``), then the
     row's EPOCH (release)."""
@@ -224,7 +282,7 @@ def _publish(kb, E, fields, splits_ptr, NSPL: tl.constexpr):
     tl.atomic_xchg(_i64(row), E, sem="release", scope="sys")
 
 
-@triton.jit
+@helper
 def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
     """Compare every arrived peer's row with this rank's; record the first difference. 1 if all agree.
 
@@ -239,16 +297,16 @@ def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.cons
     ok = 1
     for q in range(W):
         if (q != me) & (((arrived >> q) & 1) != 0) & (ok == 1):
-            prow = row_of(tl.sum(tl.where(tl.arange(0, KW) == q, peers_kb, 0), axis=0), E)
+            prow = row_of(vsum(tl.where(tl.arange(0, KW) == q, peers_kb, 0)), E)
             theirs = tl.load(_i64(prow + fl * 8), volatile=True)
             diff = cmask & (theirs != mine)
-            nd = tl.sum(diff.to(tl.int32), axis=0)
+            nd = vsum(diff.to(tl.int32))
             if nd > 0:
-                field = tl.min(tl.where(diff, fl, _NFIELDS), axis=0)
-                fm = tl.sum(tl.where(fl == field, mine, 0), axis=0)
-                ft = tl.sum(tl.where(fl == field, theirs, 0), axis=0)
+                field = vmin(tl.where(diff, fl, _NFIELDS))
+                fm = vsum(tl.where(fl == field, mine, 0))
+                ft = vsum(tl.where(fl == field, theirs, 0))
                 code = _S_MISMATCH
-                op_t = tl.sum(tl.where(fl == 1, theirs, 0), axis=0)
+                op_t = vsum(tl.where(fl == 1, theirs, 0))
                 if op_t == _KOP_ERROR:
                     code = _S_PEER_ERROR
                 _bad(kb, E, q, field, fm, ft, code)
@@ -265,19 +323,22 @@ def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.cons
                         # after the in_splits, at A_SPLITS + KW + q).
                         want = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
                         sd = (sl == me) & (st != want)
-                    nd = tl.sum(sd.to(tl.int32), axis=0)
+                    nd = vsum(sd.to(tl.int32))
                     if nd > 0:
-                        idx = tl.min(tl.where(sd, sl, KW), axis=0)
+                        idx = vmin(tl.where(sd, sl, KW))
                         sm_i = tl.load(_i64(myrow + (_A_SPLITS + idx) * 8))
                         if SPLITS == 2:
                             sm_i = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
-                        st_i = tl.sum(tl.where(sl == idx, st, 0), axis=0)
-                        _bad(kb, E, q, _A_SPLITS + idx, sm_i, st_i, _S_MISMATCH)
+                        st_i = vsum(tl.where(sl == idx, st, 0))
+                        field = _A_SPLITS + idx
+                        if SPLITS == 2:
+                            field = _A_SPLITS + KW + q
+                        _bad(kb, E, q, field, sm_i, st_i, _S_MISMATCH)
                         ok = 0
     return ok
 
 
-@triton.jit
+@helper
 def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeout_ns,
           NSPL: tl.constexpr, SPLITS: tl.constexpr, KW: tl.constexpr):
     """Steps 1-4 of the protocol for this block. Returns ``(kb, peers_kb, E, go, arrived)``: this rank's
@@ -306,10 +367,10 @@ def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeou
     else:
         if gone != 0:
             # A peer runs this launch with fewer blocks: its arguments differ (the grid follows them).
-            q = tl.min(tl.where(((gone >> lanes.to(tl.int64)) & 1) != 0, lanes, KW), axis=0)
-            prow = row_of(tl.sum(tl.where(lanes == q, peers_kb, 0), axis=0), E)
+            q = vmin(tl.where(((gone >> lanes.to(tl.int64)) & 1) != 0, lanes, KW))
+            prow = row_of(vsum(tl.where(lanes == q, peers_kb, 0)), E)
             theirs = tl.load(_i64(prow + _A_GRID * 8), volatile=True)
-            mine = tl.sum(tl.where(fl == _A_GRID, fields, 0), axis=0)
+            mine = vsum(tl.where(fl == _A_GRID, fields, 0))
             _bad(kb, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
             go = 0
         ok = _agree(kb, peers_kb, me, W, E, arrived, check, SPLITS, KW)
@@ -318,7 +379,7 @@ def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeou
     return kb, peers_kb, E, go, arrived
 
 
-@triton.jit
+@helper
 def finish(kb, E):
     """Step 1's end: count this block done; the launch's last block publishes epoch E."""
     tl.debug_barrier()

@@ -1,0 +1,103 @@
+"""Failure paths of the device collectives' kernels, under the interpreter over the shm heap.
+
+Arguments that differ across ranks are reported on every rank (naming the rank and the field), a call
+that fails its own checks on one rank is reported by its peers, and a peer that never arrives ends the
+kernel's wait with a timeout naming it, instead of a hang. After a mismatch the ranks stay in step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.triton_cases import ENV, device_ops, needs_triton, payload
+from tests.spawn import run_world
+
+pytestmark = needs_triton
+
+
+def _expect(kind, fn, *words):
+    with pytest.raises(kind) as info:
+        fn()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    return info.value
+
+
+def _mismatches(ctx):
+    import zbccl
+    from zbccl.errors import ZbcclInvalidUsageError, ZbcclRemoteError
+
+    comm, dev = device_ops(ctx)
+    W, me = comm.world_size, comm.rank
+    peer = 1 - me if W == 2 else (me + 1) % W
+    # The tables are each rank's data base and kernel-area base, in group order.
+    native = comm._ctx.heap.transport.native()
+    assert dev.data.tolist() == [native.data_addr(r) for r in range(W)]
+
+    # Different element counts (rank 1 has more, hence maybe more blocks): every rank names a rank that differs.
+    n = 4099 + 2000 * (me == 1)
+    t = zbccl.empty(n, dtype=torch.float32)
+    err = _expect(ZbcclInvalidUsageError, lambda: dev.all_reduce(t), "all_reduce: arguments differ across ranks")
+    assert "element count" in str(err) or "launch shape" in str(err), str(err)
+    assert err.ranks and err.ranks[0] != me
+    # Different dtypes.
+    t = zbccl.empty(100, dtype=torch.float32 if me == 0 else torch.int32)
+    _expect(ZbcclInvalidUsageError, lambda: dev.all_reduce(t), "dtype")
+    # Different ops on the ranks: rank 0 all_gathers while the others all_reduce.
+    t = zbccl.empty(64, dtype=torch.float32)
+    out = torch.empty(W * 64)
+    if me == 0:
+        _expect(ZbcclInvalidUsageError, lambda: dev.all_gather(out, t), "op all_gather", "all_reduce on group rank")
+    else:
+        _expect(ZbcclInvalidUsageError, lambda: dev.all_reduce(t), "op all_reduce", "all_gather on group rank 0")
+    # all_to_all_v splits that do not pair: rank 0 expects one row more from every peer than it is sent.
+    send = [1] * W
+    recv = [1] * W if me else [1] + [2] * (W - 1)
+    inp = zbccl.empty(W, 3, dtype=torch.int64)
+    out = torch.empty(sum(recv), 3, dtype=torch.int64)
+    kind = ZbcclInvalidUsageError
+    if me == 0:
+        _expect(kind, lambda: dev.all_to_all_v(out, inp, recv, send), "splits do not pair", "group rank 1",
+                "send 2 rows here (this rank's out_splits[1]), got 1")
+    else:
+        dev.all_to_all_v(out, inp, recv, send)  # nothing wrong here: rank 0 alone sees the mismatch
+    # A call that fails its own checks on one rank: its peers hear of it, it raises its own error.
+    bad = torch.empty(10) if me == 1 else zbccl.empty(10)
+    if me == 1:
+        _expect(ZbcclInvalidUsageError, lambda: dev.all_reduce(bad), "expected a tensor of this rank's cpu heap")
+    else:
+        _expect(ZbcclRemoteError, lambda: dev.all_reduce(bad), "group rank 1", "failed its own checks")
+    # The same bad call everywhere: every rank raises its own error, and stays in step.
+    _expect(ZbcclInvalidUsageError, lambda: dev.all_gather(torch.empty(3), zbccl.empty(2)), "wrong output")
+    _expect(ZbcclInvalidUsageError, lambda: dev.broadcast(zbccl.empty(2), W), "src out of range")
+    # In step afterwards: a correct op still works.
+    x = zbccl.empty(1001, dtype=torch.bfloat16)
+    x.copy_(payload(me, 1001, torch.bfloat16))
+    dev.all_reduce(x)
+    from zbccl.ops.reference import all_reduce_ref
+    assert torch.equal(x, all_reduce_ref([payload(r, 1001, torch.bfloat16) for r in range(W)], 0))
+    assert peer != me
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_arguments_fail_on_every_rank(world):
+    assert run_world(_mismatches, world, env=ENV, timeout=180) == [True] * world
+
+
+def _timeout(ctx):
+    from zbccl.errors import ZbcclTimeoutError
+
+    comm, dev = device_ops(ctx, timeout_s=1.5)
+    if comm.rank == 0:
+        err = _expect(ZbcclTimeoutError, dev.barrier, "timed out", "group rank(s) [1]")
+        assert err.ranks == (1,)
+        # Out of step now: every later op says so at once (no kernel runs).
+        _expect(ZbcclTimeoutError, dev.barrier, "group rank(s) [1]")
+    comm.barrier()  # rank 1 never joined the device barrier: it waits here for rank 0 to be done
+    return True
+
+
+def test_a_peer_that_never_arrives_times_out_naming_it():
+    assert run_world(_timeout, 2, env=ENV, timeout=120) == [True, True]
