@@ -196,3 +196,41 @@ def _device_ops(ctx):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_device_collectives_over_the_simulated_cuda_transport():
     assert run_world(_device_ops, 2, env=ENV, timeout=300) == ["ok"] * 2
+
+
+def _runtime(ctx):
+    """The runtime's CUDA heap end to end over simulated device memory: init's agreement and set-up, its own
+    SMA, empty/export/peer_tensor, growth through the SMA into new chunks the peers map, stats, finalize."""
+    _simulate()
+    import zbccl
+    from tests.transports.world import payload
+    from zbccl.runtime import device_heap
+
+    device_heap._local_setup = lambda rank, asked: (0, asked[1] or 64 << 20)  # no torch.cuda to ask
+    comm = ctx.init(heap_size="4M", device="cuda", cuda_heap_size=GRAN, cuda_heap_max=256 * GRAN)
+    me, W = ctx.rank, ctx.world_size
+    dh = comm.device_heap("cuda")
+    transport, heap, sma = dh
+    assert transport.name == "cuda" and heap.heap_bytes == GRAN and sma.stats()["heap_bytes"] == GRAN
+    small = zbccl.empty(512, dtype=torch.int64, device="cuda")
+    small.copy_(payload(me, 512))
+    big = zbccl.empty(40 * GRAN // 8, dtype=torch.int64, device="cuda")  # beyond the heap: it grows
+    big[-512:].copy_(payload(me, 512, 1))
+    assert zbccl.is_heap_tensor(small) and zbccl.is_heap_tensor(big) and not zbccl.is_heap_tensor(torch.ones(2))
+    stats = zbccl.memory_stats(device="cuda")
+    assert stats["grow_count"] >= 1 and stats["active_blocks"] == 2 and stats["heap_bytes"] >= 40 * GRAN, stats
+    assert zbccl.memory_stats()["active_blocks"] == 0  # the CPU heap is another heap
+    handles = comm.all_gather_object((zbccl.export(small), zbccl.export(big[-512:])))
+    assert all(h.device == "cuda" for pair in handles for h in pair)
+    comm.barrier()
+    for p in range(W):
+        assert torch.equal(comm.peer_tensor(p, handles[p][0]), payload(p, 512))
+        assert torch.equal(comm.peer_tensor(p, handles[p][1]), payload(p, 512, 1))  # a grown chunk, mapped here
+    del small, big
+    comm.barrier()
+    zbccl.finalize()
+    return transport.segments == {}
+
+
+def test_runtime_cuda_heap_over_simulated_device_memory():
+    assert run_world(_runtime, 3, env=ENV, timeout=240) == [True] * 3

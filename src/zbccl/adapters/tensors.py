@@ -92,31 +92,36 @@ def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None, device: tor
     return empty(tuple(t.shape), dtype=dtype or t.dtype, device=device, comm=comm)
 
 
+def _locate(c: Communicator, t: torch.Tensor) -> tuple[str, int]:
+    """``(heap name, offset)`` of the heap of ``c``'s job whose memory holds ``t``'s whole storage, else ``("", -1)``.
+
+    Each heap's transport checks the device itself, so a tensor is found in the heap that really holds it.
+    """
+    for name, heap in [("cpu", c.heap)] + [(k, dh.heap) for k, dh in c._ctx.device_heaps.items()]:
+        offset = heap.offset_of(t)
+        if offset >= 0:
+            return name, offset
+    return "", -1
+
+
 def is_heap_tensor(t: torch.Tensor, comm: Communicator | None = None) -> bool:
-    """True if ``t``'s whole storage lies in this rank's heap of its device (False if zbccl is not initialized)."""
-    if not isinstance(t, torch.Tensor) or t.device.type not in ("cpu", "cuda"):
+    """True if ``t``'s whole storage lies in one of this rank's heaps (CPU, CUDA) (False if zbccl is not initialized)."""
+    if not isinstance(t, torch.Tensor):
         return False
     if comm is None and get_default() is None:
         return False
-    c = resolve_comm(comm)
-    if t.device.type == "cpu":
-        return c.heap.offset_of(t) >= 0
-    dh = c._ctx.device_heaps.get("cuda")
-    return dh is not None and dh.heap.offset_of(t) >= 0
+    return _locate(resolve_comm(comm), t)[1] >= 0
 
 
 def export(t: torch.Tensor, comm: Communicator | None = None) -> HeapHandle:
-    """The :class:`HeapHandle` of a tensor in this rank's heap. Not collective.
+    """The :class:`HeapHandle` of a tensor in one of this rank's heaps (``handle.device`` names which). Not collective.
 
-    Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` for a tensor outside the heap.
+    Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` for a tensor outside the heaps.
     """
     c = resolve_comm(comm)
     if not isinstance(t, torch.Tensor):
         raise ZbcclInvalidUsageError(f"export: expected a torch.Tensor, got {type(t).__name__}")
-    kind = t.device.type
-    dh = c._ctx.device_heaps.get(kind) if kind != "cpu" else None
-    heap = c.heap if kind == "cpu" else (dh.heap if dh is not None else None)
-    offset = heap.offset_of(t) if heap is not None else -1
+    kind, offset = _locate(c, t)
     if offset < 0:
         raise ZbcclInvalidUsageError(
             f"export: tensor is not in this rank's heap, expected one from zbccl.empty()/zeros() or "
