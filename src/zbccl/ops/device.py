@@ -102,6 +102,8 @@ class DeviceOps:
         self._broken: ZbcclError | None = None
         self._snap: torch.Tensor | None = None
         self._snap_event = None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # zeroed before any peer may signal into it
         if barrier is not None:
             barrier()
 
@@ -223,10 +225,21 @@ class DeviceOps:
         raise self._error(vals)
 
     def _error(self, st: list[int]) -> ZbcclError:
-        name = self._names.get(st[g.ST_EPOCH], "device op")
+        # The host's name for that launch (it says which variant), unless graph replays moved the device's
+        # epochs past the host's count: then the kernel's own op code.
+        name = self._names.get(st[g.ST_EPOCH], "")
+        kop = g.KOP_NAMES.get(st[g.ST_OP], "device op")
+        if kop != "error" and not name.startswith(kop):
+            name = kop
         if st[g.ST_CODE] & g.S_TIMEOUT:
             late = [q for q in range(self.world) if st[g.ST_MISSING] >> q & 1]
             glob = [self.ranks[q] for q in late]
+            dead = sorted(set(glob) & set(getattr(self.transport, "dead_peers", list)()))
+            if dead:  # the wait ran out because they are gone: say so
+                self._broken = ZbcclRemoteError(
+                    f"{name}: peer lost while the device kernel waited: global rank(s) {dead} died (process "
+                    f"exited); this communicator's device ops are out of step now", ranks=tuple(dead))
+                return self._broken
             self._broken = ZbcclTimeoutError(
                 f"{name}: timed out after {self.timeout_ns / 1e9:.1f}s in the device kernel waiting for group "
                 f"rank(s) {late} (global {glob}), expected every rank of the group to join, got no signal from "

@@ -20,7 +20,7 @@ from __future__ import annotations
 __all__ = [
     "KMAX_WORLD", "MAX_BLOCKS", "K_EPOCH", "K_DONE", "K_STATUS", "K_ARGS", "K_STAMP", "K_SIG", "KSLOT_BYTES",
     "A_FIELDS", "A_EPOCH", "A_OP", "A_GRID", "A_SPLITS", "ARG_WORDS", "ROW_BYTES",
-    "ST_CODE", "ST_MISSING", "ST_BAD", "ST_FIELD", "ST_MINE", "ST_THEIRS", "ST_EPOCH", "ST_WORDS",
+    "ST_CODE", "ST_MISSING", "ST_BAD", "ST_FIELD", "ST_MINE", "ST_THEIRS", "ST_EPOCH", "ST_OP", "ST_WORDS",
     "S_TIMEOUT", "S_MISMATCH", "S_PEER_ERROR", "PHASE", "STEP_EXIT",
     "KOP", "KOP_NAMES", "kernel_slot_bytes",
 ]
@@ -52,8 +52,9 @@ ROW_BYTES = ARG_WORDS * 8
 
 #: Status words (int64 from K_STATUS). CODE: an OR of S_* bits; MISSING: bit r set for each group rank
 #: r that never arrived (timeout); BAD: 1 + the group rank whose arguments differed (0: none); FIELD:
-#: the A_* index that differed (A_SPLITS + i: split i); MINE/THEIRS: the two values; EPOCH: the launch.
-ST_CODE, ST_MISSING, ST_BAD, ST_FIELD, ST_MINE, ST_THEIRS, ST_EPOCH = range(7)
+#: the A_* index that differed (A_SPLITS + i: split i); MINE/THEIRS: the two values; EPOCH: the launch;
+#: OP: its KOP code.
+ST_CODE, ST_MISSING, ST_BAD, ST_FIELD, ST_MINE, ST_THEIRS, ST_EPOCH, ST_OP = range(8)
 ST_WORDS = 8
 S_TIMEOUT, S_MISMATCH, S_PEER_ERROR = 1, 2, 4
 

@@ -37,20 +37,13 @@ faster peer has already advanced to a later step still satisfies a wait for an e
 
 from __future__ import annotations
 
-import functools
-import time
-
-import numpy as np
-import triton
 import triton.language as tl
-from triton import knobs
 
 from . import geometry as g
+from .prims import helper, now, pause, vmin, vmin2, vsum, vsum2
 
-__all__ = ["INTERPRET", "helper", "pause", "now", "bound", "vsum", "vmin", "row_of", "begin", "sync", "finish", "flag"]
+__all__ = ["row_of", "begin", "sync", "finish", "flag"]
 
-#: Whether the kernels run under the Triton interpreter (``TRITON_INTERPRET=1`` when triton was imported).
-INTERPRET = bool(knobs.runtime.interpret)
 
 _K_EPOCH = tl.constexpr(g.K_EPOCH)
 _K_DONE = tl.constexpr(g.K_DONE)
@@ -69,97 +62,12 @@ _ST_FIELD = tl.constexpr(g.ST_FIELD)
 _ST_MINE = tl.constexpr(g.ST_MINE)
 _ST_THEIRS = tl.constexpr(g.ST_THEIRS)
 _ST_EPOCH = tl.constexpr(g.ST_EPOCH)
+_ST_OP = tl.constexpr(g.ST_OP)
 _S_TIMEOUT = tl.constexpr(g.S_TIMEOUT)
 _S_MISMATCH = tl.constexpr(g.S_MISMATCH)
 _S_PEER_ERROR = tl.constexpr(g.S_PEER_ERROR)
 _KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
 _NFIELDS = tl.constexpr(16)
-
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    def helper(fn):
-        """A device function under the interpreter: its rewritten Python, called directly. (The interpreter's
-        own device-function call re-patches triton.language on every call, ~0.5 ms each; the kernel's
-        launch has patched it already.)"""
-        interpreted = InterpretedFunction(fn)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            return interpreted.rewrite()(*args, **kwargs)
-
-        return call
-
-    # The interpreter runs a kernel's Python on the host: back off with a real sleep (the peers are other
-    # processes on the same cores) and time out by the host clock.
-    def _host_pause(polls) -> None:
-        # Exponential back-off to 2 ms: an interpreted poll costs the host far more than a GPU's, and the
-        # peer it waits for needs the same cores.
-        time.sleep(min(50e-6 * 2 ** min(_host_int(polls), 6), 2e-3))
-
-    def _host_now() -> int:
-        return time.monotonic_ns()
-
-    def _host_int(x) -> int:
-        # A scalar kernel argument is a 1-element array under the interpreter, which numpy 2 will not
-        # turn into an int for range(); loop bounds go through here.
-        data = getattr(getattr(x, "handle", None), "data", x)
-        return int(np.asarray(data).reshape(-1)[0])
-
-    @helper
-    def pause(polls):
-        _host_pause(polls)
-
-    @helper
-    def now():
-        return tl.full([], _host_now(), tl.int64)
-
-    @helper
-    def bound(x):
-        return _host_int(x)
-
-    def _host_reduce(x, how):
-        # tl.sum/tl.min run their combine function as a device-function call, which the interpreter pays
-        # dearly for (see helper); a 1-d reduction is one numpy call.
-        from triton.runtime.interpreter import TensorHandle
-
-        data = np.asarray(x.handle.data)
-        value = np.array(data.sum() if how == 0 else data.min(), dtype=data.dtype)
-        return tl.core.tensor(TensorHandle(value, x.dtype.scalar), x.dtype.scalar)
-
-    @helper
-    def vsum(x):
-        return _host_reduce(x, 0)
-
-    @helper
-    def vmin(x):
-        return _host_reduce(x, 1)
-else:
-    from triton.language.extra.cuda import utils as _cuda
-
-    helper = triton.jit
-
-    @helper
-    def pause(polls):
-        tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @helper
-    def now():
-        return _cuda.globaltimer()
-
-    @helper
-    def bound(x):
-        return x
-
-    @helper
-    def vsum(x):
-        return tl.sum(x, axis=0)
-
-    @helper
-    def vmin(x):
-        return tl.min(x, axis=0)
-
 
 @helper
 def _i64(addr):
@@ -179,6 +87,8 @@ def flag(kb, E, code, missing):
     st = kb + _K_STATUS
     tl.atomic_or(_i64(st + _ST_MISSING * 8), missing, sem="relaxed", scope="sys")
     tl.atomic_xchg(_i64(st + _ST_EPOCH * 8), E, sem="relaxed", scope="sys")
+    op = tl.load(_i64(row_of(kb, E) + 8))  # this launch's own row: intact until the launch ends
+    tl.atomic_xchg(_i64(st + _ST_OP * 8), op, sem="relaxed", scope="sys")
     tl.atomic_or(_i64(st + _ST_CODE * 8), code, sem="release", scope="sys")
 
 
@@ -284,57 +194,57 @@ def _publish(kb, E, fields, splits_ptr, NSPL: tl.constexpr):
 
 @helper
 def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
-    """Compare every arrived peer's row with this rank's; record the first difference. 1 if all agree.
+    """Compare every arrived peer's row with this rank's (all rows in one 2-d load: one round trip to the
+    peers, not one per peer); record the first difference (lowest rank, then field). 1 if all agree.
 
     ``check``: bit i set compares field i. SPLITS: 0 none; 1 the whole splits vector (all_gather_v,
     reduce_scatter_v: every rank passes every rank's size); 2 all_to_all_v: the row holds the rank's
     in_splits then (from A_SPLITS + KW) its out_splits, and q's in_splits[me] must equal my out_splits[q].
     """
+    lanes = tl.arange(0, KW)
     fl = tl.arange(0, _NFIELDS)
     myrow = row_of(kb, E)
     mine = tl.load(_i64(myrow + fl * 8))
+    valid = (((arrived >> lanes.to(tl.int64)) & 1) != 0) & (lanes != me) & (lanes < W)
+    prow = row_of(peers_kb, E)
+    theirs = tl.load(_i64(prow[:, None] + fl[None, :] * 8), mask=valid[:, None], other=0, volatile=True)
     cmask = ((check >> fl.to(tl.int64)) & 1) != 0
+    diff = valid[:, None] & cmask[None, :] & (theirs != mine[None, :])
+    nokey = KW * 64
+    key = vmin2(tl.where(diff, lanes[:, None] * 64 + fl[None, :], nokey))
+    if SPLITS > 0:
+        cols = valid[:, None] & (lanes[None, :] < W)
+        st = tl.load(_i64(prow[:, None] + (_A_SPLITS + lanes[None, :]) * 8), mask=cols, other=0, volatile=True)
+        if SPLITS == 1:
+            sm = tl.load(_i64(myrow + (_A_SPLITS + lanes) * 8))
+            sd = cols & (st != sm[None, :])
+        else:
+            want = tl.load(_i64(myrow + (_A_SPLITS + KW + lanes) * 8))  # my out_splits[q], by row q
+            sd = cols & (lanes[None, :] == me) & (st != want[:, None])
+        key = tl.minimum(key, vmin2(tl.where(sd, lanes[:, None] * 64 + 16 + lanes[None, :], nokey)))
     ok = 1
-    for q in range(W):
-        if (q != me) & (((arrived >> q) & 1) != 0) & (ok == 1):
-            prow = row_of(vsum(tl.where(tl.arange(0, KW) == q, peers_kb, 0)), E)
-            theirs = tl.load(_i64(prow + fl * 8), volatile=True)
-            diff = cmask & (theirs != mine)
-            nd = vsum(diff.to(tl.int32))
-            if nd > 0:
-                field = vmin(tl.where(diff, fl, _NFIELDS))
-                fm = vsum(tl.where(fl == field, mine, 0))
-                ft = vsum(tl.where(fl == field, theirs, 0))
-                code = _S_MISMATCH
-                op_t = vsum(tl.where(fl == 1, theirs, 0))
-                if op_t == _KOP_ERROR:
-                    code = _S_PEER_ERROR
-                _bad(kb, E, q, field, fm, ft, code)
-                ok = 0
-            if SPLITS > 0:
-                if ok == 1:
-                    sl = tl.arange(0, KW)
-                    st = tl.load(_i64(prow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0, volatile=True)
-                    if SPLITS == 1:
-                        sm = tl.load(_i64(myrow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0)
-                        sd = (sl < W) & (st != sm)
-                    else:
-                        # all_to_all_v: q sends me st[me] rows; I expect my out_splits[q] (kept in my row
-                        # after the in_splits, at A_SPLITS + KW + q).
-                        want = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
-                        sd = (sl == me) & (st != want)
-                    nd = vsum(sd.to(tl.int32))
-                    if nd > 0:
-                        idx = vmin(tl.where(sd, sl, KW))
-                        sm_i = tl.load(_i64(myrow + (_A_SPLITS + idx) * 8))
-                        if SPLITS == 2:
-                            sm_i = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
-                        st_i = vsum(tl.where(sl == idx, st, 0))
-                        field = _A_SPLITS + idx
-                        if SPLITS == 2:
-                            field = _A_SPLITS + KW + q
-                        _bad(kb, E, q, field, sm_i, st_i, _S_MISMATCH)
-                        ok = 0
+    if key < nokey:
+        q = key // 64
+        f = key % 64
+        rowsel = lanes[:, None] == q
+        field = f
+        fm = vsum(tl.where(fl == f, mine, 0))
+        ft = vsum2(tl.where(rowsel & (fl[None, :] == f), theirs, 0))
+        if SPLITS > 0:
+            if f >= 16:
+                idx = f - 16
+                ft = vsum2(tl.where(rowsel & (lanes[None, :] == idx), st, 0))
+                if SPLITS == 1:
+                    fm = vsum(tl.where(lanes == idx, sm, 0))
+                    field = _A_SPLITS + idx
+                else:
+                    fm = vsum(tl.where(lanes == q, want, 0))
+                    field = _A_SPLITS + KW + q
+        code = _S_MISMATCH
+        if vsum2(tl.where(rowsel & (fl[None, :] == 1), theirs, 0)) == _KOP_ERROR:
+            code = _S_PEER_ERROR
+        _bad(kb, E, q, field, fm, ft, code)
+        ok = 0
     return ok
 
 
