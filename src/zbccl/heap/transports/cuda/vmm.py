@@ -38,9 +38,9 @@ from typing import Any
 from ....errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclSystemError
 
 __all__ = [
-    "INSTALL_HINT", "driver", "check", "ensure_context", "device_count", "granularity", "round_up", "create",
+    "INSTALL_HINT", "driver", "check", "ensure_context", "granularity", "round_up", "create",
     "export_fd", "import_fd", "release", "reserve", "free_va", "map_chunk", "unmap", "Chunk", "Mapping",
-    "write_value64", "copy_dtoh", "copy_htod", "stream_sync", "device_name", "mem_alloc", "mem_free",
+    "write_value64", "copy_dtoh", "stream_sync", "mem_alloc", "mem_free",
 ]
 
 #: How to get the bindings, for every "missing" message.
@@ -110,17 +110,6 @@ def check(result: tuple, call: str, *, op: str = "heap") -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else values
-
-
-def device_count() -> int:
-    """Devices the driver sees (0 when it sees none)."""
-    return int(check(driver().cuDeviceGetCount(), "cuDeviceGetCount", op="cuda"))
-
-
-def device_name(device: int) -> str:
-    dev = check(driver().cuDeviceGet(device), "cuDeviceGet", op="cuda")
-    raw = check(driver().cuDeviceGetName(256, dev), "cuDeviceGetName", op="cuda")
-    return raw.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw, bytes) else str(raw)
 
 
 def ensure_context(device: int) -> None:
@@ -253,10 +242,6 @@ def write_value64(stream: int, addr: int, value: int) -> None:
 def copy_dtoh(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Enqueue a device-to-host copy on ``stream`` (``dst``: pinned host memory for it to be asynchronous)."""
     check(driver().cuMemcpyDtoHAsync(dst, src, nbytes, _stream(stream)), "cuMemcpyDtoHAsync")
-
-
-def copy_htod(dst: int, src: int, nbytes: int, stream: int) -> None:
-    check(driver().cuMemcpyHtoDAsync(dst, src, nbytes, _stream(stream)), "cuMemcpyHtoDAsync")
 
 
 def stream_sync(stream: int) -> None:
