@@ -27,7 +27,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-HEAP = 160 << 20
+HEAP = 256 << 20
 
 
 class StandInTransport:

@@ -25,7 +25,7 @@ from ..heap import layout
 from ..heap.transports.base import Transport
 from ..native import triton as ktriton
 from ..native.triton import geometry as g
-from .args import overlap_error
+from .args import overlap_error, timeout_error
 from .device_args import (
     check_local,
     exchange_shape,
@@ -67,7 +67,9 @@ class DeviceOps:
 
     Every op is a collective, enqueued on the current stream (on CUDA) without syncing the host, and
     can be captured in a CUDA graph (replays stay in step: the epochs live in device memory). Tensors
-    the peers read must be contiguous tensors of this heap (``zbccl.empty(..., device=...)``).
+    the peers read must be contiguous tensors of this heap (``zbccl.empty(..., device=...)``). The ops of
+    one DeviceOps share its kernel slot: they must be stream-ordered (one stream at a time, or streams
+    that wait on each other) and called from one thread at a time.
     """
 
     def __init__(self, rank_in_group: int, ranks: Sequence[int], transport: Transport, *, slot: int,
@@ -89,8 +91,12 @@ class DeviceOps:
             raise ZbcclInvalidUsageError(
                 "device ops: the kernels need a GPU, expected a cuda heap (or TRITON_INTERPRET=1 set before "
                 "triton is imported, to run them on the cpu heap), got a cpu heap")
-        self.timeout_ns = int(timeout_s * 1e9)
+        seconds, error = timeout_error(timeout_s, 60.0, op="device ops")
+        fail(error)
+        self.timeout_ns = int(seconds * 1e9)
         self.data, self.pads = transport.pointer_tables(self.ranks)
+        if self.data.data_ptr() % 16:  # the kernels build every data pointer from it: it must be 16-byte aligned
+            self.data = self.data.clone()
         self.slot_off = layout.kernel_slot_offset(slot)
         line = transport.KERNEL_LINE + self.slot_off
         transport.clear_pad(self.rank, line, g.KSLOT_BYTES)
@@ -267,24 +273,29 @@ class DeviceOps:
             f"{theirs} on group rank {q} (global {self.ranks[q]})", ranks=(self.ranks[q],))
 
     def _read_status(self, wait: bool) -> list[int] | None:
+        """The status words: directly under the interpreter; on CUDA from a pinned snapshot copied on the
+        current stream (``wait``: a fresh one, waited for; else the last one if it has landed, and the
+        next is enqueued unless this one carries an error, which check() clears first)."""
         if self._sync:
             return self._status.tolist()
         if self._snap is None:
             self._snap = torch.zeros(g.ST_WORDS, dtype=torch.int64, pin_memory=True)
-        vals = None
-        ev = self._snap_event
-        if ev is not None and (wait or ev.query()):
-            ev.synchronize()
-            vals = self._snap.tolist()
+        if wait:
+            self._snapshot()
+            self._snap_event.synchronize()
             self._snap_event = None
-        if self._snap_event is None:
-            self._snap.copy_(self._status, non_blocking=True)
-            self._snap_event = torch.cuda.Event()
-            self._snap_event.record()
-            if wait and vals is None:
-                self._snap_event.synchronize()
-                vals, self._snap_event = self._snap.tolist(), None
+            return self._snap.tolist()
+        vals = None
+        if self._snap_event is not None and self._snap_event.query():
+            vals, self._snap_event = self._snap.tolist(), None
+        if self._snap_event is None and (vals is None or vals[g.ST_CODE] == 0):
+            self._snapshot()
         return vals
+
+    def _snapshot(self) -> None:
+        self._snap.copy_(self._status, non_blocking=True)
+        self._snap_event = torch.cuda.Event()
+        self._snap_event.record()
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, name: str, launch: Callable[[], None]) -> None:

@@ -28,7 +28,6 @@ _KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
 _A_IN_OFF = tl.constexpr(g.A_FIELDS.index("IN_OFF"))
 _A_OUT_OFF = tl.constexpr(g.A_FIELDS.index("OUT_OFF"))
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
-_SUM, _PROD, _MAX, _MIN, _AVG = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
 
 
 # ------------------------------------------------------------------ shared pieces
@@ -53,23 +52,25 @@ def _pack(op, dt, red, algo, root, outer, inner, numel, in_off, out_off, variant
 
 
 @helper
-def _bases(data, peers_kb, E, W: tl.constexpr, FIELD: tl.constexpr, KW: tl.constexpr):
-    """[KW] vector: each rank's data base plus the offset it published in row field FIELD."""
+def _bases(data, kb, E, W: tl.constexpr, FIELD: tl.constexpr, KW: tl.constexpr):
+    """[KW] vector: each rank's data base plus the offset it pushed into its row here (field FIELD)."""
     lanes = tl.arange(0, KW)
     mask = lanes < W
-    off = tl.load((row_of(peers_kb, E) + FIELD * 8).to(tl.pointer_type(tl.int64)), mask=mask, other=0,
+    off = tl.load((row_of(kb, E, lanes) + FIELD * 8).to(tl.pointer_type(tl.int64)), mask=mask, other=0,
                   volatile=True)
     return tl.load(data + lanes, mask=mask, other=0) + off
 
 
 @helper
 def _chunk(n, BLOCK: tl.constexpr):
-    """Block b's share ``[lo, hi)`` of ``n`` items: G equal BLOCK-aligned chunks."""
+    """Block b's share ``[lo, hi)`` of ``n`` items: G equal BLOCK-aligned chunks. Blocks past the end get an
+    empty range (``hi == lo``: never ``hi < lo``, whose spans would run backwards over the others' items);
+    ``lo`` stays a multiple of BLOCK, which the compiler sees."""
     G = tl.num_programs(0)
     b = tl.program_id(0)
     per = ((n + G - 1) // G + BLOCK - 1) // BLOCK * BLOCK
     lo = b.to(tl.int64) * per
-    hi = tl.minimum(lo + per, n)
+    hi = tl.maximum(tl.minimum(lo + per, n), lo)
     return lo, hi
 
 
@@ -105,7 +106,7 @@ def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     kb, peers_kb, E, go, arrived = begin(pads, slot_off, me, W, fields, splits, check, timeout_ns, 0, 0, KW)
     b = tl.program_id(0)
     if go == 1:
-        srcs = _bases(data, peers_kb, E, W, _A_IN_OFF, KW)
+        srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
         if TWO_SHOT:
             S = ((N + W - 1) // W + 15) // 16 * 16  # slices of 16 elements: 16-byte aligned when the tensors are
             s_lo = tl.minimum(me.to(tl.int64) * S, N)
@@ -114,7 +115,7 @@ def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
             reduce_range(data, srcs, out_addr, s_lo + lo, s_lo + hi, W, DT, RED, ESZ, BLOCK, INTERP, KW)
             alive = sync(kb, peers_kb, me, b, E, 1, arrived, timeout_ns, KW)
             if alive == 1:
-                dsts = _bases(data, peers_kb, E, W, _A_OUT_OFF, KW)
+                dsts = _bases(data, kb, E, W, _A_OUT_OFF, KW)
                 for q in range(W):
                     if q != me:
                         q_lo = tl.minimum(q * S, N)
@@ -170,7 +171,7 @@ def all_gather_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     kb, peers_kb, E, go, arrived = begin(pads, slot_off, me, W, fields, splits, check, timeout_ns,
                                          KW if VAR else 0, 1 if VAR else 0, KW)
     if go == 1:
-        srcs = _bases(data, peers_kb, E, W, _A_IN_OFF, KW)
+        srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
         pre = tl.zeros([], tl.int64)
         row = total * inner
         for q in range(W):
@@ -218,7 +219,7 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
             sz = cnt + tl.zeros([], tl.int64)
         L = sz * inner
         # Every rank's part starts ``pre * inner`` elements into its input.
-        srcs = _bases(data, peers_kb, E, W, _A_IN_OFF, KW) + pre * inner * ESZ
+        srcs = _bases(data, kb, E, W, _A_IN_OFF, KW) + pre * inner * ESZ
         lo, hi = _chunk(outer * L, BLOCK)
         if ROWS:  # strided parts: element by element
             out = ptr_at(data, out_addr, DT, ESZ, INTERP, False)
@@ -247,14 +248,14 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     kb, peers_kb, E, go, arrived = begin(pads, slot_off, me, W, fields, splits, check, timeout_ns,
                                          2 * KW if VAR else 0, 2 if VAR else 0, KW)
     if go == 1:
-        srcs = _bases(data, peers_kb, E, W, _A_IN_OFF, KW)
+        srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
         sl = tl.arange(0, KW)
         dpre = tl.zeros([], tl.int64)
         for q in range(W):
             if VAR:
                 outs = tl.load(splits + KW + sl, mask=sl < W, other=0)
                 rows = vsum(tl.where(sl == q, outs, 0))
-                prow = row_of(pick(peers_kb, q, KW), E)
+                prow = row_of(kb, E, q)
                 theirs = tl.load((prow + (_A_SPLITS + sl) * 8).to(tl.pointer_type(tl.int64)), mask=sl < W, other=0,
                                  volatile=True)
                 spre = vsum(tl.where(sl < me, theirs, 0))
@@ -279,7 +280,7 @@ def broadcast_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, 
     kb, peers_kb, E, go, arrived = begin(pads, slot_off, me, W, fields, splits, check, timeout_ns, 0, 0, KW)
     if go == 1:
         if me != root:
-            srcs = _bases(data, peers_kb, E, W, _A_IN_OFF, KW)
+            srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
             lo, hi = _chunk(N, BLOCK)
             copy_range(data, pick(srcs, root, KW), out_addr, lo, hi, CDT, ESZ, BLOCK, INTERP)
         sync(kb, peers_kb, me, tl.program_id(0), E, _STEP_EXIT, arrived, timeout_ns, KW)

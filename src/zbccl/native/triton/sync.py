@@ -7,19 +7,19 @@ Synchronisation protocol (one launch of any collective kernel, per block ``b``; 
    ``E = e + 1``. The last block of the launch to finish (``K_DONE`` counter, an atomic add) resets
    ``K_DONE`` and stores ``E`` into ``K_EPOCH``; launches of one stream never overlap, so every block of
    the next launch reads ``E``. Nothing comes from the host: a graph replay stays in step.
-2. **Publish.** Every block writes this rank's argument row (same values from every block), then the
-   row's EPOCH word (release), then signals step 0: for each group rank ``q`` it stores
+2. **Publish.** Every block pushes this rank's argument row (same values from every block) into row
+   ``[E % 2][me]`` of every group rank's slot, then signals step 0: for each group rank ``q`` it stores
    ``E * PHASE + 0`` into word ``[b][me]`` of ``q``'s signal block (atomic exchange, release, system
-   scope: the peers are other processes).
+   scope: the peers are other processes; the release makes the row visible with the signal).
 3. **Wait.** It spins (acquire, system scope) on its own words ``[b][0..W)`` until each is
    ``>= E * PHASE + step``, backing off between polls, for at most ``timeout_ns`` (GPU: the global
    timer, read by one thread and shared through the block's K_STAMP word so that every thread leaves
    the loop together; interpreter: the host clock). Block ``b`` waits only for block ``b`` of the peers: no block
    ever waits for another block of its own launch (under the interpreter the blocks of one launch run
    one after the other, and on a GPU they need not be co-resident). While waiting at entry it also
-   peeks the late peers' rows: a peer whose row already belongs to launch ``E`` with fewer than
-   ``b + 1`` blocks will never come (a mismatch, reported as one instead of a timeout).
-4. **Agree.** It reads every peer's row and compares the fields the op requires (``check`` bit mask)
+   peeks the late peers' rows: a peer whose block 0 signalled launch ``E`` and whose row says it runs
+   fewer than ``b + 1`` blocks will never come (a mismatch, reported as one instead of a timeout).
+4. **Agree.** It reads every peer's row (local memory) and compares the fields the op requires (``check`` bit mask)
    and, for the v-variants, the splits. Any difference: the block records it (status words: the lowest
    such rank, the field, both values), skips the work, and only does the exit barrier. Every rank
    sees the same rows, so every rank reports the mismatch.
@@ -53,6 +53,7 @@ _K_SIG = tl.constexpr(g.K_SIG)
 _K_STAMP = tl.constexpr(g.K_STAMP)
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
 _ROW_BYTES = tl.constexpr(g.ROW_BYTES)
+_KW = tl.constexpr(g.KMAX_WORLD)
 _A_GRID = tl.constexpr(g.A_GRID)
 _PHASE = tl.constexpr(g.PHASE)
 _ST_CODE = tl.constexpr(g.ST_CODE)
@@ -75,25 +76,26 @@ def _i64(addr):
 
 
 @helper
-def row_of(kb, E):
-    """The argument row of launch E in the kernel slot at ``kb`` (two rows, by E's parity: a peer one
-    launch ahead never overwrites the row of a launch this rank still reads)."""
-    return kb + _K_ARGS + (E % 2) * _ROW_BYTES
+def row_of(kb, E, src):
+    """Rank ``src``'s argument row for launch E in the kernel slot at ``kb`` (``src`` may be a vector).
+    Two sets of rows, by E's parity: a peer one launch ahead never overwrites a row of a launch this rank
+    still reads."""
+    return kb + _K_ARGS + ((E % 2) * _KW + src) * _ROW_BYTES
 
 
 @helper
-def flag(kb, E, code, missing):
+def flag(kb, me, E, code, missing):
     """Record ``code`` (S_* bits) and the ``missing`` rank bits in this rank's status words."""
     st = kb + _K_STATUS
     tl.atomic_or(_i64(st + _ST_MISSING * 8), missing, sem="relaxed", scope="sys")
     tl.atomic_xchg(_i64(st + _ST_EPOCH * 8), E, sem="relaxed", scope="sys")
-    op = tl.load(_i64(row_of(kb, E) + 8))  # this launch's own row: intact until the launch ends
+    op = tl.load(_i64(row_of(kb, E, me) + 8))  # this launch's own row: intact until the launch ends
     tl.atomic_xchg(_i64(st + _ST_OP * 8), op, sem="relaxed", scope="sys")
     tl.atomic_or(_i64(st + _ST_CODE * 8), code, sem="release", scope="sys")
 
 
 @helper
-def _bad(kb, E, q, field, mine, theirs, code):
+def _bad(kb, me, E, q, field, mine, theirs, code):
     """Record the first disagreeing rank ``q`` (the first block to get here wins), then ``code``."""
     st = kb + _K_STATUS
     first = tl.zeros([], tl.int64) + q + 1
@@ -102,7 +104,7 @@ def _bad(kb, E, q, field, mine, theirs, code):
         tl.store(_i64(st + _ST_FIELD * 8), field)
         tl.store(_i64(st + _ST_MINE * 8), mine)
         tl.store(_i64(st + _ST_THEIRS * 8), theirs)
-    flag(kb, E, code, 0)
+    flag(kb, me, E, code, 0)
 
 
 @helper
@@ -150,10 +152,12 @@ def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: 
         vals = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
         late = mask & (vals < target) & ~gone
         if PEEK:
-            row = row_of(peers_kb, E)
-            pe = tl.atomic_add(_i64(row), 0, mask=late, sem="acquire", scope="sys")
-            pg = tl.load(_i64(row + _A_GRID * 8), mask=late, other=0, volatile=True)
-            gone = gone | (late & (pe == E) & (pg <= b))
+            # q's block 0 signalled launch E (acquire): the row q pushed here for E is complete.
+            s0 = tl.atomic_add(_i64(kb + _K_SIG + lanes * 8), 0, mask=late, sem="acquire", scope="sys")
+            rows = row_of(kb, E, lanes)
+            pe = tl.load(_i64(rows), mask=late, other=0, volatile=True)
+            pg = tl.load(_i64(rows + _A_GRID * 8), mask=late, other=0, volatile=True)
+            gone = gone | (late & (s0 >= E * _PHASE) & (pe == E) & (pg <= b))
             late = late & ~gone
         n = vsum(late.to(tl.int32))
         elapsed = _stamp(stamp) - t0
@@ -172,30 +176,34 @@ def sync(kb, peers_kb, me, b, E, step, arrived, timeout_ns, KW: tl.constexpr):
     late, gone = _wait(kb, peers_kb, b, E, target, mask, timeout_ns, False, KW)
     ok = 1
     if late != 0:
-        flag(kb, E, _S_TIMEOUT, late)
+        flag(kb, me, E, _S_TIMEOUT, late)
         ok = 0
     tl.debug_barrier()  # what the acquire made visible is visible to every thread of the block
     return ok
 
 
 @helper
-def _publish(kb, E, fields, splits_ptr, NSPL: tl.constexpr):
-    """Write this rank's argument row: the fields, the splits (NSPL int64 from ``splits_ptr``), then the
-    row's EPOCH (release)."""
-    row = row_of(kb, E)
-    lanes = tl.arange(0, _NFIELDS)
-    tl.store(_i64(row + lanes * 8), fields, mask=lanes > 0)
+def _publish(peers_kb, me, E, fields, splits_ptr, mask, NSPL: tl.constexpr, KW: tl.constexpr):
+    """Push this rank's argument row for launch E (the fields with EPOCH = E, then NSPL int64 splits from
+    ``splits_ptr``) into row [E % 2][me] of every masked rank's slot, this one's included: plain stores,
+    made visible by the release of the signals that follow. The peers then read the rows in their own
+    memory: no round trip to fetch the offsets and sizes before the data moves."""
+    rows = row_of(peers_kb, E, me)
+    fl = tl.arange(0, _NFIELDS)
+    vals = tl.where(fl == 0, E, fields)
+    tl.store(_i64(rows[:, None] + fl[None, :] * 8), vals[None, :] + tl.zeros([KW, _NFIELDS], tl.int64),
+             mask=mask[:, None])
     if NSPL > 0:
         sl = tl.arange(0, NSPL)
-        tl.store(_i64(row + (_A_SPLITS + sl) * 8), tl.load(splits_ptr + sl))
-    tl.debug_barrier()
-    tl.atomic_xchg(_i64(row), E, sem="release", scope="sys")
+        sp = tl.load(splits_ptr + sl)
+        tl.store(_i64(rows[:, None] + (_A_SPLITS + sl[None, :]) * 8), sp[None, :] + tl.zeros([KW, NSPL], tl.int64),
+                 mask=mask[:, None])
 
 
 @helper
-def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
-    """Compare every arrived peer's row with this rank's (all rows in one 2-d load: one round trip to the
-    peers, not one per peer); record the first difference (lowest rank, then field). 1 if all agree.
+def _agree(kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
+    """Compare every arrived peer's row with this rank's (the rows they pushed here, in one 2-d load of
+    local memory); record the first difference (lowest rank, then field). 1 if all agree.
 
     ``check``: bit i set compares field i. SPLITS: 0 none; 1 the whole splits vector (all_gather_v,
     reduce_scatter_v: every rank passes every rank's size); 2 all_to_all_v: the row holds the rank's
@@ -203,10 +211,10 @@ def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.cons
     """
     lanes = tl.arange(0, KW)
     fl = tl.arange(0, _NFIELDS)
-    myrow = row_of(kb, E)
+    myrow = row_of(kb, E, me)
     mine = tl.load(_i64(myrow + fl * 8))
     valid = (((arrived >> lanes.to(tl.int64)) & 1) != 0) & (lanes != me) & (lanes < W)
-    prow = row_of(peers_kb, E)
+    prow = row_of(kb, E, lanes)
     theirs = tl.load(_i64(prow[:, None] + fl[None, :] * 8), mask=valid[:, None], other=0, volatile=True)
     cmask = ((check >> fl.to(tl.int64)) & 1) != 0
     diff = valid[:, None] & cmask[None, :] & (theirs != mine[None, :])
@@ -243,7 +251,7 @@ def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.cons
         code = _S_MISMATCH
         if vsum2(tl.where(rowsel & (fl[None, :] == 1), theirs, 0)) == _KOP_ERROR:
             code = _S_PEER_ERROR
-        _bad(kb, E, q, field, fm, ft, code)
+        _bad(kb, me, E, q, field, fm, ft, code)
         ok = 0
     return ok
 
@@ -262,7 +270,7 @@ def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeou
     kb = tl.load(pads + me) + slot_off
     E = tl.load(_i64(kb + _K_EPOCH), volatile=True) + 1
     fl = tl.arange(0, _NFIELDS)
-    _publish(kb, E, fields, splits_ptr, NSPL)
+    _publish(peers_kb, me, E, fields, splits_ptr, mask, NSPL, KW)
     target = E * _PHASE
     tl.debug_barrier()
     _signal(peers_kb, me, b, target, mask, KW)
@@ -272,18 +280,17 @@ def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeou
     arrived = all_bits & ~late & ~gone
     go = 1
     if late != 0:
-        flag(kb, E, _S_TIMEOUT, late)
+        flag(kb, me, E, _S_TIMEOUT, late)
         go = -1
     else:
         if gone != 0:
             # A peer runs this launch with fewer blocks: its arguments differ (the grid follows them).
             q = vmin(tl.where(((gone >> lanes.to(tl.int64)) & 1) != 0, lanes, KW))
-            prow = row_of(vsum(tl.where(lanes == q, peers_kb, 0)), E)
-            theirs = tl.load(_i64(prow + _A_GRID * 8), volatile=True)
+            theirs = tl.load(_i64(row_of(kb, E, q) + _A_GRID * 8), volatile=True)
             mine = vsum(tl.where(fl == _A_GRID, fields, 0))
-            _bad(kb, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
+            _bad(kb, me, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
             go = 0
-        ok = _agree(kb, peers_kb, me, W, E, arrived, check, SPLITS, KW)
+        ok = _agree(kb, me, W, E, arrived, check, SPLITS, KW)
         if ok == 0:
             go = 0
     return kb, peers_kb, E, go, arrived
