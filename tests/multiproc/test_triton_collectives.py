@@ -199,6 +199,31 @@ def _broadcast_cases(dev, W: int, me: int) -> None:
             assert torch.equal(t, payload(src, n, dtype)), (src, dtype)
 
 
+def _group_cases(comm, W: int, me: int) -> None:
+    """A sub-communicator (global ranks 0 and W-1) has its own kernel slot; its ranks are global ranks."""
+    import zbccl
+    from zbccl.ops.device import DeviceOps
+    from zbccl.ops.reference import all_reduce_ref
+
+    members = [0, W - 1]
+    group = comm.new_group(members)
+    if not group:
+        return
+    dev = DeviceOps(group.rank, group.ranks, comm._ctx.heap.transport, slot=group.slot, timeout_s=30,
+                    barrier=group.barrier)
+    assert group.slot != comm.slot and dev.ranks == tuple(members)
+    t = zbccl.empty(1001, dtype=torch.float32)
+    t.copy_(payload(me, 1001, torch.float32))
+    dev.all_reduce(t)
+    assert torch.equal(t, all_reduce_ref([payload(r, 1001, torch.float32) for r in members], 0))
+    out = torch.empty(2 * 33, dtype=torch.int32)
+    inp = zbccl.empty(33, dtype=torch.int32)
+    inp.copy_(payload(me, 33, torch.int32))
+    dev.all_gather(out, inp)
+    assert torch.equal(out, torch.cat([payload(r, 33, torch.int32) for r in members]))
+    group.destroy()
+
+
 def _collectives(ctx):
     comm, dev = device_ops(ctx)
     W, me = comm.world_size, comm.rank
@@ -212,6 +237,8 @@ def _collectives(ctx):
     _exchange_cases(dev, W, me)
     _broadcast_cases(dev, W, me)
     _replay_cases(dev, W, me)
+    if W > 2:
+        _group_cases(comm, W, me)
     dev.barrier()
     return digests
 

@@ -33,7 +33,10 @@ def _mismatches(ctx):
     peer = 1 - me if W == 2 else (me + 1) % W
     # The tables are each rank's data base and kernel-area base, in group order.
     native = comm._ctx.heap.transport.native()
+    transport = comm._ctx.heap.transport
     assert dev.data.tolist() == [native.data_addr(r) for r in range(W)]
+    assert dev.pads.tolist() == [native.pad_addr(r, transport.KERNEL_LINE) for r in range(W)]
+    assert transport.pointer_tables(comm.ranks)[0] is dev.data  # cached
 
     # Different element counts (rank 1 has more, hence maybe more blocks): every rank names a rank that differs.
     n = 4099 + 2000 * (me == 1)
@@ -101,3 +104,22 @@ def _timeout(ctx):
 
 def test_a_peer_that_never_arrives_times_out_naming_it():
     assert run_world(_timeout, 2, env=ENV, timeout=120) == [True, True]
+
+
+def _dead_peer(ctx):
+    import os
+    import signal
+
+    from zbccl.errors import ZbcclRemoteError
+
+    comm, dev = device_ops(ctx, timeout_s=1.5)
+    dev.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    err = _expect(ZbcclRemoteError, dev.barrier, "died", "[1]")
+    assert err.ranks == (1,)
+    return True
+
+
+def test_a_peer_that_died_is_named_as_dead():
+    assert run_world(_dead_peer, 2, env=ENV, expect_exit={1: -9}, timeout=120)[0] is True

@@ -25,7 +25,7 @@ from ..heap import layout
 from ..heap.transports.base import Transport
 from ..native import triton as ktriton
 from ..native.triton import geometry as g
-from .args import overlap_error
+from .args import overlap_error, timeout_error
 from .device_args import (
     check_local,
     exchange_shape,
@@ -89,8 +89,12 @@ class DeviceOps:
             raise ZbcclInvalidUsageError(
                 "device ops: the kernels need a GPU, expected a cuda heap (or TRITON_INTERPRET=1 set before "
                 "triton is imported, to run them on the cpu heap), got a cpu heap")
-        self.timeout_ns = int(timeout_s * 1e9)
+        seconds, error = timeout_error(timeout_s, 60.0, op="device ops")
+        fail(error)
+        self.timeout_ns = int(seconds * 1e9)
         self.data, self.pads = transport.pointer_tables(self.ranks)
+        if self.data.data_ptr() % 16:  # the kernels build every data pointer from it: it must be 16-byte aligned
+            self.data = self.data.clone()
         self.slot_off = layout.kernel_slot_offset(slot)
         line = transport.KERNEL_LINE + self.slot_off
         transport.clear_pad(self.rank, line, g.KSLOT_BYTES)
@@ -102,6 +106,8 @@ class DeviceOps:
         self._broken: ZbcclError | None = None
         self._snap: torch.Tensor | None = None
         self._snap_event = None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # zeroed before any peer may signal into it
         if barrier is not None:
             barrier()
 
@@ -223,10 +229,21 @@ class DeviceOps:
         raise self._error(vals)
 
     def _error(self, st: list[int]) -> ZbcclError:
-        name = self._names.get(st[g.ST_EPOCH], "device op")
+        # The host's name for that launch (it says which variant), unless graph replays moved the device's
+        # epochs past the host's count: then the kernel's own op code.
+        name = self._names.get(st[g.ST_EPOCH], "")
+        kop = g.KOP_NAMES.get(st[g.ST_OP], "device op")
+        if kop != "error" and not name.startswith(kop):
+            name = kop
         if st[g.ST_CODE] & g.S_TIMEOUT:
             late = [q for q in range(self.world) if st[g.ST_MISSING] >> q & 1]
             glob = [self.ranks[q] for q in late]
+            dead = sorted(set(glob) & set(getattr(self.transport, "dead_peers", list)()))
+            if dead:  # the wait ran out because they are gone: say so
+                self._broken = ZbcclRemoteError(
+                    f"{name}: peer lost while the device kernel waited: global rank(s) {dead} died (process "
+                    f"exited); this communicator's device ops are out of step now", ranks=tuple(dead))
+                return self._broken
             self._broken = ZbcclTimeoutError(
                 f"{name}: timed out after {self.timeout_ns / 1e9:.1f}s in the device kernel waiting for group "
                 f"rank(s) {late} (global {glob}), expected every rank of the group to join, got no signal from "
@@ -254,24 +271,29 @@ class DeviceOps:
             f"{theirs} on group rank {q} (global {self.ranks[q]})", ranks=(self.ranks[q],))
 
     def _read_status(self, wait: bool) -> list[int] | None:
+        """The status words: directly under the interpreter; on CUDA from a pinned snapshot copied on the
+        current stream (``wait``: a fresh one, waited for; else the last one if it has landed, and the
+        next is enqueued unless this one carries an error, which check() clears first)."""
         if self._sync:
             return self._status.tolist()
         if self._snap is None:
             self._snap = torch.zeros(g.ST_WORDS, dtype=torch.int64, pin_memory=True)
-        vals = None
-        ev = self._snap_event
-        if ev is not None and (wait or ev.query()):
-            ev.synchronize()
-            vals = self._snap.tolist()
+        if wait:
+            self._snapshot()
+            self._snap_event.synchronize()
             self._snap_event = None
-        if self._snap_event is None:
-            self._snap.copy_(self._status, non_blocking=True)
-            self._snap_event = torch.cuda.Event()
-            self._snap_event.record()
-            if wait and vals is None:
-                self._snap_event.synchronize()
-                vals, self._snap_event = self._snap.tolist(), None
+            return self._snap.tolist()
+        vals = None
+        if self._snap_event is not None and self._snap_event.query():
+            vals, self._snap_event = self._snap.tolist(), None
+        if self._snap_event is None and (vals is None or vals[g.ST_CODE] == 0):
+            self._snapshot()
         return vals
+
+    def _snapshot(self) -> None:
+        self._snap.copy_(self._status, non_blocking=True)
+        self._snap_event = torch.cuda.Event()
+        self._snap_event.record()
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, name: str, launch: Callable[[], None]) -> None:

@@ -20,7 +20,7 @@ __all__ = ["fail", "check_local", "sizes_table", "gather_shape", "scatter_shape"
 
 #: GPU launch shape: bytes one block moves per tile, and the most blocks a launch uses.
 TILE_BYTES = 8 << 10
-GPU_BLOCKS = 128
+GPU_BLOCKS = g.MAX_BLOCKS
 
 
 def fail(error: str | None) -> None:

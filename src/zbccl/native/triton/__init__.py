@@ -1,8 +1,10 @@
 """Triton kernels of the device collectives (issue 23): pull-based, zero-buffer, graph-capturable.
 
-Layout: :mod:`.geometry` (the kernel signal area; pure constants, no triton), :mod:`.sync` (the
-handshake every kernel runs: publish, signal, bounded wait, agree, epoch), :mod:`.kernels` (the
-``@triton.jit`` collectives) and :mod:`.launch` (one launcher per kernel, over int64 pointer tables).
+Layout: :mod:`.geometry` (the kernel signal area; pure constants, no triton), :mod:`.prims` (what
+differs between a GPU and the interpreter), :mod:`.sync` (the handshake every kernel runs: publish,
+signal, bounded wait, agree, epoch), :mod:`.elements` (moving and reducing data), :mod:`.kernels`
+(the ``@triton.jit`` collectives) and :mod:`.launch` (one launcher per kernel, over int64 pointer
+tables).
 No zbccl runtime knowledge lives here: ``ops/device.py`` validates, plans and calls the launchers.
 
 Importing this package does not import triton; :func:`load` does, once, with a clear error when it

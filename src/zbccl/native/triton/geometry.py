@@ -7,9 +7,10 @@ sizes it with :func:`kernel_pad_bytes`). One kernel slot, in int64 words at byte
     0     K_EPOCH   launches of this slot's kernels completed by this rank (the kernel increments it)
     8     K_DONE    blocks of the current launch that finished (the last one resets it, bumps K_EPOCH)
     64    K_STATUS  ST_WORDS host-visible status words (what went wrong, which ranks; see ST_*)
-    256   K_ARGS    two argument rows of ROW_BYTES (A_* fields, then the splits): launch E uses row E % 2
     1024  K_STAMP   MAX_BLOCKS words: block b's last timer reading (so that all its threads agree on the time)
-    2048  K_SIG     MAX_BLOCKS x KMAX_WORLD signal words: word [b][src] is written by rank ``src``'s block b
+    2048  K_ARGS    2 x KMAX_WORLD argument rows of ROW_BYTES (A_* fields, then the splits): row [E % 2][src]
+                    is written by rank ``src`` (pushed before its signals), for launch E
+    14336 K_SIG     MAX_BLOCKS x KMAX_WORLD signal words: word [b][src] is written by rank ``src``'s block b
 
 Everything is written by kernels on the device, except that the owner zeroes its slot when a
 ``DeviceOps`` is created, and ``DeviceOps.check`` reads (and clears) the status words.
@@ -20,7 +21,7 @@ from __future__ import annotations
 __all__ = [
     "KMAX_WORLD", "MAX_BLOCKS", "K_EPOCH", "K_DONE", "K_STATUS", "K_ARGS", "K_STAMP", "K_SIG", "KSLOT_BYTES",
     "A_FIELDS", "A_EPOCH", "A_OP", "A_GRID", "A_SPLITS", "ARG_WORDS", "ROW_BYTES",
-    "ST_CODE", "ST_MISSING", "ST_BAD", "ST_FIELD", "ST_MINE", "ST_THEIRS", "ST_EPOCH", "ST_WORDS",
+    "ST_CODE", "ST_MISSING", "ST_BAD", "ST_FIELD", "ST_MINE", "ST_THEIRS", "ST_EPOCH", "ST_OP", "ST_WORDS",
     "S_TIMEOUT", "S_MISMATCH", "S_PEER_ERROR", "PHASE", "STEP_EXIT",
     "KOP", "KOP_NAMES", "kernel_slot_bytes",
 ]
@@ -33,10 +34,8 @@ MAX_BLOCKS = 128
 K_EPOCH = 0
 K_DONE = 8
 K_STATUS = 64
-K_ARGS = 256
 K_STAMP = 1024
-K_SIG = K_STAMP + MAX_BLOCKS * 8
-KSLOT_BYTES = K_SIG + MAX_BLOCKS * KMAX_WORLD * 8
+K_ARGS = K_STAMP + MAX_BLOCKS * 8
 
 #: The argument row's fields (int64 words from K_ARGS), then 2 x KMAX_WORLD split entries from A_SPLITS.
 #: EPOCH: the launch the row belongs to; OP: a KOP code; GRID: blocks of the launch; OUTER/INNER: the
@@ -49,13 +48,16 @@ A_EPOCH, A_OP, A_GRID = 0, 1, 5
 A_SPLITS = 16
 ARG_WORDS = A_SPLITS + 2 * KMAX_WORLD
 ROW_BYTES = ARG_WORDS * 8
+K_SIG = K_ARGS + 2 * KMAX_WORLD * ROW_BYTES
 
 #: Status words (int64 from K_STATUS). CODE: an OR of S_* bits; MISSING: bit r set for each group rank
 #: r that never arrived (timeout); BAD: 1 + the group rank whose arguments differed (0: none); FIELD:
-#: the A_* index that differed (A_SPLITS + i: split i); MINE/THEIRS: the two values; EPOCH: the launch.
-ST_CODE, ST_MISSING, ST_BAD, ST_FIELD, ST_MINE, ST_THEIRS, ST_EPOCH = range(7)
+#: the A_* index that differed (A_SPLITS + i: split i); MINE/THEIRS: the two values; EPOCH: the launch;
+#: OP: its KOP code.
+ST_CODE, ST_MISSING, ST_BAD, ST_FIELD, ST_MINE, ST_THEIRS, ST_EPOCH, ST_OP = range(8)
 ST_WORDS = 8
 S_TIMEOUT, S_MISMATCH, S_PEER_ERROR = 1, 2, 4
+KSLOT_BYTES = K_SIG + MAX_BLOCKS * KMAX_WORLD * 8
 
 #: Signal values: launch ``e`` (1-based) at barrier step ``s`` signals ``e * PHASE + s``; words only grow.
 PHASE = 1 << 20
@@ -73,4 +75,4 @@ def kernel_slot_bytes() -> int:
     return KSLOT_BYTES
 
 
-assert K_ARGS + 2 * ROW_BYTES <= K_STAMP, "the two argument rows overlap the timer stamps"
+assert K_STATUS + ST_WORDS * 8 <= K_STAMP, "the status words overlap the timer stamps"

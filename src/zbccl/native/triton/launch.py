@@ -18,7 +18,7 @@ import torch
 
 from . import geometry as g
 from . import kernels as k
-from .sync import INTERPRET
+from .prims import INTERPRET
 
 __all__ = ["INTERPRET", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 

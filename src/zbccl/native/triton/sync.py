@@ -7,19 +7,19 @@ Synchronisation protocol (one launch of any collective kernel, per block ``b``; 
    ``E = e + 1``. The last block of the launch to finish (``K_DONE`` counter, an atomic add) resets
    ``K_DONE`` and stores ``E`` into ``K_EPOCH``; launches of one stream never overlap, so every block of
    the next launch reads ``E``. Nothing comes from the host: a graph replay stays in step.
-2. **Publish.** Every block writes this rank's argument row (same values from every block), then the
-   row's EPOCH word (release), then signals step 0: for each group rank ``q`` it stores
+2. **Publish.** Every block pushes this rank's argument row (same values from every block) into row
+   ``[E % 2][me]`` of every group rank's slot, then signals step 0: for each group rank ``q`` it stores
    ``E * PHASE + 0`` into word ``[b][me]`` of ``q``'s signal block (atomic exchange, release, system
-   scope: the peers are other processes).
+   scope: the peers are other processes; the release makes the row visible with the signal).
 3. **Wait.** It spins (acquire, system scope) on its own words ``[b][0..W)`` until each is
    ``>= E * PHASE + step``, backing off between polls, for at most ``timeout_ns`` (GPU: the global
    timer, read by one thread and shared through the block's K_STAMP word so that every thread leaves
    the loop together; interpreter: the host clock). Block ``b`` waits only for block ``b`` of the peers: no block
    ever waits for another block of its own launch (under the interpreter the blocks of one launch run
    one after the other, and on a GPU they need not be co-resident). While waiting at entry it also
-   peeks the late peers' rows: a peer whose row already belongs to launch ``E`` with fewer than
-   ``b + 1`` blocks will never come (a mismatch, reported as one instead of a timeout).
-4. **Agree.** It reads every peer's row and compares the fields the op requires (``check`` bit mask)
+   peeks the late peers' rows: a peer whose block 0 signalled launch ``E`` and whose row says it runs
+   fewer than ``b + 1`` blocks will never come (a mismatch, reported as one instead of a timeout).
+4. **Agree.** It reads every peer's row (local memory) and compares the fields the op requires (``check`` bit mask)
    and, for the v-variants, the splits. Any difference: the block records it (status words: the lowest
    such rank, the field, both values), skips the work, and only does the exit barrier. Every rank
    sees the same rows, so every rank reports the mismatch.
@@ -37,20 +37,13 @@ faster peer has already advanced to a later step still satisfies a wait for an e
 
 from __future__ import annotations
 
-import functools
-import time
-
-import numpy as np
-import triton
 import triton.language as tl
-from triton import knobs
 
 from . import geometry as g
+from .prims import helper, now, pause, vmin, vmin2, vsum, vsum2
 
-__all__ = ["INTERPRET", "helper", "pause", "now", "bound", "vsum", "vmin", "row_of", "begin", "sync", "finish", "flag"]
+__all__ = ["row_of", "begin", "sync", "finish", "flag"]
 
-#: Whether the kernels run under the Triton interpreter (``TRITON_INTERPRET=1`` when triton was imported).
-INTERPRET = bool(knobs.runtime.interpret)
 
 _K_EPOCH = tl.constexpr(g.K_EPOCH)
 _K_DONE = tl.constexpr(g.K_DONE)
@@ -60,6 +53,7 @@ _K_SIG = tl.constexpr(g.K_SIG)
 _K_STAMP = tl.constexpr(g.K_STAMP)
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
 _ROW_BYTES = tl.constexpr(g.ROW_BYTES)
+_KW = tl.constexpr(g.KMAX_WORLD)
 _A_GRID = tl.constexpr(g.A_GRID)
 _PHASE = tl.constexpr(g.PHASE)
 _ST_CODE = tl.constexpr(g.ST_CODE)
@@ -69,97 +63,12 @@ _ST_FIELD = tl.constexpr(g.ST_FIELD)
 _ST_MINE = tl.constexpr(g.ST_MINE)
 _ST_THEIRS = tl.constexpr(g.ST_THEIRS)
 _ST_EPOCH = tl.constexpr(g.ST_EPOCH)
+_ST_OP = tl.constexpr(g.ST_OP)
 _S_TIMEOUT = tl.constexpr(g.S_TIMEOUT)
 _S_MISMATCH = tl.constexpr(g.S_MISMATCH)
 _S_PEER_ERROR = tl.constexpr(g.S_PEER_ERROR)
 _KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
 _NFIELDS = tl.constexpr(16)
-
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    def helper(fn):
-        """A device function under the interpreter: its rewritten Python, called directly. (The interpreter's
-        own device-function call re-patches triton.language on every call, ~0.5 ms each; the kernel's
-        launch has patched it already.)"""
-        interpreted = InterpretedFunction(fn)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            return interpreted.rewrite()(*args, **kwargs)
-
-        return call
-
-    # The interpreter runs a kernel's Python on the host: back off with a real sleep (the peers are other
-    # processes on the same cores) and time out by the host clock.
-    def _host_pause(polls) -> None:
-        # Exponential back-off to 2 ms: an interpreted poll costs the host far more than a GPU's, and the
-        # peer it waits for needs the same cores.
-        time.sleep(min(50e-6 * 2 ** min(_host_int(polls), 6), 2e-3))
-
-    def _host_now() -> int:
-        return time.monotonic_ns()
-
-    def _host_int(x) -> int:
-        # A scalar kernel argument is a 1-element array under the interpreter, which numpy 2 will not
-        # turn into an int for range(); loop bounds go through here.
-        data = getattr(getattr(x, "handle", None), "data", x)
-        return int(np.asarray(data).reshape(-1)[0])
-
-    @helper
-    def pause(polls):
-        _host_pause(polls)
-
-    @helper
-    def now():
-        return tl.full([], _host_now(), tl.int64)
-
-    @helper
-    def bound(x):
-        return _host_int(x)
-
-    def _host_reduce(x, how):
-        # tl.sum/tl.min run their combine function as a device-function call, which the interpreter pays
-        # dearly for (see helper); a 1-d reduction is one numpy call.
-        from triton.runtime.interpreter import TensorHandle
-
-        data = np.asarray(x.handle.data)
-        value = np.array(data.sum() if how == 0 else data.min(), dtype=data.dtype)
-        return tl.core.tensor(TensorHandle(value, x.dtype.scalar), x.dtype.scalar)
-
-    @helper
-    def vsum(x):
-        return _host_reduce(x, 0)
-
-    @helper
-    def vmin(x):
-        return _host_reduce(x, 1)
-else:
-    from triton.language.extra.cuda import utils as _cuda
-
-    helper = triton.jit
-
-    @helper
-    def pause(polls):
-        tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @helper
-    def now():
-        return _cuda.globaltimer()
-
-    @helper
-    def bound(x):
-        return x
-
-    @helper
-    def vsum(x):
-        return tl.sum(x, axis=0)
-
-    @helper
-    def vmin(x):
-        return tl.min(x, axis=0)
-
 
 @helper
 def _i64(addr):
@@ -167,23 +76,26 @@ def _i64(addr):
 
 
 @helper
-def row_of(kb, E):
-    """The argument row of launch E in the kernel slot at ``kb`` (two rows, by E's parity: a peer one
-    launch ahead never overwrites the row of a launch this rank still reads)."""
-    return kb + _K_ARGS + (E % 2) * _ROW_BYTES
+def row_of(kb, E, src):
+    """Rank ``src``'s argument row for launch E in the kernel slot at ``kb`` (``src`` may be a vector).
+    Two sets of rows, by E's parity: a peer one launch ahead never overwrites a row of a launch this rank
+    still reads."""
+    return kb + _K_ARGS + ((E % 2) * _KW + src) * _ROW_BYTES
 
 
 @helper
-def flag(kb, E, code, missing):
+def flag(kb, me, E, code, missing):
     """Record ``code`` (S_* bits) and the ``missing`` rank bits in this rank's status words."""
     st = kb + _K_STATUS
     tl.atomic_or(_i64(st + _ST_MISSING * 8), missing, sem="relaxed", scope="sys")
     tl.atomic_xchg(_i64(st + _ST_EPOCH * 8), E, sem="relaxed", scope="sys")
+    op = tl.load(_i64(row_of(kb, E, me) + 8))  # this launch's own row: intact until the launch ends
+    tl.atomic_xchg(_i64(st + _ST_OP * 8), op, sem="relaxed", scope="sys")
     tl.atomic_or(_i64(st + _ST_CODE * 8), code, sem="release", scope="sys")
 
 
 @helper
-def _bad(kb, E, q, field, mine, theirs, code):
+def _bad(kb, me, E, q, field, mine, theirs, code):
     """Record the first disagreeing rank ``q`` (the first block to get here wins), then ``code``."""
     st = kb + _K_STATUS
     first = tl.zeros([], tl.int64) + q + 1
@@ -192,7 +104,7 @@ def _bad(kb, E, q, field, mine, theirs, code):
         tl.store(_i64(st + _ST_FIELD * 8), field)
         tl.store(_i64(st + _ST_MINE * 8), mine)
         tl.store(_i64(st + _ST_THEIRS * 8), theirs)
-    flag(kb, E, code, 0)
+    flag(kb, me, E, code, 0)
 
 
 @helper
@@ -240,10 +152,12 @@ def _wait(kb, peers_kb, b, E, target, mask, timeout_ns, PEEK: tl.constexpr, KW: 
         vals = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
         late = mask & (vals < target) & ~gone
         if PEEK:
-            row = row_of(peers_kb, E)
-            pe = tl.atomic_add(_i64(row), 0, mask=late, sem="acquire", scope="sys")
-            pg = tl.load(_i64(row + _A_GRID * 8), mask=late, other=0, volatile=True)
-            gone = gone | (late & (pe == E) & (pg <= b))
+            # q's block 0 signalled launch E (acquire): the row q pushed here for E is complete.
+            s0 = tl.atomic_add(_i64(kb + _K_SIG + lanes * 8), 0, mask=late, sem="acquire", scope="sys")
+            rows = row_of(kb, E, lanes)
+            pe = tl.load(_i64(rows), mask=late, other=0, volatile=True)
+            pg = tl.load(_i64(rows + _A_GRID * 8), mask=late, other=0, volatile=True)
+            gone = gone | (late & (s0 >= E * _PHASE) & (pe == E) & (pg <= b))
             late = late & ~gone
         n = vsum(late.to(tl.int32))
         elapsed = _stamp(stamp) - t0
@@ -262,79 +176,83 @@ def sync(kb, peers_kb, me, b, E, step, arrived, timeout_ns, KW: tl.constexpr):
     late, gone = _wait(kb, peers_kb, b, E, target, mask, timeout_ns, False, KW)
     ok = 1
     if late != 0:
-        flag(kb, E, _S_TIMEOUT, late)
+        flag(kb, me, E, _S_TIMEOUT, late)
         ok = 0
     tl.debug_barrier()  # what the acquire made visible is visible to every thread of the block
     return ok
 
 
 @helper
-def _publish(kb, E, fields, splits_ptr, NSPL: tl.constexpr):
-    """Write this rank's argument row: the fields, the splits (NSPL int64 from ``splits_ptr``), then the
-    row's EPOCH (release)."""
-    row = row_of(kb, E)
-    lanes = tl.arange(0, _NFIELDS)
-    tl.store(_i64(row + lanes * 8), fields, mask=lanes > 0)
+def _publish(peers_kb, me, E, fields, splits_ptr, mask, NSPL: tl.constexpr, KW: tl.constexpr):
+    """Push this rank's argument row for launch E (the fields with EPOCH = E, then NSPL int64 splits from
+    ``splits_ptr``) into row [E % 2][me] of every masked rank's slot, this one's included: plain stores,
+    made visible by the release of the signals that follow. The peers then read the rows in their own
+    memory: no round trip to fetch the offsets and sizes before the data moves."""
+    rows = row_of(peers_kb, E, me)
+    fl = tl.arange(0, _NFIELDS)
+    vals = tl.where(fl == 0, E, fields)
+    tl.store(_i64(rows[:, None] + fl[None, :] * 8), vals[None, :] + tl.zeros([KW, _NFIELDS], tl.int64),
+             mask=mask[:, None])
     if NSPL > 0:
         sl = tl.arange(0, NSPL)
-        tl.store(_i64(row + (_A_SPLITS + sl) * 8), tl.load(splits_ptr + sl))
-    tl.debug_barrier()
-    tl.atomic_xchg(_i64(row), E, sem="release", scope="sys")
+        sp = tl.load(splits_ptr + sl)
+        tl.store(_i64(rows[:, None] + (_A_SPLITS + sl[None, :]) * 8), sp[None, :] + tl.zeros([KW, NSPL], tl.int64),
+                 mask=mask[:, None])
 
 
 @helper
-def _agree(kb, peers_kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
-    """Compare every arrived peer's row with this rank's; record the first difference. 1 if all agree.
+def _agree(kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW: tl.constexpr):
+    """Compare every arrived peer's row with this rank's (the rows they pushed here, in one 2-d load of
+    local memory); record the first difference (lowest rank, then field). 1 if all agree.
 
     ``check``: bit i set compares field i. SPLITS: 0 none; 1 the whole splits vector (all_gather_v,
     reduce_scatter_v: every rank passes every rank's size); 2 all_to_all_v: the row holds the rank's
     in_splits then (from A_SPLITS + KW) its out_splits, and q's in_splits[me] must equal my out_splits[q].
     """
+    lanes = tl.arange(0, KW)
     fl = tl.arange(0, _NFIELDS)
-    myrow = row_of(kb, E)
+    myrow = row_of(kb, E, me)
     mine = tl.load(_i64(myrow + fl * 8))
+    valid = (((arrived >> lanes.to(tl.int64)) & 1) != 0) & (lanes != me) & (lanes < W)
+    prow = row_of(kb, E, lanes)
+    theirs = tl.load(_i64(prow[:, None] + fl[None, :] * 8), mask=valid[:, None], other=0, volatile=True)
     cmask = ((check >> fl.to(tl.int64)) & 1) != 0
+    diff = valid[:, None] & cmask[None, :] & (theirs != mine[None, :])
+    nokey = KW * 64
+    key = vmin2(tl.where(diff, lanes[:, None] * 64 + fl[None, :], nokey))
+    if SPLITS > 0:
+        cols = valid[:, None] & (lanes[None, :] < W)
+        st = tl.load(_i64(prow[:, None] + (_A_SPLITS + lanes[None, :]) * 8), mask=cols, other=0, volatile=True)
+        if SPLITS == 1:
+            sm = tl.load(_i64(myrow + (_A_SPLITS + lanes) * 8))
+            sd = cols & (st != sm[None, :])
+        else:
+            want = tl.load(_i64(myrow + (_A_SPLITS + KW + lanes) * 8))  # my out_splits[q], by row q
+            sd = cols & (lanes[None, :] == me) & (st != want[:, None])
+        key = tl.minimum(key, vmin2(tl.where(sd, lanes[:, None] * 64 + 16 + lanes[None, :], nokey)))
     ok = 1
-    for q in range(W):
-        if (q != me) & (((arrived >> q) & 1) != 0) & (ok == 1):
-            prow = row_of(vsum(tl.where(tl.arange(0, KW) == q, peers_kb, 0)), E)
-            theirs = tl.load(_i64(prow + fl * 8), volatile=True)
-            diff = cmask & (theirs != mine)
-            nd = vsum(diff.to(tl.int32))
-            if nd > 0:
-                field = vmin(tl.where(diff, fl, _NFIELDS))
-                fm = vsum(tl.where(fl == field, mine, 0))
-                ft = vsum(tl.where(fl == field, theirs, 0))
-                code = _S_MISMATCH
-                op_t = vsum(tl.where(fl == 1, theirs, 0))
-                if op_t == _KOP_ERROR:
-                    code = _S_PEER_ERROR
-                _bad(kb, E, q, field, fm, ft, code)
-                ok = 0
-            if SPLITS > 0:
-                if ok == 1:
-                    sl = tl.arange(0, KW)
-                    st = tl.load(_i64(prow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0, volatile=True)
-                    if SPLITS == 1:
-                        sm = tl.load(_i64(myrow + (_A_SPLITS + sl) * 8), mask=sl < W, other=0)
-                        sd = (sl < W) & (st != sm)
-                    else:
-                        # all_to_all_v: q sends me st[me] rows; I expect my out_splits[q] (kept in my row
-                        # after the in_splits, at A_SPLITS + KW + q).
-                        want = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
-                        sd = (sl == me) & (st != want)
-                    nd = vsum(sd.to(tl.int32))
-                    if nd > 0:
-                        idx = vmin(tl.where(sd, sl, KW))
-                        sm_i = tl.load(_i64(myrow + (_A_SPLITS + idx) * 8))
-                        if SPLITS == 2:
-                            sm_i = tl.load(_i64(myrow + (_A_SPLITS + KW + q) * 8))
-                        st_i = vsum(tl.where(sl == idx, st, 0))
-                        field = _A_SPLITS + idx
-                        if SPLITS == 2:
-                            field = _A_SPLITS + KW + q
-                        _bad(kb, E, q, field, sm_i, st_i, _S_MISMATCH)
-                        ok = 0
+    if key < nokey:
+        q = key // 64
+        f = key % 64
+        rowsel = lanes[:, None] == q
+        field = f
+        fm = vsum(tl.where(fl == f, mine, 0))
+        ft = vsum2(tl.where(rowsel & (fl[None, :] == f), theirs, 0))
+        if SPLITS > 0:
+            if f >= 16:
+                idx = f - 16
+                ft = vsum2(tl.where(rowsel & (lanes[None, :] == idx), st, 0))
+                if SPLITS == 1:
+                    fm = vsum(tl.where(lanes == idx, sm, 0))
+                    field = _A_SPLITS + idx
+                else:
+                    fm = vsum(tl.where(lanes == q, want, 0))
+                    field = _A_SPLITS + KW + q
+        code = _S_MISMATCH
+        if vsum2(tl.where(rowsel & (fl[None, :] == 1), theirs, 0)) == _KOP_ERROR:
+            code = _S_PEER_ERROR
+        _bad(kb, me, E, q, field, fm, ft, code)
+        ok = 0
     return ok
 
 
@@ -352,7 +270,7 @@ def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeou
     kb = tl.load(pads + me) + slot_off
     E = tl.load(_i64(kb + _K_EPOCH), volatile=True) + 1
     fl = tl.arange(0, _NFIELDS)
-    _publish(kb, E, fields, splits_ptr, NSPL)
+    _publish(peers_kb, me, E, fields, splits_ptr, mask, NSPL, KW)
     target = E * _PHASE
     tl.debug_barrier()
     _signal(peers_kb, me, b, target, mask, KW)
@@ -362,18 +280,17 @@ def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeou
     arrived = all_bits & ~late & ~gone
     go = 1
     if late != 0:
-        flag(kb, E, _S_TIMEOUT, late)
+        flag(kb, me, E, _S_TIMEOUT, late)
         go = -1
     else:
         if gone != 0:
             # A peer runs this launch with fewer blocks: its arguments differ (the grid follows them).
             q = vmin(tl.where(((gone >> lanes.to(tl.int64)) & 1) != 0, lanes, KW))
-            prow = row_of(vsum(tl.where(lanes == q, peers_kb, 0)), E)
-            theirs = tl.load(_i64(prow + _A_GRID * 8), volatile=True)
+            theirs = tl.load(_i64(row_of(kb, E, q) + _A_GRID * 8), volatile=True)
             mine = vsum(tl.where(fl == _A_GRID, fields, 0))
-            _bad(kb, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
+            _bad(kb, me, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
             go = 0
-        ok = _agree(kb, peers_kb, me, W, E, arrived, check, SPLITS, KW)
+        ok = _agree(kb, me, W, E, arrived, check, SPLITS, KW)
         if ok == 0:
             go = 0
     return kb, peers_kb, E, go, arrived
