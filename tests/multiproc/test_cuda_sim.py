@@ -234,3 +234,28 @@ def _runtime(ctx):
 
 def test_runtime_cuda_heap_over_simulated_device_memory():
     assert run_world(_runtime, 3, env=ENV, timeout=240) == [True] * 3
+
+
+def _failing_setup(ctx):
+    """A torch/CUDA error while one rank sets up is heard by every rank at once, naming that rank."""
+    _simulate()
+    from tests.transports.world import open_transport
+    from zbccl.errors import ZbcclError
+    from zbccl.heap.transports.cuda import transport
+
+    if ctx.rank == 1:
+        def broken(self):
+            raise RuntimeError("CUDA error: out of resources (simulated)")
+
+        transport.CudaTransport._open_device = broken
+    try:
+        open_transport(ctx, "cuda", timeout=60)
+    except ZbcclError as exc:
+        return type(exc).__name__, exc.ranks, str(exc)
+    return "no error", (), ""
+
+
+def test_a_cuda_error_in_one_ranks_setup_fails_every_rank_at_once():
+    out = run_world(_failing_setup, 2, env=ENV, timeout=60)
+    assert out[1][0] == "ZbcclSystemError" and out[1][1] == (1,) and "out of resources" in out[1][2], out[1]
+    assert out[0][0] == "ZbcclRemoteError" and out[0][1] == (1,) and "out of resources" in out[0][2], out[0]

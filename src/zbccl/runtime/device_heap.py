@@ -153,6 +153,9 @@ def build(boot: StoreBootstrap, topo: Topology, job_id: str, asked: list[list], 
         index, top = _local_setup(rank, asked[rank])
     except ZbcclError as exc:
         error = exc
+    except Exception as exc:  # noqa: BLE001 - torch's CUDA errors too: every rank must hear it
+        error = ZbcclSystemError(f"init: the cuda heap cannot be set up here: {type(exc).__name__}: {exc}",
+                                 ranks=(rank,))
     got = agree(boot, {"max": top, "device": index}, error, timeout=timeout, tag="cuda-heap")
     maxes = [parse_record(b, lambda d: in_range(d["max"], 4096, env.MAX_BYTES), op="init", rank=boot.members[r],
                           what="a cuda heap_max of 4096 to 2^62 bytes") for r, b in enumerate(got)]

@@ -126,6 +126,9 @@ class CudaTransport(Transport):
                 error = exc
             except OSError as exc:
                 error = os_error("heap: cannot create this rank's cuda segment", exc, rank)
+            except Exception as exc:  # noqa: BLE001 - torch's CUDA errors too: every rank must hear it
+                error = ZbcclSystemError(f"heap: cannot create this rank's cuda segment: {type(exc).__name__}: "
+                                         f"{exc}", ranks=(rank,))
             got = agree(bootstrap, {"pid": me.pid, "uid": me.uid, "token": me.token, "cookie": me.cookie},
                         error, timeout=timeout, tag="cuda-listen")
             self._members = {p: member_of(p, got[p]) for p in peers}
@@ -139,6 +142,9 @@ class CudaTransport(Transport):
                     error = exc
                 except OSError as exc:
                     error = os_error("heap: cannot map the peers' cuda segments", exc, rank)
+                except Exception as exc:  # noqa: BLE001 - every rank must hear it
+                    error = ZbcclSystemError(f"heap: cannot map the peers' cuda segments: {type(exc).__name__}: "
+                                             f"{exc}", ranks=(rank,))
             agree(bootstrap, {}, error, timeout=timeout, tag="cuda-mapped")
         except BaseException:
             try:
