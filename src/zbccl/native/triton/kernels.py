@@ -109,7 +109,7 @@ def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
         srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
         if TWO_SHOT:
             S = ((N + W - 1) // W + 15) // 16 * 16  # slices of 16 elements: 16-byte aligned when the tensors are
-            s_lo = tl.minimum(me.to(tl.int64) * S, N)
+            s_lo = tl.minimum((me + tl.zeros([], tl.int64)) * S, N)
             s_hi = tl.minimum(s_lo + S, N)
             lo, hi = _chunk(s_hi - s_lo, BLOCK)
             reduce_range(data, srcs, out_addr, s_lo + lo, s_lo + hi, W, DT, RED, ESZ, BLOCK, INTERP, KW)
@@ -215,7 +215,7 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
             pre = vsum(tl.where(sl < me, sp, 0))
             sz = vsum(tl.where(sl == me, sp, 0))
         else:
-            pre = me.to(tl.int64) * cnt
+            pre = (me + tl.zeros([], tl.int64)) * cnt
             sz = cnt + tl.zeros([], tl.int64)
         L = sz * inner
         # Every rank's part starts ``pre * inner`` elements into its input.
@@ -261,7 +261,7 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
                 spre = vsum(tl.where(sl < me, theirs, 0))
             else:
                 rows = cnt + tl.zeros([], tl.int64)
-                spre = me.to(tl.int64) * cnt
+                spre = (me + tl.zeros([], tl.int64)) * cnt
             lo, hi = _chunk(rows * inner, BLOCK)
             copy_range(data, pick(srcs, q, KW) + spre * inner * ESZ, out_addr + dpre * inner * ESZ, lo, hi, CDT, ESZ,
                   BLOCK, INTERP)
