@@ -71,3 +71,24 @@ def test_a_world_out_of_time_stops_every_rank_at_the_same_case():
     assert [n for n, _, _ in results[0]] == [n for n, _, _ in results[1]]
     for res in results:
         assert res[0][1] and all(not ok and d == "skipped: the world's time budget is spent" for _, ok, d in res[1:])
+
+
+def test_the_gpu_cases_rehearse_on_the_device_path_under_the_interpreter(capsys, monkeypatch):
+    """``python -m zbccl.bench.gpu --interpret``: the GPU check's cases through the device route (``route.py``
+    -> ``DeviceOps`` -> the Triton kernels under TRITON_INTERPRET=1 over the shm heap), graph cases eagerly."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install zbccl[cuda])")
+    from zbccl.bench import gpu
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # main sets it for its ranks; restored after the test
+    rc = gpu.main(["--interpret", "--worlds", "2", "--replays", "2", "--heap", "32M", "--quick", "--budget", "400"])
+    lines = capsys.readouterr().out.splitlines()
+    checks = {ln.split()[1]: ln for ln in lines if ln.startswith("CHECK ")}
+    assert rc == 0, [ln for ln in lines if " FAIL " in ln or ln.startswith("FIRST-ERROR")]
+    assert {"w2/cases", "w2/reduce_scatter", "w2/graph/decode_step", "w2/interpret"} <= set(checks), lines
+    assert [ln for ln in lines if ln.startswith("FIRST-ERROR")] == [
+        f"FIRST-ERROR [rank {r}] none (212 cases)" for r in range(2)], lines

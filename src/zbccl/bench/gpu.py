@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 from .gpu_bench import bench_rank
@@ -58,15 +59,32 @@ def _check(name: str, fn: Callable[[], tuple[bool, str]], out: list) -> bool:
         if isinstance(exc, KeyboardInterrupt):
             raise
         ok, detail = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        # the whole error (a rank's error carries its own traceback), before the CHECK line
+        print(f"ERROR {name}: {type(exc).__name__}: {str(exc).strip()}\n{traceback.format_exc(limit=6)}", flush=True)
     line = f"CHECK {name} {'PASS' if ok else 'FAIL'} {detail} ({time.monotonic() - t0:.1f}s)"
     print(line, flush=True)
     out.append({"name": name, "ok": ok, "detail": detail})
     return ok
 
 
+def first_errors(results: list[list[tuple[str, bool, str]]]) -> list[str]:
+    """Every rank's first failed case that was not skipped, in full (type, message, traceback): the cause,
+    which the per-group lines (the first failures, often a peer's consequences) may not show."""
+    lines = []
+    for rank, cases in enumerate(results):
+        for name, ok, detail in cases:
+            if not ok and not detail.startswith("skipped"):
+                lines.append(f"FIRST-ERROR [rank {rank}] {name}: {detail}")
+                break
+        else:
+            lines.append(f"FIRST-ERROR [rank {rank}] none ({len(cases)} cases)")
+    return lines
+
+
 def summarise_cases(results: list[list[tuple[str, bool, str]]]) -> dict[str, tuple[bool, str]]:
     """Per-rank case results -> per op group (``all_reduce``, ``graph/all_gather`` ...): ``(ok, detail)``:
-    how many cases passed on every rank, and the first failures with the rank that saw them."""
+    how many cases passed on every rank, and the first failures with the rank that saw them (failures
+    before skips, every rank's included)."""
     groups: dict[str, dict] = {}
     for rank, cases in enumerate(results):
         for name, ok, detail in cases:
@@ -74,8 +92,16 @@ def summarise_cases(results: list[list[tuple[str, bool, str]]]) -> dict[str, tup
             key = "/".join(parts[:2]) if parts[0] == "graph" else parts[0]
             g = groups.setdefault(key, {"cases": {}, "fail": []})
             g["cases"][name] = g["cases"].get(name, True) and ok
-            if not ok and len(g["fail"]) < 3:
-                g["fail"].append(f"[rank {rank}] {name}: {detail.splitlines()[0] if detail else ''}")
+            if not ok:
+                g["fail"].append((detail.startswith("skipped"), rank,
+                                  f"[rank {rank}] {name}: {detail.splitlines()[0] if detail else ''}"))
+    for g in groups.values():  # real failures first, then one line per rank, at most 4
+        fails, seen = [], set()
+        for skipped, rank, line in sorted(g["fail"], key=lambda f: f[0]):
+            if (skipped, rank) not in seen and len(fails) < 4:
+                seen.add((skipped, rank))
+                fails.append(line)
+        g["fail"] = fails
     out = {}
     for key, g in groups.items():
         n_ok = sum(g["cases"].values())
@@ -141,7 +167,8 @@ def _size(n: int) -> str:
 def _env_line(device: str) -> str:
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if device != "cpu" else "CPU dry run"
+    gpu = (torch.cuda.get_device_name(0) if device.startswith("cuda")
+           else "Triton interpreter rehearsal" if device == "interpret" else "CPU dry run")
     parts = [f"torch {torch.__version__}", f"cuda {torch.version.cuda}", gpu]
     for mod in ("triton", "cuda.bindings"):
         try:
@@ -172,11 +199,14 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m zbccl.bench.gp
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run (default 330)")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="run the cases on zbccl's CPU ops instead (checks this driver where no GPU is)")
+    p.add_argument("--interpret", action="store_true",
+                   help="rehearse the cases on the device path without a GPU: the public ops routed to DeviceOps, "
+                        "whose Triton kernels run under TRITON_INTERPRET=1 over the shm heap (slow: use --quick)")
     args = p.parse_args(argv)
     global _deadline
     _deadline = time.monotonic() + args.budget
-    device = "cpu" if args.cpu_dry_run else "cuda:0"
-    why = None if args.cpu_dry_run else cuda_status()
+    device = "interpret" if args.interpret else "cpu" if args.cpu_dry_run else "cuda:0"
+    why = None if args.cpu_dry_run or args.interpret else cuda_status()
     if why is not None:
         print(f"CHECK cuda SKIP {why}", flush=True)
         return NO_CUDA
@@ -185,7 +215,10 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m zbccl.bench.gp
     os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")  # the ranks share GPU 0
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
     only = {s.strip() for s in args.only.split(",") if s.strip()} or {"cases", "bench"}
-    if args.cpu_dry_run:
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # read by triton in the spawned ranks (this process runs no kernel)
+        LIMITS["cases"] = args.budget
+    if args.cpu_dry_run or args.interpret:
         only.discard("bench")  # CUDA events and torch SymmetricMemory: GPU only
     heap = parse_size(args.heap)
     checks: list = []
@@ -198,6 +231,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m zbccl.bench.gp
             def run_cases(w=w):
                 res = _launch(cases_rank, w, LIMITS["cases"], quick=args.quick, replays=args.replays,
                               heap_bytes=heap, device=device)
+                for line in first_errors(res):
+                    print(line, flush=True)
                 for key, (ok, detail) in summarise_cases(res).items():
                     _check(f"w{w}/{key}", lambda ok=ok, detail=detail: (ok, detail), checks)
                 return True, f"{sum(len(r) for r in res) // w} cases per rank"

@@ -11,6 +11,7 @@ every rank, so no rank waits for a peer that stopped.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 import warnings
@@ -76,7 +77,10 @@ class Rank:
         warnings.filterwarnings("ignore", message=r".*all_gather_tensor.*", category=FutureWarning)
         #: Wall-clock time (``time.time()``) after which the ranks agree to run no more cases.
         self.deadline = deadline
-        self.device = torch.device(device)
+        #: ``device="interpret"``: the device path (``ops/route.py`` -> ``DeviceOps`` -> the Triton kernels) under
+        #: ``TRITON_INTERPRET=1`` over the shm heap, no GPU: a rehearsal of the GPU cases (see :class:`DeviceRoute`).
+        self.interpret = device == "interpret"
+        self.device = torch.device("cpu" if self.interpret else device)
         self.rank, self.world = rank, world_size
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout * 3))
@@ -87,7 +91,7 @@ class Rank:
             self.comm = zbccl.init(store=dist.PrefixStore("zbccl", store), rank=rank, world_size=world_size,
                                    heap_size=heap_bytes, timeout=timeout)
         self.timeout = timeout
-        self.zbccl = zbccl
+        self.zbccl = DeviceRoute(self.comm) if self.interpret else zbccl
         self.broken: str | None = None
 
     def empty(self, shape, dtype) -> torch.Tensor:
@@ -123,6 +127,57 @@ class Rank:
             dist.destroy_process_group()
 
 
+class DeviceRoute:
+    """The public collectives the cases call, sent down the device path as a CUDA tensor is
+    (``ops/route.py``: the lane, then the communicator's ``DeviceOps``), but for CPU heap tensors, whose
+    DeviceOps run the Triton kernels under ``TRITON_INTERPRET=1`` over the shm heap. Everything else
+    (``empty``, ``heap_scope``, ``memory_stats`` ...) is zbccl's. The public functions' own argument handling
+    before they route is a few lines (``ops/allreduce.py`` etc.), the same for every device."""
+
+    def __init__(self, comm) -> None:
+        import zbccl
+        from zbccl.ops import route
+
+        if not os.environ.get("TRITON_INTERPRET"):
+            raise RuntimeError("the interpret rehearsal needs TRITON_INTERPRET=1 set before triton is imported")
+        self._zb, self._route, self._comm = zbccl, route, comm
+
+        def factory(c):
+            from zbccl.ops.device import DeviceOps
+
+            return DeviceOps(c.rank, c.ranks, c._ctx.heap.transport, slot=c.slot, timeout_s=c.timeout,
+                             barrier=c.barrier)
+
+        route._factories["cpu"] = factory
+
+    def __getattr__(self, name: str):
+        return getattr(self._zb, name)
+
+    def all_reduce(self, t, op="sum"):
+        return self._route.all_reduce(self._comm, "cpu", t, op, None)
+
+    def reduce_scatter_tensor(self, out, inp, op="sum", *, dim=0):
+        return self._route.reduce_scatter(self._comm, "cpu", out, inp, op, dim, None)
+
+    def reduce_scatter_v(self, out, inp, sizes, op="sum", *, dim=0):
+        return self._route.reduce_scatter_v(self._comm, "cpu", out, inp, sizes, op, dim, None)
+
+    def all_gather_into_tensor(self, out, inp, *, dim=0):
+        return self._route.all_gather(self._comm, "cpu", out, inp, dim, None)
+
+    def all_gather_v(self, out, inp, sizes, *, dim=0):
+        return self._route.all_gather_v(self._comm, "cpu", out, inp, sizes, dim, None)
+
+    def all_to_all_single(self, out, inp, out_splits=None, in_splits=None):
+        return self._route.all_to_all(self._comm, "cpu", out, inp, out_splits, in_splits, None)
+
+    def broadcast(self, t, src):
+        return self._route.broadcast(self._comm, "cpu", t, src, None)
+
+    def barrier(self, device=None):
+        return self._route.barrier(self._comm, "cpu", None)
+
+
 def init_cuda(store, rank: int, world_size: int, *, heap_bytes: int, timeout: float):
     """``zbccl.init`` with a CUDA heap of ``heap_bytes`` (a small CPU heap beside it)."""
     import zbccl
@@ -141,10 +196,14 @@ def run_case(rk: Rank, name: str, fn: Callable[[], str | None], results: list) -
         wrong = fn()
     except Exception as exc:  # noqa: BLE001 - the case fails, the check goes on
         wrong = f"{type(exc).__name__}: {exc}"
-        if type(exc).__name__ in ("ZbcclTimeoutError", "ZbcclRemoteError"):
-            device_error = f"{name}: {wrong}"
-        elif not isinstance(exc, (ValueError, TypeError)) and "Zbccl" not in type(exc).__name__:
-            wrong += "\n" + traceback.format_exc(limit=4)
+        if "Zbccl" not in type(exc).__name__:
+            wrong += "\n" + traceback.format_exc(limit=8)
+        # Anything but a usage error may have left the peers waiting for this rank (a kernel that failed to
+        # compile or launch here, a CUDA error): the world is out of step, so every rank stops here.
+        # (The CPU dry run's ops complete in the call, and its captures fail there by design: it goes on.)
+        if type(exc).__name__ in ("ZbcclTimeoutError", "ZbcclRemoteError") or (
+                type(exc).__name__ != "ZbcclInvalidUsageError" and (rk.device.type == "cuda" or rk.interpret)):
+            device_error = f"{name}: {wrong.splitlines()[0]}"
     results.append((name, wrong is None, wrong or ""))
     rk.agree(device_error)
 

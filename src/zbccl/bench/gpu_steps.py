@@ -26,9 +26,11 @@ def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
     split = lambda a, b: 50 + (a + 2 * b) % 3  # noqa: E731 - elements rank a sends to rank b
     # a captured op's sizes must be in device memory (a replay reads them there): int64 [W] tensors
     sizes_t = lambda v: torch.tensor(v, dtype=torch.int64, device=rk.device)  # noqa: E731
-    rows_t = sizes_t(rows) if rk.device.type == "cuda" else rows
-    out_t = sizes_t([split(q, r) for q in range(W)]) if rk.device.type == "cuda" else [split(q, r) for q in range(W)]
-    in_t = sizes_t([split(r, q) for q in range(W)]) if rk.device.type == "cuda" else [split(r, q) for q in range(W)]
+    # (the interpret rehearsal passes them as tensors too: the same path; its "replays" run eagerly)
+    tens = rk.device.type == "cuda" or rk.interpret
+    rows_t = sizes_t(rows) if tens else rows
+    out_t = sizes_t([split(q, r) for q in range(W)]) if tens else [split(q, r) for q in range(W)]
+    in_t = sizes_t([split(r, q) for q in range(W)]) if tens else [split(r, q) for q in range(W)]
     cases = {
         "all_reduce": ((n,), (n,), lambda o, i: zb.all_reduce(i),
                        lambda it: reduce_ref([P(q, (n,), it) for q in range(W)], "sum", dt), True),
@@ -59,12 +61,16 @@ def graph_cases(rk: Rank, *, replays: int = 3) -> list[tuple[str, bool, str]]:
             wrong = diff(inp if inplace else out, want(0))
             if wrong:
                 return f"eager: {wrong}"
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                call(out, inp)
+            if rk.interpret:
+                replay = lambda: call(out, inp)  # noqa: E731 - no graphs on the CPU: the same call, eagerly
+            else:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    call(out, inp)
+                replay = g.replay
             for it in range(1, replays + 1):
                 inp.copy_(P(r, ishape, it))
-                g.replay()
+                replay()
                 rk.finish()
                 wrong = diff(inp if inplace else out, want(it))
                 if wrong:
@@ -109,15 +115,20 @@ def decode_step(rk: Rank, *, replays: int) -> list[tuple[str, bool, str]]:
         err = (eager[0] - ref).abs().max().item()
         if err > 1e-3 * max(1.0, ref.abs().max().item()):
             return f"eager step differs from the plain-torch reference by {err:.3g}"
-        g = torch.cuda.CUDAGraph()
         x.copy_(inputs[0])
-        with torch.cuda.graph(g):
-            y = step()
         outs = []
-        for xi in inputs:
-            x.copy_(xi)
-            g.replay()
-            outs.append(y.clone())
+        if rk.interpret:  # no graphs on the CPU: the same step, eagerly
+            for xi in inputs:
+                x.copy_(xi)
+                outs.append(step().clone())
+        else:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = step()
+            for xi in inputs:
+                x.copy_(xi)
+                g.replay()
+                outs.append(y.clone())
         rk.finish()
         for i, (a, b) in enumerate(zip(outs, eager)):
             # bit-exact unless cuBLAS picked another algorithm under capture (then within fp32 rounding)
@@ -241,10 +252,16 @@ def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, 
     try:
         res = correctness(rk, quick=quick, core=True)
         res += scope_step(rk)  # eager, before any capture
-        res += pg_cases(rk)
+        if not rk.interpret:  # (the rehearsal's CPU tensors would take the CPU path there: nothing to rehearse)
+            res += pg_cases(rk)
         res += graph_cases(rk)  # on the CPU dry run: each case's eager half and reference, then no capture
         res += decode_step(rk, replays=replays)
         res += correctness(rk, quick=quick, core=False)
+        if rk.interpret:  # the rehearsal really ran the kernels: every op above was a DeviceOps launch
+            ops = rk.comm.device_state.get("cpu")
+            launches = getattr(ops, "_epoch", 0)
+            res.append(("interpret/device_ops", type(ops).__name__ == "DeviceOps" and launches > 100,
+                        f"{type(ops).__name__}, {launches} kernel launches"))
         return res
     finally:
         rk.close()
