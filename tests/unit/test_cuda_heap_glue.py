@@ -177,12 +177,15 @@ def test_heap_scope_device_argument_is_checked():
 
 def test_signal_pad_holds_the_kernel_area_and_the_host_lines():
     from zbccl.heap import layout
-    from zbccl.heap.transports.cuda.transport import signal_pad_bytes
+    from zbccl.heap.transports.cuda.transport import CudaTransport, signal_pad_bytes
 
     for world in (1, 2, 4, layout.KMAX_WORLD, layout.KMAX_WORLD + 1, 64):  # beyond KMAX_WORLD: no kernels, still a pad
         pad = signal_pad_bytes(world)
         assert pad >= layout.kernel_pad_bytes(min(world, layout.KMAX_WORLD)) and pad >= layout.COMM_BYTES
         assert pad >= layout.slot_line(1, 13) + 8  # the conformance suite's lines
+        # the kernels' area follows the host lines: a host signal never lands in a kernel slot
+        assert CudaTransport.KERNEL_LINE == layout.KERNEL_AREA >= layout.slot_line(layout.MAX_COMMS - 1, 127) + 64
+        assert pad == CudaTransport.KERNEL_LINE + layout.kernel_pad_bytes(min(world, layout.KMAX_WORLD))
 
 
 def test_heap_handles_name_their_heap_and_pickle():

@@ -145,8 +145,10 @@ class DeviceRoute:
         def factory(c):
             from zbccl.ops.device import DeviceOps
 
-            return DeviceOps(c.rank, c.ranks, c._ctx.heap.transport, slot=c.slot, timeout_s=c.timeout,
-                             barrier=c.barrier)
+            ops = DeviceOps(c.rank, c.ranks, c._ctx.heap.transport, slot=c.slot, timeout_s=c.timeout,
+                            barrier=c.barrier)
+            ops.gpu_plan = True  # the GPU's launch shapes (grid up to GPU_BLOCKS, 8 KiB tiles), interpreted
+            return ops
 
         route._factories["cpu"] = factory
 

@@ -320,8 +320,12 @@ class DeviceOps:
             self._names[self._epoch] = name
         raise exc
 
+    #: Under the interpreter, plan launches as on a GPU (many 8 KiB tiles) instead of a few wide programs:
+    #: slower, but it runs the GPU's multi-block geometry (``python -m zbccl.bench.gpu --interpret``).
+    gpu_plan = False
+
     def _plan(self, n: int, itemsize: int) -> tuple[int, int, int]:
-        return plan(n, itemsize, self._k.INTERPRET)
+        return plan(n, itemsize, self._k.INTERPRET and not self.gpu_plan)
 
     def _addr(self, t: torch.Tensor) -> int:
         """``t``'s address for a kernel; an empty tensor's (0, never dereferenced) becomes a valid 64-bit one,

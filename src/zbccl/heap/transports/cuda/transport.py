@@ -70,17 +70,20 @@ _log = logging.getLogger("zbccl")
 
 
 def signal_pad_bytes(world: int) -> int:
-    """Bytes of a rank's device signal pad: the kernels' area (``layout.kernel_pad_bytes``, at offset 0:
-    ``KERNEL_LINE``), and at least the comm area's size, so that the host verbs' lines (``layout.slot_line``)
-    fit too. The kernel area's size does not depend on the world (a world beyond ``KMAX_WORLD`` cannot run
-    the kernels, but the transport still serves it)."""
-    return max(layout.COMM_BYTES, layout.kernel_pad_bytes(min(max(world, 1), layout.KMAX_WORLD)))
+    """Bytes of a rank's device signal pad, laid out as the shm transport's control area: the host verbs'
+    lines (``layout.slot_line``: the header, then one comm slot per communicator) in ``[0, COMM_BYTES)``,
+    then the kernels' area (``layout.kernel_pad_bytes``) at ``KERNEL_AREA`` (``KERNEL_LINE``), so that host
+    signals and the kernels' words never share a byte. The kernel area's size does not depend on the world
+    (a world beyond ``KMAX_WORLD`` cannot run the kernels, but the transport still serves it)."""
+    return layout.KERNEL_AREA + layout.kernel_pad_bytes(min(max(world, 1), layout.KMAX_WORLD))
 
 
 class CudaTransport(Transport):
     """GPU memory shared between the processes of one host (see the module docstring)."""
 
     name = "cuda"
+    #: The kernels' area in each pad: after the host verbs' lines, as in a shm segment (``signal_pad_bytes``).
+    KERNEL_LINE = layout.KERNEL_AREA
 
     def __init__(self, *, device: torch.device | str = "cuda", populate: bool = True) -> None:
         super().__init__(device=device)
