@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m zbccl.bench.gp
     p.add_argument("--interpret", action="store_true",
                    help="rehearse the cases on the device path without a GPU: the public ops routed to DeviceOps, "
                         "whose Triton kernels run under TRITON_INTERPRET=1 over the shm heap (slow: use --quick)")
+    p.add_argument("--mode", default="",
+                   help="how the ranks share the GPU, for the table's header (scripts/gpu_final.sh passes on/off: "
+                        "MPS or time-slicing); default: MPS when CUDA_MPS_PIPE_DIRECTORY is set")
     args = p.parse_args(argv)
     global _deadline
     _deadline = time.monotonic() + args.budget
@@ -250,7 +253,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m zbccl.bench.gp
             _check(f"w{w}/bench", run_bench, checks)
     if tables:
         stamp = time.strftime("%Y-%m-%d", time.gmtime())
-        print(f"\nGPU bench, {_env_line(device)}, {stamp}, every rank on GPU 0 (time-sliced, no MPS), bf16, "
+        mode = args.mode or ("on" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "off")
+        sharing = "MPS: the ranks' kernels run concurrently" if mode == "on" else "time-sliced, no MPS"
+        print(f"\nGPU bench, {_env_line(device)}, {stamp}, every rank on GPU 0 ({sharing}), bf16, "
               "slowest rank's median:\n" + "\n".join(_dedup_heads(tables)), flush=True)
     failed = [c["name"] for c in checks if not c["ok"]]
     print(f"\nSUMMARY {len(checks) - len(failed)}/{len(checks)} checks passed"

@@ -16,6 +16,7 @@ repeated in-place sums stay exact.
 from __future__ import annotations
 
 import statistics
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -236,8 +237,11 @@ def bench(rk: Rank, *, quick: bool, sizes: list[int] | None = None) -> dict:
                     row["wrong"][name] = check()
                 except Exception as exc:  # noqa: BLE001
                     error = f"{op} {nbytes} {name}: {type(exc).__name__}: {exc}"
-                    if type(exc).__name__ in ("ZbcclTimeoutError", "ZbcclRemoteError"):
+                    if type(exc).__name__ != "ZbcclInvalidUsageError":
+                        # a peer may still wait in a kernel or barrier for this rank (a kernel that failed to
+                        # compile here, a CUDA error): the sweep stops at the next size on every rank
                         rk.broken = error
+                        print(f"ERROR [rank {rk.rank}] bench {error}\n{traceback.format_exc(limit=8)}", flush=True)
                 if not _any_failed(error, errors):
                     live[name] = (call, _iters(rk, call, quick))
             samples: dict[str, list[float]] = {k: [] for k in live}

@@ -30,6 +30,18 @@ _A_OUT_OFF = tl.constexpr(g.A_FIELDS.index("OUT_OFF"))
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
 
 
+def _kernel(fn):
+    """``triton.jit`` with no value specialisation of the integer arguments. On a GPU, triton otherwise
+    compiles a variant per pattern of "equals 1" (made a constexpr: a plain int inside the kernel) and
+    "divisible by 16" among them: rank 1's ``me``, a count of 1, an odd offset. Every rank would compile
+    its own variants (more compile time, and code that builds on one rank only: a tensor method on a
+    constexpr). The pointer tables keep their alignment hints; the kernels align their bulk accesses
+    themselves (``elements.aligned``)."""
+    ints = [name for name in fn.__code__.co_varnames[:fn.__code__.co_argcount]
+            if name not in ("data", "pads", "splits") and "constexpr" not in str(fn.__annotations__.get(name, ""))]
+    return triton.jit(do_not_specialize=ints)(fn)
+
+
 # ------------------------------------------------------------------ shared pieces
 @helper
 def _pack(op, dt, red, algo, root, outer, inner, numel, in_off, out_off, variant):
@@ -83,7 +95,7 @@ def _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW: tl.constexpr):
 
 
 # ------------------------------------------------------------------ kernels
-@triton.jit
+@_kernel
 def barrier_kernel(pads, splits, slot_off, me, W: tl.constexpr, op, check, timeout_ns, KW: tl.constexpr):
     """Entry handshake only (one block). ``op`` is BARRIER, or ERROR for a rank whose call failed
     validation: it then waits for the peers' exit barrier too, as the ops they run do."""
@@ -94,7 +106,7 @@ def barrier_kernel(pads, splits, slot_off, me, W: tl.constexpr, op, check, timeo
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, out_off, N, check,
                       timeout_ns, DT: tl.constexpr, ESZ: tl.constexpr, RED: tl.constexpr, TWO_SHOT: tl.constexpr,
                       INPLACE: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr, INTERP: tl.constexpr):
@@ -157,7 +169,7 @@ def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def all_gather_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, outer, inner, cnt,
                       total, check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
                       ROWS: tl.constexpr, SKIP_SELF: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr,
@@ -197,7 +209,7 @@ def all_gather_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, outer, inner, cnt,
                           total, check, timeout_ns, DT: tl.constexpr, ESZ: tl.constexpr, RED: tl.constexpr,
                           VAR: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr,
@@ -236,7 +248,7 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, inner, cnt, numel,
                       check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
                       BLOCK: tl.constexpr, KW: tl.constexpr, INTERP: tl.constexpr):
@@ -270,7 +282,7 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def broadcast_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, root, N, check,
                      timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr,
                      INTERP: tl.constexpr):

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Usage: bash scripts/gpu_final.sh [TOTAL_S=270] [--dry-run]
+#
+# The one-shot GPU run of issue 23, bounded by TOTAL_S seconds of wall time (default 270), each step
+# guarded (its own timeout, printed `STEP <name> rc=<rc> <s>s`, then the next step runs):
+#   0. MPS, started as the lead's run2.sh does (nvidia-cuda-mps-control -d, then the CUDA transport's
+#      selfcheck under it); if either fails, time-slicing. Every figure below says which (MODE=...).
+#   1. kernels: the Triton kernels alone (scripts/triton_kernels_gpu.py: no CUDA transport, CUDA IPC
+#      buffers) at worlds 2 and 4, with its bench rows (zbccl vs memcpy vs torch symm_mem one-shot).
+#   2. the full stack at world 2: every op (--quick), heap_scope, torch.distributed, graph capture of
+#      every op and the decode step replayed 100 times; then the bench rows (4 KiB .. 64 MiB, zbccl auto/
+#      one-shot/two-shot/graph vs device memcpy, torch SymmetricMemory one-shot/two-shot, staged memcpy).
+#   3. the same at world 4.
+#   4. the compact table for docs/benchmarks.md (both worlds), and the summary of every CHECK line.
+# After a step that failed or was killed, MPS is restarted (a client killed in a spinning kernel can
+# leave the MPS server refusing new clients, which is what made world 4 of GPU run 2 fail at set-up).
+# --dry-run: no GPU: step 2's cases as the interpreter rehearsal (python -m zbccl.bench.gpu --interpret).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+PY="${PYTHON:-python3}"
+TOTAL="${1:-270}"
+DRY=0
+for a in "$@"; do [ "$a" = --dry-run ] && DRY=1; done
+T0=$SECONDS
+OUT="${GPU_FINAL_OUT:-/tmp/zbccl-gpu-final}"
+mkdir -p "$OUT"
+left() { echo $((TOTAL - (SECONDS - T0))); }
+mode=off
+mps_start() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  mode=off
+  if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d; then
+    if timeout -k 5 60 "$PY" -m zbccl.heap.transports.cuda.selfcheck --timeout 40 > "$OUT/selfcheck.log" 2>&1; then
+      mode=on
+    else
+      grep -E "CHECK|Error" "$OUT/selfcheck.log" | head -20
+      echo quit | timeout 10 nvidia-cuda-mps-control; sleep 1
+    fi
+  fi
+  if [ "$mode" = off ]; then
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "MODE=time-slicing (no MPS: every rank's kernels take turns on the GPU; handshakes wait for slices)"
+  else
+    echo "MODE=MPS (the ranks' kernels run concurrently; selfcheck: $(grep -c PASS "$OUT/selfcheck.log") PASS)"
+  fi
+}
+mps_stop() { [ "$mode" = on ] && echo quit | timeout 10 nvidia-cuda-mps-control; sleep 1; }
+# step NAME CAP_S CMD...: runs CMD bounded by min(CAP_S, what is left minus 10 s), logs to $OUT/NAME.log
+step() {
+  local name=$1 cap=$2; shift 2
+  local l; l=$(( $(left) - 10 ))
+  [ "$l" -lt "$cap" ] && cap=$l
+  if [ "$cap" -lt 25 ]; then echo "STEP $name SKIPPED (only $(left)s left)"; return 0; fi
+  local t=$SECONDS
+  echo "=== STEP $name (cap ${cap}s, MODE=$mode, $(date -u +%H:%M:%S))"
+  timeout -k 5 "$cap" "$@" 2>&1 | grep -v -E "RuntimeWarning: zbccl: torch .* is untested|native.prepare\(world_size|FutureWarning: .enable_symm_mem_for_group|^  enable\(self.group\)|^  backend_class = creator_fn" | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "STEP $name rc=$rc $((SECONDS - t))s"
+  if [ "$rc" != 0 ] && [ "$mode" = on ] && [ "$DRY" = 0 ]; then  # a clean server for the next step
+    mps_stop; mps_start
+  fi
+}
+
+echo "gpu_final: $(date -u +%Y-%m-%dT%H:%M:%SZ) $(git rev-parse --short HEAD 2>/dev/null || echo '?') budget ${TOTAL}s"
+if [ "$DRY" = 1 ]; then
+  step rehearsal-w2 "$TOTAL" "$PY" -m zbccl.bench.gpu --interpret --quick --worlds 2 --replays 3 --heap 64M \
+    --budget $(( TOTAL - 20 )) --json "$OUT/w2.json"
+  exit 0
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -1
+mps_start
+# zbccl's native core (the CPU heap's; ~25 s on a fresh machine), built beside step 1, which needs none
+"$PY" -c "from zbccl import native; native.prepare(world_size=2)" > "$OUT/native.log" 2>&1 &
+native_pid=$!
+# 1. the kernels alone, worlds 2 and 4 (25 s each at most)
+step kernels 55 "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout 25
+timeout 60 tail --pid="$native_pid" -f /dev/null; wait "$native_pid"; echo "native build rc=$? ($(tail -c 300 "$OUT/native.log"))"
+# 2./3. the full stack per world: cases, then bench (each world its own processes and budget)
+for w in 2 4; do
+  step "w$w-cases" 60 "$PY" -m zbccl.bench.gpu --only cases --quick --worlds "$w" --replays 100 \
+    --budget 57 --json "$OUT/w$w-cases.json"
+  step "w$w-bench" 45 "$PY" -m zbccl.bench.gpu --only bench --quick --worlds "$w" --budget 42 \
+    --mode "$mode" --json "$OUT/w$w-bench.json"
+done
+mps_stop
+# 4. the table and the summary
+echo
+echo "=== TABLE for docs/benchmarks.md (MODE=$mode; H100 rows: every rank on GPU 0)"
+grep -h -E "^GPU bench|^\| " "$OUT"/w2-bench.log "$OUT"/w4-bench.log 2>/dev/null | awk '!(/^\| W \||^\|---/ && seen[$0]++)'
+echo
+echo "=== SUMMARY (MODE=$mode, $((SECONDS - T0))s)"
+grep -h -E "^CHECK .* (FAIL|SKIP)|^FIRST-ERROR \[rank [0-9]+\] [^n]|^STEP " "$OUT"/*.log | grep -v "^STEP .* rc=0" | head -60
+grep -h "^CHECK " "$OUT"/*.log | awk '{n++; if ($3 == "PASS") p++} END {print "CHECK lines: " p "/" n " PASS"}'
