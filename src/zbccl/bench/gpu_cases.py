@@ -86,6 +86,11 @@ class Rank:
                                 timeout=timedelta(seconds=timeout * 3))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):  # MPS: the ranks' kernels share GPU 0's SMs at once
+                from ..ops.device import DeviceOps
+
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                DeviceOps.max_blocks = max(1, min(DeviceOps.max_blocks, sms // world_size))
             self.comm = init_cuda(store, rank, world_size, heap_bytes=heap_bytes, timeout=timeout)
         else:  # the CPU dry run of the cases (tests/multiproc/test_gpu_cases_cpu.py)
             self.comm = zbccl.init(store=dist.PrefixStore("zbccl", store), rank=rank, world_size=world_size,
