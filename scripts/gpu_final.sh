@@ -75,17 +75,17 @@ mps_start
 # zbccl's native core (the CPU heap's; ~25 s on a fresh machine), built beside step 1, which needs none
 "$PY" -c "from zbccl import native; native.prepare(world_size=2)" > "$OUT/native.log" 2>&1 &
 native_pid=$!
-# 1. the kernels alone, worlds 2 and 4 (22 s each at most)
-step kernels 50 "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout 22
+# 1. the kernels alone, worlds 2 and 4 (20 s each at most)
+step kernels 45 "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout 20
 for _ in $(seq 60); do kill -0 "$native_pid" 2>/dev/null || break; sleep 1; done
 kill "$native_pid" 2>/dev/null; wait "$native_pid"; echo "native build rc=$? $(tail -c 300 "$OUT/native.log" | tr '\n' ' ')"
 # 2./3. the full stack per world: cases, then bench (each world its own processes and budget)
 cap() { local l=$(( $(left) - 10 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 for w in 2 4; do
-  c=$(cap 55)
+  c=$(cap 60)
   step "w$w-cases" "$c" "$PY" -m zbccl.bench.gpu --only cases --quick --worlds "$w" --replays 100 \
     --budget $((c - 3)) --json "$OUT/w$w-cases.json"
-  c=$(cap 50)
+  c=$(cap 45)
   step "w$w-bench" "$c" "$PY" -m zbccl.bench.gpu --only bench --quick --worlds "$w" --budget $((c - 3)) \
     --mode "$mode" --json "$OUT/w$w-bench.json"
 done

@@ -114,7 +114,7 @@ _deadline = float("inf")
 
 
 #: Seconds a world keeps after its ranks agreed to stop: teardown and sending the results back.
-_WIND_DOWN_S = 20.0
+_WIND_DOWN_S = 12.0
 
 
 def _launch(fn, world: int, limit: float, **kwargs):
@@ -123,7 +123,7 @@ def _launch(fn, world: int, limit: float, **kwargs):
     from ..tools.launch import launch_local
 
     left = min(limit, _deadline - time.monotonic())
-    if left < 2 * _WIND_DOWN_S:
+    if left < _WIND_DOWN_S + 12:
         raise TimeoutError(f"skipped: the run's time budget is spent ({left:.0f}s left)")
     return launch_local(fn, world, timeout=left, threads=1, deadline=time.time() + left - _WIND_DOWN_S, **kwargs)
 

@@ -268,7 +268,7 @@ def _any_failed(error: str | None, errors: list[str]) -> bool:
 def bench_rank(*, rank: int, world_size: int, store, quick: bool, heap_bytes: int,
                deadline: float = float("inf")) -> dict:
     """One rank of a bench world (``tools.launch.launch_local``)."""
-    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, deadline=deadline)
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=10.0, deadline=deadline)
     try:
         return bench(rk, quick=quick)
     finally:

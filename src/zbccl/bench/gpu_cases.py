@@ -232,11 +232,14 @@ def diff(got: torch.Tensor, want: torch.Tensor) -> str | None:
 CORE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def correctness(rk: Rank, *, quick: bool, core: bool | None = None) -> list[tuple[str, bool, str]]:
+def correctness(rk: Rank, *, quick: bool, core: bool | None = None,
+                dtypes: tuple[torch.dtype, ...] | None = None) -> list[tuple[str, bool, str]]:
     """Every op, every dtype it serves, odd sizes, eager: ``[(name, ok, detail)]``. ``core``: True only the
-    :data:`CORE_DTYPES` (and the device barrier), False only the others, None all."""
+    :data:`CORE_DTYPES` (and the device barrier), False only the others, None all; ``dtypes``: only those
+    of the selection."""
     W, r, zb, res = rk.world, rk.rank, rk.zbccl, []
-    pick = lambda dts: [d for d in dts if core is None or (d in CORE_DTYPES) == core]  # noqa: E731
+    pick = lambda dts: [d for d in dts if (core is None or (d in CORE_DTYPES) == core)  # noqa: E731
+                        and (dtypes is None or d in dtypes)]
     sizes = ODD_SIZES[:3] if quick else ODD_SIZES
     P = lambda q, shape, dt, it=0: payload(q, shape, dt, it=it)  # noqa: E731
 
@@ -291,7 +294,7 @@ def correctness(rk: Rank, *, quick: bool, core: bool | None = None) -> list[tupl
         run(f"reduce_scatter/dim1/{dtype_name(dt)}", rs_dim)
     for dt in pick(MOVE_DTYPES):
         _movement(rk, dt, sizes, res)
-    if core is not False:
+    if core is not False and (dtypes is None or torch.float32 in dtypes):
         run("barrier/device", lambda: (zb.barrier(device=rk.device.type), rk.finish())[1])
     return res
 

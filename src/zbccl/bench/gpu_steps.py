@@ -248,14 +248,17 @@ def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, 
     """One rank of a cases world (``tools.launch.launch_local``): the core dtypes' eager cases, the
     heap_scope step, the graph cases, the decode step, then every other dtype (each op and dtype is one
     more kernel to compile: the order puts what matters most first when the time budget runs out)."""
-    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=20.0, device=device, deadline=deadline)
+    rk = Rank(rank, world_size, store, heap_bytes=heap_bytes, timeout=10.0, device=device, deadline=deadline)
     try:
-        res = correctness(rk, quick=quick, core=True)
+        # float32 first, then the heap_scope step, the graphs and the decode step (each kernel variant is
+        # one more compile: these come before the rest of the dtypes use up a short budget), then bf16
+        res = correctness(rk, quick=quick, core=True, dtypes=(torch.float32,))
         res += scope_step(rk)  # eager, before any capture
-        if not rk.interpret:  # (the rehearsal's CPU tensors would take the CPU path there: nothing to rehearse)
-            res += pg_cases(rk)
         res += graph_cases(rk)  # on the CPU dry run: each case's eager half and reference, then no capture
         res += decode_step(rk, replays=replays)
+        if not rk.interpret:  # (the rehearsal's CPU tensors would take the CPU path there: nothing to rehearse)
+            res += pg_cases(rk)
+        res += correctness(rk, quick=quick, core=True, dtypes=(torch.bfloat16,))
         res += correctness(rk, quick=quick, core=False)
         if rk.interpret:  # the rehearsal really ran the kernels: every op above was a DeviceOps launch
             ops = rk.comm.device_state.get("cpu")
