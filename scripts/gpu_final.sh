@@ -24,8 +24,8 @@ TOTAL="${1:-270}"
 DRY=0
 for a in "$@"; do [ "$a" = --dry-run ] && DRY=1; done
 T0=$SECONDS
-OUT="${GPU_FINAL_OUT:-/tmp/zbccl-gpu-final}"
-mkdir -p "$OUT"
+LOGS="${GPU_FINAL_OUT:-${OUT:-/tmp/zbccl-gpu-final}}"  # the device runner's $OUT: the logs come back as files
+mkdir -p "$LOGS"
 left() { echo $((TOTAL - (SECONDS - T0))); }
 mode=off
 mps_start() {
@@ -33,10 +33,10 @@ mps_start() {
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   mode=off
   if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d; then
-    if timeout -k 5 60 "$PY" -m zbccl.heap.transports.cuda.selfcheck --timeout 40 > "$OUT/selfcheck.log" 2>&1; then
+    if timeout -k 5 60 "$PY" -m zbccl.heap.transports.cuda.selfcheck --timeout 40 > "$LOGS/selfcheck.log" 2>&1; then
       mode=on
     else
-      grep -E "CHECK|Error" "$OUT/selfcheck.log" | head -20
+      grep -E "CHECK|Error" "$LOGS/selfcheck.log" | head -20
       echo quit | timeout 10 nvidia-cuda-mps-control; sleep 1
     fi
   fi
@@ -44,7 +44,7 @@ mps_start() {
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     echo "MODE=time-slicing (no MPS: every rank's kernels take turns on the GPU; handshakes wait for slices)"
   else
-    echo "MODE=MPS (the ranks' kernels run concurrently; selfcheck: $(grep -c PASS "$OUT/selfcheck.log") PASS)"
+    echo "MODE=MPS (the ranks' kernels run concurrently; selfcheck: $(grep -c PASS "$LOGS/selfcheck.log") PASS)"
   fi
 }
 mps_stop() { [ "$mode" = on ] && echo quit | timeout 10 nvidia-cuda-mps-control; sleep 1; }
@@ -56,8 +56,10 @@ step() {
   if [ "$cap" -lt 25 ]; then echo "STEP $name SKIPPED (only $(left)s left)"; return 0; fi
   local t=$SECONDS
   echo "=== STEP $name (cap ${cap}s, MODE=$mode, $(date -u +%H:%M:%S))"
-  timeout -k 5 "$cap" "$@" 2>&1 | grep -v -E "RuntimeWarning: zbccl: torch .* is untested|native.prepare\(world_size|FutureWarning: .enable_symm_mem_for_group|^  enable\(self.group\)|^  backend_class = creator_fn" | tee "$OUT/$name.log"
+  # the whole output in $LOGS/NAME.log; on stdout all but the kernel script's per-case PASS lines
+  timeout -k 5 "$cap" "$@" 2>&1 | grep --line-buffered -v -E "RuntimeWarning: zbccl: torch .* is untested|native.prepare\(world_size|FutureWarning: .enable_symm_mem_for_group|^  enable\(self.group\)|^  backend_class = creator_fn" | tee "$LOGS/$name.log" | grep --line-buffered -v -E "^CHECK w[0-9]+_.* PASS"
   local rc=${PIPESTATUS[0]}
+  echo "($(grep -c -E '^CHECK .* PASS' "$LOGS/$name.log") CHECK PASS lines in $name.log)"
   echo "STEP $name rc=$rc $((SECONDS - t))s"
   if [ "$rc" != 0 ] && [ "$mode" = on ] && [ "$DRY" = 0 ]; then  # a clean server for the next step
     mps_stop; mps_start
@@ -67,34 +69,37 @@ step() {
 echo "gpu_final: $(date -u +%Y-%m-%dT%H:%M:%SZ) $(git rev-parse --short HEAD 2>/dev/null || echo '?') budget ${TOTAL}s"
 if [ "$DRY" = 1 ]; then
   step rehearsal-w2 "$TOTAL" "$PY" -m zbccl.bench.gpu --interpret --quick --worlds 2 --replays 3 --heap 64M \
-    --budget $(( TOTAL - 20 )) --json "$OUT/w2.json"
+    --budget $(( TOTAL - 20 )) --json "$LOGS/w2.json"
   exit 0
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -1
 mps_start
 # zbccl's native core (the CPU heap's; ~25 s on a fresh machine), built beside step 1, which needs none
-"$PY" -c "from zbccl import native; native.prepare(world_size=2)" > "$OUT/native.log" 2>&1 &
+"$PY" -c "from zbccl import native; native.prepare(world_size=2)" > "$LOGS/native.log" 2>&1 &
 native_pid=$!
 # 1. the kernels alone, worlds 2 and 4 (20 s each at most)
 step kernels 45 "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout 20
 for _ in $(seq 60); do kill -0 "$native_pid" 2>/dev/null || break; sleep 1; done
-kill "$native_pid" 2>/dev/null; wait "$native_pid"; echo "native build rc=$? $(tail -c 300 "$OUT/native.log" | tr '\n' ' ')"
+kill "$native_pid" 2>/dev/null; wait "$native_pid"; echo "native build rc=$? $(tail -c 300 "$LOGS/native.log" | tr '\n' ' ')"
 # 2./3. the full stack per world: cases, then bench (each world its own processes and budget)
 cap() { local l=$(( $(left) - 10 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 for w in 2 4; do
   c=$(cap 60)
   step "w$w-cases" "$c" "$PY" -m zbccl.bench.gpu --only cases --quick --worlds "$w" --replays 100 \
-    --budget $((c - 3)) --json "$OUT/w$w-cases.json"
+    --budget $((c - 3)) --json "$LOGS/w$w-cases.json"
   c=$(cap 45)
   step "w$w-bench" "$c" "$PY" -m zbccl.bench.gpu --only bench --quick --worlds "$w" --budget $((c - 3)) \
-    --mode "$mode" --json "$OUT/w$w-bench.json"
+    --mode "$mode" --json "$LOGS/w$w-bench.json"
 done
 mps_stop
 # 4. the table and the summary
 echo
+echo "=== KERNELS ALONE (scripts/triton_kernels_gpu.py, rank 0's view, MODE=$mode)"
+grep -h -E "^# world|^op |^memcpy|^zbccl_|^symm_mem" "$LOGS/kernels.log" 2>/dev/null
+echo
 echo "=== TABLE for docs/benchmarks.md (MODE=$mode; H100 rows: every rank on GPU 0)"
-grep -h -E "^GPU bench|^\| " "$OUT"/w2-bench.log "$OUT"/w4-bench.log 2>/dev/null | awk '!(/^\| W \||^\|---/ && seen[$0]++)'
+grep -h -E "^GPU bench|^\| " "$LOGS"/w2-bench.log "$LOGS"/w4-bench.log 2>/dev/null | awk '!(/^\| W \||^\|---/ && seen[$0]++)'
 echo
 echo "=== SUMMARY (MODE=$mode, $((SECONDS - T0))s)"
-grep -h -E "^CHECK .* (FAIL|SKIP)|^FIRST-ERROR \[rank [0-9]+\] [^n]" "$OUT"/*.log | cut -c1-400 | head -40
-grep -h "^CHECK " "$OUT"/*.log | awk '{n++; if ($3 == "PASS") p++} END {print "CHECK lines: " p "/" n " PASS"}'
+grep -h -E "^CHECK .* (FAIL|SKIP)|^FIRST-ERROR \[rank [0-9]+\] [^n]" "$LOGS"/*.log | cut -c1-400 | head -40
+grep -h "^CHECK " "$LOGS"/*.log | awk '{n++; if ($3 == "PASS") p++} END {print "CHECK lines: " p "/" n " PASS"}'
