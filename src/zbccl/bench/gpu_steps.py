@@ -8,6 +8,8 @@ agreeing after each case.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -186,7 +188,8 @@ def pg_cases(rk: Rank) -> list[tuple[str, bool, str]]:
     dt, n = torch.bfloat16, 1001
     P = lambda q, shape, it=0: payload(q, shape, dt, it=it)  # noqa: E731
     summed = lambda shape, it=0: reduce_ref([P(q, shape, it) for q in range(W)], "sum", dt)  # noqa: E731
-    pg = dist.new_group(list(range(W)), backend="zbccl")
+    # the group's timeout bounds its kernels' waits (torch's default, 30 minutes, would outlive the world)
+    pg = dist.new_group(list(range(W)), backend="zbccl", timeout=timedelta(seconds=rk.timeout))
 
     def sync_ops():
         t = rk.empty((n,), dt)
