@@ -5,13 +5,15 @@
 # guarded (its own timeout, printed `STEP <name> rc=<rc> <s>s`, then the next step runs):
 #   0. MPS, started as the lead's run2.sh does (nvidia-cuda-mps-control -d, then the CUDA transport's
 #      selfcheck under it); if either fails, time-slicing. Every figure below says which (MODE=...).
-#   1. kernels: the Triton kernels alone (scripts/triton_kernels_gpu.py: no CUDA transport, CUDA IPC
-#      buffers) at worlds 2 and 4, with its bench rows (zbccl vs memcpy vs torch symm_mem one-shot).
-#   2. the full stack at world 2: every op (--quick), heap_scope, torch.distributed, graph capture of
-#      every op and the decode step replayed 100 times; then the bench rows (4 KiB .. 64 MiB, zbccl auto/
+#      zbccl's native core builds meanwhile (~25 s on a fresh machine).
+#   1. the full stack at world 2: every op (--quick), heap_scope, graph capture of every op and the decode
+#      step replayed 100 times, torch.distributed; then the bench rows (4 KiB .. 64 MiB, zbccl auto/
 #      one-shot/two-shot/graph vs device memcpy, torch SymmetricMemory one-shot/two-shot, staged memcpy).
-#   3. the same at world 4.
-#   4. the compact table for docs/benchmarks.md (both worlds), and the summary of every CHECK line.
+#   2. the same at world 4.
+#   3. kernels: the Triton kernels alone (scripts/triton_kernels_gpu.py: no CUDA transport, CUDA IPC
+#      buffers) at worlds 2 and 4 with its bench rows, in what time is left (about 30 kernel variants per
+#      world to compile: first, it would leave the full stack no time; last, the cache has most of them).
+#   4. the tables for docs/benchmarks.md, and every failed CHECK line and every rank's first error.
 # After a step that failed or was killed, MPS is restarted (a client killed in a spinning kernel can
 # leave the MPS server refusing new clients, which is what made world 4 of GPU run 2 fail at set-up).
 # --dry-run: no GPU: step 2's cases as the interpreter rehearsal (python -m zbccl.bench.gpu --interpret).
@@ -73,15 +75,13 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -1
-mps_start
-# zbccl's native core (the CPU heap's; ~25 s on a fresh machine), built beside step 1, which needs none
+# zbccl's native core (the CPU heap's; ~25 s on a fresh machine), built while MPS starts (which needs none)
 "$PY" -c "from zbccl import native; native.prepare(world_size=2)" > "$LOGS/native.log" 2>&1 &
 native_pid=$!
-# 1. the kernels alone, worlds 2 and 4 (20 s each at most)
-step kernels 45 "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout 20
+mps_start
 for _ in $(seq 60); do kill -0 "$native_pid" 2>/dev/null || break; sleep 1; done
 kill "$native_pid" 2>/dev/null; wait "$native_pid"; echo "native build rc=$? $(tail -c 300 "$LOGS/native.log" | tr '\n' ' ')"
-# 2./3. the full stack per world: cases, then bench (each world its own processes and budget)
+# 1./2. the full stack per world: cases, then bench (each world its own processes and budget)
 cap() { local l=$(( $(left) - 10 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 for w in 2 4; do
   c=$(cap 60)
@@ -91,6 +91,14 @@ for w in 2 4; do
   step "w$w-bench" "$c" "$PY" -m zbccl.bench.gpu --only bench --quick --worlds "$w" --budget $((c - 3)) \
     --mode "$mode" --json "$LOGS/w$w-bench.json"
 done
+# 3. the kernels alone (no CUDA transport: CUDA IPC buffers), with what is left (its ~30 kernel variants per
+# world compile first: after the full stack, the triton cache has many of them)
+l=$(( $(left) - 12 ))
+if [ "$l" -ge 30 ]; then
+  step kernels "$l" "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout $(( (l - 8) / 2 ))
+else
+  echo "STEP kernels SKIPPED (only $(left)s left)"
+fi
 mps_stop
 # 4. the table and the summary
 echo

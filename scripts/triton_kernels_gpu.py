@@ -351,7 +351,7 @@ def worker(rank, W, device, inboxes, barrier, results, bench, port):
             r, h, p = inboxes[rank].get(timeout=120)
             bufs[r] = (h, p)
         transport = StandInTransport(dev, rank, bufs)
-        ops = DeviceOps(rank, range(W), transport, slot=1, timeout_s=30, barrier=barrier.wait)
+        ops = DeviceOps(rank, range(W), transport, slot=1, timeout_s=10, barrier=barrier.wait)
         alloc = Bump(heap)
         t0 = time.perf_counter()
         cases = _ops_cases(ops, alloc, W, rank, dev)
