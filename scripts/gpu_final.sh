@@ -109,5 +109,5 @@ echo "=== TABLE for docs/benchmarks.md (MODE=$mode; H100 rows: every rank on GPU
 grep -h -E "^GPU bench|^\| " "$LOGS"/w2-bench.log "$LOGS"/w4-bench.log 2>/dev/null | awk '!(/^\| W \||^\|---/ && seen[$0]++)'
 echo
 echo "=== SUMMARY (MODE=$mode, $((SECONDS - T0))s)"
-grep -h -E "^CHECK .* (FAIL|SKIP)|^FIRST-ERROR \[rank [0-9]+\] [^n]" "$LOGS"/*.log | cut -c1-400 | head -40
+grep -h -E "^CHECK .* (FAIL|SKIP)|^FIRST-ERROR \[rank [0-9]+\] [^n]|^ERROR " "$LOGS"/*.log | cut -c1-400 | head -40
 grep -h "^CHECK " "$LOGS"/*.log | awk '{n++; if ($3 == "PASS") p++} END {print "CHECK lines: " p "/" n " PASS"}'
