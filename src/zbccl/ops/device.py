@@ -67,7 +67,9 @@ class DeviceOps:
 
     Every op is a collective, enqueued on the current stream (on CUDA) without syncing the host, and
     can be captured in a CUDA graph (replays stay in step: the epochs live in device memory). Tensors
-    the peers read must be contiguous tensors of this heap (``zbccl.empty(..., device=...)``).
+    the peers read must be contiguous tensors of this heap (``zbccl.empty(..., device=...)``). The ops of
+    one DeviceOps share its kernel slot: they must be stream-ordered (one stream at a time, or streams
+    that wait on each other) and called from one thread at a time.
     """
 
     def __init__(self, rank_in_group: int, ranks: Sequence[int], transport: Transport, *, slot: int,

@@ -23,7 +23,7 @@ __all__ = [
     "A_FIELDS", "A_EPOCH", "A_OP", "A_GRID", "A_SPLITS", "ARG_WORDS", "ROW_BYTES",
     "ST_CODE", "ST_MISSING", "ST_BAD", "ST_FIELD", "ST_MINE", "ST_THEIRS", "ST_EPOCH", "ST_OP", "ST_WORDS",
     "S_TIMEOUT", "S_MISMATCH", "S_PEER_ERROR", "PHASE", "STEP_EXIT",
-    "KOP", "KOP_NAMES", "kernel_slot_bytes",
+    "KOP", "KOP_NAMES",
 ]
 
 #: Most ranks a kernel communicator may have (signal words per block, split entries per argument row).
@@ -68,11 +68,6 @@ STEP_EXIT = PHASE - 1
 KOP = {"BARRIER": 1, "ALL_REDUCE": 2, "ALL_GATHER": 3, "REDUCE_SCATTER": 4, "ALL_TO_ALL": 5, "BROADCAST": 6,
        "ERROR": 15}
 KOP_NAMES = {v: k.lower() for k, v in KOP.items()}
-
-
-def kernel_slot_bytes() -> int:
-    """Bytes of one kernel slot (a multiple of 1 KiB)."""
-    return KSLOT_BYTES
 
 
 assert K_STATUS + ST_WORDS * 8 <= K_STAMP, "the status words overlap the timer stamps"
