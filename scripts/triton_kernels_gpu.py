@@ -335,6 +335,9 @@ def worker(rank, W, device, inboxes, barrier, results, bench, port):
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         if device == "cuda":
             torch.cuda.set_device(0)
+            if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):  # MPS: the W launches must fit on GPU 0 together
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                DeviceOps.max_blocks = max(1, min(DeviceOps.max_blocks, sms // W))
         heap = torch.zeros(HEAP if device == "cuda" else 8 << 20, dtype=torch.uint8, device=dev)
         pad = torch.zeros(layout.kernel_pad_bytes(W), dtype=torch.uint8, device=dev)
         if device == "cpu":
@@ -348,7 +351,7 @@ def worker(rank, W, device, inboxes, barrier, results, bench, port):
             r, h, p = inboxes[rank].get(timeout=120)
             bufs[r] = (h, p)
         transport = StandInTransport(dev, rank, bufs)
-        ops = DeviceOps(rank, range(W), transport, slot=1, timeout_s=30, barrier=barrier.wait)
+        ops = DeviceOps(rank, range(W), transport, slot=1, timeout_s=10, barrier=barrier.wait)
         alloc = Bump(heap)
         t0 = time.perf_counter()
         cases = _ops_cases(ops, alloc, W, rank, dev)

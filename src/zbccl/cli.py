@@ -1,4 +1,4 @@
-"""The ``zbccl`` command: ``--version``, ``info``, ``bench``, ``bench-tp``, ``tune``, ``demo``, ``soak``, ``faults``,
+"""The ``zbccl`` command: ``--version``, ``info``, ``bench``, ``bench-gpu``, ``bench-tp``, ``tune``, ``demo``, ``soak``, ``faults``,
 ``build``."""
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=_size, default="16M", help="bytes per peer write (e.g. 4M)")
     demo.add_argument("--iters", type=_count(1, 1 << 30), default=20)
     sub.add_parser("build", help="compile and cache the native code now")
+    sub.add_parser("bench-gpu", add_help=False,
+                   help="CUDA: every op and graph capture checked, bench vs memcpy and torch SymmetricMemory "
+                        "(what scripts/gpu_check.sh runs; --help for its options)")
     tune = sub.add_parser("tune", help="measure this machine and save the algorithm table every rank loads")
     tune.add_argument("--world-size", "-n", type=_sizes_list, default=[2],
                       help="comma list of world sizes to tune, e.g. 2,4")
@@ -179,6 +182,11 @@ def _bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .errors import ZbcclInvalidUsageError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench-gpu"]:  # its own parser (python -m zbccl.bench.gpu): every option passes through
+        from .bench.gpu import main as gpu_main
+
+        return gpu_main(argv[1:], prog="zbccl bench-gpu")
     args = _parser().parse_args(argv)
     try:
         return _run(args)

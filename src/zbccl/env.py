@@ -233,6 +233,20 @@ HEAP_MAX: EnvVar[int | None] = EnvVar(
     "Most bytes a rank's heap may grow to when a request does not fit: auto (this rank's share of the "
     "host's free shared memory at init, at least the heap size), a size (e.g. 8G), or 0 (no growth).",
 )
+DEVICE: EnvVar[str] = EnvVar(
+    "ZBCCL_DEVICE", _choice("cpu", "cuda"), "cpu",
+    "Device heaps init() builds besides the CPU heap when it gets no device=: cpu (none) or cuda (a heap "
+    "in the current CUDA device's memory, for CUDA tensors).",
+)
+CUDA_HEAP_SIZE: EnvVar[int] = EnvVar(
+    "ZBCCL_CUDA_HEAP_SIZE", parse_size, 256 << 20,
+    "Default CUDA heap bytes per rank when init() builds one and gets no cuda_heap_size (e.g. 1G).",
+)
+CUDA_HEAP_MAX: EnvVar[int | None] = EnvVar(
+    "ZBCCL_CUDA_HEAP_MAX", _parse_heap_max, None,
+    "Most bytes a rank's CUDA heap may grow to: auto (the device's memory: only address space is "
+    "reserved, memory is taken as it grows), a size (e.g. 8G), or 0 (no growth).",
+)
 TIMEOUT: EnvVar[float] = EnvVar(
     "ZBCCL_TIMEOUT", parse_seconds, 300.0,
     "Default timeout in seconds of every blocking call (rendezvous, barrier, collective).",
@@ -388,6 +402,9 @@ JOB_COOKIE: EnvVar[str] = EnvVar(
 VARIABLES: tuple[EnvVar, ...] = (
     HEAP_SIZE,
     HEAP_MAX,
+    DEVICE,
+    CUDA_HEAP_SIZE,
+    CUDA_HEAP_MAX,
     TIMEOUT,
     CACHE_DIR,
     PREFAULT,

@@ -199,7 +199,7 @@ class _NoServer:
 
 def _squatted(ctx, how):
     import zbccl
-    from zbccl.heap.transports.shm import handout
+    from zbccl.heap.transports import handout
     from zbccl.heap.transports.shm import transport as shm
 
     squatters: list[subprocess.Popen] = []
@@ -309,7 +309,7 @@ def test_segment_with_wrong_cookie_is_refused_and_unmapped():
 
 def _fetch(job: str, token: str, *, timeout: float = 5.0) -> tuple[bytes, list[int]]:
     """Connect to rank 0's server of ``job`` from this process; what it sends back."""
-    from zbccl.heap.transports.shm.handout import sock_name
+    from zbccl.heap.transports.handout import sock_name
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -324,7 +324,7 @@ def _fetch(job: str, token: str, *, timeout: float = 5.0) -> tuple[bytes, list[i
 def test_server_answers_only_members_and_vanishes_when_stopped():
     # In one process: SO_PEERCRED of our own connections is our pid, so a
     # member list without it must get nothing, and one with it the descriptor.
-    from zbccl.heap.transports.shm.handout import FdServer, Member
+    from zbccl.heap.transports.handout import FdServer, Member
 
     fd = os.memfd_create("zbccl-test-handout", os.MFD_CLOEXEC)
     try:
@@ -353,8 +353,8 @@ def test_server_answers_only_members_and_vanishes_when_stopped():
 
 
 def test_local_ranks_must_share_one_uid():
-    from zbccl.heap.transports.shm.handout import Member
-    from zbccl.heap.transports.shm.handout import check_uids as _check_uids
+    from zbccl.heap.transports.handout import Member
+    from zbccl.heap.transports.handout import check_uids as _check_uids
 
     me = Member(0, 1, 1000, "a", 1)
     assert _check_uids(me, {1: Member(1, 2, 1000, "b", 2)}) is None

@@ -1,4 +1,4 @@
-"""What a newcomer meets first: heap tensors' device argument, the CUDA backend name refused, ``zbccl info``."""
+"""What a newcomer meets first: heap tensors' device argument, the backend's devices, ``zbccl info``."""
 
 from __future__ import annotations
 
@@ -25,17 +25,36 @@ def test_heap_tensors_take_a_cpu_device(world1) -> None:
         assert t.device.type == "cpu" and zbccl.is_heap_tensor(t)
     assert zbccl.zeros(2, 3, device="cpu").sum() == 0
     assert zbccl.is_heap_tensor(zbccl.empty_like(torch.ones(3), device="cpu"))
-    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: the heap holds CPU tensors only .* expected "
-                                                           "device 'cpu', got 'cuda'"):
+    # a job without a CUDA heap (init(device="cuda") builds one): a clear error, nothing allocated
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match=r"empty: no cuda heap in this job, expected one built "
+                                                           r"at init \(init\(device='cuda'\).*got heaps for \['cpu'\]"):
         zbccl.empty(4, device="cuda")
-    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: bad device, expected 'cpu', got 'nowhere'"):
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: no heap on that device, expected 'cpu' or "
+                                                           "'cuda', got 'meta'"):
+        zbccl.empty(4, device="meta")
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="memory_stats: no cuda heap in this job"):
+        zbccl.memory_stats(device="cuda")
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="empty: bad device, expected 'cpu' or 'cuda', got "
+                                                           "'nowhere'"):
         zbccl.zeros(4, device="nowhere")
+    assert zbccl.memory_stats()["active_blocks"] == zbccl.memory_stats(device="cpu")["active_blocks"]
+    with pytest.raises(zbccl.ZbcclInvalidUsageError, match="heap_scope: no cuda heap in this job"):
+        with zbccl.heap_scope(device="cuda"):
+            pass
 
 
-def test_the_cuda_backend_name_is_refused() -> None:
-    with pytest.raises(Exception, match="zbccl runs CPU tensors only .* expected backend 'zbccl' or 'cpu:zbccl'"):
-        dist.init_process_group("cuda:zbccl", store=dist.HashStore(), rank=0, world_size=1)
-    assert not dist.is_initialized() and not zbccl.is_initialized()
+def test_the_backend_registers_cpu_and_cuda(monkeypatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert dist.Backend.backend_capability["zbccl"] == ["cpu", "cuda"]
+    dist.init_process_group("cuda:zbccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # torch hands a Python process group the whole group: CPU tensors reach zbccl too
+        t = torch.arange(5.0)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.arange(5.0)) and zbccl.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    assert not zbccl.is_initialized()
 
 
 def test_info_shows_values_as_a_person_reads_them() -> None:

@@ -128,7 +128,7 @@ def test_a_forgery_only_one_rank_read_fails_every_rank():
                                  b'{"pid": 5, "uid": 0, "token": "' + b"a" * 32 + b'", "cookie": 1e300}',
                                  b'{"pid": true, "uid": 0, "token": "' + b"a" * 32 + b'", "cookie": 1}'])
 def test_init_records_are_parsed_strictly(raw):
-    from zbccl.heap.transports.shm.handout import member_of as _member_of
+    from zbccl.heap.transports.handout import member_of as _member_of
 
     with pytest.raises(ZbcclRemoteError) as info:
         _member_of(3, raw)

@@ -33,12 +33,19 @@ def test_several_cpu_hosts_route_remote_ranks_to_mooncake():
     assert transports.select(_topo(["a", "a"]), "cpu") is ShmTransport
 
 
-def test_cuda_is_reserved_and_a_missing_mooncake_says_how_to_install():
+def test_cuda_is_the_cuda_transport_and_a_missing_mooncake_says_how_to_install():
     from zbccl.errors import ZbcclSystemError
+    from zbccl.heap.transports.cuda.transport import CudaTransport
     from zbccl.heap.transports.mooncake import MooncakeTransport, missing_reason
 
-    with pytest.raises(ZbcclInvalidUsageError, match="no transport for device cuda.*planned: cuda"):
-        transports.select(_topo(["a", "a"]), "cuda")
+    assert transports.select(_topo(["a", "a"]), "cuda") is CudaTransport
+    assert transports.select(_topo(["a", "a"]), "cuda:1") is CudaTransport
+    assert transports.select(_topo(["a", "b"]), "cuda") is CudaTransport  # each host maps its own ranks
+    t = transports.create(_topo(["a", "a"]), "cuda")  # nothing touches CUDA before establish
+    assert t.name == "cuda" and t.device.type == "cuda" and t.stream is None
+    t.close(unmap=True)
+    with pytest.raises(ZbcclInvalidUsageError, match="no transport for device meta.*expected device cpu"):
+        transports.select(_topo(["a", "a"]), "meta")
     assert transports.resolve("mooncake") is MooncakeTransport  # importable without the wheel
     if missing_reason():
         with pytest.raises(ZbcclSystemError, match=r"pip install 'zbccl\[internode\]'"):
@@ -69,3 +76,10 @@ def test_a_missing_libibverbs_says_so(monkeypatch):
 def test_shm_refuses_a_device_it_cannot_hold():
     with pytest.raises(ZbcclInvalidUsageError, match="expected device cpu"):
         ShmTransport(device="cuda")
+
+
+def test_cuda_refuses_a_host_device():
+    from zbccl.heap.transports.cuda.transport import CudaTransport
+
+    with pytest.raises(ZbcclInvalidUsageError, match="expected a cuda device, got cpu"):
+        CudaTransport(device="cpu")

@@ -60,3 +60,25 @@ def test_all_gather_copies_eight_byte_words(tmp_path, monkeypatch):
     ptx = _ptx(k.all_gather_kernel, {"W": 2, "CDT": 5, "ESZ": 1, "VAR": False, "ROWS": False, "SKIP_SELF": False,
                                      "BLOCK": 8192, "KW": 16, "INTERP": False}, tmp_path, monkeypatch)
     assert {"ld.global.v2.b64", "st.global.v2.b64"} <= _accesses(ptx)
+
+
+def test_every_kernel_compiles_with_any_int_argument_specialised_to_one(tmp_path, monkeypatch):
+    """On a GPU, triton turns an int argument equal to 1 into a constexpr (a plain int in the kernel): rank 1's
+    ``me``, a count of 1. A kernel that calls a tensor method on such an argument (``me.to(...)``) compiles
+    on rank 0 and fails on rank 1 only, whose peers then wait for it (GPU run 2's reduce_scatter hang)."""
+    from zbccl.native.triton import kernels as k
+    from zbccl.native.triton.prims import INTERPRET
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    common = {"BLOCK": 1024, "KW": 16, "INTERP": False}
+    variants = [
+        (k.all_reduce_kernel, {"W": 2, "DT": 0, "ESZ": 4, "RED": 0, "TWO_SHOT": True, "INPLACE": False}),
+        (k.all_gather_kernel, {"W": 2, "CDT": 7, "ESZ": 4, "VAR": False, "ROWS": False, "SKIP_SELF": False}),
+        (k.reduce_scatter_kernel, {"W": 2, "DT": 0, "ESZ": 4, "RED": 0, "VAR": False, "ROWS": False}),
+        (k.all_to_all_kernel, {"W": 2, "CDT": 7, "ESZ": 4, "VAR": False}),
+        (k.broadcast_kernel, {"W": 2, "CDT": 7, "ESZ": 4}),
+    ]
+    for fn, cx in variants:
+        ones = {a: 1 for a in ("me", "cnt", "inner", "outer", "root", "N") if a in fn.arg_names}
+        _ptx(fn, {**cx, **common, **ones}, tmp_path, monkeypatch)

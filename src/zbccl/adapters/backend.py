@@ -12,6 +12,11 @@ one dictionary entry in torch, nothing built or mapped. The work happens in
   ops listed in ``ZBCCL_FALLBACK_OPS`` and the bitwise reduce ops, and is the
   group's registered CPU backend for torch's C++-only paths.
 
+Devices: the backend registers ``cpu`` and ``cuda``. The process group torch
+gets takes every tensor of the group (torch hands a Python process group the
+whole group), and the ops route CUDA tensors to the communicator's CUDA heap
+(``ops/route.py``); the gloo fallback moves CUDA tensors through host copies.
+
 Initialisation fallback: when zbccl cannot start (``/dev/shm`` or memory too
 small, ranks on different hosts with no inter-host transport, zbccl not
 initialised for a sub-group), the ranks agree on it through the store and the
@@ -81,7 +86,7 @@ def register() -> None:
     if _registered:
         return
     if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
     _registered = True
 
 
@@ -154,10 +159,10 @@ def create(dist_opts, backend_opts=None):
     from .process_group import ProcessGroupZbccl
 
     device = _device_of_call()
-    if device not in (None, "cpu"):
+    if device not in (None, "cpu", "cuda"):
         raise ZbcclInvalidUsageError(
-            f"init_process_group: zbccl runs CPU tensors only (its CUDA transport is planned), expected backend "
-            f"'zbccl' or 'cpu:zbccl' (e.g. 'cpu:zbccl,cuda:nccl'), got 'zbccl' for device {device!r}")
+            f"init_process_group: zbccl runs CPU and CUDA tensors, expected backend 'zbccl', 'cpu:zbccl' or "
+            f"'cuda:zbccl', got 'zbccl' for device {device!r}")
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group)
     seconds = _seconds(dist_opts.timeout)

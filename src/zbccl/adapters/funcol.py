@@ -8,7 +8,7 @@ two most used by DTensor, ``all_gather_into_tensor`` and
 which the trampoline of torch 2.13 does not forward: they would run on the
 group's registered CPU backend (its inner gloo group).
 
-:func:`install` therefore adds CPU kernels for those two ops that run zbccl
+:func:`install` therefore adds CPU and CUDA kernels for those two ops that run zbccl
 when the group is a zbccl group, and for any other group call the ops' own
 ``_out`` forms (which is what torch's kernels do), so other backends are
 unaffected. It runs when the first zbccl group is created, never at import.
@@ -67,7 +67,7 @@ def _reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: int, group_
 
 
 def install() -> None:
-    """Register the CPU kernels above (once per process)."""
+    """Register the kernels above for CPU and CUDA tensors (once per process)."""
     global _lib
     with _lock:
         if _lib is not None:
@@ -77,6 +77,7 @@ def install() -> None:
         lib = torch.library.Library("_c10d_functional", "IMPL")
         with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
             warnings.simplefilter("ignore")
-            lib.impl("all_gather_into_tensor", _all_gather, "CPU")
-            lib.impl("reduce_scatter_tensor", _reduce_scatter, "CPU")
+            for key in ("CPU", "CUDA"):  # CUDA: the group's CUDA tensors (a Python group has no CUDA backend)
+                lib.impl("all_gather_into_tensor", _all_gather, key)
+                lib.impl("reduce_scatter_tensor", _reduce_scatter, key)
         _lib = lib

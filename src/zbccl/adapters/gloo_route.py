@@ -7,7 +7,8 @@ in ways a caller cannot see:
 
 * it reads and writes a non-contiguous tensor as if it were contiguous (the
   wrong elements, silently): here such tensors get contiguous stand-ins,
-  copied back after the op;
+  copied back after the op; a CUDA tensor gets a host stand-in the same way
+  (gloo's own CUDA support covers a few ops only);
 * some of its Works have no future (``reduce_scatter``) or report
   ``is_completed() == False`` after ``wait()``: here the gloo Work is waited
   inside the call and a zbccl Work returned, so the handle behaves like every
@@ -28,9 +29,11 @@ from collections.abc import Callable
 import torch
 import torch._C._distributed_c10d as _c10d
 
+from ..errors import ZbcclInvalidUsageError
+from ..ops.route import capturing
 from .work import CompletedWork, PendingWork
 
-__all__ = ["Stand", "on_gloo", "p2p_work", "allgather_list", "alltoall_list", "allgather_flat"]
+__all__ = ["Stand", "on_gloo", "p2p_work", "device_p2p", "allgather_list", "alltoall_list", "allgather_flat"]
 
 
 class Stand:
@@ -40,9 +43,17 @@ class Stand:
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_contiguous():
+        if t.is_contiguous() and t.device.type == "cpu":
             return t
-        c = t.contiguous()
+        if t.device.type != "cpu":  # a device tensor travels through a host copy (gloo runs on the host)
+            if capturing("cuda"):
+                raise ZbcclInvalidUsageError(
+                    "gloo fallback: this op runs on gloo (ZBCCL_FALLBACK_OPS, a bitwise reduce op, or zbccl could "
+                    "not start), which copies device tensors through the host, expected an op zbccl runs on the "
+                    "device inside a CUDA graph capture, got a capture in progress")
+            c = t.to("cpu", memory_format=torch.contiguous_format)
+        else:
+            c = t.contiguous()
         self._back.append((t, c))
         return c
 
@@ -106,7 +117,7 @@ def alltoall_list(gloo, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
     """``all_to_all`` list form on gloo; unequal sizes go through one flat ``alltoall_base`` with splits."""
     if all(t.shape == inputs[0].shape for t in [*inputs, *outputs]):
         return gloo.alltoall(stand.all(outputs), stand.all(inputs), _c10d.AllToAllOptions())
-    flat_in = torch.cat([t.reshape(-1) for t in inputs])
+    flat_in = torch.cat([t.reshape(-1) for t in inputs]).cpu()
     flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype)
     gloo.alltoall_base(flat_out, flat_in, [t.numel() for t in outputs], [t.numel() for t in inputs],
                        _c10d.AllToAllOptions()).wait()
@@ -130,6 +141,31 @@ def p2p_work(work, result: list[torch.Tensor], *, default_timeout: float, anysou
             work.wait(timedelta(seconds=timeout))
         if anysource:
             pending._source = work._source_rank()
+        return True
+
+    pending = PendingWork(result, step, default_timeout=default_timeout)
+    return pending
+
+
+def device_p2p(result: list[torch.Tensor], post: Callable[[list[torch.Tensor]], object], *, default_timeout: float,
+               anysource: bool = False, receive: bool) -> PendingWork:
+    """send/recv of CUDA tensors on gloo (zbccl's p2p mailboxes hold CPU tensors): through host copies, a
+    receive copied back into the device tensors once gloo's completes. ``post(host_tensors)`` starts gloo's op."""
+    if capturing("cuda"):
+        raise ZbcclInvalidUsageError("send/recv: CUDA tensors go through gloo with host copies, expected no CUDA "
+                                     "graph capture, got a capture in progress")
+    host = [t.to("cpu", memory_format=torch.contiguous_format) for t in result]
+    inner = p2p_work(post(host), host, default_timeout=default_timeout, anysource=anysource)
+
+    def step(timeout: float | None) -> bool:
+        if not inner._finish(timeout):
+            return False
+        inner.wait()  # raises gloo's error
+        if receive:
+            for t, h in zip(result, host):
+                t.copy_(h)
+        if anysource:
+            pending._source = inner._source
         return True
 
     pending = PendingWork(result, step, default_timeout=default_timeout)

@@ -26,19 +26,23 @@ from ..ops import (
 )
 from ..ops.dtypes import DTYPE_CODES
 
-__all__ = ["flat_view", "pack", "Unpacked", "as_bytes", "as_bytes_rows", "as_real", "check_dtypes", "allgather_list",
+__all__ = ["flat_view", "pack", "heap_empty", "Unpacked", "as_bytes", "as_bytes_rows", "as_real", "check_dtypes", "allgather_list",
            "reduce_scatter_list", "alltoall_list", "gather_list", "scatter_list", "reduce_to"]
 
 
-def check_dtypes(tensors: Sequence[torch.Tensor], dtype: torch.dtype, *, op: str, role: str) -> None:
-    """Raise on every rank alike when a list mixes dtypes (the flat buffer has one dtype)."""
+def check_dtypes(tensors: Sequence[torch.Tensor], dtype: torch.dtype, *, op: str, role: str,
+                 device: torch.device | None = None) -> None:
+    """Raise on every rank alike when a list mixes dtypes (the flat buffer has one dtype) or devices
+    (``device``: the op's other operand's; None: CPU)."""
+    device = torch.device("cpu") if device is None else device
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ZbcclInvalidUsageError(f"{op}: {role}[{i}] must be a tensor, got {type(t).__name__}")
         if t.dtype != dtype:
             raise ZbcclInvalidUsageError(f"{op}: {role}[{i}] has the wrong dtype, expected {dtype}, got {t.dtype}")
-        if t.device.type != "cpu":
-            raise ZbcclInvalidUsageError(f"{op}: {role}[{i}] must be a CPU tensor, got device {t.device}")
+        if t.device != device:
+            raise ZbcclInvalidUsageError(f"{op}: {role}[{i}] is on another device than the op's other tensors, "
+                                         f"expected {device}, got {t.device}")
 
 
 def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -55,27 +59,42 @@ def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
             return None
         addr += t.numel() * isz
     total = sum(t.numel() for t in tensors)
-    return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (total,))
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, first.storage_offset(), (total,))
 
 
-def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The tensors as one flat buffer: a view when possible, else one copy."""
+def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """The tensors as one flat buffer: a view when possible, else one copy (on a device: into a heap
+    tensor, which peers can read; the CPU ops stage a private one themselves)."""
     view = flat_view(tensors)
     if view is not None:
         return view
     if not tensors:
-        return torch.empty(0, dtype=dtype)
-    return torch.cat([t.reshape(-1) for t in tensors])
+        return torch.empty(0, dtype=dtype, device=device)
+    if tensors[0].device.type == "cpu":
+        return torch.cat([t.reshape(-1) for t in tensors])
+    flat = heap_empty(sum(t.numel() for t in tensors), dtype, tensors[0].device)
+    torch.cat([t.reshape(-1) for t in tensors], out=flat)
+    return flat
+
+
+def heap_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` elements a peer can read: a heap tensor on a device, a private one on the CPU (staged by the op)."""
+    if device.type == "cpu":
+        return torch.empty(n, dtype=dtype)
+    from .tensors import empty
+
+    return empty(n, dtype=dtype, device=device)
 
 
 class Unpacked:
     """A flat output buffer for ``tensors``; :meth:`finish` copies it back unless it was a view."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | None = None) -> None:
         self.tensors = list(tensors)
         view = flat_view(self.tensors)
         self.is_view = view is not None
-        self.flat = view if view is not None else torch.empty(sum(t.numel() for t in self.tensors), dtype=dtype)
+        self.flat = view if view is not None else torch.empty(sum(t.numel() for t in self.tensors), dtype=dtype,
+                                                              device=device)
 
     def finish(self) -> None:
         if self.is_view:
@@ -118,7 +137,7 @@ def as_bytes_rows(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in DTYPE_CODES or not t.is_contiguous() or t.dim() == 0:
         return as_bytes(t)
     if t.numel() == 0:  # no bytes move; view(rows, -1) cannot infer -1 of an empty tensor
-        return torch.empty((t.shape[0], 0), dtype=torch.uint8)
+        return torch.empty((t.shape[0], 0), dtype=torch.uint8, device=t.device)
     return t.view(t.shape[0], -1).view(torch.uint8)
 
 
@@ -131,13 +150,13 @@ def allgather_list(comm, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
     """Collective: ``outs[r]`` gets rank r's ``inp`` (sizes may differ per rank)."""
     op = "allgather"
     _length(outs, comm.world_size, op=op, role="output list")
-    check_dtypes(outs, inp.dtype, op=op, role="output_tensor_list")
+    check_dtypes(outs, inp.dtype, op=op, role="output_tensor_list", device=inp.device)
     if outs[comm.rank].numel() != inp.numel():
         raise ZbcclInvalidUsageError(
             f"{op}: output_tensor_list[{comm.rank}] must match this rank's input, expected "
             f"{inp.numel()} elements, got {outs[comm.rank].numel()}")
     sizes = [t.numel() for t in outs]
-    out = Unpacked(outs, inp.dtype)
+    out = Unpacked(outs, inp.dtype, inp.device)
     src = inp.reshape(-1)
     if all(s == sizes[0] for s in sizes):
         all_gather_into_tensor(as_bytes(out.flat), as_bytes(src), comm=comm)
@@ -150,13 +169,13 @@ def reduce_scatter_list(comm, out: torch.Tensor, ins: list[torch.Tensor], red: s
     """Collective: ``out`` gets the reduction of every rank's ``ins[rank]`` (sizes may differ per rank)."""
     op = "reduce_scatter"
     _length(ins, comm.world_size, op=op, role="input list")
-    check_dtypes(ins, out.dtype, op=op, role="input_list")
+    check_dtypes(ins, out.dtype, op=op, role="input_list", device=out.device)
     sizes = [t.numel() for t in ins]
     if sizes[comm.rank] != out.numel():
         raise ZbcclInvalidUsageError(
             f"{op}: input_list[{comm.rank}] must match the output, expected {out.numel()} elements, "
             f"got {sizes[comm.rank]}")
-    flat = pack(ins, out.dtype)
+    flat = pack(ins, out.dtype, out.device)
     dst = out.view(-1) if out.is_contiguous() else out.reshape(-1).clone()
     if all(s == sizes[0] for s in sizes):
         reduce_scatter_tensor(dst, flat, red, comm=comm)
@@ -172,10 +191,11 @@ def alltoall_list(comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor])
     _length(outputs, W, op="alltoall", role="output list")
     _length(inputs, W, op="alltoall", role="input list")
     dtype = inputs[0].dtype
-    check_dtypes(inputs, dtype, op="alltoall", role="input_tensor_list")
-    check_dtypes(outputs, dtype, op="alltoall", role="output_tensor_list")
-    out = Unpacked(outputs, dtype)
-    all_to_all_single(as_bytes(out.flat), as_bytes(pack(inputs, dtype)), [t.numel() for t in outputs],
+    device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else None
+    check_dtypes(inputs, dtype, op="alltoall", role="input_tensor_list", device=device)
+    check_dtypes(outputs, dtype, op="alltoall", role="output_tensor_list", device=device)
+    out = Unpacked(outputs, dtype, device)
+    all_to_all_single(as_bytes(out.flat), as_bytes(pack(inputs, dtype, device)), [t.numel() for t in outputs],
                       [t.numel() for t in inputs], comm=comm)
     out.finish()
 
@@ -185,10 +205,10 @@ def gather_list(comm, root: int, outs: list[torch.Tensor], inp: torch.Tensor) ->
     W, me = comm.world_size, comm.rank
     if me == root:
         _length(outs, W, op="gather", role="output list on the root")
-        check_dtypes(outs, inp.dtype, op="gather", role="gather_list")
+        check_dtypes(outs, inp.dtype, op="gather", role="gather_list", device=inp.device)
     else:
         outs = []
-    out = Unpacked(outs, inp.dtype)
+    out = Unpacked(outs, inp.dtype, inp.device)
     in_splits = [inp.numel() if r == root else 0 for r in range(W)]
     out_splits = [t.numel() for t in outs] if me == root else [0] * W
     all_to_all_single(as_bytes(out.flat), as_bytes(inp.reshape(-1)), out_splits, in_splits, comm=comm)
@@ -200,13 +220,13 @@ def scatter_list(comm, root: int, out: torch.Tensor, ins: list[torch.Tensor]) ->
     W, me = comm.world_size, comm.rank
     if me == root:
         _length(ins, W, op="scatter", role="input list on the root")
-        check_dtypes(ins, out.dtype, op="scatter", role="scatter_list")
+        check_dtypes(ins, out.dtype, op="scatter", role="scatter_list", device=out.device)
     else:
         ins = []
-    dst = Unpacked([out], out.dtype)
+    dst = Unpacked([out], out.dtype, out.device)
     in_splits = [t.numel() for t in ins] if me == root else [0] * W
     out_splits = [out.numel() if r == root else 0 for r in range(W)]
-    all_to_all_single(as_bytes(dst.flat), as_bytes(pack(ins, out.dtype)), out_splits, in_splits, comm=comm)
+    all_to_all_single(as_bytes(dst.flat), as_bytes(pack(ins, out.dtype, out.device)), out_splits, in_splits, comm=comm)
     dst.finish()
 
 
@@ -221,7 +241,9 @@ def reduce_to(comm, root: int, t: torch.Tensor, red: str) -> None:
 
     W, me = comm.world_size, comm.rank
     if not t.is_contiguous():
-        tmp = t.contiguous()
+        tmp = heap_empty(t.numel(), t.dtype, t.device).view(t.shape) if t.device.type != "cpu" else t.contiguous()
+        if tmp.device.type != "cpu":
+            tmp.copy_(t)
         all_reduce(tmp, red, comm=comm)
         if me == root:
             t.copy_(tmp)
@@ -229,8 +251,8 @@ def reduce_to(comm, root: int, t: torch.Tensor, red: str) -> None:
     flat = t.view(-1)
     n = flat.numel()
     counts = [n // W + (1 if r < n % W else 0) for r in range(W)]
-    part = torch.empty(counts[me], dtype=t.dtype)
+    part = heap_empty(counts[me], t.dtype, t.device)  # the all_to_all's input: peers (the root) read it
     reduce_scatter_v(part, flat, counts, red, comm=comm)
-    out = flat if me == root else torch.empty(0, dtype=t.dtype)
+    out = flat if me == root else torch.empty(0, dtype=t.dtype, device=t.device)
     all_to_all_single(out, part, counts if me == root else [0] * W, [counts[me] if r == root else 0 for r in range(W)],
                       comm=comm)

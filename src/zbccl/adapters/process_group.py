@@ -7,11 +7,17 @@ ranks (torch translates global ranks before it calls a process group), and a
 zbccl communicator numbers its members in the same sorted order, so they pass
 through unchanged.
 
-Host semantics: every collective blocks the calling thread until it is
+Host semantics: every CPU collective blocks the calling thread until it is
 complete on this rank (see :mod:`.work`). ``async_op=True`` is accepted; the
 op still completes inside the call and its Work is already complete; an
 error then travels in the Work (``wait()``, ``exception()``, the future)
 instead of raising at the call.
+
+CUDA tensors follow NCCL's semantics (``docs/cuda-ops.md``): the op is
+enqueued on the current stream and the host does not wait; with
+``async_op=True`` it runs on this group's side stream after the current
+stream's work, and its :class:`~.work.DeviceWork` (a CUDA event) makes the
+current stream wait in ``wait()``.
 
 Ops zbccl does not run (``ZBCCL_FALLBACK_OPS``, bitwise reduce ops, all of
 them after an initialisation fallback) run on the group's inner gloo group
@@ -39,6 +45,7 @@ from ..ops import (
 )
 from ..ops.dtypes import REDUCE_OPS, op_name
 from . import gloo_route
+from .device_work import cuda_barrier, launch
 from .list_forms import (
     allgather_list,
     alltoall_list,
@@ -91,9 +98,10 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     ``fallback`` holds the op keys (see :data:`~zbccl.adapters.backend.FALLBACK_KEYS`)
     that always run on ``gloo``. Made by the backend's creator, never directly.
 
-    Every collective is a collective over the group's members and blocks the host until it is
-    complete on this rank. ``async_op=True`` does not make it run in the background: the call
-    returns a Work that is already complete (its error, if any, inside it). Only receives
+    Every collective is a collective over the group's members. On CPU tensors it blocks the host until
+    it is complete on this rank, and ``async_op=True`` does not make it run in the background: the call
+    returns a Work that is already complete (its error, if any, inside it). On CUDA tensors it is
+    enqueued on a stream and never blocks the host (see the module docstring). Only receives
     (``irecv``) and sends of heap tensors (``isend``) return Works that complete later.
     """
 
@@ -108,6 +116,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._closed = False
+        self._side: dict[torch.device, torch.cuda.Stream] = {}  # async CUDA ops' streams (one per device)
         #: Why this group runs everything on gloo (None when zbccl runs it).
         self.fallback_reason = reason
 
@@ -140,16 +149,29 @@ class ProcessGroupZbccl(dist.ProcessGroup):
     def _zb(self, key: str) -> bool:
         return self._comm is not None and key not in self._fallback
 
-    def _done(self, opts, result: list[torch.Tensor], run: Callable[[], None]) -> dist.Work:
-        """Run ``run`` now; sync ops raise, async ops carry the error in their Work."""
+    def _done(self, opts, result: list[torch.Tensor], run: Callable[[], None],
+              inputs: tuple[torch.Tensor, ...] = ()) -> dist.Work:
+        """Run ``run`` now; sync ops raise, async ops carry the error in their Work. CUDA ops are enqueued (on
+        the current stream; async ones on this group's side stream, see :meth:`_device_async`)."""
         if not getattr(opts, "asyncOp", False):
             run()
             return _SYNC_DONE  # a sync call's Work is only waited on (torch drops it): one shared object
+        if result and isinstance(result[0], torch.Tensor) and result[0].is_cuda:
+            return self._device_async(result, inputs, run)
         try:
             run()
         except Exception as exc:  # noqa: BLE001 - the Work hands it to wait()/exception()/the future
             return CompletedWork(result, exc)
         return CompletedWork(result)
+
+    def _device_async(self, result: list[torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                      run: Callable[[], None]) -> dist.Work:
+        """An ``async_op=True`` CUDA collective on this group's side stream (see :func:`.device_work.launch`)."""
+        device = result[0].device
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        return launch(self._comm, side, result, inputs, run)
 
     def _g(self, opts, result: list[torch.Tensor], call) -> dist.Work:
         """Run an op on the inner gloo group to completion (see :mod:`.gloo_route` for why)."""
@@ -192,7 +214,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         comm = self._comm
 
         return self._done(opts, [t for outs in output_lists for t in outs], lambda: [
-            allgather_list(comm, outs, inp) for outs, inp in zip(output_lists, inputs)])
+            allgather_list(comm, outs, inp) for outs, inp in zip(output_lists, inputs)], tuple(inputs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
@@ -200,7 +222,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, [output], lambda s: gloo_route.allgather_flat(self._gloo, output, input, s))
         comm = self._comm
         return self._done(opts, [output], lambda: all_gather_into_tensor(as_bytes(output), as_bytes(input),
-                                                                         comm=comm))
+                                                                         comm=comm), (input,))
 
     _allgather_base = all_gather_single
 
@@ -213,7 +235,8 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         comm = self._comm
 
         return self._done(opts, outputs, lambda: [
-            all_gather_into_tensor(as_bytes(out), as_bytes(inp), comm=comm) for out, inp in zip(outputs, inputs)])
+            all_gather_into_tensor(as_bytes(out), as_bytes(inp), comm=comm) for out, inp in zip(outputs, inputs)],
+            tuple(inputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -247,7 +270,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         return self._done(opts, outputs, lambda: [
             reduce_scatter_list(comm, as_real(out, red, op=_RS), [as_real(i, red, op=_RS) for i in ins], red)
-            for out, ins in zip(outputs, input_lists)])
+            for out, ins in zip(outputs, input_lists)], tuple(t for ins in input_lists for t in ins))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
@@ -256,7 +279,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, [output], lambda s: self._gloo._reduce_scatter_base(s(output), s(input), opts))
         comm = self._comm
         return self._done(opts, [output], lambda: reduce_scatter_tensor(
-            as_real(output, red, op=_RS), as_real(input, red, op=_RS), red, comm=comm))
+            as_real(output, red, op=_RS), as_real(input, red, op=_RS), red, comm=comm), (input,))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -271,7 +294,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
 
         return self._done(opts, outputs, lambda: [
             reduce_scatter_tensor(as_real(out, red, op=_RS), as_real(inp, red, op=_RS), red, comm=comm)
-            for out, inp in zip(outputs, inputs)])
+            for out, inp in zip(outputs, inputs)], tuple(inputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -286,7 +309,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         outs = list(output_split_sizes) or None
         ins = list(input_split_sizes) or None
         return self._done(opts, [output], lambda: all_to_all_single(as_bytes_rows(output), as_bytes_rows(input),
-                                                                    outs, ins, comm=comm))
+                                                                    outs, ins, comm=comm), (input,))
 
     alltoall_base = all_to_all_single
 
@@ -296,7 +319,7 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, outputs, lambda s: gloo_route.alltoall_list(self._gloo, outputs, inputs, s))
         comm = self._comm
 
-        return self._done(opts, outputs, lambda: alltoall_list(comm, outputs, inputs))
+        return self._done(opts, outputs, lambda: alltoall_list(comm, outputs, inputs), tuple(inputs))
 
     # ------------------------------------------------------------ rooted ops
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
@@ -344,20 +367,33 @@ class ProcessGroupZbccl(dist.ProcessGroup):
             return self._g(opts, [], lambda s: self._gloo.barrier(opts))
         comm = self._comm
         timeout = timeout_seconds(opts.timeout)  # torch's "unset" is negative: the group's default
+        device = getattr(opts, "device", None)
+        if getattr(device, "type", None) == "cuda" and torch.cuda.is_initialized():
+            return self._done(opts, [], lambda: cuda_barrier(comm, device, timeout))
         return self._done(opts, [], lambda: barrier(comm=comm, timeout=timeout))
 
     # ------------------------------------------------------------ point to point
+    def _device_p2p(self, tensors, post, *, receive: bool, anysource: bool = False) -> dist.Work:
+        return gloo_route.device_p2p(tensors, post, default_timeout=self._gloo.options._timeout.total_seconds(),
+                                     anysource=anysource, receive=receive)
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].is_cuda:  # through gloo on host copies (zbccl's mailboxes are CPU memory)
+            return self._device_p2p(tensors, lambda h: self._gloo.send(h, dst, tag), receive=False)
         if self._p2p is None or not self._zb("send"):
             return self._p2p_gloo(self._gloo.send(tensors, dst, tag), tensors)
         return self._p2p.send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].is_cuda:
+            return self._device_p2p(tensors, lambda h: self._gloo.recv(h, src, tag), receive=True)
         if self._p2p is None or not self._zb("recv"):
             return self._p2p_gloo(self._gloo.recv(tensors, src, tag), tensors)
         return self._p2p.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].is_cuda:
+            return self._device_p2p(tensors, lambda h: self._gloo.recv_anysource(h, tag), receive=True, anysource=True)
         if self._p2p is None or not self._zb("recv"):
             return self._p2p_gloo(self._gloo.recv_anysource(tensors, tag), tensors, anysource=True)
         return self._p2p.recv(tensors, None, tag)

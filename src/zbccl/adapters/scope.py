@@ -1,4 +1,5 @@
-"""``with zbccl.heap_scope():`` puts this thread's CPU torch allocations in the rank's heap.
+"""``with zbccl.heap_scope():`` puts this thread's CPU torch allocations in the rank's heap
+(and, when the job has a CUDA heap, its CUDA allocations in that heap: :mod:`.cuda_scope`).
 
 Inside the scope every CPU allocation torch makes *on this thread* (``torch.empty``,
 op outputs, ``.clone()``...) is a block of the communicator's shared heap, so a
@@ -224,6 +225,13 @@ def _on_finalize(heap: Any) -> None:
     unregister_heap(heap.heap_base)
 
 
+def _on_finalize_cuda(heap: Any) -> None:
+    """``zbccl.finalize`` hook: end the CUDA heaps' pools before the heaps go away."""
+    from .cuda_scope import detach_all
+
+    detach_all()
+
+
 def _on_fork(heap: Any) -> None:
     """Fork hook, in the child: stop serving the parent's heap (its blocks are the parent's too).
 
@@ -283,7 +291,8 @@ def _resolve(comm: Any) -> Any:
     return comm
 
 
-# Every thread's open scopes, oldest first: ``[scope object, heap id (0: ordinary memory), strict]``.
+# Every thread's open scopes, oldest first: ``[scope object, heap id (0: ordinary memory), strict, cuda token]``
+# (the cuda token: :func:`.cuda_scope.enter`'s, None when the job has no CUDA heap).
 # The native state is always the top entry's; exiting removes the exiting scope's own entry wherever it is
 # (generators and ExitStacks may close scopes in any order), so what stays open stays in force.
 _open = threading.local()
@@ -298,24 +307,39 @@ def _open_scopes() -> list[list]:
 
 def _apply(stack: list[list]) -> None:
     """Set this thread's native scope state to the innermost scope still open (none: ordinary memory)."""
-    if stack:
+    if stack and (stack[-1][1] or _lib is not None):
         _hook().zbh_scope_enter(stack[-1][1], stack[-1][2])
     elif _lib is not None:
         _lib.zbh_scope_exit(0)
+    # else: ordinary CPU memory and the hook was never installed (a CUDA-only scope needs no native build)
 
 
 class HeapScope:
     """Context manager returned by :func:`heap_scope`; reusable, nestable, per thread, closable in any order."""
 
-    def __init__(self, comm: Any = None, *, strict: bool = False) -> None:
+    def __init__(self, comm: Any = None, *, strict: bool = False, device: str | None = None) -> None:
+        if device not in (None, "cpu", "cuda"):
+            raise ZbcclInvalidUsageError(f"heap_scope: bad device, expected None (all), 'cpu' or 'cuda', got {device!r}")
         self._comm = comm
         self._strict = bool(strict)
+        self._device = device
 
     def __enter__(self) -> HeapScope:
         comm = _resolve(self._comm)
-        heap_id = 0 if comm is None else _register(comm).heap_id  # None: a forked child, ordinary memory
+        cpu = self._device in (None, "cpu")
+        heap_id = _register(comm).heap_id if comm is not None and cpu else 0  # 0: ordinary memory
+        cuda = None
+        dh = getattr(getattr(comm, "_ctx", None), "device_heaps", {}).get("cuda")
+        if dh is None and self._device == "cuda" and comm is not None:
+            comm.device_heap("cuda", op="heap_scope")  # raises: this job has no CUDA heap
+        if dh is not None and self._device in (None, "cuda"):
+            from ..runtime.state import add_finalize_hook
+            from .cuda_scope import enter
+
+            add_finalize_hook(_on_finalize_cuda)
+            cuda = enter(dh, self._strict)
         stack = _open_scopes()
-        stack.append([self, heap_id, int(self._strict)])
+        stack.append([self, heap_id, int(self._strict), cuda])
         _apply(stack)
         return self
 
@@ -325,7 +349,11 @@ class HeapScope:
         stack = _open_scopes()
         for i in range(len(stack) - 1, -1, -1):  # this object's latest entry on this thread
             if stack[i][0] is self:
-                del stack[i]
+                cuda = stack.pop(i)[3]
+                if cuda is not None:
+                    from .cuda_scope import exit_scope
+
+                    exit_scope(cuda)
                 break
         else:  # a thread's allocator state is its own: another thread cannot end the scope
             raise ZbcclInvalidUsageError(
@@ -334,8 +362,10 @@ class HeapScope:
         _apply(stack)
 
 
-def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
-    """Within ``with heap_scope(comm):`` this thread's CPU torch allocations live in ``comm``'s heap.
+def heap_scope(comm: Any = None, *, strict: bool = False, device: str | None = None) -> HeapScope:
+    """Within ``with heap_scope(comm):`` this thread's CPU torch allocations live in ``comm``'s heap,
+    and its CUDA allocations in the job's CUDA heap when it has one (``init(device="cuda")``; through a
+    ``torch.cuda.MemPool``, see :mod:`zbccl.adapters.cuda_scope`).
 
     Covers every CPU allocation torch makes on the calling thread: factory
     functions, op outputs, clones, resizes. Other threads (and allocations
@@ -354,9 +384,13 @@ def heap_scope(comm: Any = None, *, strict: bool = False) -> HeapScope:
             ``torch.OutOfMemoryError`` whose message starts with
             ``heap_scope: heap out of memory (strict=True)``) from the
             allocating op, instead of falling back to ordinary memory
-            (counted in ``fallback_allocs`` of the SMA's stats).
+            (counted in ``fallback_allocs`` of the SMA's stats). On CUDA the
+            allocation fails with torch's CUDA out-of-memory error instead.
+        device: (keyword-only) None (default): CPU allocations, and CUDA ones when
+            the job has a CUDA heap; ``"cpu"``: only CPU ones; ``"cuda"``: only CUDA
+            ones (no native CPU hook is built; a clear error without a CUDA heap).
     """
-    return HeapScope(comm, strict=strict)
+    return HeapScope(comm, strict=strict, device=device)
 
 
 def hook_stats(comm: Any = None) -> dict[str, int]:

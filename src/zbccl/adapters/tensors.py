@@ -7,6 +7,11 @@ to the SMA. No explicit free exists.
 
 A :class:`~zbccl.heap.views.HeapHandle` is the picklable global address of a
 tensor; ``Communicator.peer_tensor`` turns it back into a bounds-checked view.
+
+``device="cuda"`` does the same on the job's CUDA heap (``init(device="cuda")``,
+:mod:`zbccl.runtime.device_heap`): the tensor is a CUDA tensor in this rank's
+CUDA heap, its handle says ``device="cuda"``, and a peer's view of it is a
+CUDA tensor aliasing the peer's device memory.
 """
 
 from __future__ import annotations
@@ -33,35 +38,42 @@ def _shape(size: tuple) -> tuple[int, ...]:
     return shape
 
 
-def _check_device(device: torch.device | str | None, op: str) -> None:
+def _heap_of(comm: Communicator, device: torch.device | str | None, op: str):
+    """``(heap, sma)`` of ``device``: the CPU heap for None/cpu, the job's CUDA heap for cuda."""
     if device is None:
-        return
+        return comm.heap, comm.sma
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError) as exc:
-        raise ZbcclInvalidUsageError(f"{op}: bad device, expected 'cpu', got {device!r} ({exc})") from None
-    if kind != "cpu":
-        raise ZbcclInvalidUsageError(
-            f"{op}: the heap holds CPU tensors only (a CUDA heap is planned), expected device 'cpu', got {device!r}")
+        raise ZbcclInvalidUsageError(f"{op}: bad device, expected 'cpu' or 'cuda', got {device!r} ({exc})") from None
+    if kind == "cpu":
+        return comm.heap, comm.sma
+    if kind != "cuda":
+        raise ZbcclInvalidUsageError(f"{op}: no heap on that device, expected 'cpu' or 'cuda', got {device!r}")
+    dh = comm.device_heap(device, op=op)
+    return dh.heap, dh.sma
 
 
 def empty(*size, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
           comm: Communicator | None = None) -> torch.Tensor:
-    """A contiguous, uninitialised CPU tensor in this rank's heap.
+    """A contiguous, uninitialised tensor in this rank's heap: the CPU heap, or the CUDA heap for ``device="cuda"``.
 
     Not collective. Its memory returns to the SMA when the last reference
-    dies. ``device``: ``"cpu"`` or None (the heap is CPU memory; any other device is refused).
-    Raises :class:`~zbccl.errors.ZbcclOutOfMemoryError` when the heap is full.
+    dies. ``device``: None or ``"cpu"`` (the CPU heap), ``"cuda"``/``"cuda:N"``
+    (the job's CUDA heap, on the device it was built on; a clear error when
+    init built none). Raises :class:`~zbccl.errors.ZbcclOutOfMemoryError` when the heap is full.
     """
-    _check_device(device, "empty")
     comm = resolve_comm(comm, op="empty")
+    heap, sma = _heap_of(comm, device, "empty")
     shape = _shape(size)
     dtype = dtype or torch.get_default_dtype()
     nbytes = math.prod(shape) * dtype.itemsize
-    sma = comm.sma
     offset = sma.malloc(max(nbytes, 1), kind="explicit")
-    heap = comm.heap
-    return heap.view(heap.rank, offset, shape, dtype, release=lambda: sma.free(offset), op="empty")
+    try:
+        return heap.view(heap.rank, offset, shape, dtype, release=lambda: sma.free(offset), op="empty")
+    except BaseException:
+        sma.free(offset)
+        raise
 
 
 def zeros(*size, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
@@ -72,50 +84,77 @@ def zeros(*size, dtype: torch.dtype | None = None, device: torch.device | str | 
 
 def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                comm: Communicator | None = None) -> torch.Tensor:
-    """A contiguous heap tensor with ``t``'s shape and dtype (or ``dtype``); always on the CPU."""
+    """A contiguous heap tensor with ``t``'s shape and dtype (or ``dtype``), on ``device``: by default
+    ``t``'s device, as ``torch.empty_like`` (a CUDA ``t``: the job's CUDA heap, a clear error when it has
+    none; pass ``device="cpu"`` for a CPU twin)."""
+    if device is None and isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        device = t.device
     return empty(tuple(t.shape), dtype=dtype or t.dtype, device=device, comm=comm)
 
 
+def _locate(c: Communicator, t: torch.Tensor) -> tuple[str, int]:
+    """``(heap name, offset)`` of the heap of ``c``'s job whose memory holds ``t``'s whole storage, else ``("", -1)``.
+
+    Each heap's transport checks the device itself, so a tensor is found in the heap that really holds it.
+    """
+    for name, heap in [("cpu", c.heap)] + [(k, dh.heap) for k, dh in c._ctx.device_heaps.items()]:
+        offset = heap.offset_of(t)
+        if offset >= 0:
+            return name, offset
+    return "", -1
+
+
 def is_heap_tensor(t: torch.Tensor, comm: Communicator | None = None) -> bool:
-    """True if ``t``'s whole storage lies in this rank's heap (False if zbccl is not initialized)."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+    """True if ``t``'s whole storage lies in one of this rank's heaps (CPU, CUDA) (False if zbccl is not initialized)."""
+    if not isinstance(t, torch.Tensor):
         return False
     if comm is None and get_default() is None:
         return False
-    return resolve_comm(comm).heap.offset_of(t) >= 0
+    return _locate(resolve_comm(comm), t)[1] >= 0
 
 
 def export(t: torch.Tensor, comm: Communicator | None = None) -> HeapHandle:
-    """The :class:`HeapHandle` of a tensor in this rank's heap. Not collective.
+    """The :class:`HeapHandle` of a tensor in one of this rank's heaps (``handle.device`` names which). Not collective.
 
-    Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` for a tensor outside the heap.
+    Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` for a tensor outside the heaps.
     """
     c = resolve_comm(comm)
-    offset = c.heap.offset_of(t) if isinstance(t, torch.Tensor) else -1
+    if not isinstance(t, torch.Tensor):
+        raise ZbcclInvalidUsageError(f"export: expected a torch.Tensor, got {type(t).__name__}")
+    kind, offset = _locate(c, t)
     if offset < 0:
         raise ZbcclInvalidUsageError(
-            "export: tensor is not in this rank's heap, expected one from zbccl.empty()/zeros() or "
-            f"heap_scope(), got a {t.device.type} tensor at {t.data_ptr():#x}")
+            f"export: tensor is not in this rank's heap, expected one from zbccl.empty()/zeros() or "
+            f"heap_scope() (device cpu{', cuda' if 'cuda' in c._ctx.device_heaps else ''}), got a "
+            f"{t.device} tensor at {t.data_ptr():#x}")
     return HeapHandle(rank=c.global_rank, offset=offset, shape=tuple(t.shape),
-                      stride=tuple(t.stride()), dtype=str(t.dtype).removeprefix("torch."))
+                      stride=tuple(t.stride()), dtype=str(t.dtype).removeprefix("torch."), device=kind)
 
 
-def memory_stats(comm: Communicator | None = None) -> dict:
-    """This rank's heap statistics. Not collective.
+def memory_stats(comm: Communicator | None = None, *, device: torch.device | str | None = None) -> dict:
+    """This rank's heap statistics (of the CPU heap, or of the CUDA heap with ``device="cuda"``). Not collective.
 
-    The SMA's keys (documented in ``zbccl.sma.STAT_KEYS``), plus the ``heap_scope`` allocator
-    hook's native counters prefixed ``scope_`` (``scope_hits``: allocations its native cache
-    served without entering Python or the SMA, ``scope_misses``, ... see
-    ``zbccl.adapters.scope.HOOK_COUNTERS``).
+    The SMA's keys (documented in ``zbccl.sma.STAT_KEYS``; ``staged_bytes``: what
+    collectives still had to copy into that heap), plus the ``heap_scope``
+    counters prefixed ``scope_``: for the CPU heap the native hook's
+    (``scope_hits``: allocations its native cache served without entering
+    Python or the SMA, ``scope_misses``, ... see ``zbccl.adapters.scope.HOOK_COUNTERS``),
+    for the CUDA heap the memory pool's (``zbccl.adapters.cuda_scope.POOL_COUNTERS``).
     """
     from .scope import hook_stats
 
     c = resolve_comm(comm)
-    stats = c.sma.stats()
-    stats.update({f"scope_{k}": v for k, v in hook_stats(c).items()})
+    heap, sma = _heap_of(c, device, "memory_stats")
+    stats = sma.stats()
+    if heap is c.heap:
+        stats.update({f"scope_{k}": v for k, v in hook_stats(c).items()})
+    else:
+        from .cuda_scope import pool_stats
+
+        stats.update({f"scope_{k}": v for k, v in pool_stats(sma).items()})
     return stats
 
 
-def memory_snapshot(comm: Communicator | None = None) -> list[dict]:
-    """Live and cached heap blocks of this rank, sorted by offset, for debugging."""
-    return resolve_comm(comm).sma.snapshot()
+def memory_snapshot(comm: Communicator | None = None, *, device: torch.device | str | None = None) -> list[dict]:
+    """Live and cached heap blocks of this rank (CPU heap, or ``device="cuda"``), sorted by offset, for debugging."""
+    return _heap_of(resolve_comm(comm), device, "memory_snapshot")[1].snapshot()

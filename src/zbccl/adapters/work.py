@@ -1,14 +1,17 @@
 """``Work`` objects the zbccl process group returns (torch's async handle).
 
-zbccl's collectives block the host until they are complete on this rank (the
-op is one handshake over shared memory; there is no device stream to enqueue
-on). So a collective's Work is created *completed*: with ``async_op=True``
+zbccl's CPU collectives block the host until they are complete on this rank
+(the op is one handshake over shared memory; there is no device stream to
+enqueue on). So a CPU collective's Work is created *completed*: with ``async_op=True``
 the op still ran inside the call, and ``wait()`` only reports its outcome.
 An op that failed under ``async_op=True`` does not raise at the call: its
 Work carries the error, and ``wait()``, ``exception()`` and the future give
 the :class:`~zbccl.errors.ZbcclError` subclass to the caller.
 
-Point-to-point receives are the exception: :class:`PendingWork` completes
+CUDA collectives are enqueued on a stream and never block the host: their
+Work is :class:`~.device_work.DeviceWork` (a CUDA event, NCCL's semantics).
+
+Point-to-point receives are the other exception: :class:`PendingWork` completes
 later (in ``wait()``, or while any other wait of the same group makes
 progress), so that ``irecv``/``isend`` pairs posted in any order never
 deadlock.

@@ -21,13 +21,15 @@ __all__ = ["HeapHandle", "view_heap", "live_views"]
 
 @dataclass(frozen=True)
 class HeapHandle:
-    """Global address of a heap tensor: owner rank (global), byte offset in its heap, layout."""
+    """Global address of a heap tensor: owner rank (global), byte offset in its heap, layout, and which
+    heap (``device``: ``"cpu"``, or ``"cuda"`` for the job's CUDA heap)."""
 
     rank: int
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: str
+    device: str = "cpu"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -58,7 +60,7 @@ def view_heap(heap: GlobalHeap, rank: int, handle: HeapHandle) -> torch.Tensor:
             f"got {handle.offset}")
     if handle.span_bytes() == 0:
         heap.check(rank, handle.offset, 0, op="peer_tensor")
-        return torch.empty(handle.shape, dtype=dtype)
+        return torch.empty(handle.shape, dtype=dtype, device=heap.transport.device)
     return heap.view(rank, handle.offset, handle.shape, dtype, stride=handle.stride, op="peer_tensor")
 
 

@@ -52,12 +52,13 @@ from ..native.abi import OP_ALL_REDUCE
 from ..runtime import registry
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null
+from . import null, route
 from .args import tensor_error
 from .channel import OpChannel, channel_of
 from .dtypes import SUM, dtype_code, reduce_op_code
 from .entry import run_op
 from .operands import Operand
+from .route import device_of
 from .tuner import choose
 
 __all__ = ["all_reduce", "bind_all_reduce"]
@@ -69,7 +70,8 @@ def all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = No
                timeout: float | None = None) -> torch.Tensor:
     """Collective: reduce ``tensor`` over all ranks, in place; returns ``tensor``.
 
-    ``tensor``: any shape, a CPU tensor. ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"``,
+    ``tensor``: any shape, a CPU tensor, or a CUDA heap tensor (enqueued on the current stream, see
+    :mod:`.route`; the host does not wait). ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"``,
     ``"product"`` or a ``torch.distributed.ReduceOp``. dtypes: float32/64, bfloat16, float16 and
     integers (avg: floats only). ``timeout``: seconds this op may wait (default: the
     communicator's). Blocks the host until every rank finished reading this rank's tensor.
@@ -126,6 +128,8 @@ def _all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = N
                 ch.hot_register(tensor, plan)
             return tensor
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
+    if error is not None and (device := device_of(_OP, tensor)) is not None:  # a CUDA tensor: the device ops
+        return route.all_reduce(comm, device, tensor, op, timeout)
     dt = red = 0
     if error is None:
         try:

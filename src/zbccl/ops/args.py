@@ -30,8 +30,8 @@ def tensor_error(t, role: str, *, op: str, written: bool = False) -> str | None:
     if t.layout != torch.strided:
         return f"{op}: {role} must be a dense (strided) tensor, got layout {t.layout}"
     if not t.is_cpu:
-        # Peers reach this rank's memory through host pointers; no device backend exists yet.
-        return f"{op}: {role} must be a CPU tensor (no device backend yet), got device {t.device}"
+        # CUDA tensors leave here for the device ops (ops/route.py); any other device has no backend.
+        return f"{op}: {role} must be a CPU tensor or a CUDA heap tensor, got device {t.device}"
     return written_error(t, role, op=op) if written else None
 
 

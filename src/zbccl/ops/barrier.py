@@ -27,6 +27,7 @@ from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_BARRIER, WHERE_BARRIER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
+from . import route
 from .diagnose import barrier_tags
 from .entry import open_op
 
@@ -72,15 +73,25 @@ def tagged_barrier(tag: int, *, comm: Communicator | None = None, timeout: float
 
 
 @collective("barrier", WHERE_BARRIER)
-def barrier(*, comm: Communicator | None = None, timeout: float | None = None) -> None:
+def barrier(*, comm: Communicator | None = None, timeout: float | None = None, device: str | None = None) -> None:
     """Collective: return once every rank of ``comm`` entered (``Communicator.barrier``).
 
     Blocks the host. Raises :class:`~zbccl.errors.ZbcclTimeoutError` naming the ranks that never
     arrived (and what each is doing), :class:`~zbccl.errors.ZbcclRemoteError` within about a
     liveness interval when a member died, finalized or left an op half-way, and
     :class:`~zbccl.errors.ZbcclInvalidUsageError` on every rank when a member runs another op.
+
+    ``device="cuda"``: a device barrier instead, enqueued on the current stream (later work on it starts
+    once every rank's stream reached the barrier); the host does not wait, and it can be captured in a
+    CUDA graph.
     """
-    comm.barrier(timeout)
+    if device is None or device == "cpu":
+        comm.barrier(timeout)
+        return
+    if device != "cuda" and device not in route._FAKE_DEVICES:
+        raise ZbcclInvalidUsageError(f"barrier: unsupported device, expected None, 'cpu' or 'cuda', got {device!r}")
+    if comm.world_size > 1:
+        route.barrier(comm, device, timeout)
 
 
 Communicator.barrier_engine = staticmethod(run_barrier)

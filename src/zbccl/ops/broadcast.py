@@ -16,12 +16,13 @@ from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_BROADCAST
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null
+from . import null, route
 from .args import rank_error, tensor_error, written_error
 from .channel import OpChannel
 from .dtypes import dtype_code
 from .entry import run_op
 from .operands import Operand
+from .route import device_of
 from .tuner import choose
 
 __all__ = ["broadcast"]
@@ -42,6 +43,8 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
     """
     W = comm.world_size
     error = tensor_error(tensor, "tensor", op=_OP)
+    if error is not None and (device := device_of(_OP, tensor)) is not None:  # a CUDA tensor: the device ops
+        return route.broadcast(comm, device, tensor, src, timeout)
     dt = 0
     if error is None:
         src, error = rank_error(src, W, op=_OP)

@@ -320,8 +320,17 @@ class DeviceOps:
             self._names[self._epoch] = name
         raise exc
 
+    #: Under the interpreter, plan launches as on a GPU (many 8 KiB tiles) instead of a few wide programs:
+    #: slower, but it runs the GPU's multi-block geometry (``python -m zbccl.bench.gpu --interpret``).
+    gpu_plan = False
+    #: Most blocks of one launch (every rank of a group must use the same). Each block b waits for block b
+    #: of every peer, so where the ranks share one GPU and run concurrently (MPS), the W launches must fit
+    #: on it together: the GPU check sets about SMs / W there (``bench/gpu_cases.py``).
+    max_blocks: int = g.MAX_BLOCKS
+
     def _plan(self, n: int, itemsize: int) -> tuple[int, int, int]:
-        return plan(n, itemsize, self._k.INTERPRET)
+        grid, block, warps = plan(n, itemsize, self._k.INTERPRET and not self.gpu_plan)
+        return min(grid, self.max_blocks), block, warps
 
     def _addr(self, t: torch.Tensor) -> int:
         """``t``'s address for a kernel; an empty tensor's (0, never dereferenced) becomes a valid 64-bit one,

@@ -32,7 +32,7 @@ import torch.autograd.profiler as _profiler
 from ..native.abi import OP_ALL_GATHER, OP_ALL_TO_ALL
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null
+from . import null, route
 from .args import (
     check_exchange,
     dim_index,
@@ -45,6 +45,7 @@ from .args import (
 from .channel import ERR_NOMEM, ERR_USAGE, OpChannel
 from .entry import run_op
 from .operands import is_strict
+from .route import device_of
 from .tuner import choose
 
 __all__ = ["all_gather_into_tensor", "all_gather_v", "all_to_all_single"]
@@ -96,6 +97,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, dim: in
     if dt is not None:  # the common case, already checked
         return _start(comm, "all_gather", output, input, None, None, 1, None, timeout, dt=dt)
     error = tensor_error(output, "output", op="all_gather", written=True) or tensor_error(input, "input", op="all_gather")
+    if error is not None and (device := device_of("all_gather", output, input)) is not None:  # CUDA: device ops
+        return route.all_gather(comm, device, output, input, 0, timeout)
     counts = [0] * W if error else [input.numel()] * W
     return _start(comm, "all_gather", output, input, counts, None, 1, error, timeout)
 
@@ -109,6 +112,8 @@ def _gather_along(comm, ch: OpChannel | None, output, input, dim: int, timeout) 
         return output  # the native hot entry (it checked the shapes)
     W = comm.world_size
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
+    if error is not None and (device := device_of(op, output, input)) is not None:  # CUDA: the device ops
+        return route.all_gather(comm, device, output, input, dim, timeout)
     blocks = 1
     if error is None:
         blocks, error = gather_dim_error(output, input, dim, W, op=op)
@@ -216,6 +221,8 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     """
     op = "all_gather_v"
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
+    if error is not None and (device := device_of(op, output, input)) is not None:  # CUDA: the device ops
+        return route.all_gather_v(comm, device, output, input, sizes, dim, timeout)  # sizes: a list or a tensor
     rows, size_error = index_list(sizes, "sizes", op=op)
     error = error or size_error
     blocks = 1
@@ -245,6 +252,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     """
     W, op = comm.world_size, "all_to_all"
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
+    if error is not None and (device := device_of(op, output, input)) is not None:  # CUDA: the device ops
+        return route.all_to_all(comm, device, output, input, output_split_sizes, input_split_sizes, timeout)
     ins = outs = [0] * W
     row = 1
     if error is None:

@@ -23,12 +23,13 @@ from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_REDUCE_SCATTER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null
+from . import null, route
 from .args import dim_index, index_list, overlap_error, tensor_error
 from .channel import OpChannel
 from .dtypes import dtype_code, reduce_op_code
 from .entry import run_op
 from .operands import Operand
+from .route import device_of
 from .tuner import choose
 
 __all__ = ["reduce_scatter_tensor", "reduce_scatter_v"]
@@ -53,6 +54,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", *
     """
     W = comm.world_size
     error = tensor_error(output, "output", op=_RS, written=True) or tensor_error(input, "input", op=_RS)
+    if error is not None and (device := device_of(_RS, output, input)) is not None:  # CUDA: the device ops
+        return route.reduce_scatter(comm, device, output, input, op, dim, timeout)
     if error is None and dim:
         return _along(comm, _RS, output, input, op, dim, None, timeout)
     counts = [0] * W if error else [output.numel()] * W
@@ -70,6 +73,8 @@ def reduce_scatter_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int]
     """
     op_name = "reduce_scatter_v"
     error = tensor_error(output, "output", op=op_name, written=True) or tensor_error(input, "input", op=op_name)
+    if error is not None and (device := device_of(op_name, output, input)) is not None:  # CUDA: the device ops
+        return route.reduce_scatter_v(comm, device, output, input, sizes, op, dim, timeout)  # a list or a tensor
     rows, size_error = index_list(sizes, "sizes", op=op_name)
     error = error or size_error
     if error is None and dim:

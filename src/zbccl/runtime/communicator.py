@@ -26,7 +26,7 @@ from ..heap.views import HeapHandle, view_heap
 from ..native.abi import WHERE_BARRIER, WHERE_STORE
 from .liveness import store_watch
 from .oplock import OpLock
-from .registry import guarded
+from .registry import check_usable, close_device_state, device_ops_factory, guarded
 from .slots import acquire_slot, check_slot_free, parse_slot_record, release_slot, reset_slot
 
 if TYPE_CHECKING:
@@ -66,6 +66,9 @@ class Communicator:
         #: The ops layer's per-communicator state (its op channel), created by the ops on first use.
         #: :meth:`destroy` calls its ``close()`` and drops it; this layer never looks inside.
         self.op_state: Any = None
+        #: The ops layer's device ops of this communicator, by device type (``"cuda"``): made on first use by
+        #: :meth:`device_ops` through the factory the ops layer registers (``registry.set_device_ops_factory``).
+        self.device_state: dict[str, Any] = {}
         #: The protocol its ops belong to when a rank leaves one half-way (``native/abi.py`` ``ABORT_WHERE``;
         #: 0: each op's own). EP's Buffer sets it on its private communicator.
         self.role = 0
@@ -152,9 +155,49 @@ class Communicator:
         when both allocated symmetrically). The view is bounds-checked against
         that rank's real heap size; an out-of-bounds handle raises
         :class:`~zbccl.errors.ZbcclInvalidUsageError` and touches nothing.
-        Not collective; does not block.
+        Not collective; does not block. A handle of a CUDA tensor (``handle.device == "cuda"``)
+        is applied to the job's CUDA heap, and the view is a CUDA tensor.
         """
-        return view_heap(self._ctx.heap, self._global(rank, "peer_tensor"), handle)
+        rank = self._global(rank, "peer_tensor")
+        kind = getattr(handle, "device", "cpu")
+        heap = self._ctx.heap if kind == "cpu" else self.device_heap(kind, op="peer_tensor").heap
+        return view_heap(heap, rank, handle)
+
+    def device_heap(self, device: str | torch.device = "cuda", *, op: str = "device_heap"):
+        """This job's heap on ``device`` (``"cuda"``): a :class:`~zbccl.runtime.device_heap.DeviceHeap`,
+        ``transport, heap, sma = comm.device_heap("cuda")`` (shared by every communicator of the process).
+
+        Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` when init built none (``init(device="cuda")``
+        or ``ZBCCL_DEVICE=cuda`` builds it) or ``device`` names another GPU than the heap's. Not collective.
+        """
+        import torch
+
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ZbcclInvalidUsageError(f"{op}: bad device, expected 'cuda', got {device!r} ({exc})") from None
+        dh = self._ctx.device_heaps.get(dev.type)
+        if dh is None:
+            raise ZbcclInvalidUsageError(
+                f"{op}: no {dev.type} heap in this job, expected one built at init (init(device='{dev.type}') or "
+                f"ZBCCL_DEVICE={dev.type}), got heaps for {['cpu', *self._ctx.device_heaps]}")
+        if dev.index is not None and dev.index != dh.device.index:
+            raise ZbcclInvalidUsageError(
+                f"{op}: the {dev.type} heap is on another device, expected {dh.device}, got {dev}")
+        return dh
+
+    def device_ops(self, device: str = "cuda", *, op: str = "device_ops") -> Any:
+        """This communicator's collectives over the ``device`` heap (``zbccl.ops.device.DeviceOps``): made on
+        first use, then cached. Collective on first use (every member zeroes its kernel slot, then a host
+        barrier): the first device collective of the communicator makes it on every rank. Each of its ops is enqueued on the current stream and
+        never blocks the host. Raises :class:`~zbccl.errors.ZbcclInvalidUsageError` when zbccl was initialized
+        without a heap on that device, or when first made inside a CUDA graph capture (make it before: the
+        capture may not allocate its pointer tables)."""
+        ops = self.device_state.get(device)
+        if ops is None:
+            check_usable(self, op)
+            ops = self.device_state[device] = device_ops_factory()(self, device, op)
+        return ops
 
     # -------------------------------------------------------------------- sync
     def _stopped(self) -> bool:
@@ -273,6 +316,7 @@ class Communicator:
         state, self.op_state = self.op_state, None
         if state is not None:  # the ops layer's channel: free its native half now
             state.close()
+        close_device_state(self)
         self._op_lock.wake()
         if self.rank == 0:
             release_slot(self._ctx.bootstrap, self.slot)

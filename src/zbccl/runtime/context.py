@@ -45,6 +45,9 @@ class Context:
     comms: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     #: Guards ``group_counts`` and slot bookkeeping (new_group may run on several communicators at once).
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Device heaps beside the CPU heap, by device type (``"cuda"``): :class:`~.device_heap.DeviceHeap`
+    #: ``(device, transport, heap, sma)``; empty unless init asked for one (see :mod:`.device_heap`).
+    device_heaps: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,13 +35,18 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 __all__ = ["collective", "guarded", "resolve_comm", "check_usable", "get_default", "set_default",
-           "is_initialized", "in_forked_child", "mark_forked_child", "note_fallback", "FINALIZED_WHILE_WAITING"]
+           "is_initialized", "in_forked_child", "mark_forked_child", "note_fallback", "FINALIZED_WHILE_WAITING",
+           "set_device_ops_factory", "device_ops_factory", "close_device_state"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_log = logging.getLogger("zbccl")
 
 _default: Communicator | None = None
 _forked_from: int | None = None  # pid of the parent whose communicator this process inherited
 _fallback: str | None = None  # why the 'zbccl' torch backend runs the world on gloo (resolve_comm says it)
+# Makes a communicator's device ops (``Communicator.device_ops``): registered by the ops layer, which this
+# layer may not import.
+_device_ops_factory: Callable[[Communicator, str, str], Any] | None = None
 
 
 def get_default() -> Communicator | None:
@@ -59,6 +65,35 @@ def note_fallback(reason: str | None) -> None:
     without a communicator (``zbccl.empty()``) then says so instead of only "not initialized"."""
     global _fallback
     _fallback = reason
+
+
+def set_device_ops_factory(factory: Callable[[Communicator, str, str], Any]) -> None:
+    """Register ``factory(comm, device, op) -> device ops`` (the ops layer does, at its import)."""
+    global _device_ops_factory
+    _device_ops_factory = factory
+
+
+def device_ops_factory() -> Callable[[Communicator, str, str], Any]:
+    if _device_ops_factory is None:  # only a process that imported zbccl.runtime without zbccl.ops
+        raise ZbcclInvalidUsageError("device_ops: the ops layer is not loaded, expected `import zbccl` first")
+    return _device_ops_factory
+
+
+def close_device_state(comm: Communicator) -> None:
+    """Drop ``comm``'s device ops (destroy, finalize): each one's ``close()`` if it has one; errors are logged."""
+    state = getattr(comm, "device_state", None)
+    if not state:
+        return
+    items = list(state.items())
+    state.clear()
+    for device, ops in items:
+        close = getattr(ops, "close", None)
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - teardown goes on
+            _log.info("zbccl: closing the %s ops of %r: %s", device, comm, exc)
 
 
 def is_initialized() -> bool:

@@ -24,7 +24,7 @@ from ..heap.capacity import auto_heap_max, check_capacity
 from ..heap.heap import GlobalHeap
 from ..heap.views import live_views
 from ..sma import CachingAllocator
-from . import registry
+from . import device_heap, registry
 from .communicator import Communicator
 from .context import Context
 from .liveness import init_watch, left_init
@@ -92,7 +92,8 @@ def _heap_max(heap_max: int | str | None, nbytes: int) -> int | None:
 
 def init(*, rank: int | None = None, world_size: int | None = None, init_method: str | None = None,
          store=None, group=None, heap_size: int | str | None = None, heap_max: int | str | None = None,
-         timeout: float | timedelta | None = None) -> Communicator:
+         timeout: float | timedelta | None = None, device: str | None = None,
+         cuda_heap_size: int | str | None = None, cuda_heap_max: int | str | None = None) -> Communicator:
     """Collective: join the job, build the shared heap, return the world communicator.
 
     With no arguments, reads the torchrun environment (``RANK``, ``WORLD_SIZE``,
@@ -102,7 +103,9 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
     ``ZBCCL_HEAP_MAX``: ``"auto"``) bounds how far it grows when a request does not
     fit; 0 means no growth. Blocks until every rank
     arrived or ``timeout`` (default ``ZBCCL_TIMEOUT``) expired, naming the
-    missing ranks.
+    missing ranks. ``device="cuda"`` (default ``ZBCCL_DEVICE``; implied by ``cuda_heap_size``) also
+    builds a CUDA heap on the current CUDA device, of ``cuda_heap_size`` bytes growing to
+    ``cuda_heap_max`` (see :mod:`zbccl.runtime.device_heap`); every rank must ask for it, or none.
     """
     with _lock:
         if in_forked_child():
@@ -113,6 +116,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         seconds = _timeout_seconds(timeout)
         nbytes = _heap_bytes(heap_size)
         max_bytes = _heap_max(heap_max, nbytes)
+        dev = device_heap.request(device, cuda_heap_size, cuda_heap_max)
         for var in env.VARIABLES:
             var.get()  # a bad value fails here, before any peer waits on this rank
         rdv = resolve(rank=rank, world_size=world_size, init_method=init_method, store=store,
@@ -123,7 +127,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         generation = _generation(rdv)
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
                               members=rdv.members, record=True)
-        ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds)
+        ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds, dev)
         comm = Communicator(ctx, range(rdv.world_size), 0, boot)
         boot.default_watch = comm.store_watch  # every later store wait of the world watches the liveness rule
         registry.set_default(comm)
@@ -131,11 +135,11 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         return comm
 
 
-def _hello(boot: StoreBootstrap, nbytes: int, max_bytes: int | None,
-           timeout: float) -> tuple[str, Topology, list[int], list[int | None]]:
+def _hello(boot: StoreBootstrap, nbytes: int, max_bytes: int | None, timeout: float,
+           dev: device_heap.Request | None = None) -> tuple[str, Topology, list[int], list[int | None], list]:
     info = local_host_info()
     payload = {"version": __version__, "host": info.to_dict(), "heap": nbytes, "heap_max": max_bytes,
-               "job": uuid.uuid4().hex[:12] if boot.rank == 0 else None}
+               "job": uuid.uuid4().hex[:12] if boot.rank == 0 else None, "cuda": dev and dev.to_hello()}
     raw = boot.all_gather(json.dumps(payload).encode(), timeout=timeout, tag="hello")
     got = [parse_record(b, _hello_of, op="init", rank=boot.members[r], what="a hello record (version, host, "
                         f"heap sizes of 4096 to {env.MAX_BYTES} bytes{', job id' if r == 0 else ''})")
@@ -147,7 +151,7 @@ def _hello(boot: StoreBootstrap, nbytes: int, max_bytes: int | None,
         raise ZbcclRemoteError(f"init: malformed job id from rank {boot.members[0]} in the rendezvous store, "
                                f"expected 12 hex digits, got {got[0]['job']!r}", ranks=(boot.members[0],))
     topo = Topology(boot.rank, tuple(g["host"] for g in got))
-    return got[0]["job"], topo, [g["heap"] for g in got], [g["heap_max"] for g in got]
+    return got[0]["job"], topo, [g["heap"] for g in got], [g["heap_max"] for g in got], [g["cuda"] for g in got]
 
 
 def _hello_of(d) -> dict:
@@ -159,7 +163,8 @@ def _hello_of(d) -> dict:
         raise ValueError(host)
     heap_max = d["heap_max"]
     return {"version": d["version"], "host": host, "heap": in_range(d["heap"], 4096, env.MAX_BYTES),
-            "heap_max": None if heap_max is None else in_range(heap_max, 4096, env.MAX_BYTES), "job": d["job"]}
+            "heap_max": None if heap_max is None else in_range(heap_max, 4096, env.MAX_BYTES), "job": d["job"],
+            "cuda": device_heap.parse_hello(d.get("cuda"))}
 
 
 def _agree(boot: StoreBootstrap, error: str | None, *, timeout: float, tag: str) -> None:
@@ -183,10 +188,11 @@ def _generation(rdv) -> int:
 
 
 def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_bytes: int | None,
-                   timeout: float) -> Context:
+                   timeout: float, dev: device_heap.Request | None = None) -> Context:
     boot.default_watch = init_watch(boot, None)  # every wait of init watches the peers that left init
     try:
-        job_id, topo, heap_sizes, asked_max = _hello(boot, nbytes, max_bytes, timeout)
+        job_id, topo, heap_sizes, asked_max, asked_dev = _hello(boot, nbytes, max_bytes, timeout, dev)
+        want_dev = device_heap.check_agreement(asked_dev, boot.members)
     except BaseException as exc:
         boot.default_watch = None
         left_init(boot, exc)
@@ -215,6 +221,7 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
         heap.check_peer_headers()
         # From here every store value is sealed; the init records exchanged before are checked now.
         boot.adopt_secret(transport.job_secret(job_id, boot.world_size), timeout=timeout)
+        dev_heaps = device_heap.build(boot, topo, job_id, asked_dev, timeout) if want_dev else {}
     except BaseException as exc:
         boot.default_watch = None
         left_init(boot, exc)  # the peers' init waits name this rank now, not at their timeout
@@ -234,7 +241,8 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
                            grow=_grower(heap) if max_bytes > nbytes else None)
     return Context(rendezvous=rdv, bootstrap=boot, topology=topo, heap=heap, sma=sma, job_id=job_id,
                    generation=generation, timeout=timeout, spin=spin, poll_ns=poll_ns,
-                   liveness_ns=int(env.LIVENESS_INTERVAL.get() * 1e9), heap_sizes=heap_sizes)
+                   liveness_ns=int(env.LIVENESS_INTERVAL.get() * 1e9), heap_sizes=heap_sizes,
+                   device_heaps=dev_heaps)
 
 
 def _exchange_max(boot: StoreBootstrap, max_bytes: int, asked: list[int | None], timeout: float) -> list[int]:
@@ -295,6 +303,7 @@ def finalize() -> None:
             c._live = False
             if getattr(c.op_state, "disable", None) is not None:
                 c.op_state.disable(0)  # the native hot entry serves no more calls (it skips _live)
+            registry.close_device_state(c)  # before any device heap goes
         if ctx.forked:
             return
         left = _wait_ops_left(ctx)
@@ -303,6 +312,7 @@ def finalize() -> None:
                 hook(heap)
             except Exception as exc:  # noqa: BLE001 - teardown goes on
                 _log.warning("zbccl: finalize hook %r failed: %s", hook, exc)
+        device_heap.close_all(ctx.device_heaps, may_unmap=left)
         if not left:
             return  # an op still runs on the heap: leave it mapped (and its sockets open)
         live = ctx.sma.stats()["active_blocks"] > 0 or live_views(heap) > 0
@@ -388,9 +398,11 @@ def _after_fork_in_child() -> None:
     # Inherited heap tensors still die in the child (finalizers call sma.free on the child's private
     # copy of the allocator). A thread that held the allocator's lock at fork does not exist here,
     # so that lock would block those frees forever: re-arm it (nothing else uses this copy).
-    ctx.sma.after_fork_in_child()
+    for sma in [ctx.sma] + [dh.sma for dh in ctx.device_heaps.values()]:
+        sma.after_fork_in_child()
     try:
-        ctx.heap.transport.close(unmap=False)
+        for t in [ctx.heap.transport] + [dh.transport for dh in ctx.device_heaps.values()]:
+            t.close(unmap=False)
     except Exception as exc:  # noqa: BLE001 - the child goes on without zbccl
         _log.warning("zbccl: forked child could not close the inherited sockets: %s", exc)
     for hook in list(_fork_hooks):

@@ -117,7 +117,7 @@ def _transports() -> dict:
 #: Variables whose -1 means "decided at init" (see their docs in zbccl.env).
 _AUTO_NEGATIVE = ("ZBCCL_WAIT_SPIN", "ZBCCL_WAIT_POLL_US", "ZBCCL_THREADS")
 #: Variables holding a byte count.
-_SIZES = ("ZBCCL_HEAP_SIZE", "ZBCCL_HEAP_MAX", "ZBCCL_SMA_CACHE_LIMIT")
+_SIZES = ("ZBCCL_HEAP_SIZE", "ZBCCL_HEAP_MAX", "ZBCCL_SMA_CACHE_LIMIT", "ZBCCL_CUDA_HEAP_SIZE", "ZBCCL_CUDA_HEAP_MAX")
 
 
 def display_value(name: str, value: object) -> str:

@@ -8,15 +8,14 @@ when it is chosen.
 Registered today:
 
 * ``shm``: device ``cpu``, the ranks of one host (memfd segments, pidfd liveness).
+* ``cuda``: device ``cuda``, the ranks of one host (CUDA VMM segments shared as
+  POSIX descriptors, device signal pads, pidfd liveness; needs ``zbccl[cuda]``).
 * ``mooncake``: the ranks of other hosts (Mooncake Transfer Engine; ``pip install
   zbccl[internode]``): put/get and signals only, no views of remote memory.
 * ``routed``: device ``cpu``, several hosts: shm for the ranks of this host,
   mooncake for the others. Chosen when the ranks span hosts and Mooncake is
   installed; without it a job over several hosts maps each host's ranks over shm
   as before (and the collectives over the whole world refuse).
-
-Reserved, with a clear error until its issue lands: ``cuda`` (device ``cuda``,
-one host: CUDA IPC/VMM segments).
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def entries() -> list[Entry]:
 
 
 register(Entry("shm", "cpu", False, "zbccl.heap.transports.shm:ShmTransport"))
-register(Entry("cuda", "cuda", False, None, "CUDA IPC/VMM segments come with the CUDA issue"))
+register(Entry("cuda", "cuda", False, "zbccl.heap.transports.cuda.transport:CudaTransport"))
 register(Entry("mooncake", "any", True, "zbccl.heap.transports.mooncake:MooncakeTransport",
                "the inter-host transport (Mooncake Transfer Engine): pip install 'zbccl[internode]'"))
 register(Entry("routed", "cpu", True, "zbccl.heap.transports.routed:RoutedTransport",
@@ -102,14 +101,14 @@ def select(topology: Topology, device: torch.device | str = "cpu") -> type[Trans
         built = []
     if built:
         return resolve(built[0].name)
-    # More than one host: today each host maps its own ranks over shm, and collectives over the
+    # More than one host: today each host maps its own ranks (shm, cuda), and collectives over the
     # whole world refuse (no inter-host transport); the store-based ops still work.
-    if multi and kind == "cpu":
-        return resolve("shm")
+    if multi and kind in ("cpu", "cuda"):
+        return resolve("shm" if kind == "cpu" else "cuda")
     planned = "; ".join(f"{e.name}: {e.note}" for e in fits if e.target is None) or "none is registered"
     raise ZbcclInvalidUsageError(
         f"heap: no transport for device {kind} over {'several hosts' if multi else 'one host'}, expected "
-        f"device cpu on one host (shm), got {kind}; planned: {planned}")
+        f"device cpu (shm) or cuda (cuda), got {kind}; planned: {planned}")
 
 
 def create(topology: Topology, device: torch.device | str = "cpu", **options) -> Transport:

@@ -30,6 +30,18 @@ _A_OUT_OFF = tl.constexpr(g.A_FIELDS.index("OUT_OFF"))
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
 
 
+def _kernel(fn):
+    """``triton.jit`` with no value specialisation of the integer arguments. On a GPU, triton otherwise
+    compiles a variant per pattern of "equals 1" (made a constexpr: a plain int inside the kernel) and
+    "divisible by 16" among them: rank 1's ``me``, a count of 1, an odd offset. Every rank would compile
+    its own variants (more compile time, and code that builds on one rank only: a tensor method on a
+    constexpr). The pointer tables keep their alignment hints; the kernels align their bulk accesses
+    themselves (``elements.aligned``)."""
+    ints = [name for name in fn.__code__.co_varnames[:fn.__code__.co_argcount]
+            if name not in ("data", "pads", "splits") and "constexpr" not in str(fn.__annotations__.get(name, ""))]
+    return triton.jit(do_not_specialize=ints)(fn)
+
+
 # ------------------------------------------------------------------ shared pieces
 @helper
 def _pack(op, dt, red, algo, root, outer, inner, numel, in_off, out_off, variant):
@@ -83,7 +95,7 @@ def _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW: tl.constexpr):
 
 
 # ------------------------------------------------------------------ kernels
-@triton.jit
+@_kernel
 def barrier_kernel(pads, splits, slot_off, me, W: tl.constexpr, op, check, timeout_ns, KW: tl.constexpr):
     """Entry handshake only (one block). ``op`` is BARRIER, or ERROR for a rank whose call failed
     validation: it then waits for the peers' exit barrier too, as the ops they run do."""
@@ -94,7 +106,7 @@ def barrier_kernel(pads, splits, slot_off, me, W: tl.constexpr, op, check, timeo
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, out_off, N, check,
                       timeout_ns, DT: tl.constexpr, ESZ: tl.constexpr, RED: tl.constexpr, TWO_SHOT: tl.constexpr,
                       INPLACE: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr, INTERP: tl.constexpr):
@@ -109,7 +121,7 @@ def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
         srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
         if TWO_SHOT:
             S = ((N + W - 1) // W + 15) // 16 * 16  # slices of 16 elements: 16-byte aligned when the tensors are
-            s_lo = tl.minimum(me.to(tl.int64) * S, N)
+            s_lo = tl.minimum((me + tl.zeros([], tl.int64)) * S, N)
             s_hi = tl.minimum(s_lo + S, N)
             lo, hi = _chunk(s_hi - s_lo, BLOCK)
             reduce_range(data, srcs, out_addr, s_lo + lo, s_lo + hi, W, DT, RED, ESZ, BLOCK, INTERP, KW)
@@ -157,7 +169,7 @@ def all_reduce_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def all_gather_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, outer, inner, cnt,
                       total, check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
                       ROWS: tl.constexpr, SKIP_SELF: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr,
@@ -197,7 +209,7 @@ def all_gather_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, outer, inner, cnt,
                           total, check, timeout_ns, DT: tl.constexpr, ESZ: tl.constexpr, RED: tl.constexpr,
                           VAR: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr,
@@ -215,7 +227,7 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
             pre = vsum(tl.where(sl < me, sp, 0))
             sz = vsum(tl.where(sl == me, sp, 0))
         else:
-            pre = me.to(tl.int64) * cnt
+            pre = (me + tl.zeros([], tl.int64)) * cnt
             sz = cnt + tl.zeros([], tl.int64)
         L = sz * inner
         # Every rank's part starts ``pre * inner`` elements into its input.
@@ -236,7 +248,7 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, inner, cnt, numel,
                       check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
                       BLOCK: tl.constexpr, KW: tl.constexpr, INTERP: tl.constexpr):
@@ -261,7 +273,7 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
                 spre = vsum(tl.where(sl < me, theirs, 0))
             else:
                 rows = cnt + tl.zeros([], tl.int64)
-                spre = me.to(tl.int64) * cnt
+                spre = (me + tl.zeros([], tl.int64)) * cnt
             lo, hi = _chunk(rows * inner, BLOCK)
             copy_range(data, pick(srcs, q, KW) + spre * inner * ESZ, out_addr + dpre * inner * ESZ, lo, hi, CDT, ESZ,
                   BLOCK, INTERP)
@@ -270,7 +282,7 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)
 
 
-@triton.jit
+@_kernel
 def broadcast_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, root, N, check,
                      timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr,
                      INTERP: tl.constexpr):

@@ -66,8 +66,8 @@ from ....bootstrap.topology import Topology
 from ....errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from ... import flags, layout
 from ..base import NativeHandle, Segment, SignalPad, Transport
-from .handout import FdServer, Member, agree, check_uids, member_of, os_error, receive_fd
-from .liveness import Pidfds
+from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive_fd
+from ..liveness import Pidfds
 from .mapping import create_memfd, load_i64, map_fd, prefault, store_i64, tensor_at, unmap_addr
 
 __all__ = ["ShmTransport"]

@@ -18,10 +18,16 @@ Threat: every abstract socket name is listed to every user in
   (``MSG_CMSG_CLOEXEC``).
 
 Who sends what: rank ``r`` listens on ``\\0zbccl-<job>-<r>-<token>``; each
-local peer connects, the server answers with one byte carrying the memfd
-(``SCM_RIGHTS``) and closes the connection. Nothing else flows. Around it,
-:func:`agree` all-gathers what each rank publishes (or the error it hit, so
-every rank fails together) and :func:`check_uids` keeps other users out.
+local peer connects, the server answers with its *offer* and closes the
+connection. The shm transport offers one byte carrying its memfd; the cuda
+transport a small JSON payload (its chunk sizes) carrying several descriptors
+(a host control memfd, its signal pad's and its data chunks' VMM descriptors),
+and keeps serving (``persistent``) so that a peer can fetch the chunks a
+growth added. Nothing else flows. Around it, :func:`agree` all-gathers what
+each rank publishes (or the error it hit, so every rank fails together) and
+:func:`check_uids` keeps other users out.
+
+Shared by the transports of one host (shm, cuda), as is :mod:`.liveness`.
 """
 
 from __future__ import annotations
@@ -34,17 +40,21 @@ import select
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ....bootstrap.base import Bootstrap
-from ....bootstrap.store import in_range, parse_record
-from ....errors import ZbcclError, ZbcclRemoteError, ZbcclSystemError
+from ...bootstrap.base import Bootstrap
+from ...bootstrap.store import in_range, parse_record
+from ...errors import ZbcclError, ZbcclRemoteError, ZbcclSystemError
 
-__all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive_fd", "member_of", "agree", "check_uids", "os_error"]
+__all__ = ["Member", "FdServer", "sock_name", "peer_cred", "receive", "receive_fd", "member_of", "agree", "check_uids",
+           "os_error", "MAX_FDS"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SEND_TIMEOUT_S = 5.0  # one byte into a fresh socket: only a dead peer makes it wait
 _ACCEPT_BATCH = 64
+#: Most descriptors one answer carries (the kernel's SCM_MAX_FD is 253).
+MAX_FDS = 250
 
 
 @dataclass(frozen=True)
@@ -69,17 +79,24 @@ def peer_cred(sock: socket.socket) -> tuple[int, int]:
 
 
 class FdServer(threading.Thread):
-    """Hands ``fd`` to each expected member that connects, once; see the module docstring.
+    """Hands ``fd`` (or ``offer()``'s payload and descriptors) to each expected member that connects,
+    once (``persistent``: every time it connects, until :meth:`stop`); see the module docstring.
 
     Binding happens in the constructor (a taken name raises a clear error at
     once); serving starts with :meth:`serve`, when the members are known.
     :meth:`stop` closes the listener and joins the thread, and must run before
-    ``fd`` is closed so that a closed (and reused) descriptor number is never sent.
+    ``fd`` (or any offered descriptor) is closed so that a closed (and reused)
+    descriptor number is never sent. ``offer`` runs on the server thread: it
+    must be thread-safe against whoever changes what it offers.
     """
 
-    def __init__(self, job_id: str, rank: int, token: str, fd: int) -> None:
+    def __init__(self, job_id: str, rank: int, token: str, fd: int = -1, *,
+                 offer: Callable[[], tuple[bytes, list[int]]] | None = None, persistent: bool = False) -> None:
         super().__init__(name=f"zbccl-fdserver-{rank}", daemon=True)
         self.fd = fd
+        self.offer = offer if offer is not None else (lambda: (b"z", [self.fd]))
+        self.persistent = persistent
+        self.pid = os.getpid()  # a forked child's copy must not wake (stop) its parent's thread
         self.expected: dict[int, Member] = {}
         self.served: set[int] = set()
         self.rejected = 0
@@ -118,7 +135,7 @@ class FdServer(threading.Thread):
             self.sock.close()
             return
         try:
-            while len(self.served) < len(self.expected):
+            while self.persistent or len(self.served) < len(self.expected):
                 events = dict(poller.poll())
                 if self._wake_r in events:
                     return
@@ -143,18 +160,30 @@ class FdServer(threading.Thread):
     def _answer(self, conn: socket.socket) -> None:
         pid, uid = peer_cred(conn)
         member = self.expected.get(pid)
-        if member is None or member.uid != uid or member.rank in self.served:
+        if member is None or member.uid != uid or (member.rank in self.served and not self.persistent):
             self.rejected += 1  # not a member (or a second try): hang up, read nothing
             return
         conn.settimeout(_SEND_TIMEOUT_S)
+        payload, fds = self.offer()
         try:
-            socket.send_fds(conn, [b"z"], [self.fd])
+            socket.send_fds(conn, [payload], fds)
         except OSError:
             return  # the peer went away; it reports its own failure
         self.served.add(member.rank)
 
     def stop(self) -> None:
-        """Stop accepting and join the thread (idempotent). Safe before :meth:`serve`."""
+        """Stop accepting and join the thread (idempotent). Safe before :meth:`serve`.
+
+        In a process forked from the server's, only this copy's descriptors close: the
+        parent's thread (which shares the wake-up pipe) keeps serving.
+        """
+        if os.getpid() != self.pid:
+            self.sock.close()
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
+            return
         if self._wake_w >= 0:
             try:
                 os.write(self._wake_w, b"x")
@@ -184,12 +213,30 @@ def receive_fd(job_id: str, peer: Member, *, timeout: float) -> tuple[int, int]:
 
     Both descriptors are close-on-exec; the caller owns them.
     """
+    _, fds, pidfd = receive(job_id, peer, timeout=timeout, maxfds=1, to_eof=False)
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        os.close(pidfd)
+        raise ZbcclRemoteError(f"heap: rank {peer.rank} sent no segment descriptor, expected 1, got {len(fds)}",
+                               ranks=(peer.rank,))
+    return fds[0], pidfd
+
+
+def receive(job_id: str, peer: Member, *, timeout: float, maxfds: int = MAX_FDS, pidfd: bool = True,
+            to_eof: bool = True) -> tuple[bytes, list[int], int]:
+    """Connect to ``peer``'s server, check it is ``peer``; return ``(payload, descriptors, pidfd)``.
+
+    The payload is read to the end (the server closes the connection after its
+    answer; ``to_eof=False``: only its first segment, for one-byte answers); every descriptor is close-on-exec and the caller's to close; the
+    pidfd (-1 unless ``pidfd``) watches the process verified at connect time.
+    """
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     except OSError as exc:
         raise os_error(f"heap: cannot open a socket to rank {peer.rank}'s segment server", exc) from None
     s.settimeout(timeout)
-    pidfd = -1
+    watch, fds = -1, []
     try:
         try:
             s.connect(sock_name(job_id, peer.rank, peer.token))
@@ -202,15 +249,30 @@ def receive_fd(job_id: str, peer: Member, *, timeout: float) -> tuple[int, int]:
                 f"heap: the socket of rank {peer.rank} is held by another process, expected pid {peer.pid} "
                 f"uid {peer.uid}, got pid {pid} uid {uid}; refusing its descriptor (or the ranks do not share "
                 "one pid namespace, which zbccl needs)", ranks=(peer.rank,))
-        pidfd = _pidfd_of(pid, peer.rank)
-        fd = _recv_one_fd(s, peer.rank)
+        if pidfd:
+            watch = _pidfd_of(pid, peer.rank)
+        msg, fds = _recv_fds(s, peer.rank, maxfds)
+        if not fds and not msg:
+            raise ZbcclRemoteError(f"heap: rank {peer.rank} sent no segment descriptor, expected at least 1, "
+                                   "got 0 (message b'')", ranks=(peer.rank,))
+        while to_eof:
+            try:
+                more = s.recv(1 << 16)
+            except OSError as exc:
+                raise ZbcclRemoteError(f"heap: could not read rank {peer.rank}'s answer: {exc}",
+                                       ranks=(peer.rank,)) from None
+            if not more:
+                break
+            msg += more
     except BaseException:
-        if pidfd >= 0:
-            os.close(pidfd)
+        for fd in fds:
+            os.close(fd)
+        if watch >= 0:
+            os.close(watch)
         raise
     finally:
         s.close()
-    return fd, pidfd
+    return msg, fds, watch
 
 
 def _pidfd_of(pid: int, rank: int) -> int:
@@ -228,28 +290,21 @@ def _pidfd_of(pid: int, rank: int) -> int:
         raise ZbcclSystemError(f"heap: pidfd_open failed, expected Linux >= 5.3, got {exc}") from None
 
 
-def _recv_one_fd(s: socket.socket, rank: int) -> int:
+def _recv_fds(s: socket.socket, rank: int, maxfds: int) -> tuple[bytes, list[int]]:
     fds = array.array("i")
     try:
-        msg, anc, flags, _ = s.recvmsg(1, socket.CMSG_SPACE(fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+        msg, anc, flags, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(maxfds * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
     except OSError as exc:
         raise ZbcclRemoteError(f"heap: could not get rank {rank}'s segment: {exc}", ranks=(rank,)) from None
-    if flags & socket.MSG_CTRUNC:  # the kernel dropped the descriptor: this process is at its limit
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                for fd in array.array("i", data[: len(data) - len(data) % fds.itemsize]):
-                    os.close(fd)
-        raise os_error(f"heap: cannot receive rank {rank}'s segment descriptor",
-                       OSError(errno.EMFILE, os.strerror(errno.EMFILE)))
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    if len(fds) != 1:
+    if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors: this process is at its limit (or too many)
         for fd in fds:
             os.close(fd)
-        raise ZbcclRemoteError(f"heap: rank {rank} sent no segment descriptor, expected 1, got {len(fds)}"
-                               f" (message {msg!r})", ranks=(rank,))
-    return fds[0]
+        raise os_error(f"heap: cannot receive rank {rank}'s segment descriptors (at most {maxfds})",
+                       OSError(errno.EMFILE, os.strerror(errno.EMFILE)))
+    return msg, list(fds)
 
 
 def member_of(rank: int, raw: bytes) -> Member:
