@@ -2,8 +2,9 @@
 
 Each ```python block must be preceded by ``<!-- snippet: torchrun [hf] -->`` (run with
 ``torchrun --standalone --nproc-per-node 2``) or ``<!-- snippet: python -->`` (one process); an
-untagged block fails the test, so no snippet escapes. ``hf`` snippets need the hf extra (skipped
-without it). Each runs in its own temporary directory with this checkout's ``src`` on PYTHONPATH.
+untagged block fails the test, so no snippet escapes. ``hf`` snippets need the hf extra, ``cuda``
+snippets a CUDA device and the cuda extra (each skipped, saying why, without them; the GPU check runs
+the CUDA ones). Each runs in its own temporary directory with this checkout's ``src`` on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def test_snippet_runs(sid: str, tag: str, code: str, tmp_path: Path) -> None:
     if "hf" in words and (importlib.util.find_spec("transformers") is None
                           or importlib.util.find_spec("accelerate") is None):
         pytest.skip("needs the hf extra: pip install -e '.[hf]'")
+    if "cuda" in words:
+        import torch
+
+        if not torch.cuda.is_available() or importlib.util.find_spec("cuda") is None:
+            pytest.skip("needs a CUDA device and the cuda extra: pip install -e '.[cuda]'")
     script = tmp_path / f"snippet_{sid}.py"
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
