@@ -2,8 +2,9 @@
 
 Asked for with ``init(device="cuda")`` (or ``ZBCCL_DEVICE=cuda``), sized by
 ``cuda_heap_size`` (``ZBCCL_CUDA_HEAP_SIZE``), bounded by ``cuda_heap_max``
-(``ZBCCL_CUDA_HEAP_MAX``; ``auto``: the device's memory, as address space
-only). Every rank must ask, or none (checked at init, refused on every rank).
+(``ZBCCL_CUDA_HEAP_MAX``; default 0: no growth, as growth can race with a
+peer's launch, see docs/cuda-ops.md; ``auto``: the device's memory, as address
+space only). Every rank must ask, or none (checked at init, refused on every rank).
 The CPU heap stays: barriers, the op channel and the store-based ops use it.
 
 The heap lives on each rank's current CUDA device at init (``torch.cuda.set_device``
