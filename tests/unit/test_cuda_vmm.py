@@ -49,6 +49,7 @@ def test_missing_bindings_say_how_to_install(fresh_driver, monkeypatch):
 
 @pytest.mark.skipif(_has_driver(), reason="this machine has an NVIDIA driver")
 def test_no_driver_is_a_clear_error(fresh_driver):
+    pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings (the test extra has it)")
     with pytest.raises(ZbcclSystemError, match="no NVIDIA driver found, expected libcuda.so to load"):
         fresh_driver.driver()
     # every entry point goes through it

@@ -81,7 +81,7 @@ from ...bootstrap.secret import JobSecret
 from ...bootstrap.topology import Topology
 from ...errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 
-__all__ = ["Segment", "SignalPad", "NativeHandle", "Transport"]
+__all__ = ["Segment", "SignalPad", "NativeHandle", "Transport", "ViewRelease"]
 
 
 @dataclass
@@ -349,6 +349,21 @@ class Transport(ABC):
             raise ZbcclInvalidUsageError(
                 f"{op}: out of bounds of rank {rank}'s signal pad, expected an 8-byte aligned range within "
                 f"[0, {pad}), got line={line} nbytes={nbytes}")
+
+
+class ViewRelease:
+    """A peer view's finalizer (the transports of one host): one view fewer alive on ``transport`` (its
+    ``views`` count, which :meth:`Transport.live_views` reports), then the caller's ``release``."""
+
+    __slots__ = ("transport", "release")
+
+    def __init__(self, transport: Transport, release: Callable[[], None] | None) -> None:
+        self.transport, self.release = transport, release
+
+    def __call__(self) -> None:
+        self.transport.views -= 1
+        if self.release is not None:
+            self.release()
 
 
 def _as_bytes(src) -> torch.Tensor:

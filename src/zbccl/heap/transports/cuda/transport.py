@@ -56,7 +56,7 @@ from ....bootstrap.secret import JobSecret
 from ....bootstrap.topology import Topology
 from ....errors import ZbcclError, ZbcclRemoteError, ZbcclSystemError
 from ... import flags, layout
-from ..base import NativeHandle, Segment, SignalPad, Transport
+from ..base import NativeHandle, Segment, SignalPad, Transport, ViewRelease
 from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive
 from ..liveness import Pidfds
 from . import vmm
@@ -299,7 +299,7 @@ class CudaTransport(Transport):
                 flat = device_tensor(self._data_va(rank) + offset, span, self.device, release)
         else:
             self.views += 1
-            flat = device_tensor(self._data_va(rank) + offset, span, self.device, _Release(self, release))
+            flat = device_tensor(self._data_va(rank) + offset, span, self.device, ViewRelease(self, release))
         typed = flat.view(dtype)
         return typed.view(shape) if stride is None else typed.as_strided(shape, stride)
 
@@ -420,19 +420,6 @@ class _Device:
     def __exit__(self, *exc) -> None:
         self.guard.__exit__(*exc)
 
-
-class _Release:
-    """A peer view's finalizer: one view fewer alive, then the caller's ``release``."""
-
-    __slots__ = ("transport", "release")
-
-    def __init__(self, transport: CudaTransport, release: Callable[[], None] | None) -> None:
-        self.transport, self.release = transport, release
-
-    def __call__(self) -> None:
-        self.transport.views -= 1
-        if self.release is not None:
-            self.release()
 
 
 class _CudaNative(NativeHandle):

@@ -65,7 +65,7 @@ from ....bootstrap.secret import JobSecret
 from ....bootstrap.topology import Topology
 from ....errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from ... import flags, layout
-from ..base import NativeHandle, Segment, SignalPad, Transport
+from ..base import NativeHandle, Segment, SignalPad, Transport, ViewRelease
 from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive_fd
 from ..liveness import Pidfds
 from .mapping import create_memfd, load_i64, map_fd, prefault, store_i64, tensor_at, unmap_addr
@@ -282,7 +282,7 @@ class ShmTransport(Transport):
                 flat = tensor_at(base + _PAD + offset, span, release)
         else:
             self.views += 1
-            flat = tensor_at(base + _PAD + offset, span, _Release(self, release))
+            flat = tensor_at(base + _PAD + offset, span, ViewRelease(self, release))
         typed = flat.view(dtype)
         return typed.view(shape) if stride is None else typed.as_strided(shape, stride)
 
@@ -383,19 +383,6 @@ class ShmTransport(Transport):
     def native(self) -> NativeHandle:
         return self._native
 
-
-class _Release:
-    """A data view's finalizer: one view fewer alive, then the caller's ``release``."""
-
-    __slots__ = ("transport", "release")
-
-    def __init__(self, transport: ShmTransport, release: Callable[[], None] | None) -> None:
-        self.transport, self.release = transport, release
-
-    def __call__(self) -> None:
-        self.transport.views -= 1
-        if self.release is not None:
-            self.release()
 
 
 class _ShmNative(NativeHandle):
