@@ -162,40 +162,31 @@ def all_reduce(comm, device: str, tensor: torch.Tensor, op, timeout) -> torch.Te
     return tensor
 
 
-def all_gather(comm, device: str, output: torch.Tensor, input: torch.Tensor, dim: int, timeout) -> torch.Tensor:
-    _timeout("all_gather", timeout)
+def _gather_like(comm, device: str, op: str, output, input, timeout, *args, **kwargs) -> torch.Tensor:
+    """The ops whose one-rank form is a copy of ``input`` into ``output``: that copy at world size 1, else
+    the device ops' ``op(output, input, *args, **kwargs)``."""
+    _timeout(op, timeout)
     if comm.world_size == 1:
         null.copy_into(output, input)
     else:
-        lane(comm, device, "all_gather").all_gather(output, input, dim=dim)
+        getattr(lane(comm, device, op), op)(output, input, *args, **kwargs)
     return output
+
+
+def all_gather(comm, device: str, output: torch.Tensor, input: torch.Tensor, dim: int, timeout) -> torch.Tensor:
+    return _gather_like(comm, device, "all_gather", output, input, timeout, dim=dim)
 
 
 def all_gather_v(comm, device: str, output, input, sizes, dim: int, timeout) -> torch.Tensor:
-    _timeout("all_gather_v", timeout)
-    if comm.world_size == 1:
-        null.copy_into(output, input)
-    else:
-        lane(comm, device, "all_gather_v").all_gather_v(output, input, sizes, dim=dim)
-    return output
+    return _gather_like(comm, device, "all_gather_v", output, input, timeout, sizes, dim=dim)
 
 
 def reduce_scatter(comm, device: str, output, input, op, dim: int, timeout) -> torch.Tensor:
-    _timeout("reduce_scatter", timeout)
-    if comm.world_size == 1:
-        null.copy_into(output, input)
-    else:
-        lane(comm, device, "reduce_scatter").reduce_scatter(output, input, op, dim=dim)
-    return output
+    return _gather_like(comm, device, "reduce_scatter", output, input, timeout, op, dim=dim)
 
 
 def reduce_scatter_v(comm, device: str, output, input, sizes, op, dim: int, timeout) -> torch.Tensor:
-    _timeout("reduce_scatter_v", timeout)
-    if comm.world_size == 1:
-        null.copy_into(output, input)
-    else:
-        lane(comm, device, "reduce_scatter_v").reduce_scatter_v(output, input, sizes, op, dim=dim)
-    return output
+    return _gather_like(comm, device, "reduce_scatter_v", output, input, timeout, sizes, op, dim=dim)
 
 
 def all_to_all(comm, device: str, output, input, out_splits, in_splits, timeout) -> torch.Tensor:
