@@ -1,3 +1,3 @@
-"""Command-line tools built on the public API: info, demo, local launcher."""
+"""Command-line tools built on the public API: info, demo, local launcher, namespace hosts (netns)."""
 
 __all__: list[str] = []
