@@ -137,3 +137,30 @@ def test_collectives_through_the_verbs_on_one_host():
 
     assert run_world(_collectives, 2, timeout=180) == [24, 24]
     assert run_world(_collectives, 3, rounds=6, timeout=180) == [12, 12, 12]
+
+
+def _traffic(ctx):
+    """Rank 0 writes 3 KiB and reads 1 KiB of rank 1's heap: its engine counts exactly those bytes (plus
+    the 8-byte words of signals and the liveness monitor's reads, which are counted too)."""
+    t, boot = open_transport(ctx, "mooncake")
+    try:
+        boot.barrier(timeout=60)
+        before = t.traffic()
+        if ctx.rank == 0:
+            t.put(1, 0, payload(0, 384, 1))  # 3 KiB
+            got = torch.empty(128, dtype=torch.int64)
+            t.get_into(1, 0, got)  # 1 KiB
+            assert torch.equal(got, payload(0, 384, 1)[:128])
+        after = t.traffic()
+        boot.barrier(timeout=60)
+        return {k: after[k] - before[k] for k in after}
+    finally:
+        t.close(unmap=False)
+
+
+def test_traffic_counts_the_bytes_the_verbs_moved():
+    out = run_world(_traffic, 2, timeout=120)
+    # the liveness monitor reads 8-byte words meanwhile: at most a few of them
+    assert 3072 <= out[0]["written"] <= 3072 + 64 and 1024 <= out[0]["read"] <= 1024 + 64, out[0]
+    assert out[0]["transfers"] >= 2
+    assert out[1]["written"] <= 64 and out[1]["read"] <= 64, out[1]

@@ -192,6 +192,10 @@ class RoutedTransport(Transport):
             return None
         return self.remote.job_secret(job_id, len(self.remote.peers) + 1)
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes moved to and from other hosts (the mooncake side's counters; shm moves are not counted)."""
+        return self.remote.traffic()
+
     def describe(self) -> dict:
         return {"local_ranks": sorted(self._local), "remote": self.remote.describe()}
 

@@ -146,6 +146,9 @@ class MooncakeEngine:
         self._spans: list[tuple[int, int]] = []  # registrations: (addr, bytes)
         self._bounce: torch.Tensor | None = None  # RDMA staging for buffers outside the registrations
         self._bounce_lock = threading.Lock()
+        #: Bytes this engine's completed transfers moved: [written, read, transfers] (``counters``).
+        self._moved = [0, 0, 0]
+        self._moved_lock = threading.Lock()
         #: Tests: stage every transfer as RDMA would (the path then runs over TCP too).
         self.stage_all = False
         self.host = host
@@ -218,21 +221,35 @@ class MooncakeEngine:
         self._bounce = None
         self._e = None
 
+    def counters(self) -> dict[str, int]:
+        """What this engine's completed transfers moved since it started (all threads, the liveness
+        monitor's reads included): ``{"written", "read", "transfers"}``, bytes and calls."""
+        with self._moved_lock:
+            written, read, calls = self._moved
+        return {"written": written, "read": read, "transfers": calls}
+
+    def _count(self, rc: int, write: bool, nbytes: int) -> int:
+        if rc == 0:
+            with self._moved_lock:
+                self._moved[0 if write else 1] += nbytes
+                self._moved[2] += 1
+        return rc
+
     def write(self, peer: str, local: int, remote: int, nbytes: int) -> int:
-        return self._e.transfer_sync_write(peer, local, remote, nbytes)
+        return self._count(self._e.transfer_sync_write(peer, local, remote, nbytes), True, nbytes)
 
     def read(self, peer: str, local: int, remote: int, nbytes: int) -> int:
-        return self._e.transfer_sync_read(peer, local, remote, nbytes)
+        return self._count(self._e.transfer_sync_read(peer, local, remote, nbytes), False, nbytes)
 
     def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
         if len(locals_) == 1:
             return self.read(peer, locals_[0], remotes[0], sizes[0])
-        return self._e.batch_transfer_sync_read(peer, locals_, remotes, sizes)
+        return self._count(self._e.batch_transfer_sync_read(peer, locals_, remotes, sizes), False, sum(sizes))
 
     def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
         if len(locals_) == 1:
             return self.write(peer, locals_[0], remotes[0], sizes[0])
-        return self._e.batch_transfer_sync_write(peer, locals_, remotes, sizes)
+        return self._count(self._e.batch_transfer_sync_write(peer, locals_, remotes, sizes), True, sum(sizes))
 
 
 def _has_hca(topology: str) -> bool:

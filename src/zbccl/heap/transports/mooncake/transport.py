@@ -564,6 +564,12 @@ class MooncakeTransport(Transport):
             return None
         return self._secret
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes this rank's Mooncake engine moved to and from other hosts (``MooncakeEngine.counters``):
+        ``{"written", "read", "transfers"}``; zeros before the engine starts."""
+        e = self.engine
+        return e.counters() if e is not None else {"written": 0, "read": 0, "transfers": 0}
+
     def describe(self) -> dict:
         """What ``zbccl info`` shows: the protocol asked for and the transport Mooncake actually runs."""
         e = self.engine
