@@ -141,9 +141,9 @@ def _add_bench(sub) -> None:
                        usage=usage.removeprefix("Usage: "), description=description,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--world-size", "-n", type=_WORLD, default=2, help="local ranks (default 2; 3, 4 oversubscribe)")
-    b.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all,broadcast",
-                   help="comma-separated (default: all five)")
-    b.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16 (default fp32,bf16)")
+    b.add_argument("--ops", default=None,
+                   help="comma-separated (default: all five; with --hosts all but broadcast)")
+    b.add_argument("--dtypes", default=None, help="fp32, bf16, fp16 (default fp32,bf16; with --hosts fp32)")
     b.add_argument("--min-size", type=_size, default="4K", help="smallest bytes per rank input (default 4K; x4 steps)")
     b.add_argument("--max-size", type=_size, default="64M", help="largest bytes per rank input (default 64M)")
     b.add_argument("--baselines", default="gloo,memcpy",
@@ -160,12 +160,44 @@ def _add_bench(sub) -> None:
     b.add_argument("--gap-ms", type=_number(0, 60_000), default=0.0,
                    help="time each call as in a model step: this many ms of matmuls before it, every rank "
                         "entering at one instant (default 0: back-to-back calls; needs a core per rank)")
+    h = b.add_argument_group("between hosts (root: Linux namespace hosts on this machine, Mooncake between them)")
+    h.add_argument("--hosts", type=_count(2, 8), default=None,
+                   help="run between this many namespace hosts instead (zbccl vs gloo over veth links, raw Mooncake "
+                        "bandwidth, inter-host bytes per op, EP dispatch+combine)")
+    h.add_argument("--ranks-per-host", type=_count(1, 4), default=1, help="ranks per host (default 1)")
+    h.add_argument("--smoke", action="store_true", help="with --hosts: 2 small sizes, short timing (seconds, for CI)")
+    h.add_argument("--no-ep", action="store_true", help="with --hosts: leave out EP dispatch+combine")
+
+
+def _bench_hosts(args, split) -> int:
+    from .bench.hosts import HOST_OPS, run_hosts_bench
+    from .tools.netns import HostsUnavailable
+
+    try:
+        doc = run_hosts_bench(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
+                              ops=split(args.ops) if args.ops else HOST_OPS,
+                              dtypes=split(args.dtypes) if args.dtypes else ("fp32",), min_size=args.min_size,
+                              max_size=args.max_size, smoke=args.smoke, quick=args.quick, idle_wait=args.idle_wait,
+                              ep=not args.no_ep, json_path=args.json)
+    except (ValueError, HostsUnavailable) as exc:
+        print(f"zbccl bench --hosts: {exc}", file=sys.stderr)
+        return 2
+    bad = [c for c in doc["cells"] for k in ("zbccl", "gloo") if c.get(k) and (c[k].get("error") or c[k].get("wrong"))]
+    ep = (doc.get("ep") or {}).get("zbccl") or {}
+    return 1 if bad or ep.get("error") or ep.get("wrong") else 0
 
 
 def _bench(args) -> int:
     from .bench import run_bench
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    if args.hosts is not None:
+        return _bench_hosts(args, split)
+    if args.ranks_per_host != 1 or args.smoke or args.no_ep:
+        print("zbccl bench: --ranks-per-host, --smoke and --no-ep need --hosts", file=sys.stderr)
+        return 2
+    args.ops = args.ops or "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast"
+    args.dtypes = args.dtypes or "fp32,bf16"
     try:
         doc = run_bench(world_size=args.world_size, ops=split(args.ops), dtypes=split(args.dtypes),
                         min_size=args.min_size, max_size=args.max_size, baselines=split(args.baselines),

@@ -1,6 +1,7 @@
 """Usage: zbccl bench [-n N] [--ops OPS] [--dtypes fp32,bf16] [--min-size 4K] [--max-size 64M]
                    [--baselines gloo,memcpy[,vllm|,mpi]] [--json PATH] [--plot PATH] [--quick] [--threads T]
                    [--idle-wait S] [--no-zbccl] [--gap-ms MS]
+       zbccl bench --hosts N [--ranks-per-host M] [--smoke] [--no-ep] [--ops OPS] [--json PATH] (root)
 
 The zbccl benchmark: nccl-tests-style rows (``size count dtype time_us algbw
 busbw #wrong``) for all_reduce, all_gather, reduce_scatter, all_to_all and
@@ -15,7 +16,8 @@ oracle; torch-only), ``baselines`` (gloo, memcpy), ``ab`` (vLLM's shm ops
 interleaved with zbccl round by round in the same ranks), ``probe`` (the host-state probe: the cost of a
 store into lines the peer core just read, in every run's header), ``report``
 (tables, JSON, plot, progress bar), ``micro`` (host overheads: allocator,
-native call floor, the Python part of a small all_reduce).
+native call floor, the Python part of a small all_reduce), ``hosts`` and ``hosts_rank`` (``--hosts``:
+the same sweep between namespace hosts, with raw Mooncake and the inter-host bytes per op).
 """
 
 from .report import algbw_bytes, busbw_factor, format_table, write_json, write_plot

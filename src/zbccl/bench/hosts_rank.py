@@ -1,0 +1,170 @@
+"""One rank of ``zbccl bench --hosts`` (run by ``tools/netns.run_hosts`` inside a namespace host).
+
+Order inside the ranks (every step is collective):
+
+1. gloo joins over the host's veth (``GLOO_SOCKET_IFNAME``); ``zbccl.init`` builds the heap (the
+   routed transport: shm to the host's ranks, Mooncake to the other hosts).
+2. Raw Mooncake (the transport's physical limit): rank 0 alone writes from its heap into a heap
+   tensor of the first rank of host 1 with ``transfer_sync_write`` (no bounds checks, no Python
+   above the engine), timed as ``memcpy_solo`` is (``timing.time_calls`` on one rank) while every
+   other rank blocks on the store; then a one-word write's round trip (the latency).
+3. The sweep of ``runner._sweep`` (the same cells, checks, gates and timing as ``zbccl bench``):
+   zbccl's own API on heap tensors and gloo on private tensors, interleaved cell by cell in the
+   same processes. A cell that raises (an op zbccl does not run across hosts yet) is an error on
+   every rank and the sweep goes on.
+4. Inter-host bytes: for each zbccl cell that ran, one more call between two reads of every rank's
+   Mooncake counters (``transport.traffic()``), summed over the ranks.
+5. EP dispatch+combine (``bench/ep.py``'s step and its gloo baseline, the same semantics over
+   ``all_to_all_single``), checked against the baseline, both timed by ``timing.time_calls``.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .baselines import GlooImpl, op_buffers, op_numel, silence_deprecations
+from .runner import Harness, ZbcclImpl, _sweep, zbccl_ops_available
+from .timing import DTYPES, GlooControl, LocalControl, TimingConfig, leader_then_all, time_calls
+
+__all__ = ["rank_main"]
+
+
+def _traffic(comm) -> int:
+    """Bytes this rank's remote verbs moved so far (0 where the transport counts nothing)."""
+    counts = getattr(comm._ctx.heap.transport, "traffic", None)
+    if counts is None:
+        return 0
+    got = counts()
+    return int(got["written"] + got["read"])
+
+
+def _raw(comm, h: Harness, opts: dict) -> dict:
+    """Collective: raw Mooncake writes from rank 0 into the first rank of host 1 (see the module docstring)."""
+    import zbccl
+
+    target = opts["ranks_per_host"]
+    size = max(opts["sizes"])
+    buf = zbccl.empty(size, dtype=torch.uint8, comm=comm)
+    buf.fill_(h.rank % 251)
+    offsets = [int(x) for x in h.ctl.max([float(comm._ctx.heap.transport.offset_of(h.rank, buf))
+                                           if h.rank == target else 0.0])]
+    tcfg = TimingConfig(**{**opts["timing"], "gap_ms": 0.0})
+
+    def solo() -> dict:
+        t = comm._ctx.heap.transport
+        remote = getattr(t, "remote", t)  # the routed transport's mooncake side
+        engine, peer = remote.engine, remote.peers[target]
+        out = {"sizes": {}}
+        for nbytes in opts["sizes"]:
+            def write(n=nbytes) -> None:
+                rc = engine.write(peer.sid, buf.data_ptr(), peer.data + offsets[0], n)
+                if rc != 0:
+                    raise RuntimeError(f"bench --hosts: raw Mooncake write of {n} bytes failed, expected rc 0, got {rc}")
+            out["sizes"][str(nbytes)] = time_calls(write, ctl=LocalControl(), sync=lambda: None, cfg=tcfg).to_dict()
+        word = torch.zeros(1, dtype=torch.int64)
+        pad = remote.peers[target].pad
+
+        def signal() -> None:
+            engine.write(peer.sid, word.data_ptr(), pad, 8)  # an 8-byte write: a signal's round trip
+        out["word"] = time_calls(signal, ctl=LocalControl(), sync=lambda: None, cfg=tcfg).to_dict()
+        return out
+
+    return leader_then_all(h.store, "bench/hosts/raw", h.rank, solo, timeout_s=opts["raw_timeout"])
+
+
+def _bytes_per_op(impls: list, cells: list[dict], h: Harness) -> None:
+    """Collective: ``xhost_bytes`` (summed over ranks) of one more call of every zbccl cell that ran."""
+    zb = next((i for i in impls if i.name == "zbccl"), None)
+    if zb is None:
+        return
+    for cell in cells:
+        z = cell.get("zbccl")
+        if not z or z.get("error"):
+            continue
+        numel = op_numel(cell["op"], cell["nominal"], DTYPES[cell["dtype"]].itemsize, h.world_size)
+        out, inp = op_buffers(zb, cell["op"], numel, DTYPES[cell["dtype"]], h.world_size, h.rank)
+        fn = zb.bind(cell["op"], out, inp)
+        zb.sync()
+        before = _traffic(zb.comm)
+        fn()
+        moved = _traffic(zb.comm) - before
+        z["xhost_bytes"] = int(h.ctl.sum([float(moved)])[0])
+        del out, inp
+
+
+def _ep(comm, h: Harness, opts: dict) -> dict:
+    """Collective: EP dispatch+combine (bench/ep.py's step) against the same semantics over gloo's all_to_all."""
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    from .ep import _Gloo, _routing, _zbccl_step
+
+    T, H, E, K = opts["ep"]["tokens"], opts["ep"]["hidden"], opts["ep"]["experts"], opts["ep"]["topk"]
+    idx = _routing("uniform", T, E, K, h.rank)
+    w = torch.rand(T, K, generator=torch.Generator().manual_seed(h.rank))
+    x = (torch.arange(T * H) % 251 + h.rank).to(torch.bfloat16).view(T, H)  # row t of rank r: f(r, t)
+    gloo = _Gloo(h.world_size)
+    ref_x, ref_comb = gloo.step(x, idx, w, E)
+    row: dict = {"tokens": T, "hidden": H, "experts": E, "topk": K}
+    error, wrong, buffer = None, 0, None
+    try:
+        buffer = deep_ep.Buffer(comm, explicitly_destroy=True)
+        with zbccl.heap_scope():
+            xh, ih, wh = x.clone(), idx.clone(), w.clone()
+        recv_x, comb, _ = _zbccl_step(buffer, xh, ih, wh, E)
+        wrong = int((recv_x != ref_x).sum()) + int((comb != ref_comb).sum()) if recv_x.shape == ref_x.shape \
+            else ref_x.numel()
+    except Exception as exc:  # noqa: BLE001 - recorded; the ranks agree below
+        error = f"rank {h.rank}: {type(exc).__name__}: {exc}"
+    failed = h.ctl.max([error is not None])[0]
+    tcfg = TimingConfig(**{**opts["timing"], "gap_ms": 0.0})
+    if failed:
+        row["zbccl"] = {"error": error or "failed on another rank", "wrong": None}
+    else:
+        timed = time_calls(lambda: _zbccl_step(buffer, xh, ih, wh, E), ctl=h.ctl, sync=comm.barrier, cfg=tcfg)
+        row["zbccl"] = {"wrong": int(h.ctl.sum([wrong])[0]), "timing": timed.to_dict()}
+    row["gloo"] = {"wrong": 0, "timing": time_calls(lambda: gloo.step(x, idx, w, E), ctl=h.ctl, sync=dist.barrier,
+                                                    cfg=tcfg).to_dict()}
+    if buffer is not None:
+        try:
+            buffer.destroy()
+        except Exception:  # noqa: BLE001 - a buffer that never worked may not destroy cleanly either
+            pass
+    return row
+
+
+def rank_main(ctx, *, opts: dict, ifnames: list[str]) -> dict | None:
+    """One rank of ``zbccl bench --hosts`` (see the module docstring); rank 0 returns the results."""
+    import zbccl
+
+    silence_deprecations()
+    rank, world = ctx.rank, ctx.world_size
+    os.environ["GLOO_SOCKET_IFNAME"] = ifnames[rank // opts["ranks_per_host"]]
+    torch.set_num_threads(opts["threads"])
+    store = ctx.store(timeout=opts["store_timeout"])
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=opts["zbccl_timeout"] + 240))
+    comm = zbccl.init(store=dist.PrefixStore("zbccl", store), rank=rank, world_size=world,
+                      heap_size=opts["heap_size"], timeout=opts["zbccl_timeout"])
+    try:
+        h = Harness(rank, world, store, GlooControl(), TimingConfig(**opts["timing"]), None, opts["idle_wait"])
+        raw = _raw(comm, h, opts)
+        zops = [op for op in zbccl_ops_available() if op in opts["ops"]]
+        impls = [ZbcclImpl(comm, zops), GlooImpl()]
+        result = _sweep(impls, opts, h)
+        _bytes_per_op(impls, result["cells"], h)
+        ep = _ep(comm, h, opts) if opts["ep"] else None
+        dist.barrier()
+        transport = comm._ctx.heap.transport
+        described = transport.describe() if hasattr(transport, "describe") else {}
+    finally:
+        zbccl.finalize()
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {**result, "raw": raw, "ep": ep, "zbccl_ops": zops, "transport": described,
+            "threads": torch.get_num_threads(), "loadavg": os.getloadavg()}
