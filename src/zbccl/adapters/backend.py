@@ -17,6 +17,15 @@ gets takes every tensor of the group (torch hands a Python process group the
 whole group), and the ops route CUDA tensors to the communicator's CUDA heap
 (``ops/route.py``); the gloo fallback moves CUDA tensors through host copies.
 
+Across hosts: a group whose ranks span hosts runs on zbccl where the transport reaches every rank
+(the routed transport: shm within a host, Mooncake between hosts). Each op runs on zbccl when the
+public zbccl ops it is built on run across hosts (:func:`gloo_keys_across_hosts`: the ops the
+``zbccl.ops.hosts`` package routes, when it is in this build), and on the group's gloo otherwise,
+after one info line naming them. Point-to-point (send/recv) across hosts always runs on gloo: its
+mailbox protocol (``p2p.py``) reads the peer's mailbox and payload through views of the peer's heap,
+which a remote rank does not have (``Transport.viewable``); gloo's send/recv is already a one-copy
+transfer over the same link. A group of ranks on one host is unchanged.
+
 Initialisation fallback: when zbccl cannot start (``/dev/shm`` or memory too
 small, ranks on different hosts with no inter-host transport, zbccl not
 initialised for a sub-group), the ranks agree on it through the store and the
@@ -37,7 +46,8 @@ import torch.distributed as dist
 from .. import env
 from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError
 
-__all__ = ["BACKEND", "FALLBACK_KEYS", "register", "create", "parse_fallback_ops"]
+__all__ = ["BACKEND", "FALLBACK_KEYS", "register", "create", "parse_fallback_ops", "ops_across_hosts",
+           "gloo_keys_across_hosts"]
 
 _log = logging.getLogger("zbccl")
 
@@ -64,6 +74,26 @@ FALLBACK_KEYS: dict[str, tuple[str, ...]] = {
     "recv": ("send", "recv"),
 }
 _registered = False
+#: The public zbccl ops each op key is built on (``process_group.py`` and ``list_forms.py``).
+_BUILT_ON: dict[str, frozenset[str]] = {
+    "allreduce": frozenset({"all_reduce"}),
+    "allreduce_coalesced": frozenset({"all_reduce"}),
+    "allgather": frozenset({"all_gather_into_tensor", "all_gather_v"}),
+    "all_gather_into_tensor": frozenset({"all_gather_into_tensor"}),
+    "reduce_scatter": frozenset({"reduce_scatter_tensor", "reduce_scatter_v"}),
+    "reduce_scatter_tensor": frozenset({"reduce_scatter_tensor"}),
+    "alltoall": frozenset({"all_to_all_single"}),
+    "alltoall_base": frozenset({"all_to_all_single"}),
+    "broadcast": frozenset({"broadcast"}),
+    "reduce": frozenset({"all_reduce", "reduce_scatter_v", "all_to_all_single"}),
+    "gather": frozenset({"all_to_all_single"}),
+    "scatter": frozenset({"all_to_all_single"}),
+    "barrier": frozenset({"barrier"}),  # Communicator.barrier: the store across hosts
+    "send": frozenset({"p2p"}),  # never across hosts (see the module docstring)
+    "recv": frozenset({"p2p"}),
+}
+#: The public ops that run across hosts whatever the build.
+_ALWAYS_ACROSS = frozenset({"barrier"})
 
 
 def parse_fallback_ops(text: str) -> frozenset[str]:
@@ -78,6 +108,27 @@ def parse_fallback_ops(text: str) -> frozenset[str]:
                 f"ZBCCL_FALLBACK_OPS: unknown op, expected names from {sorted(FALLBACK_KEYS)}, got {name!r}")
         keys.update(FALLBACK_KEYS[name])
     return frozenset(keys)
+
+
+def ops_across_hosts() -> frozenset[str]:
+    """The public zbccl ops (``all_reduce``, ``all_gather_v``, ...) that run on a communicator spanning hosts:
+    ``zbccl.ops.hosts.OPS`` where that package is in this build (all eight routed ops where it does not
+    say), and ``barrier`` alone without it."""
+    try:
+        from ..ops import hosts  # type: ignore[attr-defined]
+    except ImportError:
+        return _ALWAYS_ACROSS
+    routed = getattr(hosts, "OPS", ("all_reduce", "all_gather_into_tensor", "all_gather_v", "reduce_scatter_tensor",
+                                    "reduce_scatter_v", "all_to_all_single", "broadcast", "barrier"))
+    return _ALWAYS_ACROSS | frozenset(routed)
+
+
+def gloo_keys_across_hosts(comm) -> frozenset[str]:
+    """The op keys a group on ``comm`` runs on gloo because its ranks span hosts (empty on one host)."""
+    if comm is None or comm._single_host:
+        return frozenset()
+    can = ops_across_hosts()
+    return frozenset(k for k, needs in _BUILT_ON.items() if not needs <= can)
 
 
 def register() -> None:
@@ -111,14 +162,15 @@ def _start(store, rank: int, size: int, global_ranks: list[int], seconds: float)
                     f"{rank} of {size}, got rank {world.rank} of {world.world_size}")
             return world, False
         comm = init(store=store, rank=rank, world_size=size, timeout=seconds)
-        if comm.local_world_size != comm.world_size:
+        transport = comm._ctx.heap.transport
+        if not all(transport.reachable(r) for r in range(size)):
             hosts = len(comm.topology.hosts)
             from ..runtime.state import finalize
 
             finalize()
             raise ZbcclInvalidUsageError(
-                f"init_process_group: the ranks span {hosts} hosts and zbccl has no inter-host transport yet, "
-                "expected every rank on one host")
+                f"init_process_group: the ranks span {hosts} hosts and no transport reaches them all, expected "
+                f"Mooncake between hosts (pip install 'zbccl[internode]'), got transport {transport.name!r}")
         return comm, True
     if world is None:
         raise ZbcclInvalidUsageError(
@@ -198,7 +250,13 @@ def create(dist_opts, backend_opts=None):
             from ..runtime.registry import note_fallback
 
             note_fallback(f"zbccl could not start on {reason}")
-    p2p = PointToPoint(comm, incarnation=n) if comm is not None else None
+    across = gloo_keys_across_hosts(comm)
+    if across:
+        _log.info("zbccl: group %r spans hosts: %s run on gloo (not across hosts in this build)",
+                  dist_opts.group_id, ", ".join(sorted(across)))
+        fallback = fallback | across
+    # p2p's mailboxes are read through views of the peer's heap: one host only (``send``/``recv`` on gloo).
+    p2p = PointToPoint(comm, incarnation=n) if comm is not None and comm._single_host else None
     if comm is not None:
         from .funcol import install
 

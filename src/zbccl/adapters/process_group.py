@@ -336,7 +336,10 @@ class ProcessGroupZbccl(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.ReduceOptions()
         red = reduce_op_name(opts.reduceOp, op="reduce")
         if not self._zb("reduce") or red == "gloo":
-            return self._g(opts, tensors, lambda s: self._gloo.reduce(s.all(tensors), opts))
+            if self.rank() == opts.rootRank:
+                return self._g(opts, tensors, lambda s: self._gloo.reduce(s.all(tensors), opts))
+            # gloo leaves partial sums in non-root tensors: reduce copies, so they stay unchanged here too
+            return self._g(opts, tensors, lambda s: self._gloo.reduce(s.all([t.clone() for t in tensors]), opts))
         comm, root = self._comm, opts.rootRank
 
         return self._done(opts, tensors, lambda: [

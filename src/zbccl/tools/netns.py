@@ -237,7 +237,8 @@ def run_hosts(fn: Callable[..., Any], hosts: NetnsHosts, ranks_per_host: int = 1
     ``ctx`` is ``context(rank, world_size, store_host, store_port)`` (``"module:Class"``, default
     :class:`HostRank`); its ``store()`` reaches the TCPStore this process hosts on the bridge. ``fn`` must
     be a module-level function (each rank imports it by name; ``pythonpath`` is put before zbccl's folder on
-    the ranks' ``PYTHONPATH``); ``kwargs`` and the results are JSON. ``expect_exit`` lists hosts (index ->
+    the ranks' ``PYTHONPATH``); ``kwargs`` and the results are JSON. Each host's ranks get ``GLOO_SOCKET_IFNAME`` set
+    to its veth (:meth:`NetnsHosts.ifname`) unless ``env`` sets it. ``expect_exit`` lists hosts (index ->
     True) that are expected not to finish (killed by the director): their ranks' results are None. Raises
     :class:`HostsFailure` with the failing rank's traceback and the hosts' logs, or naming the ranks that had
     not finished by ``timeout``.
@@ -260,7 +261,9 @@ def run_hosts(fn: Callable[..., Any], hosts: NetnsHosts, ranks_per_host: int = 1
             logs.append(log)
             argvs = [[sys.executable, "-m", "zbccl.tools.netns", str(work / "spec.json"),
                       str(i * ranks_per_host + k)] for k in range(ranks_per_host)]
-            procs.append(hosts.popen(i, argvs, env=penv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or work))
+            # gloo binds the host's veth (the hostname resolves to loopback inside the namespace)
+            host_env = penv if "GLOO_SOCKET_IFNAME" in (env or {}) else {**penv, "GLOO_SOCKET_IFNAME": hosts.ifname(i)}
+            procs.append(hosts.popen(i, argvs, env=host_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or work))
         failure: list[BaseException] = []
         if director is not None:
             def direct() -> None:
@@ -269,12 +272,7 @@ def run_hosts(fn: Callable[..., Any], hosts: NetnsHosts, ranks_per_host: int = 1
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     failure.append(exc)
             threading.Thread(target=direct, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        _wait(procs, work, time.monotonic() + timeout)
         return _collect(work, hosts.n, ranks_per_host, expect, failure, timeout)
     finally:
         for proc in procs:
@@ -292,6 +290,19 @@ def run_hosts(fn: Callable[..., Any], hosts: NetnsHosts, ranks_per_host: int = 1
         for log in logs:
             log.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait(procs: list[subprocess.Popen], work: Path, deadline: float) -> None:
+    """Until every host's shell exited, a rank reported an error (its peers would only wait for it until
+    their own timeouts), or ``deadline``."""
+    for proc in procs:
+        while time.monotonic() < deadline:
+            try:
+                proc.wait(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if any("error" in json.loads(p.read_text()) for p in work.glob("out-*.json")):
+                    return
 
 
 def _collect(work: Path, n_hosts: int, per_host: int, expect: dict[int, bool], failure: list[BaseException],
