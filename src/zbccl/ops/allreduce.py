@@ -52,7 +52,7 @@ from ..native.abi import OP_ALL_REDUCE
 from ..runtime import registry
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null, route
+from . import hosts, null, route
 from .args import tensor_error
 from .channel import OpChannel, channel_of
 from .dtypes import SUM, dtype_code, reduce_op_code
@@ -137,6 +137,8 @@ def _all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = N
             red = reduce_op_code(op, tensor.dtype, op=_OP)
         except ZbcclInvalidUsageError as exc:
             error = str(exc)
+    if not comm._single_host:  # a communicator across hosts
+        return hosts.all_reduce(comm, tensor, dt, red, error, timeout)
     run_op(comm, OP_ALL_REDUCE, error, _run, null.all_reduce, (tensor, dt, red), op=_OP, timeout=timeout, t=tensor)
     return tensor
 

@@ -27,7 +27,7 @@ from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_BARRIER, WHERE_BARRIER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import route
+from . import hosts, route
 from .diagnose import barrier_tags
 from .entry import open_op
 
@@ -40,6 +40,8 @@ def run_barrier(comm: Communicator, timeout: float | None, *, tag: int = 0) -> l
     """``comm``'s barrier on its op channel, posting ``tag`` (the caller holds the communicator's op lock).
     Returns None, or every member's tag when they differ (every member gets the same list, and the group
     stays in step: the op failed together in its handshake)."""
+    if not comm._single_host:  # a communicator across hosts: a step through the pad words
+        return hosts.barrier(comm, timeout, tag)
     ch = comm.op_state
     if ch is None or timeout is not None or not ch.plain:
         ch = open_op(comm, OP_BARRIER, None, op=_OP, timeout=timeout)

@@ -16,7 +16,7 @@ from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_BROADCAST
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null, route
+from . import hosts, null, route
 from .args import rank_error, tensor_error, written_error
 from .channel import OpChannel
 from .dtypes import dtype_code
@@ -55,6 +55,8 @@ def broadcast(tensor: torch.Tensor, src: int, *, comm: Communicator | None = Non
             dt = dtype_code(tensor.dtype, op=_OP)
         except ZbcclInvalidUsageError as exc:
             error = str(exc)
+    if not comm._single_host:  # a communicator across hosts
+        return hosts.broadcast(comm, tensor, src, error, timeout)
     run_op(comm, OP_BROADCAST, error, _root if comm.rank == src else _receive, null.broadcast, (tensor, dt, src),
            op=_OP, timeout=timeout, t=tensor)
     return tensor

@@ -32,7 +32,7 @@ import torch.autograd.profiler as _profiler
 from ..native.abi import OP_ALL_GATHER, OP_ALL_TO_ALL
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null, route
+from . import hosts, null, route
 from .args import (
     check_exchange,
     dim_index,
@@ -118,11 +118,11 @@ def _gather_along(comm, ch: OpChannel | None, output, input, dim: int, timeout) 
     if error is None:
         blocks, error = gather_dim_error(output, input, dim, W, op=op)
     counts = [0] * W if error else [input.numel()] * W
-    return _start(comm, op, output, input, counts, None, 1, error, timeout, blocks=blocks)
+    return _start(comm, op, output, input, counts, None, 1, error, timeout, blocks=blocks, dim=dim)
 
 
 def _start(comm, op: str, output, input, counts, out_counts, row: int, error: str | None, timeout, *,
-           dt: int | None = None, blocks: int = 1) -> torch.Tensor:
+           dt: int | None = None, blocks: int = 1, dim: int = 0) -> torch.Tensor:
     """Check locally (unless ``dt`` says the caller did), then run the op (or fail it on every rank).
     ``counts`` None: an even all_gather, already checked. ``blocks`` > 1: a gather along an inner
     dimension (posted as the header's AUX; the layouts of ``blocks`` 0 and 1 are the same)."""
@@ -131,6 +131,10 @@ def _start(comm, op: str, output, input, counts, out_counts, row: int, error: st
         dt = 0
         if error is None:
             dt, error = check_exchange(op, output, input, counts, out_counts, W, comm.rank, blocks)
+    if not comm._single_host:  # a communicator across hosts
+        if out_counts is not None:
+            return hosts.all_to_all(comm, output, input, dt, counts, out_counts, error, timeout)
+        return hosts.gather(comm, op, output, input, dt, counts, dim, error, timeout)
     opcode = OP_ALL_GATHER if out_counts is None else OP_ALL_TO_ALL
     run_op(comm, opcode, error, _native, null.copy_into,
            (output, input, op, counts, out_counts, row, dt, blocks if blocks > 1 else 0), op=op, timeout=timeout,
@@ -238,7 +242,7 @@ def all_gather_v(output: torch.Tensor, input: torch.Tensor, sizes: list[int], *,
     else:
         row = _row_elems(output)
     counts = [0] * comm.world_size if error else [s * row for s in rows]
-    return _start(comm, op, output, input, counts, None, row, error, timeout, blocks=blocks)
+    return _start(comm, op, output, input, counts, None, row, error, timeout, blocks=blocks, dim=dim)
 
 
 @collective("all_to_all_single")

@@ -23,7 +23,7 @@ from ..errors import ZbcclInvalidUsageError
 from ..native.abi import OP_REDUCE_SCATTER
 from ..runtime.communicator import Communicator
 from ..runtime.registry import collective
-from . import null, route
+from . import hosts, null, route
 from .args import dim_index, index_list, overlap_error, tensor_error
 from .channel import OpChannel
 from .dtypes import dtype_code, reduce_op_code
@@ -106,7 +106,8 @@ def _along(comm, op: str, output, input, red_op, dim, sizes: list[int] | None, t
             row = blocks * math.prod(input.shape[d + 1:])
             if error is None:
                 counts = [s * row for s in sizes]
-    return _run(comm, op, output, input, red_op, counts, row, error, timeout, blocks=blocks if blocks > 1 else 0)
+    return _run(comm, op, output, input, red_op, counts, row, error, timeout, blocks=blocks if blocks > 1 else 0,
+                dim=d)
 
 
 def _local_error(op: str, output, input, red_op, counts, rank: int, world: int,
@@ -132,11 +133,13 @@ def _local_error(op: str, output, input, red_op, counts, rank: int, world: int,
 
 
 def _run(comm, op: str, output, input, red_op, counts: list[int], row: int, error: str | None,
-         timeout, *, blocks: int = 0) -> torch.Tensor:
+         timeout, *, blocks: int = 0, dim: int = 0) -> torch.Tensor:
     """``blocks`` (> 1): along an inner dimension, posted as the header's AUX (0 and 1 are dim 0's layout)."""
     dt = red = 0
     if error is None:
         dt, red, error = _local_error(op, output, input, red_op, counts, comm.rank, comm.world_size, blocks)
+    if not comm._single_host:  # a communicator across hosts
+        return hosts.reduce_scatter(comm, op, output, input, dt, red, counts, dim, error, timeout)
     run_op(comm, OP_REDUCE_SCATTER, error, _native, null.copy_into,
            (output, input, op, counts, row, dt, red, blocks), op=op, timeout=timeout, t=input)
     return output

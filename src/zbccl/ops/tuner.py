@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "OP_ALGOS", "ALGO_CODES",
            "table_for", "host_key", "table_path", "force_algorithm", "validate_rules", "load_file", "choose",
-           "store_kind_mode"]
+           "store_kind_mode", "HOSTS_CHUNK", "HOSTS_HIER_MIN", "hosts_chunk", "hosts_hierarchical"]
 
 #: Algorithm name -> code (``native/abi.py``).
 ALGO_CODES = {v: k for k, v in ALGO_NAMES.items()}
@@ -271,3 +271,23 @@ def store_kind_mode() -> int:
     if kind is None:
         raise ZbcclInvalidUsageError(f"ZBCCL_STREAM_STORES: expected auto, on or off, got {mode!r}")
     return kind
+
+
+#: The collectives across hosts (``ops/hosts``): the pipelining unit of the inter-host steps (one slot of
+#: each mesh region), and the size from which all_reduce / all_gather take the hierarchical algorithm on a
+#: regular topology (below it the flat exchange wins: one step, data in the agreement step's writes).
+HOSTS_CHUNK = 1 << 20
+HOSTS_HIER_MIN = 64 << 10
+
+
+def hosts_chunk(heap_bytes: int, slots: int) -> int:
+    """This rank's proposal of the inter-host chunk (the group takes the smallest, so every rank agrees):
+    ``HOSTS_CHUNK``, or less where ``slots`` slots of it would take more than a quarter of the heap."""
+    fit = heap_bytes // 4 // max(1, slots) // 4096 * 4096
+    return max(4096, min(HOSTS_CHUNK, fit))
+
+
+def hosts_hierarchical(op: str, nbytes: int, hosts: int, local: int, regular: bool) -> bool:
+    """Whether ``op`` of ``nbytes`` takes the hierarchical algorithm (identical on every rank: it reads
+    only the topology and the size, which the ranks agree on or fail together)."""
+    return regular and hosts >= 2 and local >= 2 and op in ("all_reduce", "all_gather") and nbytes >= HOSTS_HIER_MIN

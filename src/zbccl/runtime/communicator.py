@@ -8,7 +8,8 @@ Barrier: an op of the communicator's op channel (``ops/barrier.py``: header, ``A
 ``DONE``, the native waits), so it shares the collectives' sequence numbers, liveness rule,
 ABORT marking and error texts (:mod:`.liveness`). The runtime sits below the ops layer, so the
 ops hand it that engine (:attr:`Communicator.barrier_engine`) when :mod:`zbccl.ops` is imported;
-a communicator spanning hosts meets in the store instead. The store ops (``all_gather_object``,
+a communicator spanning hosts runs it through the pad words (``ops/hosts``), or meets in the store
+when no transport reaches the other hosts. The store ops (``all_gather_object``,
 ``new_group``, ``destroy``) watch the same liveness rule at each poll of the store.
 """
 
@@ -79,6 +80,8 @@ class Communicator:
         #: The liveness check of this communicator's store waits (bootstrap/store.py ``watch``).
         self.store_watch = store_watch(ctx, self.ranks)
         self._single_host = all(ctx.heap.reachable(r) for r in self.ranks)
+        #: Ranks on other hosts that no transport reaches (no Mooncake): the barrier meets in the store.
+        self._store_barrier = not all(ctx.heap.transport.reachable(r) for r in self.ranks)
 
     # ----------------------------------------------------------------- identity
     @property
@@ -214,7 +217,7 @@ class Communicator:
         died, finalized or left any op half-way, and :class:`~zbccl.errors.ZbcclInvalidUsageError`
         on every rank when a member runs another op (or passed a bad ``timeout``).
         """
-        if not self._single_host:
+        if self._store_barrier:
             self.bootstrap.barrier(timeout=_seconds(timeout, self._ctx.timeout, "barrier"), watch=self.store_watch)
             return
         engine = Communicator.barrier_engine

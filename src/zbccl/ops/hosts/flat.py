@@ -1,0 +1,173 @@
+"""The flat algorithms across hosts: every op as one chunked exchange among all members (``HostOps.exchange``).
+
+Each works for any topology (an unequal number of ranks per host included). The agreement step carries
+the first chunk of every payload, so a message of up to one chunk costs one step: a put and a signal per
+peer, then a local wait. Reductions sum the members' chunks in member order with the plain-torch
+reference (:func:`zbccl.ops.reference.reduce_ref`: floats accumulate in fp32, fp64 for float64, and round
+once), so every rank's result is bitwise identical and equal to the reference.
+
+Bytes each rank sends to the others: all_reduce ``(n-1) N``; all_gather ``(n-1) N_in``; reduce_scatter and
+all_to_all only what each peer must get; broadcast ``(n-1) N`` from the root.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...native.abi import (
+    OP_ALL_GATHER,
+    OP_ALL_REDUCE,
+    OP_ALL_TO_ALL,
+    OP_BARRIER,
+    OP_BROADCAST,
+    OP_REDUCE_SCATTER,
+)
+from ..reference import reduce_ref
+from .state import F, HostOps
+
+__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, flat (uint8; a view)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, error: str | None, secs: float,
+               *, data: bool = True) -> torch.Tensor | None:
+    """Flat all_reduce in place. ``data`` False: the agreement step only (the hierarchical algorithm's);
+    returns the contiguous working tensor then, None otherwise."""
+    n, ok = h.n, error is None
+    work = tensor.contiguous() if ok else None
+    src = _bytes(work) if ok and data else None
+    flat = work.view(-1) if ok else None
+    ce = h.chunk // max(1, tensor.element_size()) if ok else 0
+
+    def consume(k: int, got: list) -> None:
+        if not flat.numel():
+            return
+        res = reduce_ref([g.view(tensor.dtype) for g in got], red)
+        flat[k * ce:k * ce + res.numel()].copy_(res)
+
+    fields = {F.DTYPE: dt, F.REDOP: red, F.NUMEL: tensor.numel() if ok else -1}
+    h.exchange(op, OP_ALL_REDUCE, fields, [], error, [src] * n, consume if data else None, timeout=secs,
+               same=(F.DTYPE, F.REDOP, F.NUMEL))
+    if not data:
+        return work
+    if work is not tensor:
+        tensor.copy_(work)
+    return None
+
+
+def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int], d: int,
+           shapes: list[tuple], error: str | None, secs: float, *, data: bool = True) -> None:
+    """all_gather(_v) along dim ``d``: member ``i`` gives ``counts[i]`` elements (its input, shaped ``shapes[i]``).
+    ``data`` False: the agreement step only (the hierarchical algorithm's)."""
+    n, ok = h.n, error is None
+    src = _bytes(input.contiguous()) if ok and data else None
+    direct = ok and d == 0 and output.is_contiguous()
+    buf = output if direct or not ok else torch.empty(sum(counts), dtype=output.dtype)
+    outb = _bytes(buf) if ok else None
+    isz = input.element_size() if ok else 1
+    offs = [sum(counts[:i]) * isz for i in range(n)]
+
+    def consume(k: int, got: list) -> None:
+        for i, g in enumerate(got):
+            if g is not None and g.numel():
+                dst = outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()]
+                if dst.data_ptr() != g.data_ptr():  # in place: this rank's slice is its input already
+                    dst.copy_(g)
+
+    h.exchange(op, OP_ALL_GATHER, {F.DTYPE: dt, F.AUX: d}, counts if ok else [], error, [src] * n,
+               consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True)
+    if not data:
+        return
+    if d:
+        flat = buf.view(-1)
+        parts = [flat[offs[i] // isz:offs[i] // isz + counts[i]].view(shapes[i]) for i in range(n)]
+        output.copy_(torch.cat(parts, d))
+    elif buf is not output:
+        output.copy_(buf.view(output.shape))
+
+
+def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, red: int,
+                   counts: list[int], rows: list[int], d: int, error: str | None, secs: float) -> None:
+    """reduce_scatter(_v) along dim ``d``: member ``i`` gets ``counts[i]`` elements (``rows[i]`` along ``d``)."""
+    n, ok = h.n, error is None
+    sends: list = [None] * n
+    if ok:
+        if d == 0:
+            flat = input.contiguous().view(-1)
+            at = [sum(counts[:i]) for i in range(n)]
+            sends = [_bytes(flat[at[i]:at[i] + counts[i]]) for i in range(n)]
+        else:
+            at = [sum(rows[:i]) for i in range(n)]
+            sends = [_bytes(input.narrow(d, at[i], rows[i]).contiguous()) for i in range(n)]
+    out = output.view(-1) if ok and output.is_contiguous() else (torch.empty(counts[h.me], dtype=output.dtype)
+                                                                  if ok else None)
+    ce = h.chunk // max(1, input.element_size()) if ok else 0
+
+    def consume(k: int, got: list) -> None:
+        if not out.numel():
+            return
+        res = reduce_ref([g.view(input.dtype) for g in got], red)
+        out[k * ce:k * ce + res.numel()].copy_(res)
+
+    fields = {F.DTYPE: dt, F.REDOP: red, F.AUX: d, F.NUMEL: input.numel() if ok else -1}
+    h.exchange(op, OP_REDUCE_SCATTER, fields, counts if ok else [], error, sends, consume, timeout=secs,
+               same=(F.DTYPE, F.REDOP, F.AUX, F.NUMEL), same_vec=True)
+    if ok and out.data_ptr() != output.data_ptr():
+        output.copy_(out.view(output.shape))
+
+
+def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, ins: list[int],
+               outs: list[int], error: str | None, secs: float) -> None:
+    """all_to_all_single: ``ins[i]`` elements of this rank's input to member ``i``, ``outs[i]`` from it."""
+    n, ok = h.n, error is None
+    sends: list = [None] * n
+    if ok:
+        flat = input.contiguous().view(-1)
+        at = [sum(ins[:i]) for i in range(n)]
+        sends = [_bytes(flat[at[i]:at[i] + ins[i]]) for i in range(n)]
+    buf = output if ok and output.is_contiguous() else (torch.empty(sum(outs), dtype=output.dtype) if ok else None)
+    outb = _bytes(buf) if ok else None
+    isz = input.element_size() if ok else 1
+    offs = [sum(outs[:i]) * isz for i in range(n)]
+
+    def consume(k: int, got: list) -> None:
+        for i, g in enumerate(got):
+            if g is not None and g.numel():
+                outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()].copy_(g)
+
+    h.exchange(op, OP_ALL_TO_ALL, {F.DTYPE: dt}, ins + outs if ok else [], error, sends, consume, timeout=secs,
+               same=(F.DTYPE,), pairwise=ok)
+    if ok and buf is not output:
+        output.copy_(buf.view(output.shape))
+
+
+def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, error: str | None, secs: float) -> None:
+    """The root puts its tensor into every peer's slots; the others copy it out."""
+    n, ok, root = h.n, error is None, h.me == src
+    sends: list = [None] * n
+    if ok and root:
+        data = _bytes(tensor.contiguous())
+        sends = [None if i == h.me else data for i in range(n)]
+    work = tensor if not ok or root or tensor.is_contiguous() else tensor.contiguous()
+    outb = _bytes(work) if ok and not root else None
+
+    def consume(k: int, got: list) -> None:
+        g = got[src]
+        if outb is not None and g is not None and g.numel():
+            outb[k * h.chunk:k * h.chunk + g.numel()].copy_(g)
+
+    fields = {F.DTYPE: dt, F.ROOT: src, F.NUMEL: tensor.numel() if ok else -1}
+    h.exchange(op, OP_BROADCAST, fields, [], error, sends, consume, timeout=secs, same=(F.DTYPE, F.ROOT, F.NUMEL))
+    if outb is not None and work is not tensor:
+        tensor.copy_(work)
+
+
+def barrier(h: HostOps, op: str, tag: int, error: str | None, secs: float) -> list[int] | None:
+    """One header-only step; returns every member's tag when they differ (every rank gets the same list)."""
+    heads = h.exchange(op, OP_BARRIER, {F.AUX: tag}, [], error, [None] * h.n, None, timeout=secs)
+    tags = [int(x[F.AUX]) for x in heads]
+    return tags if len(set(tags)) > 1 else None

@@ -1,0 +1,104 @@
+"""The hierarchical algorithms across hosts, for a regular topology (H hosts of L >= 2 members each).
+
+all_reduce of N elements, after the agreement step (header only, on the world mesh):
+
+1. intra-host ``reduce_scatter_v`` over the host group (the zero-buffer shm op): local index l gets the
+   host's reduction of slice l (``N/L`` elements, the first ``N % L`` slices one longer);
+2. inter-host all_reduce of that slice among the H members of local index l (the column mesh: put +
+   signal per peer per chunk, reduced in host order);
+3. intra-host ``all_gather_v`` of the slices into the tensor.
+
+Inter-host bytes: each rank sends ``(H-1) N/L``, a host ``(H-1) N`` (the flat exchange: ``L (n-L) N``
+per host; a flat ring ``2 (n-1)/n N`` per rank, ``2 L (n-1)/n N`` per host).
+
+all_gather of N_in per rank: each rank's piece crosses to its column peers (``(H-1) N_in`` per rank: once
+per host pair), then an intra-host all_gather of the L blocks of H pieces, reordered into member order.
+
+Reduction order: within a host in local order (fp32 accumulation for bf16/fp16, rounded once), then
+across hosts in host order (rounded again): integers and exactly representable values are bit-equal to
+the reference, bf16/fp16 may differ from it by one rounding per phase; every rank gets the same bits
+(each slice is reduced once per column, identically, then copied). ``avg`` sums through both phases and
+divides once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dtypes import AVG, MAX, MIN, PROD, SUM
+from ..reference import reduce_ref
+from . import flat as flat_ops
+from .state import HostOps
+
+__all__ = ["all_reduce", "all_gather"]
+
+_NAMES = {SUM: "sum", AVG: "sum", PROD: "product", MAX: "max", MIN: "min"}
+
+
+def _column_all_reduce(h: HostOps, op: str, part: torch.Tensor, red: int, secs: float) -> None:
+    """Step 2: ``part`` (contiguous, 1-d) reduced in place among the column, chunk by chunk, in host order."""
+    col, chunk = h.col, h.chunk
+    raw = part.view(torch.uint8) if part.numel() else torch.empty(0, dtype=torch.uint8)
+    ce = chunk // part.element_size()
+    for k in range(max(1, math.ceil(raw.numel() / chunk))):
+        piece = raw[k * chunk:(k + 1) * chunk]
+        parity = col.step([None if i == col.index else piece for i in range(col.n)], op=op, timeout=secs)
+        if not piece.numel():
+            continue
+        parts = [piece if i == col.index else col.view(parity, i, piece.numel()) for i in range(col.n)]
+        res = reduce_ref([p.view(part.dtype) for p in parts], red)
+        part[k * ce:k * ce + res.numel()].copy_(res)
+
+
+def _column_gather(h: HostOps, op: str, piece: torch.Tensor, out: torch.Tensor, secs: float) -> None:
+    """The column's pieces (equal sizes, flat uint8) into ``out`` ``[H, nbytes]`` (uint8), in host order."""
+    col, chunk, nbytes = h.col, h.chunk, piece.numel()
+    for k in range(max(1, math.ceil(nbytes / chunk))):
+        part = piece[k * chunk:(k + 1) * chunk]
+        parity = col.step([None if i == col.index else part for i in range(col.n)], op=op, timeout=secs)
+        m = part.numel()
+        for i in range(col.n):
+            if m:
+                out[i, k * chunk:k * chunk + m].copy_(part if i == col.index else col.view(parity, i, m))
+
+
+def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, secs: float) -> None:
+    from ..exchange import all_gather_v
+    from ..reduce_scatter import reduce_scatter_v
+
+    work = flat_ops.all_reduce(h, op, tensor, dt, red, None, secs, data=False)
+    flat = work.view(-1)
+    N, L = flat.numel(), h.L
+    counts = [N // L + (1 if i < N % L else 0) for i in range(L)]
+    mine = torch.empty(counts[h.local_index], dtype=tensor.dtype)
+    inner = SUM if red == AVG else red
+    reduce_scatter_v(mine, flat, counts, _NAMES[red], comm=h.local, timeout=secs)
+    _column_all_reduce(h, op, mine, inner, secs)
+    all_gather_v(flat, mine, counts, comm=h.local, timeout=secs)
+    if red == AVG:
+        flat.div_(h.n)
+    if work is not tensor:
+        tensor.copy_(work)
+
+
+def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int],
+               secs: float) -> None:
+    """Even all_gather along dim 0 (``counts`` all equal) on a regular topology."""
+    from ..exchange import all_gather_v
+
+    flat_ops.gather(h, op, output, input, dt, counts, 0, [], None, secs, data=False)
+    src = flat_ops._bytes(input.contiguous())
+    nbytes = src.numel()
+    block = torch.empty((h.H, nbytes), dtype=torch.uint8)
+    _column_gather(h, op, src, block, secs)
+    blocks = torch.empty((h.L, h.H, nbytes), dtype=torch.uint8)
+    all_gather_v(blocks.view(-1), block.view(-1), [h.H * nbytes] * h.L, comm=h.local, timeout=secs)
+    out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+    outb = flat_ops._bytes(out).view(h.n, nbytes)
+    for hi, members in enumerate(h.hosts):  # block [l, hi] is member hosts[hi][l]'s piece
+        for li, i in enumerate(members):
+            outb[i].copy_(blocks[li, hi])
+    if out is not output:
+        output.copy_(out)

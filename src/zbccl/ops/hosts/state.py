@@ -1,0 +1,301 @@
+"""A spanning communicator's state for the collectives across hosts: its meshes, its host group, agreement.
+
+Made lazily and collectively on the communicator's first op (:func:`host_ops`), kept in its
+``device_state["hosts"]`` and closed with it (destroy, finalize).
+
+Setup (collective over the members, through the communicator's bootstrap store, sealed by the job
+cookie when there is one): each rank proposes a chunk (``tuner.hosts_chunk``), reserves its mesh
+regions in its heap, and all-gathers ``{"chunk", "world", "column"}`` (or the error it hit, so that every
+rank fails together). Each record is parsed strictly; the chunk is the smallest proposed; every region
+a peer announces is checked against that peer's heap size. On a regular topology (every host holds the
+same number L >= 2 of the members) the ranks of each host make a sub-communicator (``new_group``) for
+the zero-buffer shm phases, and the ranks of one local index across the hosts form a column mesh.
+
+Signal lines: the communicator's own comm slot in every rank's pad (its op channel never exists), from
+line 16: the world mesh's n arrived words, then the column mesh's H.
+
+**Agreement** (every op's first step on the world mesh): each rank puts a header (op, dtype, reduce op,
+root, dim, sizes, its size vector, an error flag) in front of its first bytes to every peer. Every rank
+reads every header and applies the same checks, so either every rank proceeds or every rank raises
+:class:`~zbccl.errors.ZbcclInvalidUsageError` naming the disagreement (or the first rank's local error).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
+from ...heap import layout
+from ...native.abi import OP_NAMES
+from ..tuner import hosts_chunk
+from .mesh import Mesh, Watch
+
+__all__ = ["HostOps", "host_ops", "F"]
+
+#: First line of the communicator's comm slot the meshes use (0-15: the op channel's lines, never used here).
+LINE0 = 16
+MAGIC = 0x7A62686F73740001  # "zbhost" + 1
+
+
+class F:
+    """Header words (int64), in front of a rank's first bytes to each peer."""
+
+    MAGIC, OP, DTYPE, REDOP, ROOT, AUX, NUMEL, NUMEL_OUT, ERROR, ERRLEN, TO_YOU, MAXSEND, NVEC, SEQ = range(14)
+    VEC = 16
+    NAMES = {OP: "the op", DTYPE: "the dtype", REDOP: "the reduce op", ROOT: "the root (src)", AUX: "dim",
+             NUMEL: "the size (elements)", NUMEL_OUT: "the output size (elements)"}
+
+
+def _header_bytes(n: int) -> int:
+    return (8 * (F.VEC + 2 * n) + 63) // 64 * 64
+
+
+class HostOps:
+    """See the module docstring. Not thread-safe: the communicator's op lock serialises its ops."""
+
+    def __init__(self, comm, *, timeout: float) -> None:
+        ctx = comm._ctx
+        self.comm, self.ctx, self.t = comm, ctx, ctx.heap.transport
+        n = self.n = comm.world_size
+        self.me = comm.rank
+        unreachable = [i for i, g in enumerate(comm.ranks) if not self.t.reachable(g)]
+        if unreachable:
+            raise ZbcclInvalidUsageError(
+                f"collective: ranks {unreachable} are on other hosts and out of this transport's reach, expected "
+                "the mooncake transport between hosts (pip install 'zbccl[internode]'), got none")
+        topo = ctx.topology
+        by_host: dict[int, list[int]] = {}
+        for i, g in enumerate(comm.ranks):
+            by_host.setdefault(topo.host_of(g), []).append(i)
+        self.hosts = list(by_host.values())  # group ranks per host, hosts in order of their first member
+        self.host_of = {i: h for h, rs in enumerate(self.hosts) for i in rs}
+        H, L = len(self.hosts), len(self.hosts[0])
+        self.regular = H >= 2 and L >= 2 and all(len(h) == L for h in self.hosts)
+        self.H, self.L = H, L
+        mine = self.hosts[self.host_of[self.me]]
+        self.local_index = mine.index(self.me)
+        self.column = [h[self.local_index] for h in self.hosts] if self.regular else []
+        if LINE0 + n + H > layout.SLOT_BYTES // layout.LINE:
+            raise ZbcclInvalidUsageError(
+                f"collective: too many ranks for the collectives across hosts, expected at most "
+                f"{layout.SLOT_BYTES // layout.LINE - LINE0 - 1} ranks and hosts together, got {n} ranks on {H} hosts")
+        self.hdr = _header_bytes(n)
+        self.labels = {g: i for i, g in enumerate(comm.ranks)}
+        self.watch = Watch(ctx, self.labels)
+        self.broken: str | None = None
+        #: True once the current op failed on every rank together (its agreement): nothing is broken.
+        self.together = False
+        self.op_no = 0
+        self.local = None
+        self._blocks: list[int] = []
+        try:
+            self._setup(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ setup
+    def _setup(self, timeout: float) -> None:
+        comm, ctx, n = self.comm, self.ctx, self.n
+        ncol = len(self.column)
+        record: dict = {}
+        try:
+            chunk = hosts_chunk(comm.heap_bytes, 2 * (n + ncol))
+            record["chunk"] = chunk
+            for name, count, hdr in (("world", n, self.hdr), ("column", ncol, 0)):
+                if not count:
+                    record[name] = [-1, 0]
+                    continue
+                nbytes = 2 * count * (hdr + chunk)
+                off = ctx.sma.try_malloc(nbytes, kind="hosts")
+                if off is None:
+                    raise ZbcclOutOfMemoryError(
+                        f"collective: the heap cannot hold this communicator's inter-host region, expected "
+                        f"{nbytes} free bytes, got less (raise heap_size)")
+                self._blocks.append(off)
+                record[name] = [off, nbytes]
+        except ZbcclError as exc:
+            record = {"error": f"{type(exc).__name__}: {exc}"}
+        got = comm.bootstrap.all_gather(json.dumps(record).encode(), timeout=timeout, tag="hosts-setup",
+                                        watch=comm.store_watch)
+        recs = [self._parse(i, raw) for i, raw in enumerate(got)]
+        bad = [(i, r["error"]) for i, r in enumerate(recs) if "error" in r]
+        if bad:
+            raise ZbcclOutOfMemoryError(f"collective: setting up the inter-host regions failed on rank {bad[0][0]}: "
+                                        f"{bad[0][1]}", ranks=tuple(i for i, _ in bad))
+        self.chunk = min(r["chunk"] for r in recs)
+        for i, r in enumerate(recs):  # every announced region must lie in that rank's heap and hold the slots
+            for name, count, hdr in (("world", n, self.hdr), ("column", ncol, 0)):
+                off, nbytes = r[name]
+                need = 2 * count * (hdr + self.chunk)
+                size = self.t.size(comm.ranks[i])
+                if count and (off < 0 or off % 64 or nbytes < need or off + nbytes > size):
+                    raise ZbcclRemoteError(
+                        f"collective: rank {i} announced a bad {name} region, expected {need}+ bytes at a 64-byte "
+                        f"aligned offset within its heap of {size}, got offset {off} and {nbytes} bytes", ranks=(i,))
+        slot_line = layout.slot_line
+        self.world = Mesh(ctx, comm.ranks, [r["world"][0] for r in recs], self.hdr + self.chunk,
+                          slot_line(comm.slot, LINE0), self.watch)
+        self.col = None
+        if self.regular:
+            members = [comm.ranks[i] for i in self.column]
+            self.col = Mesh(ctx, members, [recs[i]["column"][0] for i in self.column], self.chunk,
+                            slot_line(comm.slot, LINE0 + n), self.watch)
+            self.local = _host_group(comm, [comm.ranks[i] for i in self.hosts[self.host_of[self.me]]], timeout)
+
+    def _parse(self, i: int, raw: bytes) -> dict:
+        """Rank ``i``'s setup record, strictly: nothing from the store is trusted."""
+        try:
+            rec = json.loads(raw.decode())
+        except (UnicodeDecodeError, ValueError):
+            rec = None
+        ok = isinstance(rec, dict)
+        if ok and "error" in rec:
+            ok = set(rec) == {"error"} and isinstance(rec["error"], str)
+        elif ok:
+            ok = (set(rec) == {"chunk", "world", "column"} and _int(rec["chunk"]) and 4096 <= rec["chunk"] <= 1 << 30
+                  and rec["chunk"] % 64 == 0
+                  and all(isinstance(rec[k], list) and len(rec[k]) == 2 and all(map(_int, rec[k]))
+                          for k in ("world", "column")))
+        if not ok:
+            raise ZbcclRemoteError(f"collective: rank {i}'s inter-host setup record is malformed, expected "
+                                   f"{{chunk, world, column}}, got {raw[:80]!r}", ranks=(i,))
+        return rec
+
+    def close(self) -> None:
+        """Free the regions and end the host group (collectively at destroy; locally once finalized)."""
+        local, self.local = self.local, None
+        if self.ctx.finalized or self.ctx.forked:
+            return
+        for off in self._blocks:
+            self.ctx.sma.free(off)
+        self._blocks = []
+        if local is not None and not local.destroyed:
+            local.destroy()
+
+    # ------------------------------------------------------------ the agreement step
+    def exchange(self, op: str, opcode: int, fields: dict[int, int], vec: Sequence[int], error: str | None,
+                 sends: list[torch.Tensor | None], consume: Callable | None, *, timeout: float,
+                 same: Sequence[int] = (), same_vec: bool = False, pairwise: bool = False,
+                 error_kind: int = 1) -> list[np.ndarray]:
+        """The flat exchange among all members with the agreement in its first step: ``sends[i]`` (flat uint8, or
+        None) to member ``i`` (``sends[me]``: this rank's own part, handed to ``consume``), chunked over steps;
+        ``consume(k, got)`` gets per member the bytes of step ``k`` (views valid until the next step).
+        Returns every member's header. Raises together on a disagreement or a rank's ``error``."""
+        mesh, n, me, chunk, H = self.world, self.n, self.me, self.chunk, self.hdr
+        self.op_no += 1
+        hdr = np.zeros(H // 8, dtype=np.int64)
+        hdr[F.MAGIC], hdr[F.OP], hdr[F.SEQ] = MAGIC, opcode, self.op_no
+        for k, v in fields.items():
+            hdr[k] = v
+        self._own_error = error
+        if error is not None:
+            raw = error.encode()[:chunk]
+            sends = [torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None] * n
+            hdr[F.ERROR], hdr[F.ERRLEN], vec = error_kind, len(raw), []
+        hdr[F.NVEC] = len(vec)
+        hdr[F.VEC:F.VEC + len(vec)] = vec
+        lens = [0 if s is None else s.numel() for s in sends]
+        hdr[F.MAXSEND] = max([lens[i] for i in range(n) if i != me] or [0])
+        pieces: list[torch.Tensor | None] = [None] * n
+        for i in range(n):
+            if i != me:
+                hdr[F.TO_YOU] = lens[i]
+                head = torch.from_numpy(hdr.copy()).view(torch.uint8)
+                pieces[i] = head if not lens[i] else torch.cat([head, sends[i][:chunk]])
+        parity = mesh.step(pieces, op=op, timeout=timeout)
+        hdr[F.TO_YOU] = lens[me]
+        heads = [hdr if i == me else mesh.view(parity, i, H).view(torch.int64).numpy().copy() for i in range(n)]
+        try:
+            self._agree(op, heads, same, same_vec, pairwise, parity)
+        except ZbcclError:
+            self.together = True  # every rank raises it: the communicator stays in step
+            raise
+        steps = max(1, math.ceil(max(int(h[F.MAXSEND]) for h in heads) / chunk))
+        for k in range(steps):
+            if k:
+                part = [None if s is None or i == me else s[k * chunk:(k + 1) * chunk] for i, s in enumerate(sends)]
+                parity = mesh.step(part, op=op, timeout=timeout, at=H)
+            if consume is None:
+                continue
+            got: list[torch.Tensor | None] = []
+            for i in range(n):
+                m = max(0, min(chunk, int(heads[i][F.TO_YOU]) - k * chunk))
+                if i == me:
+                    got.append(None if sends[me] is None else sends[me][k * chunk:k * chunk + m])
+                else:
+                    got.append(mesh.view(parity, i, H + m)[H:] if m else mesh.view(parity, i, 0))
+            consume(k, got)
+        return heads
+
+    def _agree(self, op: str, heads: list[np.ndarray], same: Sequence[int], same_vec: bool, pairwise: bool,
+               parity: int) -> None:
+        """Every rank applies these checks to the same headers: all raise, or none does."""
+        n = self.n
+        bad = [i for i, h in enumerate(heads) if h[F.MAGIC] != MAGIC or h[F.SEQ] != self.op_no]
+        if bad:
+            got = {i: (int(heads[i][F.MAGIC]), int(heads[i][F.SEQ])) for i in bad}
+            raise ZbcclRemoteError(f"{op}: ranks {bad} are out of step, expected op #{self.op_no} of this "
+                                   f"communicator, got (magic, op number) {got}", ranks=tuple(bad))
+        errs = [i for i, h in enumerate(heads) if h[F.ERROR]]
+        if errs:
+            i = errs[0]
+            cls = ZbcclOutOfMemoryError if heads[i][F.ERROR] == 2 else ZbcclInvalidUsageError
+            if i == self.me:
+                raise cls(self._own_error, ranks=tuple(errs))
+            raw = self.world.view(parity, i, self.hdr + int(heads[i][F.ERRLEN]))[self.hdr:]
+            text = bytes(raw.numpy()).decode(errors="replace")
+            raise cls(f"{text} (on rank {i})", ranks=tuple(errs))
+        ops = [int(h[F.OP]) for h in heads]
+        if len(set(ops)) > 1:
+            raise ZbcclInvalidUsageError(
+                f"{op}: the ranks run different ops, expected the same collective on every rank, got "
+                f"{ {i: OP_NAMES.get(o, o) for i, o in enumerate(ops)} }", ranks=tuple(range(n)))
+        for f in same:
+            vals = [int(h[f]) for h in heads]
+            if len(set(vals)) > 1:
+                raise ZbcclInvalidUsageError(
+                    f"{op}: the ranks disagree on {F.NAMES[f]}, expected one value on every rank, got "
+                    f"{dict(enumerate(vals))}", ranks=tuple(i for i, v in enumerate(vals) if v != vals[0]))
+        vecs = [h[F.VEC:F.VEC + int(h[F.NVEC])].tolist() for h in heads]
+        if same_vec and any(v != vecs[0] for v in vecs):
+            raise ZbcclInvalidUsageError(
+                f"{op}: the ranks disagree on the sizes, expected one list on every rank, got {dict(enumerate(vecs))}",
+                ranks=tuple(i for i, v in enumerate(vecs) if v != vecs[0]))
+        if pairwise:  # all_to_all: q's input split for r equals r's output split for q
+            for q in range(n):
+                for r in range(n):
+                    if vecs[q][r] != vecs[r][n + q]:
+                        raise ZbcclInvalidUsageError(
+                            f"{op}: splits disagree, expected rank {q}'s input split for rank {r} to equal rank "
+                            f"{r}'s output split for rank {q}, got {vecs[q][r]} and {vecs[r][n + q]} elements",
+                            ranks=(q, r))
+
+
+def _int(x) -> bool:
+    return type(x) is int
+
+
+def _host_group(comm, members: list[int], timeout: float):
+    """The members of this rank's host as a sub-communicator (collective over them: every host makes its own)."""
+    from ...runtime.communicator import Communicator
+
+    make = Communicator.new_group.__wrapped__  # the spanning communicator's op lock is held by this op
+    local = make(comm, [comm.ranks.index(g) for g in members], timeout=timeout)
+    assert local._single_host, "a host group spans hosts"
+    return local
+
+
+def host_ops(comm, *, timeout: float) -> HostOps:
+    """``comm``'s :class:`HostOps`, made (collectively) on its first op across hosts."""
+    state = comm.device_state.get("hosts")
+    if state is None:
+        state = comm.device_state["hosts"] = HostOps(comm, timeout=timeout)
+    return state
+
+

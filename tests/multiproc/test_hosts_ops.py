@@ -1,0 +1,303 @@
+"""Every collective over a communicator that spans hosts (``ops/hosts``), against the plain-torch reference.
+
+"Hosts" are made by ``ZBCCL_HOST_ID`` (one machine, no root): ranks of one host id share memory (shm),
+the others are reached through Mooncake over loopback (the routed transport). Layouts: 2x1, 2x2 (the
+hierarchical algorithms), 3x1 and an irregular 2+1. Payloads name their source (value = f(rank, index)).
+Skips without Mooncake.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.spawn import run_world
+from zbccl.ops.dtypes import AVG, MAX, MIN, PROD, SUM
+from zbccl.ops.reference import all_reduce_ref, reduce_ref
+
+REDS = {"sum": SUM, "max": MAX, "min": MIN, "product": PROD, "avg": AVG}
+
+
+@pytest.fixture(autouse=True)
+def _needs_mooncake():
+    from zbccl.heap.transports.mooncake import missing_reason
+
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def _init(ctx, hosts: list[int], **kwargs):
+    os.environ["ZBCCL_HOST_ID"] = f"fake-host-{hosts[ctx.rank]}"
+    kwargs.setdefault("heap_size", 8 << 20)
+    return ctx.init(**kwargs)
+
+
+def f(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """``n`` values naming their source; small integers, so every float sum is exact."""
+    v = (torch.arange(n) % 13 + 1) * (rank + 2) + salt
+    if dtype == torch.bool:
+        return (v % 3) == rank % 3
+    return v.to(dtype)
+
+
+def _cases(ctx, hosts: list[int], sizes: list[int], dtypes: list[torch.dtype], reds: list[str]) -> str:
+    import zbccl
+
+    comm = _init(ctx, hosts)
+    W, me = comm.world_size, comm.rank
+    assert not comm._single_host
+    try:
+        for n in sizes:
+            for dt in dtypes:
+                for red in reds:
+                    if red == "avg" and not dt.is_floating_point:
+                        continue
+                    x = f(me, n, dt)
+                    zbccl.all_reduce(x, red)
+                    want = all_reduce_ref([f(r, n, dt) for r in range(W)], REDS[red])
+                    assert torch.equal(x, want), (n, dt, red, x[:8], want[:8])
+                # all_gather (even), into a private output, then in place from the heap
+                out = torch.empty(W * n, dtype=dt)
+                zbccl.all_gather_into_tensor(out, f(me, n, dt))
+                assert torch.equal(out, torch.cat([f(r, n, dt) for r in range(W)])), (n, dt)
+                # reduce_scatter (even)
+                x = torch.cat([f(me, n, dt, salt=r) for r in range(W)])
+                o = torch.empty(n, dtype=dt)
+                zbccl.reduce_scatter_tensor(o, x)
+                want = reduce_ref([torch.cat([f(q, n, dt, salt=r) for r in range(W)])[me * n:(me + 1) * n]
+                                   for q in range(W)], SUM)
+                assert torch.equal(o, want), (n, dt)
+                # broadcast from the last rank
+                b = f(me, n, dt)
+                zbccl.broadcast(b, W - 1)
+                assert torch.equal(b, f(W - 1, n, dt)), (n, dt)
+            # uneven: all_gather_v, reduce_scatter_v, all_to_all with splits
+            rows = [(n + r) % 5 + r for r in range(W)]
+            g = torch.empty(sum(rows), 3)
+            zbccl.all_gather_v(g, f(me, rows[me] * 3, torch.float32).view(rows[me], 3), rows)
+            assert torch.equal(g, torch.cat([f(r, rows[r] * 3, torch.float32).view(rows[r], 3) for r in range(W)]))
+            x = f(me, sum(rows) * 2, torch.int32).view(sum(rows), 2)
+            o = torch.empty(rows[me], 2, dtype=torch.int32)
+            zbccl.reduce_scatter_v(o, x, rows, "max")
+            lo = sum(rows[:me])
+            want = reduce_ref([f(q, sum(rows) * 2, torch.int32).view(-1, 2)[lo:lo + rows[me]] for q in range(W)], MAX)
+            assert torch.equal(o, want)
+            ins = [(me + q + n) % 4 for q in range(W)]
+            outs = [(q + me + n) % 4 for q in range(W)]
+            src = f(me, sum(ins), torch.int64) + 1000 * me
+            dst = torch.empty(sum(outs), dtype=torch.int64)
+            zbccl.all_to_all_single(dst, src, outs, ins)
+            parts = []
+            for q in range(W):
+                qi = [(q + r + n) % 4 for r in range(W)]
+                parts.append((f(q, sum(qi), torch.int64) + 1000 * q)[sum(qi[:me]):sum(qi[:me]) + qi[me]])
+            assert torch.equal(dst, torch.cat(parts))
+        comm.barrier()
+        # along a dim, heap tensors, in place
+        x = zbccl.empty((4, 3), dtype=torch.float32)
+        x.copy_(f(me, 12, torch.float32).view(4, 3))
+        out = torch.empty(4, 3 * W)
+        zbccl.all_gather_into_tensor(out, x, dim=1)
+        assert torch.equal(out, torch.cat([f(r, 12, torch.float32).view(4, 3) for r in range(W)], 1))
+        big = zbccl.empty((W * 5,), dtype=torch.float32)
+        big.copy_(f(me, W * 5, torch.float32))
+        zbccl.all_gather_into_tensor(big, big[me * 5:(me + 1) * 5].clone().copy_(big[me * 5:(me + 1) * 5]))
+        y = f(me, 2 * W * 3, torch.float32).view(2, W * 3)
+        o = torch.empty(2, 3)
+        zbccl.reduce_scatter_tensor(o, y, dim=1)
+        assert torch.equal(o, sum(f(q, 2 * W * 3, torch.float32).view(2, W * 3) for q in range(W))[:, me * 3:me * 3 + 3])
+        nc = f(me, 40, torch.float64).view(5, 8).t()  # non-contiguous
+        zbccl.all_reduce(nc)
+        assert torch.equal(nc, sum(f(r, 40, torch.float64) for r in range(W)).view(5, 8).t())
+        zbccl.all_reduce(x, timeout=20)
+        return "ok"
+    finally:
+        zbccl.finalize()
+
+
+SMALL = [0, 1, 7, 300]
+
+
+@pytest.mark.parametrize("hosts", [[0, 1], [0, 0, 1, 1], [0, 1, 2], [0, 0, 1]], ids=["2x1", "2x2", "3x1", "2+1"])
+def test_every_op_small(hosts):
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8] if len(hosts) == 2 else [torch.float32,
+                                                                                                torch.int32]
+    reds = ["sum", "max", "min", "product", "avg"] if len(hosts) == 2 else ["sum", "avg"]
+    assert run_world(_cases, len(hosts), hosts=hosts, sizes=SMALL, dtypes=dtypes, reds=reds,
+                     timeout=240) == ["ok"] * len(hosts)
+
+
+def _large(ctx, hosts: list[int]) -> str:
+    """Multi-chunk sizes (the chunk shrinks to fit the small heap) and the hierarchical algorithms at 2x2."""
+    import zbccl
+
+    comm = _init(ctx, hosts, heap_size=2 << 20)
+    W, me = comm.world_size, comm.rank
+    try:
+        h = comm.device_state.get("hosts")
+        for n in (70_001, 300_000):
+            for dt, red in ((torch.float32, "sum"), (torch.int64, "max"), (torch.bfloat16, "avg")):
+                x = f(me, n, dt)
+                zbccl.all_reduce(x, red)
+                want = all_reduce_ref([f(r, n, dt) for r in range(W)], REDS[red])
+                if dt == torch.bfloat16:
+                    torch.testing.assert_close(x, want, rtol=1e-2, atol=0)
+                else:
+                    assert torch.equal(x, want), (n, dt, red)
+            out = torch.empty(W * n, dtype=torch.float32)
+            zbccl.all_gather_into_tensor(out, f(me, n, torch.float32))
+            assert torch.equal(out, torch.cat([f(r, n, torch.float32) for r in range(W)]))
+            x = torch.cat([f(me, n, torch.int32, salt=r) for r in range(W)])
+            o = torch.empty(n, dtype=torch.int32)
+            zbccl.reduce_scatter_tensor(o, x)
+            assert torch.equal(o, sum(torch.cat([f(q, n, torch.int32, salt=r) for r in range(W)])[me * n:(me + 1) * n]
+                                      for q in range(W)).to(torch.int32))
+            b = f(me, n, torch.float32)
+            zbccl.broadcast(b, 0)
+            assert torch.equal(b, f(0, n, torch.float32))
+        h = comm.device_state["hosts"]
+        return f"chunk={h.chunk} hier={h.regular}"
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("hosts", [[0, 1], [0, 0, 1, 1]], ids=["2x1", "2x2"])
+def test_large_multi_chunk_and_hierarchical(hosts):
+    got = run_world(_large, len(hosts), hosts=hosts, timeout=300)
+    assert all(g.endswith(f"hier={len(hosts) == 4}") for g in got), got
+    assert all(int(g.split()[0].split("=")[1]) < 300_000 * 4 for g in got), got  # really chunked
+
+
+def _groups_and_errors(ctx) -> str:
+    """Groups spanning hosts and within one host; a mismatch and a local error on one rank raise everywhere."""
+    import zbccl
+    from zbccl.errors import ZbcclInvalidUsageError
+
+    comm = _init(ctx, [0, 0, 1, 1])
+    me = comm.rank
+    try:
+        span = comm.new_group([1, 2])  # one rank of each host
+        inside = comm.new_group([2, 3])  # one host: the shm ops
+        if span:
+            x = f(me, 33, torch.float32)
+            zbccl.all_reduce(x, comm=span)
+            assert torch.equal(x, f(1, 33, torch.float32) + f(2, 33, torch.float32))
+            assert not span._single_host
+        if inside:
+            assert inside._single_host
+            x = f(me, 33, torch.float32)
+            zbccl.all_reduce(x, comm=inside)
+            assert torch.equal(x, f(2, 33, torch.float32) + f(3, 33, torch.float32))
+        # a size mismatch on rank 3 only: every rank raises, naming the disagreement; then the group works
+        x = torch.ones(10 if me != 3 else 11)
+        with pytest.raises(ZbcclInvalidUsageError, match="disagree on the size"):
+            zbccl.all_reduce(x)
+        # a local error on rank 1 only (a bad root): every rank raises
+        with pytest.raises(ZbcclInvalidUsageError, match="src out of range"):
+            zbccl.broadcast(torch.ones(4), 9 if me == 1 else 0)
+        with pytest.raises(ZbcclInvalidUsageError, match="different ops"):
+            if me == 0:
+                zbccl.broadcast(torch.ones(4), 0)
+            else:
+                zbccl.all_reduce(torch.ones(4))
+        with pytest.raises(ZbcclInvalidUsageError, match="splits disagree"):
+            zbccl.all_to_all_single(torch.empty(4), torch.ones(4), [1, 1, 1, 1], [1, 1, 1, 1] if me else [2, 0, 1, 1])
+        x = f(me, 5, torch.int64)
+        zbccl.all_reduce(x)
+        assert torch.equal(x, sum(f(r, 5, torch.int64) for r in range(4)))
+        if span:
+            span.destroy()
+        if inside:
+            inside.destroy()
+        comm.barrier()
+        return "ok"
+    finally:
+        zbccl.finalize()
+
+
+def test_groups_and_agreement_errors():
+    assert run_world(_groups_and_errors, 4, timeout=240) == ["ok"] * 4
+
+
+def _late(ctx) -> str:
+    """A per-op timeout names the late rank and its host; the others name the rank that left; later ops raise."""
+    from datetime import timedelta
+
+    import zbccl
+    from zbccl.errors import ZbcclError, ZbcclRemoteError, ZbcclTimeoutError
+
+    comm = _init(ctx, [0, 1, 2], timeout=20)
+    me, store = comm.rank, ctx.store()
+    try:
+        zbccl.barrier()
+        if me == 0:
+            with pytest.raises(ZbcclTimeoutError, match=r"waiting for ranks \[2\] \(rank 2 on host") as info:
+                zbccl.all_reduce(torch.ones(8), timeout=1.5)
+            store.set("timed-out", "1")
+            result = str(info.value)
+        else:
+            if me == 2:  # late: arrives only once rank 0 gave up
+                store.wait(["timed-out"], timedelta(seconds=60))
+            try:  # every byte may have arrived before rank 0 left (it put its own first): then the op is complete
+                zbccl.all_reduce(torch.ones(8))
+            except ZbcclRemoteError as exc:
+                assert "rank 0 timed out" in str(exc), exc
+            # at the latest the next op names rank 0, within a liveness interval (not the 10 s timeout)
+            with pytest.raises(ZbcclRemoteError, match="rank 0 timed out"):
+                zbccl.all_reduce(torch.ones(8), timeout=10)
+            result = "named 0"
+        with pytest.raises(ZbcclError, match="broken"):  # the communicator is unusable now
+            zbccl.all_reduce(torch.ones(8), timeout=5)
+        store.set(f"checked{me}", "1")
+        store.wait(["checked0", "checked1", "checked2"], timedelta(seconds=60))  # nobody exits before
+        return result if me else "timed out"
+    finally:
+        zbccl.finalize()
+
+
+def test_timeout_names_the_late_rank():
+    assert run_world(_late, 3, timeout=120) == ["timed out", "named 0", "named 0"]
+
+
+def _interrupted(ctx) -> str:
+    """Ctrl-C (SIGINT) of rank 1 in the middle of an op: rank 0, on the other host, names it."""
+    from datetime import timedelta
+
+    import zbccl
+    from zbccl.errors import ZbcclError, ZbcclRemoteError
+
+    comm = _init(ctx, [0, 1], timeout=30)
+    me, store = comm.rank, ctx.store()
+    try:
+        zbccl.barrier()
+        if me == 1:
+            signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+            signal.setitimer(signal.ITIMER_REAL, 1.0)  # SIGINT while it waits for rank 0
+            with pytest.raises(KeyboardInterrupt):
+                zbccl.all_reduce(torch.ones(8))
+            store.set("left", "1")
+        else:
+            store.wait(["left"], timedelta(seconds=60))
+            x = torch.ones(8)  # rank 1 put its bytes before it was interrupted: this op may complete
+            try:
+                zbccl.all_reduce(x)
+                assert torch.equal(x, torch.full((8,), 2.0))
+            except ZbcclRemoteError as exc:
+                assert "rank 1 was interrupted" in str(exc), exc
+            with pytest.raises(ZbcclRemoteError, match="rank 1 was interrupted"):
+                zbccl.all_reduce(torch.ones(8), timeout=10)
+        with pytest.raises(ZbcclError, match="broken"):
+            zbccl.all_reduce(torch.ones(8), timeout=5)
+        store.set(f"checked{me}", "1")
+        store.wait(["checked0", "checked1"], timedelta(seconds=60))
+        return "ok"
+    finally:
+        zbccl.finalize()
+
+
+def test_ctrl_c_mid_op_is_named_across_hosts():
+    assert run_world(_interrupted, 2, timeout=120) == ["ok", "ok"]
