@@ -173,3 +173,75 @@ def test_normal_2x2_each_token_crosses_to_a_host_once():
     crossed = sum(o["crossed"] for r in out for o in r)
     naive = sum(o["naive"] for r in out for o in r)
     assert 0 < crossed < naive, (crossed, naive)
+
+
+# ---------------------------------------------------------------------------------------------- low-latency mode
+def _ll_inputs(seed: int, r: int, T: int, H: int, E: int, K: int):
+    """Rank r's ``(x bf16, topk_idx)`` (distinct experts per token, some slots -1) and its weights."""
+    g = torch.Generator().manual_seed(seed * 31 + r)
+    idx = torch.topk(torch.rand(T, E, generator=g), K, dim=-1).indices
+    idx = idx.masked_fill(torch.rand(T, K, generator=g) < 0.2, -1)
+    x = (torch.randn(T, H, generator=g) * 0.5 + r).to(torch.bfloat16)
+    x[:, :1] = torch.arange(T, dtype=torch.bfloat16).view(T, 1)  # the source token, in the payload
+    return x, idx, torch.rand(T, K, generator=g)
+
+
+def _ll_case(buffer, comm, seed: int, *, fp8: bool, hook: bool, zero_copy: bool = False) -> None:
+    from zbccl.ep import reference
+
+    R, me, H, K, Tmax = comm.world_size, comm.rank, 256, 3, 24
+    E = 3 * R
+    L = E // R
+    Ts = [(seed * 3 + 7 * r) % Tmax for r in range(R)]
+    ins = [_ll_inputs(seed, r, Ts[r], H, E, K) for r in range(R)]
+    x, idx, w = ins[me]
+    stats = torch.zeros(L, dtype=torch.int32)
+    recv, count, handle, _, h = buffer.low_latency_dispatch(x, idx, Tmax, E, use_fp8=fp8, round_scale=fp8,
+                                                            cumulative_local_expert_recv_stats=stats,
+                                                            return_recv_hook=hook)
+    if hook:
+        h()
+    want = reference.low_latency_dispatch([i[0] for i in ins], [i[1] for i in ins], me, Tmax, E, use_fp8=fp8,
+                                          round_scale=fp8)
+    assert torch.equal(count, want["count"]) and torch.equal(stats, want["count"])
+    assert torch.equal(handle[1], want["layout_range"])
+    for le in range(L):
+        n = int(count[le])
+        assert torch.equal(handle[0][le, :n], want["src_info"][le, :n])
+        if fp8:
+            assert torch.equal(recv[0][le, :n].view(torch.uint8), want["x"][le, :n].view(torch.uint8))
+            assert torch.equal(recv[1][le, :n], want["scales"][le, :n])
+        else:
+            assert torch.equal(recv[le, :n], want["x"][le, :n])
+    # identity experts on the bf16 rows, then the weighted combine: bitwise the reference's
+    outs = [reference.low_latency_dispatch([i[0] for i in ins], [i[1] for i in ins], r, Tmax, E)["x"] for r in range(R)]
+    y = outs[me]
+    if zero_copy:
+        buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+    combined, _, h = buffer.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook)
+    if hook:
+        h()
+    expect = reference.low_latency_combine(outs, [i[1] for i in ins], me, w)
+    assert torch.equal(combined, expect), f"low_latency_combine differs on rank {me}, seed {seed}"
+
+
+def _low_latency(ctx, per: int):
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    os.environ["ZBCCL_HOST_ID"] = f"ep-host-{ctx.rank // per}"
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=64 * MiB)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(24, 256, comm.world_size, 3 * comm.world_size)
+    buffer = deep_ep.Buffer(comm, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    buffer.clean_low_latency_buffer(24, 256, 3 * comm.world_size)
+    for seed, (fp8, hook, zc) in enumerate([(False, False, False), (True, False, False), (False, True, True),
+                                            (True, True, False)]):
+        _ll_case(buffer, comm, seed, fp8=fp8, hook=hook, zero_copy=zc)
+    buffer.destroy()
+    zbccl.finalize()
+    return True
+
+
+def test_low_latency_2x2():
+    assert all(run_world(_low_latency, 4, per=2, timeout=240))

@@ -60,7 +60,7 @@ def _publish_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, fl
     plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T, "sizes": (tmax, H, E)}
     if flags & FLAG_FP8:
         xq, s = fp8_quantize(x, round_scale=bool(flags & FLAG_ROUND), ue8m0=bool(flags & FLAG_UE8M0))
-        cols = [s.contiguous().view(torch.uint8).view(T, -1), xq.view(torch.uint8)]
+        cols = [s.contiguous().view(torch.uint8), xq.contiguous().view(torch.uint8)]
         fields[F.SROW] = s.size(1) * 4
     else:
         cols = [x.contiguous().view(torch.uint8)]
