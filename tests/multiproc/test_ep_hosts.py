@@ -245,3 +245,85 @@ def _low_latency(ctx, per: int):
 
 def test_low_latency_2x2():
     assert all(run_world(_low_latency, 4, per=2, timeout=240))
+
+
+# ---------------------------------------------------------------------------------------------- errors and faults
+def _errors(ctx):
+    """Bad input on one rank raises on every rank and the Buffer stays usable; a rank that never comes is named."""
+    import zbccl
+    from zbccl.errors import ZbcclInvalidUsageError, ZbcclTimeoutError
+
+    comm, buffer = _start(ctx, 2)
+    me, E, H = comm.rank, 8, 128
+    x, idx, w = _integer_inputs(3, me, 10, H, E, 2)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    seen = []
+    bad_ntpr = ntpr + 1 if me == 1 else ntpr  # rank 1's counts disagree with its routing
+    with pytest.raises(ZbcclInvalidUsageError, match="num_tokens_per_rank does not match") as exc:
+        buffer.dispatch(x, num_tokens_per_rank=bad_ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                        topk_idx=idx, topk_weights=w)
+    seen.append(list(exc.value.ranks))
+    xh = torch.zeros(10, 2 * H, dtype=torch.bfloat16) if me == 3 else x  # rank 3's hidden size differs
+    with pytest.raises(ZbcclInvalidUsageError, match="hidden size") as exc:
+        buffer.dispatch(xh, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                        topk_idx=idx, topk_weights=w)
+    seen.append(list(exc.value.ranks))
+    big = torch.zeros(30, 256, dtype=torch.bfloat16) if me == 2 else torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ZbcclInvalidUsageError, match="too many tokens"):  # LL: rank 2 exceeds the max tokens
+        buffer.low_latency_dispatch(big, torch.zeros(big.size(0), 1, dtype=torch.int64), 16, E)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    with pytest.raises(ZbcclInvalidUsageError, match="rows"):  # combine: rank 0's x has the wrong row count
+        buffer.combine(recv_x[:-1] if me == 0 and recv_x.size(0) else recv_x, handle)
+    combined, _, _ = buffer.combine(recv_x, handle)  # still usable
+    assert combined.shape == x.shape
+    buffer.destroy()
+    late = zbccl.ep.Buffer(comm, timeout=3)  # rank 3 never dispatches: the others name it within the timeout
+    if me != 3:
+        t0 = time.monotonic()
+        with pytest.raises(ZbcclTimeoutError) as exc:
+            late.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                          topk_idx=idx, topk_weights=w)
+        seen.append([list(exc.value.ranks), "host 1" in str(exc.value), time.monotonic() - t0])
+        ctx.store().set(f"late/{me}", b"1")  # the timed-out ranks' communicators are broken: meet in the test's store
+    else:
+        ctx.store().wait([f"late/{r}" for r in range(3)])
+    zbccl.finalize()
+    return seen
+
+
+def test_bad_input_on_one_rank_and_a_missing_rank():
+    out = run_world(_errors, 4, timeout=240)
+    assert all(o[0] == [1] and o[1] == [3] for o in out)
+    for o in out[:3]:
+        ranks, named_host, elapsed = o[2]
+        assert ranks == [3] and named_host and elapsed < 15, o
+
+
+def _host_dies(ctx):
+    """Both ranks of host 1 are SIGKILLed between two ops: the survivors name them (and their host) within seconds."""
+    from zbccl.errors import ZbcclRemoteError
+
+    comm, buffer = _start(ctx, 2)
+    me, E = comm.rank, 8
+    x, idx, w = _integer_inputs(5, me, 12, 128, E, 2)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+                topk_weights=w)
+    buffer.dispatch(x, **args)
+    store = ctx.store()
+    if me >= 2:  # once the survivors are out of the first dispatch (its last round reads the victims' words)
+        store.wait(["out/0", "out/1"])
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.set(f"out/{me}", b"1")
+    t0 = time.monotonic()
+    with pytest.raises(ZbcclRemoteError) as exc:
+        buffer.dispatch(x, **args)
+    return {"ranks": sorted(exc.value.ranks), "text": str(exc.value), "elapsed": time.monotonic() - t0}
+
+
+def test_a_killed_host_is_named_within_seconds():
+    out = run_world(_host_dies, 4, timeout=240, expect_exit={2: -9, 3: -9})
+    for got in out[:2]:
+        assert got["ranks"] and set(got["ranks"]) <= {2, 3} and "host 1" in got["text"], got
+        assert got["elapsed"] < 10, got

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..native.abi import WHERE_EP
 from ..runtime.liveness import leave
@@ -174,7 +174,10 @@ class HostWire:
     def read(self, r: int, offset: int, nbytes: int, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """``nbytes`` of group rank ``r``'s heap at ``offset``: a view for a rank of this host, else a copy
         (``out``, uint8, or a fresh tensor) read through the transport. Checked against ``r``'s live heap first."""
-        size = self.t.size(self.g[r])
+        try:
+            size = self.t.size(self.g[r])
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            self._named(exc, [r])
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise ZbcclRemoteError(
                 f"{op}: rank {r} published a block out of its heap, expected [offset, offset+nbytes) within "
@@ -183,7 +186,10 @@ class HostWire:
             return self.view(r, offset, nbytes, op)
         dst = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
         if nbytes:
-            self.t.get_into(self.g[r], int(offset), dst, op=op)
+            try:
+                self.t.get_into(self.g[r], int(offset), dst, op=op)
+            except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+                self._named(exc, [r])
         return dst
 
     # ------------------------------------------------------------------ rounds
@@ -207,13 +213,38 @@ class HostWire:
             at = (half * self.R + me) * self.W * 8
             for p in range(self.R):
                 if p != me:
-                    self.t.put(self.g[p], self.inbox_off[p] + at, vec, op=op)
+                    try:
+                        self.t.put(self.g[p], self.inbox_off[p] + at, vec, op=op)
+                    except (ZbcclRemoteError, ZbcclTimeoutError) as exc:  # its ranks are global ranks
+                        self._named(exc, [self.labels[g] for g in exc.ranks if g in self.labels] or [p])
         arrive = self.line(_L_ARRIVE)
         self.t.signal(self.g[me], arrive, k)
-        peers = [(self.g[p], arrive) for p in range(self.R) if p != me]
-        if peers:
-            self.t.wait_until(peers, k, timeout=self.timeout, op=op, labels=self.labels)
+        self.wait([p for p in range(self.R) if p != me], arrive, k, op)
         return self._inbox[half].clone() if vec is not None else None
+
+    def wait(self, ranks: list[int], line: int, target: int, op: str) -> None:
+        """Wait until the word at ``line`` of every group rank of ``ranks`` is ``>= target``; an error names the
+        ranks it is about and their hosts (a dead rank: ``ZbcclRemoteError``; a silent host or a late rank:
+        ``ZbcclTimeoutError``)."""
+        if not ranks:
+            return
+        try:
+            self.t.wait_until([(self.g[r], line) for r in ranks], target, timeout=self.timeout, op=op,
+                              labels=self.labels)
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            self._named(exc, [r for r in exc.ranks if isinstance(r, int) and 0 <= r < self.R] or list(ranks))
+
+    def _named(self, exc: ZbcclRemoteError | ZbcclTimeoutError, ranks: list[int]):
+        """Raise ``exc`` again, naming the group ranks it is about and their hosts."""
+        raise type(exc)(f"{exc} ({'; '.join(self.where(r) for r in ranks)})", ranks=tuple(ranks)) from None
+
+    def where(self, r: int) -> str:
+        """Group rank ``r`` and its host, in words (with the address Mooncake reaches it at, for a remote one)."""
+        h = self.host_of[r]
+        peers = getattr(getattr(self.t, "remote", self.t), "peers", {})
+        peer = peers.get(self.g[r]) if isinstance(peers, dict) else None
+        addr = f" at {peer.ip}" if peer is not None and getattr(peer, "ip", None) else ""
+        return f"rank {r} on host {h} ({self.hostnames[h]}{addr})"
 
     def barrier(self, op: str) -> None:
         """Collective: a plain round."""
@@ -275,9 +306,7 @@ class HostWire:
         """Wait for every rank of ``ranks`` to post its staging of the op, then read their aux words."""
         if not ranks:
             return {}
-        fwd = self.line(_L_FORWARD)
-        self.t.wait_until([(self.g[r], fwd) for r in ranks], header_round, timeout=self.timeout, op=op,
-                          labels=self.labels)
+        self.wait(ranks, self.line(_L_FORWARD), header_round, op)
         out = {}
         for r in ranks:
             words = self.read(r, self.aux_off[r], self.AUX * 8, op).view(torch.int64).tolist()
