@@ -327,3 +327,37 @@ def test_a_killed_host_is_named_within_seconds():
     for got in out[:2]:
         assert got["ranks"] and set(got["ranks"]) <= {2, 3} and "host 1" in got["text"], got
         assert got["elapsed"] < 10, got
+
+
+# ---------------------------------------------------------------------------------------------- namespace hosts
+def _namespace(ctx):
+    """2 namespace hosts x 2 ranks (nothing shared but a link): normal and LL modes against the reference."""
+    import zbccl
+
+    comm, buffer = _start(ctx, 2, fake=False)
+    out = [_exact_and_bytes(buffer, comm, 2, s) for s in (0, 1)]
+    for seed in range(700, 704):
+        _random_case(buffer, comm, _case(seed, comm.world_size))
+    buffer.destroy()
+    import zbccl.ep as deep_ep
+
+    ll = deep_ep.Buffer(comm, low_latency_mode=True, explicitly_destroy=True)
+    _ll_case(ll, comm, 3, fp8=True, hook=True)
+    ll.destroy()
+    zbccl.finalize()
+    return out
+
+
+def test_namespace_hosts_2x2():
+    from tests.hosts import HostsUnavailable, NetnsHosts, hosts_skip_reason, run_hosts
+
+    reason = hosts_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        with NetnsHosts(2) as hosts:
+            out = run_hosts(_namespace, hosts, ranks_per_host=2, timeout=240)
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+    crossed = sum(o["crossed"] for r in out for o in r)
+    assert 0 < crossed < sum(o["naive"] for r in out for o in r)
