@@ -19,13 +19,14 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from ..native.abi import EP_OP_CLEAN as OP_CLEAN  # the tag of clean_low_latency_buffer's barrier
 from ..native.abi import WHERE_EP
-from . import fast, low_latency, normal
+from . import fast, internode, internode_ll, low_latency, normal
 from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
 from .event import EventHandle, EventOverlap
 from .event import completed as _event
 from .event import stream_error as _stream_error
 from .exchange import PHASE_CLEAN, Exchange, Fail, heap_empty
 from .group import communicator_of as _communicator_of
+from .wire import HostWire, spans_hosts
 
 __all__ = ["Buffer"]
 
@@ -63,6 +64,9 @@ class Buffer:
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise ZbcclInvalidUsageError(
                 f"Buffer: sizes must be >= 0, got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
+        if num_rdma_bytes % 128:
+            raise ZbcclInvalidUsageError(f"Buffer: num_rdma_bytes must be a multiple of 128 (as DeepEP's), got "
+                                         f"{num_rdma_bytes}")
         self.group = group if group is not None else comm
         self.rank, self.group_size = members.index(parent.rank), len(members)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
@@ -70,7 +74,14 @@ class Buffer:
         self.enable_shrink = bool(enable_shrink)
         self.comm = parent.new_group(members, timeout=timeout)
         self.comm.role = WHERE_EP  # a rank that leaves an op of it half-way left an EP op (runtime/liveness.py)
-        self.ex = Exchange(self.comm, timeout)
+        #: The control plane across hosts (ep/wire.py) when the group spans hosts, else None (the op channel's).
+        self.wire = HostWire(self.comm, timeout) if spans_hosts(self.comm) else None
+        if num_rdma_bytes and not (self.wire is not None or self.low_latency_mode):
+            self.comm.destroy()
+            raise ZbcclInvalidUsageError(
+                "Buffer: num_rdma_bytes > 0 needs a group that spans hosts or low_latency_mode (as DeepEP's: RDMA "
+                f"ranks or low-latency mode), got num_rdma_bytes={num_rdma_bytes} on one host without low_latency_mode")
+        self.ex = self.wire if self.wire is not None else Exchange(self.comm, timeout)
         self.runtime = self
         self.seq = 0
         self.layout_memo = None  # (topk_idx, its version, num_tokens_per_expert, its version, data_ptr)
@@ -117,6 +128,17 @@ class Buffer:
         """Payload bytes this rank copied from or read in peers' memory in its last op (rows, scales,
         top-k; not the handshake): dispatch ``num_recv * row``, combine the same back."""
         return self.ex.moved if self.ex is not None else 0
+
+    def memory_stats(self) -> dict[str, int]:
+        """What this rank's last op held and moved across hosts (all 0 on one host), DeepEP's RDMA buffer's share:
+        ``rdma_send_bytes`` the rows it staged for, or summed for, other hosts; ``rdma_recv_bytes`` the rows it
+        received from other hosts (forwarding staging, or combine sums read); ``nvl_bytes`` the rows it packed for
+        its own host; ``rdma_peak_bytes`` the largest forwarding staging of any op so far. Every block is exact-size
+        and freed at the op's end (nothing is reserved: ``num_rdma_bytes`` only sizes
+        :meth:`get_local_buffer_tensor`)."""
+        if self.wire is None:
+            return {"rdma_send_bytes": 0, "rdma_recv_bytes": 0, "nvl_bytes": 0, "rdma_peak_bytes": 0}
+        return dict(self.wire.stats)
 
     def _op(self, name: str) -> contextlib.AbstractContextManager:
         """The op's boundary (:meth:`Exchange.op`: leaving it half-way marks this rank's ABORT line)."""
@@ -224,9 +246,12 @@ class Buffer:
         if error is not None:
             raise ZbcclInvalidUsageError(f"get_dispatch_layout: {error}")
         per_rank, per_expert, in_rank = got
+        per_host = None
+        if self.wire is not None:  # DeepEP's num_tokens_per_rdma_rank: tokens bound for any rank of each host
+            per_host = torch.stack([in_rank[:, r].any(1).sum(dtype=torch.int32) for r in self.wire.hosts])
         # dispatch skips re-checking topk_idx against num_tokens_per_expert when both are these, unchanged.
         self.layout_memo = (topk_idx, topk_idx._version, per_expert, per_expert._version, topk_idx.data_ptr())
-        return per_rank, None, per_expert, in_rank, _event(async_finish)
+        return per_rank, per_host, per_expert, in_rank, _event(async_finish)
 
     def dispatch(self, x, handle: tuple | None = None, num_tokens_per_rank: torch.Tensor | None = None,
                  num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
@@ -268,10 +293,11 @@ class Buffer:
         a = dict(x=x, handle=handle, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                  num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                  expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens), config=cfg,
-                 int8=bool(int8), error=_stream_error(previous_event, async_finish, allocate_on_comm_stream))
+                 int8=bool(int8), error=_stream_error(previous_event, async_finish, allocate_on_comm_stream),
+                 num_tokens_per_rdma_rank=num_tokens_per_rdma_rank)
         with self._lock, self._op("dispatch"):
             self.seq += 1
-            recv_x, idx, w, lst, h = normal.dispatch(self, a)
+            recv_x, idx, w, lst, h = (internode if self.wire is not None else normal).dispatch(self, a)
         return recv_x, idx, w, lst, h, _event(async_finish)
 
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None, bias=None,
@@ -292,7 +318,7 @@ class Buffer:
         error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
         with self._lock, self._op("combine"):
             self.seq += 1
-            out, w = normal.combine(self, x, handle, topk_weights, bias, error)
+            out, w = (internode if self.wire is not None else normal).combine(self, x, handle, topk_weights, bias, error)
         return out, w, _event(async_finish)
 
     # ------------------------------------------------------------------ low-latency mode
@@ -354,7 +380,7 @@ class Buffer:
                  | (low_latency.FLAG_UE8M0 if use_ue8m0 else 0) | (low_latency.FLAG_HOOK if return_recv_hook else 0))
         with self._lock, self._op("low_latency_dispatch"):
             self.seq += 1
-            out, plan, recv = low_latency.dispatch(
+            out, plan, recv = (internode_ll if self.wire is not None else low_latency).dispatch(
                 self, x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts),
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, flags, error)
             self._ll.idx ^= 1
@@ -393,7 +419,7 @@ class Buffer:
                  | (low_latency.FLAG_LOGFMT if use_logfmt else 0))
         with self._lock, self._op("low_latency_combine"):
             self.seq += 1
-            combined, recv = low_latency.combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
+            combined, recv = (internode_ll if self.wire is not None else low_latency).combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
                                                  error)
             self._ll.idx ^= 1
             hook = self._hook(recv) if return_recv_hook else None

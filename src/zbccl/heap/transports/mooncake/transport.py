@@ -114,6 +114,9 @@ class MooncakeTransport(Transport):
         self._secret: JobSecret | None = None
         self._own_flat: torch.Tensor | None = None
         self._native = _MooncakeNative(self)
+        #: Data bytes this rank moved to and from remote ranks through put/zero and get/get_into (not the signal
+        #: words, nor the growth tables): what crossed the network for the protocols above, for tests and benchmarks.
+        self.bytes_put = self.bytes_got = 0
 
     # ------------------------------------------------------------ lifecycle
     def establish(self, bootstrap: Bootstrap, topology: Topology, *, data_bytes: list[int], job_id: str,
@@ -379,6 +382,7 @@ class MooncakeTransport(Transport):
         peer, base = self.peers[rank], data.data_ptr()
         for off, length in self._pieces(rank, offset, n):
             self._xfer(rank, True, base + off - offset, peer.data + off, length, op, "a write")
+        self.bytes_put += n
 
     def _read(self, rank: int, offset: int, dst: int, nbytes: int, op: str) -> None:
         self._check(rank, offset, nbytes, op)
@@ -390,6 +394,7 @@ class MooncakeTransport(Transport):
         peer = self.peers[rank]
         for off, length in self._pieces(rank, offset, nbytes):
             self._xfer(rank, False, dst + off - offset, peer.data + off, length, op, "a read")
+        self.bytes_got += nbytes
 
     def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
         buf = bytearray(nbytes)

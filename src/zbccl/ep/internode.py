@@ -1,0 +1,462 @@
+"""Normal dispatch and combine over a group that spans hosts (DeepEP's internode mode).
+
+Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``). **Dispatch**:
+
+1. each sender packs, per destination host ``h``, the union of its tokens bound for any rank of
+   ``h`` (ascending token index) into one heap send block: one row per token, ``[source token,
+   routing mask over h's local ranks, top-k ids, top-k weights, scales, x]`` (:class:`Rows`);
+   its header carries the tokens per destination rank, and per host the row count and the part's
+   offset;
+2. header round: every rank knows every count, so every receiver sizes its outputs exactly;
+3. the **forwarder** of sender ``s`` on host ``h`` (``HostWire.forwarder``: the rank of ``h`` with
+   ``s``'s local index) reads ``s``'s part for ``h`` in one transfer into its heap staging, then
+   posts ``FORWARD``: a token bound for several ranks of one host crosses the network once;
+4. each receiver copies, by source rank then token, the rows whose mask names it: a source of its
+   own host straight from that sender's send block, a remote one from the local forwarder's staging
+   (through shm views);
+5. closing round: then send blocks and staging are freed.
+
+**Combine** reverses it: each forwarder sums in fp32, for every token it forwarded, the rows its
+host's ranks hold for that token (rank order), and stages the sums in the input's dtype; each
+sender sums its own host's rows the same way (fp32), waits for its forwarders, reads their sums in
+one transfer per host, and adds the per-host sums in host order, then the biases. With the
+payloads the tests use (small integers) this equals :func:`.reference.combine` bit for bit; in
+general the order differs from the one-host sum (hosts first), as DeepEP's own does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from ..native.abi import EP_OP_COMBINE as OP_COMBINE
+from ..native.abi import EP_OP_DISPATCH as OP_DISPATCH
+from ..ops.dtypes import CODE_DTYPES, CODES
+from .exchange import HDR_LEN, STATUS_NOMEM, F, Fail
+from .normal import FLAG_CACHED, FLAG_FP8, FLAG_TOPK, _check_counts, _layout, _split_x, _tensor
+from .reference import channel_prefix, send_head
+from .wire import AUX_OFFS
+
+__all__ = ["dispatch", "combine", "Rows", "host_layout"]
+
+
+class Rows:
+    """Byte layout of one packed dispatch row: ``[src int64][mask int64][idx K int64][w K float32][scales][x]``."""
+
+    def __init__(self, xrow: int, srow: int, K: int) -> None:
+        self.K, self.xrow, self.srow = K, xrow, srow
+        self.idx, self.w, self.s, self.x = 16, 16 + 8 * K, 16 + 12 * K, 16 + 12 * K + srow
+        self.nbytes = -(-(self.x + xrow) // 8) * 8
+
+    def pack(self, x: torch.Tensor, scales: torch.Tensor | None, idx: torch.Tensor | None,
+             w: torch.Tensor | None) -> torch.Tensor:
+        """``[T, nbytes]`` uint8: every token's row (the mask word zero)."""
+        T = x.size(0)
+        cols = [torch.arange(T, dtype=torch.int64).view(T, 1).view(torch.uint8), torch.zeros(T, 8, dtype=torch.uint8)]
+        for t in (idx, w, scales, x):
+            if t is not None and t.numel():
+                cols.append(t.contiguous().view(T, -1).view(torch.uint8))
+            elif t is not None:
+                cols.append(torch.zeros(T, 0, dtype=torch.uint8))
+        pad = self.nbytes - self.x - self.xrow
+        if pad:
+            cols.append(torch.zeros(T, pad, dtype=torch.uint8))
+        return torch.cat(cols, 1) if T else torch.zeros(0, self.nbytes, dtype=torch.uint8)
+
+    def column(self, rows: torch.Tensor, at: int, nbytes: int) -> torch.Tensor:
+        return rows[:, at:at + nbytes]
+
+
+def host_layout(in_rank: torch.Tensor, hosts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per host: ``(tokens [n] int64 ascending, masks [n] int64)``: the tokens bound for any of its ranks, and
+    for each the bits of its local ranks (bit ``j``: ``hosts[h][j]``) it goes to."""
+    out = []
+    for ranks in hosts:
+        sub = in_rank[:, ranks]
+        toks = sub.any(1).nonzero().flatten()
+        bits = torch.tensor([1 << j for j in range(len(ranks))], dtype=torch.int64)
+        out.append((toks, (sub[toks].long() * bits).sum(1)))
+    return out
+
+
+def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
+    """Local checks, the packed send block and the header vector of a dispatch; raises :class:`Fail`."""
+    w, R = buf.wire, buf.wire.R
+    if a["error"]:
+        raise Fail(a["error"])
+    if a["int8"]:
+        raise Fail("int8 is not available across hosts, expected int8=False, got True")
+    x, scales = _split_x(a["x"])
+    T, H = x.shape
+    fields.update({F.H: H, F.T: T, F.WORST: a["num_worst_tokens"], F.CHANNELS: a["config"].num_channels})
+    handle, extra = a["handle"], None
+    if handle is not None:
+        if a["topk_idx"] is not None or a["topk_weights"] is not None:
+            raise Fail("a cached dispatch (handle given) takes no topk_idx/topk_weights, expected None, got tensors")
+        if not isinstance(handle, (tuple, list)) or len(handle) != 10:
+            raise Fail(f"handle must be the 10-tuple an internode dispatch returned, got {type(handle).__name__}")
+        fields[F.HANDLE], extra = buf.lookup(handle[7], "dispatch")
+        in_rank = handle[0]
+        if in_rank.shape != (T, R):
+            raise Fail(f"x does not match the handle, expected {in_rank.size(0)} tokens, got {T}")
+        rows, valid = handle[7].size(0), int(handle[6][-1])
+        fields[F.NRECV], fields[F.WORST] = valid, rows if rows != valid else 0
+        fields[F.FLAGS] = FLAG_CACHED
+        E, idx, wts, counts = 0, None, None, in_rank.sum(0)
+    else:
+        in_rank, per_expert, idx, wts, counts = _layout(a, T, R, w.caps, getattr(buf, "layout_memo", None))
+        if not torch.equal(in_rank.sum(0), counts.long()):
+            raise Fail(f"num_tokens_per_rank does not match is_token_in_rank, expected {in_rank.sum(0).tolist()}, "
+                       f"got {counts.tolist()}")
+        E = per_expert.numel()
+        fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
+    per_host = host_layout(in_rank, w.hosts)
+    rdma = a.get("num_tokens_per_rdma_rank")
+    if rdma is not None and handle is None:
+        _tensor(rdma, "num_tokens_per_rdma_rank", 1, (torch.int32, torch.int64), (w.H,))
+        if rdma.tolist() != [t.numel() for t, _ in per_host]:
+            raise Fail(f"num_tokens_per_rdma_rank does not match is_token_in_rank, expected "
+                       f"{[t.numel() for t, _ in per_host]}, got {rdma.tolist()}")
+    K = idx.size(1) if idx is not None else 0
+    srow = scales.size(1) * scales.element_size() if scales is not None else 0
+    layout = Rows(H * x.element_size(), srow, K)
+    fields.update({F.E: E, F.K: K, F.DTYPE: CODES[x.dtype], F.XROW: layout.xrow, F.SROW: srow,
+                   F.SDTYPE: CODES[scales.dtype] if scales is not None else 0})
+    if scales is not None and x.dtype == torch.float8_e4m3fn:
+        fields[F.FLAGS] |= FLAG_FP8
+    vector = [int(c) for c in counts.tolist()] + _pack_block(buf, layout, per_host, x, scales, idx, wts, keep)
+    return {"in_rank": in_rank, "per_host": per_host, "rows": layout, "H": H, "out_dtype": x.dtype,
+            "cached": handle is not None, "extra": extra, "vector": vector}
+
+
+def _pack_block(buf, layout: Rows, per_host: list, x, scales, idx, wts, keep: list) -> list[int]:
+    """Fill one heap send block with each host's part; returns ``[rows, offset]`` per host for the header."""
+    w = buf.wire
+    n_all = sum(t.numel() for t, _ in per_host)
+    block = w.heap_block(n_all * layout.nbytes, "send block")
+    keep.append(block)
+    full = layout.pack(x, scales, idx.long() if idx is not None else None, wts)
+    base, at, out = w.offset_of(block), 0, []
+    for h, (toks, masks) in enumerate(per_host):
+        n = toks.numel()
+        part = block[at:at + n * layout.nbytes].view(n, layout.nbytes)
+        if n:
+            torch.index_select(full, 0, toks, out=part)
+            part.view(torch.int64)[:, 1] = masks
+        out += [n, base + at]
+        key = "nvl_bytes" if h == w.my_host else "rdma_send_bytes"
+        w.stats[key] += n * layout.nbytes
+        at += n * layout.nbytes
+    return out
+
+
+def _matrix(rows: torch.Tensor, R: int, H: int) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+    """``(counts [R, R] int64 (source, destination), union rows [R][H], part offsets [R][H])`` from the headers."""
+    counts = rows[:, HDR_LEN:HDR_LEN + R].clone()
+    tail = rows[:, HDR_LEN + R:HDR_LEN + R + 2 * H].tolist()
+    unions = [t[0::2] for t in tail]
+    offs = [t[1::2] for t in tail]
+    bad = [r for r in range(R) if bool((counts[r] < 0).any()) or min(unions[r], default=0) < 0]
+    if bad:
+        raise ZbcclRemoteError(f"dispatch: rank {bad[0]}'s header holds negative counts, expected counts >= 0",
+                               ranks=tuple(bad))
+    return counts, unions, offs
+
+
+def _forward(buf, layout: Rows, unions, offs, header_round: int, keep: list) -> dict[int, torch.Tensor]:
+    """The forwarder's part: read each remote sender's rows for this host (one transfer each) into heap
+    staging, then post ``FORWARD``; returns the staged rows per sender (group rank -> ``[n, nbytes]``)."""
+    w, me, h = buf.wire, buf.wire.me, buf.wire.my_host
+    srcs = [s for s in range(w.R) if w.host_of[s] != h and w.forwarder(s, h) == me and unions[s][h] > 0]
+    total = sum(unions[s][h] for s in srcs) * layout.nbytes
+    try:
+        staging = w.heap_block(total, "forwarding staging")
+    except Fail:
+        w.post_forward(header_round, {}, STATUS_NOMEM)
+        raise
+    keep.append(staging)
+    staged, where, at = {}, {}, 0
+    try:
+        for s in srcs:
+            nbytes = unions[s][h] * layout.nbytes
+            part = staging[at:at + nbytes]
+            w.read(s, offs[s][h], nbytes, "dispatch", out=part)
+            staged[s], where[s] = part.view(-1, layout.nbytes), w.offset_of(staging) + at
+            at += nbytes
+    except BaseException:
+        w.post_forward(header_round, {}, STATUS_NOMEM)
+        raise
+    w.stats["rdma_recv_bytes"] += total
+    w.stats["rdma_peak_bytes"] = max(w.stats["rdma_peak_bytes"], total)
+    w.moved += total
+    w.post_forward(header_round, where)
+    return staged
+
+
+def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round: int) -> torch.Tensor:
+    """This rank's received rows ``[num_recv, nbytes]``, by source rank then token."""
+    w, me, h = buf.wire, buf.wire.me, buf.wire.my_host
+    bit = w.local_index[me]
+    need = sorted({w.forwarder(s, h) for s in range(w.R) if w.host_of[s] != h and int(counts[s, me]) > 0})
+    aux = w.wait_forward(need, header_round, "dispatch")
+    parts = []
+    for s in range(w.R):
+        want = int(counts[s, me])
+        if not want:
+            continue
+        n = unions[s][h]
+        if w.host_of[s] == h:
+            owner, off = s, offs[s][h]
+        else:
+            owner = w.forwarder(s, h)
+            off = aux[owner][AUX_OFFS + s]
+        blk = w.view(owner, off, n * layout.nbytes, "dispatch").view(n, layout.nbytes)
+        sel = (blk.view(torch.int64)[:, 1] >> bit) & 1
+        got = blk[sel.bool()]
+        if got.size(0) != want:
+            raise ZbcclRemoteError(f"dispatch: rank {s}'s rows disagree with its header, expected {want} rows for rank "
+                                   f"{me}, got {got.size(0)}", ranks=(s,))
+        parts.append(got)
+    out = torch.cat(parts) if parts else torch.zeros(0, layout.nbytes, dtype=torch.uint8)
+    w.moved += out.numel()
+    return out
+
+
+def _outputs(buf, rl: list, layout: Rows, got: torch.Tensor, loc: dict) -> dict:
+    """Split the received rows into exact-size outputs (``num_worst_tokens`` rows when asked)."""
+    w, me = buf.wire, buf.wire.me
+    h = rl[me]
+    n, K, H = got.size(0), h[F.K], loc["H"]
+    total = h[F.WORST] or n
+    x_dtype = CODE_DTYPES[h[F.DTYPE]]
+    out = {"x": w.reuse("recv_x", [((total, H), x_dtype)])[0]}
+    out["x"][:n].view(torch.uint8).view(n, layout.xrow).copy_(layout.column(got, layout.x, layout.xrow))
+    if h[F.SROW]:
+        s = torch.empty(total, h[F.SROW] // 4, dtype=CODE_DTYPES[h[F.SDTYPE]])
+        s[:n].view(torch.uint8).view(n, h[F.SROW]).copy_(layout.column(got, layout.s, h[F.SROW]))
+        out["s"] = s
+    if K:
+        L = h[F.E] // w.R
+        i, wt = w.reuse("recv_topk", [((total, K), torch.int64), ((total, K), torch.float32)])
+        raw = layout.column(got, layout.idx, 8 * K).contiguous().view(torch.int64).view(n, K)
+        local = (raw >= me * L) & (raw < (me + 1) * L)
+        i[:n] = torch.where(local, raw - me * L, torch.full_like(raw, -1))
+        ws = layout.column(got, layout.w, 4 * K).contiguous().view(torch.float32).view(n, K)
+        wt[:n] = torch.where(local, ws, torch.zeros(()))
+        i[n:], wt[n:] = -1, 0.0
+        out["i"], out["w"] = i, wt
+        out["per_expert"] = torch.bincount(i[:n][i[:n] >= 0], minlength=L).tolist()
+    src = torch.full((total,), -1, dtype=torch.int32)
+    src[:n] = layout.column(got, 0, 8).contiguous().view(torch.int64).flatten().to(torch.int32)
+    out["src_idx"] = src
+    return out
+
+
+def dispatch(buf, a: dict):
+    """Normal dispatch across hosts (see :meth:`zbccl.ep.Buffer.dispatch`; the handle is DeepEP's internode 10-tuple)."""
+    w = buf.wire
+    for key in ("rdma_send_bytes", "rdma_recv_bytes", "nvl_bytes"):
+        w.stats[key] = 0
+    fields, keep, fail, loc = {F.OP: OP_DISPATCH, F.SEQ: buf.seq}, [], None, None
+    try:
+        loc = _prepare(buf, a, fields, keep)
+    except Fail as exc:
+        fail = exc
+    rows = w.publish("dispatch", fields, loc["vector"] if loc else [], fail)
+    header_round = w.round
+    rl = rows.tolist()
+    w.agree("dispatch", rl, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, top-k)"), (F.E, "num_experts"),
+                             (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
+                             (F.SDTYPE, "the scales' dtype (0: no scales)"),
+                             (F.SROW, "the scales' row width in bytes (0: no scales)"), (F.K, "num_topk"),
+                             (F.HANDLE, "the handle (from which dispatch)"), (F.CHANNELS, "config.num_sms")))
+    counts, unions, offs = _matrix(rows, w.R, w.H)
+    _check_counts(rl, counts)
+    layout = loc["rows"]
+    try:
+        staged = _forward(buf, layout, unions, offs, header_round, keep)
+        got = _receive(buf, layout, counts, unions, offs, header_round)
+        out = _outputs(buf, rl, layout, got, loc)
+        fwd_masks = {s: rows_s.view(torch.int64)[:, 1].clone() for s, rows_s in staged.items()}
+    finally:
+        w.barrier("dispatch")
+        keep.clear()
+    recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
+    if loc["cached"]:
+        return recv_x, None, None, None, None
+    align = a["expert_alignment"]
+    lst = [] if a["num_worst_tokens"] else [-(-c // align) * align for c in out.get("per_expert", [])]
+    handle = _handle(buf, loc, counts, out["src_idx"], [r[F.T] for r in rl], a["config"].num_channels)
+    buf.register(handle[7], {"counts": counts, "fwd": fwd_masks})
+    return recv_x, out.get("i"), out.get("w"), lst, handle
+
+
+def _handle(buf, loc: dict, counts: torch.Tensor, src_idx: torch.Tensor, T_of: list[int], C: int) -> tuple:
+    """DeepEP's internode handle: ``(is_token_in_rank, rdma_channel_prefix_matrix [H, C],
+    gbl_channel_prefix_matrix [R, C], recv_rdma_channel_prefix_matrix [H, C], recv_rdma_rank_prefix_sum [H],
+    recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum [R], recv_src_idx [rows] int32,
+    send_rdma_head [T, H], send_nvl_head [T, R])`` (``docs/ep-internode.md`` defines each here)."""
+    w, me = buf.wire, buf.wire.me
+    in_rank = loc["in_rank"]
+    in_host = torch.stack([in_rank[:, r].any(1) for r in w.hosts], 1) if in_rank.size(0) else \
+        torch.zeros(0, w.H, dtype=torch.bool)
+    mine = counts[:, me]
+    n = int(mine.sum())
+    src = src_idx[:n].long()
+    owner = torch.repeat_interleave(torch.arange(w.R), mine)
+    per = torch.tensor([max(-(-t // C), 1) for t in T_of], dtype=torch.int64)
+    chan = src // per[owner] if n else src
+    by_chan = torch.zeros(w.R, C, dtype=torch.int64)
+    if n:
+        by_chan.index_put_((owner, chan.clamp(max=C - 1)), torch.ones(n, dtype=torch.int64), accumulate=True)
+    recv_gbl_chan = (by_chan.cumsum(1) - by_chan).to(torch.int32)
+    host_sum = torch.zeros(w.H, C, dtype=torch.int64).index_add_(0, torch.tensor(w.host_of), by_chan)
+    return (in_rank, channel_prefix(in_host, C), channel_prefix(in_rank, C), host_sum.cumsum(1).to(torch.int32),
+            host_sum.sum(1).cumsum(0).to(torch.int32), recv_gbl_chan, mine.cumsum(0).to(torch.int32), src_idx,
+            send_head(in_host), send_head(in_rank))
+
+
+# ---------------------------------------------------------------------------------------------- combine
+def _partial(buf, s: int, masks: torch.Tensor, host: int, rows: list, counts: torch.Tensor, H: int, K: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 sums ``[n, H]`` (and ``[n, K]``) of the rows host ``host``'s ranks hold for sender ``s``'s tokens
+    ``masks`` describes (bit ``j``: the host's ``j``-th rank got the token), in rank order."""
+    w = buf.wire
+    n = masks.numel()
+    acc = torch.zeros(n, H, dtype=torch.float32)
+    accw = torch.zeros(n, K, dtype=torch.float32) if K else None
+    for j, r in enumerate(w.hosts[host]):
+        bit = (masks >> j) & 1
+        sel = bit.nonzero().flatten()
+        if not sel.numel():
+            continue
+        base = int(counts[:s, r].sum())
+        at = base + (bit.cumsum(0) - 1)[sel]
+        nrows = rows[r][F.NRECV]
+        if int(at.max()) >= nrows or base + sel.numel() > int(counts[:s + 1, r].sum()):
+            raise ZbcclRemoteError(f"combine: rank {r}'s rows for rank {s} are out of range, expected < {nrows} "
+                                   f"(its x rows)", ranks=(r,))
+        xr = w.view(r, rows[r][F.X], nrows * rows[r][F.XROW], "combine").view(dtype).view(nrows, H)
+        acc[sel] += xr[at].float()
+        if K:
+            wr = w.view(r, rows[r][F.W], nrows * K * 4, "combine").view(torch.float32).view(nrows, K)
+            accw[sel] += wr[at]
+        w.moved += sel.numel() * rows[r][F.XROW]
+    return acc, accw
+
+
+def _stage_sums(buf, rows: list, fwd: dict, counts, H: int, K: int, dtype, header_round: int, keep: list) -> None:
+    """The forwarder's part of a combine: each forwarded sender's per-token sums, staged in ``dtype`` (then the
+    weights' fp32 sums), then ``FORWARD``."""
+    w = buf.wire
+    row = H * dtype.itemsize + 4 * K
+    total = sum(m.numel() for m in fwd.values()) * row
+    try:
+        staging = w.heap_block(total, "combine staging")
+    except Fail:
+        w.post_forward(header_round, {}, STATUS_NOMEM)
+        raise
+    keep.append(staging)
+    where, at = {}, 0
+    try:
+        for s, masks in fwd.items():
+            n = masks.numel()
+            acc, accw = _partial(buf, s, masks, w.my_host, rows, counts, H, K, dtype)
+            staging[at:at + n * H * dtype.itemsize].view(dtype).view(n, H).copy_(acc)
+            if K:
+                staging[at + n * H * dtype.itemsize:at + n * row].view(torch.float32).view(n, K).copy_(accw)
+            where[s] = w.offset_of(staging) + at
+            at += n * row
+    except BaseException:
+        w.post_forward(header_round, {}, STATUS_NOMEM)
+        raise
+    w.stats["rdma_send_bytes"] += total
+    w.stats["rdma_peak_bytes"] = max(w.stats["rdma_peak_bytes"], total)
+    w.post_forward(header_round, where)
+
+
+def _prepare_combine(buf, x, handle, topk_weights, bias, error, fields: dict, keep: list) -> dict:
+    w = buf.wire
+    if error:
+        raise Fail(error)
+    x = _tensor(x, "x", 2, (torch.bfloat16, torch.float16, torch.float32))
+    if not isinstance(handle, (tuple, list)) or len(handle) != 10:
+        raise Fail(f"handle must be the 10-tuple an internode dispatch returned, got {type(handle).__name__}")
+    fields[F.HANDLE], extra = buf.lookup(handle[7], "combine")
+    if x.size(0) != handle[7].size(0):
+        raise Fail(f"x does not match the handle, expected {handle[7].size(0)} rows, got {x.size(0)}")
+    T, H = handle[0].size(0), x.size(1)
+    biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
+    for i, b in enumerate(biases):
+        _tensor(b, f"bias[{i}]", 2, (x.dtype,), (T, H))
+    K = 0
+    if topk_weights is not None:
+        wt = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (x.size(0), None))
+        K = wt.size(1)
+        fields[F.W] = w.place(wt, keep, "topk_weights")
+    fields.update({F.H: H, F.K: K, F.DTYPE: CODES[x.dtype], F.NRECV: x.size(0), F.X: w.place(x, keep, "x"),
+                   F.XROW: H * x.element_size()})
+    return {"T": T, "H": H, "K": K, "dtype": x.dtype, "biases": biases, "extra": extra, "in_rank": handle[0]}
+
+
+def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Normal combine across hosts (see :meth:`zbccl.ep.Buffer.combine`)."""
+    w = buf.wire
+    for key in ("rdma_send_bytes", "rdma_recv_bytes", "nvl_bytes"):
+        w.stats[key] = 0
+    fields, keep, fail, loc = {F.OP: OP_COMBINE, F.SEQ: buf.seq}, [], None, None
+    try:
+        loc = _prepare_combine(buf, x, handle, topk_weights, bias, error, fields, keep)
+    except Fail as exc:
+        fail = exc
+    rows = w.publish("combine", fields, [], fail)
+    header_round = w.round
+    rl = rows.tolist()
+    w.agree("combine", rl, ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
+                            (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
+    T, H, K, dtype, extra = loc["T"], loc["H"], loc["K"], loc["dtype"], loc["extra"]
+    counts = extra["counts"]
+    for r in range(w.R):
+        if rl[r][F.NRECV] < int(counts[:, r].sum()):
+            raise ZbcclInvalidUsageError(f"combine: rank {r}'s x does not match its handle, expected >= "
+                                         f"{int(counts[:, r].sum())} rows, got {rl[r][F.NRECV]}", ranks=(r,))
+    try:
+        _stage_sums(buf, rl, extra["fwd"], counts, H, K, dtype, header_round, keep)
+        acc, accw = _sum_hosts(buf, rl, loc, counts, header_round)
+    finally:
+        w.barrier("combine")
+        keep.clear()
+    for b in loc["biases"]:
+        acc += b.float()
+    out = w.reuse("combined_x", [((T, H), dtype)])[0]
+    out.copy_(acc)
+    return out, accw
+
+
+def _sum_hosts(buf, rl: list, loc: dict, counts, header_round: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's tokens: the fp32 sum of its own host's rows and every other host's staged sums, in host order."""
+    w, me = buf.wire, buf.wire.me
+    T, H, K, dtype = loc["T"], loc["H"], loc["K"], loc["dtype"]
+    per_host = host_layout(loc["in_rank"], w.hosts)
+    need = sorted(w.forwarder(me, h) for h, (t, _) in enumerate(per_host) if h != w.my_host and t.numel())
+    aux = w.wait_forward(need, header_round, "combine")
+    acc = torch.zeros(T, H, dtype=torch.float32)
+    accw = torch.zeros(T, K, dtype=torch.float32) if K else None
+    row = H * dtype.itemsize + 4 * K
+    for h, (toks, masks) in enumerate(per_host):
+        n = toks.numel()
+        if not n:
+            continue
+        if h == w.my_host:
+            part, partw = _partial(buf, me, masks, h, rl, counts, H, K, dtype)
+        else:
+            f = w.forwarder(me, h)
+            raw = w.read(f, aux[f][AUX_OFFS + me], n * row, "combine")
+            part = raw[:n * H * dtype.itemsize].view(dtype).view(n, H).float()
+            partw = raw[n * H * dtype.itemsize:].view(torch.float32).view(n, K) if K else None
+            w.stats["rdma_recv_bytes"] += n * row
+            w.moved += n * row
+        acc[toks] += part
+        if K:
+            accw[toks] += partw
+    return acc, accw

@@ -1,0 +1,306 @@
+"""Low-latency dispatch and combine over a group that spans hosts: DeepEP's ``[L, R * Tmax, H]`` layout.
+
+Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``). DeepEP's low-latency mode sends a token
+once per selected expert, straight to the expert's rank (no forwarding), and so does this:
+
+* **dispatch**: each sender sorts its valid ``(token, slot)`` pairs by expert, then token (the native
+  ``ep_ll_plan``), casts ``x`` to fp8 when asked, and packs, per destination rank ``o``, ``o``'s
+  ``L`` per-expert counts followed by one row per pair, ``[source token int64][scales][x]``, in
+  one heap send block; the header carries each part's offset and rows. After the header round,
+  ``hook()`` (or the call itself) reads each source's part for this rank (a view on this host, one
+  transfer from another), places the rows by source rank, then token, per local expert, and ends
+  with the closing round;
+* **combine**: each owner packs, per source rank, the output rows of that source's pairs (expert
+  order, then token: the source's own pair order), and publishes their offsets; each source reads
+  its part from every owner and sums ``weight * row`` in fp32 per token in ascending expert order,
+  as :func:`.reference.low_latency_combine` does (bit for bit).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from .exchange import HDR_LEN, F, Fail, heap_empty
+from .layout import fp8_quantize, logfmt_roundtrip
+from .low_latency import (
+    FLAG_FP8,
+    FLAG_LOGFMT,
+    FLAG_ROUND,
+    FLAG_UE8M0,
+    OP_LL_COMBINE,
+    OP_LL_DISPATCH,
+    _check_dispatch,
+    _pairs,
+)
+from .normal import _tensor
+
+__all__ = ["dispatch", "combine"]
+
+
+def _part(rows: torch.Tensor, src: int, me: int) -> tuple[int, int]:
+    """``(offset, rows)`` of ``src``'s published part for ``me``."""
+    return int(rows[src, HDR_LEN + 2 * me]), int(rows[src, HDR_LEN + 2 * me + 1])
+
+
+def _publish_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int, fields: dict,
+                      keep: list) -> tuple[dict, list[int]]:
+    """The sender's half: checks, the pairs, the packed send block; returns ``(plan, header vector)``."""
+    w, R = buf.wire, buf.wire.R
+    masked = buf._mask.nonzero().flatten().tolist()
+    if masked and R > 63:
+        raise Fail(f"rank masks need at most 63 ranks, got {R}")
+    fields[F.MASK] = sum(1 << r for r in masked)
+    x, idx = _check_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags)
+    T, H = x.shape
+    L = E // R
+    counts, tokens, slots = _pairs(w, idx, E)
+    plan = {"tokens": tokens, "slots": slots, "topk_idx": idx.clone(), "T": T, "sizes": (tmax, H, E)}
+    if flags & FLAG_FP8:
+        xq, s = fp8_quantize(x, round_scale=bool(flags & FLAG_ROUND), ue8m0=bool(flags & FLAG_UE8M0))
+        cols = [s.contiguous().view(torch.uint8), xq.contiguous().view(torch.uint8)]
+        fields[F.SROW] = s.size(1) * 4
+    else:
+        cols = [x.contiguous().view(torch.uint8)]
+    row = 8 + sum(c.size(1) for c in cols)
+    cols = [torch.arange(T, dtype=torch.int64).view(T, 1).view(torch.uint8), *cols]
+    if row % 8:
+        cols.append(torch.zeros(T, 8 - row % 8, dtype=torch.uint8))
+        row += 8 - row % 8
+    full = torch.cat(cols, 1)
+    fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.XROW: row, F.NROWS: tokens.numel()})
+    block = w.heap_block(R * L * 8 + tokens.numel() * row, "send block")
+    keep.append(block)
+    base, at, vector = w.offset_of(block), 0, []
+    off = torch.zeros(E + 1, dtype=torch.int64)
+    off[1:] = counts.cumsum(0)
+    for o in range(R):
+        lo, hi = int(off[o * L]), int(off[(o + 1) * L])
+        block[at:at + L * 8].view(torch.int64).copy_(counts[o * L:(o + 1) * L])
+        part = block[at + L * 8:at + L * 8 + (hi - lo) * row].view(hi - lo, row)
+        if hi > lo:
+            torch.index_select(full, 0, tokens[lo:hi], out=part)
+        vector += [base + at, hi - lo]
+        key = "nvl_bytes" if w.host_of[o] == w.my_host else "rdma_send_bytes"
+        w.stats[key] += (hi - lo) * row
+        at += L * 8 + (hi - lo) * row
+    return plan, vector
+
+
+def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int, error: str | None):
+    """Publish this rank's tokens; returns ``(outputs, plan, recv)`` where ``recv()`` fills the outputs."""
+    w, R, me = buf.wire, buf.wire.R, buf.wire.me
+    for key in ("rdma_send_bytes", "rdma_recv_bytes", "nvl_bytes"):
+        w.stats[key] = 0
+    fields, keep, fail = {F.OP: OP_LL_DISPATCH, F.SEQ: buf.seq, F.FLAGS: flags, F.TMAX: tmax, F.E: E}, [], None
+    plan, vector = None, []
+    try:
+        if error:
+            raise Fail(error)
+        plan, vector = _publish_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags, fields, keep)
+    except Fail as exc:
+        fail = exc
+    t0 = time.perf_counter_ns()
+    rows = w.publish("low_latency_dispatch", fields, vector, fail)
+    waited = time.perf_counter_ns() - t0
+    w.agree("low_latency_dispatch", rows.tolist(), (
+        (F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
+        (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")))
+    L, N, H = E // R, R * tmax, int(rows[me, F.H])
+    out = {"x": heap_empty(buf.comm, (L, N, H), torch.float8_e4m3fn if flags & FLAG_FP8 else torch.bfloat16),
+           "count": torch.zeros(L, dtype=torch.int32), "src_info": torch.zeros(L, N, dtype=torch.int32),
+           "layout": torch.zeros(L, R, dtype=torch.int64)}
+    if flags & FLAG_FP8:
+        S = H // 512 if flags & FLAG_UE8M0 else H // 128
+        dt = torch.int32 if flags & FLAG_UE8M0 else torch.float32
+        out["scales"] = heap_empty(buf.comm, (L, S, N), dt).transpose(1, 2) if S > 1 else \
+            heap_empty(buf.comm, (L, N, S), dt)
+    mask = rows[:, F.MASK].tolist()  # bit s of mask[o]: owner o drops source s (DeepEP's shrink masks)
+    plan["skip"] = torch.tensor([bool((m >> me) & 1 or (mask[me] >> o) & 1) for o, m in enumerate(mask)])
+
+    def recv() -> None:
+        try:
+            _receive(buf, rows, out, L, N, H, mask[me])
+            plan["received"] = True
+        finally:
+            w.barrier("low_latency_dispatch")
+            keep.clear()
+        if stats is not None:
+            stats.add_(out["count"])
+        if wait_stats is not None:
+            wait_stats.add_(waited)
+
+    return out, plan, recv
+
+
+def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: int) -> None:
+    """Read each source's part for this rank and place its rows per local expert (by source, then token)."""
+    w, R, me = buf.wire, buf.wire.R, buf.wire.me
+    row = rows[:, F.XROW].tolist()
+    srow = int(rows[me, F.SROW])
+    xrow = H if out["x"].dtype == torch.float8_e4m3fn else 2 * H
+    begin = [0] * L
+    xb = out["x"].view(torch.uint8).view(L, N, xrow)
+    for s in range(R):
+        off, n = _part(rows, s, me)
+        dropped = bool((drops >> s) & 1)
+        if n < 0 or row[s] < 8 + srow + xrow:
+            raise ZbcclRemoteError(f"low_latency_dispatch: rank {s}'s header is malformed, expected rows >= 0 of >= "
+                                   f"{8 + srow + xrow} bytes, got {n} rows of {row[s]}", ranks=(s,))
+        raw = w.read(s, off, L * 8 + n * row[s], "low_latency_dispatch") if n else None
+        cnt = raw[:L * 8].view(torch.int64).tolist() if raw is not None else [0] * L
+        if min(cnt, default=0) < 0 or sum(cnt) != n:
+            raise ZbcclRemoteError(f"low_latency_dispatch: rank {s}'s counts disagree with its rows, expected {n} in "
+                                   f"all, got {cnt}", ranks=(s,))
+        if dropped:
+            cnt = [0] * L
+        part = raw[L * 8:].view(n, row[s]) if raw is not None and n else None
+        at = 0
+        for le in range(L):
+            c, b = cnt[le], begin[le]
+            out["layout"][le, s] = b << 32 | c
+            if not c:
+                continue
+            if b + c > N:
+                raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected "
+                                             f"at most {N}, got {b + c}", ranks=tuple(range(R)))
+            rs = part[at:at + c]
+            xb[le, b:b + c] = rs[:, 8 + srow:8 + srow + xrow]
+            out["src_info"][le, b:b + c] = rs[:, :8].contiguous().view(torch.int64).flatten().to(torch.int32)
+            if srow:
+                sc = rs[:, 8:8 + srow].contiguous().view(out["scales"].dtype)
+                out["scales"][le, b:b + c] = sc
+            begin[le], at = b + c, at + c
+        w.moved += n * row[s]
+        if w.host_of[s] != w.my_host:
+            w.stats["rdma_recv_bytes"] += n * row[s]
+    out["count"].copy_(torch.tensor(begin, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------- combine
+def _check_combine(buf, x, topk_idx, topk_weights, handle, out, fields: dict):
+    R = buf.wire.R
+    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+        raise Fail(f"handle must be the 5-tuple low_latency_dispatch returned, got {type(handle).__name__}")
+    seq, plan = buf.lookup(handle[0], "low_latency_combine")
+    tmax, H, E = int(handle[2]), int(handle[3]), int(handle[4])
+    if (tmax, H, E) != plan["sizes"]:
+        raise Fail("the handle's (num_max_dispatch_tokens_per_rank, hidden size, num_experts) differ from its "
+                   f"dispatch's, expected {plan['sizes']}, got {(tmax, H, E)}")
+    if not plan.get("received"):
+        raise Fail("the dispatch's receive hook was never called, expected hook() before combine, got a pending "
+                   "dispatch")
+    L, N, T = E // R, R * tmax, plan["T"]
+    x = _tensor(x, "x", 3, (torch.bfloat16,), (L, N, H))
+    idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, plan["topk_idx"].size(1)))
+    if not torch.equal(idx.long(), plan["topk_idx"]):
+        raise Fail("topk_idx differs from the one low_latency_dispatch was given, expected the same routing")
+    wt = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, idx.size(1)))
+    if out is not None:
+        _tensor(out, "out", 2, (torch.bfloat16,), (T, H))
+        if not out.is_contiguous():
+            raise Fail("out must be contiguous")
+    fields.update({F.HANDLE: seq, F.H: H, F.E: E, F.TMAX: tmax, F.XROW: H * 2})
+    return plan, x, wt, (L, N, H, E)
+
+
+def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags: int, error: str | None):
+    """Publish this rank's expert outputs; returns ``(combined, recv)`` where ``recv()`` fills ``combined``."""
+    w = buf.wire
+    for key in ("rdma_send_bytes", "rdma_recv_bytes", "nvl_bytes"):
+        w.stats[key] = 0
+    fields, keep, fail = {F.OP: OP_LL_COMBINE, F.SEQ: buf.seq, F.FLAGS: flags}, [], None
+    combined = plan = wt = None
+    vector: list[int] = []
+    try:
+        if error:
+            raise Fail(error)
+        plan, x, wt, (L, N, H, E) = _check_combine(buf, x, topk_idx, topk_weights, handle, out, fields)
+        combined = out if out is not None else heap_empty(buf.comm, (plan["T"], H), torch.bfloat16)
+        src = buf._ll.next_combine_buffer(buf.comm, L, N, H) if zero_copy else x
+        vector = _pack_outputs(buf, src, handle[1], keep)
+    except Fail as exc:
+        fail = exc
+    rows = w.publish("low_latency_combine", fields, vector, fail)
+    w.agree("low_latency_combine", rows.tolist(), (
+        (F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
+        (F.TMAX, "the handle's num_max_dispatch_tokens_per_rank"), (F.E, "the handle's num_experts"),
+        (F.FLAGS, "zero_copy/hook/use_logfmt")))
+
+    def recv() -> None:
+        try:
+            acc = _reduce(buf, rows, plan, wt, E, H, logfmt=bool(flags & FLAG_LOGFMT))
+        finally:
+            w.barrier("low_latency_combine")
+            keep.clear()
+        combined.copy_(acc)
+
+    return combined, recv
+
+
+def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list) -> list[int]:
+    """One heap block holding, per source rank, its pairs' output rows (expert order, then token);
+    returns ``[offset, rows]`` per source for the header."""
+    w = buf.wire
+    L, N, H = src.shape
+    begin, count = (layout >> 32).tolist(), (layout & 0xFFFFFFFF).tolist()
+    total = int((layout & 0xFFFFFFFF).sum())
+    block = w.heap_block(total * H * 2, "combine send block")
+    keep.append(block)
+    rows = block[:total * H * 2].view(torch.bfloat16).view(total, H)
+    base, at, vector = w.offset_of(block), 0, []
+    for s in range(w.R):
+        start = at
+        for le in range(L):
+            b, c = begin[le][s], count[le][s]
+            if b < 0 or c < 0 or b + c > N:
+                raise Fail(f"the handle's layout_range is out of range, expected rows within [0, {N}), got begin {b} "
+                           f"count {c}")
+            rows[at:at + c] = src[le, b:b + c]
+            at += c
+        vector += [base + start * H * 2, at - start]
+        key = "nvl_bytes" if w.host_of[s] == w.my_host else "rdma_send_bytes"
+        w.stats[key] += (at - start) * H * 2
+    return vector
+
+
+def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: int, *, logfmt: bool) -> torch.Tensor:
+    """fp32 ``sum_k weight * row`` per token, in ascending expert order (each token's pairs pass by pass)."""
+    w, R, me = buf.wire, buf.wire.R, buf.wire.me
+    L, T = E // R, plan["T"]
+    tokens, slots = plan["tokens"], plan["slots"]
+    experts = plan["topk_idx"].view(-1)[slots]
+    off = torch.zeros(E + 1, dtype=torch.int64)
+    off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
+    skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
+    got = torch.zeros(tokens.numel(), H, dtype=torch.bfloat16)
+    valid = torch.ones(tokens.numel(), dtype=torch.bool)
+    for o in range(R):
+        lo, hi = int(off[o * L]), int(off[(o + 1) * L])
+        if skip[o]:
+            valid[lo:hi] = False
+            continue
+        at, n = _part(rows, o, me)
+        if n != hi - lo:
+            raise ZbcclRemoteError(f"low_latency_combine: rank {o} returned another number of rows, expected {hi - lo}, "
+                                   f"got {n}", ranks=(o,))
+        if n:
+            got[lo:hi] = w.read(o, at, n * H * 2, "low_latency_combine").view(torch.bfloat16).view(n, H)
+            w.moved += n * H * 2
+            if w.host_of[o] != w.my_host:
+                w.stats["rdma_recv_bytes"] += n * H * 2
+    rows_f = (logfmt_roundtrip(got) if logfmt else got).float() * wt.reshape(-1)[slots].unsqueeze(1)
+    order = torch.sort(tokens, stable=True).indices
+    st = tokens[order]
+    pos = torch.arange(st.numel())
+    starts = torch.ones_like(st, dtype=torch.bool)
+    starts[1:] = st[1:] != st[:-1]
+    occ = torch.empty_like(pos)
+    occ[order] = pos - torch.cummax(torch.where(starts, pos, 0), 0).values
+    acc = torch.zeros(T, H, dtype=torch.float32)
+    for j in range(int(occ.max()) + 1 if occ.numel() else 0):
+        sel = ((occ == j) & valid).nonzero().flatten()
+        acc[tokens[sel]] += rows_f[sel]
+    return acc

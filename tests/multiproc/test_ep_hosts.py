@@ -1,0 +1,362 @@
+"""zbccl.ep across hosts (DeepEP's internode mode) against the plain-torch reference.
+
+Hosts are made by ``ZBCCL_HOST_ID`` (no root: the routed transport runs shm within a "host" and Mooncake
+over loopback between them) at 2 x 1 and 2 x 2 ranks, and one case runs over namespace hosts
+(``tests/hosts.py``, root) at 2 x 2. Every rank rebuilds every rank's inputs from a seed, as payloads that
+encode their source, so :mod:`zbccl.ep.reference` gives it the whole expected result. Skips without Mooncake.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.multiproc.ep_checks import per_token_cast_back
+from tests.multiproc.test_ep_random import _case, _equal, _inputs, _rows
+from tests.spawn import run_world
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _needs_mooncake():
+    from zbccl.heap.transports.mooncake import missing_reason
+
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def _start(ctx, ranks_per_host: int, fake: bool = True):
+    """zbccl over hosts of ``ranks_per_host`` ranks (by ZBCCL_HOST_ID when ``fake``), and a spanning Buffer."""
+    import zbccl.ep as deep_ep
+
+    if fake:
+        os.environ["ZBCCL_HOST_ID"] = f"ep-host-{ctx.rank // ranks_per_host}"
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=64 * MiB)
+    buffer = deep_ep.Buffer(comm, num_rdma_bytes=1 << 20, explicitly_destroy=True)
+    assert buffer.wire is not None and buffer.wire.H == comm.world_size // ranks_per_host
+    return comm, buffer
+
+
+def _hosts_of(R: int, per: int) -> list[list[int]]:
+    return [list(range(h * per, (h + 1) * per)) for h in range(R // per)]
+
+
+def _integer_inputs(seed: int, r: int, T: int, H: int, E: int, K: int):
+    """Rank r's ``(x bf16, topk_idx, topk_weights)``: x[t] = small integers f(r, t) (exact sums in any order)."""
+    g = torch.Generator().manual_seed(seed * 7919 + r)
+    idx = torch.topk(torch.rand(T, E, generator=g), K, dim=-1).indices
+    if T:
+        idx[0, -1] = -1  # one slot with no expert
+    x = ((torch.arange(H).view(1, H) + 3 * torch.arange(T).view(T, 1) + 17 * r) % 13 - 6).to(torch.bfloat16)
+    return x, idx, torch.rand(T, K, generator=g) + 0.5
+
+
+def _crossing_bytes(in_ranks: list, hosts: list, me: int, per: int, row: int) -> int:
+    """Bytes forwarded to ``me``: for each remote sender whose forwarder on my host I am, its tokens bound for
+    any rank of my host (once each, however many of my host's ranks they go to)."""
+    host_of = {r: h for h, rs in enumerate(hosts) for r in rs}
+    mine = hosts[host_of[me]]
+    total = 0
+    for s, in_rank in enumerate(in_ranks):
+        if host_of[s] == host_of[me] or mine[(s % per) % len(mine)] != me:
+            continue
+        total += int(in_rank[:, mine].any(1).sum()) * row
+    return total
+
+
+def _exact_and_bytes(buffer, comm, per: int, seed: int) -> dict:
+    """Integer payloads: dispatch, cached dispatch and combine are exact; each token crosses to a host once."""
+    from zbccl.ep import reference
+
+    R, me, E, K, H = comm.world_size, comm.rank, 4 * comm.world_size, 3, 256
+    Ts = [(seed * 5 + r * 11) % 40 + (0 if r == 1 else 8) for r in range(R)]
+    if seed % 2:
+        Ts[1] = 0  # an empty sender
+    ins = [_integer_inputs(seed, r, Ts[r], H, E, K) for r in range(R)]
+    x, idx, w = ins[me]
+    in_ranks = [reference.dispatch_layout(i, E, R)[2] for _, i, _ in ins]
+    hosts = _hosts_of(R, per)
+    ntpr, ntprdma, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    assert ntprdma.tolist() == [int(in_rank[:, h].any(1).sum()) for h in hosts]
+    mc = comm._ctx.heap.transport.remote
+    got0 = mc.bytes_got
+    recv_x, recv_idx, recv_w, lst, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    crossed = mc.bytes_got - got0
+    row = -(-(16 + 12 * K + 2 * H) // 8) * 8
+    assert crossed == _crossing_bytes(in_ranks, hosts, me, per, row), (crossed, me)
+    assert buffer.memory_stats()["rdma_recv_bytes"] == crossed
+    want = reference.dispatch([i[0] for i in ins], in_ranks, me, E, topk_idx=[i[1] for i in ins],
+                              topk_weights=[i[2] for i in ins])
+    assert torch.equal(recv_x, want["x"]) and torch.equal(recv_idx, want["topk_idx"])
+    assert torch.equal(recv_w, want["topk_weights"]) and lst == want["num_recv_tokens_per_expert_list"]
+    assert torch.equal(handle[6], want["rank_prefix_matrix"][:, me]) and torch.equal(handle[7], want["src_idx"])
+    assert torch.equal(buffer.dispatch(x, handle=handle)[0], recv_x)
+    ys = [reference.dispatch([i[0] for i in ins], in_ranks, r, E)["x"] for r in range(R)]
+    wts = [reference.dispatch([i[0] for i in ins], in_ranks, r, E, topk_idx=[i[1] for i in ins],
+                              topk_weights=[i[2] for i in ins])["topk_weights"] for r in range(R)]
+    bias = torch.ones(Ts[me], H, dtype=torch.bfloat16)
+    combined, cw, _ = buffer.combine(recv_x, handle, topk_weights=recv_w, bias=bias)
+    expect, expect_w = reference.combine(ys, in_ranks, me, topk_weights=wts, bias=(bias,))
+    assert torch.equal(combined, expect) and torch.allclose(cw, expect_w, rtol=1e-6, atol=1e-6)
+    # what a naive all-to-all would send across: a token once per remote destination rank
+    naive = sum(int(in_ranks[s][:, r].sum()) * row for s in range(R) for r in range(R)
+                if (s // per) != (r // per) and r == me)
+    return {"crossed": crossed, "naive": naive}
+
+
+def _random_case(buffer, comm, case: dict) -> None:
+    """test_ep_random's case across hosts: exact dispatch; combine within fp32/bf16 rounding of the host-first sum."""
+    from zbccl.ep import reference
+
+    R, me, E = comm.world_size, comm.rank, case["E"]
+    ins = [_inputs(case, r, R) for r in range(R)]
+    x, idx, w = ins[me]
+    in_ranks = [reference.dispatch_layout(i, E, R)[2] for _, i, _ in ins]
+    want = reference.dispatch([xi for xi, _, _ in ins], in_ranks, me, E, topk_idx=[i for _, i, _ in ins],
+                              topk_weights=[wi for _, _, wi in ins], expert_alignment=case["align"])
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    n = int(want["rank_prefix_matrix"][-1, me])
+    worst = sum(case["T"]) if case["worst"] else 0
+    recv_x, recv_idx, recv_w, lst, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+        topk_weights=w, expert_alignment=case["align"], num_worst_tokens=worst)
+    where = f"case {case}, rank {me}"
+    assert _equal(_rows(recv_x, n), want["x"]), f"received rows differ: {where}"
+    assert torch.equal(recv_idx[:n], want["topk_idx"]) and torch.equal(recv_w[:n], want["topk_weights"]), where
+    assert torch.equal(handle[6], want["rank_prefix_matrix"][:, me]) and torch.equal(handle[7][:n], want["src_idx"])
+    if worst:
+        assert lst == [] and recv_idx.size(0) == worst and bool((recv_idx[n:] == -1).all()), where
+    else:
+        assert lst == want["num_recv_tokens_per_expert_list"], where
+        assert _equal(buffer.dispatch(x, handle=handle)[0], recv_x), f"cached dispatch differs: {where}"
+
+    def back(r):
+        got = reference.dispatch([xi for xi, _, _ in ins], in_ranks, r, E)["x"]
+        return per_token_cast_back(got[0], got[1].contiguous()) if isinstance(got, tuple) else got
+
+    mine = back(me)
+    if worst:
+        mine = torch.cat([mine, torch.zeros(worst - n, mine.size(1), dtype=mine.dtype)])
+    combined, _, _ = buffer.combine(mine, handle)
+    expect, _ = reference.combine([back(r) for r in range(R)], in_ranks, me)
+    assert torch.allclose(combined.float(), expect.float(), rtol=2e-2, atol=2e-2), f"combine differs: {where}"
+
+
+def _normal(ctx, per: int, seeds):
+    import zbccl
+
+    comm, buffer = _start(ctx, per)
+    out = [_exact_and_bytes(buffer, comm, per, s) for s in range(3)]
+    for seed in seeds:
+        _random_case(buffer, comm, _case(seed, comm.world_size))
+    buffer.destroy()
+    zbccl.finalize()
+    return out
+
+
+def test_normal_2x1():
+    out = run_world(_normal, 2, per=1, seeds=range(40), timeout=240)
+    assert all(o["crossed"] == o["naive"] for r in out for o in r)  # one rank per host: nothing to merge
+
+
+def test_normal_2x2_each_token_crosses_to_a_host_once():
+    out = run_world(_normal, 4, per=2, seeds=range(500, 512), timeout=240)
+    crossed = sum(o["crossed"] for r in out for o in r)
+    naive = sum(o["naive"] for r in out for o in r)
+    assert 0 < crossed < naive, (crossed, naive)
+
+
+# ---------------------------------------------------------------------------------------------- low-latency mode
+def _ll_inputs(seed: int, r: int, T: int, H: int, E: int, K: int):
+    """Rank r's ``(x bf16, topk_idx)`` (distinct experts per token, some slots -1) and its weights."""
+    g = torch.Generator().manual_seed(seed * 31 + r)
+    idx = torch.topk(torch.rand(T, E, generator=g), K, dim=-1).indices
+    idx = idx.masked_fill(torch.rand(T, K, generator=g) < 0.2, -1)
+    x = (torch.randn(T, H, generator=g) * 0.5 + r).to(torch.bfloat16)
+    x[:, :1] = torch.arange(T, dtype=torch.bfloat16).view(T, 1)  # the source token, in the payload
+    return x, idx, torch.rand(T, K, generator=g)
+
+
+def _ll_case(buffer, comm, seed: int, *, fp8: bool, hook: bool, zero_copy: bool = False) -> None:
+    from zbccl.ep import reference
+
+    R, me, H, K, Tmax = comm.world_size, comm.rank, 256, 3, 24
+    E = 3 * R
+    L = E // R
+    Ts = [(seed * 3 + 7 * r) % Tmax for r in range(R)]
+    ins = [_ll_inputs(seed, r, Ts[r], H, E, K) for r in range(R)]
+    x, idx, w = ins[me]
+    stats = torch.zeros(L, dtype=torch.int32)
+    recv, count, handle, _, h = buffer.low_latency_dispatch(x, idx, Tmax, E, use_fp8=fp8, round_scale=fp8,
+                                                            cumulative_local_expert_recv_stats=stats,
+                                                            return_recv_hook=hook)
+    if hook:
+        h()
+    want = reference.low_latency_dispatch([i[0] for i in ins], [i[1] for i in ins], me, Tmax, E, use_fp8=fp8,
+                                          round_scale=fp8)
+    assert torch.equal(count, want["count"]) and torch.equal(stats, want["count"])
+    assert torch.equal(handle[1], want["layout_range"])
+    for le in range(L):
+        n = int(count[le])
+        assert torch.equal(handle[0][le, :n], want["src_info"][le, :n])
+        if fp8:
+            assert torch.equal(recv[0][le, :n].view(torch.uint8), want["x"][le, :n].view(torch.uint8))
+            assert torch.equal(recv[1][le, :n], want["scales"][le, :n])
+        else:
+            assert torch.equal(recv[le, :n], want["x"][le, :n])
+    # identity experts on the bf16 rows, then the weighted combine: bitwise the reference's
+    outs = [reference.low_latency_dispatch([i[0] for i in ins], [i[1] for i in ins], r, Tmax, E)["x"] for r in range(R)]
+    y = outs[me]
+    if zero_copy:
+        buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+    combined, _, h = buffer.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook)
+    if hook:
+        h()
+    expect = reference.low_latency_combine(outs, [i[1] for i in ins], me, w)
+    assert torch.equal(combined, expect), f"low_latency_combine differs on rank {me}, seed {seed}"
+
+
+def _low_latency(ctx, per: int):
+    import zbccl
+    import zbccl.ep as deep_ep
+
+    os.environ["ZBCCL_HOST_ID"] = f"ep-host-{ctx.rank // per}"
+    torch.set_num_threads(1)
+    comm = ctx.init(heap_size=64 * MiB)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(24, 256, comm.world_size, 3 * comm.world_size)
+    buffer = deep_ep.Buffer(comm, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    buffer.clean_low_latency_buffer(24, 256, 3 * comm.world_size)
+    for seed, (fp8, hook, zc) in enumerate([(False, False, False), (True, False, False), (False, True, True),
+                                            (True, True, False)]):
+        _ll_case(buffer, comm, seed, fp8=fp8, hook=hook, zero_copy=zc)
+    buffer.destroy()
+    zbccl.finalize()
+    return True
+
+
+def test_low_latency_2x2():
+    assert all(run_world(_low_latency, 4, per=2, timeout=240))
+
+
+# ---------------------------------------------------------------------------------------------- errors and faults
+def _errors(ctx):
+    """Bad input on one rank raises on every rank and the Buffer stays usable; a rank that never comes is named."""
+    import zbccl
+    from zbccl.errors import ZbcclInvalidUsageError, ZbcclTimeoutError
+
+    comm, buffer = _start(ctx, 2)
+    me, E, H = comm.rank, 8, 128
+    x, idx, w = _integer_inputs(3, me, 10, H, E, 2)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    seen = []
+    bad_ntpr = ntpr + 1 if me == 1 else ntpr  # rank 1's counts disagree with its routing
+    with pytest.raises(ZbcclInvalidUsageError, match="num_tokens_per_rank does not match") as exc:
+        buffer.dispatch(x, num_tokens_per_rank=bad_ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                        topk_idx=idx, topk_weights=w)
+    seen.append(list(exc.value.ranks))
+    xh = torch.zeros(10, 2 * H, dtype=torch.bfloat16) if me == 3 else x  # rank 3's hidden size differs
+    with pytest.raises(ZbcclInvalidUsageError, match="hidden size") as exc:
+        buffer.dispatch(xh, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                        topk_idx=idx, topk_weights=w)
+    seen.append(list(exc.value.ranks))
+    big = torch.zeros(30, 256, dtype=torch.bfloat16) if me == 2 else torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ZbcclInvalidUsageError, match="too many tokens"):  # LL: rank 2 exceeds the max tokens
+        buffer.low_latency_dispatch(big, torch.zeros(big.size(0), 1, dtype=torch.int64), 16, E)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    with pytest.raises(ZbcclInvalidUsageError, match="rows"):  # combine: rank 0's x has the wrong row count
+        buffer.combine(recv_x[:-1] if me == 0 and recv_x.size(0) else recv_x, handle)
+    combined, _, _ = buffer.combine(recv_x, handle)  # still usable
+    assert combined.shape == x.shape
+    buffer.destroy()
+    late = zbccl.ep.Buffer(comm, timeout=3)  # rank 3 never dispatches: the others name it within the timeout
+    if me != 3:
+        t0 = time.monotonic()
+        with pytest.raises(ZbcclTimeoutError) as exc:
+            late.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                          topk_idx=idx, topk_weights=w)
+        seen.append([list(exc.value.ranks), "host 1" in str(exc.value), time.monotonic() - t0])
+        ctx.store().set(f"late/{me}", b"1")  # the timed-out ranks' communicators are broken: meet in the test's store
+    ctx.store().wait([f"late/{r}" for r in range(3)])  # nobody leaves while another still waits for it
+    zbccl.finalize()
+    return seen
+
+
+def test_bad_input_on_one_rank_and_a_missing_rank():
+    out = run_world(_errors, 4, timeout=240)
+    assert all(o[0] == [1] and o[1] == [3] for o in out)
+    for o in out[:3]:
+        ranks, named_host, elapsed = o[2]
+        assert ranks == [3] and named_host and elapsed < 15, o
+
+
+def _host_dies(ctx):
+    """Both ranks of host 1 are SIGKILLed between two ops: the survivors name them (and their host) within seconds."""
+    from zbccl.errors import ZbcclRemoteError
+
+    comm, buffer = _start(ctx, 2)
+    me, E = comm.rank, 8
+    x, idx, w = _integer_inputs(5, me, 12, 128, E, 2)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+                topk_weights=w)
+    buffer.dispatch(x, **args)
+    store = ctx.store()
+    if me >= 2:  # once the survivors are out of the first dispatch (its last round reads the victims' words)
+        store.wait(["out/0", "out/1"])
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.set(f"out/{me}", b"1")
+    t0 = time.monotonic()
+    with pytest.raises(ZbcclRemoteError) as exc:
+        buffer.dispatch(x, **args)
+    return {"ranks": sorted(exc.value.ranks), "text": str(exc.value), "elapsed": time.monotonic() - t0}
+
+
+def test_a_killed_host_is_named_within_seconds():
+    out = run_world(_host_dies, 4, timeout=240, expect_exit={2: -9, 3: -9})
+    for got in out[:2]:
+        assert got["ranks"] and set(got["ranks"]) <= {2, 3} and "host 1" in got["text"], got
+        assert got["elapsed"] < 10, got
+
+
+# ---------------------------------------------------------------------------------------------- namespace hosts
+def _namespace(ctx):
+    """2 namespace hosts x 2 ranks (nothing shared but a link): normal and LL modes against the reference."""
+    import zbccl
+
+    comm, buffer = _start(ctx, 2, fake=False)
+    out = [_exact_and_bytes(buffer, comm, 2, s) for s in (0, 1)]
+    for seed in range(700, 704):
+        _random_case(buffer, comm, _case(seed, comm.world_size))
+    buffer.destroy()
+    import zbccl.ep as deep_ep
+
+    ll = deep_ep.Buffer(comm, low_latency_mode=True, explicitly_destroy=True)
+    _ll_case(ll, comm, 3, fp8=True, hook=True)
+    ll.destroy()
+    zbccl.finalize()
+    return out
+
+
+def test_namespace_hosts_2x2():
+    from tests.hosts import HostsUnavailable, NetnsHosts, hosts_skip_reason, run_hosts
+
+    reason = hosts_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        with NetnsHosts(2) as hosts:
+            out = run_hosts(_namespace, hosts, ranks_per_host=2, timeout=240)
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+    crossed = sum(o["crossed"] for r in out for o in r)
+    assert 0 < crossed < sum(o["naive"] for r in out for o in r)
