@@ -14,12 +14,16 @@ Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``). **Dispatch**:
 4. each receiver copies, by source rank then token, the rows whose mask names it: a source of its
    own host straight from that sender's send block, a remote one from the local forwarder's staging
    (through shm views);
-5. closing round: then send blocks and staging are freed.
+5. no closing round: a rank keeps its send block and staging until the header round of its next op, which
+   every peer enters only after it finished this one (so ``x`` may change as soon as dispatch returns:
+   it was copied into the send block).
 
 **Combine** reverses it: each forwarder sums in fp32, for every token it forwarded, the rows its
 host's ranks hold for that token (rank order), and stages the sums in the input's dtype; each
 sender sums its own host's rows the same way (fp32), waits for its forwarders, reads their sums in
-one transfer per host, and adds the per-host sums in host order, then the biases. With the
+one transfer per host, and adds the per-host sums in host order, then the biases. It ends with a
+barrier of this host's ranks only (they read ``x`` in place); the staged sums live until the next op's
+header round. With the
 payloads the tests use (small integers) this equals :func:`.reference.combine` bit for bit; in
 general the order differs from the one-host sum (hosts first), as DeepEP's own does.
 """
@@ -279,8 +283,7 @@ def dispatch(buf, a: dict):
         out = _outputs(buf, rl, layout, got, loc)
         fwd_masks = {s: rows_s.view(torch.int64)[:, 1].clone() for s, rows_s in staged.items()}
     finally:
-        w.barrier("dispatch")
-        keep.clear()
+        w.hold(keep)  # no closing round: peers read the send block and staging until the next op's header round
     recv_x = (out["x"], out["s"]) if "s" in out else out["x"]
     if loc["cached"]:
         return recv_x, None, None, None, None
@@ -354,7 +357,7 @@ def _stage_sums(buf, rows: list, fwd: dict, counts, H: int, K: int, dtype, heade
     try:
         staging = w.heap_block(total, "combine staging")
     except Fail:
-        w.post_forward(header_round, {}, STATUS_NOMEM)
+        w.push_forwarded(header_round, {s: -1 for s in fwd}, "combine")
         raise
     keep.append(staging)
     where, at = {}, 0
@@ -368,11 +371,11 @@ def _stage_sums(buf, rows: list, fwd: dict, counts, H: int, K: int, dtype, heade
             where[s] = w.offset_of(staging) + at
             at += n * row
     except BaseException:
-        w.post_forward(header_round, {}, STATUS_NOMEM)
+        w.push_forwarded(header_round, {s: -1 for s in fwd}, "combine")
         raise
     w.stats["rdma_send_bytes"] += total
     w.stats["rdma_peak_bytes"] = max(w.stats["rdma_peak_bytes"], total)
-    w.post_forward(header_round, where)
+    w.push_forwarded(header_round, where, "combine")
 
 
 def _prepare_combine(buf, x, handle, topk_weights, bias, error, fields: dict, keep: list) -> dict:
@@ -424,8 +427,8 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
         _stage_sums(buf, rl, extra["fwd"], counts, H, K, dtype, header_round, keep)
         acc, accw = _sum_hosts(buf, rl, loc, counts, header_round)
     finally:
-        w.barrier("combine")
-        keep.clear()
+        w.hold(keep)  # the sums staged for other hosts are read until the next op's header round
+        w.local_barrier(header_round, "combine")  # x is read in place by this host's ranks: then it may change
     for b in loc["biases"]:
         acc += b.float()
     out = w.reuse("combined_x", [((T, H), dtype)])[0]
@@ -439,7 +442,7 @@ def _sum_hosts(buf, rl: list, loc: dict, counts, header_round: int) -> tuple[tor
     T, H, K, dtype = loc["T"], loc["H"], loc["K"], loc["dtype"]
     per_host = host_layout(loc["in_rank"], w.hosts)
     need = sorted(w.forwarder(me, h) for h, (t, _) in enumerate(per_host) if h != w.my_host and t.numel())
-    aux = w.wait_forward(need, header_round, "combine")
+    offs = w.wait_forwarded(need, header_round, "combine")
     acc = torch.zeros(T, H, dtype=torch.float32)
     accw = torch.zeros(T, K, dtype=torch.float32) if K else None
     row = H * dtype.itemsize + 4 * K
@@ -451,7 +454,7 @@ def _sum_hosts(buf, rl: list, loc: dict, counts, header_round: int) -> tuple[tor
             part, partw = _partial(buf, me, masks, h, rl, counts, H, K, dtype)
         else:
             f = w.forwarder(me, h)
-            raw = w.read(f, aux[f][AUX_OFFS + me], n * row, "combine")
+            raw = w.read(f, offs[f], n * row, "combine")
             part = raw[:n * H * dtype.itemsize].view(dtype).view(n, H).float()
             partw = raw[n * H * dtype.itemsize:].view(torch.float32).view(n, K) if K else None
             w.stats["rdma_recv_bytes"] += n * row

@@ -8,8 +8,9 @@ once per selected expert, straight to the expert's rank (no forwarding), and so 
   ``L`` per-expert counts followed by one row per pair, ``[source token int64][scales][x]``, in
   one heap send block; the header carries each part's offset and rows. After the header round,
   ``hook()`` (or the call itself) reads each source's part for this rank (a view on this host, one
-  transfer from another), places the rows by source rank, then token, per local expert, and ends
-  with the closing round;
+  transfer from another) and places the rows by source rank, then token, per local expert. A hook
+  ends with a closing round (other ops may run between a publish and its hook); the call itself
+  keeps its send block until its next header round instead;
 * **combine**: each owner packs, per source rank, the output rows of that source's pairs (expert
   order, then token: the source's own pair order), and publishes their offsets; each source reads
   its part from every owner and sums ``weight * row`` in fp32 per token in ascending expert order,
@@ -27,6 +28,7 @@ from .exchange import HDR_LEN, F, Fail, heap_empty
 from .layout import fp8_quantize, logfmt_roundtrip
 from .low_latency import (
     FLAG_FP8,
+    FLAG_HOOK,
     FLAG_LOGFMT,
     FLAG_ROUND,
     FLAG_UE8M0,
@@ -38,6 +40,19 @@ from .low_latency import (
 from .normal import _tensor
 
 __all__ = ["dispatch", "combine"]
+
+
+def _close(w, keep: list, flags: int, op: str) -> None:
+    """The end of a receive half. Called from the op itself, the send block lives until the next header round
+    (which every peer enters only after this op); from a receive hook, whose op other ops may follow before the
+    hooks run, a closing round ends the peers' reads first."""
+    if flags & FLAG_HOOK:
+        try:
+            w.barrier(op)
+        finally:
+            keep.clear()
+    else:
+        w.hold(keep)
 
 
 def _part(rows: torch.Tensor, src: int, me: int) -> tuple[int, int]:
@@ -125,8 +140,7 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
             _receive(buf, rows, out, L, N, H, mask[me])
             plan["received"] = True
         finally:
-            w.barrier("low_latency_dispatch")
-            keep.clear()
+            _close(w, keep, flags, "low_latency_dispatch")
         if stats is not None:
             stats.add_(out["count"])
         if wait_stats is not None:
@@ -233,8 +247,7 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
         try:
             acc = _reduce(buf, rows, plan, wt, E, H, logfmt=bool(flags & FLAG_LOGFMT))
         finally:
-            w.barrier("low_latency_combine")
-            keep.clear()
+            _close(w, keep, flags, "low_latency_combine")
         combined.copy_(acc)
 
     return combined, recv

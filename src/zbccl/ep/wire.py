@@ -37,11 +37,14 @@ op ends with a plain round (a barrier): after it nobody reads another rank's pub
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
+import time
 from collections.abc import Iterator
 
 import torch
 
+from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..native.abi import WHERE_EP
@@ -64,7 +67,13 @@ __all__ = ["HostWire", "spans_hosts", "AUX_ROUND", "AUX_STATUS", "AUX_OFFS"]
 
 #: Aux words: the round the forwarder staged for, its status (0: ok), then one heap offset per rank.
 AUX_ROUND, AUX_STATUS, AUX_OFFS = 0, 1, 2
-_L_ARRIVE, _L_FORWARD = 0, 1
+#: Lines of the comm slot: ARRIVE[i] (0..R-1), FORWARDED[f] (R..2R-1, and its offset word 16 bytes in), then LOCAL
+#: and FORWARD. Hence at most ``MAX_RANKS`` ranks.
+_L_LOCAL, _L_FORWARD = 0, 1
+_LINES = layout.SLOT_BYTES // layout.LINE
+MAX_RANKS = (_LINES - 2) // 2
+_OFFSET_WORD = 16
+_SPIN_S, _MAX_PAUSE_S = 50e-6, 1e-3
 _RECORD = struct.Struct("<4q")
 
 
@@ -79,6 +88,9 @@ class HostWire:
 
     def __init__(self, comm, timeout: float | None) -> None:
         self.comm, self.R, self.me = comm, comm.world_size, comm.rank
+        if self.R > MAX_RANKS:
+            raise ZbcclInvalidUsageError(f"Buffer: too many ranks for EP across hosts, expected at most {MAX_RANKS}, "
+                                         f"got {self.R}")
         self.timeout = comm.timeout if timeout is None else float(timeout)
         self.t = comm.heap.transport
         self.g = list(comm.ranks)
@@ -106,6 +118,9 @@ class HostWire:
         self._aux.fill_(-1)
         self.inbox_off, self.aux_off = self._exchange_offsets()
         self.round = 0
+        #: The blocks peers may still read from this rank's last normal-mode op (send blocks, staging): dropped at
+        #: the end of the next header round, which every peer enters only after it finished that op.
+        self._held: list = []
         #: Set once the ranks were found out of step: every later op raises it.
         self.broken: str | None = None
         #: Payload bytes this rank read from or wrote to peers in its last op (DeepEP-style rows, not the handshake).
@@ -122,7 +137,14 @@ class HostWire:
         return ranks[self.local_index[src] % len(ranks)]
 
     def line(self, which: int) -> int:
+        """Byte offset in the pad of line ``which`` of this communicator's comm slot."""
         return layout.slot_line(self.comm.slot, which)
+
+    def _arrive(self, src: int) -> int:
+        return self.line(2 + src)
+
+    def _forwarded(self, fwd: int) -> int:
+        return self.line(2 + self.R + fwd)
 
     def _exchange_offsets(self) -> tuple[list[int], list[int]]:
         """Every member's inbox and aux offsets, through the store, checked against its live heap size."""
@@ -217,9 +239,10 @@ class HostWire:
                         self.t.put(self.g[p], self.inbox_off[p] + at, vec, op=op)
                     except (ZbcclRemoteError, ZbcclTimeoutError) as exc:  # its ranks are global ranks
                         self._named(exc, [self.labels[g] for g in exc.ranks if g in self.labels] or [p])
-        arrive = self.line(_L_ARRIVE)
-        self.t.signal(self.g[me], arrive, k)
-        self.wait([p for p in range(self.R) if p != me], arrive, k, op)
+        peers = [p for p in range(self.R) if p != me]
+        for p in peers:  # after the put: a signal is ordered after this process's earlier writes to that peer
+            self._signal(p, self._arrive(me), k, op)
+        self.wait_own({p: self._arrive(p) for p in peers}, k, op)
         return self._inbox[half].clone() if vec is not None else None
 
     def wait(self, ranks: list[int], line: int, target: int, op: str) -> None:
@@ -234,6 +257,57 @@ class HostWire:
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
             self._named(exc, [r for r in exc.ranks if isinstance(r, int) and 0 <= r < self.R] or list(ranks))
 
+    def _signal(self, r: int, line: int, value: int, op: str) -> None:
+        try:
+            self.t.signal(self.g[r], line, value)
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            self._named(exc, [r])
+
+    def wait_own(self, lines: dict[int, int], target: int, op: str) -> None:
+        """Wait until each word of this rank's pad in ``lines`` (group rank of its writer -> line) is ``>= target``.
+
+        The words are local, so a poll costs no network round trip; the writers' liveness is checked every
+        ``liveness`` interval (a dead writer: ``ZbcclRemoteError``; its host silent for the transport's stall
+        time: ``ZbcclTimeoutError``; naming the ranks and their hosts), and after ``timeout`` seconds a
+        ``ZbcclTimeoutError`` names the writers whose word never came."""
+        me, load = self.g[self.me], self.t.load
+        pending = [r for r, ln in lines.items() if load(me, ln) < target]
+        if not pending:
+            return
+        start = time.monotonic()
+        live = max(env.LIVENESS_INTERVAL.get(), 0.05)
+        deadline, next_live, pause = start + self.timeout, start + live, 0.0
+        while pending:
+            now = time.monotonic()
+            if now >= next_live:
+                self._check_writers(pending, op)
+                next_live = now + live
+            if now >= deadline:
+                got = ", ".join(f"{load(me, lines[r])} from rank {r}" for r in pending)
+                raise ZbcclTimeoutError(
+                    f"{op}: timed out after {self.timeout:.1f}s waiting for ranks {pending}, expected their signal >= "
+                    f"{target}, got {got} ({'; '.join(self.where(r) for r in pending)})", ranks=tuple(pending))
+            if now - start < _SPIN_S:
+                os.sched_yield()
+            else:
+                pause = min(2 * pause or 10e-6, _MAX_PAUSE_S)
+                time.sleep(pause)
+            pending = [r for r in pending if load(me, lines[r]) < target]
+
+    def _check_writers(self, ranks: list[int], op: str) -> None:
+        """Raise if one of ``ranks`` died or its host stopped answering."""
+        glob = {self.g[r]: r for r in ranks}
+        dead = sorted(glob[g] for g in self.t.dead_peers() if g in glob)
+        if dead:
+            raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {dead} died "
+                                   f"({'; '.join(self.where(r) for r in dead)})", ranks=tuple(dead))
+        remote = getattr(self.t, "remote", self.t)
+        gone_of = getattr(remote, "unreachable_peers", None)
+        gone = sorted(glob[g] for g in (gone_of() if gone_of is not None else []) if g in glob)
+        if gone:
+            raise ZbcclTimeoutError(f"{op}: host unreachable while waiting for rank(s) {gone} "
+                                    f"({'; '.join(self.where(r) for r in gone)})", ranks=tuple(gone))
+
     def _named(self, exc: ZbcclRemoteError | ZbcclTimeoutError, ranks: list[int]):
         """Raise ``exc`` again, naming the group ranks it is about and their hosts."""
         raise type(exc)(f"{exc} ({'; '.join(self.where(r) for r in ranks)})", ranks=tuple(ranks)) from None
@@ -245,6 +319,17 @@ class HostWire:
         peer = peers.get(self.g[r]) if isinstance(peers, dict) else None
         addr = f" at {peer.ip}" if peer is not None and getattr(peer, "ip", None) else ""
         return f"rank {r} on host {h} ({self.hostnames[h]}{addr})"
+
+    def hold(self, blocks: list) -> None:
+        """Keep ``blocks`` alive until the next header round (see ``_held``)."""
+        self._held = list(blocks)
+
+    def local_barrier(self, header_round: int, op: str) -> None:
+        """Collective over this host's ranks of the group: after it, none of them reads this rank's blocks of the op
+        whose header round is ``header_round`` (shm words only: no network round trip)."""
+        line = self.line(_L_LOCAL)
+        self.t.signal(self.g[self.me], line, header_round)
+        self.wait([r for r in self.hosts[self.my_host] if r != self.me], line, header_round, op)
 
     def barrier(self, op: str) -> None:
         """Collective: a plain round."""
@@ -266,6 +351,7 @@ class HostWire:
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
             h[_MSG_AT:HDR_LEN].view(torch.uint8).numpy()[:] = memoryview(msg)
         rows = self._round(h, op)
+        self._held = []  # every peer entered this round, so it finished reading the previous op's blocks
         bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:
             r = bad[0]
@@ -301,6 +387,25 @@ class HostWire:
         aux[AUX_STATUS] = status
         aux[AUX_ROUND] = header_round
         self.t.signal(self.g[self.me], self.line(_L_FORWARD), header_round)
+
+    def push_forwarded(self, header_round: int, offsets: dict[int, int], op: str) -> None:
+        """Tell each sender of ``offsets`` (group rank -> heap offset of its staged part here, -1: none, the heap is
+        full) where its part is: the offset word, then ``FORWARDED[me] = header_round`` in its pad."""
+        for s, off in offsets.items():
+            self._signal(s, self._forwarded(self.me) + _OFFSET_WORD, off, op)
+            self._signal(s, self._forwarded(self.me), header_round, op)
+
+    def wait_forwarded(self, ranks: list[int], header_round: int, op: str) -> dict[int, int]:
+        """Wait for the forwarders ``ranks`` to push this rank's part of the op; their offsets."""
+        self.wait_own({f: self._forwarded(f) for f in ranks}, header_round, op)
+        out = {}
+        for f in ranks:
+            off = self.t.load(self.g[self.me], self._forwarded(f) + _OFFSET_WORD)
+            if off < 0:
+                raise ZbcclOutOfMemoryError(f"{op}: rank {f} could not stage the sums it forwards (its heap is full)",
+                                            ranks=(f,))
+            out[f] = off
+        return out
 
     def wait_forward(self, ranks: list[int], header_round: int, op: str) -> dict[int, list[int]]:
         """Wait for every rank of ``ranks`` to post its staging of the op, then read their aux words."""
