@@ -183,8 +183,11 @@ def _bench_hosts(args, split) -> int:
         print(f"zbccl bench --hosts: {exc}", file=sys.stderr)
         return 2
     bad = [c for c in doc["cells"] for k in ("zbccl", "gloo") if c.get(k) and (c[k].get("error") or c[k].get("wrong"))]
-    ep = (doc.get("ep") or {}).get("zbccl") or {}
-    return 1 if bad or ep.get("error") or ep.get("wrong") else 0
+    from .bench.hosts import ep_rows
+
+    ep = doc.get("ep") or {}
+    ep_bad = ep.get("error") or any(r["wrong"] or r["ll_wrong"] for r in ep_rows(ep, ""))
+    return 1 if bad or ep_bad else 0
 
 
 def _bench(args) -> int:

@@ -89,8 +89,8 @@ def _options(hosts: int, per_host: int, ops, dtypes, min_size, max_size, smoke: 
     else:
         sizes = size_ladder(parse_size(min_size), parse_size(max_size), factor=4)
         tcfg = TimingConfig(target_s=0.1, reps=5, warmup=1, cap_s=6.0)
-    ep_shape = {"tokens": 32, "hidden": 256, "experts": 4 * world, "topk": 2} if smoke else \
-        {"tokens": 256, "hidden": 2048, "experts": 8 * world, "topk": 4}
+    ep_shape = {"tokens": [32], "hidden": 256, "experts": 4 * world, "topk": 2, "iters": 3} if smoke else \
+        {"tokens": [32, 128, 512], "hidden": 2048, "experts": 8 * world, "topk": 4, "iters": 10}
     return {"ops": ops, "dtypes": dtypes, "sizes": sizes, "hosts": hosts, "ranks_per_host": per_host,
             "timing": {k: getattr(tcfg, k) for k in ("target_s", "reps", "warmup", "cap_s", "max_iters", "gap_ms")},
             "idle_wait": (0.0 if smoke or quick else 5.0) if idle_wait is None else float(idle_wait),
@@ -180,6 +180,29 @@ def _hosts_row(cell: dict, doc: dict) -> str:
             f"{_num(raw, 6)} {_num(xgbps / raw if xgbps and raw else None, 6)}")
 
 
+def ep_rows(ep: dict | None, label: str) -> list[dict]:
+    """The EP table's rows (``bench/ep_hosts.summarise``), [] without EP or after an error."""
+    if not ep or ep.get("error"):
+        return []
+    from .ep_hosts import summarise
+
+    return summarise(ep["cases"], label)
+
+
+def _ep_lines(ep: dict | None, label: str) -> list[str]:
+    if not ep:
+        return []
+    head = [f"# EP dispatch+combine {label}: hidden {ep['hidden']} bf16, {ep['experts']} experts, top-{ep['topk']}, "
+            f"{ep['iters']} iterations interleaved with gloo (median of the slowest rank)"]
+    if ep.get("error"):
+        return ["", *head, f"zbccl: ERR ({ep['error']})"]
+    cols = ("tokens", "step_us", "gloo_us", "speedup", "wrong", "ll_us", "ll_gloo_us", "ll_speedup", "ll_wrong",
+            "crossed_KiB", "flat_KiB")
+    rows = [" ".join(f"{r[c]:>11.1f}" if isinstance(r[c], float) else f"{r[c]!s:>11}" for c in cols)
+            for r in ep_rows(ep, label)]
+    return ["", *head, " ".join(f"{c:>11}" for c in cols), *rows]
+
+
 def format_hosts_report(doc: dict) -> list[str]:
     """The report's lines: header, raw Mooncake, one table per (op, dtype), EP, summary."""
     from .report import _summary
@@ -210,15 +233,7 @@ def format_hosts_report(doc: dict) -> list[str]:
         for dtype in o["dtypes"]:
             lines += ["", f"# {op} {dtype}   {hs['hosts']}x{hs['ranks_per_host']}", head]
             lines += [_hosts_row(c, doc) for c in doc["cells"] if c["op"] == op and c["dtype"] == dtype]
-    ep = doc.get("ep")
-    if ep:
-        z, g = ep["zbccl"], ep["gloo"]
-        zt, gt = _us(z.get("timing")), _us(g.get("timing"))
-        what = f"ERR ({z['error']})" if z.get("error") else f"{zt:.0f} µs, #wrong {z['wrong']}"
-        lines += ["", f"# EP dispatch+combine, tokens/rank {ep['tokens']}, hidden {ep['hidden']} bf16, "
-                      f"{ep['experts']} experts, top-{ep['topk']}",
-                  f"zbccl: {what}; gloo all_to_all: {gt:.0f} µs"
-                  + (f"; speedup {gt / zt:.2f}x" if zt and gt else "")]
+    lines += _ep_lines(doc.get("ep"), f"{hs['hosts']}x{hs['ranks_per_host']}")
     lines += ["", *_summary(doc),
               "time: median over repetitions of the slowest rank's µs per call (spread: min..max over repetitions); "
               "speedup = gloo_us / zbccl_us",

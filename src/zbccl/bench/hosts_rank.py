@@ -14,8 +14,9 @@ Order inside the ranks (every step is collective):
    every rank and the sweep goes on.
 4. Inter-host bytes: for each zbccl cell that ran, one more call between two reads of every rank's
    Mooncake counters (``transport.traffic()``), summed over the ranks.
-5. EP dispatch+combine (``bench/ep.py``'s step and its gloo baseline, the same semantics over
-   ``all_to_all_single``), checked against the baseline, both timed by ``timing.time_calls``.
+5. EP dispatch+combine, normal and low-latency (``bench/ep_hosts.hosts_case``: ``bench/ep.py``'s steps
+   and gloo baseline, interleaved iteration by iteration, checked against the baseline, with the bytes
+   that crossed between hosts), at each token count of ``opts["ep"]["tokens"]``.
 """
 
 from __future__ import annotations
@@ -97,44 +98,32 @@ def _bytes_per_op(impls: list, cells: list[dict], h: Harness) -> None:
 
 
 def _ep(comm, h: Harness, opts: dict) -> dict:
-    """Collective: EP dispatch+combine (bench/ep.py's step) against the same semantics over gloo's all_to_all."""
-    import zbccl
+    """Collective: EP dispatch+combine (normal and low-latency) against the same semantics over gloo's
+    all_to_all, interleaved iteration by iteration (``bench/ep_hosts.hosts_case``, one per token count);
+    rank 0 gets every rank's cases (``{"cases": per rank}``), or ``{"error"}`` when a rank failed."""
     import zbccl.ep as deep_ep
 
-    from .ep import _Gloo, _routing, _zbccl_step
+    from .ep_hosts import hosts_case
 
-    T, H, E, K = opts["ep"]["tokens"], opts["ep"]["hidden"], opts["ep"]["experts"], opts["ep"]["topk"]
-    idx = _routing("uniform", T, E, K, h.rank)
-    w = torch.rand(T, K, generator=torch.Generator().manual_seed(h.rank))
-    x = (torch.arange(T * H) % 251 + h.rank).to(torch.bfloat16).view(T, H)  # row t of rank r: f(r, t)
-    gloo = _Gloo(h.world_size)
-    ref_x, ref_comb = gloo.step(x, idx, w, E)
-    row: dict = {"tokens": T, "hidden": H, "experts": E, "topk": K}
-    error, wrong, buffer = None, 0, None
+    e = opts["ep"]
+    cases, error, buffer = [], None, None
     try:
         buffer = deep_ep.Buffer(comm, explicitly_destroy=True)
-        with zbccl.heap_scope():
-            xh, ih, wh = x.clone(), idx.clone(), w.clone()
-        recv_x, comb, _ = _zbccl_step(buffer, xh, ih, wh, E)
-        wrong = int((recv_x != ref_x).sum()) + int((comb != ref_comb).sum()) if recv_x.shape == ref_x.shape \
-            else ref_x.numel()
-    except Exception as exc:  # noqa: BLE001 - recorded; the ranks agree below
+        for tokens in e["tokens"]:
+            cases.append(hosts_case(comm, buffer, tokens=tokens, hidden=e["hidden"], experts=e["experts"],
+                                    topk=e["topk"], iters=e["iters"]))
+    except Exception as exc:  # noqa: BLE001 - recorded; the ranks agree below (a failed rank waits for no peer)
         error = f"rank {h.rank}: {type(exc).__name__}: {exc}"
-    failed = h.ctl.max([error is not None])[0]
-    tcfg = TimingConfig(**{**opts["timing"], "gap_ms": 0.0})
-    if failed:
-        row["zbccl"] = {"error": error or "failed on another rank", "wrong": None}
-    else:
-        timed = time_calls(lambda: _zbccl_step(buffer, xh, ih, wh, E), ctl=h.ctl, sync=comm.barrier, cfg=tcfg)
-        row["zbccl"] = {"wrong": int(h.ctl.sum([wrong])[0]), "timing": timed.to_dict()}
-    row["gloo"] = {"wrong": 0, "timing": time_calls(lambda: gloo.step(x, idx, w, E), ctl=h.ctl, sync=dist.barrier,
-                                                    cfg=tcfg).to_dict()}
-    if buffer is not None:
-        try:
-            buffer.destroy()
-        except Exception:  # noqa: BLE001 - a buffer that never worked may not destroy cleanly either
-            pass
-    return row
+    finally:
+        if buffer is not None:
+            try:
+                buffer.destroy()
+            except Exception as exc:  # noqa: BLE001 - reported with the case's own error first
+                error = error or f"rank {h.rank}: destroy: {type(exc).__name__}: {exc}"
+    everyone = [None] * h.world_size
+    dist.all_gather_object(everyone, {"error": error, "cases": cases})
+    errors = [x["error"] for x in everyone if x["error"]]
+    return {**e, "error": errors[0]} if errors else {**e, "cases": [x["cases"] for x in everyone]}
 
 
 def rank_main(ctx, *, opts: dict, ifnames: list[str]) -> dict | None:
