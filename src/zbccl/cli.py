@@ -171,7 +171,7 @@ def _add_bench(sub) -> None:
 
 def _bench_hosts(args, split) -> int:
     from .bench.hosts import HOST_OPS, run_hosts_bench
-    from .tools.netns import HostsUnavailable
+    from .tools.netns import HostsFailure, HostsUnavailable
 
     try:
         doc = run_hosts_bench(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
@@ -182,6 +182,9 @@ def _bench_hosts(args, split) -> int:
     except (ValueError, HostsUnavailable) as exc:
         print(f"zbccl bench --hosts: {exc}", file=sys.stderr)
         return 2
+    except HostsFailure as exc:  # a rank failed: its traceback and the hosts' logs, not ours
+        print(f"zbccl bench --hosts: {exc}", file=sys.stderr)
+        return 1
     bad = [c for c in doc["cells"] for k in ("zbccl", "gloo") if c.get(k) and (c[k].get("error") or c[k].get("wrong"))]
     from .bench.hosts import ep_rows
 
