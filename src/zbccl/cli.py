@@ -170,9 +170,13 @@ def _add_bench(sub) -> None:
 
 
 def _bench_hosts(args, split) -> int:
+    import signal
+
     from .bench.hosts import HOST_OPS, run_hosts_bench
     from .tools.netns import HostsFailure, HostsUnavailable
 
+    # SIGTERM (a `timeout`, a job scheduler) unwinds like Ctrl-C: the namespaces, veths and ranks are torn down
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         doc = run_hosts_bench(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                               ops=split(args.ops) if args.ops else HOST_OPS,
@@ -185,6 +189,8 @@ def _bench_hosts(args, split) -> int:
     except HostsFailure as exc:  # a rank failed: its traceback and the hosts' logs, not ours
         print(f"zbccl bench --hosts: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     bad = [c for c in doc["cells"] for k in ("zbccl", "gloo") if c.get(k) and (c[k].get("error") or c[k].get("wrong"))]
     from .bench.hosts import ep_rows
 
