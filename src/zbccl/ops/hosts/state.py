@@ -196,7 +196,7 @@ class HostOps:
         self._own_error = error
         if error is not None:
             raw = error.encode()[:chunk]
-            sends = [torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None] * n
+            sends = [torch.tensor(list(raw), dtype=torch.uint8) if raw else None] * n
             hdr[F.ERROR], hdr[F.ERRLEN], vec = error_kind, len(raw), []
         hdr[F.NVEC] = len(vec)
         hdr[F.VEC:F.VEC + len(vec)] = vec
