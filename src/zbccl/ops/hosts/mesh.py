@@ -139,10 +139,11 @@ class Mesh:
         """Member ``src``'s bytes of a step of ``parity`` in this member's own region (uint8, a view)."""
         return self.t.view(self.me, self._slot_at(self.index, parity, src), (nbytes,), torch.uint8, op="hosts")
 
-    def step(self, pieces: Sequence[torch.Tensor | None], *, op: str, timeout: float, at: int = 0) -> int:
+    def step(self, pieces: Sequence[torch.Tensor | None], *, op: str, timeout: float, at: int = 0,
+             before: Sequence[torch.Tensor | None] | None = None, before_at: int = 0) -> int:
         """One step: ``pieces[i]`` (flat uint8, at most ``slot - at`` bytes, or None: nothing) to member ``i``, at
-        byte ``at`` of its slot; returns the step's parity (read what arrived with :meth:`view`) once every
-        peer's bytes are here."""
+        byte ``at`` of its slot (and ``before[i]`` at ``before_at``, put first); returns the step's parity (read
+        what arrived with :meth:`view`) once every peer's bytes are here."""
         self.step_no += 1
         s, parity = self.step_no, self.step_no % 2
         idx = [i for i in range(self.n) if i != self.index]
@@ -150,11 +151,12 @@ class Mesh:
             self.wait([(i, s - 1) for i in idx], op=op, timeout=timeout)
         me_line = self._arrived(self.index)
         for i in idx:  # 2. data, then the signal that publishes it
-            g, piece = self.members[i], pieces[i]
-            if piece is not None and piece.numel():
-                if at + piece.numel() > self.slot:
-                    raise AssertionError(f"hosts: a piece of {piece.numel()} bytes at {at} in a slot of {self.slot}")
-                self.t.put(g, self._slot_at(i, parity, self.index) + at, piece, op=op)
+            g = self.members[i]
+            for piece, where in ((None if before is None else before[i], before_at), (pieces[i], at)):
+                if piece is not None and piece.numel():
+                    if where + piece.numel() > self.slot:
+                        raise AssertionError(f"hosts: {piece.numel()} bytes at {where} in a slot of {self.slot}")
+                    self.t.put(g, self._slot_at(i, parity, self.index) + where, piece, op=op)
             self.t.signal(g, me_line, s)
         self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
