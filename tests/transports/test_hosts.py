@@ -273,3 +273,75 @@ def test_cut_link_is_a_timeout_naming_the_host(hosts2):
     assert got["elapsed"] < 30, f"the partition took {got['elapsed']:.1f}s to report"
     assert out[1]["error"] == "ZbcclTimeoutError" and out[1]["ranks"] == [0], out[1]
     assert hosts2.addr(0) in out[1]["text"]
+
+
+# ----------------------------------------------------------------- the collectives across namespace hosts
+def _ops_2x2(ctx, *, fault: str):
+    """2 x 2 over real namespace hosts: the collectives work (flat and hierarchical); then host 1 is killed or cut
+    off while ranks 0 and 1 wait inside an all_reduce, and both survivors name ranks 2 and 3 and the host."""
+    import threading
+
+    import zbccl
+
+    comm = ctx.init(heap_size=8 << 20, timeout=60)
+    me, W = comm.rank, comm.world_size
+    try:
+        for n in (5, 100_000):  # flat, then hierarchical (a regular topology)
+            x = torch.arange(n, dtype=torch.float32) * (me + 1)
+            zbccl.all_reduce(x)
+            assert torch.equal(x, torch.arange(n, dtype=torch.float32) * sum(range(1, W + 1))), n
+            out = torch.empty(W * n, dtype=torch.int64)
+            zbccl.all_gather_into_tensor(out, torch.arange(n) + 1000 * me)
+            assert torch.equal(out, torch.cat([torch.arange(n) + 1000 * r for r in range(W)])), n
+        far = comm.new_group([1, 2, 3])  # ranks 2 and 3 wait in its barrier, for rank 1 (on host 0)
+        if far:
+            zbccl.barrier(comm=far)  # its setup (regions, through the store) before the fault
+        zbccl.barrier()
+        store = ctx.store()
+        if me >= 2:  # host 1: waiting for rank 1, which never comes (it waits in the world's op)
+            t0 = time.monotonic()
+            try:
+                zbccl.barrier(comm=far)
+            except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+                return {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc),
+                        "elapsed": time.monotonic() - t0}
+            return {"error": None}
+        if me == 0:  # the fault lands while ranks 0 and 1 wait inside the op (or just before: same verdict)
+            threading.Timer(0.5, lambda: store.set(f"hosts/{fault}", b"1")).start()
+        t0 = time.monotonic()
+        try:
+            zbccl.all_reduce(torch.ones(64))
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            return {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc),
+                    "elapsed": time.monotonic() - t0}
+        return {"error": None}
+    finally:
+        zbccl.finalize()
+
+
+def test_ops_2x2_host_killed_mid_op(hosts2):
+    def director(hosts, store):
+        store.wait(["hosts/kill"])
+        hosts.kill_host(1)
+
+    out = run_hosts(_ops_2x2, hosts2, ranks_per_host=2, timeout=180, director=director, expect_exit={1: True},
+                    fault="kill")
+    for got in out[:2]:
+        assert got["error"] == "ZbcclRemoteError" and got["ranks"] == [2, 3], got
+        assert hosts2.addr(1) in got["text"] and "died" in got["text"], got["text"]
+        assert got["elapsed"] < 10, got
+
+
+def test_ops_2x2_link_cut_mid_op(hosts2):
+    def director(hosts, store):
+        store.wait(["hosts/cut"])
+        hosts.cut(1)
+
+    out = run_hosts(_ops_2x2, hosts2, ranks_per_host=2, timeout=180, director=director, fault="cut")
+    for got in out[:2]:
+        assert got["error"] == "ZbcclTimeoutError" and got["ranks"] == [2, 3], got
+        assert hosts2.addr(1) in got["text"] and "unreachable" in got["text"], got["text"]
+        assert got["elapsed"] < 30, got
+    for got in out[2:]:  # the cut-off ranks name rank 1 of their group (global rank 1) and host 0
+        assert got["error"] == "ZbcclTimeoutError" and got["ranks"] == [0], got
+        assert hosts2.addr(0) in got["text"], got["text"]

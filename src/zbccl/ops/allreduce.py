@@ -97,7 +97,7 @@ def bind_all_reduce(comm: Communicator) -> Callable[[torch.Tensor], torch.Tensor
     entry cold); anything it does not serve takes :func:`all_reduce`'s one door. Collective, blocking,
     as :func:`all_reduce`. Binding is local (it creates this rank's op channel, which needs the native core
     at world size > 1), not collective."""
-    if comm.world_size == 1:
+    if comm.world_size == 1 or not comm._single_host:  # no op channel: the door (across hosts: ops/hosts)
         return lambda tensor: all_reduce(tensor, comm=comm)
     ch = channel_of(comm)
 

@@ -102,8 +102,9 @@ class OpChannel:
         heap = ctx.heap
         if not all(heap.reachable(g) for g in comm.ranks):
             raise ZbcclInvalidUsageError(
-                "collective: this communicator spans hosts, and the collectives across hosts are not built yet "
-                "(the mooncake transport reaches other hosts through put/get and signals only)")
+                "collective: this communicator spans hosts, expected one whose ranks all share this host (the op "
+                "channel views every rank's memory), got ranks reached through put/get and signals only; the public "
+                "collectives run such a communicator through zbccl.ops.hosts")
         if comm.world_size > abi.MAX_WORLD:
             raise ZbcclInvalidUsageError(
                 f"collective: communicator too large, expected at most {abi.MAX_WORLD} ranks, got {comm.world_size}")

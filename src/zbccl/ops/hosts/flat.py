@@ -22,10 +22,30 @@ from ...native.abi import (
     OP_BROADCAST,
     OP_REDUCE_SCATTER,
 )
+from ..dtypes import MAX, MIN, PROD, SUM
 from ..reference import reduce_ref
 from .state import F, HostOps
 
-__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier"]
+__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into"]
+
+_BINARY = {SUM: torch.add, PROD: torch.mul, MAX: torch.maximum, MIN: torch.minimum}
+_EXACT = (torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
+    """``dst`` = the reduction of ``parts`` in list order, bit-equal to :func:`reduce_ref`: one pass per part
+    where the dtype needs no wider accumulator (float32/64 and integers), else the reference itself. ``dst``
+    may alias ``parts[0]`` or ``parts[1]`` (element-wise ops read an element before writing it)."""
+    fn = _BINARY.get(red)
+    if (fn is None or dst.dtype not in _EXACT or len(parts) < 2
+            or any(p.data_ptr() == dst.data_ptr() for p in parts[2:] if p.numel())):
+        res = reduce_ref(parts, red)
+        if res.data_ptr() != dst.data_ptr():
+            dst.copy_(res)
+        return
+    fn(parts[0], parts[1], out=dst)
+    for p in parts[2:]:
+        fn(dst, p, out=dst)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -46,8 +66,8 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, err
     def consume(k: int, got: list) -> None:
         if not flat.numel():
             return
-        res = reduce_ref([g.view(tensor.dtype) for g in got], red)
-        flat[k * ce:k * ce + res.numel()].copy_(res)
+        parts = [g.view(tensor.dtype) for g in got]
+        reduce_into(flat[k * ce:k * ce + parts[0].numel()], parts, red)
 
     fields = {F.DTYPE: dt, F.REDOP: red, F.NUMEL: tensor.numel() if ok else -1}
     h.exchange(op, OP_ALL_REDUCE, fields, [], error, [src] * n, consume if data else None, timeout=secs,
@@ -110,8 +130,8 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
     def consume(k: int, got: list) -> None:
         if not out.numel():
             return
-        res = reduce_ref([g.view(input.dtype) for g in got], red)
-        out[k * ce:k * ce + res.numel()].copy_(res)
+        parts = [g.view(input.dtype) for g in got]
+        reduce_into(out[k * ce:k * ce + parts[0].numel()], parts, red)
 
     fields = {F.DTYPE: dt, F.REDOP: red, F.AUX: d, F.NUMEL: input.numel() if ok else -1}
     h.exchange(op, OP_REDUCE_SCATTER, fields, counts if ok else [], error, sends, consume, timeout=secs,

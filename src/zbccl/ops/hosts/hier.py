@@ -28,7 +28,6 @@ import math
 import torch
 
 from ..dtypes import AVG, MAX, MIN, PROD, SUM
-from ..reference import reduce_ref
 from . import flat as flat_ops
 from .state import HostOps
 
@@ -48,8 +47,8 @@ def _column_all_reduce(h: HostOps, op: str, part: torch.Tensor, red: int, secs: 
         if not piece.numel():
             continue
         parts = [piece if i == col.index else col.view(parity, i, piece.numel()) for i in range(col.n)]
-        res = reduce_ref([p.view(part.dtype) for p in parts], red)
-        part[k * ce:k * ce + res.numel()].copy_(res)
+        typed = [p.view(part.dtype) for p in parts]
+        flat_ops.reduce_into(part[k * ce:k * ce + typed[0].numel()], typed, red)
 
 
 def _column_gather(h: HostOps, op: str, piece: torch.Tensor, out: torch.Tensor, secs: float) -> None:

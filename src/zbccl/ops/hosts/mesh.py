@@ -59,30 +59,24 @@ class Watch:
 
     def check(self, members: Sequence[int], pending: Sequence[int], op: str) -> None:
         """Raise if a member left an op half-way, or a pending one failed, finalized, died or is unreachable."""
-        ctx, t, label = self.ctx, self.t, self.labels.get
+        ctx, label = self.ctx, self.labels.get
         if ctx.finalized:
             raise ZbcclInvalidUsageError(f"{op}: {liveness.FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
+        self._hosts_lost(pending, op)  # never blocks: the monitor's verdict
         follow = None
         for g in members:
             if g == ctx.rank:
                 continue
-            why, where = liveness.aborted(t, g, liveness.ABORT_LINE)
+            why, where = self._read(lambda g=g: liveness.aborted(self.t, g, liveness.ABORT_LINE), op)
             if why and why != ABORT_PEER:
                 raise liveness.abort_error(label(g, g), why, op=op, where=where)
             if why and follow is None:
                 follow = (g, why, where)
-        dead = set(t.dead_peers())
-        monitor = getattr(self.remote, "_monitor", None)
-        far = [g for g in pending if g in getattr(self.remote, "peers", {})]
-        if monitor is not None and far:
-            error = monitor.lost(far, op, lambda r, d: label(r, d))
-            if error is not None:
-                raise error
-        gone = []
+        dead, gone = set(self.t.dead_peers()), []
         for g in pending:
             if g == ctx.rank:
                 continue
-            state = t.load(g, layout.H_STATE)
+            state = self._read(lambda g=g: self.t.load(g, layout.H_STATE), op)
             if state == layout.STATE_FAILED:
                 gone.append((g, "failed"))
             elif state == layout.STATE_FINALIZED:
@@ -94,6 +88,30 @@ class Watch:
             raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=tuple(label(g, g) for g, _ in gone))
         if follow is not None:
             raise liveness.abort_error(label(follow[0], follow[0]), follow[1], op=op, where=follow[2])
+
+    def _hosts_lost(self, pending: Sequence[int], op: str) -> None:
+        """The mooncake monitor's verdict on the pending members of other hosts: dead (the host answers, the
+        engine is gone) or unreachable (no answer for its stall bound: a cut link, a host down)."""
+        monitor = getattr(self.remote, "_monitor", None)
+        far = [g for g in pending if g in getattr(self.remote, "peers", {})]
+        if monitor is None or not far:
+            return
+        dead, gone = monitor.verdict(far)
+        label = self.labels.get
+        for ranks, cls, what in ((dead, ZbcclRemoteError, "died (its host answers, its transfer engine is gone)"),
+                                 (gone, ZbcclTimeoutError, "is unreachable (no answer: a network partition or a "
+                                                           "host down)")):
+            if ranks:
+                where = "; ".join(f"rank {label(g, g)} on {self.where(g)}" for g in ranks)
+                raise cls(f"{op}: peer lost while waiting: {where} {what}", ranks=tuple(label(g, g) for g in ranks))
+
+    def _read(self, read, op: str):
+        """A read of a member's words; a failed one is reported in this communicator's numbering."""
+        try:
+            return read()
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            mine = [self.labels[g] for g in exc.ranks if g in self.labels]
+            raise type(exc)(f"{op}: {exc}; in this communicator: rank(s) {mine}", ranks=tuple(mine)) from None
 
 
 class Mesh:
@@ -121,10 +139,11 @@ class Mesh:
         """Member ``src``'s bytes of a step of ``parity`` in this member's own region (uint8, a view)."""
         return self.t.view(self.me, self._slot_at(self.index, parity, src), (nbytes,), torch.uint8, op="hosts")
 
-    def step(self, pieces: Sequence[torch.Tensor | None], *, op: str, timeout: float, at: int = 0) -> int:
+    def step(self, pieces: Sequence[torch.Tensor | None], *, op: str, timeout: float, at: int = 0,
+             before: Sequence[torch.Tensor | None] | None = None, before_at: int = 0) -> int:
         """One step: ``pieces[i]`` (flat uint8, at most ``slot - at`` bytes, or None: nothing) to member ``i``, at
-        byte ``at`` of its slot; returns the step's parity (read what arrived with :meth:`view`) once every
-        peer's bytes are here."""
+        byte ``at`` of its slot (and ``before[i]`` at ``before_at``, put first); returns the step's parity (read
+        what arrived with :meth:`view`) once every peer's bytes are here."""
         self.step_no += 1
         s, parity = self.step_no, self.step_no % 2
         idx = [i for i in range(self.n) if i != self.index]
@@ -132,11 +151,12 @@ class Mesh:
             self.wait([(i, s - 1) for i in idx], op=op, timeout=timeout)
         me_line = self._arrived(self.index)
         for i in idx:  # 2. data, then the signal that publishes it
-            g, piece = self.members[i], pieces[i]
-            if piece is not None and piece.numel():
-                if at + piece.numel() > self.slot:
-                    raise AssertionError(f"hosts: a piece of {piece.numel()} bytes at {at} in a slot of {self.slot}")
-                self.t.put(g, self._slot_at(i, parity, self.index) + at, piece, op=op)
+            g = self.members[i]
+            for piece, where in ((None if before is None else before[i], before_at), (pieces[i], at)):
+                if piece is not None and piece.numel():
+                    if where + piece.numel() > self.slot:
+                        raise AssertionError(f"hosts: {piece.numel()} bytes at {where} in a slot of {self.slot}")
+                    self.t.put(g, self._slot_at(i, parity, self.index) + where, piece, op=op)
             self.t.signal(g, me_line, s)
         self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
