@@ -199,7 +199,7 @@ class HostWire:
         try:
             size = self.t.size(self.g[r])
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            self._named(exc, [r])
+            self._named(exc, self._of(exc, r))
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise ZbcclRemoteError(
                 f"{op}: rank {r} published a block out of its heap, expected [offset, offset+nbytes) within "
@@ -211,7 +211,7 @@ class HostWire:
             try:
                 self.t.get_into(self.g[r], int(offset), dst, op=op)
             except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-                self._named(exc, [r])
+                self._named(exc, self._of(exc, r))
         return dst
 
     # ------------------------------------------------------------------ rounds
@@ -238,7 +238,7 @@ class HostWire:
                     try:
                         self.t.put(self.g[p], self.inbox_off[p] + at, vec, op=op)
                     except (ZbcclRemoteError, ZbcclTimeoutError) as exc:  # its ranks are global ranks
-                        self._named(exc, [self.labels[g] for g in exc.ranks if g in self.labels] or [p])
+                        self._named(exc, self._of(exc, p))
         peers = [p for p in range(self.R) if p != me]
         for p in peers:  # after the put: a signal is ordered after this process's earlier writes to that peer
             self._signal(p, self._arrive(me), k, op)
@@ -261,7 +261,7 @@ class HostWire:
         try:
             self.t.signal(self.g[r], line, value)
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            self._named(exc, [r])
+            self._named(exc, self._of(exc, r))
 
     def wait_own(self, lines: dict[int, int], target: int, op: str) -> None:
         """Wait until each word of this rank's pad in ``lines`` (group rank of its writer -> line) is ``>= target``.
@@ -307,6 +307,10 @@ class HostWire:
         if gone:
             raise ZbcclTimeoutError(f"{op}: host unreachable while waiting for rank(s) {gone} "
                                     f"({'; '.join(self.where(r) for r in gone)})", ranks=tuple(gone))
+
+    def _of(self, exc: ZbcclRemoteError | ZbcclTimeoutError, r: int) -> list[int]:
+        """The group ranks of a transport error (its ranks are global ranks), else ``[r]``."""
+        return [self.labels[g] for g in exc.ranks if g in self.labels] or [r]
 
     def _named(self, exc: ZbcclRemoteError | ZbcclTimeoutError, ranks: list[int]):
         """Raise ``exc`` again, naming the group ranks it is about and their hosts."""
