@@ -271,8 +271,16 @@ def _errors(ctx):
     big = torch.zeros(30, 256, dtype=torch.bfloat16) if me == 2 else torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ZbcclInvalidUsageError, match="too many tokens"):  # LL: rank 2 exceeds the max tokens
         buffer.low_latency_dispatch(big, torch.zeros(big.size(0), 1, dtype=torch.int64), 16, E)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
-                                                 num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    q = x.to(torch.float8_e4m3fn)
+    scales = torch.ones(10, H // 64 if me == 0 else H // 128)  # rank 0's scales are twice as wide
+    with pytest.raises(ZbcclInvalidUsageError, match="scales' row width") as exc:
+        buffer.dispatch((q, scales), num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                        topk_idx=idx, topk_weights=w)
+    seen.append(list(exc.value.ranks))
+    recv_x, _, _, _, handle, event = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
+                                                     previous_event=buffer.capture(), async_finish=True)
+    event.current_stream_wait()
     with pytest.raises(ZbcclInvalidUsageError, match="rows"):  # combine: rank 0's x has the wrong row count
         buffer.combine(recv_x[:-1] if me == 0 and recv_x.size(0) else recv_x, handle)
     combined, _, _ = buffer.combine(recv_x, handle)  # still usable
@@ -293,9 +301,9 @@ def _errors(ctx):
 
 def test_bad_input_on_one_rank_and_a_missing_rank():
     out = run_world(_errors, 4, timeout=240)
-    assert all(o[0] == [1] and o[1] == [3] for o in out)
+    assert all(o[0] == [1] and o[1] == [3] and o[2] == [0] for o in out)
     for o in out[:3]:
-        ranks, named_host, elapsed = o[2]
+        ranks, named_host, elapsed = o[3]
         assert ranks == [3] and named_host and elapsed < 15, o
 
 
