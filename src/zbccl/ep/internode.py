@@ -31,7 +31,7 @@ from ..ops.dtypes import CODE_DTYPES, CODES
 from .exchange import HDR_LEN, STATUS_NOMEM, F, Fail
 from .normal import FLAG_CACHED, FLAG_FP8, FLAG_TOPK, _check_counts, _layout, _split_x, _tensor
 from .reference import channel_prefix, send_head
-from .wire import AUX_OFFS
+from .wire import AUX_OFFS, FAILED
 
 __all__ = ["dispatch", "Rows", "host_layout"]
 
@@ -180,7 +180,7 @@ def _forward(buf, layout: Rows, unions, offs, header_round: int, keep: list) -> 
             staged[s], where[s] = part.view(-1, layout.nbytes), w.offset_of(staging) + at
             at += nbytes
     except BaseException:
-        w.post_forward(header_round, {}, STATUS_NOMEM)
+        w.post_forward(header_round, {}, FAILED)
         raise
     w.stats["rdma_recv_bytes"] += total
     w.stats["rdma_peak_bytes"] = max(w.stats["rdma_peak_bytes"], total)

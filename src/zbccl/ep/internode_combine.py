@@ -19,6 +19,7 @@ from ..ops.dtypes import CODES
 from .exchange import F, Fail
 from .internode import host_layout
 from .normal import _tensor
+from .wire import FAILED, NO_ROOM
 
 __all__ = ["combine"]
 
@@ -60,7 +61,7 @@ def _stage_sums(buf, rows: list, fwd: dict, counts, H: int, K: int, dtype, heade
     try:
         staging = w.heap_block(total, "combine staging")
     except Fail:
-        w.push_forwarded(header_round, {s: -1 for s in fwd}, "combine")
+        w.push_forwarded(header_round, {s: NO_ROOM for s in fwd}, "combine")
         raise
     keep.append(staging)
     where, at = {}, 0
@@ -74,7 +75,7 @@ def _stage_sums(buf, rows: list, fwd: dict, counts, H: int, K: int, dtype, heade
             where[s] = w.offset_of(staging) + at
             at += n * row
     except BaseException:
-        w.push_forwarded(header_round, {s: -1 for s in fwd}, "combine")
+        w.push_forwarded(header_round, {s: FAILED for s in fwd}, "combine")
         raise
     w.stats["rdma_send_bytes"] += total
     w.stats["rdma_peak_bytes"] = max(w.stats["rdma_peak_bytes"], total)

@@ -67,7 +67,7 @@ from .exchange import (
     heap_empty_many,
 )
 
-__all__ = ["HostWire", "spans_hosts", "AUX_ROUND", "AUX_STATUS", "AUX_OFFS"]
+__all__ = ["HostWire", "spans_hosts", "AUX_ROUND", "AUX_STATUS", "AUX_OFFS", "NO_ROOM", "FAILED"]
 
 #: Aux words: the round the forwarder staged for, its status (0: ok), then one heap offset per rank.
 AUX_ROUND, AUX_STATUS, AUX_OFFS = 0, 1, 2
@@ -77,6 +77,9 @@ _L_LOCAL, _L_FORWARD = 0, 1
 _LINES = layout.SLOT_BYTES // layout.LINE
 MAX_RANKS = (_LINES - 2) // 2
 _OFFSET_WORD = 16
+#: What a forwarder posts instead of an offset or a status when it could not stage: its heap is full (``NO_ROOM``,
+#: also the aux status ``STATUS_NOMEM``), or it failed otherwise (``FAILED``: a dead peer, an interrupt).
+NO_ROOM, FAILED = -1, -2
 _SPIN_S, _MAX_PAUSE_S = 50e-6, 1e-3
 _RECORD = struct.Struct("<4q")
 
@@ -409,9 +412,12 @@ class HostWire:
         out = {}
         for f in ranks:
             off = self.t.load(self.g[self.me], self._forwarded(f) + _OFFSET_WORD)
-            if off < 0:
+            if off == NO_ROOM:
                 raise ZbcclOutOfMemoryError(f"{op}: rank {f} could not stage the sums it forwards (its heap is full)",
                                             ranks=(f,))
+            if off < 0:
+                raise ZbcclRemoteError(f"{op}: rank {f} failed while staging the sums it forwards (its own error "
+                                       f"names the cause; {self.where(f)})", ranks=(f,))
             out[f] = off
         return out
 
@@ -426,8 +432,11 @@ class HostWire:
             if words[AUX_ROUND] != header_round:
                 raise ZbcclRemoteError(f"{op}: rank {r}'s staging is for another op, expected round {header_round}, "
                                        f"got {words[AUX_ROUND]}", ranks=(r,))
-            if words[AUX_STATUS] != STATUS_OK:
+            if words[AUX_STATUS] == STATUS_NOMEM:
                 raise ZbcclOutOfMemoryError(f"{op}: rank {r} could not stage the rows it forwards (its heap is full)",
                                             ranks=(r,))
+            if words[AUX_STATUS] != STATUS_OK:
+                raise ZbcclRemoteError(f"{op}: rank {r} failed while staging the rows it forwards (its own error "
+                                       f"names the cause; {self.where(r)})", ranks=(r,))
             out[r] = words
         return out
