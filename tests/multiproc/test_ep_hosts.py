@@ -31,21 +31,25 @@ def _needs_mooncake():
         pytest.skip(reason)
 
 
-def _start(ctx, ranks_per_host: int, fake: bool = True):
-    """zbccl over hosts of ``ranks_per_host`` ranks (by ZBCCL_HOST_ID when ``fake``), and a spanning Buffer."""
+HOSTS_2X2 = [[0, 1], [2, 3]]
+
+
+def _init(ctx, hosts: list[list[int]], fake: bool = True):
+    """zbccl over ``hosts`` (the ranks of each host; made by ZBCCL_HOST_ID when ``fake``)."""
+    if fake:
+        os.environ["ZBCCL_HOST_ID"] = f"ep-host-{next(h for h, rs in enumerate(hosts) if ctx.rank in rs)}"
+    torch.set_num_threads(1)
+    return ctx.init(heap_size=64 * MiB)
+
+
+def _start(ctx, hosts: list[list[int]], fake: bool = True):
+    """zbccl over ``hosts`` and a Buffer spanning them."""
     import zbccl.ep as deep_ep
 
-    if fake:
-        os.environ["ZBCCL_HOST_ID"] = f"ep-host-{ctx.rank // ranks_per_host}"
-    torch.set_num_threads(1)
-    comm = ctx.init(heap_size=64 * MiB)
+    comm = _init(ctx, hosts, fake)
     buffer = deep_ep.Buffer(comm, num_rdma_bytes=1 << 20, explicitly_destroy=True)
-    assert buffer.wire is not None and buffer.wire.H == comm.world_size // ranks_per_host
+    assert buffer.wire is not None and buffer.wire.hosts == hosts
     return comm, buffer
-
-
-def _hosts_of(R: int, per: int) -> list[list[int]]:
-    return [list(range(h * per, (h + 1) * per)) for h in range(R // per)]
 
 
 def _integer_inputs(seed: int, r: int, T: int, H: int, E: int, K: int):
@@ -58,20 +62,20 @@ def _integer_inputs(seed: int, r: int, T: int, H: int, E: int, K: int):
     return x, idx, torch.rand(T, K, generator=g) + 0.5
 
 
-def _crossing_bytes(in_ranks: list, hosts: list, me: int, per: int, row: int) -> int:
+def _crossing_bytes(in_ranks: list, hosts: list, me: int, row: int) -> int:
     """Bytes forwarded to ``me``: for each remote sender whose forwarder on my host I am, its tokens bound for
     any rank of my host (once each, however many of my host's ranks they go to)."""
     host_of = {r: h for h, rs in enumerate(hosts) for r in rs}
     mine = hosts[host_of[me]]
     total = 0
     for s, in_rank in enumerate(in_ranks):
-        if host_of[s] == host_of[me] or mine[(s % per) % len(mine)] != me:
+        if host_of[s] == host_of[me] or mine[hosts[host_of[s]].index(s) % len(mine)] != me:
             continue
         total += int(in_rank[:, mine].any(1).sum()) * row
     return total
 
 
-def _exact_and_bytes(buffer, comm, per: int, seed: int) -> dict:
+def _exact_and_bytes(buffer, comm, hosts: list[list[int]], seed: int) -> dict:
     """Integer payloads: dispatch, cached dispatch and combine are exact; each token crosses to a host once."""
     from zbccl.ep import reference
 
@@ -82,7 +86,7 @@ def _exact_and_bytes(buffer, comm, per: int, seed: int) -> dict:
     ins = [_integer_inputs(seed, r, Ts[r], H, E, K) for r in range(R)]
     x, idx, w = ins[me]
     in_ranks = [reference.dispatch_layout(i, E, R)[2] for _, i, _ in ins]
-    hosts = _hosts_of(R, per)
+    host_of = {r: h for h, rs in enumerate(hosts) for r in rs}
     ntpr, ntprdma, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
     assert ntprdma.tolist() == [int(in_rank[:, h].any(1).sum()) for h in hosts]
     mc = comm._ctx.heap.transport.remote
@@ -92,7 +96,7 @@ def _exact_and_bytes(buffer, comm, per: int, seed: int) -> dict:
         num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
     crossed = mc.bytes_got - got0
     row = -(-(16 + 12 * K + 2 * H) // 8) * 8
-    assert crossed == _crossing_bytes(in_ranks, hosts, me, per, row), (crossed, me)
+    assert crossed == _crossing_bytes(in_ranks, hosts, me, row), (crossed, me)
     assert buffer.memory_stats()["rdma_recv_bytes"] == crossed
     want = reference.dispatch([i[0] for i in ins], in_ranks, me, E, topk_idx=[i[1] for i in ins],
                               topk_weights=[i[2] for i in ins])
@@ -109,7 +113,7 @@ def _exact_and_bytes(buffer, comm, per: int, seed: int) -> dict:
     assert torch.equal(combined, expect) and torch.allclose(cw, expect_w, rtol=1e-6, atol=1e-6)
     # what a naive all-to-all would send across: a token once per remote destination rank
     naive = sum(int(in_ranks[s][:, r].sum()) * row for s in range(R) for r in range(R)
-                if (s // per) != (r // per) and r == me)
+                if host_of[s] != host_of[r] and r == me)
     return {"crossed": crossed, "naive": naive}
 
 
@@ -151,11 +155,11 @@ def _random_case(buffer, comm, case: dict) -> None:
     assert torch.allclose(combined.float(), expect.float(), rtol=2e-2, atol=2e-2), f"combine differs: {where}"
 
 
-def _normal(ctx, per: int, seeds):
+def _normal(ctx, hosts: list[list[int]], seeds):
     import zbccl
 
-    comm, buffer = _start(ctx, per)
-    out = [_exact_and_bytes(buffer, comm, per, s) for s in range(3)]
+    comm, buffer = _start(ctx, hosts)
+    out = [_exact_and_bytes(buffer, comm, hosts, s) for s in range(3)]
     for seed in seeds:
         _random_case(buffer, comm, _case(seed, comm.world_size))
     buffer.destroy()
@@ -164,12 +168,19 @@ def _normal(ctx, per: int, seeds):
 
 
 def test_normal_2x1():
-    out = run_world(_normal, 2, per=1, seeds=range(40), timeout=240)
+    out = run_world(_normal, 2, hosts=[[0], [1]], seeds=range(24), timeout=240)
     assert all(o["crossed"] == o["naive"] for r in out for o in r)  # one rank per host: nothing to merge
 
 
+def test_normal_uneven_hosts_and_ll():
+    """Hosts of 2 and 1 ranks: the lone rank forwards for both remote senders; LL on the same hosts."""
+    out = run_world(_normal, 3, hosts=[[0, 1], [2]], seeds=range(800, 806), timeout=240)
+    assert sum(o["crossed"] for r in out for o in r) < sum(o["naive"] for r in out for o in r)
+    assert all(run_world(_low_latency, 3, hosts=[[0, 1], [2]], timeout=240))
+
+
 def test_normal_2x2_each_token_crosses_to_a_host_once():
-    out = run_world(_normal, 4, per=2, seeds=range(500, 512), timeout=240)
+    out = run_world(_normal, 4, hosts=HOSTS_2X2, seeds=range(500, 512), timeout=240)
     crossed = sum(o["crossed"] for r in out for o in r)
     naive = sum(o["naive"] for r in out for o in r)
     assert 0 < crossed < naive, (crossed, naive)
@@ -225,13 +236,11 @@ def _ll_case(buffer, comm, seed: int, *, fp8: bool, hook: bool, zero_copy: bool 
     assert torch.equal(combined, expect), f"low_latency_combine differs on rank {me}, seed {seed}"
 
 
-def _low_latency(ctx, per: int):
+def _low_latency(ctx, hosts: list[list[int]]):
     import zbccl
     import zbccl.ep as deep_ep
 
-    os.environ["ZBCCL_HOST_ID"] = f"ep-host-{ctx.rank // per}"
-    torch.set_num_threads(1)
-    comm = ctx.init(heap_size=64 * MiB)
+    comm = _init(ctx, hosts)
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(24, 256, comm.world_size, 3 * comm.world_size)
     buffer = deep_ep.Buffer(comm, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
     buffer.clean_low_latency_buffer(24, 256, 3 * comm.world_size)
@@ -244,7 +253,7 @@ def _low_latency(ctx, per: int):
 
 
 def test_low_latency_2x2():
-    assert all(run_world(_low_latency, 4, per=2, timeout=240))
+    assert all(run_world(_low_latency, 4, hosts=HOSTS_2X2, timeout=240))
 
 
 # ---------------------------------------------------------------------------------------------- errors and faults
@@ -253,7 +262,7 @@ def _errors(ctx):
     import zbccl
     from zbccl.errors import ZbcclInvalidUsageError, ZbcclTimeoutError
 
-    comm, buffer = _start(ctx, 2)
+    comm, buffer = _start(ctx, HOSTS_2X2)
     me, E, H = comm.rank, 8, 128
     x, idx, w = _integer_inputs(3, me, 10, H, E, 2)
     ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
@@ -271,8 +280,16 @@ def _errors(ctx):
     big = torch.zeros(30, 256, dtype=torch.bfloat16) if me == 2 else torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ZbcclInvalidUsageError, match="too many tokens"):  # LL: rank 2 exceeds the max tokens
         buffer.low_latency_dispatch(big, torch.zeros(big.size(0), 1, dtype=torch.int64), 16, E)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
-                                                 num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    q = x.to(torch.float8_e4m3fn)
+    scales = torch.ones(10, H // 64 if me == 0 else H // 128)  # rank 0's scales are twice as wide
+    with pytest.raises(ZbcclInvalidUsageError, match="scales' row width") as exc:
+        buffer.dispatch((q, scales), num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                        topk_idx=idx, topk_weights=w)
+    seen.append(list(exc.value.ranks))
+    recv_x, _, _, _, handle, event = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
+                                                     previous_event=buffer.capture(), async_finish=True)
+    event.current_stream_wait()
     with pytest.raises(ZbcclInvalidUsageError, match="rows"):  # combine: rank 0's x has the wrong row count
         buffer.combine(recv_x[:-1] if me == 0 and recv_x.size(0) else recv_x, handle)
     combined, _, _ = buffer.combine(recv_x, handle)  # still usable
@@ -293,9 +310,9 @@ def _errors(ctx):
 
 def test_bad_input_on_one_rank_and_a_missing_rank():
     out = run_world(_errors, 4, timeout=240)
-    assert all(o[0] == [1] and o[1] == [3] for o in out)
+    assert all(o[0] == [1] and o[1] == [3] and o[2] == [0] for o in out)
     for o in out[:3]:
-        ranks, named_host, elapsed = o[2]
+        ranks, named_host, elapsed = o[3]
         assert ranks == [3] and named_host and elapsed < 15, o
 
 
@@ -303,7 +320,7 @@ def _host_dies(ctx):
     """Both ranks of host 1 are SIGKILLed between two ops: the survivors name them (and their host) within seconds."""
     from zbccl.errors import ZbcclRemoteError
 
-    comm, buffer = _start(ctx, 2)
+    comm, buffer = _start(ctx, HOSTS_2X2)
     me, E = comm.rank, 8
     x, idx, w = _integer_inputs(5, me, 12, 128, E, 2)
     ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
@@ -318,7 +335,10 @@ def _host_dies(ctx):
     t0 = time.monotonic()
     with pytest.raises(ZbcclRemoteError) as exc:
         buffer.dispatch(x, **args)
-    return {"ranks": sorted(exc.value.ranks), "text": str(exc.value), "elapsed": time.monotonic() - t0}
+    elapsed = time.monotonic() - t0
+    store.set(f"raised/{me}", b"1")
+    store.wait(["raised/0", "raised/1"])  # a survivor that left early would look dead to the other one
+    return {"ranks": sorted(exc.value.ranks), "text": str(exc.value), "elapsed": elapsed}
 
 
 def test_a_killed_host_is_named_within_seconds():
@@ -333,9 +353,9 @@ def _namespace(ctx):
     """2 namespace hosts x 2 ranks (nothing shared but a link): normal and LL modes against the reference."""
     import zbccl
 
-    comm, buffer = _start(ctx, 2, fake=False)
-    out = [_exact_and_bytes(buffer, comm, 2, s) for s in (0, 1)]
-    for seed in range(700, 704):
+    comm, buffer = _start(ctx, HOSTS_2X2, fake=False)
+    out = [_exact_and_bytes(buffer, comm, HOSTS_2X2, 1)]
+    for seed in range(700, 702):
         _random_case(buffer, comm, _case(seed, comm.world_size))
     buffer.destroy()
     import zbccl.ep as deep_ep

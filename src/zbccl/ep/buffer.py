@@ -19,7 +19,7 @@ import torch
 from ..errors import ZbcclInvalidUsageError
 from ..native.abi import EP_OP_CLEAN as OP_CLEAN  # the tag of clean_low_latency_buffer's barrier
 from ..native.abi import WHERE_EP
-from . import fast, internode, internode_ll, low_latency, normal
+from . import fast, internode, internode_combine, internode_ll, low_latency, normal
 from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
 from .event import EventHandle, EventOverlap
 from .event import completed as _event
@@ -45,7 +45,11 @@ class Buffer:
     over the group: the Buffer takes a private sub-communicator of its ranks, so its ops never
     interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
     nothing (receive tensors are allocated at their exact size after the handshake); they only
-    size :meth:`get_local_buffer_tensor`. ``low_latency_mode``, ``num_qps_per_rank``,
+    size :meth:`get_local_buffer_tensor`. As DeepEP's, ``num_rdma_bytes`` must be a multiple of 128, and
+    ``> 0`` needs a group that spans hosts or ``low_latency_mode``. A group that spans hosts (the routed
+    transport) runs DeepEP's internode mode (``docs/ep-internode.md``): the same API on the transport
+    verbs, a token bound for several ranks of one host crossing to it once, the handle DeepEP's internode
+    10-tuple, and :meth:`memory_stats` reporting what crossed. ``low_latency_mode``, ``num_qps_per_rank``,
     ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` (mpi4py)
     are accepted and ignored; ``enable_shrink`` enables the rank masks
     (:meth:`low_latency_update_mask_buffer`). ``timeout`` (keyword-only, seconds; default the
@@ -226,9 +230,10 @@ class Buffer:
 
         Arguments: ``topk_idx`` ``[num_tokens, num_topk]`` ``topk_idx_t`` (int64; int32 accepted), ``-1``
         meaning no expert; ``num_experts`` a multiple of the group size.
-        Returns ``(num_tokens_per_rank [num_ranks] torch.int, None, num_tokens_per_expert [num_experts]
-        torch.int, is_token_in_rank [num_tokens, num_ranks] torch.bool, event)``; a token counts once
-        per rank however many of its experts live there.
+        Returns ``(num_tokens_per_rank [num_ranks] torch.int, num_tokens_per_rdma_rank [num_hosts] torch.int
+        (tokens bound for any rank of each host; None on one host, as DeepEP's intranode), num_tokens_per_expert
+        [num_experts] torch.int, is_token_in_rank [num_tokens, num_ranks] torch.bool, event)``; a token counts
+        once per rank (and host) however many of its experts live there.
         """
         R = self.group_size
         error, got = _stream_error(previous_event, async_finish, allocate_on_comm_stream), None
@@ -318,7 +323,7 @@ class Buffer:
         error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
         with self._lock, self._op("combine"):
             self.seq += 1
-            out, w = (internode if self.wire is not None else normal).combine(self, x, handle, topk_weights, bias, error)
+            out, w = (internode_combine if self.wire is not None else normal).combine(self, x, handle, topk_weights, bias, error)
         return out, w, _event(async_finish)
 
     # ------------------------------------------------------------------ low-latency mode

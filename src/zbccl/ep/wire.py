@@ -1,16 +1,17 @@
 """The control plane of a ``Buffer`` whose group spans hosts: rounds through the transport verbs only.
 
 A group that spans hosts has no op channel (a remote rank's memory cannot be viewed), so EP's
-handshake runs on the verbs every transport has: ``put``, ``signal``, ``load``, ``wait_until``
-(``docs/ep-internode.md``). Memory, per group rank, allocated at the Buffer's construction:
+handshake runs on the verbs every transport has: ``put``, ``signal``, ``load`` (``docs/ep-internode.md``).
+Memory, per group rank, allocated at the Buffer's construction:
 
 * an **inbox** in its heap: ``[2, R, W]`` int64, two halves of one header slot per source rank;
-* an **aux** block in its heap: ``AUX`` int64 words a forwarder fills during an op (the op's
-  round number, a status word and the heap offset of each sender's staged rows);
-* two signal words in its own pad, on lines of the Buffer's private communicator's comm slot
-  (that slot's op channel never exists when the group spans hosts, so nothing else writes them):
-  ``ARRIVE`` (line 0, the last round it entered) and ``FORWARD`` (line 1, the round whose
-  forwarded rows or partial sums it finished staging).
+* an **aux** block in its heap: ``AUX`` int64 words a forwarder fills during a dispatch (the op's
+  header round, a status word and the heap offset of each sender's staged rows);
+* signal words in its own pad, on lines of the Buffer's private communicator's comm slot (that slot's
+  op channel never exists when the group spans hosts, so nothing else writes them): ``LOCAL`` (line 0)
+  and ``FORWARD`` (line 1), written by this rank; ``ARRIVE[i]`` (line 2 + i), written by rank ``i``;
+  ``FORWARDED[f]`` (line 2 + R + f, with an offset word 16 bytes in), written by forwarder ``f``.
+  Hence at most ``MAX_RANKS`` ranks.
 
 The inbox and aux offsets go through the store once (the communicator's bootstrap all_gather),
 are parsed strictly, and are checked against each peer's live heap size as the transport reports
@@ -20,18 +21,21 @@ Protocol of round ``k`` (``k`` = 1, 2, ... on every member, in the same order):
 
 1. with a header: put it into slot ``me`` of half ``k % 2`` of every peer's inbox (complete when
    the call returns: a remote write has landed, a local one is a plain store);
-2. store ``ARRIVE = k`` in this rank's own pad (a release store);
-3. wait until every peer's ``ARRIVE >= k`` (a local peer's word through shm, a remote peer's by
-   polled reads; a dead peer is a ``ZbcclRemoteError``, a silent host a ``ZbcclTimeoutError``
-   naming it, a late one a ``ZbcclTimeoutError`` naming the missing ranks);
+2. signal ``ARRIVE[me] = k`` in every peer's pad (ordered after the put);
+3. wait until this rank's own ``ARRIVE[p] >= k`` for every peer ``p``: local words, polled without a
+   network round trip (:meth:`HostWire.wait_own`), the writers' liveness checked every liveness interval
+   (a dead writer is a ``ZbcclRemoteError``, a silent host a ``ZbcclTimeoutError`` naming it, a late one
+   a ``ZbcclTimeoutError`` naming the missing ranks);
 4. with a header: copy half ``k % 2`` out.
 
 A peer can be at most one round ahead (round ``k + 1`` needs this rank's ``ARRIVE >= k + 1``, which
 it stores only after copying round ``k`` out), so it writes only the other half.
 
-A forwarder signals ``FORWARD = k`` (``k`` the op's header round) once its staging of the op is
-complete and its aux block says where; the ranks that read that staging wait on that word. Every
-op ends with a plain round (a barrier): after it nobody reads another rank's published blocks.
+A dispatch's forwarder records its staging in its aux block and signals its own ``FORWARD = k``
+(``k`` the op's header round); this host's ranks wait on that word (shm). A combine's forwarder pushes
+each sender the offset of its sums and ``FORWARDED[f] = k``. Normal ops keep their blocks until the
+next header round instead of ending with a round (:meth:`HostWire.hold`); combine ends with a barrier
+of this host's ranks (``LOCAL``), a receive hook with a plain round.
 """
 
 from __future__ import annotations
@@ -63,16 +67,19 @@ from .exchange import (
     heap_empty_many,
 )
 
-__all__ = ["HostWire", "spans_hosts", "AUX_ROUND", "AUX_STATUS", "AUX_OFFS"]
+__all__ = ["HostWire", "spans_hosts", "AUX_ROUND", "AUX_STATUS", "AUX_OFFS", "NO_ROOM", "FAILED"]
 
 #: Aux words: the round the forwarder staged for, its status (0: ok), then one heap offset per rank.
 AUX_ROUND, AUX_STATUS, AUX_OFFS = 0, 1, 2
-#: Lines of the comm slot: ARRIVE[i] (0..R-1), FORWARDED[f] (R..2R-1, and its offset word 16 bytes in), then LOCAL
-#: and FORWARD. Hence at most ``MAX_RANKS`` ranks.
+#: Lines of the comm slot: LOCAL, FORWARD, then ARRIVE[i] (2 + i) and FORWARDED[f] (2 + R + f, its offset word
+#: 16 bytes in): at most ``MAX_RANKS`` ranks.
 _L_LOCAL, _L_FORWARD = 0, 1
 _LINES = layout.SLOT_BYTES // layout.LINE
 MAX_RANKS = (_LINES - 2) // 2
 _OFFSET_WORD = 16
+#: What a forwarder posts instead of an offset or a status when it could not stage: its heap is full (``NO_ROOM``,
+#: also the aux status ``STATUS_NOMEM``), or it failed otherwise (``FAILED``: a dead peer, an interrupt).
+NO_ROOM, FAILED = -1, -2
 _SPIN_S, _MAX_PAUSE_S = 50e-6, 1e-3
 _RECORD = struct.Struct("<4q")
 
@@ -199,7 +206,7 @@ class HostWire:
         try:
             size = self.t.size(self.g[r])
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            self._named(exc, [r])
+            self._named(exc, self._of(exc, r))
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise ZbcclRemoteError(
                 f"{op}: rank {r} published a block out of its heap, expected [offset, offset+nbytes) within "
@@ -211,7 +218,7 @@ class HostWire:
             try:
                 self.t.get_into(self.g[r], int(offset), dst, op=op)
             except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-                self._named(exc, [r])
+                self._named(exc, self._of(exc, r))
         return dst
 
     # ------------------------------------------------------------------ rounds
@@ -238,7 +245,7 @@ class HostWire:
                     try:
                         self.t.put(self.g[p], self.inbox_off[p] + at, vec, op=op)
                     except (ZbcclRemoteError, ZbcclTimeoutError) as exc:  # its ranks are global ranks
-                        self._named(exc, [self.labels[g] for g in exc.ranks if g in self.labels] or [p])
+                        self._named(exc, self._of(exc, p))
         peers = [p for p in range(self.R) if p != me]
         for p in peers:  # after the put: a signal is ordered after this process's earlier writes to that peer
             self._signal(p, self._arrive(me), k, op)
@@ -261,7 +268,7 @@ class HostWire:
         try:
             self.t.signal(self.g[r], line, value)
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            self._named(exc, [r])
+            self._named(exc, self._of(exc, r))
 
     def wait_own(self, lines: dict[int, int], target: int, op: str) -> None:
         """Wait until each word of this rank's pad in ``lines`` (group rank of its writer -> line) is ``>= target``.
@@ -307,6 +314,10 @@ class HostWire:
         if gone:
             raise ZbcclTimeoutError(f"{op}: host unreachable while waiting for rank(s) {gone} "
                                     f"({'; '.join(self.where(r) for r in gone)})", ranks=tuple(gone))
+
+    def _of(self, exc: ZbcclRemoteError | ZbcclTimeoutError, r: int) -> list[int]:
+        """The group ranks of a transport error (its ranks are global ranks), else ``[r]``."""
+        return [self.labels[g] for g in exc.ranks if g in self.labels] or [r]
 
     def _named(self, exc: ZbcclRemoteError | ZbcclTimeoutError, ranks: list[int]):
         """Raise ``exc`` again, naming the group ranks it is about and their hosts."""
@@ -401,9 +412,12 @@ class HostWire:
         out = {}
         for f in ranks:
             off = self.t.load(self.g[self.me], self._forwarded(f) + _OFFSET_WORD)
-            if off < 0:
+            if off == NO_ROOM:
                 raise ZbcclOutOfMemoryError(f"{op}: rank {f} could not stage the sums it forwards (its heap is full)",
                                             ranks=(f,))
+            if off < 0:
+                raise ZbcclRemoteError(f"{op}: rank {f} failed while staging the sums it forwards (its own error "
+                                       f"names the cause; {self.where(f)})", ranks=(f,))
             out[f] = off
         return out
 
@@ -418,8 +432,11 @@ class HostWire:
             if words[AUX_ROUND] != header_round:
                 raise ZbcclRemoteError(f"{op}: rank {r}'s staging is for another op, expected round {header_round}, "
                                        f"got {words[AUX_ROUND]}", ranks=(r,))
-            if words[AUX_STATUS] != STATUS_OK:
+            if words[AUX_STATUS] == STATUS_NOMEM:
                 raise ZbcclOutOfMemoryError(f"{op}: rank {r} could not stage the rows it forwards (its heap is full)",
                                             ranks=(r,))
+            if words[AUX_STATUS] != STATUS_OK:
+                raise ZbcclRemoteError(f"{op}: rank {r} failed while staging the rows it forwards (its own error "
+                                       f"names the cause; {self.where(r)})", ranks=(r,))
             out[r] = words
         return out
