@@ -466,3 +466,47 @@ def _barrier_timeout_is_reported(ctx):
 def test_a_barrier_timeout_is_reported_to_the_late_rank():
     out = run_world(_barrier_timeout_is_reported, 2, env=ENV, timeout=3 * TIMEOUT)
     assert out[0] == "timed out" and out[1] < BOUND
+
+
+def _chain_names_the_first_cause(ctx):
+    """World 3, a chain: rank 1 times out in a world all_reduce waiting for rank 0 (alive, idle: as a
+    stopped rank looks), while rank 2 waits for rank 1 only, in an all_reduce of the group {1, 2} (another op,
+    which rank 0 is not in). Rank 2 must name rank 0, the first cause, and the chain, not only rank 1; and
+    the ABORT line rank 2 leaves with records the chain, so a later op on rank 0 hears why."""
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    pair = comm.new_group([1, 2])
+    t = zbccl.zeros(256)
+    try:
+        zbccl.all_reduce(t)
+        if pair:  # the group's first op reads the store: the one below runs on the native channel
+            zbccl.all_reduce(t, comm=pair)
+        if comm.rank == 0:  # the first cause: never enters the all_reduce ranks 1 waits in
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            err, _ = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 1 timed out")
+            return str(err)
+        if comm.rank == 1:
+            _timed(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=1), "rank 0")
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            return "timed out"
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t, comm=pair), "timed out",
+                              "the first cause: rank 0 (world), which never arrived",
+                              "chain: rank 0 (world) -> rank 0")
+        assert err.ranks[0] == "0 (world)", err.ranks
+        # a world op next, which rank 0 is not in either: named as the rank that never came
+        err, _ = _timed(zbccl.ZbcclTimeoutError, lambda: comm.barrier(), "rank 0 never arrived",
+                        "rank 1 timed out waiting for them first")
+        assert err.ranks == (0,), err.ranks
+        return elapsed
+    finally:
+        if comm.rank == 2:
+            store.set("liveness/seen2", b"1")
+        zbccl.finalize()
+
+
+def test_a_chain_names_the_first_cause():
+    out = run_world(_chain_names_the_first_cause, 3, env=ENV, timeout=3 * TIMEOUT)
+    assert out[1] == "timed out" and out[2] < BOUND, out
+    assert "the first cause: this rank" in out[0] and "chain: rank 0 -> rank 1" in out[0], out[0]

@@ -36,6 +36,7 @@ from ..native.abi import (
     H_REDOP,
     H_ROW,
     H_SEQ,
+    L_ABORT,
     L_ARRIVE,
     L_DONE,
     L_HEADER,
@@ -52,7 +53,7 @@ from ..native.abi import (
     RC_TIMEOUT,
     VEC_CAP,
 )
-from ..runtime.liveness import FINALIZED_WHILE_WAITING, abort_error, who_left
+from ..runtime.liveness import ABORT_LINE, FINALIZED_WHILE_WAITING, abort_error, who_left
 from .dtypes import CODE_DTYPES, op_name
 
 #: Results after which this rank left the op half-way (C marked its ABORT line, chan.c leave_op; later ops
@@ -133,7 +134,13 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
             if late:
                 return ZbcclTimeoutError(f"{late_message(ch, late, op=op)} (rank {rank} timed out waiting "
                                          "for them first and left the op)", ranks=tuple(late))
-        return abort_error(rank, why, op=op, where=where)
+        ranks = ch.comm.ranks
+
+        def label(g: int) -> int | str:
+            return ranks.index(g) if g in ranks else f"{g} (world)"
+
+        return abort_error(rank, why, op=op, where=where, ctx=ch.ctx, g=ranks[rank],
+                           lines=(ABORT_LINE, layout.slot_line(ch.comm.slot, L_ABORT)), label=label)
     if rc in (RC_DEAD, RC_GONE):
         state = ch.ctx.heap.header(ch.comm.ranks[rank], layout.H_STATE)
         why = {layout.STATE_FINALIZED: "called finalize", layout.STATE_FAILED: "failed"}.get(

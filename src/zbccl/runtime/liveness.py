@@ -33,6 +33,13 @@ through the store (:func:`init_watch`): a rank that leaves init half-way announc
 ranks' pids are known (after the hello exchange) the local peers' processes are watched by pidfd
 (the transport's ``watch_peers``). A rank that dies before its hello is named at the timeout.
 
+**The chain.** A rank that leaves because of another (a timeout waiting for it, a peer that died or left)
+records on its ABORT line which rank that was (VIA) and the first rank of the chain (CAUSE: VIA's own CAUSE
+when VIA left an op too); ``chan.c`` ``chain_of`` and :func:`mark_line` write them before the line's VALUE.
+So a rank that waits on a follower, not on the rank that failed first, names that first rank and the chain
+between (:func:`abort_error`): "rank 2 timed out ... ; the first cause: rank 0, which never arrived (chain:
+rank 0 -> rank 1 -> rank 2)".
+
 The order names the cause before its followers. Members that already reached what this rank waits
 for are not checked for death in 3 (they may finish and exit), but their ABORT is: a rank that left
 any op broke the group for everyone.
@@ -51,6 +58,8 @@ from ..native.abi import (
     ABORT_PEER,
     ABORT_TIMEOUT,
     L_ABORT,
+    W_CAUSE,
+    W_VIA,
     W_WHERE,
     W_WHY,
     WHERE_BARRIER,
@@ -63,8 +72,8 @@ from ..native.abi import (
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "abort_addr", "aborted", "abort_error", "who_left", "check", "mark_left",
-           "reason", "leave", "store_watch", "init_watch", "left_init"]
+__all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "abort_addr", "aborted", "abort_error", "chain", "who_left", "check",
+           "mark_line", "mark_left", "reason", "leave", "store_watch", "init_watch", "left_init"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
 FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
@@ -92,12 +101,75 @@ def aborted(transport, rank: int, line: int) -> tuple[int, int]:
             transport.load(rank, line + 8 * W_WHERE))
 
 
-def abort_error(r: int, why: int, *, op: str, where: int = 0) -> ZbcclRemoteError:
-    """What waiting for rank ``r`` raises once it left an op half-way for ``why``."""
+def _words(transport, rank: int, line: int) -> tuple[int, int] | None:
+    """``(cause, via)`` world ranks (-1: none) of rank ``rank``'s ABORT line at ``line``, None if not set."""
+    if transport.load(rank, line) == 0:
+        return None
+    return transport.load(rank, line + 8 * W_CAUSE) - 1, transport.load(rank, line + 8 * W_VIA) - 1
+
+
+def chain(ctx: Context, r: int, lines: Sequence[int] = (ABORT_LINE,)) -> list[int]:
+    """World ranks from the first cause to ``r`` (``[..., r]``) of why world rank ``r`` left an op: the VIA
+    words of the ranks along the way (each one's line among ``lines`` that is set), closed by ``r``'s CAUSE
+    when a link cannot be read (a rank whose heap is gone). ``[r]`` when ``r`` left by its own cause."""
+    heap = ctx.heap
+    out, cause, cur = [r], None, r
+    while len(out) <= ctx.world_size:
+        words = None
+        if cur != ctx.rank and heap.reachable(cur):
+            words = next((w for w in (_words(heap.transport, cur, ln) for ln in lines) if w is not None), None)
+        if words is None:
+            break
+        if cause is None:
+            cause = words[0]
+        via = words[1]
+        if via < 0 or via in out:
+            break
+        out.append(via)
+        cur = via
+    if cause is not None and cause >= 0 and cause not in out:
+        out.append(cause)
+    return out[::-1]
+
+
+def _state_of(ctx: Context, g: int, lines: Sequence[int]) -> str:
+    """What happened to world rank ``g``, the first of a chain, as this rank sees it now."""
+    heap = ctx.heap
+    if heap.reachable(g):
+        for ln in lines:
+            why, where = aborted(heap.transport, g, ln)
+            if why:
+                return f"{_WHAT.get(why, 'hit an unexpected error')} in the middle of {_WHERE.get(where, 'a collective')}"
+        state = heap.header(g, layout.H_STATE)
+        if state == layout.STATE_FAILED:
+            return "failed"
+        if state == layout.STATE_FINALIZED:
+            return "called finalize"
+    if g in set(heap.transport.dead_peers()):
+        return "died (its process exited or was killed)"
+    return "never arrived (stopped or too slow)"
+
+
+def abort_error(r: int, why: int, *, op: str, where: int = 0, ctx: Context | None = None, g: int | None = None,
+                lines: Sequence[int] = (ABORT_LINE,), label=None) -> ZbcclRemoteError:
+    """What waiting for rank ``r`` raises once it left an op half-way for ``why``. With ``ctx`` and ``g``
+    (``r``'s world rank; ``lines``: the ABORT lines to read, ``label``: world rank -> the number errors use)
+    a rank that left because of another also names the first cause and the chain (:func:`chain`)."""
     what = _WHAT.get(why, "hit an unexpected error")
-    return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {r} {what} in the middle of "
-                            f"{_WHERE.get(where, 'a collective')} and left it; this communicator is broken "
-                            "(finalize and init again)", ranks=(r,))
+    text = f"{op}: peer lost while waiting: rank {r} {what} in the middle of {_WHERE.get(where, 'a collective')} and left it"
+    ranks: tuple[int, ...] = (r,)
+    if ctx is not None and g is not None:
+        links = chain(ctx, g, lines)
+        if len(links) > 1 and links[0] != g:
+            name = label or (lambda q: q)
+            first = links[0]
+            who = "this rank" if first == ctx.rank else f"rank {name(first)}, which {_state_of(ctx, first, lines)}"
+            text += f"; the first cause: {who} (chain: " + " -> ".join(f"rank {name(q)}" for q in links) + ")"
+            if first != ctx.rank:
+                ranks = (name(first), r)
+    err = ZbcclRemoteError(text + "; this communicator is broken (finalize and init again)", ranks=ranks)
+    err.via = g  # the world rank this error is about: a rank leaving by it records it (VIA, :func:`leave`)
+    return err
 
 
 def who_left(ctx: Context, ranks: Iterable[int]) -> tuple[int, int, int] | None:
@@ -125,10 +197,17 @@ def check(ctx: Context, ranks: Sequence[int], *, op: str, pending: Iterable[int]
     labels = labels or {}
     left = who_left(ctx, ranks)
     if left is not None and left[1] != ABORT_PEER:
-        raise abort_error(labels.get(left[0], left[0]), left[1], op=op, where=left[2])
+        raise _left_error(ctx, left, op=op, labels=labels)
     _check_pending(ctx, ranks if pending is None else pending, op=op, labels=labels)
     if left is not None:
-        raise abort_error(labels.get(left[0], left[0]), left[1], op=op, where=left[2])
+        raise _left_error(ctx, left, op=op, labels=labels)
+
+
+def _left_error(ctx: Context, left: tuple[int, int, int], *, op: str, labels: dict[int, int]) -> ZbcclRemoteError:
+    def label(q: int) -> int | str:
+        return labels.get(q, q) if not labels or q in labels else f"{q} (world)"
+
+    return abort_error(labels.get(left[0], left[0]), left[1], op=op, where=left[2], ctx=ctx, g=left[0], label=label)
 
 
 def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dict[int, int]) -> None:
@@ -137,7 +216,7 @@ def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dic
     if not pending:
         return
     dead = set(ctx.heap.transport.dead_peers())
-    gone = []
+    gone, first = [], None
     for r in pending:
         if r == ctx.rank or not ctx.heap.reachable(r):
             continue
@@ -148,24 +227,46 @@ def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dic
             gone.append((r, "called finalize"))
         elif r in dead:
             gone.append((r, "died (its process exited or was killed)"))
+        if gone and first is None:
+            first = r
     if gone:
         gone = [(labels.get(r, r), why) for r, why in gone]
-        what = "; ".join(f"rank {r} {why}" for r, why in gone)
-        raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=tuple(r for r, _ in gone))
+        err = ZbcclRemoteError(f"{op}: peer lost while waiting: " + "; ".join(f"rank {r} {why}" for r, why in gone),
+                               ranks=tuple(r for r, _ in gone))
+        err.via = first
+        raise err
 
 
-def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1) -> None:
+def mark_line(ctx: Context, line: int, why: int, *, where: int, seq: int = 1, via: int | None = None) -> None:
+    """Set this rank's ABORT line at signal-pad byte ``line`` (the first reason stays): WHY, WHERE, and the
+    chain (CAUSE, VIA: see the module docstring; ``via``, the world rank this rank leaves because of, None
+    when it leaves by its own cause), then VALUE."""
+    transport, me = ctx.heap.transport, ctx.rank
+    if transport.load(me, line) != 0:
+        return
+    cause = me
+    if via is not None and via != me:
+        cause = via
+        if ctx.heap.reachable(via):
+            words = _words(transport, via, ABORT_LINE)
+            if words is not None and words[0] >= 0:
+                cause = words[0]
+    # the words first: a peer reads them once it sees the line set
+    transport.signal(me, line + 8 * W_WHY, why)
+    transport.signal(me, line + 8 * W_WHERE, where)
+    transport.signal(me, line + 8 * W_CAUSE, cause + 1)
+    transport.signal(me, line + 8 * W_VIA, 0 if via is None or via == me else via + 1)
+    transport.signal(me, line, max(1, seq))
+
+
+def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1, via: int | None = None) -> None:
     """Publish on this rank's ABORT line that it left an op half-way (the first reason stays), and, unless
     it only followed a peer (``ABORT_PEER``), break every communicator of this rank: their later ops refuse
     with ``text`` (``registry.check_usable``, the op channels and their native hot entries, p2p); memory
     (``zbccl.empty``, ``export``, ``memory_stats``) stays usable."""
     if ctx.finalized or ctx.forked:  # the heap is going (or is the parent's): nobody waits on it any more
         return
-    transport, me = ctx.heap.transport, ctx.rank
-    if transport.load(me, ABORT_LINE) == 0:  # the reason first: a peer reads it once it sees the line set
-        transport.signal(me, ABORT_LINE + 8 * W_WHY, why)
-        transport.signal(me, ABORT_LINE + 8 * W_WHERE, where)
-        transport.signal(me, ABORT_LINE, max(1, seq))
+    mark_line(ctx, ABORT_LINE, why, where=where, seq=seq, via=via)
     if why == ABORT_PEER or ctx.left is not None:
         return
     ctx.left = text
@@ -192,7 +293,9 @@ def leave(ctx: Context, exc: BaseException, *, op: str, where: int, seq: int = 1
     this rank's ABORT line as :func:`reason` says."""
     why = reason(exc)
     if why:
-        mark_left(ctx, why, f"op {op} was left half-way by {type(exc).__name__}", where=where, seq=seq)
+        via = getattr(exc, "via", None) if why in (ABORT_PEER, ABORT_TIMEOUT) else None
+        mark_left(ctx, why, f"op {op} was left half-way by {type(exc).__name__}", where=where, seq=seq,
+                  via=via if isinstance(via, int) else None)
 
 
 def store_watch(ctx: Context, members: Sequence[int]):
