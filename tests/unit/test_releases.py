@@ -92,3 +92,52 @@ def test_a_failing_release_is_reported_and_the_others_still_run(comm, monkeypatc
     assert len(freed) == 2 and stats["active_blocks"] == 1, (freed, stats)
     assert "free: injected" in caplog.text
     free(freed[0])  # the block the injected failure kept, so that finalize unmaps the heap
+
+
+def test_a_heap_scope_free_runs_no_python_code(comm):
+    """The heap_scope hook's native deleter hands a block back through a ctypes callback: a Python
+    function there would drop a Ctrl-C as a finalizer does. It queues the offset instead."""
+    import torch
+
+    before = zbccl.memory_stats()["active_blocks"]
+    with zbccl.heap_scope():
+        t = torch.empty(1536 << 10, dtype=torch.uint8)  # above the scope's 1 MiB cache limit: back to the SMA
+    assert zbccl.is_heap_tensor(t)
+    calls: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        del t
+    finally:
+        sys.setprofile(None)
+    assert calls == [], calls
+    assert zbccl.memory_stats()["active_blocks"] == before
+
+
+def test_a_ctrl_c_in_a_heap_scope_refill_is_raised_at_the_scope_exit(comm, monkeypatch):
+    """A KeyboardInterrupt inside the hook's refill (a ctypes callback: it must return to C) is not
+    taken for a full heap and not dropped: the allocation is made, and the scope's exit raises it."""
+    import torch
+
+    sma = comm._ctx.sma
+    try_malloc, hits = sma.try_malloc, []
+
+    def interrupted(nbytes: int, *, kind: str = "explicit"):
+        if not hits:
+            hits.append(nbytes)
+            raise KeyboardInterrupt
+        return try_malloc(nbytes, kind=kind)
+
+    monkeypatch.setattr(sma, "try_malloc", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with zbccl.heap_scope(strict=True):
+            t = torch.empty(1536 << 10, dtype=torch.uint8)
+            placed = zbccl.is_heap_tensor(t)
+    monkeypatch.undo()
+    assert hits and placed
+    del t
+    assert zbccl.memory_stats()["active_blocks"] == 0

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["on_death", "drain", "pending"]
+__all__ = ["on_death", "drain", "pending", "add_queue", "remove_queue", "note_interrupt", "in_callback"]
 
 _log = logging.getLogger(__name__)
 
@@ -45,6 +45,42 @@ class _Ref(weakref.ref):
 _dead: deque = deque()
 #: The weakrefs of storages watched, by id (kept here: a weakref must live for its callback to run).
 _watched: dict[int, _Ref] = {}
+#: Other queues a drain empties, each with what applies an item: the heap_scope hook's frees (heap offsets
+#: that its native deleter hands to ``deque.append`` through ctypes, again no Python code).
+_queues: list[tuple[deque, Callable[[Any], None]]] = []
+#: SIGINTs a callback caught where it could not raise them (a ctypes callback from native code, whose
+#: exceptions ctypes prints and drops): the next drain on the main thread delivers them.
+_noted: list[int] = []
+
+
+def add_queue(queue: deque, apply: Callable[[Any], None]) -> None:
+    """Let every :func:`drain` apply (``apply(item)``) what ``queue`` holds."""
+    _queues.append((queue, apply))
+
+
+def remove_queue(queue: deque) -> None:
+    """Stop draining ``queue`` (what it still holds is applied first)."""
+    _apply_queue(queue, next((a for q, a in _queues if q is queue), None))
+    _queues[:] = [(q, a) for q, a in _queues if q is not queue]
+
+
+def note_interrupt() -> None:
+    """A callback that cannot raise caught a ``KeyboardInterrupt``: deliver it at the next drain."""
+    _noted.append(signal.SIGINT)
+
+
+_local = threading.local()
+
+
+class in_callback:
+    """``with in_callback():`` code called from native code, where nothing may raise: a drain inside
+    keeps the SIGINTs it held for the next drain outside instead of delivering them."""
+
+    def __enter__(self) -> None:
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _local.depth -= 1
 
 
 def on_death(obj: Any, release: Callable[[], None]) -> None:
@@ -62,10 +98,10 @@ def pending() -> int:
 def drain() -> None:
     """Run the release of every storage that died (any thread; cheap when none did). On the main thread
     a SIGINT that arrives meanwhile is held until they all ran, then delivered to its handler here."""
-    if not _dead:
+    if not (_dead or _noted or any(q for q, _ in _queues)):
         return
     if threading.current_thread() is not threading.main_thread():
-        _run()
+        _run()  # the noted interrupts wait for the main thread: only there does SIGINT raise
         return
     previous = signal.getsignal(signal.SIGINT)
     if not callable(previous):  # SIG_DFL, SIG_IGN, or set outside Python: no Python handler runs
@@ -75,9 +111,13 @@ def drain() -> None:
     signal.signal(signal.SIGINT, lambda signum, frame: noted.append((signum, frame)))
     try:
         _run()
+        while _noted:
+            noted.append((_noted.pop(), None))
     finally:
         signal.signal(signal.SIGINT, previous)
-        if noted:
+        if noted and getattr(_local, "depth", 0):
+            _noted.extend(signum for signum, _ in noted)
+        elif noted:
             previous(*noted[0])
 
 
@@ -95,3 +135,17 @@ def _run() -> None:
             release()
         except Exception as exc:  # noqa: BLE001 - as a finalizer's: reported, the other releases still run
             _log.warning("zbccl: releasing a dead heap tensor's memory failed: %s", exc)
+    for queue, apply in list(_queues):
+        _apply_queue(queue, apply)
+
+
+def _apply_queue(queue: deque, apply: Callable[[Any], None] | None) -> None:
+    while queue and apply is not None:
+        try:
+            item = queue.popleft()
+        except IndexError:
+            return
+        try:
+            apply(item)
+        except Exception as exc:  # noqa: BLE001 - reported, the other items still applied
+            _log.warning("zbccl: a queued heap free failed: %s", exc)
