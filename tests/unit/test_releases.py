@@ -141,3 +141,34 @@ def test_a_ctrl_c_in_a_heap_scope_refill_is_raised_at_the_scope_exit(comm, monke
     assert hits and placed
     del t
     assert zbccl.memory_stats()["active_blocks"] == 0
+
+
+def test_an_ep_handles_death_runs_no_python_code():
+    """EP's Buffer forgets a dispatch handle once its tensor died, without a Python weakref callback."""
+    from collections import deque
+
+    import torch
+
+    from zbccl.ep.buffer import Buffer
+
+    buf = Buffer.__new__(Buffer)  # only its handle table: no runtime needed
+    buf._handles, buf._dead_handles, buf.seq = {}, deque(), 7
+    a, b = torch.zeros(3), torch.zeros(4)
+    buf.register(a, "x")
+    buf.register(b)
+    assert buf.lookup(a, "combine") == (7, "x")
+    calls: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        del a
+    finally:
+        sys.setprofile(None)
+    assert calls == [], calls
+    c = torch.zeros(5)
+    buf.register(c)  # forgets the dead one
+    assert len(buf._handles) == 2 and buf.lookup(b, "combine") == (7, None)
