@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
-from ...releases import on_death
+from ...releases import add_queue, on_death
 
 __all__ = ["device_tensor", "dlpack_tensor", "KDLCPU", "KDLCUDA"]
 
@@ -81,7 +82,11 @@ def _delete(managed) -> None:
         entry[2]()
 
 
-_deleter = _DELETER(_delete)  # lives as long as the module
+# The deleter torch calls when the last tensor died runs no Python code (a Ctrl-C raised there would be
+# dropped, see heap/releases.py): it queues the pointer, and the next drain deletes.
+_deleted: deque = deque()
+add_queue(_deleted, _delete)
+_deleter = _DELETER(_deleted.append)  # lives as long as the module
 
 
 def dlpack_tensor(addr: int, nbytes: int, device_type: int, device_id: int,
