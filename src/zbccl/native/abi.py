@@ -133,7 +133,8 @@ ABORTS = {"INTERRUPT": 1, "EXCEPTION": 2, "TIMEOUT": 3, "PEER": 4}
 ABORT_WHERE = {"COLLECTIVE": 1, "BARRIER": 2, "EP": 3, "P2P": 4, "STORE": 5}
 #: Lines of a comm slot the op channel uses (line 0, once the barrier epoch, is unused: the barrier is an op).
 #: ELECT: group rank 0's line only, the oneshot all_reduce's election word (chan_ops.c "oneshot").
-SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "ABORT": 6, "ELECT": 7, "VECTORS": 8}
+#: WAIT: the world slot's only, the rank a p2p wait of this rank waits for (``runtime/liveness.py`` ``waiting``).
+SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "WAIT": 5, "ABORT": 6, "ELECT": 7, "VECTORS": 8}
 #: int64 words of a 64-byte flag line (C: ``W_<NAME>``). VALUE: the flag; WAITERS: the int32 at its byte 0
 #: counts the processes futex-sleeping on the flag. Then per kind of line: ABORT line: WHY (``ABORT_*``);
 #: ELECT line: RC, RANK, FIELD (the claimant's verdict, read by every rank it releases). ABORT line: VALUE the

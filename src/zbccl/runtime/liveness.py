@@ -58,6 +58,7 @@ from ..native.abi import (
     ABORT_PEER,
     ABORT_TIMEOUT,
     L_ABORT,
+    L_WAIT,
     W_CAUSE,
     W_VIA,
     W_WHERE,
@@ -72,7 +73,7 @@ from ..native.abi import (
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "abort_addr", "aborted", "abort_error", "chain", "who_left", "check",
+__all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "WAIT_LINE", "waiting", "waits_on", "abort_addr", "aborted", "abort_error", "chain", "first_cause", "who_left", "check",
            "mark_line", "mark_left", "reason", "leave", "store_watch", "init_watch", "left_init"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
@@ -85,6 +86,51 @@ _WHERE = {WHERE_COLLECTIVE: "a collective", WHERE_BARRIER: "a barrier", WHERE_EP
 
 #: Signal-pad byte offset of a rank's own ABORT line (the world slot's ``L_ABORT`` line).
 ABORT_LINE = layout.slot_line(0, L_ABORT)
+#: Signal-pad byte offset of a rank's WAIT line (the world slot's ``L_WAIT``): VALUE the world rank + 1 its
+#: p2p wait waits for (0: none), WHY 1 once that wait timed out, 2 once it raised because that rank was lost. A p2p timeout leaves no ABORT (the wait is
+#: cancelled cleanly), so this is how a chain of p2p waits (a ring: 0 waits for 2, which waits for 1, which
+#: is stopped) is read: the line stays set after a timeout, until the rank's next p2p wait ends.
+WAIT_LINE = layout.slot_line(0, L_WAIT)
+
+
+_GAVE_UP = {0: "itself waits for", 1: "timed out waiting for", 2: "gave up waiting for"}
+
+
+def waiting(ctx: Context, on: int | None, *, ended: int = 0) -> None:
+    """Publish that this rank's p2p wait waits for world rank ``on`` (None: no wait); ``ended``: 1 it timed
+    out, 2 it raised because a rank was lost (the line then stays set)."""
+    if ctx.finalized or ctx.forked:
+        return
+    transport, me = ctx.heap.transport, ctx.rank
+    transport.signal(me, WAIT_LINE + 8 * W_WHY, ended)
+    transport.signal(me, WAIT_LINE, 0 if on is None else on + 1)
+
+
+def waits_on(ctx: Context, g: int, label=None) -> tuple[str, object]:
+    """``("; rank g itself waits for rank q (...)", q's label)`` when world rank ``g``'s WAIT line names a
+    rank it waits for or gave up on (followed along a chain of such waits, :data:`WAIT_LINE`), else
+    ``("", None)``."""
+    heap, links = ctx.heap, [g]
+    timed = []
+    while len(links) <= ctx.world_size:
+        cur = links[-1]
+        if cur == ctx.rank or not heap.reachable(cur):
+            break
+        q = heap.transport.load(cur, WAIT_LINE) - 1
+        if q < 0 or q in links:
+            break
+        timed.append(heap.transport.load(cur, WAIT_LINE + 8 * W_WHY))
+        links.append(q)
+    if len(links) < 2:
+        return "", None
+    name = label or (lambda q: q)
+    first = links[-1]
+    how = _GAVE_UP.get(timed[0], _GAVE_UP[0])
+    who = "this rank" if first == ctx.rank else f"rank {name(first)}"
+    state = "" if first == ctx.rank else f", which {_state_of(ctx, first, (ABORT_LINE,))}"
+    text = (f"; rank {name(g)} {how} {who} in a send/recv{state} (chain of waits: "
+            + " -> ".join(f"rank {name(q)}" for q in links) + ")")
+    return text, (None if first == ctx.rank else name(first))
 
 
 def abort_addr(ctx: Context, rank: int) -> int:
@@ -157,19 +203,28 @@ def abort_error(r: int, why: int, *, op: str, where: int = 0, ctx: Context | Non
     a rank that left because of another also names the first cause and the chain (:func:`chain`)."""
     what = _WHAT.get(why, "hit an unexpected error")
     text = f"{op}: peer lost while waiting: rank {r} {what} in the middle of {_WHERE.get(where, 'a collective')} and left it"
-    ranks: tuple[int, ...] = (r,)
+    ranks: tuple = (r,)
     if ctx is not None and g is not None:
-        links = chain(ctx, g, lines)
-        if len(links) > 1 and links[0] != g:
-            name = label or (lambda q: q)
-            first = links[0]
-            who = "this rank" if first == ctx.rank else f"rank {name(first)}, which {_state_of(ctx, first, lines)}"
-            text += f"; the first cause: {who} (chain: " + " -> ".join(f"rank {name(q)}" for q in links) + ")"
-            if first != ctx.rank:
-                ranks = (name(first), r)
+        more, first = first_cause(ctx, g, lines, label)
+        text += more
+        ranks = (first, r) if first is not None else ranks
     err = ZbcclRemoteError(text + "; this communicator is broken (finalize and init again)", ranks=ranks)
     err.via = g  # the world rank this error is about: a rank leaving by it records it (VIA, :func:`leave`)
     return err
+
+
+def first_cause(ctx: Context, g: int, lines: Sequence[int] = (ABORT_LINE,), label=None) -> tuple[str, object]:
+    """``("; the first cause: rank q, which ... (chain: rank q -> ... -> rank g)", q's label)`` when world
+    rank ``g`` left an op because of another rank (its ABORT line's chain, :func:`chain`), else ``("", None)``;
+    the label is None too when the first cause is this rank. ``label``: world rank -> the number errors use."""
+    links = chain(ctx, g, lines)
+    if len(links) < 2 or links[0] == g:
+        return "", None
+    name = label or (lambda q: q)
+    first = links[0]
+    who = "this rank" if first == ctx.rank else f"rank {name(first)}, which {_state_of(ctx, first, lines)}"
+    text = f"; the first cause: {who} (chain: " + " -> ".join(f"rank {name(q)}" for q in links) + ")"
+    return text, (None if first == ctx.rank else name(first))
 
 
 def who_left(ctx: Context, ranks: Iterable[int]) -> tuple[int, int, int] | None:
@@ -230,9 +285,18 @@ def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dic
         if gone and first is None:
             first = r
     if gone:
-        gone = [(labels.get(r, r), why) for r, why in gone]
-        err = ZbcclRemoteError(f"{op}: peer lost while waiting: " + "; ".join(f"rank {r} {why}" for r, why in gone),
-                               ranks=tuple(r for r, _ in gone))
+        def label(q: int) -> int | str:
+            return labels.get(q, q) if not labels or q in labels else f"{q} (world)"
+
+        # A rank that finalized or died after it left an op because of another, or after its p2p wait for
+        # another timed out: name that one first.
+        more, cause = first_cause(ctx, first, (ABORT_LINE,), label)
+        if cause is None and not more:
+            more, cause = waits_on(ctx, first, label)
+        ranks = tuple(labels.get(r, r) for r, _ in gone)
+        err = ZbcclRemoteError(f"{op}: peer lost while waiting: "
+                               + "; ".join(f"rank {labels.get(r, r)} {why}" for r, why in gone) + more,
+                               ranks=ranks if cause is None else (cause, *ranks))
         err.via = first
         raise err
 
@@ -311,13 +375,17 @@ def store_watch(ctx: Context, members: Sequence[int]):
 
 def left_init(boot, exc: BaseException) -> None:
     """This rank leaves init half-way by ``exc`` (after the hello exchange): tell the peers through the
-    store (``left/<rank>`` holds the ``ABORT_*`` reason, ``left`` counts the ranks that left), so that
-    their init waits name it within a few liveness intervals. Errors every rank raises together (init
-    agrees on every failure it can) announce nothing. Best effort: the store may be gone."""
+    store (``left/<rank>`` holds the ``ABORT_*`` reason, ``leftvia/<rank>`` the member it left because of,
+    + 1, as an ABORT line's VIA; ``left`` counts the ranks that left), so that their init waits name it
+    within a few liveness intervals. Errors every rank raises together (init agrees on every failure it
+    can) announce nothing. Best effort: the store may be gone."""
     why = reason(exc)
     if not why:
         return
+    via = getattr(exc, "via", None) if why in (ABORT_PEER, ABORT_TIMEOUT) else None
     try:
+        if isinstance(via, int) and via >= 0:  # before the reason: a peer reads it once it sees the reason
+            boot.add(f"leftvia/{boot.rank}", via + 1)
         boot.add(f"left/{boot.rank}", why)
         boot.add("left", 1)
     except BaseException:  # noqa: BLE001 - the store is gone or this is a second Ctrl-C: the timeout remains
@@ -347,14 +415,44 @@ def init_watch(boot, transport):
             if left:
                 r, why = left[0]
                 what = _WHAT.get(why, "hit an unexpected error")
-                raise ZbcclRemoteError(f"init: {op}: peer lost while waiting: rank {r} {what} in the middle of init "
-                                       "and left it", ranks=(r,))
+                more, first = _init_chain(boot, transport, index, dict(left), r)
+                err = ZbcclRemoteError(f"init: {op}: peer lost while waiting: rank {r} {what} in the middle of init "
+                                       f"and left it{more}", ranks=(r,) if first is None else (first, r))
+                err.via = r
+                raise err
         if transport is None:
             return
         dead = set(transport.dead_peers())
         gone = [m for m in pending if index.get(m, -1) in dead]
         if gone:
             what = "; ".join(f"rank {m} died (its process exited or was killed)" for m in gone)
-            raise ZbcclRemoteError(f"init: {op}: peer lost while waiting: {what}", ranks=tuple(gone))
+            err = ZbcclRemoteError(f"init: {op}: peer lost while waiting: {what}", ranks=tuple(gone))
+            err.via = gone[0]
+            raise err
 
     return watch
+
+
+def _init_chain(boot, transport, index: dict[int, int], left: dict[int, int], r: int) -> tuple[str, int | None]:
+    """The first cause of member ``r`` leaving init (the ``leftvia`` records of :func:`left_init`), as
+    :func:`first_cause` says it for ops: ``("; the first cause: ...", that member)``, or ``("", None)``."""
+    links, cur = [r], r
+    while len(links) <= boot.world_size and cur in index and cur != boot.members[boot.rank]:
+        via = boot.add(f"leftvia/{index[cur]}", 0) - 1
+        if via < 0 or via in links:
+            break
+        links.append(via)
+        cur = via
+    if len(links) < 2:
+        return "", None
+    first = links[-1]
+    if first == boot.members[boot.rank]:
+        who = "this rank"
+    elif first in left:
+        who = f"rank {first}, which {_WHAT.get(left[first], 'hit an unexpected error')} in the middle of init"
+    elif transport is not None and index.get(first, -1) in set(transport.dead_peers()):
+        who = f"rank {first}, which died (its process exited or was killed)"
+    else:
+        who = f"rank {first}, which never arrived (stopped or too slow)"
+    text = f"; the first cause: {who} (chain: " + " -> ".join(f"rank {q}" for q in reversed(links)) + ")"
+    return text, (None if first == boot.members[boot.rank] else first)
