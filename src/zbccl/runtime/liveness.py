@@ -33,12 +33,8 @@ through the store (:func:`init_watch`): a rank that leaves init half-way announc
 ranks' pids are known (after the hello exchange) the local peers' processes are watched by pidfd
 (the transport's ``watch_peers``). A rank that dies before its hello is named at the timeout.
 
-**The chain.** A rank that leaves because of another (a timeout waiting for it, a peer that died or left)
-records on its ABORT line which rank that was (VIA) and the first rank of the chain (CAUSE: VIA's own CAUSE
-when VIA left an op too); ``chan.c`` ``chain_of`` and :func:`mark_line` write them before the line's VALUE.
-So a rank that waits on a follower, not on the rank that failed first, names that first rank and the chain
-between (:func:`abort_error`): "rank 2 timed out ... ; the first cause: rank 0, which never arrived (chain:
-rank 0 -> rank 1 -> rank 2)".
+**The chain.** A rank that leaves because of another records which (VIA) and the first rank of the chain
+(CAUSE) on its ABORT line, and errors name that first rank and the chain: :mod:`.chain`.
 
 The order names the cause before its followers. Members that already reached what this rank waits
 for are not checked for death in 3 (they may finish and exit), but their ABORT is: a rank that left
@@ -57,17 +53,23 @@ from ..native.abi import (
     ABORT_INTERRUPT,
     ABORT_PEER,
     ABORT_TIMEOUT,
-    L_ABORT,
-    L_WAIT,
     W_CAUSE,
     W_VIA,
     W_WHERE,
     W_WHY,
-    WHERE_BARRIER,
-    WHERE_COLLECTIVE,
-    WHERE_EP,
-    WHERE_P2P,
-    WHERE_STORE,
+)
+from .chain import (
+    ABORT_LINE,
+    WAIT_LINE,
+    WHAT,
+    WHERE,
+    aborted,
+    chain,
+    first_cause,
+    init_chain,
+    waiting,
+    waits_on,
+    words,
 )
 
 if TYPE_CHECKING:
@@ -79,121 +81,9 @@ __all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "WAIT_LINE", "waiting", "wai
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
 FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
 
-_WHAT = {ABORT_INTERRUPT: "was interrupted (Ctrl-C)", ABORT_TIMEOUT: "timed out", ABORT_PEER: "lost a peer"}
-_WHERE = {WHERE_COLLECTIVE: "a collective", WHERE_BARRIER: "a barrier", WHERE_EP: "an EP op",
-          WHERE_P2P: "a send/recv", WHERE_STORE: "a store op (all_gather_object, new_group, destroy)"}
-
-
-#: Signal-pad byte offset of a rank's own ABORT line (the world slot's ``L_ABORT`` line).
-ABORT_LINE = layout.slot_line(0, L_ABORT)
-#: Signal-pad byte offset of a rank's WAIT line (the world slot's ``L_WAIT``): VALUE the world rank + 1 its
-#: p2p wait waits for (0: none), WHY 1 once that wait timed out, 2 once it raised because that rank was lost. A p2p timeout leaves no ABORT (the wait is
-#: cancelled cleanly), so this is how a chain of p2p waits (a ring: 0 waits for 2, which waits for 1, which
-#: is stopped) is read: the line stays set after a timeout, until the rank's next p2p wait ends.
-WAIT_LINE = layout.slot_line(0, L_WAIT)
-
-
-_GAVE_UP = {0: "itself waits for", 1: "timed out waiting for", 2: "gave up waiting for"}
-
-
-def waiting(ctx: Context, on: int | None, *, ended: int = 0) -> None:
-    """Publish that this rank's p2p wait waits for world rank ``on`` (None: no wait); ``ended``: 1 it timed
-    out, 2 it raised because a rank was lost (the line then stays set)."""
-    if ctx.finalized or ctx.forked:
-        return
-    transport, me = ctx.heap.transport, ctx.rank
-    transport.signal(me, WAIT_LINE + 8 * W_WHY, ended)
-    transport.signal(me, WAIT_LINE, 0 if on is None else on + 1)
-
-
-def waits_on(ctx: Context, g: int, label=None) -> tuple[str, object]:
-    """``("; rank g itself waits for rank q (...)", q's label)`` when world rank ``g``'s WAIT line names a
-    rank it waits for or gave up on (followed along a chain of such waits, :data:`WAIT_LINE`), else
-    ``("", None)``."""
-    heap, links = ctx.heap, [g]
-    timed = []
-    while len(links) <= ctx.world_size:
-        cur = links[-1]
-        if cur == ctx.rank or not heap.reachable(cur):
-            break
-        q = heap.transport.load(cur, WAIT_LINE) - 1
-        if q < 0 or q in links:
-            break
-        timed.append(heap.transport.load(cur, WAIT_LINE + 8 * W_WHY))
-        links.append(q)
-    if len(links) < 2:
-        return "", None
-    name = label or (lambda q: q)
-    first = links[-1]
-    how = _GAVE_UP.get(timed[0], _GAVE_UP[0])
-    who = "this rank" if first == ctx.rank else f"rank {name(first)}"
-    state = "" if first == ctx.rank else f", which {_state_of(ctx, first, (ABORT_LINE,))}"
-    text = (f"; rank {name(g)} {how} {who} in a send/recv{state} (chain of waits: "
-            + " -> ".join(f"rank {name(q)}" for q in links) + ")")
-    return text, (None if first == ctx.rank else name(first))
-
-
 def abort_addr(ctx: Context, rank: int) -> int:
     """Native-core address of global rank ``rank``'s own ABORT line (only for the native channel's table)."""
     return ctx.heap.ctrl_addr(rank, ABORT_LINE)
-
-
-def aborted(transport, rank: int, line: int) -> tuple[int, int]:
-    """``(why, where)`` of global rank ``rank``'s ABORT line at signal-pad byte ``line`` (``ABORT_*``,
-    ``WHERE_*``), ``(0, 0)`` if not set."""
-    if transport.load(rank, line) == 0:
-        return 0, 0
-    return (transport.load(rank, line + 8 * W_WHY) or ABORT_EXCEPTION,
-            transport.load(rank, line + 8 * W_WHERE))
-
-
-def _words(transport, rank: int, line: int) -> tuple[int, int] | None:
-    """``(cause, via)`` world ranks (-1: none) of rank ``rank``'s ABORT line at ``line``, None if not set."""
-    if transport.load(rank, line) == 0:
-        return None
-    return transport.load(rank, line + 8 * W_CAUSE) - 1, transport.load(rank, line + 8 * W_VIA) - 1
-
-
-def chain(ctx: Context, r: int, lines: Sequence[int] = (ABORT_LINE,)) -> list[int]:
-    """World ranks from the first cause to ``r`` (``[..., r]``) of why world rank ``r`` left an op: the VIA
-    words of the ranks along the way (each one's line among ``lines`` that is set), closed by ``r``'s CAUSE
-    when a link cannot be read (a rank whose heap is gone). ``[r]`` when ``r`` left by its own cause."""
-    heap = ctx.heap
-    out, cause, cur = [r], None, r
-    while len(out) <= ctx.world_size:
-        words = None
-        if cur != ctx.rank and heap.reachable(cur):
-            words = next((w for w in (_words(heap.transport, cur, ln) for ln in lines) if w is not None), None)
-        if words is None:
-            break
-        if cause is None:
-            cause = words[0]
-        via = words[1]
-        if via < 0 or via in out:
-            break
-        out.append(via)
-        cur = via
-    if cause is not None and cause >= 0 and cause not in out:
-        out.append(cause)
-    return out[::-1]
-
-
-def _state_of(ctx: Context, g: int, lines: Sequence[int]) -> str:
-    """What happened to world rank ``g``, the first of a chain, as this rank sees it now."""
-    heap = ctx.heap
-    if heap.reachable(g):
-        for ln in lines:
-            why, where = aborted(heap.transport, g, ln)
-            if why:
-                return f"{_WHAT.get(why, 'hit an unexpected error')} in the middle of {_WHERE.get(where, 'a collective')}"
-        state = heap.header(g, layout.H_STATE)
-        if state == layout.STATE_FAILED:
-            return "failed"
-        if state == layout.STATE_FINALIZED:
-            return "called finalize"
-    if g in set(heap.transport.dead_peers()):
-        return "died (its process exited or was killed)"
-    return "never arrived (stopped or too slow)"
 
 
 def abort_error(r: int, why: int, *, op: str, where: int = 0, ctx: Context | None = None, g: int | None = None,
@@ -201,8 +91,8 @@ def abort_error(r: int, why: int, *, op: str, where: int = 0, ctx: Context | Non
     """What waiting for rank ``r`` raises once it left an op half-way for ``why``. With ``ctx`` and ``g``
     (``r``'s world rank; ``lines``: the ABORT lines to read, ``label``: world rank -> the number errors use)
     a rank that left because of another also names the first cause and the chain (:func:`chain`)."""
-    what = _WHAT.get(why, "hit an unexpected error")
-    text = f"{op}: peer lost while waiting: rank {r} {what} in the middle of {_WHERE.get(where, 'a collective')} and left it"
+    what = WHAT.get(why, "hit an unexpected error")
+    text = f"{op}: peer lost while waiting: rank {r} {what} in the middle of {WHERE.get(where, 'a collective')} and left it"
     ranks: tuple = (r,)
     if ctx is not None and g is not None:
         more, first = first_cause(ctx, g, lines, label)
@@ -211,20 +101,6 @@ def abort_error(r: int, why: int, *, op: str, where: int = 0, ctx: Context | Non
     err = ZbcclRemoteError(text + "; this communicator is broken (finalize and init again)", ranks=ranks)
     err.via = g  # the world rank this error is about: a rank leaving by it records it (VIA, :func:`leave`)
     return err
-
-
-def first_cause(ctx: Context, g: int, lines: Sequence[int] = (ABORT_LINE,), label=None) -> tuple[str, object]:
-    """``("; the first cause: rank q, which ... (chain: rank q -> ... -> rank g)", q's label)`` when world
-    rank ``g`` left an op because of another rank (its ABORT line's chain, :func:`chain`), else ``("", None)``;
-    the label is None too when the first cause is this rank. ``label``: world rank -> the number errors use."""
-    links = chain(ctx, g, lines)
-    if len(links) < 2 or links[0] == g:
-        return "", None
-    name = label or (lambda q: q)
-    first = links[0]
-    who = "this rank" if first == ctx.rank else f"rank {name(first)}, which {_state_of(ctx, first, lines)}"
-    text = f"; the first cause: {who} (chain: " + " -> ".join(f"rank {name(q)}" for q in links) + ")"
-    return text, (None if first == ctx.rank else name(first))
 
 
 def who_left(ctx: Context, ranks: Iterable[int]) -> tuple[int, int, int] | None:
@@ -312,9 +188,9 @@ def mark_line(ctx: Context, line: int, why: int, *, where: int, seq: int = 1, vi
     if via is not None and via != me:
         cause = via
         if ctx.heap.reachable(via):
-            words = _words(transport, via, ABORT_LINE)
-            if words is not None and words[0] >= 0:
-                cause = words[0]
+            got = words(transport, via, ABORT_LINE)
+            if got is not None and got[0] >= 0:
+                cause = got[0]
     # the words first: a peer reads them once it sees the line set
     transport.signal(me, line + 8 * W_WHY, why)
     transport.signal(me, line + 8 * W_WHERE, where)
@@ -414,8 +290,8 @@ def init_watch(boot, transport):
                                         "waiting for them and left init)", ranks=tuple(absent))
             if left:
                 r, why = left[0]
-                what = _WHAT.get(why, "hit an unexpected error")
-                more, first = _init_chain(boot, transport, index, dict(left), r)
+                what = WHAT.get(why, "hit an unexpected error")
+                more, first = init_chain(boot, transport, index, dict(left), r)
                 err = ZbcclRemoteError(f"init: {op}: peer lost while waiting: rank {r} {what} in the middle of init "
                                        f"and left it{more}", ranks=(r,) if first is None else (first, r))
                 err.via = r
@@ -432,27 +308,3 @@ def init_watch(boot, transport):
 
     return watch
 
-
-def _init_chain(boot, transport, index: dict[int, int], left: dict[int, int], r: int) -> tuple[str, int | None]:
-    """The first cause of member ``r`` leaving init (the ``leftvia`` records of :func:`left_init`), as
-    :func:`first_cause` says it for ops: ``("; the first cause: ...", that member)``, or ``("", None)``."""
-    links, cur = [r], r
-    while len(links) <= boot.world_size and cur in index and cur != boot.members[boot.rank]:
-        via = boot.add(f"leftvia/{index[cur]}", 0) - 1
-        if via < 0 or via in links:
-            break
-        links.append(via)
-        cur = via
-    if len(links) < 2:
-        return "", None
-    first = links[-1]
-    if first == boot.members[boot.rank]:
-        who = "this rank"
-    elif first in left:
-        who = f"rank {first}, which {_WHAT.get(left[first], 'hit an unexpected error')} in the middle of init"
-    elif transport is not None and index.get(first, -1) in set(transport.dead_peers()):
-        who = f"rank {first}, which died (its process exited or was killed)"
-    else:
-        who = f"rank {first}, which never arrived (stopped or too slow)"
-    text = f"; the first cause: {who} (chain: " + " -> ".join(f"rank {q}" for q in reversed(links)) + ")"
-    return text, (None if first == boot.members[boot.rank] else first)
