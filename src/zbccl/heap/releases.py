@@ -98,8 +98,12 @@ def pending() -> int:
 def drain() -> None:
     """Run the release of every storage that died (any thread; cheap when none did). On the main thread
     a SIGINT that arrives meanwhile is held until they all ran, then delivered to its handler here."""
-    if not (_dead or _noted or any(q for q, _ in _queues)):
-        return
+    if not _dead and not _noted:  # the common case, on every allocation: no generator, no call
+        for queue, _ in _queues:
+            if queue:
+                break
+        else:
+            return
     if threading.current_thread() is not threading.main_thread():
         _run()  # the noted interrupts wait for the main thread: only there does SIGINT raise
         return
