@@ -466,3 +466,181 @@ def _barrier_timeout_is_reported(ctx):
 def test_a_barrier_timeout_is_reported_to_the_late_rank():
     out = run_world(_barrier_timeout_is_reported, 2, env=ENV, timeout=3 * TIMEOUT)
     assert out[0] == "timed out" and out[1] < BOUND
+
+
+def _chain_names_the_first_cause(ctx):
+    """World 3, a chain: rank 1 times out in a world all_reduce waiting for rank 0 (alive, idle: as a
+    stopped rank looks), while rank 2 waits for rank 1 only, in an all_reduce of the group {1, 2} (another op,
+    which rank 0 is not in). Rank 2 must name rank 0, the first cause, and the chain, not only rank 1; and
+    the ABORT line rank 2 leaves with records the chain, so a later op on rank 0 hears why."""
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    pair = comm.new_group([1, 2])
+    t = zbccl.zeros(256)
+    try:
+        zbccl.all_reduce(t)
+        if pair:  # the group's first op reads the store: the one below runs on the native channel
+            zbccl.all_reduce(t, comm=pair)
+        if comm.rank == 0:  # the first cause: never enters the all_reduce ranks 1 waits in
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            err, _ = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t), "rank 1 timed out")
+            return str(err)
+        if comm.rank == 1:
+            _timed(zbccl.ZbcclTimeoutError, lambda: zbccl.all_reduce(t, timeout=1), "rank 0")
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            return "timed out"
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: zbccl.all_reduce(t, comm=pair), "timed out",
+                              "the first cause: rank 0 (world), which never arrived",
+                              "chain: rank 0 (world) -> rank 0")
+        assert err.ranks[0] == "0 (world)", err.ranks
+        # a world op next, which rank 0 is not in either: named as the rank that never came
+        err, _ = _timed(zbccl.ZbcclTimeoutError, lambda: comm.barrier(), "rank 0 never arrived",
+                        "rank 1 timed out waiting for them first")
+        assert err.ranks == (0,), err.ranks
+        return elapsed
+    finally:
+        if comm.rank == 2:
+            store.set("liveness/seen2", b"1")
+        zbccl.finalize()
+
+
+def test_a_chain_names_the_first_cause():
+    out = run_world(_chain_names_the_first_cause, 3, env=ENV, timeout=3 * TIMEOUT)
+    assert out[1] == "timed out" and out[2] < BOUND, out
+    assert "the first cause: this rank" in out[0] and "chain: rank 0 -> rank 1" in out[0], out[0]
+
+
+def _p2p_chain(ctx, how: str):
+    """World 3, a chain of p2p waits: rank 1 receives from rank 0, which never sends (alive, idle: as a
+    stopped rank looks), and rank 2 receives from rank 1. A p2p timeout leaves no ABORT line, so rank 2
+    learns the chain from rank 1's WAIT line: rank 1 still waits for rank 0 (``waiting``: rank 2's own
+    receive times out), or rank 1 timed out on rank 0 and called finalize (``finalized``)."""
+    import torch.distributed as dist
+
+    import zbccl
+
+    dist.init_process_group("zbccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=TIMEOUT))
+    store = ctx.store()
+    t = torch.zeros(4)
+    try:
+        dist.barrier()
+        if ctx.rank == 0:  # the first cause: sends to rank 1 only once rank 2 has seen the chain
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            if how == "waiting":
+                dist.send(torch.ones(4), 1)
+            return "idle"
+        if ctx.rank == 1:
+            if how == "finalized":
+                with pytest.raises(zbccl.ZbcclTimeoutError):
+                    dist.irecv(t, 0).wait(timedelta(seconds=1))
+                dist.destroy_process_group()
+                store.set("liveness/left1", b"1")
+                return "finalized"
+            main = threading.main_thread().ident
+
+            def tell() -> None:  # rank 2 starts its receive once this rank waits in its own
+                delay = 0.001
+                while not _inside(main, {"_wait_recv_until"}):
+                    time.sleep(delay)
+                    delay = min(2 * delay, 0.02)
+                store.set("liveness/left1", b"1")
+
+            threading.Thread(target=tell, daemon=True).start()
+            dist.irecv(t, 0).wait()
+            assert torch.equal(t, torch.ones(4))
+            return "received"
+        store.wait(["liveness/left1"], timedelta(seconds=TIMEOUT))
+        if how == "waiting":
+            err, _ = _timed(zbccl.ZbcclTimeoutError, lambda: dist.irecv(t, 1).wait(timedelta(seconds=1)),
+                            "rank 1 itself waits for rank 0 in a send/recv, which never arrived",
+                            "chain of waits: rank 1 -> rank 0")
+        else:
+            err, _ = _timed(zbccl.ZbcclRemoteError, lambda: dist.irecv(t, 1).wait(), "rank 1 called finalize",
+                            "rank 1 timed out waiting for rank 0 in a send/recv, which never arrived")
+        assert err.ranks == ((1, 0) if how == "waiting" else (0, 1)), err.ranks
+        return str(err)
+    finally:
+        if ctx.rank == 2:
+            store.set("liveness/seen2", b"1")
+        if not (ctx.rank == 1 and how == "finalized"):
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["waiting", "finalized"])
+def test_a_chain_of_p2p_waits_names_its_last_rank(how):
+    out = run_world(_p2p_chain, 3, how=how, env=ENV, timeout=3 * TIMEOUT)
+    assert out[:2] == ["idle", "received" if how == "waiting" else "finalized"], out
+
+
+def _store_chain(ctx):
+    """World 3, a chain through store ops: rank 1 times out creating the group {0, 1} (rank 0 never comes),
+    while rank 2 waits for rank 1 creating the group {1, 2}. Rank 2 names rank 0, the first cause."""
+    import zbccl
+
+    comm = ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    store = ctx.store()
+    try:
+        zbccl.barrier()
+        if comm.rank == 0:
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            return "idle"
+        if comm.rank == 1:
+            _timed(zbccl.ZbcclTimeoutError, lambda: comm.new_group([0, 1], timeout=1), "ranks [0]")
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            return "timed out"
+        err, _ = _timed(zbccl.ZbcclRemoteError, lambda: comm.new_group([1, 2]), "rank 1 timed out",
+                        "the first cause: rank 0, which never arrived", "chain: rank 0 -> rank 1")
+        assert err.ranks == (0, 1), err.ranks
+        return str(err)
+    finally:
+        if comm.rank == 2:
+            store.set("liveness/seen2", b"1")
+        zbccl.finalize()
+
+
+def test_a_chain_through_store_ops_names_the_first_cause():
+    out = run_world(_store_chain, 3, env=ENV, timeout=3 * TIMEOUT)
+    assert out[:2] == ["idle", "timed out"], out
+
+
+def _init_chain(ctx):
+    """World 3, a chain in init: rank 0 dies in init after the hello exchange; rank 2 notices (its pid) and
+    leaves init because of it; rank 1, held back until then, reads rank 2's "left init" record first and
+    must name rank 0, the first cause, not only rank 2."""
+    import zbccl
+    from zbccl.runtime import state
+
+    store = ctx.store()
+    real = state._agree
+    if ctx.rank == 0:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        state._agree = die
+        ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+    if ctx.rank == 1:
+        def held(*args, **kwargs):  # rank 1 enters the exchange once rank 2 left init
+            store.wait(["liveness/left2"], timedelta(seconds=TIMEOUT))
+            return real(*args, **kwargs)
+
+        state._agree = held
+    try:
+        with pytest.raises(zbccl.ZbcclRemoteError) as info:
+            ctx.init(heap_size=4 * MiB, timeout=TIMEOUT)
+        if ctx.rank == 2:
+            store.set("liveness/left2", b"1")
+            assert "rank 0 died" in str(info.value), str(info.value)
+            return "left"
+        assert "rank 0" in str(info.value) and 0 in info.value.ranks, (str(info.value), info.value.ranks)
+        return str(info.value)
+    finally:
+        state._agree = real
+
+
+def test_a_chain_in_init_names_the_first_cause():
+    out = run_world(_init_chain, 3, env=ENV, expect_exit={0: -9}, timeout=3 * TIMEOUT)
+    assert out[2] == "left", out
+    assert "rank 2 lost a peer" not in out[1] or "the first cause: rank 0, which died" in out[1], out[1]

@@ -63,7 +63,7 @@ from ..errors import (
 )
 from ..heap import layout
 from ..native.abi import WHERE_P2P
-from ..runtime.liveness import leave
+from ..runtime.liveness import leave, waiting, waits_on
 from ..runtime.threads import nthreads
 from ..runtime.waits import FlagSet, check_peers
 from .work import CompletedWork, PendingWork
@@ -311,12 +311,36 @@ class PointToPoint:
         return rec.done
 
     def _wait_recv(self, rec: _Recv, timeout: float) -> None:
+        on = None if rec.src is None else self.comm.ranks[rec.src]
+        waiting(self.ctx, on)
+        try:
+            self._wait_recv_until(rec, timeout)
+        except ZbcclError as exc:  # stays set: a peer waiting on this rank reads why (waits_on)
+            waiting(self.ctx, on, ended=1 if isinstance(exc, ZbcclTimeoutError) else 2)
+            raise
+        except BaseException:
+            waiting(self.ctx, None)
+            raise
+        waiting(self.ctx, None)
+
+    def _timeout(self, text: str, peer: int | None) -> ZbcclTimeoutError:
+        """A p2p wait's timeout: ``text``, and when ``peer`` (group rank) itself waits for another rank in a
+        send/recv (or gave up on it), that chain and its last rank (:func:`.liveness.waits_on`)."""
+        ranks = self.comm.ranks
+        more, last = ("", None) if peer is None else waits_on(
+            self.ctx, ranks[peer], lambda g: ranks.index(g) if g in ranks else f"{g} (world)")
+        return ZbcclTimeoutError(text + more, ranks=(peer,) if last is None else (peer, last))
+
+    def _wait_recv_until(self, rec: _Recv, timeout: float) -> None:
         op = f"recv(src={'any' if rec.src is None else rec.src}, tag={rec.tag})"
         deadline = time.monotonic() + timeout
         peers = [rec.src] if rec.src is not None else [r for r in range(self.comm.world_size) if r != self.comm.rank]
         while not rec.done:
             left = deadline - time.monotonic()
             if left <= 0:
+                if rec.src is not None:
+                    raise self._timeout(f"{op}: timed out after {timeout:.1f}s, expected a matching message from "
+                                        f"rank(s) {peers}, got none", rec.src)
                 raise ZbcclTimeoutError(
                     f"{op}: timed out after {timeout:.1f}s, expected a matching message from rank(s) {peers}, "
                     "got none", ranks=tuple(peers))
@@ -330,19 +354,28 @@ class PointToPoint:
                                    min(self.ctx.liveness_ns, int(left * 1e9)))
             else:  # any source, or a sender that never sent: poll
                 time.sleep(_POLL_NS / 1e9)
-            self._check_alive(peers, op)
             self.progress()
+            if rec.done:  # a message posted before its sender finalized (or died) still counts
+                break
+            self._check_alive(peers, op)
 
     # ------------------------------------------------------------ waits
     def _wait_word(self, addr: int, target: int, peer: int, *, op: str, why: str,
                    timeout: float | None = None) -> None:
         """Block until the int64 at ``addr`` is >= ``target``, progressing pending recvs meanwhile."""
         timeout = self.ctx.timeout if timeout is None else timeout
+        on = self.comm.ranks[peer]
+        waiting(self.ctx, on)
         try:
             self._wait_word_until(addr, target, peer, op=op, why=why, timeout=timeout)
         except BaseException as exc:
+            if isinstance(exc, ZbcclError):  # stays set: a peer waiting on this rank reads why (waits_on)
+                waiting(self.ctx, on, ended=1 if isinstance(exc, ZbcclTimeoutError) else 2)
+            else:
+                waiting(self.ctx, None)
             self._left(exc, op)
             raise
+        waiting(self.ctx, None)
 
     def _left(self, exc: BaseException, op: str) -> None:
         """A wait is left by ``exc``: Ctrl-C or an unexpected exception marks this rank's ABORT line; a
@@ -361,8 +394,8 @@ class PointToPoint:
                 self.progress()
             self._check_alive([peer], op)
             if time.monotonic() > deadline:
-                raise ZbcclTimeoutError(f"{op}: timed out after {timeout:.1f}s waiting for rank {peer}: expected "
-                                        f"{why}, got none", ranks=(peer,))
+                raise self._timeout(f"{op}: timed out after {timeout:.1f}s waiting for rank {peer}: expected "
+                                    f"{why}, got none", peer)
 
     def _ptr(self, addr: int) -> int:
         """Address of a one-element address array for ``prims.wait_ge`` (kept per flag)."""
@@ -375,7 +408,7 @@ class PointToPoint:
         if self.closed and not self.ctx.finalized:  # this rank's finalize: the rule's own text (check, below)
             raise ZbcclInvalidUsageError(f"{op}: the process group was shut down while the op waited")
         ranks = [self.comm.ranks[p] for p in peers]
-        check_peers(self.ctx, ranks, op=op, labels={g: p for g, p in zip(ranks, peers)})
+        check_peers(self.ctx, ranks, op=op, labels={g: p for p, g in enumerate(self.comm.ranks)})
 
     def _check_broken(self, op: str) -> None:
         if self.ctx.left is not None:  # this rank left an op half-way (runtime/liveness.py)

@@ -17,8 +17,9 @@ stack per size class), with no Python on a hit. This module owns the policy:
   is full: non-strict scopes fall back to ordinary memory (counted in the SMA
   with ``record_fallback`` and natively), strict ones raise ``RuntimeError``
   (``torch.OutOfMemoryError``) from the allocating op;
-* a free beyond a class's depth or the byte limit calls ``release`` here
-  (``sma.free``); callbacks take the GIL themselves and never run under a native lock;
+* a free beyond a class's depth or the byte limit calls ``release`` here, which queues
+  the offset for ``sma.free`` at the next drain (:mod:`zbccl.heap.releases`: a Ctrl-C is
+  never dropped in a callback); callbacks take the GIL themselves and never run under a native lock;
 * the native cache is the SMA cache tier ``"heap_scope"``: ``sma.stats()`` counts
   its blocks as cached, and an SMA allocation that would fail drains it first.
 
@@ -33,12 +34,14 @@ import atexit
 import ctypes
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclSystemError
+from ..heap import releases
 from ..native import abi
 
 __all__ = ["HOOK_COUNTERS", "TIER_NAME", "HeapScope", "heap_scope", "hook_stats", "unregister_heap"]
@@ -120,6 +123,7 @@ class _Registration:
     sma: Any
     refill: Any
     release: Any
+    frees: deque  # offsets the native deleter handed back (release is its append), drained with the SMA's
 
     def counters(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * len(HOOK_COUNTERS))()
@@ -160,28 +164,34 @@ def _size_classes(sma: Any, heap_bytes: int, max_bytes: int) -> tuple[list[int],
     return sizes, depth, limit
 
 
-def _callbacks(sma: Any) -> tuple[Any, Any]:
+def _callbacks(sma: Any, frees: deque) -> tuple[Any, Any]:
     """ctypes callbacks the hook calls on a miss (refill) and on an uncached free (release), in heap offsets
-    (the hook turns them into addresses)."""
+    (the hook turns them into addresses).
+
+    Whatever a ctypes callback raises, ctypes prints and drops, a Ctrl-C's ``KeyboardInterrupt`` included.
+    So the release runs no Python code: it is ``frees.append`` (C), and the offsets go back to the SMA at
+    the next drain (:mod:`zbccl.heap.releases`, SIGINT held meanwhile). The refill must allocate: a
+    ``KeyboardInterrupt`` it catches is noted and delivered by the next drain, and the allocation is tried
+    again (the interrupt is not a full heap)."""
 
     def refill(size: int, requested: int, flags: int) -> int:
-        try:  # nothing may propagate into C; a failure is "heap full"
-            # round_size(requested) == size: the hook's classes are round_size values.
-            offset = sma.try_malloc(requested, kind=_KIND)
-            if offset is None and not flags & _STRICT:
-                sma.record_fallback(requested)
-        except BaseException:  # noqa: BLE001
-            _log.exception("heap_scope: refill of %d bytes failed; treating the heap as full", size)
-            return -1
-        return -1 if offset is None else offset
+        for _ in range(2):
+            try:  # nothing may propagate into C; a failure is "heap full"
+                # round_size(requested) == size: the hook's classes are round_size values.
+                with releases.in_callback():
+                    offset = sma.try_malloc(requested, kind=_KIND)
+                if offset is None and not flags & _STRICT:
+                    sma.record_fallback(requested)
+            except KeyboardInterrupt:
+                releases.note_interrupt()
+                continue
+            except BaseException:  # noqa: BLE001
+                _log.exception("heap_scope: refill of %d bytes failed; treating the heap as full", size)
+                return -1
+            return -1 if offset is None else offset
+        return -1
 
-    def release(offset: int) -> None:
-        try:
-            sma.free(offset)
-        except BaseException:  # noqa: BLE001
-            _log.exception("heap_scope: returning block at offset %#x to the SMA failed; block leaked", offset)
-
-    return _REFILL(refill), _RELEASE(release)
+    return _REFILL(refill), _RELEASE(frees.append)
 
 
 def _register(comm: Any) -> _Registration:
@@ -200,14 +210,16 @@ def _register(comm: Any) -> _Registration:
             _unregister_locked(reg)
         lib = _hook()
         sizes, depth, limit = _size_classes(sma, nbytes, max_bytes)
-        refill, release = _callbacks(sma)
+        frees: deque = deque()
+        releases.add_queue(frees, sma.free)
+        refill, release = _callbacks(sma, frees)
         hid = lib.zbh_register(base, max_bytes, (ctypes.c_uint64 * len(sizes))(*sizes),
                                (ctypes.c_uint32 * len(depth))(*depth), len(sizes), limit, refill, release)
         if hid <= 0:
             raise ZbcclSystemError(
                 f"heap_scope: cannot register heap {base:#x}+{nbytes}, expected a heap id, got error {hid}"
             )
-        reg = _Registration(base, max_bytes, hid, sma, refill, release)
+        reg = _Registration(base, max_bytes, hid, sma, refill, release, frees)
         sma.add_cache_tier(TIER_NAME, cached=reg.cached, drain=reg.drain)
         _registry[base] = reg
         if not _atexit_done:  # frees during interpreter teardown must not call into Python
@@ -248,6 +260,7 @@ def _unregister_locked(reg: _Registration) -> None:
     _retired.append(reg)
     _hook().zbh_unregister(reg.heap_id)
     try:
+        releases.remove_queue(reg.frees)
         reg.drain()
         reg.sma.remove_cache_tier(TIER_NAME)
     except Exception:  # noqa: BLE001 - teardown is best effort
@@ -360,6 +373,7 @@ class HeapScope:
                 "heap_scope: exit on a thread that did not enter this scope, expected the entering thread to "
                 "exit it, got a thread where it is not open")
         _apply(stack)
+        releases.drain()  # the frees of the scope's tensors, and a Ctrl-C a refill caught: raised here
 
 
 def heap_scope(comm: Any = None, *, strict: bool = False, device: str | None = None) -> HeapScope:

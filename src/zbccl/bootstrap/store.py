@@ -155,11 +155,13 @@ class StoreBootstrap(Bootstrap):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = tuple(o for _, o in pending if o >= 0)
-                raise ZbcclTimeoutError(
+                err = ZbcclTimeoutError(
                     f"bootstrap {op}: timed out after {timeout:.1f}s waiting for ranks "
                     f"{list(missing)} (of {self.world_size}); they never arrived",
                     ranks=missing,
                 )
+                err.via = missing[0] if missing else None  # the rank a leave names on its ABORT line (VIA)
+                raise err
             try:
                 self.store.wait([pending[0][0]], timedelta(seconds=min(poll, left)))
             except Exception:  # noqa: BLE001 - its own timeout types; a dead store fails check() next

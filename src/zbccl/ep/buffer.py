@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,12 @@ from .group import communicator_of as _communicator_of
 from .wire import HostWire, spans_hosts
 
 __all__ = ["Buffer"]
+
+
+class _KeyRef(weakref.ref):
+    """A handle tensor's weakref, with the ``id`` it is registered under."""
+
+    __slots__ = ("k",)
 
 
 class Buffer:
@@ -91,6 +98,7 @@ class Buffer:
         self.layout_memo = None  # (topk_idx, its version, num_tokens_per_expert, its version, data_ptr)
         self._lock = threading.RLock()
         self._handles: dict[int, tuple] = {}
+        self._dead_handles: deque = deque()  # weakrefs of handle tensors that died (appended in C)
         self._local: dict[bool, torch.Tensor] = {}
         self._ll = low_latency.LowLatencyState()
         self._mask = torch.zeros(self.group_size, dtype=torch.int32)
@@ -159,8 +167,16 @@ class Buffer:
     # ------------------------------------------------------------------ handles
     def register(self, key: torch.Tensor, extra=None) -> None:
         """Remember that ``key`` (a handle's tensor) came from this Buffer's op number ``seq``."""
-        k = id(key)
-        self._handles[k] = (weakref.ref(key, lambda _, k=k, h=self._handles: h.pop(k, None)), self.seq, extra)
+        # Forget the handles whose tensor died. Their weakrefs' callback only queued them: a Python callback
+        # would run at the tensor's death, where a Ctrl-C is raised and dropped (see heap/releases.py).
+        dead = self._dead_handles
+        while dead:
+            ref = dead.popleft()
+            if self._handles.get(ref.k, (None,))[0] is ref:
+                del self._handles[ref.k]
+        ref = _KeyRef(key, dead.append)
+        ref.k = id(key)
+        self._handles[ref.k] = (ref, self.seq, extra)
 
     def lookup(self, key, op: str) -> tuple[int, object]:
         entry = self._handles.get(id(key)) if isinstance(key, torch.Tensor) else None

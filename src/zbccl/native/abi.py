@@ -63,7 +63,8 @@ ARG_DEFAULTS = {"stage_off": -1}
 #: liveness descriptor (-1: this rank), its size-vector area, its ABORT line and its ELECT line (group
 #: rank 0's is the group's election word), and its own ABORT line (RABORT: the world slot's, which every
 #: wait reads, see runtime/liveness.py).
-CHAN_ROW = ("ARRIVE", "PHASE", "DONE", "HEADER", "STATE", "BASE", "SIZE", "FD", "VEC", "ABORT", "ELECT", "RABORT")
+CHAN_ROW = ("ARRIVE", "PHASE", "DONE", "HEADER", "STATE", "BASE", "SIZE", "FD", "VEC", "ABORT", "ELECT", "RABORT",
+            "RANK")
 #: The argument block of each EP kernel (``native/csrc/cpu/ep.c``): C struct name -> (its fields, the fields of the
 #: row that follows it once per rank, or ``()``). Addresses are ``*_out`` (written), or inputs; ``R`` ranks,
 #: ``me`` this rank, ``E`` experts, ``L`` local experts, ``C`` channels, ``K`` top-k, ``T`` tokens. Each
@@ -132,12 +133,16 @@ ABORTS = {"INTERRUPT": 1, "EXCEPTION": 2, "TIMEOUT": 3, "PEER": 4}
 ABORT_WHERE = {"COLLECTIVE": 1, "BARRIER": 2, "EP": 3, "P2P": 4, "STORE": 5}
 #: Lines of a comm slot the op channel uses (line 0, once the barrier epoch, is unused: the barrier is an op).
 #: ELECT: group rank 0's line only, the oneshot all_reduce's election word (chan_ops.c "oneshot").
-SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "ABORT": 6, "ELECT": 7, "VECTORS": 8}
+#: WAIT: the world slot's only, the rank a p2p wait of this rank waits for (``runtime/liveness.py`` ``waiting``).
+SLOT_LINES = {"ARRIVE": 1, "PHASE": 2, "DONE": 3, "HEADER": 4, "WAIT": 5, "ABORT": 6, "ELECT": 7, "VECTORS": 8}
 #: int64 words of a 64-byte flag line (C: ``W_<NAME>``). VALUE: the flag; WAITERS: the int32 at its byte 0
 #: counts the processes futex-sleeping on the flag. Then per kind of line: ABORT line: WHY (``ABORT_*``);
 #: ELECT line: RC, RANK, FIELD (the claimant's verdict, read by every rank it releases). ABORT line: VALUE the
-#: sequence number of the op left (non-zero once set), WHY, WHERE (an ``ABORT_WHERE`` value).
-WORDS = {"VALUE": 0, "WAITERS": 1, "WHY": 2, "WHERE": 3, "RC": 2, "RANK": 3, "FIELD": 4}
+#: sequence number of the op left (non-zero once set), WHY, WHERE (an ``ABORT_WHERE`` value), CAUSE and VIA
+#: (world rank + 1, 0: none): VIA the rank this one left because of (the peer that left, died, or never came
+#: before the timeout), CAUSE the first rank of that chain (VIA's CAUSE when VIA left an op too, else VIA;
+#: this rank itself when it left by its own Ctrl-C or exception). Written before VALUE, as WHY and WHERE.
+WORDS = {"VALUE": 0, "WAITERS": 1, "WHY": 2, "WHERE": 3, "RC": 2, "RANK": 3, "FIELD": 4, "CAUSE": 4, "VIA": 5}
 #: int64 entries of a rank's size-vector area: the rest of its 8 KiB comm slot.
 VEC_CAP = (8192 - SLOT_LINES["VECTORS"] * 64) // 8
 #: Largest communicator the native channel serves.

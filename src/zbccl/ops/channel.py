@@ -69,8 +69,6 @@ from ..native.abi import (
     L_PHASE,
     L_VECTORS,
     VEC_CAP,
-    W_WHERE,
-    W_WHY,
     WHERE_COLLECTIVE,
     ZbOp,
     fill_op,
@@ -161,7 +159,7 @@ class OpChannel:
                    "SIZE": heap.ctrl_addr(g, layout.H_HEAP_BYTES),
                    "FD": -1 if g == ctx.rank else heap.native.liveness_fd(g),
                    "VEC": line(L_VECTORS), "ABORT": line(L_ABORT), "ELECT": line(L_ELECT),
-                   "RABORT": liveness.abort_addr(ctx, g)}
+                   "RABORT": liveness.abort_addr(ctx, g), "RANK": g}
             rows.append([row[c] for c in CHAN_ROW])  # the columns in abi.CHAN_ROW's order
         table = np.asarray(rows, dtype=np.int64)
         self.handle = self.prims.chan_new(self.world_size, self.rank, ctx.spin, ctx.liveness_ns, self.timeout_ns,
@@ -358,11 +356,8 @@ class OpChannel:
         if why != ABORT_PEER:
             self.mark_broken(text)
         where = self.where or self.comm.role or WHERE_COLLECTIVE
-        transport, me, line = self.ctx.heap.transport, self.ctx.rank, layout.slot_line(self.comm.slot, L_ABORT)
-        if transport.load(me, line) == 0:  # the reason first: a peer reads it once it sees the line set
-            transport.signal(me, line + 8 * W_WHY, why)
-            transport.signal(me, line + 8 * W_WHERE, where)
-            transport.signal(me, line, max(1, self.seq))
+        line = layout.slot_line(self.comm.slot, L_ABORT)
+        liveness.mark_line(self.ctx, line, why, where=where, seq=self.seq)
         liveness.mark_left(self.ctx, why, text, where=where, seq=self.seq)
 
     def mark_broken(self, text: str) -> None:

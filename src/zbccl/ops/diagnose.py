@@ -36,6 +36,7 @@ from ..native.abi import (
     H_REDOP,
     H_ROW,
     H_SEQ,
+    L_ABORT,
     L_ARRIVE,
     L_DONE,
     L_HEADER,
@@ -52,7 +53,14 @@ from ..native.abi import (
     RC_TIMEOUT,
     VEC_CAP,
 )
-from ..runtime.liveness import FINALIZED_WHILE_WAITING, abort_error, who_left
+from ..runtime.liveness import (
+    ABORT_LINE,
+    FINALIZED_WHILE_WAITING,
+    abort_error,
+    first_cause,
+    waits_on,
+    who_left,
+)
 from .dtypes import CODE_DTYPES, op_name
 
 #: Results after which this rank left the op half-way (C marked its ABORT line, chan.c leave_op; later ops
@@ -133,12 +141,18 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
             if late:
                 return ZbcclTimeoutError(f"{late_message(ch, late, op=op)} (rank {rank} timed out waiting "
                                          "for them first and left the op)", ranks=tuple(late))
-        return abort_error(rank, why, op=op, where=where)
+        return abort_error(rank, why, op=op, where=where, ctx=ch.ctx, g=ch.comm.ranks[rank], lines=_abort_lines(ch),
+                           label=_label(ch))
     if rc in (RC_DEAD, RC_GONE):
         state = ch.ctx.heap.header(ch.comm.ranks[rank], layout.H_STATE)
         why = {layout.STATE_FINALIZED: "called finalize", layout.STATE_FAILED: "failed"}.get(
             state, "died (its process exited or was killed)")
-        return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {rank} {why}", ranks=(rank,))
+        # one that finalized or died after it left an op because of another: that one is named first
+        more, first = first_cause(ch.ctx, ch.comm.ranks[rank], _abort_lines(ch), _label(ch))
+        if not more:  # or after its send/recv gave up on another
+            more, first = waits_on(ch.ctx, ch.comm.ranks[rank], _label(ch))
+        return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {rank} {why}{more}",
+                                ranks=(rank,) if first is None else (first, rank))
     if rc == RC_MISMATCH:
         got = ", ".join(f"rank {r} {show_field(field, int(v))}" for r, v in enumerate(hdrs[:, field]))
         name = FIELD_NAMES.get(field, field)
@@ -164,6 +178,17 @@ def _error_for(ch: OpChannel, rc: int, hdrs, vecs, rank: int, field: int, late: 
             f"#{int(hdrs[rank, H_SEQ])}", ranks=(rank,))
     return ZbcclInvalidUsageError(
         f"{op}: rank {rank}'s operand is outside its heap (offset {int(hdrs[rank, H_IN_OFF])})", ranks=(rank,))
+
+
+def _abort_lines(ch: OpChannel) -> tuple[int, int]:
+    """The ABORT lines a rank of ``ch`` may have marked: its own (the world slot's) and the channel's."""
+    return ABORT_LINE, layout.slot_line(ch.comm.slot, L_ABORT)
+
+
+def _label(ch: OpChannel):
+    """World rank -> the number ``ch``'s errors use (its group rank; the world rank, said so, otherwise)."""
+    ranks = ch.comm.ranks
+    return lambda g: ranks.index(g) if g in ranks else f"{g} (world)"
 
 
 def _text_of(vec: np.ndarray) -> str:

@@ -33,7 +33,7 @@ from .. import env
 from ..bootstrap.store import StoreBootstrap, in_range, parse_record
 from ..bootstrap.topology import Topology
 from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclSystemError
-from ..heap import transports
+from ..heap import releases, transports
 from ..heap.heap import GlobalHeap
 from ..heap.transports.base import Transport
 from ..heap.transports.handout import agree
@@ -170,7 +170,8 @@ def build(boot: StoreBootstrap, topo: Topology, job_id: str, asked: list[list], 
         transport.close(unmap=True)
         raise
     sma = CachingAllocator(sizes[rank], alignment=ALIGNMENT, cache_limit=env.SMA_CACHE_LIMIT.get(),
-                           max_bytes=maxes[rank], grow=heap.grow if maxes[rank] > sizes[rank] else None)
+                           max_bytes=maxes[rank], grow=heap.grow if maxes[rank] > sizes[rank] else None,
+                           before=releases.drain)
     return {"cuda": DeviceHeap(torch.device("cuda", index), transport, heap, sma)}
 
 

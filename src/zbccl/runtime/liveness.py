@@ -33,6 +33,9 @@ through the store (:func:`init_watch`): a rank that leaves init half-way announc
 ranks' pids are known (after the hello exchange) the local peers' processes are watched by pidfd
 (the transport's ``watch_peers``). A rank that dies before its hello is named at the timeout.
 
+**The chain.** A rank that leaves because of another records which (VIA) and the first rank of the chain
+(CAUSE) on its ABORT line, and errors name that first rank and the chain: :mod:`.chain`.
+
 The order names the cause before its followers. Members that already reached what this rank waits
 for are not checked for death in 3 (they may finish and exit), but their ABORT is: a rank that left
 any op broke the group for everyone.
@@ -50,54 +53,54 @@ from ..native.abi import (
     ABORT_INTERRUPT,
     ABORT_PEER,
     ABORT_TIMEOUT,
-    L_ABORT,
+    W_CAUSE,
+    W_VIA,
     W_WHERE,
     W_WHY,
-    WHERE_BARRIER,
-    WHERE_COLLECTIVE,
-    WHERE_EP,
-    WHERE_P2P,
-    WHERE_STORE,
+)
+from .chain import (
+    ABORT_LINE,
+    WAIT_LINE,
+    WHAT,
+    WHERE,
+    aborted,
+    chain,
+    first_cause,
+    init_chain,
+    waiting,
+    waits_on,
+    words,
 )
 
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "abort_addr", "aborted", "abort_error", "who_left", "check", "mark_left",
-           "reason", "leave", "store_watch", "init_watch", "left_init"]
+__all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "WAIT_LINE", "waiting", "waits_on", "abort_addr", "aborted", "abort_error", "chain", "first_cause", "who_left", "check",
+           "mark_line", "mark_left", "reason", "leave", "store_watch", "init_watch", "left_init"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
 FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
-
-_WHAT = {ABORT_INTERRUPT: "was interrupted (Ctrl-C)", ABORT_TIMEOUT: "timed out", ABORT_PEER: "lost a peer"}
-_WHERE = {WHERE_COLLECTIVE: "a collective", WHERE_BARRIER: "a barrier", WHERE_EP: "an EP op",
-          WHERE_P2P: "a send/recv", WHERE_STORE: "a store op (all_gather_object, new_group, destroy)"}
-
-
-#: Signal-pad byte offset of a rank's own ABORT line (the world slot's ``L_ABORT`` line).
-ABORT_LINE = layout.slot_line(0, L_ABORT)
-
 
 def abort_addr(ctx: Context, rank: int) -> int:
     """Native-core address of global rank ``rank``'s own ABORT line (only for the native channel's table)."""
     return ctx.heap.ctrl_addr(rank, ABORT_LINE)
 
 
-def aborted(transport, rank: int, line: int) -> tuple[int, int]:
-    """``(why, where)`` of global rank ``rank``'s ABORT line at signal-pad byte ``line`` (``ABORT_*``,
-    ``WHERE_*``), ``(0, 0)`` if not set."""
-    if transport.load(rank, line) == 0:
-        return 0, 0
-    return (transport.load(rank, line + 8 * W_WHY) or ABORT_EXCEPTION,
-            transport.load(rank, line + 8 * W_WHERE))
-
-
-def abort_error(r: int, why: int, *, op: str, where: int = 0) -> ZbcclRemoteError:
-    """What waiting for rank ``r`` raises once it left an op half-way for ``why``."""
-    what = _WHAT.get(why, "hit an unexpected error")
-    return ZbcclRemoteError(f"{op}: peer lost while waiting: rank {r} {what} in the middle of "
-                            f"{_WHERE.get(where, 'a collective')} and left it; this communicator is broken "
-                            "(finalize and init again)", ranks=(r,))
+def abort_error(r: int, why: int, *, op: str, where: int = 0, ctx: Context | None = None, g: int | None = None,
+                lines: Sequence[int] = (ABORT_LINE,), label=None) -> ZbcclRemoteError:
+    """What waiting for rank ``r`` raises once it left an op half-way for ``why``. With ``ctx`` and ``g``
+    (``r``'s world rank; ``lines``: the ABORT lines to read, ``label``: world rank -> the number errors use)
+    a rank that left because of another also names the first cause and the chain (:func:`chain`)."""
+    what = WHAT.get(why, "hit an unexpected error")
+    text = f"{op}: peer lost while waiting: rank {r} {what} in the middle of {WHERE.get(where, 'a collective')} and left it"
+    ranks: tuple = (r,)
+    if ctx is not None and g is not None:
+        more, first = first_cause(ctx, g, lines, label)
+        text += more
+        ranks = (first, r) if first is not None else ranks
+    err = ZbcclRemoteError(text + "; this communicator is broken (finalize and init again)", ranks=ranks)
+    err.via = g  # the world rank this error is about: a rank leaving by it records it (VIA, :func:`leave`)
+    return err
 
 
 def who_left(ctx: Context, ranks: Iterable[int]) -> tuple[int, int, int] | None:
@@ -125,10 +128,17 @@ def check(ctx: Context, ranks: Sequence[int], *, op: str, pending: Iterable[int]
     labels = labels or {}
     left = who_left(ctx, ranks)
     if left is not None and left[1] != ABORT_PEER:
-        raise abort_error(labels.get(left[0], left[0]), left[1], op=op, where=left[2])
+        raise _left_error(ctx, left, op=op, labels=labels)
     _check_pending(ctx, ranks if pending is None else pending, op=op, labels=labels)
     if left is not None:
-        raise abort_error(labels.get(left[0], left[0]), left[1], op=op, where=left[2])
+        raise _left_error(ctx, left, op=op, labels=labels)
+
+
+def _left_error(ctx: Context, left: tuple[int, int, int], *, op: str, labels: dict[int, int]) -> ZbcclRemoteError:
+    def label(q: int) -> int | str:
+        return labels.get(q, q) if not labels or q in labels else f"{q} (world)"
+
+    return abort_error(labels.get(left[0], left[0]), left[1], op=op, where=left[2], ctx=ctx, g=left[0], label=label)
 
 
 def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dict[int, int]) -> None:
@@ -137,7 +147,7 @@ def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dic
     if not pending:
         return
     dead = set(ctx.heap.transport.dead_peers())
-    gone = []
+    gone, first = [], None
     for r in pending:
         if r == ctx.rank or not ctx.heap.reachable(r):
             continue
@@ -148,24 +158,55 @@ def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dic
             gone.append((r, "called finalize"))
         elif r in dead:
             gone.append((r, "died (its process exited or was killed)"))
+        if gone and first is None:
+            first = r
     if gone:
-        gone = [(labels.get(r, r), why) for r, why in gone]
-        what = "; ".join(f"rank {r} {why}" for r, why in gone)
-        raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=tuple(r for r, _ in gone))
+        def label(q: int) -> int | str:
+            return labels.get(q, q) if not labels or q in labels else f"{q} (world)"
+
+        # A rank that finalized or died after it left an op because of another, or after its p2p wait for
+        # another timed out: name that one first.
+        more, cause = first_cause(ctx, first, (ABORT_LINE,), label)
+        if cause is None and not more:
+            more, cause = waits_on(ctx, first, label)
+        ranks = tuple(labels.get(r, r) for r, _ in gone)
+        err = ZbcclRemoteError(f"{op}: peer lost while waiting: "
+                               + "; ".join(f"rank {labels.get(r, r)} {why}" for r, why in gone) + more,
+                               ranks=ranks if cause is None else (cause, *ranks))
+        err.via = first
+        raise err
 
 
-def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1) -> None:
+def mark_line(ctx: Context, line: int, why: int, *, where: int, seq: int = 1, via: int | None = None) -> None:
+    """Set this rank's ABORT line at signal-pad byte ``line`` (the first reason stays): WHY, WHERE, and the
+    chain (CAUSE, VIA: see the module docstring; ``via``, the world rank this rank leaves because of, None
+    when it leaves by its own cause), then VALUE."""
+    transport, me = ctx.heap.transport, ctx.rank
+    if transport.load(me, line) != 0:
+        return
+    cause = me
+    if via is not None and via != me:
+        cause = via
+        if ctx.heap.reachable(via):
+            got = words(transport, via, ABORT_LINE)
+            if got is not None and got[0] >= 0:
+                cause = got[0]
+    # the words first: a peer reads them once it sees the line set
+    transport.signal(me, line + 8 * W_WHY, why)
+    transport.signal(me, line + 8 * W_WHERE, where)
+    transport.signal(me, line + 8 * W_CAUSE, cause + 1)
+    transport.signal(me, line + 8 * W_VIA, 0 if via is None or via == me else via + 1)
+    transport.signal(me, line, max(1, seq))
+
+
+def mark_left(ctx: Context, why: int, text: str, *, where: int, seq: int = 1, via: int | None = None) -> None:
     """Publish on this rank's ABORT line that it left an op half-way (the first reason stays), and, unless
     it only followed a peer (``ABORT_PEER``), break every communicator of this rank: their later ops refuse
     with ``text`` (``registry.check_usable``, the op channels and their native hot entries, p2p); memory
     (``zbccl.empty``, ``export``, ``memory_stats``) stays usable."""
     if ctx.finalized or ctx.forked:  # the heap is going (or is the parent's): nobody waits on it any more
         return
-    transport, me = ctx.heap.transport, ctx.rank
-    if transport.load(me, ABORT_LINE) == 0:  # the reason first: a peer reads it once it sees the line set
-        transport.signal(me, ABORT_LINE + 8 * W_WHY, why)
-        transport.signal(me, ABORT_LINE + 8 * W_WHERE, where)
-        transport.signal(me, ABORT_LINE, max(1, seq))
+    mark_line(ctx, ABORT_LINE, why, where=where, seq=seq, via=via)
     if why == ABORT_PEER or ctx.left is not None:
         return
     ctx.left = text
@@ -192,7 +233,9 @@ def leave(ctx: Context, exc: BaseException, *, op: str, where: int, seq: int = 1
     this rank's ABORT line as :func:`reason` says."""
     why = reason(exc)
     if why:
-        mark_left(ctx, why, f"op {op} was left half-way by {type(exc).__name__}", where=where, seq=seq)
+        via = getattr(exc, "via", None) if why in (ABORT_PEER, ABORT_TIMEOUT) else None
+        mark_left(ctx, why, f"op {op} was left half-way by {type(exc).__name__}", where=where, seq=seq,
+                  via=via if isinstance(via, int) else None)
 
 
 def store_watch(ctx: Context, members: Sequence[int]):
@@ -208,13 +251,17 @@ def store_watch(ctx: Context, members: Sequence[int]):
 
 def left_init(boot, exc: BaseException) -> None:
     """This rank leaves init half-way by ``exc`` (after the hello exchange): tell the peers through the
-    store (``left/<rank>`` holds the ``ABORT_*`` reason, ``left`` counts the ranks that left), so that
-    their init waits name it within a few liveness intervals. Errors every rank raises together (init
-    agrees on every failure it can) announce nothing. Best effort: the store may be gone."""
+    store (``left/<rank>`` holds the ``ABORT_*`` reason, ``leftvia/<rank>`` the member it left because of,
+    + 1, as an ABORT line's VIA; ``left`` counts the ranks that left), so that their init waits name it
+    within a few liveness intervals. Errors every rank raises together (init agrees on every failure it
+    can) announce nothing. Best effort: the store may be gone."""
     why = reason(exc)
     if not why:
         return
+    via = getattr(exc, "via", None) if why in (ABORT_PEER, ABORT_TIMEOUT) else None
     try:
+        if isinstance(via, int) and via >= 0:  # before the reason: a peer reads it once it sees the reason
+            boot.add(f"leftvia/{boot.rank}", via + 1)
         boot.add(f"left/{boot.rank}", why)
         boot.add("left", 1)
     except BaseException:  # noqa: BLE001 - the store is gone or this is a second Ctrl-C: the timeout remains
@@ -243,15 +290,21 @@ def init_watch(boot, transport):
                                         "waiting for them and left init)", ranks=tuple(absent))
             if left:
                 r, why = left[0]
-                what = _WHAT.get(why, "hit an unexpected error")
-                raise ZbcclRemoteError(f"init: {op}: peer lost while waiting: rank {r} {what} in the middle of init "
-                                       "and left it", ranks=(r,))
+                what = WHAT.get(why, "hit an unexpected error")
+                more, first = init_chain(boot, transport, index, dict(left), r)
+                err = ZbcclRemoteError(f"init: {op}: peer lost while waiting: rank {r} {what} in the middle of init "
+                                       f"and left it{more}", ranks=(r,) if first is None else (first, r))
+                err.via = r
+                raise err
         if transport is None:
             return
         dead = set(transport.dead_peers())
         gone = [m for m in pending if index.get(m, -1) in dead]
         if gone:
             what = "; ".join(f"rank {m} died (its process exited or was killed)" for m in gone)
-            raise ZbcclRemoteError(f"init: {op}: peer lost while waiting: {what}", ranks=tuple(gone))
+            err = ZbcclRemoteError(f"init: {op}: peer lost while waiting: {what}", ranks=tuple(gone))
+            err.via = gone[0]
+            raise err
 
     return watch
+

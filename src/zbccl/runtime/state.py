@@ -19,7 +19,7 @@ from ..bootstrap.rendezvous import resolve
 from ..bootstrap.store import StoreBootstrap, in_range, parse_record
 from ..bootstrap.topology import HostInfo, Topology, local_host_info
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
-from ..heap import layout, transports
+from ..heap import layout, releases, transports
 from ..heap.capacity import auto_heap_max, check_capacity
 from ..heap.heap import GlobalHeap
 from ..heap.views import live_views
@@ -238,7 +238,7 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
         heap.prims.set_wait_poll(poll_ns)
     set_threads(frozenset(topo.infos[topo.rank].cpus), topo.local_masks)
     sma = CachingAllocator(nbytes, alignment=64, cache_limit=env.SMA_CACHE_LIMIT.get(), max_bytes=max_bytes,
-                           grow=_grower(heap) if max_bytes > nbytes else None)
+                           grow=_grower(heap) if max_bytes > nbytes else None, before=releases.drain)
     return Context(rendezvous=rdv, bootstrap=boot, topology=topo, heap=heap, sma=sma, job_id=job_id,
                    generation=generation, timeout=timeout, spin=spin, poll_ns=poll_ns,
                    liveness_ns=int(env.LIVENESS_INTERVAL.get() * 1e9), heap_sizes=heap_sizes,

@@ -68,6 +68,9 @@ class CachingAllocator:
         max_bytes: (keyword-only) most bytes the heap may grow to; None: ``heap_bytes`` (no growth).
         grow: (keyword-only) ``grow(new_size)`` makes the heap ``new_size`` bytes or raises
             ZbcclOutOfMemoryError; required when ``max_bytes > heap_bytes``.
+        before: (keyword-only) called, without the lock, when an allocation, the statistics or a snapshot
+            starts: the runtime passes ``zbccl.heap.releases.drain``, which frees the blocks of the tensors
+            that died since (their deaths only queue the free, so that no Ctrl-C is lost in a finalizer).
     """
 
     def __init__(
@@ -79,7 +82,9 @@ class CachingAllocator:
         small_threshold: int = 1 << 20,
         max_bytes: int | None = None,
         grow: Callable[[int], None] | None = None,
+        before: Callable[[], None] | None = None,
     ) -> None:
+        self._before = before or (lambda: None)
         if cache_limit is not None and cache_limit < 0:
             raise ZbcclInvalidUsageError(
                 f"CachingAllocator: bad cache_limit, expected None or >= 0, got {cache_limit}"
@@ -118,6 +123,7 @@ class CachingAllocator:
 
     def try_malloc(self, nbytes: int, *, kind: str = "explicit") -> int | None:
         """Like :meth:`malloc` (cache, arena, then flush and drain tiers), but return None when full."""
+        self._before()
         offset = self._alloc(self.round_size(nbytes), nbytes, kind, False)
         return offset if offset is not None else self._alloc_hard(nbytes, kind)
 
@@ -138,6 +144,7 @@ class CachingAllocator:
         ZbcclOutOfMemoryError, whose message carries the request and the stats.
         ``kind`` is a free-form label shown by :meth:`snapshot`.
         """
+        self._before()
         offset = self._alloc(self.round_size(nbytes), nbytes, kind, False)
         if offset is None:
             offset = self._alloc_hard(nbytes, kind)
@@ -208,6 +215,7 @@ class CachingAllocator:
 
     def empty_cache(self) -> None:
         """Release every cached block to the arena (cache tiers are not drained)."""
+        self._before()
         self._acquire("empty_cache")
         try:
             self._blocks.evict()
@@ -282,6 +290,7 @@ class CachingAllocator:
 
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges, keyed exactly as :data:`STAT_KEYS` documents."""
+        self._before()
         tier_bytes = tier_blocks = 0
         for cached, _ in self._tiers.values():
             nbytes, nblocks = cached()
@@ -328,6 +337,7 @@ class CachingAllocator:
         Cached blocks have kind ``"cached"`` and keep the ``requested`` and
         ``seq`` of their last allocation. Tier-held blocks appear as live blocks.
         """
+        self._before()
         self._acquire("snapshot")
         try:
             rows = [(off, rec, rec[2]) for off, rec in self._live.items()]

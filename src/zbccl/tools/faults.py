@@ -39,11 +39,13 @@ INIT_TIMEOUT = 5.0  # seconds: init's timeout in the SIGKILL and SIGINT trials o
 #: survivor times out, then waits up to the timeout again for the stopped rank to leave the op (a
 #: rank that is still inside may write into the survivor's tensors: chan.c ``leave_op``); in init the
 #: segment handout and the agreement after it each wait up to the timeout. The 1 s covers a survivor
-#: that entered its next op just after the signal (its timeout counts from there).
+#: that entered its next op just after the signal (its timeout counts from there). Why the second wait
+#: is kept: docs/reliability.md, "Why SIGSTOP costs up to two timeouts".
 BOUNDS = {"kill": 3.0, "int": 3.0, "stop": 2 * STOP_TIMEOUT + 1.0}
 #: Where a survivor can only wait for the init timeout: the victim left inside init or finalize, and the
 #: survivor waits in a rendezvous (init) for a rank that will not come. Before a rank's hello there
-#: is no process to watch; after it, init does not watch it yet (see docs/reliability.md).
+#: is no process to watch (after it, init watches its pid and its "left init" record), and after a death in
+#: finalize the survivors wait in the next init for a rank that never says hello (docs/reliability.md).
 INIT_BOUND = INIT_TIMEOUT + 1.0
 
 

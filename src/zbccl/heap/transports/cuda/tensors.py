@@ -4,7 +4,7 @@ Two ways in, both zero-copy, both with a "last tensor died" hook (``release``):
 
 * ``__cuda_array_interface__`` (v3) through ``torch.as_tensor``: torch keeps
   the exporting object alive for as long as a storage uses it, so a
-  ``weakref.finalize`` on it is the hook; ``"stream": None`` asks for no
+  a death hook on it (``heap/releases.py`` ``on_death``) is the hook; ``"stream": None`` asks for no
   synchronisation. torch infers the device from the pointer's attributes,
   which for VMM memory name the device holding the *physical* memory: right
   when the memory is this device's (or a peer's on the same GPU), wrong for
@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
+from collections import deque
 from collections.abc import Callable
 
 import torch
+
+from ...releases import add_queue, on_death
 
 __all__ = ["device_tensor", "dlpack_tensor", "KDLCPU", "KDLCUDA"]
 
@@ -80,7 +82,11 @@ def _delete(managed) -> None:
         entry[2]()
 
 
-_deleter = _DELETER(_delete)  # lives as long as the module
+# The deleter torch calls when the last tensor died runs no Python code (a Ctrl-C raised there would be
+# dropped, see heap/releases.py): it queues the pointer, and the next drain deletes.
+_deleted: deque = deque()
+add_queue(_deleted, _delete)
+_deleter = _DELETER(_deleted.append)  # lives as long as the module
 
 
 def dlpack_tensor(addr: int, nbytes: int, device_type: int, device_id: int,
@@ -126,7 +132,7 @@ def device_tensor(addr: int, nbytes: int, device: torch.device, release: Callabl
         t = None
     if t is not None and t.device == device and t.data_ptr() == addr:
         if release is not None:
-            weakref.finalize(span, release)
+            on_death(span, release)
         return t
     del t  # another device's physical memory mapped for this one: state the device ourselves
     return dlpack_tensor(addr, nbytes, KDLCUDA, device.index, release)

@@ -11,12 +11,12 @@ import ctypes
 import errno
 import mmap
 import os
-import weakref
 from collections.abc import Callable
 
 import torch
 
 from ....errors import ZbcclOutOfMemoryError, ZbcclSystemError
+from ...releases import on_death
 
 __all__ = ["map_fd", "prefault", "unmap_addr", "create_memfd", "tensor_at", "store_i64", "load_i64"]
 
@@ -97,10 +97,10 @@ def load_i64(addr: int) -> int:
 def tensor_at(addr: int, nbytes: int, release: Callable[[], None] | None = None) -> torch.Tensor:
     """A flat uint8 CPU tensor over ``[addr, addr+nbytes)``, zero-copy.
 
-    The ctypes array under it owns the storage: ``release`` runs once when the
-    last tensor sharing that storage died.
+    The ctypes array under it owns the storage: ``release`` runs once after the
+    last tensor sharing that storage died, at the next drain (:mod:`zbccl.heap.releases`).
     """
     buf = (ctypes.c_char * max(nbytes, 1)).from_address(addr)
     if release is not None:
-        weakref.finalize(buf, release)
+        on_death(buf, release)
     return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]

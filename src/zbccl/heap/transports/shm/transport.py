@@ -65,6 +65,7 @@ from ....bootstrap.secret import JobSecret
 from ....bootstrap.topology import Topology
 from ....errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from ... import flags, layout
+from ...releases import drain
 from ..base import NativeHandle, Segment, SignalPad, Transport, ViewRelease
 from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive_fd
 from ..liveness import Pidfds
@@ -298,6 +299,7 @@ class ShmTransport(Transport):
         return tensor_at(self._base[rank] + line, nbytes)
 
     def live_views(self) -> int:
+        drain()  # views that died count once their releases ran
         return self.views
 
     def offset_of(self, rank: int, t: torch.Tensor) -> int:

@@ -141,15 +141,35 @@ static int peer_in_op(zb_chan *c, int r, int64_t seq) {
  * see its ARRIVE and wait until it finished (DONE), left too (ABORT), was finalized or died, for at most
  * LEAVE_WAIT_NS; a peer still in the op after that is reported in result[3] (its rank + 1). */
 #define LEAVE_WAIT_NS 10000000000LL
-static void mark_abort(zb_chan *c, int64_t *line, int64_t seq, int why) {
+static void mark_abort(zb_chan *c, int64_t *line, int64_t seq, int why, int64_t cause, int64_t via) {
     if (ld(c, line)) return; /* the first reason stays */
     line[W_WHY] = why, line[W_WHERE] = c->where ? c->where : WHERE_COLLECTIVE;
+    line[W_CAUSE] = cause, line[W_VIA] = via;
     signal_flag(c, line, seq > 0 ? seq : 1); /* seq_cst: the words are visible with it */
 }
 
+/* The chain of a leave for `why` (abi.WORDS CAUSE, VIA: world rank + 1): a timeout or a lost peer goes back
+ * to result[1], the rank waited for (late, dead, finalized) or that left first; that rank's CAUSE when it
+ * left an op itself (its own line, else this channel's), else that rank. A Ctrl-C's cause is this rank. */
+static void chain_of(zb_chan *c, int why, int64_t *cause, int64_t *via) {
+    int64_t q = c->result[1];
+    *cause = c->grank[c->me] + 1, *via = 0;
+    if ((why != ABORT_PEER && why != ABORT_TIMEOUT) || q < 0 || q >= c->W || q == c->me) return;
+    *via = c->grank[q] + 1;
+    *cause = *via;
+    int64_t *lines[2] = {c->rabort[q], c->abort[q]};
+    for (int i = 0; i < 2; i++)
+        if (ld(c, lines[i]) && lines[i][W_CAUSE] > 0) {
+            *cause = lines[i][W_CAUSE];
+            break;
+        }
+}
+
 void leave_op(zb_chan *c, int64_t seq, int why) {
-    mark_abort(c, c->abort[c->me], seq, why);
-    mark_abort(c, c->rabort[c->me], seq, why); /* this rank's own line: every wait of every peer reads it */
+    int64_t cause, via;
+    chain_of(c, why, &cause, &via);
+    mark_abort(c, c->abort[c->me], seq, why, cause, via);
+    mark_abort(c, c->rabort[c->me], seq, why, cause, via); /* this rank's own line: every wait of every peer reads it */
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     uint64_t deadline = now_ns() + (uint64_t)(c->timeout_ns < LEAVE_WAIT_NS ? c->timeout_ns : LEAVE_WAIT_NS);
     for (int r = 0; r < c->W; r++) {
@@ -290,6 +310,7 @@ zb_chan *zb_chan_new(const zb_transport *tp, int64_t W, int64_t me, int64_t spin
         c->arrive[r] = COL(ARRIVE), c->phase[r] = COL(PHASE), c->done[r] = COL(DONE), c->hdr[r] = COL(HEADER);
         c->state[r] = COL(STATE), c->base[r] = (char *)COL(BASE), c->size[r] = COL(SIZE), c->fd[r] = (int)t[CR_FD];
         c->vec[r] = COL(VEC), c->abort[r] = COL(ABORT), c->rabort[r] = COL(RABORT);
+        c->grank[r] = t[CR_RANK];
         if (r == 0) c->elect = COL(ELECT);
     }
 #undef COL

@@ -40,6 +40,7 @@ typedef struct {
      * job, never shrink, so operands are checked against the size read (acquire) at check time */
     int64_t *size[ZB_MAXW];
     int fd[ZB_MAXW];
+    int64_t grank[ZB_MAXW];   /* each channel rank's world rank (the CAUSE and VIA words of ABORT lines) */
     int64_t result[4];            /* code, rank, field, rank still writing into us + 1 (leave_op) */
     int64_t late_mask[ZB_MAXW / 64];  /* on RC_TIMEOUT: the peers whose flag never reached the target */
     int64_t hdrcopy[ZB_MAXW][HDR_FIELDS];
