@@ -119,6 +119,9 @@ def _add_soak(sub) -> None:
                    help="anonymous RSS growth allowed per rank after the warm-up "
                         f"(default {THRESHOLDS['rss_anon_bytes'] >> 20}M)")
     s.add_argument("--no-ep", action="store_true", help="leave out EP dispatch/combine")
+    s.add_argument("--hosts", type=_count(1, 64), default=1,
+                   help="split the ranks over this many hosts of this machine (ZBCCL_HOST_ID per rank, a job "
+                        "cookie): ranks on one host share memory, the others go through Mooncake (default 1)")
     s.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
 
@@ -270,10 +273,14 @@ def _run(args) -> int:
         from .tools.soak import run_soak
 
         minutes = args.minutes if args.minutes is not None or args.ops is not None else 1.0
+        if args.hosts > args.world:
+            print(f"zbccl soak: --hosts must be at most --world, expected 1 to {args.world}, got {args.hosts}",
+                  file=sys.stderr)
+            return 2
         return run_soak(world_size=args.world, minutes=minutes, ops=args.ops, seed=args.seed,
                         check_every=args.check_every, report_every=args.report_every,
                         heap_size=parse_size(args.heap_size), ep=not args.no_ep, as_json=args.json,
-                        rss_growth=parse_size(args.max_rss_growth))
+                        rss_growth=parse_size(args.max_rss_growth), hosts=args.hosts)
     if args.cmd == "bench-tp":
         from .bench.tp import run_from_args
 

@@ -83,3 +83,25 @@ def test_the_command_prints_json_and_its_exit_status_says_ok():
     bad = subprocess.run([sys.executable, "-m", "zbccl", "soak", "--ops", "0"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert bad.returncode == 2 and "--ops" in bad.stderr
+
+
+def test_the_soak_across_two_hosts_is_bit_exact():
+    """``--hosts 2``: every op of the mix in its between-hosts form (routed transport: mooncake between the
+    two "hosts" of this machine), checked bit for bit; the summary says how many hosts."""
+    import pytest
+
+    from zbccl.heap.transports.mooncake.engine import missing_reason
+
+    why = missing_reason()
+    if why:
+        pytest.skip(f"the mooncake transport is unavailable here: {why}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in ["src", os.environ.get("PYTHONPATH", "")] if p))
+    out = subprocess.run([sys.executable, "-m", "zbccl", "soak", "--world", "2", "--hosts", "2", "--ops", "160",
+                          "--check-every", "16", "--seed", "5", "--json"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    doc = json.loads(out.stdout)
+    assert doc["ok"] and doc["hosts"] == 2 and doc["ops"] == 160 and doc["wrong"] == 0 and doc["errors"] == 0, doc
+    bad = subprocess.run([sys.executable, "-m", "zbccl", "soak", "--world", "2", "--hosts", "3", "--ops", "8"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "--hosts" in bad.stderr, bad.stderr[-2000:]

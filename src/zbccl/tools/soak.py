@@ -1,6 +1,6 @@
 """The soak: random ops for minutes, every result checked bit-exactly, resources watched.
 
-Usage: ``zbccl soak [--world N] [--minutes M | --ops K] [--seed S] [--json] [--no-ep]``
+Usage: ``zbccl soak [--world N] [--minutes M | --ops K] [--seed S] [--json] [--no-ep] [--hosts H]``
 
 Starts N local ranks (OS-assigned store port); each initialises zbccl and torch.distributed on the
 ``zbccl`` backend and runs the same seeded random sequence of ops (:mod:`zbccl.tools.soak_ops`):
@@ -10,6 +10,12 @@ rings and pairs, torch.distributed's reduce, gather, scatter and list forms of r
 EP normal dispatch/combine, ``all_gather_object``, sub-groups created and destroyed; through zbccl's
 own API and torch.distributed, sync and ``async_op=True``; sizes from 0 up, odd ones included, six
 dtypes, heap and private tensors. Each result is compared bit for bit with the plain-torch reference.
+
+``--hosts H`` splits the ranks into H contiguous blocks, each a "host" of this machine: every rank gets
+``ZBCCL_HOST_ID`` of its block and the launcher's one-off ``ZBCCL_JOB_COOKIE`` (set in the rank's own
+process before ``init``), so ranks of one block share memory over shm and the others are reached through
+the mooncake transport (the ``routed`` transport; ``pip install 'zbccl[internode]'``). Every op then runs
+its between-hosts form. ``H`` need not divide ``N``: the blocks then differ in size by one.
 
 Every ``--check-every`` ops the ranks exchange their counters and resources (RSS, open descriptors,
 heap bytes allocated): that is also where they agree to stop. Growth is measured from the first
@@ -22,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import sys
 import time
 
@@ -99,8 +106,14 @@ class _Meter:
         return _growth(self.head, self.tail) if self.head else None
 
 
+def host_of(rank: int, world_size: int, hosts: int) -> int:
+    """The host block of ``rank`` when ``world_size`` ranks are split into ``hosts`` contiguous blocks."""
+    return rank * hosts // world_size
+
+
 def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | None, ops: int | None,
-              check_every: int, report_every: float, heap_size: int, ep: bool, to_stderr: bool) -> dict:
+              check_every: int, report_every: float, heap_size: int, ep: bool, to_stderr: bool,
+              hosts: int = 1, cookie: str | None = None) -> dict:
     """One rank of the soak (collective: every rank calls it with the same arguments but its rank).
 
     Initialises zbccl and the ``zbccl`` torch.distributed backend over ``store``, runs ``ops`` ops
@@ -113,6 +126,9 @@ def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | 
 
     from .soak_ops import Soaker
 
+    if hosts > 1:  # this rank's own process, before init reads them (see the module docstring)
+        os.environ["ZBCCL_HOST_ID"] = f"soak-host-{host_of(rank, world_size, hosts)}"
+        os.environ["ZBCCL_JOB_COOKIE"] = cookie
     comm = zbccl.init(store=store, rank=rank, world_size=world_size, heap_size=heap_size)
     dist.init_process_group("zbccl", store=dist.PrefixStore("soak-pg", store), rank=rank, world_size=world_size)
     soaker = Soaker(comm, seed, ep=ep)
@@ -194,21 +210,26 @@ def _growth(head: list[list[dict]], tail: list[list[dict]]) -> list[dict]:
 
 def run_soak(*, world_size: int = 2, minutes: float | None = None, ops: int | None = None, seed: int = 0,
              check_every: int = 32, report_every: float = 30.0, heap_size: int = 64 << 20, ep: bool = True,
-             as_json: bool = False, rss_growth: int | None = None) -> int:
+             as_json: bool = False, rss_growth: int | None = None, hosts: int = 1) -> int:
     """Run the soak; print the summary (JSON with ``as_json``); return the exit status."""
     from .launch import launch_local
 
     if (minutes is None) == (ops is None):
         raise ValueError("soak: give exactly one of minutes and ops")
+    if not 1 <= hosts <= world_size:
+        raise ValueError(f"soak: bad number of hosts, expected 1 to the world size ({world_size}), got {hosts}")
     limits = dict(THRESHOLDS, **({"rss_anon_bytes": rss_growth} if rss_growth is not None else {}))
     seconds = minutes * 60 if minutes is not None else None
     stream = sys.stderr if as_json else sys.stdout
-    print(f"zbccl soak: {world_size} local ranks, {f'{minutes:g} min' if minutes else f'{ops} ops'}, seed {seed}",
-          file=stream, flush=True)
+    where = f" on {hosts} hosts ({', '.join(str(sum(host_of(r, world_size, hosts) == h for r in range(world_size))) for h in range(hosts))} ranks)" if hosts > 1 else ""
+    print(f"zbccl soak: {world_size} local ranks{where}, {f'{minutes:g} min' if minutes else f'{ops} ops'}, "
+          f"seed {seed}", file=stream, flush=True)
     rows = launch_local(soak_rank, world_size, timeout=(seconds or 0) + 600 + (ops or 0) * 2, threads=1,
                         seed=seed, seconds=seconds, ops=ops, check_every=check_every, report_every=report_every,
-                        heap_size=heap_size, ep=ep, to_stderr=as_json)
+                        heap_size=heap_size, ep=ep, to_stderr=as_json, hosts=hosts,
+                        cookie=secrets.token_hex(16) if hosts > 1 else None)
     doc = _summary(rows, world_size=world_size, seed=seed, limits=limits)
+    doc["hosts"] = hosts
     if as_json:
         print(json.dumps(doc, indent=1))
     else:
@@ -235,7 +256,8 @@ def _summary(rows: list[dict], *, world_size: int, seed: int, limits: dict) -> d
 
 
 def _print_summary(doc: dict) -> None:
-    print(f"\n{doc['ops']} ops in {doc['seconds']}s ({doc['ops_per_s']}/s) on {doc['world_size']} ranks, "
+    hosts = f" over {doc['hosts']} hosts" if doc.get("hosts", 1) > 1 else ""
+    print(f"\n{doc['ops']} ops in {doc['seconds']}s ({doc['ops_per_s']}/s) on {doc['world_size']} ranks{hosts}, "
           f"seed {doc['seed']}")
     print("ops by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(doc["counts"].items())))
     print(f"wrong results: {doc['wrong']}    errors: {doc['errors']}")
