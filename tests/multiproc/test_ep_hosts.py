@@ -236,13 +236,26 @@ def _ll_case(buffer, comm, seed: int, *, fp8: bool, hook: bool, zero_copy: bool 
     assert torch.equal(combined, expect), f"low_latency_combine differs on rank {me}, seed {seed}"
 
 
-def _low_latency(ctx, hosts: list[list[int]]):
+def _low_latency(ctx, hosts: list[list[int]], torch_group: bool = False):
+    """LL cases (and, through ``torch_group``, a Buffer over torch's gloo group, which starts zbccl itself)."""
     import zbccl
     import zbccl.ep as deep_ep
 
-    comm = _init(ctx, hosts)
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(24, 256, comm.world_size, 3 * comm.world_size)
-    buffer = deep_ep.Buffer(comm, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(24, 256, ctx.world_size, 3 * ctx.world_size)
+    if torch_group:
+        import torch.distributed as dist
+
+        os.environ["ZBCCL_HOST_ID"] = f"ep-host-{next(h for h, rs in enumerate(hosts) if ctx.rank in rs)}"
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", ctx.store()), rank=ctx.rank,
+                                world_size=ctx.world_size)
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+        comm = buffer.comm
+        _exact_and_bytes(buffer, comm, hosts, 2)  # normal mode on the same Buffer
+    else:
+        comm = _init(ctx, hosts)
+        buffer = deep_ep.Buffer(comm, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    assert buffer.wire is not None and buffer.wire.hosts == hosts
     buffer.clean_low_latency_buffer(24, 256, 3 * comm.world_size)
     for seed, (fp8, hook, zc) in enumerate([(False, False, False), (True, False, False), (False, True, True),
                                             (True, True, False)]):
@@ -252,8 +265,8 @@ def _low_latency(ctx, hosts: list[list[int]]):
     return True
 
 
-def test_low_latency_2x2():
-    assert all(run_world(_low_latency, 4, hosts=HOSTS_2X2, timeout=240))
+def test_low_latency_2x2_over_a_torch_gloo_group():
+    assert all(run_world(_low_latency, 4, hosts=HOSTS_2X2, torch_group=True, timeout=240))
 
 
 # ---------------------------------------------------------------------------------------------- errors and faults
