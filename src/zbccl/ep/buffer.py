@@ -52,8 +52,8 @@ class Buffer:
     over the group: the Buffer takes a private sub-communicator of its ranks, so its ops never
     interleave with the caller's collectives. ``num_nvl_bytes``/``num_rdma_bytes`` reserve
     nothing (receive tensors are allocated at their exact size after the handshake); they only
-    size :meth:`get_local_buffer_tensor`. As DeepEP's, ``num_rdma_bytes`` must be a multiple of 128, and
-    ``> 0`` needs a group that spans hosts or ``low_latency_mode``. A group that spans hosts (the routed
+    size :meth:`get_local_buffer_tensor`. As DeepEP's, ``num_rdma_bytes`` must be a multiple of 128 (on
+    one host, without low-latency mode, it is accepted and unused, as DeepEP's is). A group that spans hosts (the routed
     transport) runs DeepEP's internode mode (``docs/ep-internode.md``): the same API on the transport
     verbs, a token bound for several ranks of one host crossing to it once, the handle DeepEP's internode
     10-tuple, and :meth:`memory_stats` reporting what crossed. ``low_latency_mode``, ``num_qps_per_rank``,
@@ -87,11 +87,6 @@ class Buffer:
         self.comm.role = WHERE_EP  # a rank that leaves an op of it half-way left an EP op (runtime/liveness.py)
         #: The control plane across hosts (ep/wire.py) when the group spans hosts, else None (the op channel's).
         self.wire = HostWire(self.comm, timeout) if spans_hosts(self.comm) else None
-        if num_rdma_bytes and not (self.wire is not None or self.low_latency_mode):
-            self.comm.destroy()
-            raise ZbcclInvalidUsageError(
-                "Buffer: num_rdma_bytes > 0 needs a group that spans hosts or low_latency_mode (as DeepEP's: RDMA "
-                f"ranks or low-latency mode), got num_rdma_bytes={num_rdma_bytes} on one host without low_latency_mode")
         self.ex = self.wire if self.wire is not None else Exchange(self.comm, timeout)
         self.runtime = self
         self.seq = 0
