@@ -60,7 +60,7 @@ def _column_gather(h: HostOps, op: str, piece: torch.Tensor, out: torch.Tensor, 
         m = part.numel()
         for i in range(col.n):
             if m:
-                out[i, k * chunk:k * chunk + m].copy_(part if i == col.index else col.view(parity, i, m))
+                flat_ops.copy(out[i, k * chunk:k * chunk + m], part if i == col.index else col.view(parity, i, m))
 
 
 def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, secs: float) -> None:
@@ -98,6 +98,6 @@ def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     outb = flat_ops._bytes(out).view(h.n, nbytes)
     for hi, members in enumerate(h.hosts):  # block [l, hi] is member hosts[hi][l]'s piece
         for li, i in enumerate(members):
-            outb[i].copy_(blocks[li, hi])
+            flat_ops.copy(outb[i], blocks[li, hi])
     if out is not output:
         output.copy_(out)
