@@ -159,6 +159,9 @@ def _large(ctx, hosts: list[int]) -> str:
             b = f(me, n, torch.float32)
             zbccl.broadcast(b, 0)
             assert torch.equal(b, f(0, n, torch.float32))
+        x = f(me, 1 << 20, torch.float32)  # 4 MiB outside a 2 MiB heap: the hierarchy stages segment by segment
+        zbccl.all_reduce(x)
+        assert torch.equal(x, sum(f(r, 1 << 20, torch.float32) for r in range(W)))
         h = comm.device_state["hosts"]
         return f"chunk={h.chunk} hier={h.regular}"
     finally:
