@@ -222,7 +222,7 @@ class HostOps:
         heads = [hdr if i == me else mesh.view(parity, i, H).view(torch.int64).numpy().copy() for i in range(n)]
         try:
             self._agree(op, heads, same, same_vec, pairwise, parity)
-        except ZbcclError:
+        except (ZbcclInvalidUsageError, ZbcclOutOfMemoryError):
             self.together = True  # every rank raises it: the communicator stays in step
             raise
         steps = max(1, math.ceil(max(int(h[F.MAXSEND]) for h in heads) / chunk))
