@@ -103,6 +103,11 @@ def _cases(ctx, hosts: list[int], sizes: list[int], dtypes: list[torch.dtype], r
         out = torch.empty(4, 3 * W)
         zbccl.all_gather_into_tensor(out, x, dim=1)
         assert torch.equal(out, torch.cat([f(r, 12, torch.float32).view(4, 3) for r in range(W)], 1))
+        for shape in [(0, 8), (3, 0)]:  # empty along another dim than the gathered one (found by the soak)
+            e = torch.empty(shape)
+            eo = torch.full((shape[0], shape[1] * W), 7.0)
+            zbccl.all_gather_into_tensor(eo, e, dim=1)
+            assert eo.numel() == 0
         big = zbccl.empty((W * 5,), dtype=torch.float32)
         big.copy_(f(me, W * 5, torch.float32))
         zbccl.all_gather_into_tensor(big, big[me * 5:(me + 1) * 5].clone().copy_(big[me * 5:(me + 1) * 5]))

@@ -116,7 +116,7 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
 
     h.exchange(op, OP_ALL_GATHER, {F.DTYPE: dt, F.AUX: d}, counts if ok else [], error, [src] * n,
                consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True)
-    if not data:
+    if not data or output.numel() == 0:  # nothing arrived (along ``d`` too: the other dims may be empty)
         return
     if d:
         flat = buf.view(-1)
