@@ -16,7 +16,8 @@ import torch
 
 from tests.spawn import run_world
 from zbccl.ops.dtypes import AVG, MAX, MIN, PROD, SUM
-from zbccl.ops.reference import all_reduce_ref, reduce_ref
+from zbccl.ops.hosts import reduction_order
+from zbccl.ops.reference import all_reduce_ref, hierarchical_all_reduce_ref, reduce_ref
 
 REDS = {"sum": SUM, "max": MAX, "min": MIN, "product": PROD, "avg": AVG}
 
@@ -145,14 +146,16 @@ def _large(ctx, hosts: list[int]) -> str:
     try:
         h = comm.device_state.get("hosts")
         for n in (70_001, 300_000):
-            for dt, red in ((torch.float32, "sum"), (torch.int64, "max"), (torch.bfloat16, "avg")):
+            for dt, red in ((torch.float32, "sum"), (torch.int64, "max"), (torch.bfloat16, "avg"),
+                            (torch.bfloat16, "product")):
                 x = f(me, n, dt)
                 zbccl.all_reduce(x, red)
-                want = all_reduce_ref([f(r, n, dt) for r in range(W)], REDS[red])
-                if dt == torch.bfloat16:
-                    torch.testing.assert_close(x, want, rtol=1e-2, atol=0)
-                else:
-                    assert torch.equal(x, want), (n, dt, red)
+                ins = [f(r, n, dt) for r in range(W)]
+                order = reduction_order(comm, x.numel() * x.element_size())  # per host first, where hierarchical
+                assert (order is not None) == (len(set(hosts)) < W), order
+                want = all_reduce_ref(ins, REDS[red]) if order is None else \
+                    hierarchical_all_reduce_ref(ins, REDS[red], order)
+                assert torch.equal(x, want), (n, dt, red)  # bit for bit, in the documented order
             out = torch.empty(W * n, dtype=torch.float32)
             zbccl.all_gather_into_tensor(out, f(me, n, torch.float32))
             assert torch.equal(out, torch.cat([f(r, n, torch.float32) for r in range(W)]))

@@ -11,7 +11,8 @@ import torch
 
 from .dtypes import AVG, MAX, MIN, PROD, SUM
 
-__all__ = ["reduce_ref", "all_reduce_ref", "all_gather_ref", "reduce_scatter_ref", "all_to_all_ref"]
+__all__ = ["reduce_ref", "all_reduce_ref", "hierarchical_all_reduce_ref", "all_gather_ref", "reduce_scatter_ref",
+           "all_to_all_ref"]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,6 +45,19 @@ def reduce_ref(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
 
 def all_reduce_ref(inputs: list[torch.Tensor], op: int) -> torch.Tensor:
     return reduce_ref([x.reshape(-1) for x in inputs], op).view(inputs[0].shape)
+
+
+def hierarchical_all_reduce_ref(inputs: list[torch.Tensor], op: int, groups: list[list[int]]) -> torch.Tensor:
+    """What the hierarchical all_reduce across hosts produces (``ops/hosts/hier.py``): each group's (host's)
+    members reduced in list order and rounded to the dtype, then the groups' results in group order, rounded
+    again; ``avg`` sums through both levels and divides by the member count once, in the dtype. ``groups``:
+    the indices into ``inputs`` per host, hosts in order (``zbccl.ops.hosts.reduction_order``)."""
+    inner = SUM if op == AVG else op
+    flat = [x.reshape(-1) for x in inputs]
+    out = reduce_ref([reduce_ref([flat[i] for i in g], inner) for g in groups], inner)
+    if op == AVG:
+        out.div_(len(inputs))
+    return out.view(inputs[0].shape)
 
 
 def all_gather_ref(inputs: list[torch.Tensor]) -> torch.Tensor:

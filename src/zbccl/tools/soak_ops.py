@@ -18,6 +18,7 @@ import torch.distributed as dist
 import zbccl
 from zbccl.ops import reference as ref
 from zbccl.ops.dtypes import AVG, MAX, MIN, PROD, SUM
+from zbccl.ops.hosts import reduction_order
 
 __all__ = ["Soaker", "KINDS"]
 
@@ -128,7 +129,10 @@ class Soaker:
             zbccl.all_reduce(t, name, comm=comm)
         else:
             self._call(api, dist.all_reduce, t, op=RED[name][1], group=pg)
-        want = ref.all_reduce_ref([payload(r, (n,), dtype, salt) for r in ranks], RED[name][0])
+        inputs = [payload(r, (n,), dtype, salt) for r in ranks]
+        order = reduction_order(comm, n * t.element_size())  # across hosts: maybe per host, then across
+        want = (ref.all_reduce_ref(inputs, RED[name][0]) if order is None
+                else ref.hierarchical_all_reduce_ref(inputs, RED[name][0], order))
         return None if _same(t, want) else f"{name} differs"
 
     def _all_gather(self, g, *, ranks, pg, comm, api, dtype, n, heap, salt):

@@ -30,7 +30,23 @@ from ..tuner import hosts_hierarchical
 from . import flat, hier
 from .state import HostOps, host_ops
 
-__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "HostOps"]
+__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "HostOps",
+           "reduction_order"]
+
+
+def reduction_order(comm, nbytes: int) -> list[list[int]] | None:
+    """The order an all_reduce of ``nbytes`` over ``comm`` reduces in: None for member order (one host, or the
+    flat algorithm, bit-equal to ``reference.all_reduce_ref``), else the group ranks per host, hosts in order
+    of their first member, for the hierarchical one (``reference.hierarchical_all_reduce_ref``). Local: it
+    reads the topology and the tuner's rule, the same inputs every member's choice reads."""
+    if comm._single_host:
+        return None
+    by_host: dict[int, list[int]] = {}
+    for i, g in enumerate(comm.ranks):
+        by_host.setdefault(comm.topology.host_of(g), []).append(i)
+    hosts = list(by_host.values())
+    regular = len(hosts) >= 2 and len(hosts[0]) >= 2 and all(len(h) == len(hosts[0]) for h in hosts)
+    return hosts if hosts_hierarchical("all_reduce", nbytes, len(hosts), len(hosts[0]), regular) else None
 
 
 def _run(comm, op: str, timeout, body):

@@ -16,7 +16,8 @@ per host pair), then an intra-host all_gather of the L blocks of H pieces, reord
 
 Reduction order: within a host in local order (fp32 accumulation for bf16/fp16, rounded once), then
 across hosts in host order (rounded again): integers and exactly representable values are bit-equal to
-the reference, bf16/fp16 may differ from it by one rounding per phase; every rank gets the same bits
+the reference, bf16/fp16 may differ from it by one rounding per phase, and every result is bit-equal to
+``reference.hierarchical_all_reduce_ref`` (``hosts.reduction_order`` gives its groups); every rank gets the same bits
 (each slice is reduced once per column, identically, then copied). ``avg`` sums through both phases and
 divides once at the end.
 """
