@@ -2,7 +2,7 @@
 
 The public collectives across namespace hosts (tests/hosts.py; ``ops/hosts``: the flat exchange, and the
 hierarchical algorithms at 2 x 2) against gloo over the same veth links (``GLOO_SOCKET_IFNAME``),
-interleaved in the same processes, float32 sum, with a correctness column. A store barrier before each
+interleaved in the same processes, float32 sum, with a correctness column, after a warm-up. A store barrier before each
 repetition starts the ranks together, as a model step does. Rows: ``op size zbccl_us gloo_us speedup
 wrong`` (medians over the repetitions, rank 0's clock), then the load average: the cores are shared by
 every "host", so these are not NIC numbers.
@@ -34,6 +34,9 @@ def rank_main(ctx, *, ifnames: list[str], per_host: int) -> list[dict]:
                             world_size=ctx.world_size)
     me, W, rows = comm.rank, comm.world_size, []
     try:
+        for _ in range(50):  # warm-up: Mooncake opens its TCP lanes on the first transfers
+            zbccl.all_reduce(torch.ones(1024))
+            dist.all_reduce(torch.ones(1024))
         for op in ("all_reduce", "all_gather"):
             for size in SIZES:
                 n = size // 4

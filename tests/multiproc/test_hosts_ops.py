@@ -159,6 +159,9 @@ def _large(ctx, hosts: list[int]) -> str:
             b = f(me, n, torch.float32)
             zbccl.broadcast(b, 0)
             assert torch.equal(b, f(0, n, torch.float32))
+        x = f(me, 1 << 20, torch.float32)  # 4 MiB outside a 2 MiB heap: the hierarchy stages segment by segment
+        zbccl.all_reduce(x)
+        assert torch.equal(x, sum(f(r, 1 << 20, torch.float32) for r in range(W)))
         h = comm.device_state["hosts"]
         return f"chunk={h.chunk} hier={h.regular}"
     finally:
@@ -244,11 +247,13 @@ def _late(ctx) -> str:
                 store.wait(["timed-out"], timedelta(seconds=60))
             try:  # every byte may have arrived before rank 0 left (it put its own first): then the op is complete
                 zbccl.all_reduce(torch.ones(8))
+                named = False
             except ZbcclRemoteError as exc:
                 assert "rank 0 timed out" in str(exc), exc
-            # at the latest the next op names rank 0, within a liveness interval (not the 10 s timeout)
-            with pytest.raises(ZbcclRemoteError, match="rank 0 timed out"):
-                zbccl.all_reduce(torch.ones(8), timeout=10)
+                named = True
+            if not named:  # then the next op names rank 0, within a liveness interval (not the 10 s timeout)
+                with pytest.raises(ZbcclRemoteError, match="rank 0 timed out"):
+                    zbccl.all_reduce(torch.ones(8), timeout=10)
             result = "named 0"
         with pytest.raises(ZbcclError, match="broken"):  # the communicator is unusable now
             zbccl.all_reduce(torch.ones(8), timeout=5)
@@ -286,10 +291,13 @@ def _interrupted(ctx) -> str:
             try:
                 zbccl.all_reduce(x)
                 assert torch.equal(x, torch.full((8,), 2.0))
+                named = False
             except ZbcclRemoteError as exc:
                 assert "rank 1 was interrupted" in str(exc), exc
-            with pytest.raises(ZbcclRemoteError, match="rank 1 was interrupted"):
-                zbccl.all_reduce(torch.ones(8), timeout=10)
+                named = True
+            if not named:
+                with pytest.raises(ZbcclRemoteError, match="rank 1 was interrupted"):
+                    zbccl.all_reduce(torch.ones(8), timeout=10)
         with pytest.raises(ZbcclError, match="broken"):
             zbccl.all_reduce(torch.ones(8), timeout=5)
         store.set(f"checked{me}", "1")

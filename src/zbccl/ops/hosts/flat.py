@@ -12,6 +12,7 @@ all_to_all only what each peer must get; broadcast ``(n-1) N`` from the root.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...native.abi import (
@@ -26,31 +27,47 @@ from ..dtypes import MAX, MIN, PROD, SUM
 from ..reference import reduce_ref
 from .state import F, HostOps
 
-__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into"]
+__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "copy"]
 
-_BINARY = {SUM: torch.add, PROD: torch.mul, MAX: torch.maximum, MIN: torch.minimum}
+# numpy, not torch, for the copies and reductions of the steps: torch splits an op over its intra-op threads
+# above a grain size, and on oversubscribed cores (the ranks of several "hosts" share them) waiting for those
+# threads costs milliseconds per chunk; numpy's loops run on the calling thread, and give the same bits
+# (IEEE element-wise ops; integers wrap; maximum/minimum propagate NaN as torch does).
+_UFUNC = {SUM: np.add, PROD: np.multiply, MAX: np.maximum, MIN: np.minimum}
 _EXACT = (torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, flat (uint8; a view)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def np_of(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array (no copy)."""
+    return t.detach().numpy()
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:] = src`` on this thread (same dtype and shape)."""
+    if dst.numel() and dst.data_ptr() != src.data_ptr():
+        np.copyto(np_of(dst), np_of(src))
 
 
 def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
     """``dst`` = the reduction of ``parts`` in list order, bit-equal to :func:`reduce_ref`: one pass per part
     where the dtype needs no wider accumulator (float32/64 and integers), else the reference itself. ``dst``
     may alias ``parts[0]`` or ``parts[1]`` (element-wise ops read an element before writing it)."""
-    fn = _BINARY.get(red)
+    fn = _UFUNC.get(red)
     if (fn is None or dst.dtype not in _EXACT or len(parts) < 2
             or any(p.data_ptr() == dst.data_ptr() for p in parts[2:] if p.numel())):
         res = reduce_ref(parts, red)
         if res.data_ptr() != dst.data_ptr():
             dst.copy_(res)
         return
-    fn(parts[0], parts[1], out=dst)
+    out = np_of(dst)
+    fn(np_of(parts[0]), np_of(parts[1]), out=out)
     for p in parts[2:]:
-        fn(dst, p, out=dst)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, flat (uint8; a view)."""
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        fn(out, np_of(p), out=out)
 
 
 def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, error: str | None, secs: float,
@@ -94,9 +111,8 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
     def consume(k: int, got: list) -> None:
         for i, g in enumerate(got):
             if g is not None and g.numel():
-                dst = outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()]
-                if dst.data_ptr() != g.data_ptr():  # in place: this rank's slice is its input already
-                    dst.copy_(g)
+                # (in place, this rank's slice is its input already: copy skips it)
+                copy(outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()], g)
 
     h.exchange(op, OP_ALL_GATHER, {F.DTYPE: dt, F.AUX: d}, counts if ok else [], error, [src] * n,
                consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True)
@@ -157,7 +173,7 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     def consume(k: int, got: list) -> None:
         for i, g in enumerate(got):
             if g is not None and g.numel():
-                outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()].copy_(g)
+                copy(outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()], g)
 
     h.exchange(op, OP_ALL_TO_ALL, {F.DTYPE: dt}, ins + outs if ok else [], error, sends, consume, timeout=secs,
                same=(F.DTYPE,), pairwise=ok)
@@ -178,7 +194,7 @@ def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, erro
     def consume(k: int, got: list) -> None:
         g = got[src]
         if outb is not None and g is not None and g.numel():
-            outb[k * h.chunk:k * h.chunk + g.numel()].copy_(g)
+            copy(outb[k * h.chunk:k * h.chunk + g.numel()], g)
 
     fields = {F.DTYPE: dt, F.ROOT: src, F.NUMEL: tensor.numel() if ok else -1}
     h.exchange(op, OP_BROADCAST, fields, [], error, sends, consume, timeout=secs, same=(F.DTYPE, F.ROOT, F.NUMEL))

@@ -34,6 +34,9 @@ from .state import HostOps
 __all__ = ["all_reduce", "all_gather"]
 
 _NAMES = {SUM: "sum", AVG: "sum", PROD: "product", MAX: "max", MIN: "min"}
+#: Chunks per segment of the hierarchical ops: the shm phases (which stage a tensor outside the heap) see at
+#: most this many chunks at once, so a large tensor needs no heap room of its size.
+SEGMENT_CHUNKS = 4
 
 
 def _column_all_reduce(h: HostOps, op: str, part: torch.Tensor, red: int, secs: float) -> None:
@@ -60,22 +63,27 @@ def _column_gather(h: HostOps, op: str, piece: torch.Tensor, out: torch.Tensor, 
         m = part.numel()
         for i in range(col.n):
             if m:
-                out[i, k * chunk:k * chunk + m].copy_(part if i == col.index else col.view(parity, i, m))
+                flat_ops.copy(out[i, k * chunk:k * chunk + m], part if i == col.index else col.view(parity, i, m))
 
 
 def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, secs: float) -> None:
+    """In place, segment by segment (``SEGMENT_CHUNKS`` chunks each: the shm phases stage at most that much)."""
     from ..exchange import all_gather_v
     from ..reduce_scatter import reduce_scatter_v
 
     work = flat_ops.all_reduce(h, op, tensor, dt, red, None, secs, data=False)
     flat = work.view(-1)
     N, L = flat.numel(), h.L
-    counts = [N // L + (1 if i < N % L else 0) for i in range(L)]
-    mine = torch.empty(counts[h.local_index], dtype=tensor.dtype)
+    seg = max(L, SEGMENT_CHUNKS * h.chunk // tensor.element_size() // L * L)
     inner = SUM if red == AVG else red
-    reduce_scatter_v(mine, flat, counts, _NAMES[red], comm=h.local, timeout=secs)
-    _column_all_reduce(h, op, mine, inner, secs)
-    all_gather_v(flat, mine, counts, comm=h.local, timeout=secs)
+    for lo in range(0, N, seg):
+        part = flat[lo:lo + seg]
+        n = part.numel()
+        counts = [n // L + (1 if i < n % L else 0) for i in range(L)]
+        mine = torch.empty(counts[h.local_index], dtype=tensor.dtype)
+        reduce_scatter_v(mine, part, counts, _NAMES[red], comm=h.local, timeout=secs)  # 1.
+        _column_all_reduce(h, op, mine, inner, secs)  # 2.
+        all_gather_v(part, mine, counts, comm=h.local, timeout=secs)  # 3.
     if red == AVG:
         flat.div_(h.n)
     if work is not tensor:
@@ -84,20 +92,25 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, sec
 
 def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int],
                secs: float) -> None:
-    """Even all_gather along dim 0 (``counts`` all equal) on a regular topology."""
+    """Even all_gather along dim 0 (``counts`` all equal) on a regular topology, segment by segment of the
+    pieces (the shm phase stages at most ``SEGMENT_CHUNKS`` chunks)."""
     from ..exchange import all_gather_v
 
     flat_ops.gather(h, op, output, input, dt, counts, 0, [], None, secs, data=False)
     src = flat_ops._bytes(input.contiguous())
-    nbytes = src.numel()
-    block = torch.empty((h.H, nbytes), dtype=torch.uint8)
-    _column_gather(h, op, src, block, secs)
-    blocks = torch.empty((h.L, h.H, nbytes), dtype=torch.uint8)
-    all_gather_v(blocks.view(-1), block.view(-1), [h.H * nbytes] * h.L, comm=h.local, timeout=secs)
+    nbytes, H, L = src.numel(), h.H, h.L
     out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     outb = flat_ops._bytes(out).view(h.n, nbytes)
-    for hi, members in enumerate(h.hosts):  # block [l, hi] is member hosts[hi][l]'s piece
-        for li, i in enumerate(members):
-            outb[i].copy_(blocks[li, hi])
+    seg = max(64, SEGMENT_CHUNKS * h.chunk // H // 64 * 64)
+    for lo in range(0, nbytes, seg):
+        piece = src[lo:lo + seg]
+        m = piece.numel()
+        block = torch.empty((H, m), dtype=torch.uint8)
+        _column_gather(h, op, piece, block, secs)
+        blocks = torch.empty((L, H, m), dtype=torch.uint8)
+        all_gather_v(blocks.view(-1), block.view(-1), [H * m] * L, comm=h.local, timeout=secs)
+        for hi, members in enumerate(h.hosts):  # block [l, hi] is member hosts[hi][l]'s piece
+            for li, i in enumerate(members):
+                flat_ops.copy(outb[i, lo:lo + m], blocks[li, hi])
     if out is not output:
         output.copy_(out)

@@ -22,7 +22,8 @@ Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same or
 3. Wait until this member's own arrived[q] >= ``s`` for every peer ``q``; the caller consumes the slots
    (views of this member's own heap) before it starts step ``s + 1``.
 
-Waits poll this member's own words (remote writes wake no futex) with back-off, and apply the
+Waits poll this member's own words (remote writes wake no futex), yielding for ``HOT`` seconds and then
+sleeping with back-off to 0.5 ms, and apply the
 liveness rule every ``liveness`` seconds: a member that left an op half-way (its ABORT line, read
 through the verbs on another host), a member that failed, finalized or died, a host that stopped
 answering; the timeout names the members never heard from and their hosts.
@@ -30,6 +31,7 @@ answering; the timeout names the members never heard from and their hosts.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -37,11 +39,25 @@ import torch
 
 from ...errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ...heap import layout
-from ...heap.transports.mooncake.liveness import backoff
 from ...native.abi import ABORT_PEER
 from ...runtime import liveness
 
 __all__ = ["Mesh", "Watch"]
+
+#: Seconds a wait yields the core between polls before it sleeps: short, because the words it waits for are
+#: written by this process's own Mooncake engine threads (a remote put lands through them), which a polling
+#: thread must not starve on oversubscribed cores.
+HOT = 200e-6
+
+
+def _pause(waited: float, pause: float, left: float) -> float:
+    """One pause of a wait: yield while hot, then sleep doubling from 20 us to 0.5 ms (never past the deadline)."""
+    if waited < HOT:
+        os.sched_yield()
+        return pause
+    pause = min(2 * pause or 20e-6, 5e-4)
+    time.sleep(min(pause, max(0.0, left)))
+    return pause
 
 
 class Watch:
@@ -50,7 +66,9 @@ class Watch:
     def __init__(self, ctx, labels: dict[int, int]) -> None:
         self.ctx, self.t, self.labels = ctx, ctx.heap.transport, labels
         self.remote = getattr(self.t, "remote", None)
-        self.interval = max(ctx.liveness_ns / 1e9, 0.05)
+        # Its reads of remote words are round trips through the peers' engines: no more often than the
+        # mooncake monitor probes them (every max(ZBCCL_LIVENESS_INTERVAL, 0.25) s).
+        self.interval = max(ctx.liveness_ns / 1e9, 0.25)
 
     def where(self, g: int) -> str:
         """The host of global rank ``g``, in words."""
@@ -183,4 +201,4 @@ class Mesh:
                 raise ZbcclTimeoutError(
                     f"{op}: timed out after {timeout:.1f}s waiting for ranks {names} ({where}), expected their "
                     f"step {need[0][1]} of this op, got none", ranks=tuple(names))
-            pause = backoff(now - start, pause, remote=False, cap=5e-4, left=deadline - now)
+            pause = _pause(now - start, pause, deadline - now)

@@ -209,16 +209,20 @@ class HostOps:
         for i in range(n):
             if i != me:
                 hdr[F.TO_YOU] = lens[i]
-                head = torch.from_numpy(hdr.copy()).view(torch.uint8)
                 if lens[i] > _JOIN:
                     first[i] = sends[i][:chunk]
-                pieces[i] = head if not lens[i] or lens[i] > _JOIN else torch.cat([head, sends[i][:chunk]])
+                joined = 0 if lens[i] > _JOIN else lens[i]
+                buf = np.empty(H + joined, dtype=np.uint8)  # one put: header and data (numpy: this thread)
+                buf[:H] = hdr.view(np.uint8)
+                if joined:
+                    buf[H:] = sends[i].detach().numpy()
+                pieces[i] = torch.from_numpy(buf)
         parity = mesh.step(pieces, op=op, timeout=timeout, before=first, before_at=H)
         hdr[F.TO_YOU] = lens[me]
         heads = [hdr if i == me else mesh.view(parity, i, H).view(torch.int64).numpy().copy() for i in range(n)]
         try:
             self._agree(op, heads, same, same_vec, pairwise, parity)
-        except ZbcclError:
+        except (ZbcclInvalidUsageError, ZbcclOutOfMemoryError):
             self.together = True  # every rank raises it: the communicator stays in step
             raise
         steps = max(1, math.ceil(max(int(h[F.MAXSEND]) for h in heads) / chunk))
