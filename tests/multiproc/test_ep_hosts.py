@@ -168,7 +168,7 @@ def _normal(ctx, hosts: list[list[int]], seeds):
 
 
 def test_normal_2x1():
-    out = run_world(_normal, 2, hosts=[[0], [1]], seeds=range(24), timeout=240)
+    out = run_world(_normal, 2, hosts=[[0], [1]], seeds=range(16), timeout=240)
     assert all(o["crossed"] == o["naive"] for r in out for o in r)  # one rank per host: nothing to merge
 
 
@@ -236,13 +236,26 @@ def _ll_case(buffer, comm, seed: int, *, fp8: bool, hook: bool, zero_copy: bool 
     assert torch.equal(combined, expect), f"low_latency_combine differs on rank {me}, seed {seed}"
 
 
-def _low_latency(ctx, hosts: list[list[int]]):
+def _low_latency(ctx, hosts: list[list[int]], torch_group: bool = False):
+    """LL cases (and, through ``torch_group``, a Buffer over torch's gloo group, which starts zbccl itself)."""
     import zbccl
     import zbccl.ep as deep_ep
 
-    comm = _init(ctx, hosts)
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(24, 256, comm.world_size, 3 * comm.world_size)
-    buffer = deep_ep.Buffer(comm, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(24, 256, ctx.world_size, 3 * ctx.world_size)
+    if torch_group:
+        import torch.distributed as dist
+
+        os.environ["ZBCCL_HOST_ID"] = f"ep-host-{next(h for h, rs in enumerate(hosts) if ctx.rank in rs)}"
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", ctx.store()), rank=ctx.rank,
+                                world_size=ctx.world_size)
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+        comm = buffer.comm
+        _exact_and_bytes(buffer, comm, hosts, 2)  # normal mode on the same Buffer
+    else:
+        comm = _init(ctx, hosts)
+        buffer = deep_ep.Buffer(comm, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    assert buffer.wire is not None and buffer.wire.hosts == hosts
     buffer.clean_low_latency_buffer(24, 256, 3 * comm.world_size)
     for seed, (fp8, hook, zc) in enumerate([(False, False, False), (True, False, False), (False, True, True),
                                             (True, True, False)]):
@@ -252,8 +265,8 @@ def _low_latency(ctx, hosts: list[list[int]]):
     return True
 
 
-def test_low_latency_2x2():
-    assert all(run_world(_low_latency, 4, hosts=HOSTS_2X2, timeout=240))
+def test_low_latency_2x2_over_a_torch_gloo_group():
+    assert all(run_world(_low_latency, 4, hosts=HOSTS_2X2, torch_group=True, timeout=240))
 
 
 # ---------------------------------------------------------------------------------------------- errors and faults
@@ -350,33 +363,72 @@ def test_a_killed_host_is_named_within_seconds():
 
 # ---------------------------------------------------------------------------------------------- namespace hosts
 def _namespace(ctx):
-    """2 namespace hosts x 2 ranks (nothing shared but a link): normal and LL modes against the reference."""
-    import zbccl
+    """2 namespace hosts x 2 ranks (nothing shared but a link): normal and LL modes against the reference, then
+    the link of host 1 goes down before a dispatch and every rank names the other host."""
+    import zbccl.ep as deep_ep
 
     comm, buffer = _start(ctx, HOSTS_2X2, fake=False)
     out = [_exact_and_bytes(buffer, comm, HOSTS_2X2, 1)]
-    for seed in range(700, 702):
-        _random_case(buffer, comm, _case(seed, comm.world_size))
+    _random_case(buffer, comm, _case(700, comm.world_size))
     buffer.destroy()
-    import zbccl.ep as deep_ep
-
     ll = deep_ep.Buffer(comm, low_latency_mode=True, explicitly_destroy=True)
     _ll_case(ll, comm, 3, fp8=True, hook=True)
     ll.destroy()
-    zbccl.finalize()
+    return {"bytes": out, "cut": _cut(ctx, comm)}
+
+
+def _cut(ctx, comm) -> dict:
+    import zbccl.ep as deep_ep
+    from zbccl.errors import ZbcclError
+
+    buffer = deep_ep.Buffer(comm, timeout=20)
+    me, E = comm.rank, 8
+    x, idx, w = _integer_inputs(5, me, 12, 128, E, 2)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+                topk_weights=w)
+    buffer.dispatch(x, **args)
+    store = ctx.store()
+    store.set(f"ready/{me}", b"1")
+    if me == 0:  # host 1 cannot reach the store once cut: only host 0 waits there
+        store.wait([f"ready/{r}" for r in range(4)])
+        store.set("hosts/cut", b"1")
+        store.wait(["hosts/cut-done"])
+    t0 = time.monotonic()
+    try:
+        buffer.dispatch(x, **args)
+        out = {"error": None}
+    except ZbcclError as exc:
+        out = {"error": type(exc).__name__, "ranks": sorted(exc.ranks), "text": str(exc), "elapsed": time.monotonic() - t0}
+    if me < 2:  # a survivor that left early would look dead to the other one
+        store.set(f"raised/{me}", b"1")
+        store.wait(["raised/0", "raised/1"])
     return out
 
 
-def test_namespace_hosts_2x2():
+def test_namespace_hosts_2x2_and_a_cut_link():
     from tests.hosts import HostsUnavailable, NetnsHosts, hosts_skip_reason, run_hosts
 
     reason = hosts_skip_reason()
     if reason:
         pytest.skip(reason)
+
+    def director(hosts, store):
+        store.wait(["hosts/cut"])
+        hosts.cut(1)
+        store.set("hosts/cut-done", b"1")
+        store.wait(["raised/0", "raised/1"])
+        hosts.cut(1, up=True)  # host 1's ranks, which raised too, then leave without waiting out their engines
+
     try:
         with NetnsHosts(2) as hosts:
-            out = run_hosts(_namespace, hosts, ranks_per_host=2, timeout=240)
+            out = run_hosts(_namespace, hosts, ranks_per_host=2, timeout=240, director=director)
+            addrs = [hosts.addr(0), hosts.addr(1)]
     except HostsUnavailable as exc:
         pytest.skip(str(exc))
-    crossed = sum(o["crossed"] for r in out for o in r)
-    assert 0 < crossed < sum(o["naive"] for r in out for o in r)
+    crossed = sum(o["crossed"] for r in out for o in r["bytes"])
+    assert 0 < crossed < sum(o["naive"] for r in out for o in r["bytes"])
+    for r, got in enumerate(o["cut"] for o in out):
+        other = 1 - r // 2
+        assert got["error"] == "ZbcclTimeoutError" and got["ranks"] and set(got["ranks"]) <= set(HOSTS_2X2[other]), got
+        assert addrs[other] in got["text"] and f"host {other}" in got["text"] and got["elapsed"] < 30, got

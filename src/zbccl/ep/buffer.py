@@ -124,7 +124,7 @@ class Buffer:
         self.layout_memo = None
         self._ll = low_latency.LowLatencyState()
         self.ex.drop_reused()
-        self.ex = None
+        self.ex = self.wire = None  # the wire's inbox, aux and held blocks go back to the heap with it
         self.comm.destroy()
 
     @property
