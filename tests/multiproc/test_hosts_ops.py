@@ -159,6 +159,13 @@ def _large(ctx, hosts: list[int]) -> str:
             out = torch.empty(W * n, dtype=torch.float32)
             zbccl.all_gather_into_tensor(out, f(me, n, torch.float32))
             assert torch.equal(out, torch.cat([f(r, n, torch.float32) for r in range(W)]))
+            hin, hout = zbccl.empty((n,), dtype=torch.float32), zbccl.empty((W * n,), dtype=torch.float32)
+            hin.copy_(f(me, n, torch.float32))
+            staged = zbccl.memory_stats()["staged_bytes"]
+            zbccl.all_gather_into_tensor(hout, hin)  # heap operands: nothing staged, hierarchical or flat
+            assert zbccl.memory_stats()["staged_bytes"] == staged
+            assert torch.equal(hout, torch.cat([f(r, n, torch.float32) for r in range(W)]))
+            del hin, hout
             x = torch.cat([f(me, n, torch.int32, salt=r) for r in range(W)])
             o = torch.empty(n, dtype=torch.int32)
             zbccl.reduce_scatter_tensor(o, x)

@@ -25,6 +25,7 @@ divides once at the end.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -91,6 +92,17 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, sec
         tensor.copy_(work)
 
 
+def _scratch(h: HostOps, shape: tuple) -> torch.Tensor:
+    """A uint8 scratch tensor in this rank's heap, freed when it dies, so that the shm phase runs zero-copy on
+    it; ordinary memory when the heap is full (that phase then stages it, counted in ``staged_bytes``)."""
+    sma, heap = h.ctx.sma, h.ctx.heap
+    nbytes = math.prod(shape)
+    off = sma.try_malloc(max(nbytes, 1), kind="hosts")
+    if off is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    return heap.view(heap.rank, off, shape, torch.uint8, release=partial(sma.free, off), op="all_gather")
+
+
 def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int],
                secs: float) -> None:
     """Even all_gather along dim 0 (``counts`` all equal) on a regular topology, segment by segment of the
@@ -106,9 +118,9 @@ def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     for lo in range(0, nbytes, seg):
         piece = src[lo:lo + seg]
         m = piece.numel()
-        block = torch.empty((H, m), dtype=torch.uint8)
+        block = _scratch(h, (H, m))  # in the heap: the shm all_gather_v below reads and writes them in place
         _column_gather(h, op, piece, block, secs)
-        blocks = torch.empty((L, H, m), dtype=torch.uint8)
+        blocks = _scratch(h, (L, H, m))
         all_gather_v(blocks.view(-1), block.view(-1), [H * m] * L, comm=h.local, timeout=secs)
         for hi, members in enumerate(h.hosts):  # block [l, hi] is member hosts[hi][l]'s piece
             for li, i in enumerate(members):
