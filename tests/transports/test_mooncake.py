@@ -163,4 +163,6 @@ def test_traffic_counts_the_bytes_the_verbs_moved():
     # the liveness monitor reads 8-byte words meanwhile: at most a few of them
     assert 3072 <= out[0]["written"] <= 3072 + 64 and 1024 <= out[0]["read"] <= 1024 + 64, out[0]
     assert out[0]["transfers"] >= 2
+    assert (out[0]["data_put"], out[0]["data_got"]) == (3072, 1024), out[0]  # the data alone, exactly
+    assert (out[1]["data_put"], out[1]["data_got"]) == (0, 0), out[1]
     assert out[1]["written"] <= 64 and out[1]["read"] <= 64, out[1]

@@ -570,10 +570,13 @@ class MooncakeTransport(Transport):
         return self._secret
 
     def traffic(self) -> dict[str, int]:
-        """Bytes this rank's Mooncake engine moved to and from other hosts (``MooncakeEngine.counters``):
-        ``{"written", "read", "transfers"}``; zeros before the engine starts."""
+        """What this rank moved to and from other hosts: every byte its Mooncake engine's completed transfers
+        moved (``MooncakeEngine.counters``: ``written``, ``read``, ``transfers``; signals, growth tables and
+        the liveness monitor's reads included; zeros before the engine starts), and the data bytes alone
+        (``data_put``, ``data_got``: put/zero and get/get_into, :attr:`bytes_put` / :attr:`bytes_got`)."""
         e = self.engine
-        return e.counters() if e is not None else {"written": 0, "read": 0, "transfers": 0}
+        moved = e.counters() if e is not None else {"written": 0, "read": 0, "transfers": 0}
+        return {**moved, "data_put": self.bytes_put, "data_got": self.bytes_got}
 
     def describe(self) -> dict:
         """What ``zbccl info`` shows: the protocol asked for and the transport Mooncake actually runs."""
