@@ -52,6 +52,7 @@ from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..native.abi import WHERE_EP
+from ..runtime import liveness
 from ..runtime.liveness import leave
 from .caps import Capabilities
 from .exchange import (
@@ -291,9 +292,9 @@ class HostWire:
                 next_live = now + live
             if now >= deadline:
                 got = ", ".join(f"{load(me, lines[r])} from rank {r}" for r in pending)
-                raise ZbcclTimeoutError(
-                    f"{op}: timed out after {self.timeout:.1f}s waiting for ranks {pending}, expected their signal >= "
-                    f"{target}, got {got} ({'; '.join(self.where(r) for r in pending)})", ranks=tuple(pending))
+                raise self._lost(ZbcclTimeoutError,
+                                 f"{op}: timed out after {self.timeout:.1f}s waiting for ranks {pending}, expected their "
+                                 f"signal >= {target}, got {got} ({'; '.join(self.where(r) for r in pending)})", pending)
             if now - start < _SPIN_S:
                 os.sched_yield()
             else:
@@ -306,14 +307,17 @@ class HostWire:
         glob = {self.g[r]: r for r in ranks}
         dead = sorted(glob[g] for g in self.t.dead_peers() if g in glob)
         if dead:
-            raise ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {dead} died "
-                                   f"({'; '.join(self.where(r) for r in dead)})", ranks=tuple(dead))
+            raise self._lost(ZbcclRemoteError, f"{op}: peer lost while waiting: rank(s) {dead} died "
+                             f"({'; '.join(self.where(r) for r in dead)})", dead)
         remote = getattr(self.t, "remote", self.t)
         gone_of = getattr(remote, "unreachable_peers", None)
         gone = sorted(glob[g] for g in (gone_of() if gone_of is not None else []) if g in glob)
         if gone:
-            raise ZbcclTimeoutError(f"{op}: host unreachable while waiting for rank(s) {gone} "
-                                    f"({'; '.join(self.where(r) for r in gone)})", ranks=tuple(gone))
+            raise self._lost(ZbcclTimeoutError, f"{op}: host unreachable while waiting for rank(s) {gone} "
+                             f"({'; '.join(self.where(r) for r in gone)})", gone)
+        # The rule on the writers of this host: one that left an op half-way (its ABORT line: it may have left
+        # because of a host it lost, which then comes first in the error), failed, finalized or died.
+        liveness.check(self.comm._ctx, list(glob), op=op, pending=list(glob), labels=self.labels)
 
     def _of(self, exc: ZbcclRemoteError | ZbcclTimeoutError, r: int) -> list[int]:
         """The group ranks of a transport error (its ranks are global ranks), else ``[r]``."""
@@ -321,7 +325,16 @@ class HostWire:
 
     def _named(self, exc: ZbcclRemoteError | ZbcclTimeoutError, ranks: list[int]):
         """Raise ``exc`` again, naming the group ranks it is about and their hosts."""
-        raise type(exc)(f"{exc} ({'; '.join(self.where(r) for r in ranks)})", ranks=tuple(ranks)) from None
+        raise self._lost(type(exc), f"{exc} ({'; '.join(self.where(r) for r in ranks)})", ranks) from None
+
+    def _lost(self, cls, text: str, ranks) -> ZbcclRemoteError | ZbcclTimeoutError:
+        """``cls(text)`` about group ranks ``ranks``, carrying the first one's world rank (``via``): when this rank
+        leaves the op because of it, its ABORT line names it, so a rank waiting on this one names the first
+        cause (``runtime/chain.py``)."""
+        err = cls(text, ranks=tuple(ranks))
+        if ranks:
+            err.via = self.g[ranks[0]]
+        return err
 
     def where(self, r: int) -> str:
         """Group rank ``r`` and its host, in words (with the address Mooncake reaches it at, for a remote one)."""
