@@ -644,3 +644,41 @@ def test_a_chain_in_init_names_the_first_cause():
     out = run_world(_init_chain, 3, env=ENV, expect_exit={0: -9}, timeout=3 * TIMEOUT)
     assert out[2] == "left", out
     assert "rank 2 lost a peer" not in out[1] or "the first cause: rank 0, which died" in out[1], out[1]
+
+
+def _p2p_follower_of_a_death(ctx):
+    """World 3 (found by the world-4 fault trials): rank 0 dies; rank 1's receive from it raises, and rank 1
+    stays alive (it neither finalizes nor exits); rank 2 receives from rank 1. Rank 1 left its receive
+    because of a lost peer, so it marks its ABORT line (a p2p timeout alone is cancelled cleanly, a lost peer
+    is not), and rank 2 names it and rank 0 within about a liveness interval, not at its timeout."""
+    import torch.distributed as dist
+
+    import zbccl
+
+    dist.init_process_group("zbccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=TIMEOUT))
+    store = ctx.store()
+    t = torch.zeros(4)
+    try:
+        dist.barrier()
+        if ctx.rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ctx.rank == 1:
+            _timed(zbccl.ZbcclRemoteError, lambda: dist.irecv(t, 0).wait(), "rank 0 died")
+            store.set("liveness/left1", b"1")
+            store.wait(["liveness/seen2"], timedelta(seconds=TIMEOUT + BOUND))
+            return "lost rank 0"
+        store.wait(["liveness/left1"], timedelta(seconds=TIMEOUT))
+        err, elapsed = _timed(zbccl.ZbcclRemoteError, lambda: dist.irecv(t, 1).wait(), "rank 1 lost a peer",
+                              "the first cause: rank 0, which died")
+        assert err.ranks == (0, 1), err.ranks
+        return elapsed
+    finally:
+        if ctx.rank == 2:
+            store.set("liveness/seen2", b"1")
+        dist.destroy_process_group()
+
+
+def test_a_p2p_wait_that_lost_its_peer_leaves():
+    out = run_world(_p2p_follower_of_a_death, 3, env=ENV, expect_exit={0: -9}, timeout=3 * TIMEOUT)
+    assert out[1] == "lost rank 0" and out[2] < BOUND, out

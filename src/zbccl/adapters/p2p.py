@@ -378,9 +378,10 @@ class PointToPoint:
         waiting(self.ctx, None)
 
     def _left(self, exc: BaseException, op: str) -> None:
-        """A wait is left by ``exc``: Ctrl-C or an unexpected exception marks this rank's ABORT line; a
-        ZbcclError (a timeout: the wait is cancelled) does not."""
-        if not isinstance(exc, ZbcclError):
+        """A wait is left by ``exc``: Ctrl-C, an unexpected exception or a lost peer marks this rank's ABORT
+        line (a lost peer: ``ABORT_PEER``, with the rank it lost, so that a rank waiting on this one names
+        both within a liveness interval); a timeout or another ZbcclError does not (the wait is cancelled)."""
+        if not isinstance(exc, ZbcclError) or isinstance(exc, ZbcclRemoteError):
             leave(self.ctx, exc, op=op, where=WHERE_P2P)
 
     def _wait_word_until(self, addr: int, target: int, peer: int, *, op: str, why: str, timeout: float) -> None:

@@ -46,18 +46,19 @@ __all__ = ["ABORT_LINE", "WAIT_LINE", "WHAT", "WHERE", "aborted", "words", "chai
 
 WHAT = {ABORT_INTERRUPT: "was interrupted (Ctrl-C)", ABORT_TIMEOUT: "timed out", ABORT_PEER: "lost a peer"}
 WHERE = {WHERE_COLLECTIVE: "a collective", WHERE_BARRIER: "a barrier", WHERE_EP: "an EP op",
-          WHERE_P2P: "a send/recv", WHERE_STORE: "a store op (all_gather_object, new_group, destroy)"}
+         WHERE_P2P: "a send/recv", WHERE_STORE: "a store op (all_gather_object, new_group, destroy)"}
 
 
 #: Signal-pad byte offset of a rank's own ABORT line (the world slot's ``L_ABORT`` line).
 ABORT_LINE = layout.slot_line(0, L_ABORT)
 #: Signal-pad byte offset of a rank's WAIT line (the world slot's ``L_WAIT``): VALUE the world rank + 1 its
-#: p2p wait waits for (0: none), WHY 1 once that wait timed out, 2 once it raised because that rank was lost. A p2p timeout leaves no ABORT (the wait is
-#: cancelled cleanly), so this is how a chain of p2p waits (a ring: 0 waits for 2, which waits for 1, which
-#: is stopped) is read: the line stays set after a timeout, until the rank's next p2p wait ends.
+#: p2p wait waits for (0: none), WHY 1 once that wait timed out, 2 once it raised because that rank was
+#: lost. A p2p timeout leaves no ABORT (the wait is cancelled cleanly), so this is how a chain of p2p waits
+#: (a ring: 0 waits for 2, which waits for 1, which is stopped) is read: the line stays set after a timeout
+#: or a lost peer, until the rank's next p2p wait ends.
 WAIT_LINE = layout.slot_line(0, L_WAIT)
 
-
+#: How a WAIT line's wait ended (its WHY word), as errors say it.
 _GAVE_UP = {0: "itself waits for", 1: "timed out waiting for", 2: "gave up waiting for"}
 
 
@@ -96,7 +97,6 @@ def waits_on(ctx: Context, g: int, label=None) -> tuple[str, object]:
     text = (f"; rank {name(g)} {how} {who} in a send/recv{state} (chain of waits: "
             + " -> ".join(f"rank {name(q)}" for q in links) + ")")
     return text, (None if first == ctx.rank else name(first))
-
 
 
 def aborted(transport, rank: int, line: int) -> tuple[int, int]:
@@ -157,7 +157,6 @@ def _state_of(ctx: Context, g: int, lines: Sequence[int]) -> str:
     return "never arrived (stopped or too slow)"
 
 
-
 def first_cause(ctx: Context, g: int, lines: Sequence[int] = (ABORT_LINE,), label=None) -> tuple[str, object]:
     """``("; the first cause: rank q, which ... (chain: rank q -> ... -> rank g)", q's label)`` when world
     rank ``g`` left an op because of another rank (its ABORT line's chain, :func:`chain`), else ``("", None)``;
@@ -172,9 +171,8 @@ def first_cause(ctx: Context, g: int, lines: Sequence[int] = (ABORT_LINE,), labe
     return text, (None if first == ctx.rank else name(first))
 
 
-
 def init_chain(boot, transport, index: dict[int, int], left: dict[int, int], r: int) -> tuple[str, int | None]:
-    """The first cause of member ``r`` leaving init (the ``leftvia`` records of :func:`left_init`), as
+    """The first cause of member ``r`` leaving init (the ``leftvia`` records of :func:`.liveness.left_init`), as
     :func:`first_cause` says it for ops: ``("; the first cause: ...", that member)``, or ``("", None)``."""
     links, cur = [r], r
     while len(links) <= boot.world_size and cur in index and cur != boot.members[boot.rank]:
