@@ -357,7 +357,13 @@ class PointToPoint:
             self.progress()
             if rec.done:  # a message posted before its sender finalized (or died) still counts
                 break
-            self._check_alive(peers, op)
+            try:
+                self._check_alive(peers, op)
+            except ZbcclRemoteError:  # it may have posted after the progress above and then left: look again
+                self.progress()
+                if rec.done:
+                    break
+                raise
 
     # ------------------------------------------------------------ waits
     def _wait_word(self, addr: int, target: int, peer: int, *, op: str, why: str,
