@@ -36,8 +36,8 @@ from .low_latency import (
     OP_LL_DISPATCH,
     _check_dispatch,
     _pairs,
+    combine_args,
 )
-from .normal import _tensor
 
 __all__ = ["dispatch", "combine"]
 
@@ -195,27 +195,8 @@ def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: 
 
 # ---------------------------------------------------------------------------------------------- combine
 def _check_combine(buf, x, topk_idx, topk_weights, handle, out, fields: dict):
-    R = buf.wire.R
-    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
-        raise Fail(f"handle must be the 5-tuple low_latency_dispatch returned, got {type(handle).__name__}")
-    seq, plan = buf.lookup(handle[0], "low_latency_combine")
-    tmax, H, E = int(handle[2]), int(handle[3]), int(handle[4])
-    if (tmax, H, E) != plan["sizes"]:
-        raise Fail("the handle's (num_max_dispatch_tokens_per_rank, hidden size, num_experts) differ from its "
-                   f"dispatch's, expected {plan['sizes']}, got {(tmax, H, E)}")
-    if not plan.get("received"):
-        raise Fail("the dispatch's receive hook was never called, expected hook() before combine, got a pending "
-                   "dispatch")
-    L, N, T = E // R, R * tmax, plan["T"]
-    x = _tensor(x, "x", 3, (torch.bfloat16,), (L, N, H))
-    idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, plan["topk_idx"].size(1)))
-    if not torch.equal(idx.long(), plan["topk_idx"]):
-        raise Fail("topk_idx differs from the one low_latency_dispatch was given, expected the same routing")
-    wt = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, idx.size(1)))
-    if out is not None:
-        _tensor(out, "out", 2, (torch.bfloat16,), (T, H))
-        if not out.is_contiguous():
-            raise Fail("out must be contiguous")
+    seq, plan, x, idx, wt, (tmax, L, N, H, E, _) = combine_args(buf, buf.wire.R, x, topk_idx, topk_weights, handle,
+                                                                out)
     fields.update({F.HANDLE: seq, F.H: H, F.E: E, F.TMAX: tmax, F.XROW: H * 2})
     return plan, x, wt, (L, N, H, E)
 

@@ -209,23 +209,7 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
     try:
         if error:
             raise Fail(error)
-        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
-            raise Fail(f"handle must be the 5-tuple low_latency_dispatch returned, got {type(handle).__name__}")
-        seq, plan = buf.lookup(handle[0], "low_latency_combine")
-        tmax, H, E = int(handle[2]), int(handle[3]), int(handle[4])
-        if (tmax, H, E) != plan["sizes"]:
-            raise Fail("the handle's (num_max_dispatch_tokens_per_rank, hidden size, num_experts) differ from its "
-                       f"dispatch's, expected {plan['sizes']}, got {(tmax, H, E)}")
-        L, N, T = E // R, R * tmax, plan["T"]
-        x = _tensor(x, "x", 3, (torch.bfloat16,), (L, N, H))
-        idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, plan["topk_idx"].size(1)))
-        if not torch.equal(idx.long(), plan["topk_idx"]):
-            raise Fail("topk_idx differs from the one low_latency_dispatch was given, expected the same routing")
-        w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, idx.size(1)))
-        if out is not None:
-            _tensor(out, "out", 2, (torch.bfloat16,), (T, H))
-            if not out.is_contiguous():
-                raise Fail("out must be contiguous")
+        seq, plan, x, idx, w, (tmax, L, N, H, E, T) = combine_args(buf, R, x, topk_idx, topk_weights, handle, out)
         combined = out if out is not None else heap_empty(buf.comm, (T, H), torch.bfloat16)
         src = buf._ll.next_combine_buffer(buf.comm, L, N, H) if zero_copy else x
         base, nrows, bases = _place_outputs(ex, src, handle[1], keep, copy=bool(flags & FLAG_HOOK) and not zero_copy)
@@ -346,3 +330,26 @@ def _reduce(buf, rows, plan: dict, w: torch.Tensor, E: int, H: int, *, logfmt: b
         acc.index_add_(0, tokens[lo:hi], tmp)
         ex.moved += (hi - lo) * H * 2
     return acc
+
+
+def combine_args(buf, R: int, x, topk_idx, topk_weights, handle, out) -> tuple:
+    """low_latency_combine's checks against its dispatch (one host and across hosts):
+    ``(seq, plan, x, idx, weights, (tmax, L, N, H, E, T))``; a bad argument raises :class:`Fail`."""
+    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+        raise Fail(f"handle must be the 5-tuple low_latency_dispatch returned, got {type(handle).__name__}")
+    seq, plan = buf.lookup(handle[0], "low_latency_combine")
+    tmax, H, E = int(handle[2]), int(handle[3]), int(handle[4])
+    if (tmax, H, E) != plan["sizes"]:
+        raise Fail("the handle's (num_max_dispatch_tokens_per_rank, hidden size, num_experts) differ from its "
+                   f"dispatch's, expected {plan['sizes']}, got {(tmax, H, E)}")
+    L, N, T = E // R, R * tmax, plan["T"]
+    x = _tensor(x, "x", 3, (torch.bfloat16,), (L, N, H))
+    idx = _tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32), (T, plan["topk_idx"].size(1)))
+    if not torch.equal(idx.long(), plan["topk_idx"]):
+        raise Fail("topk_idx differs from the one low_latency_dispatch was given, expected the same routing")
+    w = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (T, idx.size(1)))
+    if out is not None:
+        _tensor(out, "out", 2, (torch.bfloat16,), (T, H))
+        if not out.is_contiguous():
+            raise Fail("out must be contiguous")
+    return seq, plan, x, idx, w, (tmax, L, N, H, E, T)
