@@ -240,6 +240,19 @@ class Transport(ABC):
         data = _as_bytes(src)
         self.view_bytes(rank, offset, data.numel(), op=op).copy_(data)
 
+    def put_many(self, rank: int, pieces: Sequence[tuple[int, torch.Tensor | bytes | bytearray | memoryview]], *,
+                 op: str = "put") -> None:
+        """Copy each ``(offset, src)`` of ``pieces`` to ``rank``'s data: every piece is bounds-checked before any
+        lands, and all have landed on return. No order among the pieces is promised (a transport may move them
+        at once: mooncake batches them into one round trip), so a reader that must know they landed checks
+        something the writer computed over them, or waits for a :meth:`signal` written after this returns."""
+        datas = [(offset, _as_bytes(src)) for offset, src in pieces]
+        for offset, data in datas:
+            self.check_data(rank, offset, data.numel(), op=op)
+        for offset, data in datas:
+            if data.numel():
+                self.put(rank, offset, data, op=op)
+
     def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
         """The ``nbytes`` at ``offset`` of ``rank``'s data (bounds-checked), copied out."""
         return self.view_bytes(rank, offset, nbytes, op=op).cpu().numpy().tobytes()

@@ -26,6 +26,8 @@ Verbs on a remote rank:
 * ``put``/``get``/``get_into``/``zero``: ``transfer_sync_write``/``read``,
   split at the peer's registration boundaries (a transfer may not span two);
   complete when the call returns (TCP protocol v2: the bytes landed).
+  ``put_many``: one ``batch_transfer_sync_write`` of every piece (one round
+  trip; no order among them).
 * ``signal``: an 8-byte write into the peer's pad, ordered after every
   earlier write of this process to that peer (v2 completion). ``load``: an
   8-byte read. ``wait_until``: polls local words in place and remote words by
@@ -383,6 +385,28 @@ class MooncakeTransport(Transport):
         for off, length in self._pieces(rank, offset, n):
             self._xfer(rank, True, base + off - offset, peer.data + off, length, op, "a write")
         self.bytes_put += n
+
+    def put_many(self, rank: int, pieces, *, op: str = "put") -> None:
+        """Every piece checked first, then one batched write (one round trip; the pieces land in no promised
+        order). Over RDMA, or when staging is forced, each piece goes through :meth:`put` (its bounce buffer)."""
+        datas = [(offset, _as_bytes(src.cpu() if isinstance(src, torch.Tensor) else src)) for offset, src in pieces]
+        for offset, data in datas:
+            self._check(rank, offset, data.numel(), op)
+        if rank == self.rank or self.engine.transport == "rdma" or self.engine.stage_all:
+            for offset, data in datas:
+                self.put(rank, offset, data, op=op)
+            return
+        peer, locs, remotes, sizes = self.peers[rank], [], [], []
+        for offset, data in datas:
+            base = data.data_ptr()
+            for off, length in self._pieces(rank, offset, data.numel()) if data.numel() else ():
+                locs.append(base + off - offset)
+                remotes.append(peer.data + off)
+                sizes.append(length)
+        if locs:
+            self._run(rank, op, "a batched write",
+                      lambda: self.engine.write_many(peer.sid, locs, remotes, sizes))
+            self.bytes_put += sum(sizes)
 
     def _read(self, rank: int, offset: int, dst: int, nbytes: int, op: str) -> None:
         self._check(rank, offset, nbytes, op)

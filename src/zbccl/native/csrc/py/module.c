@@ -199,6 +199,76 @@ static PyObject *py_memset(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* XXH64 (Yann Collet's xxHash, 64-bit variant), written from its published algorithm: the check word of a
+ * one-write step across hosts (ops/hosts/mesh.py), over bytes that may still be landing. */
+#define XXP1 0x9E3779B185EBCA87ULL
+#define XXP2 0xC2B2AE3D27D4EB4FULL
+#define XXP3 0x165667B19E3779F9ULL
+#define XXP4 0x85EBCA77C2B2AE63ULL
+#define XXP5 0x27D4EB2F165667C5ULL
+
+static inline uint64_t xx_rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static inline uint64_t xx_read64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint32_t xx_read32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t xx_round(uint64_t acc, uint64_t in) { return xx_rotl(acc + in * XXP2, 31) * XXP1; }
+static inline uint64_t xx_merge(uint64_t acc, uint64_t v) { return (acc ^ xx_round(0, v)) * XXP1 + XXP4; }
+
+static uint64_t zb_hash64(const uint8_t *p, size_t n, uint64_t seed) {
+    const uint8_t *end = p + n;
+    uint64_t h;
+    if (n >= 32) {
+        uint64_t v1 = seed + XXP1 + XXP2, v2 = seed + XXP2, v3 = seed, v4 = seed - XXP1;
+        const uint8_t *limit = end - 32;
+        do {
+            v1 = xx_round(v1, xx_read64(p));
+            v2 = xx_round(v2, xx_read64(p + 8));
+            v3 = xx_round(v3, xx_read64(p + 16));
+            v4 = xx_round(v4, xx_read64(p + 24));
+            p += 32;
+        } while (p <= limit);
+        h = xx_rotl(v1, 1) + xx_rotl(v2, 7) + xx_rotl(v3, 12) + xx_rotl(v4, 18);
+        h = xx_merge(h, v1);
+        h = xx_merge(h, v2);
+        h = xx_merge(h, v3);
+        h = xx_merge(h, v4);
+    } else {
+        h = seed + XXP5;
+    }
+    h += (uint64_t)n;
+    for (; p + 8 <= end; p += 8) h = xx_rotl(h ^ xx_round(0, xx_read64(p)), 27) * XXP1 + XXP4;
+    if (p + 4 <= end) {
+        h = xx_rotl(h ^ ((uint64_t)xx_read32(p) * XXP1), 23) * XXP2 + XXP3;
+        p += 4;
+    }
+    for (; p < end; p++) h = xx_rotl(h ^ ((uint64_t)*p * XXP5), 11) * XXP1;
+    h ^= h >> 33;
+    h *= XXP2;
+    h ^= h >> 29;
+    h *= XXP3;
+    h ^= h >> 32;
+    return h;
+}
+
+static PyObject *py_hash64(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t a = 0, h;
+    int64_t n;
+    if (check_nargs("hash64", nargs, 3) || get_i64("hash64", args[1], &n)) return NULL;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "hash64: bad size, expected >= 0, got %lld", (long long)n);
+    if (!PyLong_Check(args[2]))
+        return PyErr_Format(PyExc_TypeError, "hash64: expected an int seed, got %.100s", Py_TYPE(args[2])->tp_name);
+    uint64_t seed = (uint64_t)PyLong_AsUnsignedLongLongMask(args[2]);
+    if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (n && get_addr("hash64", args[0], 1, &a)) return NULL;
+    if ((uint64_t)n >= NOGIL_COPY_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        h = zb_hash64((const uint8_t *)a, (size_t)n, seed);
+        Py_END_ALLOW_THREADS
+    } else {
+        h = zb_hash64((const uint8_t *)a, (size_t)n, seed);
+    }
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyObject *py_set_wait_poll(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t ns;
     if (check_nargs("set_wait_poll", nargs, 1) || get_i64("set_wait_poll", args[0], &ns)) return NULL;
@@ -229,6 +299,8 @@ static PyMethodDef core_methods[] = {
     FASTCALL("now_ns", py_now_ns, "now_ns() -> int: CLOCK_MONOTONIC in nanoseconds."),
     FASTCALL("memcpy", py_memcpy, "memcpy(dst, src, nbytes): raw copy; releases the GIL from 256 KiB."),
     FASTCALL("memset", py_memset, "memset(dst, byte, nbytes): raw fill; releases the GIL from 256 KiB."),
+    FASTCALL("hash64", py_hash64,
+             "hash64(addr, nbytes, seed) -> int: XXH64 of the bytes (unsigned); releases the GIL from 256 KiB."),
     {NULL, NULL, 0, NULL},
 };
 
