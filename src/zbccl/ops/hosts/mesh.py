@@ -4,23 +4,35 @@ The one data-moving primitive of the collectives across hosts. It uses only the 
 transport has (put, signal, load), so a member may sit on another host (mooncake) or on this one
 (shm); nothing of a peer is ever viewed.
 
-Memory: each member owns a **region** in its heap (announced through the store at setup and checked
-against its heap size): ``2 * n`` slots of ``slot`` bytes, slot ``(parity, i)`` receiving member ``i``'s
-bytes of the steps of that parity. Each member owns ``n`` **arrived** words in its signal pad, from
-``line_base`` (one line each), in its communicator's comm slot: word ``i`` is written by member ``i``
-only, with the number of the last step whose bytes it put here.
+Memory: each member owns a **region** in its heap (announced through the store at setup, zeroed by its
+owner before, and checked against its heap size): ``2 * n`` slots of ``STAMP + slot`` bytes, slot
+``(parity, i)`` receiving member ``i``'s bytes of the steps of that parity behind a ``STAMP``-byte stamp.
+Each member owns ``n`` **arrived** words in its signal pad, from ``line_base`` (one line each), in its
+communicator's comm slot: word ``i`` is written by member ``i`` only, with the number of the last step whose
+bytes it put here.
+
+How a step's bytes are published depends on where the receiver is:
+
+* **on this host** (a peer this rank can view): put the bytes, then ``signal`` the receiver's arrived word
+  (a release store orders them);
+* **on another host**: one **stamped** write. The stamp is ``[step, at0, len0, at1, len1, mode, check, 0]``
+  (uint64); ``check`` is the XXH64 of the stamp's first six words followed by the pieces' bytes (mode 0,
+  up to ``ONE_WRITE`` bytes: stamp and pieces are staged contiguously and go in one ``put``, one round
+  trip, landing in no promised order), or of the six words alone (mode 1, larger steps: the pieces' ``put_many`` completes
+  first, then the stamp's write). The receiver polls its own slot: the step has arrived once the stamp says
+  ``step`` and the check it computes over what it holds equals the stamp's. Bytes still landing (a torn
+  stamp, a half-written piece) fail the check and are polled again, so no ordering promise of the engine is
+  needed and one network round trip publishes a small step (instead of two: data, then a flag).
 
 Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same order):
 
-1. For each peer ``p``: wait until this member's own arrived[p] is ``>= s - 1`` (a local read: ``p``
-   started step ``s - 1``, so it consumed everything of step ``s - 2``, the last user of slot parity
-   ``s % 2`` at ``p``). In lockstep this already holds (step 3 of ``s - 1`` waited for it): no
-   acknowledgement is ever written.
-2. For each peer ``p``: put this member's bytes for ``p`` into slot ``(s % 2, me)`` of ``p``'s region,
-   then signal ``p``'s arrived[me] = ``s``. The signal is ordered after the put (shm: a release store;
-   Mooncake over TCP v2 completes a write only once it landed).
-3. Wait until this member's own arrived[q] >= ``s`` for every peer ``q``; the caller consumes the slots
-   (views of this member's own heap) before it starts step ``s + 1``.
+1. For each peer ``p``: wait until ``p``'s step ``s - 1`` arrived here (``p`` started step ``s - 1``, so it
+   consumed everything of step ``s - 2``, the last user of slot parity ``s % 2`` at ``p``). In lockstep this
+   already holds (step 3 of ``s - 1`` waited for it): no acknowledgement is ever written.
+2. For each peer ``p``: publish this member's bytes for ``p`` in slot ``(s % 2, me)`` of ``p``'s region as
+   above (complete on return: Mooncake over TCP v2 completes a write only once it landed).
+3. Wait until every peer's step ``s`` arrived here; the caller consumes the slots (views of this member's
+   own heap) before it starts step ``s + 1``.
 
 Waits poll this member's own words (remote writes wake no futex), yielding for ``HOT`` seconds and then
 sleeping with back-off to 0.5 ms, and apply the
@@ -35,14 +47,29 @@ import os
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from ... import native
 from ...errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ...heap import layout
 from ...native.abi import ABORT_PEER
 from ...runtime import liveness
 
-__all__ = ["Mesh", "Watch"]
+__all__ = ["Mesh", "Watch", "STAMP", "ONE_WRITE", "region_bytes"]
+
+#: Bytes of the stamp in front of every slot (module docstring).
+STAMP = 64
+#: Up to this many bytes, a step to a member on another host is one write checked by its stamp (both ends hash
+#: the bytes, about 15 GB/s); above, the bytes and then the stamp (a second round trip, no hash of the bytes).
+ONE_WRITE = 256 << 10
+_SEED = 0x7A62636D65736801  # "zbcmesh" + 1: XXH64 seed of the stamps' checks
+_ORDERED = 1
+
+
+def region_bytes(members: int, slot: int) -> int:
+    """Bytes of a member's region of a mesh of ``members`` with slots of ``slot`` bytes."""
+    return 2 * members * (STAMP + slot)
 
 #: Seconds a wait yields the core between polls before it sleeps: short, because the words it waits for are
 #: written by this process's own Mooncake engine threads (a remote put lands through them), which a polling
@@ -135,8 +162,8 @@ class Watch:
 class Mesh:
     """Steps of all-to-all puts among ``members`` (global ranks) over ``ctx``'s transport (module docstring).
 
-    ``regions[i]``: member ``i``'s region offset in its heap; ``slot``: bytes of one slot. Not thread-safe
-    (the communicator's op lock serialises its ops)."""
+    ``regions[i]``: member ``i``'s region offset in its heap (zeroed by its owner before it announced it);
+    ``slot``: bytes of one slot. Not thread-safe (the communicator's op lock serialises its ops)."""
 
     def __init__(self, ctx, members: Sequence[int], regions: Sequence[int], slot: int, line_base: int,
                  watch: Watch) -> None:
@@ -144,48 +171,151 @@ class Mesh:
         self.me = ctx.rank
         self.index = self.members.index(self.me)
         self.regions, self.slot, self.line_base, self.watch = list(regions), slot, line_base, watch
+        self.pitch = STAMP + slot
         self.step_no = 0
         self.n = len(self.members)
+        #: Members on another host (this rank cannot view their memory): their steps arrive stamped.
+        self.stamped = [i != self.index and not self.t.viewable(g) for i, g in enumerate(self.members)]
+        self.got = [0] * self.n  # the last step verified from each stamped member
+        self._hash, self._copy = native.core().hash64, native.core().memcpy
+        self._out = np.zeros(STAMP // 8, dtype=np.uint64)  # the stamp being sent (one peer at a time)
+        self._out_bytes = torch.from_numpy(self._out.view(np.uint8))
+        self._out_addr = self._out.ctypes.data
+        self._snap = np.zeros(STAMP // 8, dtype=np.uint64)  # a stamp as it was when checked
+        self._snap_addr = self._snap.ctypes.data
+        self._stage: torch.Tensor | None = None  # a one-write step's stamp and bytes, contiguous
+        # this member's own region, viewed once (it lives as long as the mesh: freed at close)
+        self._own = self.t.view(self.me, self.regions[self.index], (region_bytes(self.n, slot),), torch.uint8,
+                                op="hosts")
+        self._own_np = self._own.numpy()
+        self._own_addr = self._own.data_ptr()
 
     def _arrived(self, i: int) -> int:
         return self.line_base + layout.LINE * i
 
     def _slot_at(self, owner: int, parity: int, src: int) -> int:
-        return self.regions[owner] + (parity * self.n + src) * self.slot
+        """Offset of the stamp of slot ``(parity, src)`` in member ``owner``'s heap (its bytes follow it)."""
+        return self.regions[owner] + (parity * self.n + src) * self.pitch
+
+    def _local(self, parity: int, src: int) -> int:
+        """Offset in this member's own region of the bytes of slot ``(parity, src)`` (after its stamp)."""
+        return (parity * self.n + src) * self.pitch + STAMP
 
     def view(self, parity: int, src: int, nbytes: int) -> torch.Tensor:
         """Member ``src``'s bytes of a step of ``parity`` in this member's own region (uint8, a view)."""
-        return self.t.view(self.me, self._slot_at(self.index, parity, src), (nbytes,), torch.uint8, op="hosts")
+        at = self._local(parity, src)
+        if nbytes > self.slot:
+            raise AssertionError(f"hosts: a view of {nbytes} bytes of a slot of {self.slot}")
+        return self._own[at:at + nbytes]
+
+    def view_np(self, parity: int, src: int, nbytes: int) -> np.ndarray:
+        """:meth:`view` as a numpy array."""
+        at = self._local(parity, src)
+        if nbytes > self.slot:
+            raise AssertionError(f"hosts: a view of {nbytes} bytes of a slot of {self.slot}")
+        return self._own_np[at:at + nbytes]
 
     def step(self, pieces: Sequence[torch.Tensor | None], *, op: str, timeout: float, at: int = 0,
              before: Sequence[torch.Tensor | None] | None = None, before_at: int = 0) -> int:
         """One step: ``pieces[i]`` (flat uint8, at most ``slot - at`` bytes, or None: nothing) to member ``i``, at
-        byte ``at`` of its slot (and ``before[i]`` at ``before_at``, put first); returns the step's parity (read
-        what arrived with :meth:`view`) once every peer's bytes are here."""
+        byte ``at`` of its slot (and ``before[i]`` at ``before_at``); returns the step's parity (read what
+        arrived with :meth:`view`) once every peer's bytes are here."""
         self.step_no += 1
         s, parity = self.step_no, self.step_no % 2
         idx = [i for i in range(self.n) if i != self.index]
-        if s > 1:  # 1. (holds already in lockstep)
+        if s > 1 and not all(self.got[i] >= s - 1 for i in idx):  # 1. (holds already in lockstep)
             self.wait([(i, s - 1) for i in idx], op=op, timeout=timeout)
         me_line = self._arrived(self.index)
-        for i in idx:  # 2. data, then the signal that publishes it
+        for i in idx:  # 2.
             g = self.members[i]
+            parts = []
             for piece, where in ((None if before is None else before[i], before_at), (pieces[i], at)):
                 if piece is not None and piece.numel():
-                    if where + piece.numel() > self.slot:
+                    if where + piece.numel() > self.slot or not piece.is_contiguous():
                         raise AssertionError(f"hosts: {piece.numel()} bytes at {where} in a slot of {self.slot}")
-                    self.t.put(g, self._slot_at(i, parity, self.index) + where, piece, op=op)
-            self.t.signal(g, me_line, s)
+                    parts.append((where, piece))
+            slot = self._slot_at(i, parity, self.index)
+            if not self.stamped[i]:  # on this host: the bytes, then the signal that publishes them
+                for where, piece in parts:
+                    self.t.put(g, slot + STAMP + where, piece, op=op)
+                self.t.signal(g, me_line, s)
+                continue
+            out = self._out
+            out[:] = 0
+            out[0] = s
+            for k, (where, piece) in enumerate(parts):
+                out[1 + 2 * k], out[2 + 2 * k] = where, piece.numel()
+            end = max((where + p.numel() for where, p in parts), default=0)
+            one = end <= ONE_WRITE
+            out[5] = 0 if one else _ORDERED
+            check = self._hash(self._out_addr, 48, _SEED)
+            if one:  # stamp and bytes staged into one contiguous write (a batch of two costs two round trips)
+                stage = self._staging()
+                for where, piece in parts:  # (the native copy: torch's would fan out to its threads)
+                    self._copy(stage.data_ptr() + STAMP + where, piece.data_ptr(), piece.numel())
+                    check = self._hash(piece.data_ptr(), piece.numel(), check)
+                out[6] = check
+                self._copy(stage.data_ptr(), self._out_addr, STAMP)
+                self.t.put(g, slot, stage[:STAMP + end], op=op)
+            else:
+                out[6] = check
+                self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts], op=op)
+                self.t.put(g, slot, self._out_bytes, op=op)
         self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
 
+    def _staging(self) -> torch.Tensor:
+        if self._stage is None:
+            self._stage = torch.empty(STAMP + min(ONE_WRITE, self.slot), dtype=torch.uint8)
+        return self._stage
+
+    def _stamp(self, parity: int, i: int) -> np.ndarray:
+        at = self._local(parity, i) - STAMP
+        return self._own_np[at:at + STAMP].view(np.uint64)
+
+    def _landed(self, i: int, s: int) -> bool:
+        """Whether member ``i``'s step ``s`` arrived here: its stamp says ``s`` and checks out (module docstring)."""
+        if self.got[i] >= s:
+            return True
+        live = self._stamp(s % 2, i)
+        if live[0] != s:
+            return False
+        st = self._snap  # what the check covers: a snapshot (more may still be landing)
+        np.copyto(st, live)
+        if st[0] != s or st[5] > _ORDERED:
+            return False
+        check = self._hash(self._snap_addr, 48, _SEED)
+        if st[5] == 0:
+            base = self._own_addr + self._local(s % 2, i)
+            for k in (0, 1):
+                where, n = int(st[1 + 2 * k]), int(st[2 + 2 * k])
+                if where + n > self.slot:
+                    return False  # a torn stamp: its check fails too, once the rest lands
+                if n:
+                    check = self._hash(base + where, n, check)
+        if check != int(st[6]):
+            return False
+        self.got[i] = s
+        return True
+
+    def _here(self, i: int, s: int) -> bool:
+        """Whether member ``i``'s step ``s`` arrived here (stamped, or signalled on this host)."""
+        if self.got[i] >= s:
+            return True
+        if self.stamped[i]:
+            return self._landed(i, s)
+        v = self.t.load(self.me, self._arrived(i))
+        if v >= s:
+            self.got[i] = v
+            return True
+        return False
+
     def wait(self, need: Sequence[tuple[int, int]], *, op: str, timeout: float) -> None:
-        """Until this member's arrived[i] >= target for each ``(i, target)``; the liveness rule meanwhile."""
-        t, me = self.t, self.me
+        """Until member ``i``'s step ``target`` arrived here for each ``(i, target)``; the liveness rule meanwhile."""
         start = time.monotonic()
         deadline, next_live, pause = start + timeout, start + self.watch.interval, 0.0
         while True:
-            late = [(i, v) for i, target in need if (v := t.load(me, self._arrived(i))) < target]
+            late = [(i, target) for i, target in need if not self._here(i, target)]
             if not late:
                 return
             now = time.monotonic()

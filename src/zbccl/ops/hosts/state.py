@@ -33,7 +33,7 @@ from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError,
 from ...heap import layout
 from ...native.abi import OP_NAMES
 from ..tuner import hosts_chunk
-from .mesh import Mesh, Watch
+from .mesh import Mesh, Watch, region_bytes
 
 __all__ = ["HostOps", "host_ops", "F"]
 
@@ -113,13 +113,15 @@ class HostOps:
                 if not count:
                     record[name] = [-1, 0]
                     continue
-                nbytes = 2 * count * (hdr + chunk)
+                nbytes = region_bytes(count, hdr + chunk)
                 off = ctx.sma.try_malloc(nbytes, kind="hosts")
                 if off is None:
                     raise ZbcclOutOfMemoryError(
                         f"collective: the heap cannot hold this communicator's inter-host region, expected "
                         f"{nbytes} free bytes, got less (raise heap_size)")
                 self._blocks.append(off)
+                # zeroed before it is announced: no stamp of an earlier user of this memory can pass for a step
+                self.t.zero(ctx.rank, off, nbytes, op="collective")
                 record[name] = [off, nbytes]
         except ZbcclError as exc:
             record = {"error": f"{type(exc).__name__}: {exc}"}
@@ -134,7 +136,7 @@ class HostOps:
         for i, r in enumerate(recs):  # every announced region must lie in that rank's heap and hold the slots
             for name, count, hdr in (("world", n, self.hdr), ("column", ncol, 0)):
                 off, nbytes = r[name]
-                need = 2 * count * (hdr + self.chunk)
+                need = region_bytes(count, hdr + self.chunk)
                 size = self.t.size(comm.ranks[i])
                 if count and (off < 0 or off % 64 or nbytes < need or off + nbytes > size):
                     raise ZbcclRemoteError(
@@ -219,7 +221,7 @@ class HostOps:
                 pieces[i] = torch.from_numpy(buf)
         parity = mesh.step(pieces, op=op, timeout=timeout, before=first, before_at=H)
         hdr[F.TO_YOU] = lens[me]
-        heads = [hdr if i == me else mesh.view(parity, i, H).view(torch.int64).numpy().copy() for i in range(n)]
+        heads = [hdr if i == me else mesh.view_np(parity, i, H).view(np.int64).copy() for i in range(n)]
         try:
             self._agree(op, heads, same, same_vec, pairwise, parity)
         except (ZbcclInvalidUsageError, ZbcclOutOfMemoryError):
