@@ -276,7 +276,7 @@ def store_kind_mode() -> int:
 #: The collectives across hosts (``ops/hosts``): the pipelining unit of the inter-host steps (one slot of
 #: each mesh region), and the size from which all_reduce / all_gather take the hierarchical algorithm on a
 #: regular topology (below it the flat exchange wins: one step, data in the agreement step's writes).
-HOSTS_CHUNK = 1 << 20
+HOSTS_CHUNK = 4 << 20
 HOSTS_HIER_MIN = 64 << 10
 
 

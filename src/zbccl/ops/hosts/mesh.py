@@ -15,12 +15,14 @@ How a step's bytes are published depends on where the receiver is:
 
 * **on this host** (a peer this rank can view): put the bytes, then ``signal`` the receiver's arrived word
   (a release store orders them);
-* **on another host**: one **stamped** write. The stamp is ``[step, at0, len0, at1, len1, mode, check, 0]``
-  (uint64); ``check`` is the XXH64 of the stamp's first six words followed by the pieces' bytes (mode 0,
-  up to ``ONE_WRITE`` bytes: stamp and pieces are staged contiguously and go in one ``put``, one round
-  trip, landing in no promised order), or of the six words alone (mode 1, larger steps: the pieces' ``put_many`` completes
-  first, then the stamp's write). The receiver polls its own slot: the step has arrived once the stamp says
-  ``step`` and the check it computes over what it holds equals the stamp's. Bytes still landing (a torn
+* **on another host**: a **stamped** write. The stamp is ``[step, at0, len0, at1, len1, mode, check, 0]``
+  (uint64). Mode 0 (steps up to ``ORDERED`` bytes): ``check`` is the XXH64 of the stamp's first six words
+  followed by the pieces' bytes (about 15 GB/s, against the network's 1-2 here); up to ``STAGED`` bytes,
+  stamp and pieces are copied into one contiguous ``put``, above they go uncopied in one ``put_many``:
+  either is one round trip, landing in no promised order. Mode 1 (larger steps): the pieces' ``put_many``
+  completes (landed), then the stamp is written, its check covering its own six words only. The receiver
+  polls its own slot: the step has arrived once the stamp says ``step`` and the check it computes over
+  what it holds equals the stamp's. Bytes still landing (a torn
   stamp, a half-written piece) fail the check and are polled again, so no ordering promise of the engine is
   needed and one network round trip publishes a small step (instead of two: data, then a flag).
 
@@ -56,15 +58,19 @@ from ...heap import layout
 from ...native.abi import ABORT_PEER
 from ...runtime import liveness
 
-__all__ = ["Mesh", "Watch", "STAMP", "ONE_WRITE", "region_bytes"]
+__all__ = ["Mesh", "Watch", "STAMP", "STAGED", "ORDERED", "region_bytes"]
 
 #: Bytes of the stamp in front of every slot (module docstring).
 STAMP = 64
-#: Up to this many bytes, a step to a member on another host is one write checked by its stamp (both ends hash
-#: the bytes, about 15 GB/s); above, the bytes and then the stamp (a second round trip, no hash of the bytes).
-ONE_WRITE = 256 << 10
-_SEED = 0x7A62636D65736801  # "zbcmesh" + 1: XXH64 seed of the stamps' checks
+#: Up to this many bytes, a step's stamp and bytes to a member on another host are copied into one contiguous
+#: write; above, they go uncopied as one batch of writes (a batch of several slices costs more than one slice).
+STAGED = 64 << 10
+#: Above this many bytes, a step's bytes go first and its stamp after them (an ordered write: Mooncake over TCP
+#: v2 completes a write once it landed), checked without hashing the bytes: an extra round trip, amortised,
+#: instead of hashes that a receiver polling a still-landing step would repeat.
+ORDERED = 1 << 20
 _ORDERED = 1
+_SEED = 0x7A62636D65736801  # "zbcmesh" + 1: XXH64 seed of the stamps' checks
 
 
 def region_bytes(members: int, slot: int) -> int:
@@ -246,27 +252,30 @@ class Mesh:
             for k, (where, piece) in enumerate(parts):
                 out[1 + 2 * k], out[2 + 2 * k] = where, piece.numel()
             end = max((where + p.numel() for where, p in parts), default=0)
-            one = end <= ONE_WRITE
-            out[5] = 0 if one else _ORDERED
+            ordered = end > ORDERED
+            out[5] = _ORDERED if ordered else 0
             check = self._hash(self._out_addr, 48, _SEED)
-            if one:  # stamp and bytes staged into one contiguous write (a batch of two costs two round trips)
+            for _, piece in parts if not ordered else ():
+                check = self._hash(piece.data_ptr(), piece.numel(), check)
+            out[6] = check
+            if ordered:  # the bytes land (complete on return), then the stamp: no hash of the bytes
+                self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts], op=op)
+                self.t.put(g, slot, self._out_bytes, op=op)
+            elif end <= STAGED:  # stamp and bytes staged into one contiguous write (one slice: the fastest)
                 stage = self._staging()
                 for where, piece in parts:  # (the native copy: torch's would fan out to its threads)
                     self._copy(stage.data_ptr() + STAMP + where, piece.data_ptr(), piece.numel())
-                    check = self._hash(piece.data_ptr(), piece.numel(), check)
-                out[6] = check
                 self._copy(stage.data_ptr(), self._out_addr, STAMP)
                 self.t.put(g, slot, stage[:STAMP + end], op=op)
-            else:
-                out[6] = check
-                self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts], op=op)
-                self.t.put(g, slot, self._out_bytes, op=op)
+            else:  # no copy: the bytes and the stamp in one batch
+                self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts]
+                                + [(slot, self._out_bytes)], op=op)
         self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
 
     def _staging(self) -> torch.Tensor:
         if self._stage is None:
-            self._stage = torch.empty(STAMP + min(ONE_WRITE, self.slot), dtype=torch.uint8)
+            self._stage = torch.empty(STAMP + min(STAGED, self.slot), dtype=torch.uint8)
         return self._stage
 
     def _stamp(self, parity: int, i: int) -> np.ndarray:
@@ -285,14 +294,13 @@ class Mesh:
         if st[0] != s or st[5] > _ORDERED:
             return False
         check = self._hash(self._snap_addr, 48, _SEED)
-        if st[5] == 0:
-            base = self._own_addr + self._local(s % 2, i)
-            for k in (0, 1):
-                where, n = int(st[1 + 2 * k]), int(st[2 + 2 * k])
-                if where + n > self.slot:
-                    return False  # a torn stamp: its check fails too, once the rest lands
-                if n:
-                    check = self._hash(base + where, n, check)
+        base = self._own_addr + self._local(s % 2, i)
+        for k in (0, 1) if st[5] != _ORDERED else ():
+            where, n = int(st[1 + 2 * k]), int(st[2 + 2 * k])
+            if where + n > self.slot:
+                return False  # a torn stamp: its check fails too, once the rest lands
+            if n:
+                check = self._hash(base + where, n, check)
         if check != int(st[6]):
             return False
         self.got[i] = s
