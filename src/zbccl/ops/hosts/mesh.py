@@ -17,9 +17,8 @@ How a step's bytes are published depends on where the receiver is:
   (a release store orders them);
 * **on another host**: a **stamped** write. The stamp is ``[step, at0, len0, at1, len1, mode, check, 0]``
   (uint64). Mode 0 (steps up to ``ORDERED`` bytes): ``check`` is the XXH64 of the stamp's first six words
-  followed by the pieces' bytes (about 15 GB/s, against the network's 1-2 here); up to ``STAGED`` bytes,
-  stamp and pieces are copied into one contiguous ``put``, above they go uncopied in one ``put_many``:
-  either is one round trip, landing in no promised order. Mode 1 (larger steps): the pieces' ``put_many``
+  followed by the pieces' bytes (about 15 GB/s, against the network's 1-2 here); stamp and pieces are
+  copied into one contiguous ``put``: one round trip, landing in no promised order. Mode 1 (larger steps): the pieces' ``put_many``
   completes (landed), then the stamp is written, its check covering its own six words only. The receiver
   polls its own slot: the step has arrived once the stamp says ``step`` and the check it computes over
   what it holds equals the stamp's. Bytes still landing (a torn
@@ -58,17 +57,16 @@ from ...heap import layout
 from ...native.abi import ABORT_PEER
 from ...runtime import liveness
 
-__all__ = ["Mesh", "Watch", "STAMP", "STAGED", "ORDERED", "region_bytes"]
+__all__ = ["Mesh", "Watch", "STAMP", "ORDERED", "region_bytes"]
 
 #: Bytes of the stamp in front of every slot (module docstring).
 STAMP = 64
-#: Up to this many bytes, a step's stamp and bytes to a member on another host are copied into one contiguous
-#: write; above, they go uncopied as one batch of writes (a batch of several slices costs more than one slice).
-STAGED = 64 << 10
-#: Above this many bytes, a step's bytes go first and its stamp after them (an ordered write: Mooncake over TCP
-#: v2 completes a write once it landed), checked without hashing the bytes: an extra round trip, amortised,
-#: instead of hashes that a receiver polling a still-landing step would repeat.
-ORDERED = 1 << 20
+#: Up to this many bytes (a 1 MiB chunk and its header), a step's stamp and bytes to a member on another host
+#: are copied into one contiguous write, checked by hashing the bytes (a batch of several slices costs more
+#: than one slice: measured). Above, the bytes go first, uncopied, and the stamp after them (an ordered write:
+#: Mooncake over TCP v2 completes a write once it landed), checked without hashing the bytes: an extra round
+#: trip, amortised, instead of hashes that a receiver polling a still-landing step would repeat.
+ORDERED = (1 << 20) + (64 << 10)
 _ORDERED = 1
 _SEED = 0x7A62636D65736801  # "zbcmesh" + 1: XXH64 seed of the stamps' checks
 
@@ -261,21 +259,18 @@ class Mesh:
             if ordered:  # the bytes land (complete on return), then the stamp: no hash of the bytes
                 self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts], op=op)
                 self.t.put(g, slot, self._out_bytes, op=op)
-            elif end <= STAGED:  # stamp and bytes staged into one contiguous write (one slice: the fastest)
+            else:  # stamp and bytes copied into one contiguous write: one slice, one round trip
                 stage = self._staging()
                 for where, piece in parts:  # (the native copy: torch's would fan out to its threads)
                     self._copy(stage.data_ptr() + STAMP + where, piece.data_ptr(), piece.numel())
                 self._copy(stage.data_ptr(), self._out_addr, STAMP)
                 self.t.put(g, slot, stage[:STAMP + end], op=op)
-            else:  # no copy: the bytes and the stamp in one batch
-                self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts]
-                                + [(slot, self._out_bytes)], op=op)
         self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
 
     def _staging(self) -> torch.Tensor:
         if self._stage is None:
-            self._stage = torch.empty(STAMP + min(STAGED, self.slot), dtype=torch.uint8)
+            self._stage = torch.empty(STAMP + min(ORDERED, self.slot), dtype=torch.uint8)
         return self._stage
 
     def _stamp(self, parity: int, i: int) -> np.ndarray:
