@@ -244,18 +244,8 @@ class Mesh:
                     self.t.put(g, slot + STAMP + where, piece, op=op)
                 self.t.signal(g, me_line, s)
                 continue
-            out = self._out
-            out[:] = 0
-            out[0] = s
-            for k, (where, piece) in enumerate(parts):
-                out[1 + 2 * k], out[2 + 2 * k] = where, piece.numel()
             end = max((where + p.numel() for where, p in parts), default=0)
-            ordered = end > ORDERED
-            out[5] = _ORDERED if ordered else 0
-            check = self._hash(self._out_addr, 48, _SEED)
-            for _, piece in parts if not ordered else ():
-                check = self._hash(piece.data_ptr(), piece.numel(), check)
-            out[6] = check
+            ordered = self.seal(s, parts)
             if ordered:  # the bytes land (complete on return), then the stamp: no hash of the bytes
                 self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts], op=op)
                 self.t.put(g, slot, self._out_bytes, op=op)
@@ -267,6 +257,22 @@ class Mesh:
                 self.t.put(g, slot, stage[:STAMP + end], op=op)
         self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
+
+    def seal(self, s: int, parts: Sequence[tuple[int, torch.Tensor]]) -> bool:
+        """Fill the outgoing stamp of step ``s`` for ``parts`` (``(byte in the slot, contiguous uint8 bytes)``,
+        at most two); True when the step is ordered (mode 1: its check covers the stamp only)."""
+        out = self._out
+        out[:] = 0
+        out[0] = s
+        for k, (where, piece) in enumerate(parts):
+            out[1 + 2 * k], out[2 + 2 * k] = where, piece.numel()
+        ordered = max((where + p.numel() for where, p in parts), default=0) > ORDERED
+        out[5] = _ORDERED if ordered else 0
+        check = self._hash(self._out_addr, 48, _SEED)
+        for _, piece in parts if not ordered else ():
+            check = self._hash(piece.data_ptr(), piece.numel(), check)
+        out[6] = check
+        return ordered
 
     def _staging(self) -> torch.Tensor:
         if self._stage is None:

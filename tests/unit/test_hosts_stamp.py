@@ -1,0 +1,134 @@
+"""The stamped steps of the mesh across hosts (ops/hosts/mesh.py): a step counts as arrived only once
+its stamp and every byte it covers have landed, in whatever order the engine delivered them."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from zbccl.ops.hosts import mesh as mesh_mod
+from zbccl.ops.hosts.mesh import ORDERED, STAMP, Mesh, region_bytes
+
+SLOT = 4096
+REGION = region_bytes(2, SLOT)
+
+
+class _Memory:
+    """Two ranks' heaps in this process, reached only by copies: a transport that can view nothing remote."""
+
+    def __init__(self) -> None:
+        self.heaps = {r: torch.zeros(2 * REGION, dtype=torch.uint8) for r in (0, 1)}
+
+    def viewable(self, rank: int) -> bool:
+        return False
+
+    def view(self, rank, offset, shape, dtype, *, op="view"):
+        n = int(np.prod(shape)) * dtype.itemsize
+        return self.heaps[rank][offset:offset + n].view(dtype).view(shape)
+
+    def put(self, rank, offset, src, *, op="put"):
+        self.heaps[rank][offset:offset + src.numel()].copy_(src)
+
+    def put_many(self, rank, pieces, *, op="put"):
+        for offset, src in pieces:
+            self.put(rank, offset, src, op=op)
+
+
+def _meshes(memory):
+    out = []
+    for r in (0, 1):
+        ctx = SimpleNamespace(rank=r, heap=SimpleNamespace(transport=memory))
+        out.append(Mesh(ctx, [0, 1], [REGION, REGION], SLOT, 0, SimpleNamespace(interval=1.0)))
+    return out
+
+
+def _payload(src: int, n: int, salt: int = 0) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.int64) * 7 + 131 * src + salt) % 251).to(torch.uint8)
+
+
+def _slot(memory, owner: int, parity: int, src: int) -> torch.Tensor:
+    at = REGION + (parity * 2 + src) * (STAMP + SLOT)
+    return memory.heaps[owner][at:at + STAMP + SLOT]
+
+
+def test_a_step_is_seen_only_once_every_byte_it_covers_landed():
+    memory = _Memory()
+    m0, m1 = _meshes(memory)
+    data = _payload(0, 3000)
+    assert not m0.seal(1, [(0, data[:1000]), (1000, data[1000:])])  # mode 0: the check covers the bytes
+    slot = _slot(memory, 1, 1, 0)
+    slot[:STAMP].copy_(m0._out_bytes)  # the stamp landed first, no byte yet
+    assert not m1._here(0, 1)
+    slot[STAMP:STAMP + 1500].copy_(data[:1500])  # half the bytes
+    assert not m1._here(0, 1)
+    slot[STAMP + 1500:STAMP + 2999].copy_(data[1500:2999])  # all but the last byte
+    assert not m1._here(0, 1)
+    slot[STAMP + 2999] = data[2999]
+    assert m1._here(0, 1)
+    assert torch.equal(m1.view(1, 0, 3000), data)
+
+
+def test_a_torn_or_stale_stamp_never_passes():
+    memory = _Memory()
+    m0, m1 = _meshes(memory)
+    data = _payload(0, 2048)
+    slot = _slot(memory, 1, 1, 0)
+    m0.seal(1, [(0, data)])
+    good = m0._out_bytes.clone()
+    slot[STAMP:STAMP + 2048].copy_(data)
+    torn = good.clone()
+    torn[16:24] = 0  # the step word landed, the first length word not yet
+    slot[:STAMP].copy_(torn)
+    assert not m1._here(0, 1)
+    m0.seal(3, [(0, data)])  # a stamp of another step over the same bytes
+    slot[:STAMP].copy_(m0._out_bytes)
+    assert not m1._here(0, 1)
+    slot[:STAMP].copy_(good)
+    assert m1._here(0, 1)
+
+
+def test_an_ordered_step_checks_its_stamp_only():
+    big = ORDERED + 64
+    memory = _Memory()
+    m0, _ = _meshes(memory)
+    assert m0.seal(5, [(0, torch.zeros(big, dtype=torch.uint8))])
+    assert int(m0._out[5]) == 1
+
+
+@pytest.mark.parametrize("nbytes", [0, 8, 3000, SLOT - 256])
+def test_steps_between_two_meshes_deliver_every_byte(nbytes):
+    memory = _Memory()
+    meshes = _meshes(memory)
+    got, errors = {}, []
+
+    def run(r):
+        try:
+            m = meshes[r]
+            for s in range(1, 7):
+                piece = _payload(r, nbytes, s)
+                pieces = [None, None]
+                pieces[1 - r] = piece
+                parity = m.step(pieces, op="test", timeout=30, at=256 if nbytes < SLOT - 256 else 0)
+                at = 256 if nbytes < SLOT - 256 else 0
+                got[(r, s)] = m.view(parity, 1 - r, at + nbytes)[at:].clone()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for r in (0, 1):
+        for s in range(1, 7):
+            assert torch.equal(got[(r, s)], _payload(1 - r, nbytes, s)), (r, s)
+
+
+def test_the_region_holds_two_parities_of_stamped_slots():
+    assert region_bytes(3, 1000) == 2 * 3 * (STAMP + 1000)
+    assert mesh_mod.STAMP % 64 == 0
