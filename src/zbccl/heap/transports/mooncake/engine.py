@@ -28,10 +28,12 @@ import os
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
-from .... import env
+from .... import env, native
 from ....errors import ZbcclSystemError
 
 __all__ = ["INSTALL", "MooncakeEngine", "load", "missing_reason", "local_address", "probe"]
@@ -46,6 +48,14 @@ INSTALL = ("pip install 'zbccl[internode]' (mooncake-transfer-engine-non-cuda; t
 STALL_SECONDS = 5
 #: Bytes of the RDMA bounce buffer.
 STAGE_BYTES = 4 << 20
+#: A transfer's wait (``MooncakeEngine._await``): polls that only yield the core, then naps doubling from
+#: ``_NAP_NS`` to ``_MAX_NAP_NS``; the bound Mooncake's synchronous calls apply (its transfer timeout, 30 s by
+#: default, plus a second per GiB).
+_YIELDS, _NAP_NS, _MAX_NAP_NS = 16, 5_000, 200_000
+_GIVE_UP_EVERY = 0.1
+_FAILED, _GAVE_UP, _UNSUBMITTED = -1, -2, -3
+TRANSFER_TIMEOUT_S = 30.0
+_NO_BATCH = (0, -1, (1 << 64) - 1)  # what a failed submission returns (batch_transfer_async: 0; submit: -1)
 
 
 def load():
@@ -159,6 +169,7 @@ class MooncakeEngine:
                 f"heap: Mooncake engine initialize failed, expected 0, got {rc} (host {host}, protocol {protocol}"
                 f"{', ports ' + '-'.join(map(str, ports)) if ports else ''})")
         self.rpc_port = int(self._e.get_rpc_port())
+        self._nap = native.core().nap
         if ports is not None and not ports[0] <= self.rpc_port <= ports[1]:
             raise ZbcclSystemError(
                 f"heap: the Mooncake handshake port is outside ZBCCL_MOONCAKE_PORTS, expected {ports[0]}-{ports[1]}, "
@@ -188,13 +199,16 @@ class MooncakeEngine:
         """Whether ``[addr, addr+nbytes)`` lies within one registration of this engine."""
         return any(lo <= addr and addr + nbytes <= lo + n for lo, n in self._spans)
 
-    def transfer(self, peer: str, write: bool, local: int, remote: int, nbytes: int) -> int:
+    def transfer(self, peer: str, write: bool, local: int, remote: int, nbytes: int, *,
+                 give_up: Callable[[], bool] | None = None) -> int:
         """One write (or read) of ``nbytes`` between ``local`` and a peer's registered ``remote``; Mooncake's rc.
 
         Over RDMA the local side must be registered too: a buffer outside this engine's registrations goes
         through a registered bounce buffer (``STAGE_BYTES`` at a time). TCP needs no staging.
         """
-        op = self.write if write else self.read
+        def op(peer, local, remote, nbytes):
+            return (self.write_many if write else self.read_many)(peer, [local], [remote], [nbytes], give_up=give_up)
+
         if not self.stage_all and (self.transport != "rdma" or self.registered(local, nbytes)):
             return op(peer, local, remote, nbytes)
         with self._bounce_lock:
@@ -235,21 +249,77 @@ class MooncakeEngine:
                 self._moved[2] += 1
         return rc
 
-    def write(self, peer: str, local: int, remote: int, nbytes: int) -> int:
-        return self._count(self._e.transfer_sync_write(peer, local, remote, nbytes), True, nbytes)
+    # Transfers: submitted asynchronously and awaited here. Mooncake's own synchronous calls poll the completion
+    # in a loop that never yields, so a rank inside one keeps a whole core busy while the engine threads that
+    # must run to move its bytes (its own, and the peer's on shared cores) wait for one; this wait yields, then
+    # naps. A submission that fails is retried once through the synchronous call, which reconnects a segment
+    # whose connection broke; a failed transfer is the caller's to retry (``MooncakeTransport._run`` asks the
+    # liveness monitor first), and one given up on (``give_up()`` said its peer is lost) is not retried.
+    def write(self, peer: str, local: int, remote: int, nbytes: int, *,
+              give_up: Callable[[], bool] | None = None) -> int:
+        return self.write_many(peer, [local], [remote], [nbytes], give_up=give_up)
 
-    def read(self, peer: str, local: int, remote: int, nbytes: int) -> int:
-        return self._count(self._e.transfer_sync_read(peer, local, remote, nbytes), False, nbytes)
+    def read(self, peer: str, local: int, remote: int, nbytes: int, *,
+             give_up: Callable[[], bool] | None = None) -> int:
+        return self.read_many(peer, [local], [remote], [nbytes], give_up=give_up)
 
-    def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
-        if len(locals_) == 1:
-            return self.read(peer, locals_[0], remotes[0], sizes[0])
-        return self._count(self._e.batch_transfer_sync_read(peer, locals_, remotes, sizes), False, sum(sizes))
+    def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int], *,
+                  give_up: Callable[[], bool] | None = None) -> int:
+        rc = self._await([self._e.batch_transfer_async_read(peer, [a], [b], [n])
+                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), give_up)
+        if rc == _UNSUBMITTED:
+            rc = self._e.batch_transfer_sync_read(peer, locals_, remotes, sizes) if len(sizes) > 1 else \
+                self._e.transfer_sync_read(peer, locals_[0], remotes[0], sizes[0])
+        return self._count(-1 if rc else 0, False, sum(sizes))
 
-    def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
-        if len(locals_) == 1:
-            return self.write(peer, locals_[0], remotes[0], sizes[0])
-        return self._count(self._e.batch_transfer_sync_write(peer, locals_, remotes, sizes), True, sum(sizes))
+    def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int], *,
+                   give_up: Callable[[], bool] | None = None) -> int:
+        rc = self._await([self._e.transfer_submit_write(peer, a, b, n)
+                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), give_up)
+        if rc == _UNSUBMITTED:
+            rc = self._e.batch_transfer_sync_write(peer, locals_, remotes, sizes) if len(sizes) > 1 else \
+                self._e.transfer_sync_write(peer, locals_[0], remotes[0], sizes[0])
+        return self._count(-1 if rc else 0, True, sum(sizes))
+
+    def _await(self, batches: list[int], nbytes: int, give_up: Callable[[], bool] | None) -> int:
+        """0 once every batch (one transfer each) completed; ``_UNSUBMITTED`` when one was not submitted;
+        ``_FAILED`` when one failed; ``_GAVE_UP`` when ``give_up()`` (asked every ``_GIVE_UP_EVERY`` seconds)
+        said its peer is lost, or past the bound Mooncake's synchronous calls apply (``TRANSFER_TIMEOUT_S`` plus
+        a second per GiB). A batch given up on before it completed stays allocated in the engine (Mooncake frees
+        completed or failed batches only), and may still move its bytes if the link comes back: the price of
+        never hanging, paid only on the way to an error that names the lost peer."""
+        check, nap = self._e.transfer_check_status, self._nap
+        pending = [b for b in batches if b not in _NO_BATCH]
+        if len(pending) < len(batches):
+            if pending:  # a submission failed: let the others finish (their buffers are the caller's)
+                self._await(pending, nbytes, give_up)
+            return _UNSUBMITTED
+        start = time.monotonic()
+        deadline, ask = start + TRANSFER_TIMEOUT_S + nbytes / (1 << 30), start + _GIVE_UP_EVERY
+        polls, pause = 0, 0
+        while pending:
+            st = check(pending[0])
+            if st == 1:
+                pending.pop(0)
+                continue
+            if st != 0:  # -1 failed (freed), -2 timed out
+                if len(pending) > 1:
+                    self._await(pending[1:], nbytes, give_up)
+                return _FAILED
+            polls += 1
+            if polls < _YIELDS:
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                return _GAVE_UP
+            if give_up is not None and now > ask:
+                if give_up():
+                    return _GAVE_UP
+                ask = now + _GIVE_UP_EVERY
+            pause = min(2 * pause or _NAP_NS, _MAX_NAP_NS)
+            nap(pause)
+        return 0
 
 
 def _has_hca(topology: str) -> bool:

@@ -294,7 +294,8 @@ class MooncakeTransport(Transport):
         with self._lock:
             local = self._ctrl + self._scratch() + _S_TABLE
             self._run(rank, op, "a read of its growth table",
-                      lambda: self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1)))
+                      lambda: self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1),
+                                               give_up=self._lost(rank)))
             words = list((ctypes.c_int64 * (MAX_STEPS + 1)).from_address(local))
         ends = parse_table(words, peer.reserve)
         if ends is None:
@@ -320,7 +321,8 @@ class MooncakeTransport(Transport):
     def _xfer(self, rank: int, write: bool, local: int, remote: int, nbytes: int, op: str, what: str) -> None:
         """One transfer between ``local`` (this process) and ``remote`` (registered memory of ``rank``)."""
         sid = self.peers[rank].sid
-        self._run(rank, op, what, lambda: self.engine.transfer(sid, write, local, remote, nbytes))
+        self._run(rank, op, what,
+                  lambda: self.engine.transfer(sid, write, local, remote, nbytes, give_up=self._lost(rank)))
 
     # ------------------------------------------------------------ views (this rank's own memory only)
     def _no_view(self, rank: int, what: str, op: str) -> ZbcclInvalidUsageError:
@@ -405,7 +407,7 @@ class MooncakeTransport(Transport):
                 sizes.append(length)
         if locs:
             self._run(rank, op, "a batched write",
-                      lambda: self.engine.write_many(peer.sid, locs, remotes, sizes))
+                      lambda: self.engine.write_many(peer.sid, locs, remotes, sizes, give_up=self._lost(rank)))
             self.bytes_put += sum(sizes)
 
     def _read(self, rank: int, offset: int, dst: int, nbytes: int, op: str) -> None:
@@ -473,7 +475,8 @@ class MooncakeTransport(Transport):
         with self._lock:
             word = self._ctrl + self._scratch() + _S_WORDS
             self._prims.store_release(word, value)
-            self._run(rank, "signal", "a signal write", lambda: self.engine.write(peer.sid, word, peer.pad + line, 8))
+            self._run(rank, "signal", "a signal write", lambda: self.engine.write(peer.sid, word, peer.pad + line, 8,
+                                                                     give_up=self._lost(rank)))
 
     def load(self, rank: int, line: int) -> int:
         self._line_ok(rank, line, "load")
@@ -491,7 +494,8 @@ class MooncakeTransport(Transport):
                 locals_ = [base + 8 * i for i in range(len(chunk))]
                 remotes = [peer.pad + ln for ln in chunk]
                 self._run(rank, op, "a read of its signal words",
-                          lambda lo=locals_, re=remotes: self.engine.read_many(peer.sid, lo, re, [8] * len(lo)))
+                          lambda lo=locals_, re=remotes: self.engine.read_many(peer.sid, lo, re, [8] * len(lo),
+                                                                               give_up=self._lost(rank)))
                 out.extend(self._prims.load_acquire(a) for a in locals_)
         return out
 
@@ -510,8 +514,10 @@ class MooncakeTransport(Transport):
                 self._prims.store_release(word + 8, delta)
                 self._prims.store_release(word + 16, seq)
                 # [line, delta] first, then seq: the owner acts on the seq.
-                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word, mail + 8, 16))
-                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word + 16, mail, 8))
+                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word, mail + 8, 16,
+                                                                    give_up=self._lost(rank)))
+                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word + 16, mail, 8,
+                                                                    give_up=self._lost(rank)))
             self._wait_local([reply], [rank], seq, timeout=env.TIMEOUT.get(), op="fetch_add")
             return self._prims.load_acquire(reply + 8)
 
@@ -566,6 +572,14 @@ class MooncakeTransport(Transport):
             error = self._monitor.lost(ranks, op, label or (lambda r, d: d))
             if error is not None:
                 raise error
+
+    def _lost(self, rank: int) -> Callable[[], bool]:
+        """What a transfer to ``rank`` asks while it waits: whether the monitor found ``rank`` dead or its host
+        unreachable (never blocks)."""
+        def lost() -> bool:
+            monitor = self._monitor
+            return monitor is not None and any(monitor.verdict([rank]))
+        return lost
 
     def _run(self, rank: int, op: str, what: str, transfer: Callable[[], int]) -> None:
         """``transfer()`` (a Mooncake call returning its rc), retried while its peer still answers (a reset
