@@ -82,13 +82,12 @@ HOT = 200e-6
 
 
 def _pause(waited: float, pause: float, left: float) -> float:
-    """One pause of a wait: yield while hot, then nap doubling from 5 us to 0.5 ms (never past the deadline; a
-    nap tightens the thread's timer slack, which would stretch a short ``time.sleep`` by 50 us)."""
+    """One pause of a wait: yield while hot, then sleep doubling from 20 us to 0.5 ms (never past the deadline)."""
     if waited < HOT:
         os.sched_yield()
         return pause
-    pause = min(2 * pause or 5e-6, 5e-4)
-    native.core().nap(int(1e9 * min(pause, max(0.0, left))))
+    pause = min(2 * pause or 20e-6, 5e-4)
+    time.sleep(min(pause, max(0.0, left)))
     return pause
 
 
