@@ -262,12 +262,12 @@ class Mesh:
         """Fill the outgoing stamp of step ``s`` for ``parts`` (``(byte in the slot, contiguous uint8 bytes)``,
         at most two); True when the step is ordered (mode 1: its check covers the stamp only)."""
         out = self._out
-        out[:] = 0
-        out[0] = s
+        words = [s, 0, 0, 0, 0, 0, 0, 0]
         for k, (where, piece) in enumerate(parts):
-            out[1 + 2 * k], out[2 + 2 * k] = where, piece.numel()
+            words[1 + 2 * k], words[2 + 2 * k] = where, piece.numel()
         ordered = max((where + p.numel() for where, p in parts), default=0) > ORDERED
-        out[5] = _ORDERED if ordered else 0
+        words[5] = _ORDERED if ordered else 0
+        out[:] = words  # one assignment: numpy's per-element stores cost a microsecond each
         check = self._hash(self._out_addr, 48, _SEED)
         for _, piece in parts if not ordered else ():
             check = self._hash(piece.data_ptr(), piece.numel(), check)
