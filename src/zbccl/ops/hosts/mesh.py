@@ -1,7 +1,7 @@
 """A mesh: every member writes to every other member through the transport verbs, in steps.
 
 The one data-moving primitive of the collectives across hosts. It uses only the verbs every
-transport has (put, signal, load), so a member may sit on another host (mooncake) or on this one
+transport has (put, put_many, signal, load), so a member may sit on another host (mooncake) or on this one
 (shm); nothing of a peer is ever viewed.
 
 Memory: each member owns a **region** in its heap (announced through the store at setup, zeroed by its
@@ -18,12 +18,12 @@ How a step's bytes are published depends on where the receiver is:
 * **on another host**: a **stamped** write. The stamp is ``[step, at0, len0, at1, len1, mode, check, 0]``
   (uint64). Mode 0 (steps up to ``ORDERED`` bytes): ``check`` is the XXH64 of the stamp's first six words
   followed by the pieces' bytes (about 15 GB/s, against the network's 1-2 here); stamp and pieces are
-  copied into one contiguous ``put``: one round trip, landing in no promised order. Mode 1 (larger steps): the pieces' ``put_many``
-  completes (landed), then the stamp is written, its check covering its own six words only. The receiver
-  polls its own slot: the step has arrived once the stamp says ``step`` and the check it computes over
-  what it holds equals the stamp's. Bytes still landing (a torn
-  stamp, a half-written piece) fail the check and are polled again, so no ordering promise of the engine is
-  needed and one network round trip publishes a small step (instead of two: data, then a flag).
+  copied into one contiguous ``put``: one round trip, its bytes landing in no promised order. Mode 1
+  (larger steps): the pieces' ``put_many`` completes (landed), then the stamp is written, its check
+  covering its own six words only. The receiver polls its own slot: the step has arrived once the stamp
+  says ``step`` and the check it computes over what it holds equals the stamp's. Bytes still landing (a
+  torn stamp, a half-written piece) fail the check and are polled again, so no ordering promise of the
+  engine is needed and one network round trip publishes a small step (instead of two: data, then a flag).
 
 Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same order):
 
@@ -35,9 +35,8 @@ Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same or
 3. Wait until every peer's step ``s`` arrived here; the caller consumes the slots (views of this member's
    own heap) before it starts step ``s + 1``.
 
-Waits poll this member's own words (remote writes wake no futex), yielding for ``HOT`` seconds and then
-sleeping with back-off to 0.5 ms, and apply the
-liveness rule every ``liveness`` seconds: a member that left an op half-way (its ABORT line, read
+Waits poll this member's own memory (remote writes wake no futex), yielding for ``HOT`` seconds and then
+sleeping with back-off to 0.5 ms, and apply the liveness rule every ``liveness`` seconds: a member that left an op half-way (its ABORT line, read
 through the verbs on another host), a member that failed, finalized or died, a host that stopped
 answering; the timeout names the members never heard from and their hosts.
 """
@@ -74,6 +73,7 @@ _SEED = 0x7A62636D65736801  # "zbcmesh" + 1: XXH64 seed of the stamps' checks
 def region_bytes(members: int, slot: int) -> int:
     """Bytes of a member's region of a mesh of ``members`` with slots of ``slot`` bytes."""
     return 2 * members * (STAMP + slot)
+
 
 #: Seconds a wait yields the core between polls before it sleeps: short, because the words it waits for are
 #: written by this process's own Mooncake engine threads (a remote put lands through them), which a polling

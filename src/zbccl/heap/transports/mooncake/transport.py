@@ -23,11 +23,12 @@ Protocol (collective over the ranks served; ``establish``):
 
 Verbs on a remote rank:
 
-* ``put``/``get``/``get_into``/``zero``: ``transfer_sync_write``/``read``,
-  split at the peer's registration boundaries (a transfer may not span two);
-  complete when the call returns (TCP protocol v2: the bytes landed).
-  ``put_many``: one ``batch_transfer_sync_write`` of every piece (one round
-  trip; no order among them).
+* ``put``/``get``/``get_into``/``zero``: one write/read each, split at the
+  peer's registration boundaries (a transfer may not span two); complete when
+  the call returns (TCP protocol v2: the bytes landed). Submitted
+  asynchronously and awaited without spinning (``MooncakeEngine._await``),
+  giving up on a peer the monitor finds lost. ``put_many``: every piece
+  checked, then all in flight at once (no order among them).
 * ``signal``: an 8-byte write into the peer's pad, ordered after every
   earlier write of this process to that peer (v2 completion). ``load``: an
   8-byte read. ``wait_until``: polls local words in place and remote words by
@@ -389,8 +390,8 @@ class MooncakeTransport(Transport):
         self.bytes_put += n
 
     def put_many(self, rank: int, pieces, *, op: str = "put") -> None:
-        """Every piece checked first, then one batched write (one round trip; the pieces land in no promised
-        order). Over RDMA, or when staging is forced, each piece goes through :meth:`put` (its bounce buffer)."""
+        """Every piece checked first, then every write in flight at once (the pieces land in no promised order).
+        Over RDMA, or when staging is forced, each piece goes through :meth:`put` (its bounce buffer)."""
         datas = [(offset, _as_bytes(src.cpu() if isinstance(src, torch.Tensor) else src)) for offset, src in pieces]
         for offset, data in datas:
             self._check(rank, offset, data.numel(), op)
