@@ -38,7 +38,13 @@ __all__ = ["run_soak", "soak_rank", "THRESHOLDS"]
 #: (``RssAnon``): the heap is shared memory, and first touches of peers' pages are not a leak.
 #: Heap bytes allocated move with frees still queued at a checkpoint, so both ends are the floor
 #: (least value) of ``WINDOW`` checkpoints.
-THRESHOLDS = {"rss_anon_bytes": 64 << 20, "fds": 0, "heap_allocated_bytes": 1 << 20}
+#: Sockets are counted apart from other descriptors: across hosts, Mooncake's TCP transport opens a connection
+#: to a peer when a transfer is submitted while the open ones are busy (the liveness monitor's probe beside an
+#: op's write), at a random point of a run, up to its lanes per peer; ``SOCKETS_PER_REMOTE`` of them per remote
+#: rank are allowed there (a leak, a socket per op or per reconnect, passes that in any soak). On one host no
+#: socket may appear.
+THRESHOLDS = {"rss_anon_bytes": 64 << 20, "fds": 0, "sockets": 0, "heap_allocated_bytes": 1 << 20}
+SOCKETS_PER_REMOTE = 2
 WINDOW = 5
 
 
@@ -56,8 +62,24 @@ def _resources() -> dict:
             if key in ("VmRSS", "RssAnon"):
                 status[key] = int(value.split()[0]) * 1024
     stats = zbccl.memory_stats()
-    return {"rss_anon_bytes": status["RssAnon"], "rss_bytes": status["VmRSS"], "fds": len(os.listdir("/proc/self/fd")),
+    fds, sockets = _descriptors()
+    return {"rss_anon_bytes": status["RssAnon"], "rss_bytes": status["VmRSS"], "fds": fds, "sockets": sockets,
             "heap_allocated_bytes": stats["allocated_bytes"], "heap_bytes": stats["heap_bytes"]}
+
+
+def _descriptors() -> tuple[int, int]:
+    """This process's open descriptors: (not sockets, sockets)."""
+    fds = sockets = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if target.startswith("socket:"):
+            sockets += 1
+        else:
+            fds += 1
+    return fds, sockets
 
 
 def _trim() -> None:
@@ -198,6 +220,7 @@ def _progress(stream, elapsed: float, done: int, wrong: int, meter: _Meter) -> N
     if g is not None:
         growth = "  growth since warm-up: rss(anon) " + "/".join(f"{x['rss_anon_bytes'] / 2**20:+.1f}" for x in g) + \
             " MiB, fds " + "/".join(f"{x['fds']:+d}" for x in g) + \
+            ", sockets " + "/".join(f"{x['sockets']:+d}" for x in g) + \
             ", heap " + "/".join(f"{x['heap_allocated_bytes'] / 2**10:+.1f}" for x in g) + " KiB"
     print(f"[soak {elapsed:7.1f}s] {done} ops ({done / max(elapsed, 1e-9):.1f}/s), wrong {wrong}{growth}",
           file=stream, flush=True)
@@ -219,6 +242,10 @@ def run_soak(*, world_size: int = 2, minutes: float | None = None, ops: int | No
     if not 1 <= hosts <= world_size:
         raise ValueError(f"soak: bad number of hosts, expected 1 to the world size ({world_size}), got {hosts}")
     limits = dict(THRESHOLDS, **({"rss_anon_bytes": rss_growth} if rss_growth is not None else {}))
+    if hosts > 1:  # Mooncake's lanes (``THRESHOLDS``): remote ranks of the rank with the most of them
+        remote = max(sum(host_of(q, world_size, hosts) != host_of(r, world_size, hosts) for q in range(world_size))
+                     for r in range(world_size))
+        limits["sockets"] = SOCKETS_PER_REMOTE * remote
     seconds = minutes * 60 if minutes is not None else None
     stream = sys.stderr if as_json else sys.stdout
     where = f" on {hosts} hosts ({', '.join(str(sum(host_of(r, world_size, hosts) == h for r in range(world_size))) for h in range(hosts))} ranks)" if hosts > 1 else ""
@@ -268,13 +295,14 @@ def _print_summary(doc: dict) -> None:
     else:
         w = doc["warmup_end"]
         print(f"growth per rank from the warm-up's end ({w['seconds']}s, op {w['ops']}) to the end:")
-        print(f"{'rank':>4} {'rss_anon_MiB':>12} {'fds':>5} {'heap_alloc_KiB':>15}   (end: rss MiB, anon MiB, fds, heap MiB)")
+        print(f"{'rank':>4} {'rss_anon_MiB':>12} {'fds':>5} {'sockets':>7} {'heap_alloc_KiB':>15}   "
+              "(end: rss MiB, anon MiB, fds, sockets, heap MiB)")
         for r, (g, e) in enumerate(zip(doc["growth"], doc["end"])):
-            print(f"{r:>4} {g['rss_anon_bytes'] / 2**20:>+12.1f} {g['fds']:>+5d} {g['heap_allocated_bytes'] / 2**10:>+15.1f}"
-                  f"   ({e['rss_bytes'] / 2**20:.0f}, {e['rss_anon_bytes'] / 2**20:.0f}, {e['fds']}, "
-                  f"{e['heap_bytes'] / 2**20:.0f})")
+            print(f"{r:>4} {g['rss_anon_bytes'] / 2**20:>+12.1f} {g['fds']:>+5d} {g['sockets']:>+7d} "
+                  f"{g['heap_allocated_bytes'] / 2**10:>+15.1f}   ({e['rss_bytes'] / 2**20:.0f}, "
+                  f"{e['rss_anon_bytes'] / 2**20:.0f}, {e['fds']}, {e['sockets']}, {e['heap_bytes'] / 2**20:.0f})")
         lim = doc["limits"]
-        print(f"limits: rss(anon) {lim['rss_anon_bytes'] >> 20} MiB, fds {lim['fds']}, "
+        print(f"limits: rss(anon) {lim['rss_anon_bytes'] >> 20} MiB, fds {lim['fds']}, sockets {lim['sockets']}, "
               f"heap {lim['heap_allocated_bytes'] >> 10} KiB (floors of {WINDOW} checkpoints)")
     for line in doc["growth_over_limit"]:
         print("  over the limit: " + line)

@@ -40,8 +40,6 @@ __all__ = ["HostOps", "host_ops", "F"]
 #: First line of the communicator's comm slot the meshes use (0-15: the op channel's lines, never used here).
 LINE0 = 16
 MAGIC = 0x7A62686F73740001  # "zbhost" + 1
-#: Up to this many bytes, the first chunk travels in the header's put (one copy, one write fewer).
-_JOIN = 64 << 10
 
 
 class F:
@@ -207,18 +205,13 @@ class HostOps:
         lens = [0 if s is None else s.numel() for s in sends]
         hdr[F.MAXSEND] = max([lens[i] for i in range(n) if i != me] or [0])
         pieces: list[torch.Tensor | None] = [None] * n
-        first: list[torch.Tensor | None] = [None] * n  # a large first chunk goes in its own put (no copy)
+        first: list[torch.Tensor | None] = [None] * n  # the first chunk, uncopied (the mesh stages what it joins)
         for i in range(n):
             if i != me:
                 hdr[F.TO_YOU] = lens[i]
-                if lens[i] > _JOIN:
+                if lens[i]:
                     first[i] = sends[i][:chunk]
-                joined = 0 if lens[i] > _JOIN else lens[i]
-                buf = np.empty(H + joined, dtype=np.uint8)  # one put: header and data (numpy: this thread)
-                buf[:H] = hdr.view(np.uint8)
-                if joined:
-                    buf[H:] = sends[i].detach().numpy()
-                pieces[i] = torch.from_numpy(buf)
+                pieces[i] = torch.from_numpy(hdr.view(np.uint8).copy())
         parity = mesh.step(pieces, op=op, timeout=timeout, before=first, before_at=H)
         hdr[F.TO_YOU] = lens[me]
         heads = [hdr if i == me else mesh.view_np(parity, i, H).view(np.int64).copy() for i in range(n)]
