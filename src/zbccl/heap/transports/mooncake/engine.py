@@ -170,6 +170,9 @@ class MooncakeEngine:
                 f"{', ports ' + '-'.join(map(str, ports)) if ports else ''})")
         self.rpc_port = int(self._e.get_rpc_port())
         self._nap = native.core().nap
+        #: ``lost(session id) -> bool``: whether that peer is known lost (dead, or its host unreachable); set by
+        #: the transport once its liveness monitor runs. A transfer's wait asks it and gives up on a lost peer.
+        self.lost: Callable[[str], bool] | None = None
         if ports is not None and not ports[0] <= self.rpc_port <= ports[1]:
             raise ZbcclSystemError(
                 f"heap: the Mooncake handshake port is outside ZBCCL_MOONCAKE_PORTS, expected {ports[0]}-{ports[1]}, "
@@ -199,16 +202,13 @@ class MooncakeEngine:
         """Whether ``[addr, addr+nbytes)`` lies within one registration of this engine."""
         return any(lo <= addr and addr + nbytes <= lo + n for lo, n in self._spans)
 
-    def transfer(self, peer: str, write: bool, local: int, remote: int, nbytes: int, *,
-                 give_up: Callable[[], bool] | None = None) -> int:
+    def transfer(self, peer: str, write: bool, local: int, remote: int, nbytes: int) -> int:
         """One write (or read) of ``nbytes`` between ``local`` and a peer's registered ``remote``; Mooncake's rc.
 
         Over RDMA the local side must be registered too: a buffer outside this engine's registrations goes
         through a registered bounce buffer (``STAGE_BYTES`` at a time). TCP needs no staging.
         """
-        def op(peer, local, remote, nbytes):
-            return (self.write_many if write else self.read_many)(peer, [local], [remote], [nbytes], give_up=give_up)
-
+        op = self.write if write else self.read
         if not self.stage_all and (self.transport != "rdma" or self.registered(local, nbytes)):
             return op(peer, local, remote, nbytes)
         with self._bounce_lock:
@@ -254,45 +254,41 @@ class MooncakeEngine:
     # must run to move its bytes (its own, and the peer's on shared cores) wait for one; this wait yields, then
     # naps. A submission that fails is retried once through the synchronous call, which reconnects a segment
     # whose connection broke; a failed transfer is the caller's to retry (``MooncakeTransport._run`` asks the
-    # liveness monitor first), and one given up on (``give_up()`` said its peer is lost) is not retried.
-    def write(self, peer: str, local: int, remote: int, nbytes: int, *,
-              give_up: Callable[[], bool] | None = None) -> int:
-        return self.write_many(peer, [local], [remote], [nbytes], give_up=give_up)
+    # liveness monitor first), and one given up on (``lost(peer)`` said its peer is lost) is not retried.
+    def write(self, peer: str, local: int, remote: int, nbytes: int) -> int:
+        return self.write_many(peer, [local], [remote], [nbytes])
 
-    def read(self, peer: str, local: int, remote: int, nbytes: int, *,
-             give_up: Callable[[], bool] | None = None) -> int:
-        return self.read_many(peer, [local], [remote], [nbytes], give_up=give_up)
+    def read(self, peer: str, local: int, remote: int, nbytes: int) -> int:
+        return self.read_many(peer, [local], [remote], [nbytes])
 
-    def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int], *,
-                  give_up: Callable[[], bool] | None = None) -> int:
+    def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
         rc = self._await([self._e.batch_transfer_async_read(peer, [a], [b], [n])
-                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), give_up)
+                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), peer)
         if rc == _UNSUBMITTED:
             rc = self._e.batch_transfer_sync_read(peer, locals_, remotes, sizes) if len(sizes) > 1 else \
                 self._e.transfer_sync_read(peer, locals_[0], remotes[0], sizes[0])
         return self._count(-1 if rc else 0, False, sum(sizes))
 
-    def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int], *,
-                   give_up: Callable[[], bool] | None = None) -> int:
+    def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
         rc = self._await([self._e.transfer_submit_write(peer, a, b, n)
-                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), give_up)
+                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), peer)
         if rc == _UNSUBMITTED:
             rc = self._e.batch_transfer_sync_write(peer, locals_, remotes, sizes) if len(sizes) > 1 else \
                 self._e.transfer_sync_write(peer, locals_[0], remotes[0], sizes[0])
         return self._count(-1 if rc else 0, True, sum(sizes))
 
-    def _await(self, batches: list[int], nbytes: int, give_up: Callable[[], bool] | None) -> int:
+    def _await(self, batches: list[int], nbytes: int, peer: str) -> int:
         """0 once every batch (one transfer each) completed; ``_UNSUBMITTED`` when one was not submitted;
-        ``_FAILED`` when one failed; ``_GAVE_UP`` when ``give_up()`` (asked every ``_GIVE_UP_EVERY`` seconds)
-        said its peer is lost, or past the bound Mooncake's synchronous calls apply (``TRANSFER_TIMEOUT_S`` plus
+        ``_FAILED`` when one failed; ``_GAVE_UP`` when :attr:`lost` (asked every ``_GIVE_UP_EVERY`` seconds)
+        says ``peer`` is lost, or past the bound Mooncake's synchronous calls apply (``TRANSFER_TIMEOUT_S`` plus
         a second per GiB). A batch given up on before it completed stays allocated in the engine (Mooncake frees
         completed or failed batches only), and may still move its bytes if the link comes back: the price of
         never hanging, paid only on the way to an error that names the lost peer."""
-        check, nap = self._e.transfer_check_status, self._nap
+        check, nap, lost = self._e.transfer_check_status, self._nap, self.lost
         pending = [b for b in batches if b not in _NO_BATCH]
         if len(pending) < len(batches):
             if pending:  # a submission failed: let the others finish (their buffers are the caller's)
-                self._await(pending, nbytes, give_up)
+                self._await(pending, nbytes, peer)
             return _UNSUBMITTED
         start = time.monotonic()
         deadline, ask = start + TRANSFER_TIMEOUT_S + nbytes / (1 << 30), start + _GIVE_UP_EVERY
@@ -304,7 +300,7 @@ class MooncakeEngine:
                 continue
             if st != 0:  # -1 failed (freed), -2 timed out
                 if len(pending) > 1:
-                    self._await(pending[1:], nbytes, give_up)
+                    self._await(pending[1:], nbytes, peer)
                 return _FAILED
             polls += 1
             if polls < _YIELDS:
@@ -313,8 +309,8 @@ class MooncakeEngine:
             now = time.monotonic()
             if now > deadline:
                 return _GAVE_UP
-            if give_up is not None and now > ask:
-                if give_up():
+            if lost is not None and now > ask:
+                if lost(peer):
                     return _GAVE_UP
                 ask = now + _GIVE_UP_EVERY
             pause = min(2 * pause or _NAP_NS, _MAX_NAP_NS)

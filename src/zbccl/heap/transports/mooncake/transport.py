@@ -117,6 +117,7 @@ class MooncakeTransport(Transport):
         self._secret: JobSecret | None = None
         self._own_flat: torch.Tensor | None = None
         self._native = _MooncakeNative(self)
+        self._rank_of_sid: dict[str, int] = {}
         #: Data bytes this rank moved to and from remote ranks through put/zero and get/get_into (not the signal
         #: words, nor the growth tables): what crossed the network for the protocols above, for tests and benchmarks.
         self.bytes_put = self.bytes_got = 0
@@ -162,6 +163,8 @@ class MooncakeTransport(Transport):
                 self.segments[r] = Segment(r, data_bytes[r], "cpu", owner=False, reserved=reserve_bytes[r])
             self._monitor = Monitor(self.engine, self.peers, self._ctrl + self._scratch() + _S_MONITOR,
                                     period=max(env.LIVENESS_INTERVAL.get(), 0.25), stall=STALL)
+            self._rank_of_sid = {p.sid: r for r, p in self.peers.items()}
+            self.engine.lost = self._lost
             try:
                 for r in peers:  # the handshake with each peer, and its first growth table
                     self._refresh(r, op="heap: connecting to a peer's engine")
@@ -295,8 +298,7 @@ class MooncakeTransport(Transport):
         with self._lock:
             local = self._ctrl + self._scratch() + _S_TABLE
             self._run(rank, op, "a read of its growth table",
-                      lambda: self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1),
-                                               give_up=self._lost(rank)))
+                      lambda: self.engine.read(peer.sid, local, peer.ctrl + CTRL_TABLE, 8 * (MAX_STEPS + 1)))
             words = list((ctypes.c_int64 * (MAX_STEPS + 1)).from_address(local))
         ends = parse_table(words, peer.reserve)
         if ends is None:
@@ -323,7 +325,7 @@ class MooncakeTransport(Transport):
         """One transfer between ``local`` (this process) and ``remote`` (registered memory of ``rank``)."""
         sid = self.peers[rank].sid
         self._run(rank, op, what,
-                  lambda: self.engine.transfer(sid, write, local, remote, nbytes, give_up=self._lost(rank)))
+                  lambda: self.engine.transfer(sid, write, local, remote, nbytes))
 
     # ------------------------------------------------------------ views (this rank's own memory only)
     def _no_view(self, rank: int, what: str, op: str) -> ZbcclInvalidUsageError:
@@ -408,7 +410,7 @@ class MooncakeTransport(Transport):
                 sizes.append(length)
         if locs:
             self._run(rank, op, "a batched write",
-                      lambda: self.engine.write_many(peer.sid, locs, remotes, sizes, give_up=self._lost(rank)))
+                      lambda: self.engine.write_many(peer.sid, locs, remotes, sizes))
             self.bytes_put += sum(sizes)
 
     def _read(self, rank: int, offset: int, dst: int, nbytes: int, op: str) -> None:
@@ -476,8 +478,7 @@ class MooncakeTransport(Transport):
         with self._lock:
             word = self._ctrl + self._scratch() + _S_WORDS
             self._prims.store_release(word, value)
-            self._run(rank, "signal", "a signal write", lambda: self.engine.write(peer.sid, word, peer.pad + line, 8,
-                                                                     give_up=self._lost(rank)))
+            self._run(rank, "signal", "a signal write", lambda: self.engine.write(peer.sid, word, peer.pad + line, 8))
 
     def load(self, rank: int, line: int) -> int:
         self._line_ok(rank, line, "load")
@@ -495,8 +496,7 @@ class MooncakeTransport(Transport):
                 locals_ = [base + 8 * i for i in range(len(chunk))]
                 remotes = [peer.pad + ln for ln in chunk]
                 self._run(rank, op, "a read of its signal words",
-                          lambda lo=locals_, re=remotes: self.engine.read_many(peer.sid, lo, re, [8] * len(lo),
-                                                                               give_up=self._lost(rank)))
+                          lambda lo=locals_, re=remotes: self.engine.read_many(peer.sid, lo, re, [8] * len(lo)))
                 out.extend(self._prims.load_acquire(a) for a in locals_)
         return out
 
@@ -515,10 +515,8 @@ class MooncakeTransport(Transport):
                 self._prims.store_release(word + 8, delta)
                 self._prims.store_release(word + 16, seq)
                 # [line, delta] first, then seq: the owner acts on the seq.
-                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word, mail + 8, 16,
-                                                                    give_up=self._lost(rank)))
-                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word + 16, mail, 8,
-                                                                    give_up=self._lost(rank)))
+                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word, mail + 8, 16))
+                self._run(rank, "fetch_add", "a request write", lambda: self.engine.write(peer.sid, word + 16, mail, 8))
             self._wait_local([reply], [rank], seq, timeout=env.TIMEOUT.get(), op="fetch_add")
             return self._prims.load_acquire(reply + 8)
 
@@ -574,13 +572,11 @@ class MooncakeTransport(Transport):
             if error is not None:
                 raise error
 
-    def _lost(self, rank: int) -> Callable[[], bool]:
-        """What a transfer to ``rank`` asks while it waits: whether the monitor found ``rank`` dead or its host
-        unreachable (never blocks)."""
-        def lost() -> bool:
-            monitor = self._monitor
-            return monitor is not None and any(monitor.verdict([rank]))
-        return lost
+    def _lost(self, sid: str) -> bool:
+        """The engine's :attr:`~.engine.MooncakeEngine.lost`: whether the monitor found the peer at session id
+        ``sid`` dead or its host unreachable (never blocks)."""
+        rank, monitor = self._rank_of_sid.get(sid), self._monitor
+        return rank is not None and monitor is not None and any(monitor.verdict([rank]))
 
     def _run(self, rank: int, op: str, what: str, transfer: Callable[[], int]) -> None:
         """``transfer()`` (a Mooncake call returning its rc), retried while its peer still answers (a reset
