@@ -66,7 +66,7 @@ STAMP = 64
 #: Mooncake over TCP v2 completes a write once it landed), checked without hashing the bytes: an extra round
 #: trip, amortised, instead of hashes that a receiver polling a still-landing step would repeat.
 ORDERED = (1 << 20) + (64 << 10)
-_ORDERED = 1
+_MODE_ORDERED = 1
 _SEED = 0x7A62636D65736801  # "zbcmesh" + 1: XXH64 seed of the stamps' checks
 
 
@@ -205,18 +205,19 @@ class Mesh:
         """Offset in this member's own region of the bytes of slot ``(parity, src)`` (after its stamp)."""
         return (parity * self.n + src) * self.pitch + STAMP
 
-    def view(self, parity: int, src: int, nbytes: int) -> torch.Tensor:
-        """Member ``src``'s bytes of a step of ``parity`` in this member's own region (uint8, a view)."""
-        at = self._local(parity, src)
+    def _bytes_at(self, parity: int, src: int, nbytes: int) -> int:
         if nbytes > self.slot:
             raise AssertionError(f"hosts: a view of {nbytes} bytes of a slot of {self.slot}")
+        return self._local(parity, src)
+
+    def view(self, parity: int, src: int, nbytes: int) -> torch.Tensor:
+        """Member ``src``'s bytes of a step of ``parity`` in this member's own region (uint8, a view)."""
+        at = self._bytes_at(parity, src, nbytes)
         return self._own[at:at + nbytes]
 
     def view_np(self, parity: int, src: int, nbytes: int) -> np.ndarray:
         """:meth:`view` as a numpy array."""
-        at = self._local(parity, src)
-        if nbytes > self.slot:
-            raise AssertionError(f"hosts: a view of {nbytes} bytes of a slot of {self.slot}")
+        at = self._bytes_at(parity, src, nbytes)
         return self._own_np[at:at + nbytes]
 
     def step(self, pieces: Sequence[torch.Tensor | None], *, op: str, timeout: float, at: int = 0,
@@ -266,7 +267,7 @@ class Mesh:
         for k, (where, piece) in enumerate(parts):
             words[1 + 2 * k], words[2 + 2 * k] = where, piece.numel()
         ordered = max((where + p.numel() for where, p in parts), default=0) > ORDERED
-        words[5] = _ORDERED if ordered else 0
+        words[5] = _MODE_ORDERED if ordered else 0
         out[:] = words  # one assignment: numpy's per-element stores cost a microsecond each
         check = self._hash(self._out_addr, 48, _SEED)
         for _, piece in parts if not ordered else ():
@@ -285,18 +286,16 @@ class Mesh:
 
     def _landed(self, i: int, s: int) -> bool:
         """Whether member ``i``'s step ``s`` arrived here: its stamp says ``s`` and checks out (module docstring)."""
-        if self.got[i] >= s:
-            return True
         live = self._stamp(s % 2, i)
         if live[0] != s:
             return False
         st = self._snap  # what the check covers: a snapshot (more may still be landing)
         np.copyto(st, live)
-        if st[0] != s or st[5] > _ORDERED:
+        if st[0] != s or st[5] > _MODE_ORDERED:
             return False
         check = self._hash(self._snap_addr, 48, _SEED)
         base = self._own_addr + self._local(s % 2, i)
-        for k in (0, 1) if st[5] != _ORDERED else ():
+        for k in (0, 1) if st[5] != _MODE_ORDERED else ():
             where, n = int(st[1 + 2 * k]), int(st[2 + 2 * k])
             if where + n > self.slot:
                 return False  # a torn stamp: its check fails too, once the rest lands
