@@ -10,13 +10,13 @@ finalize, fork and a broken communicator.
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
 
 from tests.multiproc.test_ops import payload
 from tests.spawn import run_world
+from tests.threads import run_threads
 
 MiB = 1 << 20
 
@@ -205,30 +205,20 @@ def _threads(ctx):
     comm = ctx.init(heap_size=16 * MiB)
     other = comm.new_group([0, 1])
     W, me = comm.world_size, comm.rank
-    errors = []
 
     def loop(c, salt):
-        try:
-            t = zbccl.empty(1000, dtype=torch.float32)
-            for step in range(300):
-                t.copy_(payload(me + salt + step, 1000, torch.float32))
-                zbccl.all_reduce(t, comm=c)
-                want = all_reduce_ref([payload(r + salt + step, 1000, torch.float32) for r in range(W)], 0)
-                assert torch.equal(t, want), f"salt {salt} step {step}"
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        t = zbccl.empty(1000, dtype=torch.float32)
+        for step in range(300):
+            t.copy_(payload(me + salt + step, 1000, torch.float32))
+            zbccl.all_reduce(t, comm=c)
+            want = all_reduce_ref([payload(r + salt + step, 1000, torch.float32) for r in range(W)], 0)
+            assert torch.equal(t, want), f"salt {salt} step {step}"
 
-    threads = [threading.Thread(target=loop, args=(comm, 0)), threading.Thread(target=loop, args=(other, 100))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
+    errors = run_threads([lambda: loop(comm, 0), lambda: loop(other, 100)])
     assert not errors, errors
     # one communicator, two threads one after the other
     for salt in (200, 300):
-        th = threading.Thread(target=loop, args=(comm, salt))
-        th.start()
-        th.join(120)
+        errors += run_threads([lambda salt=salt: loop(comm, salt)])
     assert not errors, errors
     other.destroy()
     zbccl.finalize()

@@ -3,13 +3,13 @@ its stamp and every byte it covers have landed, in whatever order the engine del
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from tests.threads import run_threads
 from zbccl.ops.hosts import mesh as mesh_mod
 from zbccl.ops.hosts.mesh import ORDERED, STAMP, Mesh, region_bytes
 
@@ -103,26 +103,19 @@ def test_an_ordered_step_checks_its_stamp_only():
 def test_steps_between_two_meshes_deliver_every_byte(nbytes):
     memory = _Memory()
     meshes = _meshes(memory)
-    got, errors = {}, []
+    got = {}
 
     def run(r):
-        try:
-            m = meshes[r]
-            for s in range(1, 7):
-                piece = _payload(r, nbytes, s)
-                pieces = [None, None]
-                pieces[1 - r] = piece
-                parity = m.step(pieces, op="test", timeout=30, at=256 if nbytes < SLOT - 256 else 0)
-                at = 256 if nbytes < SLOT - 256 else 0
-                got[(r, s)] = m.view(parity, 1 - r, at + nbytes)[at:].clone()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+        m = meshes[r]
+        for s in range(1, 7):
+            piece = _payload(r, nbytes, s)
+            pieces = [None, None]
+            pieces[1 - r] = piece
+            at = 256 if nbytes < SLOT - 256 else 0
+            parity = m.step(pieces, op="test", timeout=30, at=at)
+            got[(r, s)] = m.view(parity, 1 - r, at + nbytes)[at:].clone()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = run_threads([lambda: run(0), lambda: run(1)], timeout=60)
     assert not errors, errors
     for r in (0, 1):
         for s in range(1, 7):

@@ -5,10 +5,10 @@ concurrent ``poll()``)."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
+from tests.threads import run_threads
 from zbccl.heap.transports.liveness import Pidfds
 
 
@@ -16,20 +16,11 @@ from zbccl.heap.transports.liveness import Pidfds
 def test_dead_is_safe_from_many_threads():
     p = Pidfds()
     p.add(1, os.pidfd_open(os.getpid()))
-    errors, start = [], threading.Barrier(4)
 
     def hammer():
-        try:
-            start.wait()
-            for _ in range(20000):
-                assert p.dead() == []
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for _ in range(20000):
+            assert p.dead() == []
 
-    threads = [threading.Thread(target=hammer) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = run_threads([hammer] * 4)
     p.close()
     assert not errors, errors[:3]
