@@ -54,8 +54,8 @@ class AtomicServer(threading.Thread):
                     self.prims.store_release(self.scratch + 8, seq)
                     # old first, then seq: the requester's seq is the publication of old.
                     reply = peer.ctrl + self.reply_offset
-                    if self.engine.write(peer.sid, self.scratch, reply + 8, 8) == 0:
-                        self.engine.write(peer.sid, self.scratch + 8, reply, 8)
+                    if self.engine.write(peer.sid, self.scratch, reply + 8, 8, watch=False) == 0:
+                        self.engine.write(peer.sid, self.scratch + 8, reply, 8, watch=False)
                     self.done[r] = seq  # a failed reply: the requester is gone (its liveness reports it)
                     served = True
                 pause = fast if served else min(idle, max(fast, 2 * pause))

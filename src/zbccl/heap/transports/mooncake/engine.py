@@ -255,32 +255,36 @@ class MooncakeEngine:
     # naps. A submission that fails is retried once through the synchronous call, which reconnects a segment
     # whose connection broke; a failed transfer is the caller's to retry (``MooncakeTransport._run`` asks the
     # liveness monitor first), and one given up on (``lost(peer)`` said its peer is lost) is not retried.
-    def write(self, peer: str, local: int, remote: int, nbytes: int) -> int:
-        return self.write_many(peer, [local], [remote], [nbytes])
+    # ``watch=False``: never ask :attr:`lost` (the liveness monitor's own probes, whose duration is its evidence,
+    # and the atomic server's replies).
+    def write(self, peer: str, local: int, remote: int, nbytes: int, *, watch: bool = True) -> int:
+        return self.write_many(peer, [local], [remote], [nbytes], watch=watch)
 
-    def read(self, peer: str, local: int, remote: int, nbytes: int) -> int:
-        return self.read_many(peer, [local], [remote], [nbytes])
+    def read(self, peer: str, local: int, remote: int, nbytes: int, *, watch: bool = True) -> int:
+        return self.read_many(peer, [local], [remote], [nbytes], watch=watch)
 
-    def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
+    def read_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int], *,
+                  watch: bool = True) -> int:
         rc = self._await([self._e.batch_transfer_async_read(peer, [a], [b], [n])
-                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), peer)
+                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), peer if watch else None)
         if rc == _UNSUBMITTED:
             rc = self._e.batch_transfer_sync_read(peer, locals_, remotes, sizes) if len(sizes) > 1 else \
                 self._e.transfer_sync_read(peer, locals_[0], remotes[0], sizes[0])
         return self._count(-1 if rc else 0, False, sum(sizes))
 
-    def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int]) -> int:
+    def write_many(self, peer: str, locals_: list[int], remotes: list[int], sizes: list[int], *,
+                   watch: bool = True) -> int:
         rc = self._await([self._e.transfer_submit_write(peer, a, b, n)
-                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), peer)
+                          for a, b, n in zip(locals_, remotes, sizes)], sum(sizes), peer if watch else None)
         if rc == _UNSUBMITTED:
             rc = self._e.batch_transfer_sync_write(peer, locals_, remotes, sizes) if len(sizes) > 1 else \
                 self._e.transfer_sync_write(peer, locals_[0], remotes[0], sizes[0])
         return self._count(-1 if rc else 0, True, sum(sizes))
 
-    def _await(self, batches: list[int], nbytes: int, peer: str) -> int:
+    def _await(self, batches: list[int], nbytes: int, peer: str | None) -> int:
         """0 once every batch (one transfer each) completed; ``_UNSUBMITTED`` when one was not submitted;
-        ``_FAILED`` when one failed; ``_GAVE_UP`` when :attr:`lost` (asked every ``_GIVE_UP_EVERY`` seconds)
-        says ``peer`` is lost, or past the bound Mooncake's synchronous calls apply (``TRANSFER_TIMEOUT_S`` plus
+        ``_FAILED`` when one failed; ``_GAVE_UP`` when :attr:`lost` (asked every ``_GIVE_UP_EVERY`` seconds
+        unless ``peer`` is None) says ``peer`` is lost, or past the bound Mooncake's synchronous calls apply (``TRANSFER_TIMEOUT_S`` plus
         a second per GiB). A batch given up on before it completed stays allocated in the engine (Mooncake frees
         completed or failed batches only), and may still move its bytes if the link comes back: the price of
         never hanging, paid only on the way to an error that names the lost peer."""
@@ -309,7 +313,7 @@ class MooncakeEngine:
             now = time.monotonic()
             if now > deadline:
                 return _GAVE_UP
-            if lost is not None and now > ask:
+            if lost is not None and peer is not None and now > ask:
                 if lost(peer):
                     return _GAVE_UP
                 ask = now + _GIVE_UP_EVERY

@@ -86,7 +86,7 @@ class Monitor(threading.Thread):
                     continue
                 with self._lock:
                     self._inflight[r] = time.monotonic()
-                ok = self.engine.read(peer.sid, self.scratch, peer.ctrl + CTRL_TABLE, 8) == 0
+                ok = self.engine.read(peer.sid, self.scratch, peer.ctrl + CTRL_TABLE, 8, watch=False) == 0
                 with self._lock:
                     del self._inflight[r]
                     if ok:
