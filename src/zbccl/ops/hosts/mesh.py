@@ -210,9 +210,10 @@ class Mesh:
             raise AssertionError(f"hosts: a view of {nbytes} bytes of a slot of {self.slot}")
         return self._local(parity, src)
 
-    def view(self, parity: int, src: int, nbytes: int) -> torch.Tensor:
-        """Member ``src``'s bytes of a step of ``parity`` in this member's own region (uint8, a view)."""
-        at = self._bytes_at(parity, src, nbytes)
+    def view(self, parity: int, src: int, nbytes: int, *, at: int = 0) -> torch.Tensor:
+        """Member ``src``'s bytes of a step of ``parity`` in this member's own region, from byte ``at`` of its
+        slot (uint8, a view)."""
+        at += self._bytes_at(parity, src, at + nbytes)
         return self._own[at:at + nbytes]
 
     def view_np(self, parity: int, src: int, nbytes: int) -> np.ndarray:
