@@ -18,6 +18,7 @@ from tests.spawn import run_world
 from zbccl.ops.dtypes import AVG, MAX, MIN, PROD, SUM
 from zbccl.ops.hosts import reduction_order
 from zbccl.ops.reference import all_reduce_ref, hierarchical_all_reduce_ref, reduce_ref
+from zbccl.ops.tuner import hosts_hierarchical
 
 REDS = {"sum": SUM, "max": MAX, "min": MIN, "product": PROD, "avg": AVG}
 
@@ -188,6 +189,60 @@ def test_large_multi_chunk_and_hierarchical(hosts):
     got = run_world(_large, len(hosts), hosts=hosts, timeout=300)
     assert all(g.endswith(f"hier={len(hosts) == 4}") for g in got), got
     assert all(int(g.split()[0].split("=")[1]) < 300_000 * 4 for g in got), got  # really chunked
+
+
+def _direct(ctx, hosts: list[int]) -> str:
+    """Pieces over the direct threshold go straight into the receivers' outputs (heap outputs; a heap scratch
+    for the others), mixed with small pieces through the slots; with no room for a scratch on one rank, every
+    rank takes the slots instead. Counted by ``HostOps.direct_bytes``."""
+    import zbccl
+
+    comm = _init(ctx, hosts, heap_size=16 << 20, heap_max=16 << 20)  # no growth: a full heap stays full
+    W, me = comm.world_size, comm.rank
+    try:
+        zbccl.barrier()
+        h = comm.device_state["hosts"]
+        big = min(h.direct_min, h.chunk)
+        far = [q for q in range(W) if hosts[q] != hosts[me]]
+        n = big // 4 + 999  # float32 pieces just over the threshold
+        # all_to_all, uneven: big pieces to the ranks of other hosts, small ones to the rest, into a heap output
+        ins = [n + 7 * q if q in far or q == me else 5 + q for q in range(W)]
+        outs = [n + 7 * me if hosts[q] != hosts[me] or q == me else 5 + me for q in range(W)]
+        src = torch.cat([f(me, ins[q], torch.float32, salt=q) for q in range(W)])
+        dst = zbccl.empty((sum(outs),), dtype=torch.float32)
+        before = h.direct_bytes
+        zbccl.all_to_all_single(dst, src, outs, ins)
+        assert torch.equal(dst, torch.cat([f(q, outs[q], torch.float32, salt=me) for q in range(W)]))
+        assert h.direct_bytes - before == sum(4 * ins[q] for q in far if ins[q] * 4 > big), h.direct_bytes - before
+        # all_gather into ordinary memory (a scratch in the heap receives), and a broadcast in place
+        out = torch.empty(W * n, dtype=torch.int32)
+        before = h.direct_bytes
+        zbccl.all_gather_into_tensor(out, f(me, n, torch.int32))
+        assert torch.equal(out, torch.cat([f(r, n, torch.int32) for r in range(W)]))
+        hier = hosts_hierarchical("all_gather", W * n * 4, h.H, h.L, h.regular)  # 2x2: through the columns
+        assert h.direct_bytes - before == (0 if hier else (W - 1) * 4 * n)
+        b = f(me, 2 * n, torch.float64)[::2]  # not contiguous: a scratch receives it
+        zbccl.broadcast(b, W - 1)
+        assert torch.equal(b, f(W - 1, 2 * n, torch.float64)[::2])
+        # no room for a scratch on rank 0: every rank sends the big pieces through the slots, one step late (4 MiB
+        # are left there, less than the scratch the output outside the heap needs)
+        filler = zbccl.empty(((zbccl.memory_stats()["free_bytes"] - (4 << 20)) // 2,), dtype=torch.int16) \
+            if me == 0 else None
+        out = torch.empty(W * 3 * n, dtype=torch.float32)
+        before = h.direct_bytes
+        zbccl.all_to_all_single(out, torch.cat([f(me, 3 * n, torch.float32, salt=q) for q in range(W)]))
+        assert torch.equal(out, torch.cat([f(q, 3 * n, torch.float32, salt=me) for q in range(W)]))
+        assert h.direct_bytes == before
+        del filler
+        zbccl.barrier()
+        return "ok"
+    finally:
+        zbccl.finalize()
+
+
+@pytest.mark.parametrize("hosts", [[0, 1], [0, 0, 1, 1]], ids=["2x1", "2x2"])
+def test_direct_puts_into_outputs(hosts):
+    assert run_world(_direct, len(hosts), hosts=hosts, timeout=240) == ["ok"] * len(hosts)
 
 
 def _groups_and_errors(ctx) -> str:

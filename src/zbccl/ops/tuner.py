@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "OP_ALGOS", "ALGO_CODES",
            "table_for", "host_key", "table_path", "force_algorithm", "validate_rules", "load_file", "choose",
-           "store_kind_mode", "HOSTS_CHUNK", "HOSTS_HIER_MIN", "hosts_chunk", "hosts_hierarchical"]
+           "store_kind_mode", "HOSTS_CHUNK", "HOSTS_HIER_MIN", "HOSTS_DIRECT_MIN",
+           "hosts_chunk", "hosts_hierarchical"]
 
 #: Algorithm name -> code (``native/abi.py``).
 ALGO_CODES = {v: k for k, v in ALGO_NAMES.items()}
@@ -278,6 +279,10 @@ def store_kind_mode() -> int:
 #: regular topology (below it the flat exchange wins: one step, data in the agreement step's writes).
 HOSTS_CHUNK = 4 << 20
 HOSTS_HIER_MIN = 64 << 10
+#: Bytes from which a member's piece of an all_gather, all_to_all or broadcast across hosts is put straight into
+#: its receiver's output (its heap offset comes in the agreement step's header) instead of through the slots:
+#: two round trips more (the piece waits for the header, a step publishes it), no staging copy and no copy out.
+HOSTS_DIRECT_MIN = 1 << 20
 
 
 def hosts_chunk(heap_bytes: int, slots: int) -> int:

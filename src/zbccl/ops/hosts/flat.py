@@ -12,6 +12,8 @@ all_to_all only what each peer must get; broadcast ``(n-1) N`` from the root.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -25,7 +27,7 @@ from ...native.abi import (
 )
 from ..dtypes import MAX, MIN, PROD, SUM
 from ..reference import reduce_ref
-from .state import F, HostOps
+from .state import NOTHING_BIG, F, HostOps
 
 __all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "copy"]
 
@@ -70,6 +72,34 @@ def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
         fn(out, np_of(p), out=out)
 
 
+def landing(h: HostOps, out: torch.Tensor | None, numel: int, dtype: torch.dtype, incoming: list[int],
+            offs: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Where an op's received bytes land (its output, flat, contiguous) and the offers of :meth:`HostOps.exchange`:
+    ``out`` (contiguous, or None) when it lies in this rank's heap, else a heap scratch when a member sends more
+    than the direct threshold (``incoming[i]`` bytes, at byte ``offs[i]``), else ordinary memory; ``dests[i]``:
+    the heap offset of member ``i``'s bytes, -1 without a place in the heap, ``NOTHING_BIG`` when none is
+    needed (nothing over the threshold comes from that member)."""
+    big = min(h.direct_min, h.chunk)
+    base = -1 if out is None else h.ctx.heap.offset_of(out)
+    if base < 0 and any(nb > big for i, nb in enumerate(incoming) if i != h.me):
+        scratch = _scratch(h, numel * dtype.itemsize)
+        if scratch is not None:
+            out, base = scratch.view(dtype), h.ctx.heap.offset_of(scratch)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype)
+    return out.view(-1), [base + offs[i] if base >= 0 else -1 if incoming[i] > big else NOTHING_BIG
+                          for i in range(h.n)]
+
+
+def _scratch(h: HostOps, nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of this rank's heap (uint8, freed when the tensor dies), or None when the heap is full."""
+    sma, heap = h.ctx.sma, h.ctx.heap
+    off = sma.try_malloc(max(nbytes, 1), kind="hosts")
+    if off is None:
+        return None
+    return heap.view(heap.rank, off, (nbytes,), torch.uint8, release=partial(sma.free, off), op="hosts")
+
+
 def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, error: str | None, secs: float,
                *, data: bool = True) -> torch.Tensor | None:
     """Flat all_reduce in place. ``data`` False: the agreement step only (the hierarchical algorithm's);
@@ -78,13 +108,14 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, err
     work = tensor.contiguous() if ok else None
     src = _bytes(work) if ok and data else None
     flat = work.view(-1) if ok else None
-    ce = h.chunk // max(1, tensor.element_size()) if ok else 0
+    isz = tensor.element_size() if ok else 1
 
-    def consume(k: int, got: list) -> None:
+    def consume(got: list, at: list[int]) -> None:
         if not flat.numel():
             return
         parts = [g.view(tensor.dtype) for g in got]
-        reduce_into(flat[k * ce:k * ce + parts[0].numel()], parts, red)
+        lo = at[h.me] // isz
+        reduce_into(flat[lo:lo + parts[0].numel()], parts, red)
 
     fields = {F.DTYPE: dt, F.REDOP: red, F.NUMEL: tensor.numel() if ok else -1}
     h.exchange(op, OP_ALL_REDUCE, fields, [], error, [src] * n, consume if data else None, timeout=secs,
@@ -102,27 +133,30 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
     ``data`` False: the agreement step only (the hierarchical algorithm's)."""
     n, ok = h.n, error is None
     src = _bytes(input.contiguous()) if ok and data else None
-    direct = ok and d == 0 and output.is_contiguous()
-    buf = output if direct or not ok else torch.empty(sum(counts), dtype=output.dtype)
-    outb = _bytes(buf) if ok else None
     isz = input.element_size() if ok else 1
     offs = [sum(counts[:i]) * isz for i in range(n)]
+    buf, dests = None, None
+    if ok and data:
+        whole = output if d == 0 and output.is_contiguous() else None
+        buf, dests = landing(h, whole, sum(counts), output.dtype, [c * isz for c in counts], offs)
+    outb = _bytes(buf) if buf is not None else None
 
-    def consume(k: int, got: list) -> None:
+    def consume(got: list, at: list[int]) -> None:
         for i, g in enumerate(got):
             if g is not None and g.numel():
                 # (in place, this rank's slice is its input already: copy skips it)
-                copy(outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()], g)
+                copy(outb[offs[i] + at[i]:offs[i] + at[i] + g.numel()], g)
 
     h.exchange(op, OP_ALL_GATHER, {F.DTYPE: dt, F.AUX: d}, counts if ok else [], error, [src] * n,
-               consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True)
+               consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True,
+               dests=dests if data else None)
     if not data or output.numel() == 0:  # nothing arrived (along ``d`` too: the other dims may be empty)
         return
     if d:
         flat = buf.view(-1)
         parts = [flat[offs[i] // isz:offs[i] // isz + counts[i]].view(shapes[i]) for i in range(n)]
         output.copy_(torch.cat(parts, d))
-    elif buf is not output:
+    elif buf.data_ptr() != output.data_ptr():
         output.copy_(buf.view(output.shape))
 
 
@@ -141,13 +175,14 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
             sends = [_bytes(input.narrow(d, at[i], rows[i]).contiguous()) for i in range(n)]
     out = output.view(-1) if ok and output.is_contiguous() else (torch.empty(counts[h.me], dtype=output.dtype)
                                                                   if ok else None)
-    ce = h.chunk // max(1, input.element_size()) if ok else 0
+    isz = input.element_size() if ok else 1
 
-    def consume(k: int, got: list) -> None:
+    def consume(got: list, at: list[int]) -> None:
         if not out.numel():
             return
         parts = [g.view(input.dtype) for g in got]
-        reduce_into(out[k * ce:k * ce + parts[0].numel()], parts, red)
+        lo = at[h.me] // isz
+        reduce_into(out[lo:lo + parts[0].numel()], parts, red)
 
     fields = {F.DTYPE: dt, F.REDOP: red, F.AUX: d, F.NUMEL: input.numel() if ok else -1}
     h.exchange(op, OP_REDUCE_SCATTER, fields, counts if ok else [], error, sends, consume, timeout=secs,
@@ -165,19 +200,22 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
         flat = input.contiguous().view(-1)
         at = [sum(ins[:i]) for i in range(n)]
         sends = [_bytes(flat[at[i]:at[i] + ins[i]]) for i in range(n)]
-    buf = output if ok and output.is_contiguous() else (torch.empty(sum(outs), dtype=output.dtype) if ok else None)
-    outb = _bytes(buf) if ok else None
     isz = input.element_size() if ok else 1
     offs = [sum(outs[:i]) * isz for i in range(n)]
+    buf, dests = None, None
+    if ok:
+        buf, dests = landing(h, output if output.is_contiguous() else None, sum(outs), output.dtype,
+                             [c * isz for c in outs], offs)
+    outb = _bytes(buf) if ok else None
 
-    def consume(k: int, got: list) -> None:
+    def consume(got: list, at: list[int]) -> None:
         for i, g in enumerate(got):
             if g is not None and g.numel():
-                copy(outb[offs[i] + k * h.chunk:offs[i] + k * h.chunk + g.numel()], g)
+                copy(outb[offs[i] + at[i]:offs[i] + at[i] + g.numel()], g)
 
     h.exchange(op, OP_ALL_TO_ALL, {F.DTYPE: dt}, ins + outs if ok else [], error, sends, consume, timeout=secs,
-               same=(F.DTYPE,), pairwise=ok)
-    if ok and buf is not output:
+               same=(F.DTYPE,), pairwise=ok, dests=dests)
+    if ok and buf.data_ptr() != output.data_ptr():
         output.copy_(buf.view(output.shape))
 
 
@@ -188,18 +226,23 @@ def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, erro
     if ok and root:
         data = _bytes(tensor.contiguous())
         sends = [None if i == h.me else data for i in range(n)]
-    work = tensor if not ok or root or tensor.is_contiguous() else tensor.contiguous()
+    work, dests = tensor, [NOTHING_BIG] * n
+    if ok and not root:
+        nbytes = tensor.numel() * tensor.element_size()
+        work, dests = landing(h, tensor if tensor.is_contiguous() else None, tensor.numel(), tensor.dtype,
+                              [nbytes if i == src else 0 for i in range(n)], [0] * n)
     outb = _bytes(work) if ok and not root else None
 
-    def consume(k: int, got: list) -> None:
+    def consume(got: list, at: list[int]) -> None:
         g = got[src]
         if outb is not None and g is not None and g.numel():
-            copy(outb[k * h.chunk:k * h.chunk + g.numel()], g)
+            copy(outb[at[src]:at[src] + g.numel()], g)
 
     fields = {F.DTYPE: dt, F.ROOT: src, F.NUMEL: tensor.numel() if ok else -1}
-    h.exchange(op, OP_BROADCAST, fields, [], error, sends, consume, timeout=secs, same=(F.DTYPE, F.ROOT, F.NUMEL))
-    if outb is not None and work is not tensor:
-        tensor.copy_(work)
+    h.exchange(op, OP_BROADCAST, fields, [], error, sends, consume, timeout=secs, same=(F.DTYPE, F.ROOT, F.NUMEL),
+               dests=dests)
+    if outb is not None and work.data_ptr() != tensor.data_ptr():
+        tensor.copy_(work.view(tensor.shape))
 
 
 def barrier(h: HostOps, op: str, tag: int, error: str | None, secs: float) -> list[int] | None:

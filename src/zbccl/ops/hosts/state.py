@@ -32,20 +32,24 @@ import torch
 from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
 from ...heap import layout
 from ...native.abi import OP_NAMES
-from ..tuner import hosts_chunk
+from ..tuner import HOSTS_DIRECT_MIN, hosts_chunk
 from .mesh import Mesh, Watch, region_bytes
 
-__all__ = ["HostOps", "host_ops", "F"]
+__all__ = ["HostOps", "host_ops", "F", "NOTHING_BIG"]
 
 #: First line of the communicator's comm slot the meshes use (0-15: the op channel's lines, never used here).
 LINE0 = 16
+#: An offer in :meth:`HostOps.exchange`'s ``dests`` from a member that gets nothing over the direct threshold
+#: from that peer: no place needed (and none to write: a put there is out of bounds).
+NOTHING_BIG = -2
 MAGIC = 0x7A62686F73740001  # "zbhost" + 1
 
 
 class F:
     """Header words (int64), in front of a rank's first bytes to each peer."""
 
-    MAGIC, OP, DTYPE, REDOP, ROOT, AUX, NUMEL, NUMEL_OUT, ERROR, ERRLEN, TO_YOU, MAXSEND, NVEC, SEQ = range(14)
+    MAGIC, OP, DTYPE, REDOP, ROOT, AUX, NUMEL, NUMEL_OUT, ERROR, ERRLEN, TO_YOU, MAXSEND, NVEC, SEQ, DEST, READY = \
+        range(16)
     VEC = 16
     NAMES = {OP: "the op", DTYPE: "the dtype", REDOP: "the reduce op", ROOT: "the root (src)", AUX: "dim",
              NUMEL: "the size (elements)", NUMEL_OUT: "the output size (elements)"}
@@ -94,6 +98,9 @@ class HostOps:
         self.local = None
         self._blocks: list[int] = []
         self._plans: dict[tuple, _Plan] = {}
+        self.direct_min = HOSTS_DIRECT_MIN
+        #: Bytes this rank put straight into receivers' places (:meth:`exchange`'s ``dests``).
+        self.direct_bytes = 0
         self._heads = np.zeros((n, self.hdr // 8), dtype=np.int64)  # every member's header of the current op
         try:
             self._setup(timeout)
@@ -186,11 +193,19 @@ class HostOps:
     def exchange(self, op: str, opcode: int, fields: dict[int, int], vec: Sequence[int], error: str | None,
                  sends: list[torch.Tensor | None], consume: Callable | None, *, timeout: float,
                  same: Sequence[int] = (), same_vec: bool = False, pairwise: bool = False,
-                 error_kind: int = 1) -> list[np.ndarray]:
+                 error_kind: int = 1, dests: Sequence[int] | None = None) -> list[np.ndarray]:
         """The flat exchange among all members with the agreement in its first step: ``sends[i]`` (flat uint8, or
-        None) to member ``i`` (``sends[me]``: this rank's own part, handed to ``consume``), chunked over steps;
-        ``consume(k, got)`` gets per member the bytes of step ``k`` (views valid until the next step).
-        Returns every member's header. Raises together on a disagreement or a rank's ``error``."""
+        None) to member ``i`` (``sends[me]``: this rank's own part, handed to ``consume``), through the slots in
+        chunks; ``consume(got, at)`` gets per member the bytes that arrived in a step (views valid until the next
+        step) and their byte offset in that member's bytes. Returns every member's header. Raises together on a
+        disagreement or a rank's ``error``.
+
+        ``dests``: given by the ops whose bytes land in place (all_gather, all_to_all, broadcast; None for the
+        reductions), on every rank: per member, the offset in this rank's heap where that member's bytes for it
+        go (-1: no such place; ``NOTHING_BIG``: none needed). A piece over ``direct_min`` bytes then skips the
+        slots: once every member offered a place for everything it receives (the headers say), each such piece
+        is one put into its place, and a step without bytes publishes them; otherwise they go through the slots,
+        one step later than the rest (the agreement step did not carry them)."""
         mesh, n, me, chunk, H = self.world, self.n, self.me, self.chunk, self.hdr
         self.op_no += 1
         self._own_error = error
@@ -198,10 +213,13 @@ class HostOps:
             raw = error.encode()[:chunk]
             sends = [torch.tensor(list(raw), dtype=torch.uint8) if raw else None] * n
         lens = [0 if s is None else s.numel() for s in sends]
-        key = (opcode, tuple(fields.items()), tuple(vec), tuple(lens))
+        big = min(self.direct_min, chunk) if dests is not None else 1 << 62  # pieces over it: never eager
+        places = [-1] * n if dests is None or error is not None else list(dests)
+        ready = int(all(places[i] != -1 for i in range(n) if i != me))
+        key = (opcode, tuple(fields.items()), tuple(vec), tuple(lens), tuple(places))
         plan = self._plans.get(key) if error is None else None
         if plan is None:
-            plan = _Plan(H, n, me, opcode, fields, vec, lens, error, error_kind)
+            plan = _Plan(H, n, me, opcode, fields, vec, lens, error, error_kind, places, ready)
             if error is None:
                 if len(self._plans) >= _PLANS:
                     self._plans.clear()
@@ -210,7 +228,7 @@ class HostOps:
             words[F.SEQ] = self.op_no
         first: list[torch.Tensor | None] = [None] * n  # the first chunk, uncopied (the mesh stages what it joins)
         for i in range(n):
-            if i != me and lens[i]:
+            if i != me and 0 < lens[i] <= big:
                 first[i] = sends[i] if lens[i] <= chunk else sends[i][:chunk]
         parity = mesh.step(plan.pieces, op=op, timeout=timeout, before=first, before_at=H)
         heads = self._heads
@@ -226,23 +244,51 @@ class HostOps:
                 self.together = True  # every rank raises it: the communicator stays in step
                 raise
             plan.agreed = heads.copy()
-        steps = max(1, math.ceil(max(heads[:, F.MAXSEND].tolist()) / chunk))
+        to_me = heads[:, F.TO_YOU].tolist()
+        late_out = [int(i != me and lens[i] > big) for i in range(n)]  # 1: not in the agreement step
+        late_in = [int(i != me and to_me[i] > big) for i in range(n)]
+        if (any(late_out) or any(late_in)) and all(heads[:, F.READY].tolist()):
+            self._direct(op, sends, late_out, heads, timeout, consume, parity, to_me, big)
+            return list(heads.copy())
+        most = max(heads[:, F.MAXSEND].tolist())
+        steps = max(1, math.ceil(most / chunk) + int(most > big))
         for k in range(steps):
             if k:
-                part = [None if s is None or i == me else s[k * chunk:(k + 1) * chunk] for i, s in enumerate(sends)]
+                part: list[torch.Tensor | None] = [None] * n
+                for i, s in enumerate(sends):
+                    lo = (k - late_out[i]) * chunk
+                    if s is not None and i != me and 0 <= lo < lens[i]:
+                        part[i] = s[lo:lo + chunk]
                 parity = mesh.step(part, op=op, timeout=timeout, at=H)
             if consume is None:
                 continue
             got: list[torch.Tensor | None] = []
+            at = [(k - late_in[i]) * chunk for i in range(n)]
             for i in range(n):
-                m = max(0, min(chunk, int(heads[i, F.TO_YOU]) - k * chunk))
+                m = max(0, min(chunk, to_me[i] - at[i])) if at[i] >= 0 else 0
                 if i == me:
-                    got.append(None if sends[me] is None else sends[me][k * chunk:k * chunk + m] if k or
-                               m < lens[me] else sends[me])
+                    got.append(None if sends[me] is None else sends[me][at[i]:at[i] + m] if k or m < lens[me]
+                               else sends[me])
                 else:
                     got.append(mesh.view(parity, i, m, at=H))
-            consume(k, got)
+            consume(got, at)
         return list(heads.copy())
+
+    def _direct(self, op: str, sends: list[torch.Tensor | None], late_out: list[int], heads: np.ndarray,
+                timeout: float, consume: Callable | None, parity: int, to_me: list[int], big: int) -> None:
+        """The rest of :meth:`exchange` once every member offered a place: what came in the agreement step is
+        consumed, each late piece is put into its receiver's place (complete on return: landed), then a step
+        without bytes tells every peer that this rank's pieces landed."""
+        mesh, n, me = self.world, self.n, self.me
+        if consume is not None:
+            consume([sends[me] if i == me else
+                     (mesh.view(parity, i, to_me[i], at=self.hdr) if 0 < to_me[i] <= big else None)
+                     for i in range(n)], [0] * n)
+        for i in range(n):
+            if late_out[i]:
+                self.t.put(self.comm.ranks[i], int(heads[i, F.DEST]), sends[i], op=op)
+                self.direct_bytes += sends[i].numel()
+        mesh.step([None] * n, op=op, timeout=timeout)
 
     def _agree(self, op: str, heads: np.ndarray, same: Sequence[int], same_vec: bool, pairwise: bool,
                parity: int) -> None:
@@ -302,7 +348,7 @@ class _Plan:
     __slots__ = ("words", "pieces", "own", "agreed")
 
     def __init__(self, H: int, n: int, me: int, opcode: int, fields: dict[int, int], vec: Sequence[int],
-                 lens: list[int], error: str | None, error_kind: int) -> None:
+                 lens: list[int], error: str | None, error_kind: int, places: list[int], ready: int) -> None:
         hdr = np.zeros(H // 8, dtype=np.int64)
         hdr[F.MAGIC], hdr[F.OP] = MAGIC, opcode
         for k, v in fields.items():
@@ -312,10 +358,11 @@ class _Plan:
         hdr[F.NVEC] = len(vec)
         hdr[F.VEC:F.VEC + len(vec)] = vec
         hdr[F.MAXSEND] = max([lens[i] for i in range(n) if i != me] or [0])
+        hdr[F.READY] = ready
         self.words, self.pieces = [], []
         for i in range(n):
             w = hdr.copy()
-            w[F.TO_YOU] = lens[i]
+            w[F.TO_YOU], w[F.DEST] = lens[i], places[i]
             self.words.append(w)
             self.pieces.append(None if i == me else torch.from_numpy(w.view(np.uint8)))
         self.own = self.words[me]
