@@ -224,6 +224,24 @@ def _direct(ctx, hosts: list[int]) -> str:
         b = f(me, 2 * n, torch.float64)[::2]  # not contiguous: a scratch receives it
         zbccl.broadcast(b, W - 1)
         assert torch.equal(b, f(W - 1, 2 * n, torch.float64)[::2])
+        # all_reduce of slices over the threshold (flat: a reduce_scatter, then an all_gather, both direct; the
+        # bits of the one exchange), in the heap and not contiguous; reduce_scatter through the scratch slots
+        for x in (zbccl.empty((W * n,), dtype=torch.float32).copy_(f(me, W * n, torch.float32)),
+                  f(me, 2 * W * n + 2, torch.bfloat16).view(2, -1).t()):
+            want = all_reduce_ref([f(r, x.numel(), x.dtype).view(x.shape) if x.is_contiguous() else
+                                   f(r, x.numel(), x.dtype).view(2, -1).t() for r in range(W)], SUM)
+            before = h.direct_bytes
+            zbccl.all_reduce(x)
+            assert torch.equal(x, want), x.dtype
+            flat = reduction_order(comm, x.numel() * x.element_size()) is None
+            assert (h.direct_bytes > before) == flat, (h.direct_bytes, before, flat)
+        m = big // 2 + 99  # bf16 pieces just over the threshold
+        y = torch.cat([f(me, m, torch.bfloat16, salt=q) for q in range(W)])
+        o = torch.empty(m, dtype=torch.bfloat16)
+        before = h.direct_bytes
+        zbccl.reduce_scatter_tensor(o, y)
+        assert torch.equal(o, reduce_ref([f(q, m, torch.bfloat16, salt=me) for q in range(W)], SUM))
+        assert h.direct_bytes - before == (W - 1) * 2 * m
         # no room for a scratch on rank 0: every rank sends the big pieces through the slots, one step late (4 MiB
         # are left there, less than the scratch the output outside the heap needs)
         filler = zbccl.empty(((zbccl.memory_stats()["free_bytes"] - (4 << 20)) // 2,), dtype=torch.int16) \

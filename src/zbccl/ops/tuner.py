@@ -279,9 +279,11 @@ def store_kind_mode() -> int:
 #: regular topology (below it the flat exchange wins: one step, data in the agreement step's writes).
 HOSTS_CHUNK = 4 << 20
 HOSTS_HIER_MIN = 64 << 10
-#: Bytes from which a member's piece of an all_gather, all_to_all or broadcast across hosts is put straight into
-#: its receiver's output (its heap offset comes in the agreement step's header) instead of through the slots:
-#: two round trips more (the piece waits for the header, a step publishes it), no staging copy and no copy out.
+#: Bytes over which a member's piece of an all_gather, all_to_all or broadcast across hosts is put straight into
+#: its receiver's output (its heap offset comes in the agreement step's header), and a reduce_scatter's into a
+#: heap scratch of its receiver, instead of through the slots: two round trips more (the piece waits for the
+#: header, a step publishes it), no staging copy, no copy out, no chunk-by-chunk lockstep. A flat all_reduce
+#: whose slices are over it runs as a reduce_scatter then an all_gather (``hosts.flat.split``).
 HOSTS_DIRECT_MIN = 1 << 20
 
 

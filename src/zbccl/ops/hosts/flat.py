@@ -29,7 +29,8 @@ from ..dtypes import MAX, MIN, PROD, SUM
 from ..reference import reduce_ref
 from .state import NOTHING_BIG, F, HostOps
 
-__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "copy"]
+__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "copy",
+           "landing", "split"]
 
 # numpy, not torch, for the copies and reductions of the steps: torch splits an op over its intra-op threads
 # above a grain size, and on oversubscribed cores (the ranks of several "hosts" share them) waiting for those
@@ -105,6 +106,9 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, err
     """Flat all_reduce in place. ``data`` False: the agreement step only (the hierarchical algorithm's);
     returns the contiguous working tensor then, None otherwise."""
     n, ok = h.n, error is None
+    if ok and data and split(h, tensor.numel() * tensor.element_size()):
+        _split_all_reduce(h, op, tensor, dt, red, secs)
+        return None
     work = tensor.contiguous() if ok else None
     src = _bytes(work) if ok and data else None
     flat = work.view(-1) if ok else None
@@ -125,6 +129,29 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, err
     if work is not tensor:
         tensor.copy_(work)
     return None
+
+
+def split(h: HostOps, nbytes: int) -> bool:
+    """Whether a flat all_reduce of ``nbytes`` runs as a reduce_scatter and an all_gather (each member's slice
+    over the direct threshold: put straight into place, reduced once, by its owner) rather than as one exchange
+    of the whole tensor (every member reduces all of it). Identical on every rank that agrees on the size."""
+    return h.n > 1 and nbytes // h.n > min(h.direct_min, h.chunk)
+
+
+def _split_all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, secs: float) -> None:
+    """all_reduce in place as a reduce_scatter into this rank's slice (member order, as the one exchange reduces:
+    the same bits), then an all_gather of the slices in place. Each member's slice crosses to every peer once
+    in each half, as in the one exchange; each element is reduced once instead of on every member."""
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat, n, me = work.view(-1), h.n, h.me
+    N = flat.numel()
+    counts = [N // n + (1 if i < N % n else 0) for i in range(n)]
+    lo = sum(counts[:me])
+    mine = flat[lo:lo + counts[me]]
+    reduce_scatter(h, op, mine, flat, dt, red, counts, counts, 0, None, secs, whole=True)
+    gather(h, op, flat, mine, dt, counts, 0, [], None, secs)
+    if work is not tensor:
+        tensor.copy_(work)
 
 
 def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int], d: int,
@@ -161,9 +188,12 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
 
 
 def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, red: int,
-                   counts: list[int], rows: list[int], d: int, error: str | None, secs: float) -> None:
-    """reduce_scatter(_v) along dim ``d``: member ``i`` gets ``counts[i]`` elements (``rows[i]`` along ``d``)."""
-    n, ok = h.n, error is None
+                   counts: list[int], rows: list[int], d: int, error: str | None, secs: float, *,
+                   whole: bool = False) -> None:
+    """reduce_scatter(_v) along dim ``d``: member ``i`` gets ``counts[i]`` elements (``rows[i]`` along ``d``).
+    Pieces over the direct threshold land in a heap scratch (one slot per member) and are reduced from there.
+    ``whole``: the first half of :func:`all_reduce` (its header: the agreement of an all_reduce of ``input``)."""
+    n, me, ok = h.n, h.me, error is None
     sends: list = [None] * n
     if ok:
         if d == 0:
@@ -173,20 +203,33 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
         else:
             at = [sum(rows[:i]) for i in range(n)]
             sends = [_bytes(input.narrow(d, at[i], rows[i]).contiguous()) for i in range(n)]
-    out = output.view(-1) if ok and output.is_contiguous() else (torch.empty(counts[h.me], dtype=output.dtype)
+    out = output.view(-1) if ok and output.is_contiguous() else (torch.empty(counts[me], dtype=output.dtype)
                                                                   if ok else None)
     isz = input.element_size() if ok else 1
+    piece = counts[me] * isz if ok else 0  # what every member sends this rank
+    slots, dests = None, [NOTHING_BIG] * n
+    if ok and piece > min(h.direct_min, h.chunk) and n > 1:
+        slots = _scratch(h, n * piece)
+        base = -1 if slots is None else h.ctx.heap.offset_of(slots)
+        dests = [base + i * piece if base >= 0 else -1 for i in range(n)]
 
     def consume(got: list, at: list[int]) -> None:
-        if not out.numel():
+        if not out.numel() or any(g is None for g in got):  # (None: a piece that lands in the scratch)
             return
         parts = [g.view(input.dtype) for g in got]
-        lo = at[h.me] // isz
+        lo = at[me] // isz
         reduce_into(out[lo:lo + parts[0].numel()], parts, red)
 
-    fields = {F.DTYPE: dt, F.REDOP: red, F.AUX: d, F.NUMEL: input.numel() if ok else -1}
-    h.exchange(op, OP_REDUCE_SCATTER, fields, counts if ok else [], error, sends, consume, timeout=secs,
-               same=(F.DTYPE, F.REDOP, F.AUX, F.NUMEL), same_vec=True)
+    if whole:
+        fields, opcode, vec, same = {F.DTYPE: dt, F.REDOP: red, F.NUMEL: input.numel()}, OP_ALL_REDUCE, [], False
+    else:
+        fields = {F.DTYPE: dt, F.REDOP: red, F.AUX: d, F.NUMEL: input.numel() if ok else -1}
+        opcode, vec, same = OP_REDUCE_SCATTER, counts if ok else [], True
+    h.exchange(op, opcode, fields, vec, error, sends, consume, timeout=secs, same=tuple(fields), same_vec=same,
+               dests=dests)
+    if slots is not None and h.direct_done:  # every piece landed in the scratch: reduce them from there
+        parts = [sends[me] if i == me else slots[i * piece:(i + 1) * piece] for i in range(n)]
+        reduce_into(out, [p.view(input.dtype) for p in parts], red)
     if ok and out.data_ptr() != output.data_ptr():
         output.copy_(out.view(output.shape))
 

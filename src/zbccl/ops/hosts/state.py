@@ -101,6 +101,8 @@ class HostOps:
         self.direct_min = HOSTS_DIRECT_MIN
         #: Bytes this rank put straight into receivers' places (:meth:`exchange`'s ``dests``).
         self.direct_bytes = 0
+        #: Whether the last :meth:`exchange` put pieces straight into places (they are there on return).
+        self.direct_done = False
         self._heads = np.zeros((n, self.hdr // 8), dtype=np.int64)  # every member's header of the current op
         try:
             self._setup(timeout)
@@ -247,7 +249,8 @@ class HostOps:
         to_me = heads[:, F.TO_YOU].tolist()
         late_out = [int(i != me and lens[i] > big) for i in range(n)]  # 1: not in the agreement step
         late_in = [int(i != me and to_me[i] > big) for i in range(n)]
-        if (any(late_out) or any(late_in)) and all(heads[:, F.READY].tolist()):
+        self.direct_done = (any(late_out) or any(late_in)) and all(heads[:, F.READY].tolist())
+        if self.direct_done:
             self._direct(op, sends, late_out, heads, timeout, consume, parity, to_me, big)
             return list(heads.copy())
         most = max(heads[:, F.MAXSEND].tolist())
