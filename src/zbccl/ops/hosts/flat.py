@@ -30,7 +30,7 @@ from ..reference import reduce_ref
 from .state import NOTHING_BIG, F, HostOps
 
 __all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "copy",
-           "landing", "split"]
+           "landing", "scratch", "split"]
 
 # numpy, not torch, for the copies and reductions of the steps: torch splits an op over its intra-op threads
 # above a grain size, and on oversubscribed cores (the ranks of several "hosts" share them) waiting for those
@@ -83,16 +83,16 @@ def landing(h: HostOps, out: torch.Tensor | None, numel: int, dtype: torch.dtype
     big = min(h.direct_min, h.chunk)
     base = -1 if out is None else h.ctx.heap.offset_of(out)
     if base < 0 and any(nb > big for i, nb in enumerate(incoming) if i != h.me):
-        scratch = _scratch(h, numel * dtype.itemsize)
-        if scratch is not None:
-            out, base = scratch.view(dtype), h.ctx.heap.offset_of(scratch)
+        room = scratch(h, numel * dtype.itemsize)
+        if room is not None:
+            out, base = room.view(dtype), h.ctx.heap.offset_of(room)
     if out is None:
         out = torch.empty(numel, dtype=dtype)
     return out.view(-1), [base + offs[i] if base >= 0 else -1 if incoming[i] > big else NOTHING_BIG
                           for i in range(h.n)]
 
 
-def _scratch(h: HostOps, nbytes: int) -> torch.Tensor | None:
+def scratch(h: HostOps, nbytes: int) -> torch.Tensor | None:
     """``nbytes`` of this rank's heap (uint8, freed when the tensor dies), or None when the heap is full."""
     sma, heap = h.ctx.sma, h.ctx.heap
     off = sma.try_malloc(max(nbytes, 1), kind="hosts")
@@ -209,7 +209,7 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
     piece = counts[me] * isz if ok else 0  # what every member sends this rank
     slots, dests = None, [NOTHING_BIG] * n
     if ok and piece > min(h.direct_min, h.chunk) and n > 1:
-        slots = _scratch(h, n * piece)
+        slots = scratch(h, n * piece)
         base = -1 if slots is None else h.ctx.heap.offset_of(slots)
         dests = [base + i * piece if base >= 0 else -1 for i in range(n)]
 

@@ -25,7 +25,6 @@ divides once at the end.
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
@@ -95,12 +94,8 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, sec
 def _scratch(h: HostOps, shape: tuple) -> torch.Tensor:
     """A uint8 scratch tensor in this rank's heap, freed when it dies, so that the shm phase runs zero-copy on
     it; ordinary memory when the heap is full (that phase then stages it, counted in ``staged_bytes``)."""
-    sma, heap = h.ctx.sma, h.ctx.heap
-    nbytes = math.prod(shape)
-    off = sma.try_malloc(max(nbytes, 1), kind="hosts")
-    if off is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    return heap.view(heap.rank, off, shape, torch.uint8, release=partial(sma.free, off), op="all_gather")
+    t = flat_ops.scratch(h, math.prod(shape))
+    return torch.empty(shape, dtype=torch.uint8) if t is None else t.view(shape)
 
 
 def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int],
