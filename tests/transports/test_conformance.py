@@ -78,12 +78,21 @@ def _views_and_put_get(ctx, name):
             t.put_many(p, [(many + 8 * N * (2 * me + 1), payload(me, N, 5).to(t.device)),
                            (many + 8 * N * 2 * me, payload(me, N, 4).numpy().tobytes()),
                            (many, torch.empty(0, dtype=torch.uint8))])
+        late = many + 8 * N * (2 * W)  # put_async: every peer's write in flight at once, then polled until landed
+        src = payload(me, N, 6).to(t.device)
+        pending = [t.put_async(p, late + 8 * N * me, src) for p in peers]
+        deadline = time.monotonic() + 30
+        while not all(w.done() for w in pending):
+            assert time.monotonic() < deadline, "put_async never landed"
+            time.sleep(1e-4)
         t.signal(me, line(2), 1)
         t.wait_until([(p, line(2)) for p in peers], 1, timeout=30, op="put")
         for p in peers:
             for k in (0, 1):
                 got = t.view(me, many + 8 * N * (2 * p + k), (N,), torch.int64).cpu()
                 assert torch.equal(got, payload(p, N, 4 + k)), (p, k, got[:4])
+            got = t.view(me, late + 8 * N * p, (N,), torch.int64).cpu()
+            assert torch.equal(got, payload(p, N, 6)), (p, got[:4])
             assert torch.equal(t.view(me, base + 8 * N * p, (N,), torch.int64).cpu(), payload(p, N, 2))
             raw = t.get(me, base + 8 * N * (W + p), 8 * N)
             assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.int64), payload(p, N, 3))
@@ -247,6 +256,7 @@ def _bounds(ctx, name):
             "put bytes past the end": lambda: t.put(peer, size - 4, b"12345678"),
             "put_many with one piece past the end": lambda: t.put_many(
                 peer, [(size - 16, b"\xff" * 8), (size - 4, b"12345678")]),
+            "put_async past the end": lambda: t.put_async(peer, size - 8, payload(me, 2).to(t.device)),
             "get past the end": lambda: t.get(peer, size - 4, 8),
             "get_into past the end": lambda: t.get_into(peer, size, torch.empty(1, dtype=torch.int64)),
             "zero past the end": lambda: t.zero(peer, size - 4, 8),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.threads import run_threads
+from zbccl.heap.transports.base import Pending
 from zbccl.ops.hosts import mesh as mesh_mod
 from zbccl.ops.hosts.mesh import ORDERED, STAMP, Mesh, region_bytes
 
@@ -36,6 +37,18 @@ class _Memory:
     def put_many(self, rank, pieces, *, op="put"):
         for offset, src in pieces:
             self.put(rank, offset, src, op=op)
+
+    def put_async(self, rank, offset, src, *, op="put"):
+        """A write that lands only when polled (an engine that moves nothing until asked), from a copy of the
+        source taken at the end: the mesh must keep its staging buffer unchanged until then."""
+        memory = self
+
+        class _Late(Pending):
+            def done(self):
+                memory.put(rank, offset, src.clone())
+                return True
+
+        return _Late()
 
 
 def _meshes(memory):

@@ -81,7 +81,7 @@ from ...bootstrap.secret import JobSecret
 from ...bootstrap.topology import Topology
 from ...errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 
-__all__ = ["Segment", "SignalPad", "NativeHandle", "Transport", "ViewRelease"]
+__all__ = ["Segment", "SignalPad", "NativeHandle", "Transport", "Pending", "DONE", "ViewRelease"]
 
 
 @dataclass
@@ -253,6 +253,14 @@ class Transport(ABC):
             if data.numel():
                 self.put(rank, offset, data, op=op)
 
+    def put_async(self, rank: int, offset: int, src: torch.Tensor, *, op: str = "put") -> Pending:
+        """Start :meth:`put` of ``src`` (a contiguous tensor) and return: the bytes have landed once the returned
+        :class:`Pending` says :meth:`~Pending.done`, and ``src`` must stay alive and unchanged until then (the
+        caller polls it: a transport may move nothing until asked). Bounds are checked before anything moves.
+        A transport whose put is a copy (one host) completes it here."""
+        self.put(rank, offset, src, op=op)
+        return DONE
+
     def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
         """The ``nbytes`` at ``offset`` of ``rank``'s data (bounds-checked), copied out."""
         return self.view_bytes(rank, offset, nbytes, op=op).cpu().numpy().tobytes()
@@ -362,6 +370,21 @@ class Transport(ABC):
             raise ZbcclInvalidUsageError(
                 f"{op}: out of bounds of rank {rank}'s signal pad, expected an 8-byte aligned range within "
                 f"[0, {pad}), got line={line} nbytes={nbytes}")
+
+
+class Pending:
+    """A write started by :meth:`Transport.put_async`; this one has landed already."""
+
+    __slots__ = ()
+
+    def done(self) -> bool:
+        """Whether the write has landed (never blocks). A write that failed is retried here as a blocking
+        :meth:`Transport.put`, which raises what it raises (a lost peer, a timeout naming it)."""
+        return True
+
+
+#: The :class:`Pending` of a write that completed when it started.
+DONE = Pending()
 
 
 class ViewRelease:

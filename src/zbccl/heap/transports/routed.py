@@ -121,6 +121,9 @@ class RoutedTransport(Transport):
     def put_many(self, rank: int, pieces, *, op: str = "put") -> None:
         self._via(rank).put_many(rank, pieces, op=op)
 
+    def put_async(self, rank: int, offset: int, src, *, op: str = "put"):
+        return self._via(rank).put_async(rank, offset, src, op=op)
+
     def get(self, rank: int, offset: int, nbytes: int, *, op: str = "get") -> bytes:
         return self._via(rank).get(rank, offset, nbytes, op=op)
 

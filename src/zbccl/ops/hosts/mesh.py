@@ -31,9 +31,12 @@ Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same or
    consumed everything of step ``s - 2``, the last user of slot parity ``s % 2`` at ``p``). In lockstep this
    already holds (step 3 of ``s - 1`` waited for it): no acknowledgement is ever written.
 2. For each peer ``p``: publish this member's bytes for ``p`` in slot ``(s % 2, me)`` of ``p``'s region as
-   above (complete on return: Mooncake over TCP v2 completes a write only once it landed).
-3. Wait until every peer's step ``s`` arrived here; the caller consumes the slots (views of this member's
-   own heap) before it starts step ``s + 1``.
+   above. A one-write step is started (``put_async``, from a staging buffer of ``p``'s) and left in flight
+   while the next peer's starts; the others complete on return (Mooncake over TCP v2 completes a write only
+   once it landed).
+3. Wait until every peer's step ``s`` arrived here and this member's writes of step ``s`` landed (so every
+   staging buffer is free again); the caller consumes the slots (views of this member's own heap) before it
+   starts step ``s + 1``.
 
 Waits poll this member's own memory (remote writes wake no futex), yielding for ``HOT`` seconds and then
 sleeping with back-off to 0.5 ms, and apply the liveness rule every ``liveness`` seconds: a member that left an op half-way (its ABORT line, read
@@ -51,8 +54,9 @@ import numpy as np
 import torch
 
 from ... import native
-from ...errors import ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
+from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ...heap import layout
+from ...heap.transports.base import DONE, Pending
 from ...native.abi import ABORT_PEER
 from ...runtime import liveness
 
@@ -187,7 +191,9 @@ class Mesh:
         self._out_addr = self._out.ctypes.data
         self._snap = np.zeros(STAMP // 8, dtype=np.uint64)  # a stamp as it was when checked
         self._snap_addr = self._snap.ctypes.data
-        self._stage: torch.Tensor | None = None  # a one-write step's stamp and bytes, contiguous
+        # per member: a one-write step's stamp and bytes, contiguous, and that write (in flight until done)
+        self._stage: list[torch.Tensor | None] = [None] * self.n
+        self._sent: list[Pending] = [DONE] * self.n
         # this member's own region, viewed once (it lives as long as the mesh: freed at close)
         self._own = self.t.view(self.me, self.regions[self.index], (region_bytes(self.n, slot),), torch.uint8,
                                 op="hosts")
@@ -251,13 +257,13 @@ class Mesh:
             if ordered:  # the bytes land (complete on return), then the stamp: no hash of the bytes
                 self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts], op=op)
                 self.t.put(g, slot, self._out_bytes, op=op)
-            else:  # stamp and bytes copied into one contiguous write: one slice, one round trip
-                stage = self._staging()
+            else:  # stamp and bytes copied into one contiguous write: one slice, one round trip, in flight
+                stage = self._staging(i)  # while the next peer's starts
                 for where, piece in parts:  # (the native copy: torch's would fan out to its threads)
                     self._copy(stage.data_ptr() + STAMP + where, piece.data_ptr(), piece.numel())
                 self._copy(stage.data_ptr(), self._out_addr, STAMP)
-                self.t.put(g, slot, stage[:STAMP + end], op=op)
-        self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
+                self._sent[i] = self.t.put_async(g, slot, stage[:STAMP + end], op=op)
+        self.wait([(i, s) for i in idx], op=op, timeout=timeout, sent=True)  # 3.
         return parity
 
     def seal(self, s: int, parts: Sequence[tuple[int, torch.Tensor]]) -> bool:
@@ -276,10 +282,28 @@ class Mesh:
         out[6] = check
         return ordered
 
-    def _staging(self) -> torch.Tensor:
-        if self._stage is None:
-            self._stage = torch.empty(STAMP + min(ORDERED, self.slot), dtype=torch.uint8)
-        return self._stage
+    def _staging(self, i: int) -> torch.Tensor:
+        """Member ``i``'s staging buffer (its last write landed: every step ends with its writes landed)."""
+        stage = self._stage[i]
+        if stage is None:
+            stage = self._stage[i] = torch.empty(STAMP + min(ORDERED, self.slot), dtype=torch.uint8)
+        return stage
+
+    def drain(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for writes left in flight by a step that raised, so that their buffers are not
+        freed under the engine; errors are the failed op's, already raised."""
+        end = time.monotonic() + seconds
+        for k, pending in enumerate(self._sent):
+            while True:
+                try:
+                    if pending.done():
+                        break
+                except ZbcclError:
+                    break
+                if time.monotonic() > end:
+                    return
+                time.sleep(1e-3)
+            self._sent[k] = DONE
 
     def _stamp(self, parity: int, i: int) -> np.ndarray:
         at = self._local(parity, i) - STAMP
@@ -319,21 +343,31 @@ class Mesh:
             return True
         return False
 
-    def wait(self, need: Sequence[tuple[int, int]], *, op: str, timeout: float) -> None:
-        """Until member ``i``'s step ``target`` arrived here for each ``(i, target)``; the liveness rule meanwhile."""
+    def wait(self, need: Sequence[tuple[int, int]], *, op: str, timeout: float, sent: bool = False) -> None:
+        """Until member ``i``'s step ``target`` arrived here for each ``(i, target)`` (and, with ``sent``, this
+        member's writes of the step landed); the liveness rule meanwhile."""
         start = time.monotonic()
         deadline, next_live, pause = start + timeout, start + self.watch.interval, 0.0
+        writes = self._sent
         while True:
             late = [(i, target) for i, target in need if not self._here(i, target)]
-            if not late:
+            flying = [i for i, w in enumerate(writes) if w is not DONE and not w.done()] if sent else []
+            if not late and not flying:
+                if sent:
+                    writes[:] = [DONE] * self.n
                 return
             now = time.monotonic()
             if now >= next_live or now >= deadline:
-                pending = [self.members[i] for i, _ in late]
+                pending = [self.members[i] for i, _ in late] + [self.members[i] for i in flying]
                 self.watch.check(self.members, pending, op)
                 next_live = now + self.watch.interval
             if now >= deadline:
                 label = self.watch.labels.get
+                if not late:  # every step arrived, this member's own write never landed
+                    names = [label(self.members[i], self.members[i]) for i in flying]
+                    raise ZbcclTimeoutError(
+                        f"{op}: timed out after {timeout:.1f}s waiting for this rank's write to ranks {names} to "
+                        f"land, expected the transport to complete it, got no completion", ranks=tuple(names))
                 names = [label(self.members[i], self.members[i]) for i, _ in late]
                 where = "; ".join(f"rank {label(self.members[i], self.members[i])} on "
                                   f"{self.watch.where(self.members[i])}" for i, _ in late)

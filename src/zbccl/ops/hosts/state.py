@@ -42,6 +42,9 @@ LINE0 = 16
 #: An offer in :meth:`HostOps.exchange`'s ``dests`` from a member that gets nothing over the direct threshold
 #: from that peer: no place needed (and none to write: a put there is out of bounds).
 NOTHING_BIG = -2
+#: Seconds :meth:`HostOps.close` waits for writes a failed step left in flight (Mooncake fails a stalled
+#: transfer within its own stall bound, 5 s).
+DRAIN_S = 6.0
 MAGIC = 0x7A62686F73740001  # "zbhost" + 1
 
 
@@ -183,7 +186,12 @@ class HostOps:
     def close(self) -> None:
         """Free the regions and end the host group (collectively at destroy; locally once finalized)."""
         local, self.local = self.local, None
-        if self.ctx.finalized or self.ctx.forked:
+        if self.ctx.forked:
+            return
+        for mesh in (getattr(self, "world", None), getattr(self, "col", None)):
+            if mesh is not None:  # writes a failed step left in flight read its staging buffers
+                mesh.drain(DRAIN_S)
+        if self.ctx.finalized:
             return
         for off in self._blocks:
             self.ctx.sma.free(off)

@@ -281,6 +281,19 @@ class MooncakeEngine:
                 self._e.transfer_sync_write(peer, locals_[0], remotes[0], sizes[0])
         return self._count(-1 if rc else 0, True, sum(sizes))
 
+    def submit_write(self, peer: str, local: int, remote: int, nbytes: int) -> int | None:
+        """Start one write (never blocks); its batch for :meth:`status`, or None when it was not submitted."""
+        batch = self._e.transfer_submit_write(peer, local, remote, nbytes)
+        return None if batch in _NO_BATCH else batch
+
+    def status(self, batch: int, nbytes: int) -> int:
+        """A submitted write's state (never blocks): 1 landed (counted), 0 in flight, ``_FAILED``. Mooncake frees
+        a batch once it reported it landed or failed: ask until then, never after."""
+        st = self._e.transfer_check_status(batch)
+        if st == 1:
+            self._count(0, True, nbytes)
+        return st if st in (0, 1) else _FAILED
+
     def _await(self, batches: list[int], nbytes: int, peer: str | None) -> int:
         """0 once every batch (one transfer each) completed; ``_UNSUBMITTED`` when one was not submitted;
         ``_FAILED`` when one failed; ``_GAVE_UP`` when :attr:`lost` (asked every ``_GIVE_UP_EVERY`` seconds

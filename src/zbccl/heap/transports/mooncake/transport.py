@@ -68,7 +68,7 @@ from ....errors import (
     ZbcclTimeoutError,
 )
 from ... import flags, layout
-from ..base import NativeHandle, Segment, SignalPad, Transport, _as_bytes
+from ..base import DONE, NativeHandle, Pending, Segment, SignalPad, Transport, _as_bytes
 from ..shm.mapping import prefault, tensor_at
 from .atomics import AtomicServer
 from .engine import MooncakeEngine, load, local_address
@@ -109,6 +109,7 @@ class MooncakeTransport(Transport):
         self._reply = 0
         self._ends: dict[int, list[int]] = {}  # rank -> data ends after each registration (own: exact)
         self._lock = threading.Lock()  # the scratch words
+        self._pending_lock = threading.Lock()  # polls of the writes put_async started (_Write.done)
         self._amo_lock = threading.Lock()
         self._amo_seq = 0
         self._prims = flags.primitives()
@@ -391,6 +392,24 @@ class MooncakeTransport(Transport):
             self._xfer(rank, True, base + off - offset, peer.data + off, length, op, "a write")
         self.bytes_put += n
 
+    def put_async(self, rank: int, offset: int, src, *, op: str = "put") -> Pending:
+        """One write submitted (TCP); the blocking :meth:`put` to this rank, over RDMA, across a growth boundary,
+        when staging is forced or when the submission fails. A failed write is retried by :meth:`put` when
+        polled (which asks the liveness monitor, as every put does)."""
+        data = _as_bytes(src)
+        n = data.numel()
+        self._check(rank, offset, n, op)
+        e = self.engine
+        if rank == self.rank or not n or e.transport == "rdma" or e.stage_all or len(self._pieces(rank, offset, n)) > 1:
+            self.put(rank, offset, data, op=op)
+            return DONE
+        batch = e.submit_write(self.peers[rank].sid, data.data_ptr(), self.peers[rank].data + offset, n)
+        if batch is None:
+            self.put(rank, offset, data, op=op)
+            return DONE
+        self.bytes_put += n
+        return _Write(self, rank, offset, data, batch, op)
+
     def put_many(self, rank: int, pieces, *, op: str = "put") -> None:
         """Every piece checked first, then every write in flight at once (the pieces land in no promised order).
         Over RDMA, or when staging is forced, each piece goes through :meth:`put` (its bounce buffer)."""
@@ -621,6 +640,30 @@ class MooncakeTransport(Transport):
 
     def native(self) -> NativeHandle:
         return self._native
+
+
+class _Write(Pending):
+    """A write in flight (:meth:`MooncakeTransport.put_async`)."""
+
+    __slots__ = ("_t", "_rank", "_offset", "_data", "_batch", "_op")
+
+    def __init__(self, t: MooncakeTransport, rank: int, offset: int, data: torch.Tensor, batch: int, op: str) -> None:
+        self._t, self._rank, self._offset, self._data, self._batch, self._op = t, rank, offset, data, batch, op
+
+    def done(self) -> bool:
+        if self._batch is None:
+            return True
+        with self._t._pending_lock:  # one asker at a time: Mooncake frees the batch once it answered
+            if self._batch is None:
+                return True
+            st = self._t.engine.status(self._batch, self._data.numel())
+            if st == 0:
+                return False
+            self._batch = None  # landed or failed: Mooncake freed the batch
+        if st != 1:  # a reset connection, or a lost peer: put retries while it answers, else raises naming it
+            self._t.bytes_put -= self._data.numel()
+            self._t.put(self._rank, self._offset, self._data, op=self._op)
+        return True
 
 
 class _MooncakeNative(NativeHandle):
