@@ -289,6 +289,11 @@ class Mesh:
             stage = self._stage[i] = torch.empty(STAMP + min(ORDERED, self.slot), dtype=torch.uint8)
         return stage
 
+    def track(self, i: int, write: Pending) -> None:
+        """Make ``write`` (to member ``i``, started by the caller) one that ``wait(sent=True)`` waits for. Only
+        between steps: a step's own writes are tracked the same way and waited for before it returns."""
+        self._sent[i] = write
+
     def drain(self, seconds: float) -> None:
         """Wait up to ``seconds`` for writes left in flight by a step that raised, so that their buffers are not
         freed under the engine; errors are the failed op's, already raised."""

@@ -288,17 +288,18 @@ class HostOps:
     def _direct(self, op: str, sends: list[torch.Tensor | None], late_out: list[int], heads: np.ndarray,
                 timeout: float, consume: Callable | None, parity: int, to_me: list[int], big: int) -> None:
         """The rest of :meth:`exchange` once every member offered a place: what came in the agreement step is
-        consumed, each late piece is put into its receiver's place (complete on return: landed), then a step
-        without bytes tells every peer that this rank's pieces landed."""
+        consumed, each late piece is put into its receiver's place (all in flight at once, until all landed),
+        then a step without bytes tells every peer that this rank's pieces landed."""
         mesh, n, me = self.world, self.n, self.me
         if consume is not None:
             consume([sends[me] if i == me else
                      (mesh.view(parity, i, to_me[i], at=self.hdr) if 0 < to_me[i] <= big else None)
                      for i in range(n)], [0] * n)
-        for i in range(n):
+        for i in range(n):  # every piece in flight at once, then all landed
             if late_out[i]:
-                self.t.put(self.comm.ranks[i], int(heads[i, F.DEST]), sends[i], op=op)
+                mesh.track(i, self.t.put_async(self.comm.ranks[i], int(heads[i, F.DEST]), sends[i], op=op))
                 self.direct_bytes += sends[i].numel()
+        mesh.wait([], op=op, timeout=timeout, sent=True)
         mesh.step([None] * n, op=op, timeout=timeout)
 
     def _agree(self, op: str, heads: np.ndarray, same: Sequence[int], same_vec: bool, pairwise: bool,
