@@ -63,6 +63,11 @@ def _payload(src: int, n: int, salt: int = 0) -> torch.Tensor:
     return ((torch.arange(n, dtype=torch.int64) * 7 + 131 * src + salt) % 251).to(torch.uint8)
 
 
+def _sealed(mesh) -> torch.Tensor:
+    """The stamp ``mesh.seal`` filled last, as bytes."""
+    return torch.from_numpy(mesh._out.view(np.uint8))
+
+
 def _slot(memory, owner: int, parity: int, src: int) -> torch.Tensor:
     at = REGION + (parity * 2 + src) * (STAMP + SLOT)
     return memory.heaps[owner][at:at + STAMP + SLOT]
@@ -74,7 +79,7 @@ def test_a_step_is_seen_only_once_every_byte_it_covers_landed():
     data = _payload(0, 3000)
     assert not m0.seal(1, [(0, data[:1000]), (1000, data[1000:])])  # mode 0: the check covers the bytes
     slot = _slot(memory, 1, 1, 0)
-    slot[:STAMP].copy_(m0._out_bytes)  # the stamp landed first, no byte yet
+    slot[:STAMP].copy_(_sealed(m0))  # the stamp landed first, no byte yet
     assert not m1._here(0, 1)
     slot[STAMP:STAMP + 1500].copy_(data[:1500])  # half the bytes
     assert not m1._here(0, 1)
@@ -91,14 +96,14 @@ def test_a_torn_or_stale_stamp_never_passes():
     data = _payload(0, 2048)
     slot = _slot(memory, 1, 1, 0)
     m0.seal(1, [(0, data)])
-    good = m0._out_bytes.clone()
+    good = _sealed(m0).clone()
     slot[STAMP:STAMP + 2048].copy_(data)
     torn = good.clone()
     torn[16:24] = 0  # the step word landed, the first length word not yet
     slot[:STAMP].copy_(torn)
     assert not m1._here(0, 1)
     m0.seal(3, [(0, data)])  # a stamp of another step over the same bytes
-    slot[:STAMP].copy_(m0._out_bytes)
+    slot[:STAMP].copy_(_sealed(m0))
     assert not m1._here(0, 1)
     slot[:STAMP].copy_(good)
     assert m1._here(0, 1)
@@ -112,8 +117,11 @@ def test_an_ordered_step_checks_its_stamp_only():
     assert int(m0._out[5]) == 1
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["one-write", "ordered"])
 @pytest.mark.parametrize("nbytes", [0, 8, 3000, SLOT - 256])
-def test_steps_between_two_meshes_deliver_every_byte(nbytes):
+def test_steps_between_two_meshes_deliver_every_byte(nbytes, ordered, monkeypatch):
+    if ordered:  # every step with bytes writes them, then (once they landed) its stamp
+        monkeypatch.setattr(mesh_mod, "ORDERED", 0)
     memory = _Memory()
     meshes = _meshes(memory)
     got = {}

@@ -56,7 +56,7 @@ import torch
 from ... import native
 from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ...heap import layout
-from ...heap.transports.base import DONE, Pending
+from ...heap.transports.base import Pending
 from ...native.abi import ABORT_PEER
 from ...runtime import liveness
 
@@ -188,13 +188,13 @@ class Mesh:
         self.got = [0] * self.n  # the last step verified from each stamped member
         self._hash, self._copy = native.core().hash64, native.core().memcpy
         self._out = np.zeros(STAMP // 8, dtype=np.uint64)  # the stamp being sent (one peer at a time)
-        self._out_bytes = torch.from_numpy(self._out.view(np.uint8))
         self._out_addr = self._out.ctypes.data
         self._snap = np.zeros(STAMP // 8, dtype=np.uint64)  # a stamp as it was when checked
         self._snap_addr = self._snap.ctypes.data
-        # per member: a one-write step's stamp and bytes, contiguous, and that write (in flight until done)
+        # per member: its staging buffer (a step's stamp, and its bytes when they go in one write); the writes in
+        # flight, (member, write), until they say done
         self._stage: list[torch.Tensor | None] = [None] * self.n
-        self._sent: list[Pending] = [DONE] * self.n
+        self._sent: list[tuple[int, Pending]] = []
         # this member's own region, viewed once (it lives as long as the mesh: freed at close)
         self._own = self.t.view(self.me, self.regions[self.index], (region_bytes(self.n, slot),), torch.uint8,
                                 op="hosts")
@@ -239,6 +239,7 @@ class Mesh:
         if s > 1 and not all(self.got[i] >= s - 1 for i in idx):  # 1. (holds already in lockstep)
             self.wait([(i, s - 1) for i in idx], op=op, timeout=timeout)
         me_line = self._arrived(self.index)
+        stamps: list[tuple[int, int, int, torch.Tensor]] = []  # ordered steps: their stamps, sent last
         for i in idx:  # 2.
             g = self.members[i]
             parts = []
@@ -255,15 +256,20 @@ class Mesh:
                 continue
             end = max((where + p.numel() for where, p in parts), default=0)
             ordered = self.seal(s, parts)
-            if ordered:  # the bytes land (complete on return), then the stamp: no hash of the bytes
-                self.t.put_many(g, [(slot + STAMP + where, piece) for where, piece in parts], op=op)
-                self.t.put(g, slot, self._out_bytes, op=op)
-            else:  # stamp and bytes copied into one contiguous write: one slice, one round trip, in flight
-                stage = self._staging(i)  # while the next peer's starts
+            stage = self._staging(i)  # (free: every step ends with its writes landed)
+            self._copy(stage.data_ptr(), self._out_addr, STAMP)
+            if ordered:  # the bytes, uncopied, then (once every peer's landed) the stamp: no hash of the bytes
+                for where, piece in parts:
+                    self._sent.append((i, self.t.put_async(g, slot + STAMP + where, piece, op=op)))
+                stamps.append((i, g, slot, stage))
+            else:  # stamp and bytes copied into one contiguous write: one slice, one round trip
                 for where, piece in parts:  # (the native copy: torch's would fan out to its threads)
                     self._copy(stage.data_ptr() + STAMP + where, piece.data_ptr(), piece.numel())
-                self._copy(stage.data_ptr(), self._out_addr, STAMP)
-                self._sent[i] = self.t.put_async(g, slot, stage[:STAMP + end], op=op)
+                self._sent.append((i, self.t.put_async(g, slot, stage[:STAMP + end], op=op)))
+        if stamps:  # every write of this step is in flight at once: one round trip for all peers, not one each
+            self.wait([], op=op, timeout=timeout, sent=True)
+            for i, g, slot, stage in stamps:
+                self._sent.append((i, self.t.put_async(g, slot, stage[:STAMP], op=op)))
         self.wait([(i, s) for i in idx], op=op, timeout=timeout, sent=True)  # 3.
         return parity
 
@@ -293,23 +299,23 @@ class Mesh:
     def track(self, i: int, write: Pending) -> None:
         """Make ``write`` (to member ``i``, started by the caller) one that ``wait(sent=True)`` waits for. Only
         between steps: a step's own writes are tracked the same way and waited for before it returns."""
-        self._sent[i] = write
+        self._sent.append((i, write))
 
     def drain(self, seconds: float) -> None:
         """Wait up to ``seconds`` for writes left in flight by a step that raised, so that their buffers are not
         freed under the engine; errors are the failed op's, already raised."""
         end = time.monotonic() + seconds
-        for k, pending in enumerate(self._sent):
-            while True:
-                try:
-                    if pending.done():
-                        break
-                except ZbcclError:
-                    break
-                if time.monotonic() > end:
-                    return
-                time.sleep(1e-3)
-            self._sent[k] = DONE
+        while self._sent:
+            try:
+                if self._sent[-1][1].done():
+                    self._sent.pop()
+                    continue
+            except ZbcclError:
+                self._sent.pop()
+                continue
+            if time.monotonic() > end:
+                return
+            time.sleep(1e-3)
 
     def _stamp(self, parity: int, i: int) -> np.ndarray:
         at = self._local(parity, i) - STAMP
@@ -357,10 +363,10 @@ class Mesh:
         writes = self._sent
         while True:
             late = [(i, target) for i, target in need if not self._here(i, target)]
-            flying = [i for i, w in enumerate(writes) if w is not DONE and not w.done()] if sent else []
+            flying = sorted({i for i, w in writes if not w.done()}) if sent else []
             if not late and not flying:
                 if sent:
-                    writes[:] = [DONE] * self.n
+                    writes.clear()
                 return
             now = time.monotonic()
             if now >= next_live or now >= deadline:
