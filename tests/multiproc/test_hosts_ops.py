@@ -258,7 +258,7 @@ def _direct(ctx, hosts: list[int]) -> str:
         zbccl.finalize()
 
 
-@pytest.mark.parametrize("hosts", [[0, 1], [0, 0, 1, 1]], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("hosts", [[0, 1], [0, 0, 1, 1], [0, 1, 2]], ids=["2x1", "2x2", "3x1"])
 def test_direct_puts_into_outputs(hosts):
     assert run_world(_direct, len(hosts), hosts=hosts, timeout=240) == ["ok"] * len(hosts)
 

@@ -282,8 +282,8 @@ HOSTS_HIER_MIN = 64 << 10
 #: Bytes over which a member's piece of an all_gather, all_to_all or broadcast across hosts is put straight into
 #: its receiver's output (its heap offset comes in the agreement step's header), and a reduce_scatter's into a
 #: heap scratch of its receiver, instead of through the slots: two round trips more (the piece waits for the
-#: header, a step publishes it), no staging copy, no copy out, no chunk-by-chunk lockstep. A flat all_reduce
-#: whose slices are over one chunk runs as such a reduce_scatter, then such an all_gather (``hosts.flat.split``).
+#: header, a step publishes it), no staging copy, no copy out, no chunk-by-chunk lockstep. A large flat
+#: all_reduce runs as such a reduce_scatter, then such an all_gather (``hosts.flat.split``).
 HOSTS_DIRECT_MIN = 1 << 20
 
 
