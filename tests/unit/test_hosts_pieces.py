@@ -67,3 +67,5 @@ def test_tuner_inter_host_choices():
     assert not hosts_hierarchical("all_reduce", 1 << 20, 2, 2, False)  # irregular: flat
     assert not hosts_hierarchical("all_reduce", 4096, 2, 2, True)  # small: one flat step
     assert not hosts_hierarchical("reduce_scatter", 1 << 20, 2, 2, True)
+    assert not hosts_hierarchical("all_gather", 1 << 20, 2, 2, True)  # three rounds: flat wins below 2 MiB
+    assert hosts_hierarchical("all_gather", 4 << 20, 2, 2, True)

@@ -160,9 +160,10 @@ def _split_all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: i
 
 
 def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int], d: int,
-           shapes: list[tuple], error: str | None, secs: float, *, data: bool = True) -> None:
+           shapes: list[tuple], error: str | None, secs: float, *, data: bool = True) -> list:
     """all_gather(_v) along dim ``d``: member ``i`` gives ``counts[i]`` elements (its input, shaped ``shapes[i]``).
-    ``data`` False: the agreement step only (the hierarchical algorithm's)."""
+    ``data`` False: the agreement step only (the hierarchical algorithm's), whose headers (returned) offer
+    the heap offset of every member's place in this rank's output when it lies in the heap."""
     n, ok = h.n, error is None
     src = _bytes(input.contiguous()) if ok and data else None
     isz = input.element_size() if ok else 1
@@ -171,6 +172,9 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
     if ok and data:
         whole = output if d == 0 and output.is_contiguous() else None
         buf, dests = landing(h, whole, sum(counts), output.dtype, [c * isz for c in counts], offs)
+    elif ok:
+        base = h.ctx.heap.offset_of(output) if output.is_contiguous() else -1
+        dests = [base + offs[i] if base >= 0 else -1 for i in range(n)]
     outb = _bytes(buf) if buf is not None else None
 
     def consume(got: list, at: list[int]) -> None:
@@ -179,17 +183,17 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
                 # (in place, this rank's slice is its input already: copy skips it)
                 copy(outb[offs[i] + at[i]:offs[i] + at[i] + g.numel()], g)
 
-    h.exchange(op, OP_ALL_GATHER, {F.DTYPE: dt, F.AUX: d}, counts if ok else [], error, [src] * n,
-               consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True,
-               dests=dests if data else None)
+    heads = h.exchange(op, OP_ALL_GATHER, {F.DTYPE: dt, F.AUX: d}, counts if ok else [], error, [src] * n,
+                       consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True, dests=dests)
     if not data or output.numel() == 0:  # nothing arrived (along ``d`` too: the other dims may be empty)
-        return
+        return heads
     if d:
         flat = buf.view(-1)
         parts = [flat[offs[i] // isz:offs[i] // isz + counts[i]].view(shapes[i]) for i in range(n)]
         output.copy_(torch.cat(parts, d))
     elif buf.data_ptr() != output.data_ptr():
         output.copy_(buf.view(output.shape))
+    return heads
 
 
 def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, red: int,

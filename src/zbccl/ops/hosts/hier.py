@@ -30,7 +30,7 @@ import torch
 
 from ..dtypes import AVG, MAX, MIN, PROD, SUM
 from . import flat as flat_ops
-from .state import HostOps
+from .state import F, HostOps
 
 __all__ = ["all_reduce", "all_gather"]
 
@@ -104,8 +104,11 @@ def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     pieces (the shm phase stages at most ``SEGMENT_CHUNKS`` chunks)."""
     from ..exchange import all_gather_v
 
-    flat_ops.gather(h, op, output, input, dt, counts, 0, [], None, secs, data=False)
+    heads = flat_ops.gather(h, op, output, input, dt, counts, 0, [], None, secs, data=False)
     src = flat_ops._bytes(input.contiguous())
+    if all(int(x[F.READY]) for x in heads):  # every output in its owner's heap: no slot, no scratch, no reorder
+        _direct_gather(h, op, output, src, heads, secs)
+        return
     nbytes, H, L = src.numel(), h.H, h.L
     out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
     outb = flat_ops._bytes(out).view(h.n, nbytes)
@@ -122,3 +125,27 @@ def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
                 flat_ops.copy(outb[i, lo:lo + m], blocks[li, hi])
     if out is not output:
         output.copy_(out)
+
+
+def _direct_gather(h: HostOps, op: str, output: torch.Tensor, src: torch.Tensor, heads: list, secs: float) -> None:
+    """The hierarchical all_gather when every member's output lies in its heap (``heads``: the agreement's, each
+    member's header offering the place of this rank's piece in its output): this rank's piece is put straight
+    into the output of each column peer (one put per other host, all in flight at once; a step publishes them);
+    then the column's H pieces, now in this rank's output, are put into the output of each rank of this host
+    (copies in shared memory) at their places, and a barrier of the host's ranks ends the op. Inter-host bytes
+    as the other hierarchical all_gather: this rank's piece once to each other host."""
+    col, me, m = h.col, h.me, src.numel()
+    outb = flat_ops._bytes(output)
+    flat_ops.copy(outb[me * m:(me + 1) * m], src)  # (in place: the same memory, nothing copied)
+    for j, i in enumerate(h.column):
+        if i != me and m:
+            col.track(j, h.t.put_async(h.comm.ranks[i], int(heads[i][F.DEST]), src, op=op))
+    col.wait([], op=op, timeout=secs, sent=True)
+    col.step([None] * col.n, op=op, timeout=secs)  # every column peer's piece is in this rank's output
+    for peer in h.hosts[h.host_of[me]]:
+        if peer == me or not m:
+            continue
+        base = int(heads[peer][F.DEST]) - me * m  # that rank's output
+        for i in h.column:
+            h.t.put(h.comm.ranks[peer], base + i * m, outb[i * m:(i + 1) * m], op=op)
+    h.local.barrier(timeout=secs)  # every rank of this host put its column's pieces here
