@@ -1,7 +1,7 @@
 """A mesh: every member writes to every other member through the transport verbs, in steps.
 
 The one data-moving primitive of the collectives across hosts. It uses only the verbs every
-transport has (put, put_many, signal, load), so a member may sit on another host (mooncake) or on this one
+transport has (put, put_async, signal, load), so a member may sit on another host (mooncake) or on this one
 (shm); nothing of a peer is ever viewed.
 
 Memory: each member owns a **region** in its heap (announced through the store at setup, zeroed by its
@@ -31,9 +31,10 @@ Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same or
    consumed everything of step ``s - 2``, the last user of slot parity ``s % 2`` at ``p``). In lockstep this
    already holds (step 3 of ``s - 1`` waited for it): no acknowledgement is ever written.
 2. For each peer ``p``: publish this member's bytes for ``p`` in slot ``(s % 2, me)`` of ``p``'s region as
-   above. A one-write step is started (``put_async``, from a staging buffer of ``p``'s) and left in flight
-   while the next peer's starts; the others complete on return (Mooncake over TCP v2 completes a write only
-   once it landed).
+   above. Every write to a peer on another host is started (``put_async``) and left in flight while the next
+   peer's start: a one-write step's from a staging buffer of ``p``'s; an ordered step's bytes uncopied, and
+   its stamp (from that staging buffer) once every peer's bytes landed (Mooncake over TCP v2 completes a
+   write only once it landed).
 3. Wait until every peer's step ``s`` arrived here and this member's writes of step ``s`` landed (so every
    staging buffer is free again); the caller consumes the slots (views of this member's own heap) before it
    starts step ``s + 1``.
@@ -370,7 +371,7 @@ class Mesh:
                 return
             now = time.monotonic()
             if now >= next_live or now >= deadline:
-                pending = [self.members[i] for i, _ in late] + [self.members[i] for i in flying]
+                pending = list(dict.fromkeys([self.members[i] for i, _ in late] + [self.members[i] for i in flying]))
                 self.watch.check(self.members, pending, op)
                 next_live = now + self.watch.interval
             if now >= deadline:
