@@ -196,6 +196,7 @@ def _direct(ctx, hosts: list[int]) -> str:
     for the others), mixed with small pieces through the slots; with no room for a scratch on one rank, every
     rank takes the slots instead. Counted by ``HostOps.direct_bytes``."""
     import zbccl
+    from zbccl.errors import ZbcclInvalidUsageError
 
     comm = _init(ctx, hosts, heap_size=16 << 20, heap_max=16 << 20)  # no growth: a full heap stays full
     W, me = comm.world_size, comm.rank
@@ -242,6 +243,12 @@ def _direct(ctx, hosts: list[int]) -> str:
         zbccl.reduce_scatter_tensor(o, y)
         assert torch.equal(o, reduce_ref([f(q, m, torch.bfloat16, salt=me) for q in range(W)], SUM))
         assert h.direct_bytes - before == (W - 1) * 2 * m
+        # sizes that disagree, one rank splitting its all_reduce and the other not: every rank raises the same error
+        with pytest.raises(ZbcclInvalidUsageError, match="disagree on the size"):
+            zbccl.all_reduce(torch.ones(3 * big if me == 0 else big // 8))
+        skew = [n + 1, n - 1] + [n] * (W - 2) if me == 0 else [n] * W  # rank 0 sends rank 1 one row too few
+        with pytest.raises(ZbcclInvalidUsageError, match="splits disagree"):  # pieces big enough to go direct
+            zbccl.all_to_all_single(zbccl.empty((W * n,)), torch.ones(W * n), [n] * W, skew)
         # no room for a scratch on rank 0: every rank sends the big pieces through the slots, one step late (4 MiB
         # are left there, less than the scratch the output outside the heap needs)
         filler = zbccl.empty(((zbccl.memory_stats()["free_bytes"] - (4 << 20)) // 2,), dtype=torch.int16) \

@@ -3,6 +3,7 @@ its stamp and every byte it covers have landed, in whatever order the engine del
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -146,3 +147,32 @@ def test_steps_between_two_meshes_deliver_every_byte(nbytes, ordered, monkeypatc
 def test_the_region_holds_two_parities_of_stamped_slots():
     assert region_bytes(3, 1000) == 2 * 3 * (STAMP + 1000)
     assert mesh_mod.STAMP % 64 == 0
+
+
+def test_drain_waits_for_writes_left_in_flight_and_gives_up_in_time():
+    """``Mesh.drain`` (``HostOps.close``): writes a failed step left in flight are polled until they land, a
+    failing one is dropped (its error was the op's), one that never lands is left after the bound."""
+    from zbccl.errors import ZbcclRemoteError
+
+    class _After(Pending):
+        def __init__(self, polls, fail=False):
+            self.polls, self.fail = polls, fail
+
+        def done(self):
+            self.polls -= 1
+            if self.polls > 0:
+                return False
+            if self.fail:
+                raise ZbcclRemoteError("lost", ranks=(1,))
+            return True
+
+    m0, _ = _meshes(_Memory())
+    m0.track(1, _After(3))
+    m0.track(1, _After(2, fail=True))
+    m0.drain(5.0)
+    assert m0._sent == []
+    never = _After(1 << 30)
+    m0.track(1, never)
+    t = time.monotonic()
+    m0.drain(0.05)
+    assert time.monotonic() - t < 2.0 and m0._sent == [(1, never)]
