@@ -4,15 +4,19 @@ all_reduce of N elements, after the agreement step (header only, on the world me
 
 1. intra-host ``reduce_scatter_v`` over the host group (the zero-buffer shm op): local index l gets the
    host's reduction of slice l (``N/L`` elements, the first ``N % L`` slices one longer);
-2. inter-host all_reduce of that slice among the H members of local index l (the column mesh: put +
-   signal per peer per chunk, reduced in host order);
+2. inter-host all_reduce of that slice among the H members of local index l (the column mesh: one
+   stamped step per chunk, reduced in host order);
 3. intra-host ``all_gather_v`` of the slices into the tensor.
 
 Inter-host bytes: each rank sends ``(H-1) N/L``, a host ``(H-1) N`` (the flat exchange: ``L (n-L) N``
 per host; a flat ring ``2 (n-1)/n N`` per rank, ``2 L (n-1)/n N`` per host).
 
 all_gather of N_in per rank: each rank's piece crosses to its column peers (``(H-1) N_in`` per rank: once
-per host pair), then an intra-host all_gather of the L blocks of H pieces, reordered into member order.
+per host pair). When every member's output lies in its heap, the piece is put straight into the column
+peers' outputs, then each rank puts its column's H pieces into the outputs of its host's ranks (shm) and
+the host's ranks meet in a barrier (:func:`_direct_gather`); otherwise the pieces go through the column
+mesh's slots into a heap block, an intra-host all_gather of the L blocks of H pieces follows, reordered
+into member order.
 
 Reduction order: within a host in local order (fp32 accumulation for bf16/fp16, rounded once), then
 across hosts in host order (rounded again): integers and exactly representable values are bit-equal to
