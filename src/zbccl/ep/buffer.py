@@ -127,7 +127,9 @@ class Buffer:
         self.layout_memo = None
         self._ll = low_latency.LowLatencyState()
         self.ex.drop_reused()
-        self.ex = self.wire = None  # the wire's inbox, aux and held blocks go back to the heap with it
+        if self.wire is not None:
+            self.wire.close()
+        self.ex = self.wire = None  # the wire's region, aux and held blocks go back to the heap with it
         self.comm.destroy()
 
     @property

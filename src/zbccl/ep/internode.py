@@ -7,10 +7,12 @@ Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``). **Dispatch**:
    routing mask over h's local ranks, top-k ids, top-k weights, scales, x]`` (:class:`Rows`);
    its header carries the tokens per destination rank, and per host the row count and the part's
    offset;
-2. header round: every rank knows every count, so every receiver sizes its outputs exactly;
-3. the **forwarder** of sender ``s`` on host ``h`` (``HostWire.forwarder``: the rank of ``h`` with
-   ``s``'s local index) reads ``s``'s part for ``h`` in one transfer into its heap staging, then
-   posts ``FORWARD``: a token bound for several ranks of one host crosses the network once;
+2. header round: every rank knows every count, so every receiver sizes its outputs exactly. A part
+   for another host of up to the eager limit rides in the round, to that host's **forwarder** of the
+   sender (``HostWire.forwarder``: the rank of ``h`` with ``s``'s local index);
+3. the forwarder of sender ``s`` on host ``h`` leaves an eager part in its slot, or reads a larger one
+   in one transfer into its heap staging, then posts where each lies and ``FORWARD``: a token bound for
+   several ranks of one host crosses the network once;
 4. each receiver copies, by source rank then token, the rows whose mask names it: a source of its
    own host straight from that sender's send block, a remote one from the local forwarder's staging
    (through shm views);
@@ -120,13 +122,15 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
                    F.SDTYPE: CODES[scales.dtype] if scales is not None else 0})
     if scales is not None and x.dtype == torch.float8_e4m3fn:
         fields[F.FLAGS] |= FLAG_FP8
-    vector = [int(c) for c in counts.tolist()] + _pack_block(buf, layout, per_host, x, scales, idx, wts, keep)
+    parts: list = [None] * R
+    vector = [int(c) for c in counts.tolist()] + _pack_block(buf, layout, per_host, x, scales, idx, wts, keep, parts)
     return {"in_rank": in_rank, "per_host": per_host, "rows": layout, "H": H, "out_dtype": x.dtype,
-            "cached": handle is not None, "extra": extra, "vector": vector}
+            "cached": handle is not None, "extra": extra, "vector": vector, "parts": parts}
 
 
-def _pack_block(buf, layout: Rows, per_host: list, x, scales, idx, wts, keep: list) -> list[int]:
-    """Fill one heap send block with each host's part; returns ``[rows, offset]`` per host for the header."""
+def _pack_block(buf, layout: Rows, per_host: list, x, scales, idx, wts, keep: list, parts: list) -> list[int]:
+    """Fill one heap send block with each host's part; returns ``[rows, offset]`` per host for the header, and
+    puts each other host's part of up to the eager limit in ``parts`` (at that host's forwarder of this rank)."""
     w = buf.wire
     n_all = sum(t.numel() for t, _ in per_host)
     block = w.heap_block(n_all * layout.nbytes, "send block")
@@ -140,6 +144,8 @@ def _pack_block(buf, layout: Rows, per_host: list, x, scales, idx, wts, keep: li
             torch.index_select(full, 0, toks, out=part)
             part.view(torch.int64)[:, 1] = masks
         out += [n, base + at]
+        if n and h != w.my_host and n * layout.nbytes <= w.eager:
+            parts[w.forwarder(w.me, h)] = block[at:at + n * layout.nbytes]
         key = "nvl_bytes" if h == w.my_host else "rdma_send_bytes"
         w.stats[key] += n * layout.nbytes
         at += n * layout.nbytes
@@ -160,20 +166,28 @@ def _matrix(rows: torch.Tensor, R: int, H: int) -> tuple[torch.Tensor, list[list
 
 
 def _forward(buf, layout: Rows, unions, offs, header_round: int, keep: list) -> dict[int, torch.Tensor]:
-    """The forwarder's part: read each remote sender's rows for this host (one transfer each) into heap
-    staging, then post ``FORWARD``; returns the staged rows per sender (group rank -> ``[n, nbytes]``)."""
+    """The forwarder's part: each remote sender's rows for this host, in this rank's slot (eager) or read (one
+    transfer each) into heap staging, then post where they lie and ``FORWARD``; returns the rows per sender
+    (group rank -> ``[n, nbytes]``)."""
     w, me, h = buf.wire, buf.wire.me, buf.wire.my_host
     srcs = [s for s in range(w.R) if w.host_of[s] != h and w.forwarder(s, h) == me and unions[s][h] > 0]
     total = sum(unions[s][h] for s in srcs) * layout.nbytes
-    try:
-        staging = w.heap_block(total, "forwarding staging")
-    except Fail:
-        w.post_forward(header_round, {}, STATUS_NOMEM)
-        raise
-    keep.append(staging)
     staged, where, at = {}, {}, 0
+    for s in srcs:
+        nbytes = unions[s][h] * layout.nbytes
+        if nbytes <= w.eager:
+            staged[s], where[s] = w.part(s, nbytes).view(-1, layout.nbytes), w.part_offset(s)
+    late = [s for s in srcs if s not in staged]
+    staging = None
+    if late:
+        try:
+            staging = w.heap_block(sum(unions[s][h] for s in late) * layout.nbytes, "forwarding staging")
+        except Fail:
+            w.post_forward(header_round, {}, STATUS_NOMEM)
+            raise
+        keep.append(staging)
     try:
-        for s in srcs:
+        for s in late:
             nbytes = unions[s][h] * layout.nbytes
             part = staging[at:at + nbytes]
             w.read(s, offs[s][h], nbytes, "dispatch", out=part)
@@ -189,8 +203,10 @@ def _forward(buf, layout: Rows, unions, offs, header_round: int, keep: list) -> 
     return staged
 
 
-def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round: int) -> torch.Tensor:
-    """This rank's received rows ``[num_recv, nbytes]``, by source rank then token."""
+def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round: int) -> list:
+    """This rank's received rows, by source rank then token: per source with rows for it, ``(block [n, nbytes]
+    (a view of the sender's send block, or of the forwarder's slot or staging), the indices of the rows whose mask
+    names this rank (None: all of them), their count)``."""
     w, me, h = buf.wire, buf.wire.me, buf.wire.my_host
     bit = w.local_index[me]
     need = sorted({w.forwarder(s, h) for s in range(w.R) if w.host_of[s] != h and int(counts[s, me]) > 0})
@@ -208,42 +224,58 @@ def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round
             off = aux[owner][AUX_OFFS + s]
         blk = w.view(owner, off, n * layout.nbytes, "dispatch").view(n, layout.nbytes)
         sel = (blk.view(torch.int64)[:, 1] >> bit) & 1
-        got = blk[sel.bool()]
-        if got.size(0) != want:
+        got = int(sel.sum())
+        if got != want:
             raise ZbcclRemoteError(f"dispatch: rank {s}'s rows disagree with its header, expected {want} rows for rank "
-                                   f"{me}, got {got.size(0)}", ranks=(s,))
-        parts.append(got)
-    out = torch.cat(parts) if parts else torch.zeros(0, layout.nbytes, dtype=torch.uint8)
-    w.moved += out.numel()
-    return out
+                                   f"{me}, got {got}", ranks=(s,))
+        parts.append((blk, None if got == n else sel.nonzero().flatten(), want))
+        w.moved += want * layout.nbytes
+    return parts
 
 
-def _outputs(buf, rl: list, layout: Rows, got: torch.Tensor, loc: dict) -> dict:
-    """Split the received rows into exact-size outputs (``num_worst_tokens`` rows when asked)."""
+def _gather(parts: list, at: int, width: int, dst: torch.Tensor) -> None:
+    """Bytes ``[at, at + width)`` of every part's rows (:func:`_receive`), in order, into ``dst`` (uint8 ``[n,
+    width]``): one copy, straight out of the blocks."""
+    row = 0
+    for blk, sel, want in parts:
+        src, piece = blk[:, at:at + width], dst[row:row + want]
+        if sel is None:
+            piece.copy_(src)
+        else:
+            torch.index_select(src, 0, sel, out=piece)
+        row += want
+
+
+def _outputs(buf, rl: list, layout: Rows, parts: list, loc: dict) -> dict:
+    """The received rows into exact-size outputs (``num_worst_tokens`` rows when asked)."""
     w, me = buf.wire, buf.wire.me
     h = rl[me]
-    n, K, H = got.size(0), h[F.K], loc["H"]
+    n, K, H = sum(p[2] for p in parts), h[F.K], loc["H"]
     total = h[F.WORST] or n
     x_dtype = CODE_DTYPES[h[F.DTYPE]]
     out = {"x": w.reuse("recv_x", [((total, H), x_dtype)])[0]}
-    out["x"][:n].view(torch.uint8).view(n, layout.xrow).copy_(layout.column(got, layout.x, layout.xrow))
+    _gather(parts, layout.x, layout.xrow, out["x"][:n].view(torch.uint8).view(n, layout.xrow))
     if h[F.SROW]:
         s = torch.empty(total, h[F.SROW] // 4, dtype=CODE_DTYPES[h[F.SDTYPE]])
-        s[:n].view(torch.uint8).view(n, h[F.SROW]).copy_(layout.column(got, layout.s, h[F.SROW]))
+        _gather(parts, layout.s, h[F.SROW], s[:n].view(torch.uint8).view(n, h[F.SROW]))
         out["s"] = s
     if K:
         L = h[F.E] // w.R
         i, wt = w.reuse("recv_topk", [((total, K), torch.int64), ((total, K), torch.float32)])
-        raw = layout.column(got, layout.idx, 8 * K).contiguous().view(torch.int64).view(n, K)
+        raw = torch.empty(n, K, dtype=torch.int64)
+        _gather(parts, layout.idx, 8 * K, raw.view(torch.uint8).view(n, 8 * K))
+        ws = torch.empty(n, K, dtype=torch.float32)
+        _gather(parts, layout.w, 4 * K, ws.view(torch.uint8).view(n, 4 * K))
         local = (raw >= me * L) & (raw < (me + 1) * L)
         i[:n] = torch.where(local, raw - me * L, torch.full_like(raw, -1))
-        ws = layout.column(got, layout.w, 4 * K).contiguous().view(torch.float32).view(n, K)
         wt[:n] = torch.where(local, ws, torch.zeros(()))
         i[n:], wt[n:] = -1, 0.0
         out["i"], out["w"] = i, wt
         out["per_expert"] = torch.bincount(i[:n][i[:n] >= 0], minlength=L).tolist()
+    raw_src = torch.empty(n, dtype=torch.int64)
+    _gather(parts, 0, 8, raw_src.view(torch.uint8).view(n, 8))
     src = torch.full((total,), -1, dtype=torch.int32)
-    src[:n] = layout.column(got, 0, 8).contiguous().view(torch.int64).flatten().to(torch.int32)
+    src[:n] = raw_src
     out["src_idx"] = src
     return out
 
@@ -258,7 +290,7 @@ def dispatch(buf, a: dict):
         loc = _prepare(buf, a, fields, keep)
     except Fail as exc:
         fail = exc
-    rows = w.publish("dispatch", fields, loc["vector"] if loc else [], fail)
+    rows = w.publish("dispatch", fields, loc["vector"] if loc else [], fail, loc["parts"] if loc else None)
     header_round = w.round
     rl = rows.tolist()
     w.agree("dispatch", rl, ((F.OP, "the op"), (F.FLAGS, "the mode (cached, fp8, top-k)"), (F.E, "num_experts"),

@@ -2,84 +2,117 @@
 
 Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``): after the header round (each rank's ``x``
 and weights, in its heap), each forwarder sums in fp32, for every token it forwarded in the dispatch,
-the rows its host's ranks hold for that token (in rank order, read through shm views), stages the sums
-in the input's dtype (the weights' in fp32), and pushes each sender the offset and ``FORWARDED[f]``;
-each sender sums its own host's rows the same way, waits for its forwarders, reads each host's sums in
-one transfer, and adds the per-host sums in host order, then the biases. A barrier of this host's ranks
-ends the op (they read ``x`` in place); the staged sums live until the next op's header round.
+the rows its host's ranks hold for that token (in rank order, read through shm views) and stages the
+sums in the input's dtype (the weights' in fp32) behind a ``[status, offset]`` word pair; a second
+round carries each sender its pair and, up to the eager limit, the sums themselves (else ``offset``
+says where the sender reads them). Each sender sums its own host's rows the same way, then, in fp32, the
+biases and every host's sums in host order (each rounded to ``x``'s dtype, as a remote host's are when
+they cross), rounded once into the output; the sums are the native ``ep_combine`` kernel's. The second round also ends this host's reads of ``x``
+(every rank read what it needed before it entered it); the staged sums live until the next op's header
+round.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
 from ..native.abi import EP_OP_COMBINE as OP_COMBINE
 from ..ops.dtypes import CODES
 from .exchange import F, Fail
+from .fast import _COMBINE, _COMBINE_ROW, _call
 from .internode import host_layout
 from .normal import _tensor
 from .wire import FAILED, NO_ROOM
 
+#: The ``[status, offset]`` int64 pair in front of each forwarded sender's sums (offset -1: the sums follow it).
+_PAIR = 16
+
 __all__ = ["combine"]
 
 
-def _partial(buf, s: int, masks: torch.Tensor, host: int, rows: list, counts: torch.Tensor, H: int, K: int,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fp32 sums ``[n, H]`` (and ``[n, K]``) of the rows host ``host``'s ranks hold for sender ``s``'s tokens
-    ``masks`` describes (bit ``j``: the host's ``j``-th rank got the token), in rank order."""
+def _sum_rows(w, in_rank: torch.Tensor, sources: list, dst: torch.Tensor, wdst: torch.Tensor | None,
+              extras: list, who: list[int], what: str) -> None:
+    """The native combine sum (``ep_combine``): for each row ``t`` of ``dst``, in fp32 and in this order, the
+    ``extras`` rows, then row ``base + head[t, j]`` of each source ``j`` with ``in_rank[t, j]``, rounded once into
+    ``dst`` (and the same of the fp32 weights into ``wdst``). ``sources[j]``: ``(base, rows, x address, weights
+    address)``; ``who[j]``: the group rank a bad row index of source ``j`` is blamed on."""
+    n, m = in_rank.shape
+    head = (in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1).contiguous()
+    K = wdst.size(1) if wdst is not None else 0
+    ex = [b.data_ptr() for b in extras] + [0, 0]
+    a = _COMBINE(R=m, T=n, in_rank=in_rank.data_ptr(), head=head.data_ptr(), x_dst=dst.data_ptr(),
+                 x_width=dst.size(1), x_itemsize=dst.element_size(), x_dtype=CODES[dst.dtype], x_nextra=len(extras),
+                 x_extra0=ex[0], x_extra1=ex[1], w_dst=wdst.data_ptr() if K else 0, w_width=K, w_itemsize=4,
+                 w_dtype=CODES[torch.float32], w_nextra=0, w_extra0=0, w_extra1=0)
+    for base, rows, xa, wa in sources:
+        a += _COMBINE_ROW(base=base, nrows=rows, x=xa, w=wa)
+    moved = _call(w.caps.combine, a)
+    if moved < 0:
+        bad = who[-moved - 1]
+        raise ZbcclRemoteError(f"combine: rank {bad}'s rows for {what} are out of range, expected each within the "
+                               f"rows it published", ranks=(bad,))
+    w.moved += moved
+
+
+def _partial(buf, s: int, masks: torch.Tensor, host: int, rows: list, counts: torch.Tensor, dst: torch.Tensor,
+             wdst: torch.Tensor | None) -> None:
+    """Into ``dst`` ``[n, H]`` (``x``'s dtype; ``wdst`` ``[n, K]`` fp32): the sums of the rows host ``host``'s ranks
+    hold for sender ``s``'s tokens ``masks`` describes (bit ``j``: the host's ``j``-th rank got the token), in fp32
+    and rank order. Rank ``r``'s rows for ``s`` follow its rows for the ranks before ``s``, by token."""
     w = buf.wire
-    n = masks.numel()
-    acc = torch.zeros(n, H, dtype=torch.float32)
-    accw = torch.zeros(n, K, dtype=torch.float32) if K else None
-    for j, r in enumerate(w.hosts[host]):
-        bit = (masks >> j) & 1
-        sel = bit.nonzero().flatten()
-        if not sel.numel():
-            continue
-        base = int(counts[:s, r].sum())
-        at = base + (bit.cumsum(0) - 1)[sel]
-        nrows = rows[r][F.NRECV]
-        if int(at.max()) >= nrows or base + sel.numel() > int(counts[:s + 1, r].sum()):
-            raise ZbcclRemoteError(f"combine: rank {r}'s rows for rank {s} are out of range, expected < {nrows} "
-                                   f"(its x rows)", ranks=(r,))
-        xr = w.view(r, rows[r][F.X], nrows * rows[r][F.XROW], "combine").view(dtype).view(nrows, H)
-        acc[sel] += xr[at].float()
-        if K:
-            wr = w.view(r, rows[r][F.W], nrows * K * 4, "combine").view(torch.float32).view(nrows, K)
-            accw[sel] += wr[at]
-        w.moved += sel.numel() * rows[r][F.XROW]
-    return acc, accw
+    ranks = w.hosts[host]
+    n, K = masks.numel(), wdst.size(1) if wdst is not None else 0
+    bits = ((masks.view(n, 1) >> torch.arange(len(ranks))) & 1).to(torch.uint8).contiguous()
+    sources = []
+    for r in ranks:
+        nrows = min(rows[r][F.NRECV], int(counts[:s + 1, r].sum()))  # never past s's own rows
+        xr = w.view(r, rows[r][F.X], nrows * dst.size(1) * dst.element_size(), "combine").data_ptr() if nrows else 0
+        wr = w.view(r, rows[r][F.W], nrows * K * 4, "combine").data_ptr() if nrows and K else 0
+        sources.append((int(counts[:s, r].sum()), nrows, xr, wr))
+    _sum_rows(w, bits, sources, dst, wdst, [], ranks, f"rank {s}")
 
 
-def _stage_sums(buf, rows: list, fwd: dict, counts, H: int, K: int, dtype, header_round: int, keep: list) -> None:
+def _stage_sums(buf, rows, fwd: dict, counts, H: int, K: int, dtype, keep: list) -> list:
     """The forwarder's part of a combine: each forwarded sender's per-token sums, staged in ``dtype`` (then the
-    weights' fp32 sums), then ``FORWARD``."""
+    weights' fp32 sums) behind their ``[status, offset]`` pair; returns the parts of the round that carries them
+    (per group rank: the pair, with the sums up to the eager limit). ``rows[r]``: the combine header of each
+    rank ``r`` of this host. Raises :class:`Fail` when the heap cannot hold them."""
     w = buf.wire
     row = H * dtype.itemsize + 4 * K
-    total = sum(m.numel() for m in fwd.values()) * row
-    try:
-        staging = w.heap_block(total, "combine staging")
-    except Fail:
-        w.push_forwarded(header_round, {s: NO_ROOM for s in fwd}, "combine")
-        raise
+    parts: list = [None] * w.R
+    size = {s: masks.numel() * row for s, masks in fwd.items()}
+    spans, total = {}, 0
+    for s in fwd:
+        spans[s] = total
+        total += -(-(_PAIR + size[s]) // 64) * 64
+    if not fwd:
+        return parts
+    staging = w.heap_block(total, "combine staging")
     keep.append(staging)
-    where, at = {}, 0
-    try:
-        for s, masks in fwd.items():
-            n = masks.numel()
-            acc, accw = _partial(buf, s, masks, w.my_host, rows, counts, H, K, dtype)
-            staging[at:at + n * H * dtype.itemsize].view(dtype).view(n, H).copy_(acc)
-            if K:
-                staging[at + n * H * dtype.itemsize:at + n * row].view(torch.float32).view(n, K).copy_(accw)
-            where[s] = w.offset_of(staging) + at
-            at += n * row
-    except BaseException:
-        w.push_forwarded(header_round, {s: FAILED for s in fwd}, "combine")
-        raise
-    w.stats["rdma_send_bytes"] += total
+    base = w.offset_of(staging)
+    for s, masks in fwd.items():
+        n, at = masks.numel(), spans[s]
+        body = at + _PAIR
+        _partial(buf, s, masks, w.my_host, rows, counts,
+                 staging[body:body + n * H * dtype.itemsize].view(dtype).view(n, H),
+                 staging[body + n * H * dtype.itemsize:body + n * row].view(torch.float32).view(n, K) if K else None)
+        eager = _PAIR + size[s] <= w.eager
+        staging[at:at + _PAIR].view(torch.int64).copy_(torch.tensor([0, -1 if eager else base + body]))
+        parts[s] = staging[at:at + (_PAIR + size[s] if eager else _PAIR)]
+    w.stats["rdma_send_bytes"] += sum(size.values())
     w.stats["rdma_peak_bytes"] = max(w.stats["rdma_peak_bytes"], total)
-    w.push_forwarded(header_round, where, "combine")
+    return parts
+
+
+def _notify(w, fwd: dict, status: int, op: str) -> None:
+    """A forwarder that failed: the second round with ``status`` for every sender it forwards for (so they raise
+    too, instead of waiting), unless the round itself fails (a lost peer: the error raised already names it)."""
+    pair = torch.tensor([status, -1], dtype=torch.int64).view(torch.uint8)
+    try:
+        w.step([pair if s in fwd else None for s in range(w.R)], op)
+    except (ZbcclRemoteError, ZbcclInvalidUsageError):
+        pass
 
 
 def _prepare_combine(buf, x, handle, topk_weights, bias, error, fields: dict, keep: list) -> dict:
@@ -96,6 +129,7 @@ def _prepare_combine(buf, x, handle, topk_weights, bias, error, fields: dict, ke
     biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
     for i, b in enumerate(biases):
         _tensor(b, f"bias[{i}]", 2, (x.dtype,), (T, H))
+    biases = [b.contiguous() for b in biases]
     K = 0
     if topk_weights is not None:
         wt = _tensor(topk_weights, "topk_weights", 2, (torch.float32,), (x.size(0), None))
@@ -116,54 +150,101 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
         loc = _prepare_combine(buf, x, handle, topk_weights, bias, error, fields, keep)
     except Fail as exc:
         fail = exc
-    rows = w.publish("combine", fields, [], fail)
-    header_round = w.round
-    rl = rows.tolist()
-    w.agree("combine", rl, ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
-                            (F.K, "topk_weights (given, num_topk)"), (F.HANDLE, "the handle (from which dispatch)")))
-    T, H, K, dtype, extra = loc["T"], loc["H"], loc["K"], loc["dtype"], loc["extra"]
-    counts = extra["counts"]
-    for r in range(w.R):
-        if rl[r][F.NRECV] < int(counts[:, r].sum()):
-            raise ZbcclInvalidUsageError(f"combine: rank {r}'s x does not match its handle, expected >= "
-                                         f"{int(counts[:, r].sum())} rows, got {rl[r][F.NRECV]}", ranks=(r,))
+    # A host of one rank: its rank's sums need no other rank's x, so they ride in the header round; a second round
+    # carries the others' (every rank takes part in it when any host holds several ranks).
+    alone = [len(rs) == 1 for rs in w.hosts]
+    early = None
+    if loc is not None and alone[w.my_host]:
+        try:
+            early = _stage_sums(buf, {w.me: fields}, loc["extra"]["fwd"], loc["extra"]["counts"], loc["H"], loc["K"],
+                                loc["dtype"], keep)
+        except Fail as exc:
+            fail = exc
     try:
-        _stage_sums(buf, rl, extra["fwd"], counts, H, K, dtype, header_round, keep)
-        acc, accw = _sum_hosts(buf, rl, loc, counts, header_round)
+        rows = w.publish("combine", fields, [], fail, early)
+        rl = rows.tolist()
+        w.agree("combine", rl, ((F.OP, "the op"), (F.H, "the hidden size"), (F.DTYPE, "x's dtype"),
+                                (F.K, "topk_weights (given, num_topk)"),
+                                (F.HANDLE, "the handle (from which dispatch)")))
+        T, H, K, dtype, extra = loc["T"], loc["H"], loc["K"], loc["dtype"], loc["extra"]
+        counts = extra["counts"]
+        for r in range(w.R):
+            if rl[r][F.NRECV] < int(counts[:, r].sum()):
+                raise ZbcclInvalidUsageError(f"combine: rank {r}'s x does not match its handle, expected >= "
+                                             f"{int(counts[:, r].sum())} rows, got {rl[r][F.NRECV]}", ranks=(r,))
+        per_host = host_layout(loc["in_rank"], w.hosts)
+        row = H * dtype.itemsize + 4 * K
+        got = {}  # host -> its sums for this rank (all read before the second round: x may change after it)
+        for h, (toks, masks) in enumerate(per_host):
+            n = toks.numel()
+            if h == w.my_host and n:
+                got[h] = torch.empty(n * row, dtype=torch.uint8)
+                _partial(buf, w.me, masks, h, rl, counts, got[h][:n * H * dtype.itemsize].view(dtype).view(n, H),
+                         got[h][n * H * dtype.itemsize:].view(torch.float32).view(n, K) if K else None)
+            elif alone[h] and n:  # the header round's, copied out if another round follows
+                got[h] = _sums(w, w.forwarder(w.me, h), n * row)
+                if not all(alone):
+                    got[h] = got[h].clone()
+        if not all(alone):
+            parts = [None] * w.R
+            if not alone[w.my_host]:
+                fwd = extra["fwd"]
+                try:
+                    parts = _stage_sums(buf, rl, fwd, counts, H, K, dtype, keep)
+                except Fail:
+                    _notify(w, fwd, NO_ROOM, "combine")
+                    raise
+                except Exception:
+                    _notify(w, fwd, FAILED, "combine")
+                    raise
+            w.step(parts, "combine")
+        out = w.reuse("combined_x", [((T, H), dtype)])[0]
+        accw = _sum_hosts(buf, loc, out, per_host, got)
     finally:
         w.hold(keep)  # the sums staged for other hosts are read until the next op's header round
-        w.local_barrier(header_round, "combine")  # x is read in place by this host's ranks: then it may change
-    for b in loc["biases"]:
-        acc += b.float()
-    out = w.reuse("combined_x", [((T, H), dtype)])[0]
-    out.copy_(acc)
     return out, accw
 
 
-def _sum_hosts(buf, rl: list, loc: dict, counts, header_round: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's tokens: the fp32 sum of its own host's rows and every other host's staged sums, in host order."""
+def _sum_hosts(buf, loc: dict, out: torch.Tensor, per_host: list, got: dict) -> torch.Tensor | None:
+    """Into ``out`` ``[T, H]``: this rank's tokens, the fp32 sum of the biases, then each host's sums in host order
+    (from ``got``: its own host's and the header round's; else the second round's, or read where it says), each
+    host's rounded to ``x``'s dtype first, as when it crosses; returns the weights' sums ``[T, K]`` fp32 (None
+    without them)."""
     w, me = buf.wire, buf.wire.me
     T, H, K, dtype = loc["T"], loc["H"], loc["K"], loc["dtype"]
-    per_host = host_layout(loc["in_rank"], w.hosts)
-    need = sorted(w.forwarder(me, h) for h, (t, _) in enumerate(per_host) if h != w.my_host and t.numel())
-    offs = w.wait_forwarded(need, header_round, "combine")
-    acc = torch.zeros(T, H, dtype=torch.float32)
-    accw = torch.zeros(T, K, dtype=torch.float32) if K else None
     row = H * dtype.itemsize + 4 * K
-    for h, (toks, masks) in enumerate(per_host):
+    in_host = torch.zeros(T, w.H, dtype=torch.uint8)
+    sources, keep = [], []
+    for h, (toks, _) in enumerate(per_host):
         n = toks.numel()
+        in_host[toks, h] = 1
         if not n:
+            sources.append((0, 0, 0, 0))
             continue
-        if h == w.my_host:
-            part, partw = _partial(buf, me, masks, h, rl, counts, H, K, dtype)
-        else:
-            f = w.forwarder(me, h)
-            raw = w.read(f, offs[f], n * row, "combine")
-            part = raw[:n * H * dtype.itemsize].view(dtype).view(n, H).float()
-            partw = raw[n * H * dtype.itemsize:].view(torch.float32).view(n, K) if K else None
+        raw = got[h] if h in got else _sums(w, w.forwarder(me, h), n * row)
+        if h != w.my_host:
             w.stats["rdma_recv_bytes"] += n * row
-            w.moved += n * row
-        acc[toks] += part
-        if K:
-            accw[toks] += partw
-    return acc, accw
+        keep.append(raw)
+        sources.append((0, n, raw.data_ptr(), raw.data_ptr() + n * H * dtype.itemsize if K else 0))
+    accw = torch.empty(T, K, dtype=torch.float32) if K else None
+    _sum_rows(w, in_host, sources, out, accw, loc["biases"], [w.forwarder(me, h) for h in range(w.H)],
+              f"rank {me}")
+    return accw
+
+
+def _sums(w, f: int, nbytes: int) -> torch.Tensor:
+    """Forwarder ``f``'s sums for this rank (``nbytes``): after their pair in this rank's slot, or read where it
+    says; raises what the forwarder reported."""
+    status, off = w.part(f, _PAIR).view(torch.int64).tolist()
+    if status == NO_ROOM:
+        raise ZbcclOutOfMemoryError(f"combine: rank {f} could not stage the sums it forwards (its heap is full)",
+                                    ranks=(f,))
+    if status != 0:
+        raise ZbcclRemoteError(f"combine: rank {f} failed while staging the sums it forwards (its own error names the "
+                               f"cause; {w.where(f)})", ranks=(f,))
+    if off == -1:
+        if _PAIR + nbytes > w.eager:
+            raise ZbcclRemoteError(f"combine: rank {f} sent sums in the round beyond the eager limit, expected an offset "
+                                   f"for {nbytes} bytes, got none", ranks=(f,))
+        return w.part(f, _PAIR + nbytes)[_PAIR:]
+    return w.read(f, off, nbytes, "combine")

@@ -4,54 +4,52 @@ A group that spans hosts has no op channel (a remote rank's memory cannot be vie
 handshake runs on the verbs every transport has: ``put``, ``signal``, ``load`` (``docs/ep-internode.md``).
 Memory, per group rank, allocated at the Buffer's construction:
 
-* an **inbox** in its heap: ``[2, R, W]`` int64, two halves of one header slot per source rank;
+* a **mesh region** in its heap (:class:`zbccl.ops.hosts.mesh.Mesh`, the steps the collectives across
+  hosts use): ``2 * R`` slots of ``W * 8 + eager`` bytes, slot ``(k % 2, i)`` receiving rank ``i``'s header
+  and parts of round ``k``;
 * an **aux** block in its heap: ``AUX`` int64 words a forwarder fills during a dispatch (the op's
-  header round, a status word and the heap offset of each sender's staged rows);
+  header round, a status word and the heap offset of each sender's rows);
 * signal words in its own pad, on lines of the Buffer's private communicator's comm slot (that slot's
-  op channel never exists when the group spans hosts, so nothing else writes them): ``LOCAL`` (line 0)
-  and ``FORWARD`` (line 1), written by this rank; ``ARRIVE[i]`` (line 2 + i), written by rank ``i``;
-  ``FORWARDED[f]`` (line 2 + R + f, with an offset word 16 bytes in), written by forwarder ``f``.
-  Hence at most ``MAX_RANKS`` ranks.
+  op channel never exists when the group spans hosts, so nothing else writes them): ``FORWARD`` (line 0),
+  written by this rank; the mesh's arrived word of rank ``i`` (line 1 + i, written by rank ``i`` of this
+  host). Hence at most ``MAX_RANKS`` ranks.
 
-The inbox and aux offsets go through the store once (the communicator's bootstrap all_gather),
-are parsed strictly, and are checked against each peer's live heap size as the transport reports
-it: nothing read from the store is trusted.
+The region and aux offsets and the proposed eager limit go through the store once (the communicator's
+bootstrap all_gather), are parsed strictly, and are checked against each peer's live heap size as the
+transport reports it: nothing read from the store is trusted. The eager limit is the smallest proposed
+(``tuner.ep_hosts_eager``).
 
-Protocol of round ``k`` (``k`` = 1, 2, ... on every member, in the same order):
+A **round** is one mesh step: every rank writes every peer its header (``W`` int64, when the round has
+one) and its **eager part** for that peer (a dispatch's rows or a combine's sums up to ``eager`` bytes),
+in one stamped write per peer on another host (all in flight at once; a put and a signal on this host),
+then waits until every peer's arrived here (the mesh's liveness rule meanwhile: a dead writer is a
+``ZbcclRemoteError``, a silent host a ``ZbcclTimeoutError`` naming it, a late one a ``ZbcclTimeoutError``
+naming the missing ranks). What arrived in round ``k`` stays in this rank's slots until every rank
+entered round ``k + 1`` (a peer writes parity ``k % 2`` again only in round ``k + 2``), so this host's
+ranks may read a forwarder's slot in place during the op. A part over the eager limit stays in its
+sender's heap and its receiver reads it (:meth:`HostWire.read`).
 
-1. with a header: put it into slot ``me`` of half ``k % 2`` of every peer's inbox (complete when
-   the call returns: a remote write has landed, a local one is a plain store);
-2. signal ``ARRIVE[me] = k`` in every peer's pad (ordered after the put);
-3. wait until this rank's own ``ARRIVE[p] >= k`` for every peer ``p``: local words, polled without a
-   network round trip (:meth:`HostWire.wait_own`), the writers' liveness checked every liveness interval
-   (a dead writer is a ``ZbcclRemoteError``, a silent host a ``ZbcclTimeoutError`` naming it, a late one
-   a ``ZbcclTimeoutError`` naming the missing ranks);
-4. with a header: copy half ``k % 2`` out.
-
-A peer can be at most one round ahead (round ``k + 1`` needs this rank's ``ARRIVE >= k + 1``, which
-it stores only after copying round ``k`` out), so it writes only the other half.
-
-A dispatch's forwarder records its staging in its aux block and signals its own ``FORWARD = k``
-(``k`` the op's header round); this host's ranks wait on that word (shm). A combine's forwarder pushes
-each sender the offset of its sums and ``FORWARDED[f] = k``. Normal ops keep their blocks until the
-next header round instead of ending with a round (:meth:`HostWire.hold`); combine ends with a barrier
-of this host's ranks (``LOCAL``), a receive hook with a plain round.
+A dispatch's forwarder records where each sender's rows lie (its slot, or its staging) in its aux block and
+signals its own ``FORWARD = k`` (``k`` the op's header round); this host's ranks wait on that word (shm). A
+combine's forwarders send each sender its sums in a second round. Normal ops keep their blocks until the
+next header round instead of ending with a round (:meth:`HostWire.hold`); a receive hook ends with a plain
+round.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import struct
 import time
 from collections.abc import Iterator
 
 import torch
 
-from .. import env
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..native.abi import WHERE_EP
+from ..ops.hosts.mesh import Mesh, Watch, region_bytes
+from ..ops.tuner import ep_hosts_eager
 from ..runtime import liveness
 from ..runtime.liveness import leave
 from .caps import Capabilities
@@ -72,17 +70,16 @@ __all__ = ["HostWire", "spans_hosts", "AUX_ROUND", "AUX_STATUS", "AUX_OFFS", "NO
 
 #: Aux words: the round the forwarder staged for, its status (0: ok), then one heap offset per rank.
 AUX_ROUND, AUX_STATUS, AUX_OFFS = 0, 1, 2
-#: Lines of the comm slot: LOCAL, FORWARD, then ARRIVE[i] (2 + i) and FORWARDED[f] (2 + R + f, its offset word
-#: 16 bytes in): at most ``MAX_RANKS`` ranks.
-_L_LOCAL, _L_FORWARD = 0, 1
+#: Lines of the comm slot: FORWARD, then the mesh's arrived words (1 + i): at most ``MAX_RANKS`` ranks.
+_L_FORWARD, _L_MESH = 0, 1
 _LINES = layout.SLOT_BYTES // layout.LINE
-MAX_RANKS = (_LINES - 2) // 2
-_OFFSET_WORD = 16
+MAX_RANKS = _LINES - _L_MESH
 #: What a forwarder posts instead of an offset or a status when it could not stage: its heap is full (``NO_ROOM``,
 #: also the aux status ``STATUS_NOMEM``), or it failed otherwise (``FAILED``: a dead peer, an interrupt).
 NO_ROOM, FAILED = -1, -2
-_SPIN_S, _MAX_PAUSE_S = 50e-6, 1e-3
-_RECORD = struct.Struct("<4q")
+#: Seconds :meth:`HostWire.close` waits for writes a failed round left in flight.
+_DRAIN_S = 6.0
+_RECORD = struct.Struct("<5q")
 
 
 def spans_hosts(comm) -> bool:
@@ -119,13 +116,21 @@ class HostWire:
         #: The native kernels of this rank's own steps (layout); raises here without them.
         self.caps = Capabilities.of(comm.heap.prims)
         self.W = HDR_LEN + 4 * self.R + 4 * self.H
+        self.W8 = self.W * 8
         self.AUX = AUX_OFFS + self.R
-        self._inbox = heap_empty(comm, (2, self.R, self.W), torch.int64, fallback=False)
-        self._inbox.zero_()
+        eager = ep_hosts_eager(comm.heap_bytes, self.R)
+        # zeroed before it is announced: no stamp of an earlier user of this memory can pass for a round
+        self._region = heap_empty(comm, (region_bytes(self.R, self.W8 + eager),), torch.uint8, fallback=False)
+        self._region.zero_()
         self._aux = heap_empty(comm, (self.AUX,), torch.int64, fallback=False)
         self._aux.fill_(-1)
-        self.inbox_off, self.aux_off = self._exchange_offsets()
+        regions, self.aux_off, self.eager = self._exchange_offsets(eager)
+        self.mesh = Mesh(comm._ctx, self.g, regions, self.W8 + self.eager, self.line(_L_MESH),
+                         Watch(comm._ctx, self.labels))
+        self._none: list = [None] * self.R
         self.round = 0
+        self.parity = 0
+        self._at = 0  # where the parts of the last round lie in its slots (after the header, if it had one)
         #: The blocks peers may still read from this rank's last normal-mode op (send blocks, staging): dropped at
         #: the end of the next header round, which every peer enters only after it finished that op.
         self._held: list = []
@@ -148,36 +153,38 @@ class HostWire:
         """Byte offset in the pad of line ``which`` of this communicator's comm slot."""
         return layout.slot_line(self.comm.slot, which)
 
-    def _arrive(self, src: int) -> int:
-        return self.line(2 + src)
-
-    def _forwarded(self, fwd: int) -> int:
-        return self.line(2 + self.R + fwd)
-
-    def _exchange_offsets(self) -> tuple[list[int], list[int]]:
-        """Every member's inbox and aux offsets, through the store, checked against its live heap size."""
-        mine = _RECORD.pack(self.offset_of(self._inbox), self._inbox.numel() * 8, self.offset_of(self._aux),
+    def _exchange_offsets(self, eager: int) -> tuple[list[int], list[int], int]:
+        """Every member's region and aux offsets, and the group's eager limit (the smallest proposed), through the
+        store; each record parsed strictly and checked against its rank's live heap size."""
+        mine = _RECORD.pack(self.offset_of(self._region), self._region.numel(), eager, self.offset_of(self._aux),
                             self._aux.numel() * 8)
         got = self.comm.bootstrap.all_gather(mine, timeout=self.timeout, tag="ep-wire",
                                              watch=self.comm.store_watch)
-        inbox, aux = [], []
+        recs = []
         for r, raw in enumerate(got):
             if not isinstance(raw, (bytes, bytearray)) or len(raw) != _RECORD.size:
                 raise ZbcclRemoteError(f"Buffer: rank {r}'s EP record is malformed, expected {_RECORD.size} bytes, "
                                        f"got {len(raw) if isinstance(raw, (bytes, bytearray)) else type(raw).__name__}",
                                        ranks=(r,))
-            ioff, ibytes, aoff, abytes = _RECORD.unpack(raw)
+            recs.append(_RECORD.unpack(raw))
+        bad = [r for r, rec in enumerate(recs) if not 4096 <= rec[2] <= 1 << 30 or rec[2] % 4096]
+        if bad:
+            raise ZbcclRemoteError(f"Buffer: rank {bad[0]}'s EP record holds a bad eager limit, expected a multiple "
+                                   f"of 4096 in [4096, 2**30], got {recs[bad[0]][2]}", ranks=tuple(bad))
+        least = min(rec[2] for rec in recs)
+        regions, aux = [], []
+        for r, (roff, rbytes, _, aoff, abytes) in enumerate(recs):
             size = self.t.size(self.g[r])
-            want = (2 * self.R * self.W * 8, self.AUX * 8)
-            if (ibytes, abytes) != want or min(ioff, aoff) < 0 or ioff % 8 or aoff % 8 \
-                    or ioff + ibytes > size or aoff + abytes > size:
+            need = region_bytes(self.R, self.W8 + least)
+            if rbytes < need or abytes != self.AUX * 8 or min(roff, aoff) < 0 or roff % 64 or aoff % 8 \
+                    or roff + rbytes > size or aoff + abytes > size:
                 raise ZbcclRemoteError(
-                    f"Buffer: rank {r}'s EP record is out of its heap, expected an inbox of {want[0]} and an aux block "
-                    f"of {want[1]} bytes within its {size} heap bytes, got inbox {ibytes} bytes at {ioff} and aux "
-                    f"{abytes} bytes at {aoff}", ranks=(r,))
-            inbox.append(ioff)
+                    f"Buffer: rank {r}'s EP record is out of its heap, expected a region of {need}+ bytes (64-byte "
+                    f"aligned) and an aux block of {self.AUX * 8} bytes within its {size} heap bytes, got a region of "
+                    f"{rbytes} bytes at {roff} and aux {abytes} bytes at {aoff}", ranks=(r,))
+            regions.append(roff)
             aux.append(aoff)
-        return inbox, aux
+        return regions, aux, least
 
     # ------------------------------------------------------------------ local memory
     def offset_of(self, t: torch.Tensor) -> int:
@@ -232,92 +239,73 @@ class HostWire:
             leave(self.comm._ctx, exc, op=name, where=WHERE_EP)
             raise
 
-    def _round(self, vec: torch.Tensor | None, op: str) -> torch.Tensor | None:
-        """One round (see the module docstring); returns ``[R, W]`` (the headers) when ``vec`` is given."""
+    def _round(self, vec: torch.Tensor | None, op: str, parts: list | None = None) -> torch.Tensor | None:
+        """One round (see the module docstring): ``vec`` (``[W]`` int64, or None: no header) and ``parts[p]`` (flat
+        uint8 of at most ``eager`` bytes, or None) to every peer ``p``; returns ``[R, W]`` (the headers) when
+        ``vec`` is given. Read the parts that arrived with :meth:`part`."""
         if self.broken:
             raise ZbcclInvalidUsageError(f"{op}: {self.broken}")
         self.round += 1
-        k, half, me = self.round, self.round & 1, self.me
+        me, R = self.me, self.R
+        self._at = self.W8 if vec is not None else 0
+        before = None
         if vec is not None:
-            self._inbox[half, me] = vec
-            at = (half * self.R + me) * self.W * 8
-            for p in range(self.R):
-                if p != me:
-                    try:
-                        self.t.put(self.g[p], self.inbox_off[p] + at, vec, op=op)
-                    except (ZbcclRemoteError, ZbcclTimeoutError) as exc:  # its ranks are global ranks
-                        self._named(exc, self._of(exc, p))
-        peers = [p for p in range(self.R) if p != me]
-        for p in peers:  # after the put: a signal is ordered after this process's earlier writes to that peer
-            self._signal(p, self._arrive(me), k, op)
-        self.wait_own({p: self._arrive(p) for p in peers}, k, op)
-        return self._inbox[half].clone() if vec is not None else None
+            raw = vec.view(torch.uint8)
+            before = [None if p == me else raw for p in range(R)]
+        try:
+            self.parity = self.mesh.step(parts if parts is not None else self._none, op=op, timeout=self.timeout,
+                                         at=self._at, before=before)
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:  # its ranks are this group's ranks
+            self._named(exc, [r for r in exc.ranks if isinstance(r, int) and 0 <= r < R])
+        if vec is None:
+            return None
+        rows = torch.empty(R, self.W, dtype=torch.int64)
+        for p in range(R):
+            rows[p] = vec if p == me else self.mesh.view(self.parity, p, self.W8).view(torch.int64)
+        return rows
+
+    def part(self, p: int, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` rank ``p`` sent this rank in the last round (uint8, a view of this rank's slot: valid until
+        every rank entered the next round)."""
+        return self.mesh.view(self.parity, p, nbytes, at=self._at)
+
+    def part_offset(self, p: int) -> int:
+        """The heap offset of :meth:`part` of ``p`` in this rank's heap (this host's ranks view it there)."""
+        return self.mesh.slot_offset(self.parity, p) + self._at
+
+    def step(self, parts: list, op: str) -> None:
+        """Collective: a round without headers carrying ``parts`` (see :meth:`_round`)."""
+        self._round(None, op, parts)
+
+    def close(self) -> None:
+        """Wait (a bounded time) for writes a failed round left in flight: they read this rank's blocks."""
+        self.mesh.drain(_DRAIN_S)
 
     def wait(self, ranks: list[int], line: int, target: int, op: str) -> None:
-        """Wait until the word at ``line`` of every group rank of ``ranks`` is ``>= target``; an error names the
-        ranks it is about and their hosts (a dead rank: ``ZbcclRemoteError``; a silent host or a late rank:
-        ``ZbcclTimeoutError``)."""
+        """Wait until the word at ``line`` of every group rank of ``ranks`` (ranks of this host) is ``>= target``,
+        applying the liveness rule of this host's ranks between slices of the wait (one that left the op half-way
+        is named, with the cause it left by); an error names the ranks it is about and their hosts (a dead or
+        departed rank: ``ZbcclRemoteError``; a late one: ``ZbcclTimeoutError``)."""
         if not ranks:
             return
-        try:
-            self.t.wait_until([(self.g[r], line) for r in ranks], target, timeout=self.timeout, op=op,
-                              labels=self.labels)
-        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            self._named(exc, [r for r in exc.ranks if isinstance(r, int) and 0 <= r < self.R] or list(ranks))
+        lines = [(self.g[r], line) for r in ranks]
+        deadline, piece = time.monotonic() + self.timeout, max(self.comm._ctx.liveness_ns / 1e9, 0.05)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.t.wait_until(lines, target, timeout=max(0.0, min(piece, left)), op=op, labels=self.labels)
+                return
+            except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+                if isinstance(exc, ZbcclRemoteError) or left <= piece:
+                    self._named(exc, [r for r in exc.ranks if isinstance(r, int) and 0 <= r < self.R] or list(ranks))
+            late = [self.g[r] for r in ranks if self.t.load(self.g[r], line) < target]
+            liveness.check(self.comm._ctx, [self.g[r] for r in ranks], op=op, pending=late, labels=self.labels)
 
     def _signal(self, r: int, line: int, value: int, op: str) -> None:
         try:
             self.t.signal(self.g[r], line, value)
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
             self._named(exc, self._of(exc, r))
-
-    def wait_own(self, lines: dict[int, int], target: int, op: str) -> None:
-        """Wait until each word of this rank's pad in ``lines`` (group rank of its writer -> line) is ``>= target``.
-
-        The words are local, so a poll costs no network round trip; the writers' liveness is checked every
-        ``liveness`` interval (a dead writer: ``ZbcclRemoteError``; its host silent for the transport's stall
-        time: ``ZbcclTimeoutError``; naming the ranks and their hosts), and after ``timeout`` seconds a
-        ``ZbcclTimeoutError`` names the writers whose word never came."""
-        me, load = self.g[self.me], self.t.load
-        pending = [r for r, ln in lines.items() if load(me, ln) < target]
-        if not pending:
-            return
-        start = time.monotonic()
-        live = max(env.LIVENESS_INTERVAL.get(), 0.05)
-        deadline, next_live, pause = start + self.timeout, start + live, 0.0
-        while pending:
-            now = time.monotonic()
-            if now >= next_live:
-                self._check_writers(pending, op)
-                next_live = now + live
-            if now >= deadline:
-                got = ", ".join(f"{load(me, lines[r])} from rank {r}" for r in pending)
-                raise self._lost(ZbcclTimeoutError,
-                                 f"{op}: timed out after {self.timeout:.1f}s waiting for ranks {pending}, expected their "
-                                 f"signal >= {target}, got {got} ({'; '.join(self.where(r) for r in pending)})", pending)
-            if now - start < _SPIN_S:
-                os.sched_yield()
-            else:
-                pause = min(2 * pause or 10e-6, _MAX_PAUSE_S)
-                time.sleep(pause)
-            pending = [r for r in pending if load(me, lines[r]) < target]
-
-    def _check_writers(self, ranks: list[int], op: str) -> None:
-        """Raise if one of ``ranks`` died or its host stopped answering."""
-        glob = {self.g[r]: r for r in ranks}
-        dead = sorted(glob[g] for g in self.t.dead_peers() if g in glob)
-        if dead:
-            raise self._lost(ZbcclRemoteError, f"{op}: peer lost while waiting: rank(s) {dead} died "
-                             f"({'; '.join(self.where(r) for r in dead)})", dead)
-        remote = getattr(self.t, "remote", self.t)
-        gone_of = getattr(remote, "unreachable_peers", None)
-        gone = sorted(glob[g] for g in (gone_of() if gone_of is not None else []) if g in glob)
-        if gone:
-            raise self._lost(ZbcclTimeoutError, f"{op}: host unreachable while waiting for rank(s) {gone} "
-                             f"({'; '.join(self.where(r) for r in gone)})", gone)
-        # The rule on the writers of this host: one that left an op half-way (its ABORT line: it may have left
-        # because of a host it lost, which then comes first in the error), failed, finalized or died.
-        liveness.check(self.comm._ctx, list(glob), op=op, pending=list(glob), labels=self.labels)
 
     def _of(self, exc: ZbcclRemoteError | ZbcclTimeoutError, r: int) -> list[int]:
         """The group ranks of a transport error (its ranks are global ranks), else ``[r]``."""
@@ -348,20 +336,15 @@ class HostWire:
         """Keep ``blocks`` alive until the next header round (see ``_held``)."""
         self._held = list(blocks)
 
-    def local_barrier(self, header_round: int, op: str) -> None:
-        """Collective over this host's ranks of the group: after it, none of them reads this rank's blocks of the op
-        whose header round is ``header_round`` (shm words only: no network round trip)."""
-        line = self.line(_L_LOCAL)
-        self.t.signal(self.g[self.me], line, header_round)
-        self.wait([r for r in self.hosts[self.my_host] if r != self.me], line, header_round, op)
-
     def barrier(self, op: str) -> None:
         """Collective: a plain round."""
         self._round(None, op)
 
-    def publish(self, op: str, fields: dict[int, int], vector: list[int], fail: Fail | None) -> torch.Tensor:
-        """Collective: every rank's header ``[R, W]`` int64 (fields, then ``vector`` from word ``HDR_LEN``); raises
-        on every rank if any rank failed, or when the ranks run different ops."""
+    def publish(self, op: str, fields: dict[int, int], vector: list[int], fail: Fail | None,
+                parts: list | None = None) -> torch.Tensor:
+        """Collective: every rank's header ``[R, W]`` int64 (fields, then ``vector`` from word ``HDR_LEN``), and
+        ``parts`` (see :meth:`_round`; None when this rank failed); raises on every rank if any rank failed, or
+        when the ranks run different ops."""
         self.moved = 0
         vals = [0] * self.W
         for key, v in fields.items():
@@ -374,7 +357,7 @@ class HostWire:
             h[F.STATUS] = fail.status
             msg = str(fail).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
             h[_MSG_AT:HDR_LEN].view(torch.uint8).numpy()[:] = memoryview(msg)
-        rows = self._round(h, op)
+        rows = self._round(h, op, parts if fail is None else None)
         self._held = []  # every peer entered this round, so it finished reading the previous op's blocks
         bad = [r for r, st in enumerate(rows[:, F.STATUS].tolist()) if st != STATUS_OK]
         if bad:
@@ -411,28 +394,6 @@ class HostWire:
         aux[AUX_STATUS] = status
         aux[AUX_ROUND] = header_round
         self.t.signal(self.g[self.me], self.line(_L_FORWARD), header_round)
-
-    def push_forwarded(self, header_round: int, offsets: dict[int, int], op: str) -> None:
-        """Tell each sender of ``offsets`` (group rank -> heap offset of its staged part here, -1: none, the heap is
-        full) where its part is: the offset word, then ``FORWARDED[me] = header_round`` in its pad."""
-        for s, off in offsets.items():
-            self._signal(s, self._forwarded(self.me) + _OFFSET_WORD, off, op)
-            self._signal(s, self._forwarded(self.me), header_round, op)
-
-    def wait_forwarded(self, ranks: list[int], header_round: int, op: str) -> dict[int, int]:
-        """Wait for the forwarders ``ranks`` to push this rank's part of the op; their offsets."""
-        self.wait_own({f: self._forwarded(f) for f in ranks}, header_round, op)
-        out = {}
-        for f in ranks:
-            off = self.t.load(self.g[self.me], self._forwarded(f) + _OFFSET_WORD)
-            if off == NO_ROOM:
-                raise ZbcclOutOfMemoryError(f"{op}: rank {f} could not stage the sums it forwards (its heap is full)",
-                                            ranks=(f,))
-            if off < 0:
-                raise ZbcclRemoteError(f"{op}: rank {f} failed while staging the sums it forwards (its own error "
-                                       f"names the cause; {self.where(f)})", ranks=(f,))
-            out[f] = off
-        return out
 
     def wait_forward(self, ranks: list[int], header_round: int, op: str) -> dict[int, list[int]]:
         """Wait for every rank of ``ranks`` to post its staging of the op, then read their aux words."""

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "OP_ALGOS", "ALGO_CODES",
            "table_for", "host_key", "table_path", "force_algorithm", "validate_rules", "load_file", "choose",
            "store_kind_mode", "HOSTS_CHUNK", "HOSTS_HIER_MIN", "HOSTS_DIRECT_MIN",
-           "hosts_chunk", "hosts_hierarchical"]
+           "hosts_chunk", "hosts_hierarchical", "EP_HOSTS_EAGER", "ep_hosts_eager"]
 
 #: Algorithm name -> code (``native/abi.py``).
 ALGO_CODES = {v: k for k, v in ALGO_NAMES.items()}
@@ -287,6 +287,20 @@ HOSTS_HIER_MIN = {"all_reduce": 64 << 10, "all_gather": 2 << 20}
 #: header, a step publishes it), no staging copy, no copy out, no chunk-by-chunk lockstep. A large flat
 #: all_reduce runs as such a reduce_scatter, then such an all_gather (``hosts.flat.split``).
 HOSTS_DIRECT_MIN = 1 << 20
+
+
+#: EP across hosts (``ep/wire.py``): a part of a dispatch or combine up to this many bytes rides in its op's round
+#: (the mesh step that carries the headers: one write, no round trip of its own); a larger one is read by its
+#: receiver from the sender's heap (two round trips: the heap's size, then the bytes). Each rank holds a mesh
+#: region of ``2 * R`` slots of it.
+EP_HOSTS_EAGER = 4 << 20
+
+
+def ep_hosts_eager(heap_bytes: int, ranks: int) -> int:
+    """This rank's proposal of the EP eager limit across hosts (the group takes the smallest): ``EP_HOSTS_EAGER``,
+    or less where the ``2 * ranks`` slots would take more than an eighth of the heap."""
+    fit = heap_bytes // 8 // max(1, 2 * ranks) // 4096 * 4096
+    return max(4096, min(EP_HOSTS_EAGER, fit))
 
 
 def hosts_chunk(heap_bytes: int, slots: int) -> int:

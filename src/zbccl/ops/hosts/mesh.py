@@ -58,7 +58,7 @@ from ... import native
 from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ...heap import layout
 from ...heap.transports.base import Pending
-from ...native.abi import ABORT_PEER
+from ...native.abi import ABORT_PEER, ABORT_TIMEOUT
 from ...runtime import liveness
 
 __all__ = ["Mesh", "Watch", "STAMP", "ORDERED", "region_bytes"]
@@ -113,19 +113,24 @@ class Watch:
         return peer.where() if peer is not None else "this host"
 
     def check(self, members: Sequence[int], pending: Sequence[int], op: str) -> None:
-        """Raise if a member left an op half-way, or a pending one failed, finalized, died or is unreachable."""
+        """Raise if a member left an op half-way, or a pending one failed, finalized, died or is unreachable.
+
+        Members that left only because they timed out waiting too (for the same late members, at about the
+        same moment): the late members are named, as this rank's own timeout would."""
         ctx, label = self.ctx, self.labels.get
         if ctx.finalized:
             raise ZbcclInvalidUsageError(f"{op}: {liveness.FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
         self._hosts_lost(pending, op)  # never blocks: the monitor's verdict
-        follow = None
+        follow, timed = None, []
         for g in members:
             if g == ctx.rank:
                 continue
             why, where = self._read(lambda g=g: liveness.aborted(self.t, g, liveness.ABORT_LINE), op)
-            if why and why != ABORT_PEER:
+            if why == ABORT_TIMEOUT:
+                timed.append((g, why, where))
+            elif why and why != ABORT_PEER:
                 raise liveness.abort_error(label(g, g), why, op=op, where=where)
-            if why and follow is None:
+            elif why and follow is None:
                 follow = (g, why, where)
         dead, gone = set(self.t.dead_peers()), []
         for g in pending:
@@ -141,8 +146,16 @@ class Watch:
         if gone:
             what = "; ".join(f"rank {label(g, g)} on {self.where(g)} {why}" for g, why in gone)
             raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=tuple(label(g, g) for g, _ in gone))
-        if follow is not None:
-            raise liveness.abort_error(label(follow[0], follow[0]), follow[1], op=op, where=follow[2])
+        late = [g for g in pending if g != ctx.rank and g not in {t[0] for t in timed}]
+        if timed and late and follow is None:
+            names = [label(g, g) for g in late]
+            where = "; ".join(f"rank {label(g, g)} on {self.where(g)}" for g in late)
+            raise ZbcclTimeoutError(f"{op}: ranks {names} never arrived ({where}; rank(s) "
+                                    f"{[label(g, g) for g, _, _ in timed]} timed out waiting and left)",
+                                    ranks=tuple(names))
+        if timed or follow is not None:
+            g, why, where = timed[0] if timed else follow
+            raise liveness.abort_error(label(g, g), why, op=op, where=where)
 
     def _hosts_lost(self, pending: Sequence[int], op: str) -> None:
         """The mooncake monitor's verdict on the pending members of other hosts: dead (the host answers, the
@@ -212,6 +225,10 @@ class Mesh:
     def _local(self, parity: int, src: int) -> int:
         """Offset in this member's own region of the bytes of slot ``(parity, src)`` (after its stamp)."""
         return (parity * self.n + src) * self.pitch + STAMP
+
+    def slot_offset(self, parity: int, src: int) -> int:
+        """Heap offset (in this member's heap) of the bytes of its slot ``(parity, src)``."""
+        return self.regions[self.index] + self._local(parity, src)
 
     def _bytes_at(self, parity: int, src: int, nbytes: int) -> int:
         if nbytes > self.slot:
