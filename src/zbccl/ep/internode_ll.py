@@ -25,8 +25,10 @@ import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
 from .exchange import HDR_LEN, F, Fail, heap_empty
+from .fast import _call
 from .layout import fp8_quantize, logfmt_roundtrip
 from .low_latency import (
+    _LL_COMBINE,
     FLAG_FP8,
     FLAG_HOOK,
     FLAG_LOGFMT,
@@ -61,8 +63,9 @@ def _part(rows: torch.Tensor, src: int, me: int) -> tuple[int, int]:
 
 
 def _publish_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int, fields: dict,
-                      keep: list) -> tuple[dict, list[int]]:
-    """The sender's half: checks, the pairs, the packed send block; returns ``(plan, header vector)``."""
+                      keep: list, parts: list) -> tuple[dict, list[int]]:
+    """The sender's half: checks, the pairs, the packed send block; returns ``(plan, header vector)`` and puts in
+    ``parts`` each part for a rank of another host of up to the eager limit (it rides in the header round)."""
     w, R = buf.wire, buf.wire.R
     masked = buf._mask.nonzero().flatten().tolist()
     if masked and R > 63:
@@ -98,10 +101,25 @@ def _publish_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, fl
         if hi > lo:
             torch.index_select(full, 0, tokens[lo:hi], out=part)
         vector += [base + at, hi - lo]
+        if _eager(w, o, hi - lo, L * 8 + (hi - lo) * row):
+            parts[o] = block[at:at + L * 8 + (hi - lo) * row]
         key = "nvl_bytes" if w.host_of[o] == w.my_host else "rdma_send_bytes"
         w.stats[key] += (hi - lo) * row
         at += L * 8 + (hi - lo) * row
     return plan, vector
+
+
+def _eager(w, r: int, rows: int, nbytes: int) -> bool:
+    """Whether a part of ``rows`` rows (``nbytes``) between this rank and group rank ``r`` rides in the header round:
+    ``r`` on another host (one of this host is viewed in place) and the part within the eager limit."""
+    return rows > 0 and w.host_of[r] != w.my_host and nbytes <= w.eager
+
+
+def _arrived(w, sizes: dict, flags: int) -> dict:
+    """The parts that rode in the header round (group rank -> nbytes), as views of this rank's slots; copied out
+    when a receive hook reads them later (other ops' rounds may reuse the slots first)."""
+    got = {r: w.part(r, n) for r, n in sizes.items()}
+    return {r: v.clone() for r, v in got.items()} if flags & FLAG_HOOK else got
 
 
 def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int, error: str | None):
@@ -110,20 +128,22 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     for key in ("rdma_send_bytes", "rdma_recv_bytes", "nvl_bytes"):
         w.stats[key] = 0
     fields, keep, fail = {F.OP: OP_LL_DISPATCH, F.SEQ: buf.seq, F.FLAGS: flags, F.TMAX: tmax, F.E: E}, [], None
-    plan, vector = None, []
+    plan, vector, parts = None, [], [None] * R
     try:
         if error:
             raise Fail(error)
-        plan, vector = _publish_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags, fields, keep)
+        plan, vector = _publish_dispatch(buf, x, topk_idx, tmax, E, stats, wait_stats, flags, fields, keep, parts)
     except Fail as exc:
         fail = exc
     t0 = time.perf_counter_ns()
-    rows = w.publish("low_latency_dispatch", fields, vector, fail)
+    rows = w.publish("low_latency_dispatch", fields, vector, fail, parts)
     waited = time.perf_counter_ns() - t0
     w.agree("low_latency_dispatch", rows.tolist(), (
         (F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
         (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")))
     L, N, H = E // R, R * tmax, int(rows[me, F.H])
+    sizes = {s: L * 8 + _part(rows, s, me)[1] * int(rows[s, F.XROW]) for s in range(R)}
+    early = _arrived(w, {s: n for s, n in sizes.items() if _eager(w, s, _part(rows, s, me)[1], n)}, flags)
     out = {"x": heap_empty(buf.comm, (L, N, H), torch.float8_e4m3fn if flags & FLAG_FP8 else torch.bfloat16),
            "count": torch.zeros(L, dtype=torch.int32), "src_info": torch.zeros(L, N, dtype=torch.int32),
            "layout": torch.zeros(L, R, dtype=torch.int64)}
@@ -137,7 +157,7 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
 
     def recv() -> None:
         try:
-            _receive(buf, rows, out, L, N, H, mask[me])
+            _receive(buf, rows, out, L, N, H, mask[me], early)
             plan["received"] = True
         finally:
             _close(w, keep, flags, "low_latency_dispatch")
@@ -149,8 +169,9 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
     return out, plan, recv
 
 
-def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: int) -> None:
-    """Read each source's part for this rank and place its rows per local expert (by source, then token)."""
+def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: int, early: dict) -> None:
+    """Read each source's part for this rank (``early``: those that rode in the header round) and place its rows
+    per local expert (by source, then token)."""
     w, R, me = buf.wire, buf.wire.R, buf.wire.me
     row = rows[:, F.XROW].tolist()
     srow = int(rows[me, F.SROW])
@@ -163,7 +184,7 @@ def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: 
         if n < 0 or row[s] < 8 + srow + xrow:
             raise ZbcclRemoteError(f"low_latency_dispatch: rank {s}'s header is malformed, expected rows >= 0 of >= "
                                    f"{8 + srow + xrow} bytes, got {n} rows of {row[s]}", ranks=(s,))
-        raw = w.read(s, off, L * 8 + n * row[s], "low_latency_dispatch") if n else None
+        raw = early[s] if s in early else w.read(s, off, L * 8 + n * row[s], "low_latency_dispatch") if n else None
         cnt = raw[:L * 8].view(torch.int64).tolist() if raw is not None else [0] * L
         if min(cnt, default=0) < 0 or sum(cnt) != n:
             raise ZbcclRemoteError(f"low_latency_dispatch: rank {s}'s counts disagree with its rows, expected {n} in "
@@ -209,24 +230,27 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
     fields, keep, fail = {F.OP: OP_LL_COMBINE, F.SEQ: buf.seq, F.FLAGS: flags}, [], None
     combined = plan = wt = None
     vector: list[int] = []
+    parts: list = [None] * w.R
     try:
         if error:
             raise Fail(error)
         plan, x, wt, (L, N, H, E) = _check_combine(buf, x, topk_idx, topk_weights, handle, out, fields)
         combined = out if out is not None else heap_empty(buf.comm, (plan["T"], H), torch.bfloat16)
         src = buf._ll.next_combine_buffer(buf.comm, L, N, H) if zero_copy else x
-        vector = _pack_outputs(buf, src, handle[1], keep)
+        vector = _pack_outputs(buf, src, handle[1], keep, parts)
     except Fail as exc:
         fail = exc
-    rows = w.publish("low_latency_combine", fields, vector, fail)
+    rows = w.publish("low_latency_combine", fields, vector, fail, parts)
     w.agree("low_latency_combine", rows.tolist(), (
         (F.OP, "the op"), (F.HANDLE, "the handle (from which dispatch)"), (F.H, "the hidden size"),
         (F.TMAX, "the handle's num_max_dispatch_tokens_per_rank"), (F.E, "the handle's num_experts"),
         (F.FLAGS, "zero_copy/hook/use_logfmt")))
+    counts = {o: _part(rows, o, w.me)[1] for o in range(w.R)}
+    early = _arrived(w, {o: n * H * 2 for o, n in counts.items() if _eager(w, o, n, n * H * 2)}, flags)
 
     def recv() -> None:
         try:
-            acc = _reduce(buf, rows, plan, wt, E, H, logfmt=bool(flags & FLAG_LOGFMT))
+            acc = _reduce(buf, rows, plan, wt, E, H, early, logfmt=bool(flags & FLAG_LOGFMT))
         finally:
             _close(w, keep, flags, "low_latency_combine")
         combined.copy_(acc)
@@ -234,9 +258,10 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
     return combined, recv
 
 
-def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list) -> list[int]:
+def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list, parts: list) -> list[int]:
     """One heap block holding, per source rank, its pairs' output rows (expert order, then token);
-    returns ``[offset, rows]`` per source for the header."""
+    returns ``[offset, rows]`` per source for the header, and puts in ``parts`` each source's rows that ride in the
+    header round (:func:`_eager`)."""
     w = buf.wire
     L, N, H = src.shape
     begin, count = (layout >> 32).tolist(), (layout & 0xFFFFFFFF).tolist()
@@ -255,13 +280,18 @@ def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list) -> l
             rows[at:at + c] = src[le, b:b + c]
             at += c
         vector += [base + start * H * 2, at - start]
+        if _eager(w, s, at - start, (at - start) * H * 2):
+            parts[s] = block[start * H * 2:at * H * 2]
         key = "nvl_bytes" if w.host_of[s] == w.my_host else "rdma_send_bytes"
         w.stats[key] += (at - start) * H * 2
     return vector
 
 
-def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: int, *, logfmt: bool) -> torch.Tensor:
-    """fp32 ``sum_k weight * row`` per token, in ascending expert order (each token's pairs pass by pass)."""
+def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: int, early: dict, *,
+            logfmt: bool) -> torch.Tensor:
+    """``sum_k weight * row`` per token in fp32, in ascending expert order (the native ``ep_ll_combine``, bf16; with
+    ``logfmt`` each token's pairs pass by pass in torch, fp32);
+    ``early``: the owners' rows that rode in the header round."""
     w, R, me = buf.wire, buf.wire.R, buf.wire.me
     L, T = E // R, plan["T"]
     tokens, slots = plan["tokens"], plan["slots"]
@@ -281,18 +311,31 @@ def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: in
             raise ZbcclRemoteError(f"low_latency_combine: rank {o} returned another number of rows, expected {hi - lo}, "
                                    f"got {n}", ranks=(o,))
         if n:
-            got[lo:hi] = w.read(o, at, n * H * 2, "low_latency_combine").view(torch.bfloat16).view(n, H)
+            raw = early[o] if o in early else w.read(o, at, n * H * 2, "low_latency_combine")
+            got[lo:hi] = raw.view(torch.bfloat16).view(n, H)
             w.moved += n * H * 2
             if w.host_of[o] != w.my_host:
                 w.stats["rdma_recv_bytes"] += n * H * 2
-    rows_f = (logfmt_roundtrip(got) if logfmt else got).float() * wt.reshape(-1)[slots].unsqueeze(1)
     order = torch.sort(tokens, stable=True).indices
     st = tokens[order]
     pos = torch.arange(st.numel())
     starts = torch.ones_like(st, dtype=torch.bool)
     starts[1:] = st[1:] != st[:-1]
     occ = torch.empty_like(pos)
-    occ[order] = pos - torch.cummax(torch.where(starts, pos, 0), 0).values
+    occ[order] = pos - torch.cummax(torch.where(starts, pos, 0), 0).values  # a pair's place among its token's
+    if not logfmt:  # the native weighted sum: each token's rows in that order (ascending expert), bitwise the same
+        K = plan["topk_idx"].size(1)
+        sel = valid.nonzero().flatten()
+        at = tokens[sel] * K + occ[sel]
+        addr, wk = torch.zeros(T * K, dtype=torch.int64), torch.zeros(T * K, dtype=torch.float32)
+        addr[at] = got.data_ptr() + sel * (H * 2)
+        wk[at] = wt.reshape(-1)[slots[sel]]
+        out = torch.empty(T, H, dtype=torch.bfloat16)
+        scratch = torch.empty(H, dtype=torch.float32)
+        _call(w.caps.ll_combine, _LL_COMBINE(T=T, K=K, H=H, dst=out.data_ptr(), src=addr.data_ptr(), w=wk.data_ptr(),
+                                             acc=scratch.data_ptr()))
+        return out
+    rows_f = logfmt_roundtrip(got).float() * wt.reshape(-1)[slots].unsqueeze(1)
     acc = torch.zeros(T, H, dtype=torch.float32)
     for j in range(int(occ.max()) + 1 if occ.numel() else 0):
         sel = ((occ == j) & valid).nonzero().flatten()
