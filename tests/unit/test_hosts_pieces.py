@@ -13,7 +13,7 @@ from zbccl.ops.dtypes import AVG, MAX, MIN, PROD, SUM
 from zbccl.ops.hosts.flat import copy, reduce_into
 from zbccl.ops.hosts.state import HostOps
 from zbccl.ops.reference import reduce_ref
-from zbccl.ops.tuner import HOSTS_CHUNK, hosts_chunk, hosts_hierarchical
+from zbccl.ops.tuner import EP_HOSTS_EAGER, HOSTS_CHUNK, ep_hosts_eager, hosts_chunk, hosts_hierarchical
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
@@ -69,3 +69,11 @@ def test_tuner_inter_host_choices():
     assert not hosts_hierarchical("reduce_scatter", 1 << 20, 2, 2, True)
     assert not hosts_hierarchical("all_gather", 1 << 20, 2, 2, True)  # three rounds: flat wins below 2 MiB
     assert hosts_hierarchical("all_gather", 4 << 20, 2, 2, True)
+
+
+def test_tuner_ep_eager_limit():
+    assert ep_hosts_eager(1 << 30, 2) == EP_HOSTS_EAGER
+    assert ep_hosts_eager(64 << 20, 4) == 1 << 20  # an eighth of the heap over 2 * 4 slots
+    assert ep_hosts_eager(1 << 30, 4, budget=8 << 20) == 1 << 20  # within num_rdma_bytes when given
+    assert ep_hosts_eager(1 << 30, 4, budget=1 << 40) == EP_HOSTS_EAGER
+    assert ep_hosts_eager(1 << 20, 64) == 4096  # never below a page

@@ -56,7 +56,8 @@ class Buffer:
     one host, without low-latency mode, it is accepted and unused, as DeepEP's is). A group that spans hosts (the routed
     transport) runs DeepEP's internode mode (``docs/ep-internode.md``): the same API on the transport
     verbs, a token bound for several ranks of one host crossing to it once, the handle DeepEP's internode
-    10-tuple, and :meth:`memory_stats` reporting what crossed. ``low_latency_mode``, ``num_qps_per_rank``,
+    10-tuple, and :meth:`memory_stats` reporting what crossed; there each rank holds the slots that carry the
+    small parts (``tuner.ep_hosts_eager``), within ``num_rdma_bytes`` when it is given and an eighth of the heap. ``low_latency_mode``, ``num_qps_per_rank``,
     ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` (mpi4py)
     are accepted and ignored; ``enable_shrink`` enables the rank masks
     (:meth:`low_latency_update_mask_buffer`). ``timeout`` (keyword-only, seconds; default the
@@ -86,7 +87,7 @@ class Buffer:
         self.comm = parent.new_group(members, timeout=timeout)
         self.comm.role = WHERE_EP  # a rank that leaves an op of it half-way left an EP op (runtime/liveness.py)
         #: The control plane across hosts (ep/wire.py) when the group spans hosts, else None (the op channel's).
-        self.wire = HostWire(self.comm, timeout) if spans_hosts(self.comm) else None
+        self.wire = HostWire(self.comm, timeout, self.num_rdma_bytes) if spans_hosts(self.comm) else None
         self.ex = self.wire if self.wire is not None else Exchange(self.comm, timeout)
         self.runtime = self
         self.seq = 0

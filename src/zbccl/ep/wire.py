@@ -91,7 +91,7 @@ def spans_hosts(comm) -> bool:
 class HostWire:
     """Rounds (header all_gather, barrier) and the forwarding geometry of one spanning group."""
 
-    def __init__(self, comm, timeout: float | None) -> None:
+    def __init__(self, comm, timeout: float | None, budget: int = 0) -> None:
         self.comm, self.R, self.me = comm, comm.world_size, comm.rank
         if self.R > MAX_RANKS:
             raise ZbcclInvalidUsageError(f"Buffer: too many ranks for EP across hosts, expected at most {MAX_RANKS}, "
@@ -118,7 +118,7 @@ class HostWire:
         self.W = HDR_LEN + 4 * self.R + 4 * self.H
         self.W8 = self.W * 8
         self.AUX = AUX_OFFS + self.R
-        eager = ep_hosts_eager(comm.heap_bytes, self.R)
+        eager = ep_hosts_eager(comm.heap_bytes, self.R, budget)
         # zeroed before it is announced: no stamp of an earlier user of this memory can pass for a round
         self._region = heap_empty(comm, (region_bytes(self.R, self.W8 + eager),), torch.uint8, fallback=False)
         self._region.zero_()
