@@ -25,6 +25,7 @@ Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``). **Dispatch**:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import ZbcclRemoteError
@@ -32,7 +33,6 @@ from ..native.abi import EP_OP_DISPATCH as OP_DISPATCH
 from ..ops.dtypes import CODE_DTYPES, CODES
 from .exchange import HDR_LEN, STATUS_NOMEM, F, Fail
 from .normal import FLAG_CACHED, FLAG_FP8, FLAG_TOPK, _check_counts, _layout, _split_x, _tensor
-from .reference import channel_prefix, send_head
 from .wire import AUX_OFFS, FAILED
 
 __all__ = ["dispatch", "Rows", "host_layout"]
@@ -67,13 +67,15 @@ class Rows:
 
 def host_layout(in_rank: torch.Tensor, hosts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per host: ``(tokens [n] int64 ascending, masks [n] int64)``: the tokens bound for any of its ranks, and
-    for each the bits of its local ranks (bit ``j``: ``hosts[h][j]``) it goes to."""
+    for each the bits of its local ranks (bit ``j``: ``hosts[h][j]``) it goes to. (numpy: a few small arrays per
+    op, where each torch call costs several times more than its work.)"""
+    a = in_rank.numpy()
     out = []
     for ranks in hosts:
-        sub = in_rank[:, ranks]
-        toks = sub.any(1).nonzero().flatten()
-        bits = torch.tensor([1 << j for j in range(len(ranks))], dtype=torch.int64)
-        out.append((toks, (sub[toks].long() * bits).sum(1)))
+        sub = a[:, ranks]
+        toks = np.flatnonzero(sub.any(1))
+        masks = (sub[toks].astype(np.int64) << np.arange(len(ranks), dtype=np.int64)).sum(1, dtype=np.int64)
+        out.append((torch.from_numpy(toks.astype(np.int64)), torch.from_numpy(masks)))
     return out
 
 
@@ -266,17 +268,19 @@ def _outputs(buf, rl: list, layout: Rows, parts: list, loc: dict) -> dict:
         _gather(parts, layout.idx, 8 * K, raw.view(torch.uint8).view(n, 8 * K))
         ws = torch.empty(n, K, dtype=torch.float32)
         _gather(parts, layout.w, 4 * K, ws.view(torch.uint8).view(n, 4 * K))
-        local = (raw >= me * L) & (raw < (me + 1) * L)
-        i[:n] = torch.where(local, raw - me * L, torch.full_like(raw, -1))
-        wt[:n] = torch.where(local, ws, torch.zeros(()))
-        i[n:], wt[n:] = -1, 0.0
+        ri, iv, wv = raw.numpy(), i.numpy(), wt.numpy()  # a few small arrays: numpy's calls cost less than torch's
+        local = (ri >= me * L) & (ri < (me + 1) * L)
+        iv[:n] = np.where(local, ri - me * L, -1)
+        wv[:n] = np.where(local, ws.numpy(), np.float32(0))
+        iv[n:], wv[n:] = -1, 0.0
         out["i"], out["w"] = i, wt
-        out["per_expert"] = torch.bincount(i[:n][i[:n] >= 0], minlength=L).tolist()
+        mine = iv[:n]
+        out["per_expert"] = np.bincount(mine[mine >= 0], minlength=L).tolist()
     raw_src = torch.empty(n, dtype=torch.int64)
     _gather(parts, 0, 8, raw_src.view(torch.uint8).view(n, 8))
-    src = torch.full((total,), -1, dtype=torch.int32)
-    src[:n] = raw_src
-    out["src_idx"] = src
+    src = np.full(total, -1, dtype=np.int32)
+    src[:n] = raw_src.numpy()
+    out["src_idx"] = torch.from_numpy(src)
     return out
 
 
@@ -324,20 +328,45 @@ def _handle(buf, loc: dict, counts: torch.Tensor, src_idx: torch.Tensor, T_of: l
     recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum [R], recv_src_idx [rows] int32,
     send_rdma_head [T, H], send_nvl_head [T, R])`` (``docs/ep-internode.md`` defines each here)."""
     w, me = buf.wire, buf.wire.me
-    in_rank = loc["in_rank"]
-    in_host = torch.stack([in_rank[:, r].any(1) for r in w.hosts], 1) if in_rank.size(0) else \
-        torch.zeros(0, w.H, dtype=torch.bool)
-    mine = counts[:, me]
+    return handle_fields(loc["in_rank"], w.hosts, w.host_of, me, counts, src_idx, T_of, C)
+
+
+def handle_fields(in_rank: torch.Tensor, hosts: list[list[int]], host_of: list[int], me: int, counts: torch.Tensor,
+                  src_idx: torch.Tensor, T_of: list[int], C: int) -> tuple:
+    """:func:`_handle`'s fields from the sender's routing ``in_rank`` ``[T, R]``, the op's ``counts`` ``[R, R]``
+    (source, destination), this rank's received source tokens ``src_idx`` and every sender's token count ``T_of``
+    (numpy inside: about twenty small arrays, where torch's per-call cost dominates)."""
+    R, H = len(host_of), len(hosts)
+    a = in_rank.numpy()
+    in_host = np.stack([a[:, r].any(1) for r in hosts], 1) if a.shape[0] else np.zeros((0, H), dtype=bool)
+    mine = counts[:, me].numpy()
     n = int(mine.sum())
-    src = src_idx[:n].long()
-    owner = torch.repeat_interleave(torch.arange(w.R), mine)
-    per = torch.tensor([max(-(-t // C), 1) for t in T_of], dtype=torch.int64)
-    chan = src // per[owner] if n else src
-    by_chan = torch.zeros(w.R, C, dtype=torch.int64)
-    if n:
-        by_chan.index_put_((owner, chan.clamp(max=C - 1)), torch.ones(n, dtype=torch.int64), accumulate=True)
-    recv_gbl_chan = (by_chan.cumsum(1) - by_chan).to(torch.int32)
-    host_sum = torch.zeros(w.H, C, dtype=torch.int64).index_add_(0, torch.tensor(w.host_of), by_chan)
-    return (in_rank, channel_prefix(in_host, C), channel_prefix(in_rank, C), host_sum.cumsum(1).to(torch.int32),
-            host_sum.sum(1).cumsum(0).to(torch.int32), recv_gbl_chan, mine.cumsum(0).to(torch.int32), src_idx,
-            send_head(in_host), send_head(in_rank))
+    src = src_idx[:n].numpy().astype(np.int64)
+    owner = np.repeat(np.arange(R), mine)
+    per = np.array([max(-(-t // C), 1) for t in T_of], dtype=np.int64)
+    chan = np.minimum(src // per[owner], C - 1)
+    by_chan = np.bincount(owner * C + chan, minlength=R * C).reshape(R, C).astype(np.int64)
+    recv_gbl_chan = (by_chan.cumsum(1) - by_chan).astype(np.int32)
+    onehot = (np.asarray(host_of)[None, :] == np.arange(H)[:, None]).astype(np.int64)
+    host_sum = onehot @ by_chan
+    t = torch.from_numpy
+    return (in_rank, t(_channel_prefix(in_host, C)), t(_channel_prefix(a, C)), t(host_sum.cumsum(1).astype(np.int32)),
+            t(host_sum.sum(1).cumsum(0).astype(np.int32)), t(recv_gbl_chan), t(mine.cumsum(0).astype(np.int32)),
+            src_idx, t(_send_head(in_host)), t(_send_head(a)))
+
+
+def _channel_prefix(a: np.ndarray, C: int) -> np.ndarray:
+    """:func:`.reference.channel_prefix` in numpy (channel ``c``: tokens ``[c * ceil(T / C), (c + 1) * ...)``)."""
+    T, R = a.shape
+    per = max(-(-T // C), 1)
+    counts = np.zeros((C, R), dtype=np.int64)
+    if T:
+        starts = np.arange(0, T, per)
+        counts[:starts.size] = np.add.reduceat(a.astype(np.int64), starts, axis=0)
+    return np.ascontiguousarray(counts.cumsum(0).T).astype(np.int32)
+
+
+def _send_head(a: np.ndarray) -> np.ndarray:
+    """:func:`.reference.send_head` in numpy: a token's position among those sent to each column (-1: not)."""
+    pos = a.astype(np.int32).cumsum(0, dtype=np.int32) - 1
+    return np.where(a, pos, np.int32(-1))

@@ -14,6 +14,7 @@ round.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
@@ -31,17 +32,17 @@ _PAIR = 16
 __all__ = ["combine"]
 
 
-def _sum_rows(w, in_rank: torch.Tensor, sources: list, dst: torch.Tensor, wdst: torch.Tensor | None,
+def _sum_rows(w, in_rank: np.ndarray, sources: list, dst: torch.Tensor, wdst: torch.Tensor | None,
               extras: list, who: list[int], what: str) -> None:
     """The native combine sum (``ep_combine``): for each row ``t`` of ``dst``, in fp32 and in this order, the
-    ``extras`` rows, then row ``base + head[t, j]`` of each source ``j`` with ``in_rank[t, j]``, rounded once into
-    ``dst`` (and the same of the fp32 weights into ``wdst``). ``sources[j]``: ``(base, rows, x address, weights
-    address)``; ``who[j]``: the group rank a bad row index of source ``j`` is blamed on."""
+    ``extras`` rows, then row ``base + head[t, j]`` of each source ``j`` with ``in_rank[t, j]`` (uint8 ``[n, m]``,
+    C order), rounded once into ``dst`` (and the same of the fp32 weights into ``wdst``). ``sources[j]``: ``(base,
+    rows, x address, weights address)``; ``who[j]``: the group rank a bad row index of source ``j`` is blamed on."""
     n, m = in_rank.shape
-    head = (in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1).contiguous()
+    head = in_rank.cumsum(0, dtype=np.int32) - 1
     K = wdst.size(1) if wdst is not None else 0
     ex = [b.data_ptr() for b in extras] + [0, 0]
-    a = _COMBINE(R=m, T=n, in_rank=in_rank.data_ptr(), head=head.data_ptr(), x_dst=dst.data_ptr(),
+    a = _COMBINE(R=m, T=n, in_rank=in_rank.ctypes.data, head=head.ctypes.data, x_dst=dst.data_ptr(),
                  x_width=dst.size(1), x_itemsize=dst.element_size(), x_dtype=CODES[dst.dtype], x_nextra=len(extras),
                  x_extra0=ex[0], x_extra1=ex[1], w_dst=wdst.data_ptr() if K else 0, w_width=K, w_itemsize=4,
                  w_dtype=CODES[torch.float32], w_nextra=0, w_extra0=0, w_extra1=0)
@@ -55,25 +56,26 @@ def _sum_rows(w, in_rank: torch.Tensor, sources: list, dst: torch.Tensor, wdst: 
     w.moved += moved
 
 
-def _partial(buf, s: int, masks: torch.Tensor, host: int, rows: list, counts: torch.Tensor, dst: torch.Tensor,
+def _partial(buf, s: int, masks: torch.Tensor, host: int, rows, upto: np.ndarray, dst: torch.Tensor,
              wdst: torch.Tensor | None) -> None:
     """Into ``dst`` ``[n, H]`` (``x``'s dtype; ``wdst`` ``[n, K]`` fp32): the sums of the rows host ``host``'s ranks
     hold for sender ``s``'s tokens ``masks`` describes (bit ``j``: the host's ``j``-th rank got the token), in fp32
-    and rank order. Rank ``r``'s rows for ``s`` follow its rows for the ranks before ``s``, by token."""
+    and rank order. Rank ``r``'s rows for ``s`` follow its rows for the ranks before ``s``, by token (``upto[s, r]``:
+    the rows rank ``r`` holds from ranks ``0..s``, the op's counts summed over sources)."""
     w = buf.wire
     ranks = w.hosts[host]
-    n, K = masks.numel(), wdst.size(1) if wdst is not None else 0
-    bits = ((masks.view(n, 1) >> torch.arange(len(ranks))) & 1).to(torch.uint8).contiguous()
+    K = wdst.size(1) if wdst is not None else 0
+    bits = ((masks.numpy()[:, None] >> np.arange(len(ranks))) & 1).astype(np.uint8)
     sources = []
     for r in ranks:
-        nrows = min(rows[r][F.NRECV], int(counts[:s + 1, r].sum()))  # never past s's own rows
+        base, nrows = int(upto[s - 1, r]) if s else 0, min(rows[r][F.NRECV], int(upto[s, r]))  # never past s's rows
         xr = w.view(r, rows[r][F.X], nrows * dst.size(1) * dst.element_size(), "combine").data_ptr() if nrows else 0
         wr = w.view(r, rows[r][F.W], nrows * K * 4, "combine").data_ptr() if nrows and K else 0
-        sources.append((int(counts[:s, r].sum()), nrows, xr, wr))
+        sources.append((base, nrows, xr, wr))
     _sum_rows(w, bits, sources, dst, wdst, [], ranks, f"rank {s}")
 
 
-def _stage_sums(buf, rows, fwd: dict, counts, H: int, K: int, dtype, keep: list) -> list:
+def _stage_sums(buf, rows, fwd: dict, upto: np.ndarray, H: int, K: int, dtype, keep: list) -> list:
     """The forwarder's part of a combine: each forwarded sender's per-token sums, staged in ``dtype`` (then the
     weights' fp32 sums) behind their ``[status, offset]`` pair; returns the parts of the round that carries them
     (per group rank: the pair, with the sums up to the eager limit). ``rows[r]``: the combine header of each
@@ -94,11 +96,11 @@ def _stage_sums(buf, rows, fwd: dict, counts, H: int, K: int, dtype, keep: list)
     for s, masks in fwd.items():
         n, at = masks.numel(), spans[s]
         body = at + _PAIR
-        _partial(buf, s, masks, w.my_host, rows, counts,
+        _partial(buf, s, masks, w.my_host, rows, upto,
                  staging[body:body + n * H * dtype.itemsize].view(dtype).view(n, H),
                  staging[body + n * H * dtype.itemsize:body + n * row].view(torch.float32).view(n, K) if K else None)
         eager = _PAIR + size[s] <= w.eager
-        staging[at:at + _PAIR].view(torch.int64).copy_(torch.tensor([0, -1 if eager else base + body]))
+        staging[at:at + _PAIR].view(torch.int64).numpy()[:] = (0, -1 if eager else base + body)
         parts[s] = staging[at:at + (_PAIR + size[s] if eager else _PAIR)]
     w.stats["rdma_send_bytes"] += sum(size.values())
     w.stats["rdma_peak_bytes"] = max(w.stats["rdma_peak_bytes"], total)
@@ -137,7 +139,8 @@ def _prepare_combine(buf, x, handle, topk_weights, bias, error, fields: dict, ke
         fields[F.W] = w.place(wt, keep, "topk_weights")
     fields.update({F.H: H, F.K: K, F.DTYPE: CODES[x.dtype], F.NRECV: x.size(0), F.X: w.place(x, keep, "x"),
                    F.XROW: H * x.element_size()})
-    return {"T": T, "H": H, "K": K, "dtype": x.dtype, "biases": biases, "extra": extra, "in_rank": handle[0]}
+    return {"T": T, "H": H, "K": K, "dtype": x.dtype, "biases": biases, "extra": extra, "in_rank": handle[0],
+            "upto": extra["counts"].numpy().cumsum(0)}
 
 
 def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -156,7 +159,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
     early = None
     if loc is not None and alone[w.my_host]:
         try:
-            early = _stage_sums(buf, {w.me: fields}, loc["extra"]["fwd"], loc["extra"]["counts"], loc["H"], loc["K"],
+            early = _stage_sums(buf, {w.me: fields}, loc["extra"]["fwd"], loc["upto"], loc["H"], loc["K"],
                                 loc["dtype"], keep)
         except Fail as exc:
             fail = exc
@@ -167,11 +170,11 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
                                 (F.K, "topk_weights (given, num_topk)"),
                                 (F.HANDLE, "the handle (from which dispatch)")))
         T, H, K, dtype, extra = loc["T"], loc["H"], loc["K"], loc["dtype"], loc["extra"]
-        counts = extra["counts"]
+        upto = loc["upto"]
         for r in range(w.R):
-            if rl[r][F.NRECV] < int(counts[:, r].sum()):
+            if rl[r][F.NRECV] < int(upto[-1, r]):
                 raise ZbcclInvalidUsageError(f"combine: rank {r}'s x does not match its handle, expected >= "
-                                             f"{int(counts[:, r].sum())} rows, got {rl[r][F.NRECV]}", ranks=(r,))
+                                             f"{int(upto[-1, r])} rows, got {rl[r][F.NRECV]}", ranks=(r,))
         per_host = host_layout(loc["in_rank"], w.hosts)
         row = H * dtype.itemsize + 4 * K
         got = {}  # host -> its sums for this rank (all read before the second round: x may change after it)
@@ -179,7 +182,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
             n = toks.numel()
             if h == w.my_host and n:
                 got[h] = torch.empty(n * row, dtype=torch.uint8)
-                _partial(buf, w.me, masks, h, rl, counts, got[h][:n * H * dtype.itemsize].view(dtype).view(n, H),
+                _partial(buf, w.me, masks, h, rl, upto, got[h][:n * H * dtype.itemsize].view(dtype).view(n, H),
                          got[h][n * H * dtype.itemsize:].view(torch.float32).view(n, K) if K else None)
             elif alone[h] and n:  # the header round's, copied out if another round follows
                 got[h] = _sums(w, w.forwarder(w.me, h), n * row)
@@ -190,7 +193,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
             if not alone[w.my_host]:
                 fwd = extra["fwd"]
                 try:
-                    parts = _stage_sums(buf, rl, fwd, counts, H, K, dtype, keep)
+                    parts = _stage_sums(buf, rl, fwd, upto, H, K, dtype, keep)
                 except Fail:
                     _notify(w, fwd, NO_ROOM, "combine")
                     raise
@@ -213,11 +216,11 @@ def _sum_hosts(buf, loc: dict, out: torch.Tensor, per_host: list, got: dict) -> 
     w, me = buf.wire, buf.wire.me
     T, H, K, dtype = loc["T"], loc["H"], loc["K"], loc["dtype"]
     row = H * dtype.itemsize + 4 * K
-    in_host = torch.zeros(T, w.H, dtype=torch.uint8)
+    in_host = np.zeros((T, w.H), dtype=np.uint8)
     sources, keep = [], []
     for h, (toks, _) in enumerate(per_host):
         n = toks.numel()
-        in_host[toks, h] = 1
+        in_host[toks.numpy(), h] = 1
         if not n:
             sources.append((0, 0, 0, 0))
             continue
