@@ -30,6 +30,8 @@ from .ep import _Gloo, _ll_step, _routing, _zbccl_step
 __all__ = ["hosts_case", "summarise", "run", "main"]
 
 MiB = 1 << 20
+#: Untimed iterations of every step before the timed ones, per size.
+WARMUP = 3
 
 
 def _interleaved(steps: dict, iters: int, sync) -> dict[str, list[float]]:
@@ -70,6 +72,7 @@ def hosts_case(comm, buffer, *, tokens: int, hidden: int, experts: int, topk: in
         ll_wrong += int((ll_x[e, :c] != ll_ref_x[e, :c]).sum())
     steps = {"zbccl": lambda: _zbccl_step(buffer, xh, idxh, wh, E), "gloo": lambda: gloo.step(x, idx, w, E),
              "ll": lambda: _ll_step(buffer, xh, idxh, wh, E), "ll_gloo": lambda: gloo.ll_step(x, idx, w, E)}
+    _interleaved(steps, WARMUP, dist.barrier)  # first calls of a size: fresh heap pages, the engines' first transfers
     times = _interleaved(steps, iters, dist.barrier)
     L = E // R
     hosts = buffer.wire.hosts if buffer.wire is not None else [list(range(R))]
