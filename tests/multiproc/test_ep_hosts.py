@@ -345,6 +345,41 @@ def test_bad_input_on_one_rank_and_a_missing_rank():
         assert ranks == [3] and named_host and elapsed < 15, o
 
 
+def _full_heap(ctx):
+    """Rank 1's heap is full when the Buffer is built: every rank raises the same error, naming rank 1."""
+    import zbccl
+    import zbccl.ep as deep_ep
+    from zbccl.ep.exchange import heap_empty
+    from zbccl.errors import ZbcclOutOfMemoryError
+
+    os.environ["ZBCCL_HEAP_MAX"] = "0"  # (this child's own setting) a heap that does not grow: it fills quickly
+    comm = _init(ctx, [[0], [1]])
+    comm.barrier()  # its inter-host region, before the heap fills
+    held = []
+    if comm.rank == 1:  # fill it in halving blocks
+        size = 64 * MiB
+        while size >= 1 << 16:
+            try:
+                held.append(heap_empty(comm, (size,), torch.uint8, fallback=False))
+            except ZbcclOutOfMemoryError:
+                size //= 2
+    comm.barrier()
+    t0 = time.monotonic()
+    with pytest.raises(ZbcclOutOfMemoryError) as exc:
+        deep_ep.Buffer(comm, num_rdma_bytes=1 << 20, explicitly_destroy=True)
+    elapsed = time.monotonic() - t0
+    held.clear()
+    buffer = deep_ep.Buffer(comm, num_rdma_bytes=1 << 20, explicitly_destroy=True)  # room again: it works
+    buffer.destroy()
+    zbccl.finalize()
+    return list(exc.value.ranks), "rank(s) [1]" in str(exc.value), elapsed
+
+
+def test_a_full_heap_at_construction_raises_on_every_rank():
+    for ranks, named, elapsed in run_world(_full_heap, 2, timeout=120):
+        assert ranks == [1] and named and elapsed < 10
+
+
 def _host_dies(ctx):
     """Both ranks of host 1 are SIGKILLed between two ops: the survivors name them (and their host) within seconds."""
     from zbccl.errors import ZbcclRemoteError

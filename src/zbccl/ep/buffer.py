@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import ZbcclInvalidUsageError
+from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError
 from ..native.abi import EP_OP_CLEAN as OP_CLEAN  # the tag of clean_low_latency_buffer's barrier
 from ..native.abi import WHERE_EP
 from . import fast, internode, internode_combine, internode_ll, low_latency, normal
@@ -87,7 +87,11 @@ class Buffer:
         self.comm = parent.new_group(members, timeout=timeout)
         self.comm.role = WHERE_EP  # a rank that leaves an op of it half-way left an EP op (runtime/liveness.py)
         #: The control plane across hosts (ep/wire.py) when the group spans hosts, else None (the op channel's).
-        self.wire = HostWire(self.comm, timeout, self.num_rdma_bytes) if spans_hosts(self.comm) else None
+        try:
+            self.wire = HostWire(self.comm, timeout, self.num_rdma_bytes) if spans_hosts(self.comm) else None
+        except ZbcclOutOfMemoryError:  # raised on every rank together: the sub-communicator goes back at once
+            self.comm.destroy()
+            raise
         self.ex = self.wire if self.wire is not None else Exchange(self.comm, timeout)
         self.runtime = self
         self.seq = 0

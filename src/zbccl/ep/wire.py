@@ -120,11 +120,16 @@ class HostWire:
         self.AUX = AUX_OFFS + self.R
         eager = ep_hosts_eager(comm.heap_bytes, self.R, budget)
         # zeroed before it is announced: no stamp of an earlier user of this memory can pass for a round
-        self._region = heap_empty(comm, (region_bytes(self.R, self.W8 + eager),), torch.uint8, fallback=False)
-        self._region.zero_()
-        self._aux = heap_empty(comm, (self.AUX,), torch.int64, fallback=False)
-        self._aux.fill_(-1)
-        regions, self.aux_off, self.eager = self._exchange_offsets(eager)
+        self._region = self._aux = None
+        nomem = ""
+        try:
+            self._region = heap_empty(comm, (region_bytes(self.R, self.W8 + eager),), torch.uint8, fallback=False)
+            self._region.zero_()
+            self._aux = heap_empty(comm, (self.AUX,), torch.int64, fallback=False)
+            self._aux.fill_(-1)
+        except ZbcclOutOfMemoryError as exc:  # announced, so that every rank raises it (none waits for this one)
+            nomem = str(exc)
+        regions, self.aux_off, self.eager = self._exchange_offsets(eager, nomem)
         self.mesh = Mesh(comm._ctx, self.g, regions, self.W8 + self.eager, self.line(_L_MESH),
                          Watch(comm._ctx, self.labels))
         self._none: list = [None] * self.R
@@ -153,11 +158,15 @@ class HostWire:
         """Byte offset in the pad of line ``which`` of this communicator's comm slot."""
         return layout.slot_line(self.comm.slot, which)
 
-    def _exchange_offsets(self, eager: int) -> tuple[list[int], list[int], int]:
+    def _exchange_offsets(self, eager: int, nomem: str) -> tuple[list[int], list[int], int]:
         """Every member's region and aux offsets, and the group's eager limit (the smallest proposed), through the
-        store; each record parsed strictly and checked against its rank's live heap size."""
-        mine = _RECORD.pack(self.offset_of(self._region), self._region.numel(), eager, self.offset_of(self._aux),
-                            self._aux.numel() * 8)
+        store; each record parsed strictly and checked against its rank's live heap size. A rank whose heap could not
+        hold its blocks (``nomem``) announces a region at -1: every rank raises ``ZbcclOutOfMemoryError`` naming it."""
+        if nomem:
+            mine = _RECORD.pack(-1, 0, eager, -1, 0)
+        else:
+            mine = _RECORD.pack(self.offset_of(self._region), self._region.numel(), eager, self.offset_of(self._aux),
+                                self._aux.numel() * 8)
         got = self.comm.bootstrap.all_gather(mine, timeout=self.timeout, tag="ep-wire",
                                              watch=self.comm.store_watch)
         recs = []
@@ -167,6 +176,12 @@ class HostWire:
                                        f"got {len(raw) if isinstance(raw, (bytes, bytearray)) else type(raw).__name__}",
                                        ranks=(r,))
             recs.append(_RECORD.unpack(raw))
+        full = [r for r, rec in enumerate(recs) if rec[0] == -1 and rec[1] == 0]
+        if full:
+            need = region_bytes(self.R, self.W8 + eager) + self.AUX * 8
+            raise ZbcclOutOfMemoryError(f"Buffer: the heap of rank(s) {full} cannot hold EP's blocks across hosts, "
+                                        f"expected about {need} free bytes, got less (raise heap_size, or lower "
+                                        f"num_rdma_bytes){': ' + nomem if nomem else ''}", ranks=tuple(full))
         bad = [r for r, rec in enumerate(recs) if not 4096 <= rec[2] <= 1 << 30 or rec[2] % 4096]
         if bad:
             raise ZbcclRemoteError(f"Buffer: rank {bad[0]}'s EP record holds a bad eager limit, expected a multiple "
