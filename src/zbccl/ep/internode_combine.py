@@ -75,15 +75,22 @@ def _partial(buf, s: int, masks: torch.Tensor, host: int, rows, upto: np.ndarray
     _sum_rows(w, bits, sources, dst, wdst, [], ranks, f"rank {s}")
 
 
+def _sum_layout(n: int, H: int, dtype: torch.dtype, K: int) -> tuple[int, int]:
+    """``(offset of the weights' sums, bytes)`` of ``n`` tokens' sums: ``x``'s in ``dtype``, then, 8-byte aligned,
+    the weights' in fp32."""
+    xb = n * H * dtype.itemsize
+    wat = -(-xb // 8) * 8 if K else xb
+    return wat, wat + n * K * 4
+
+
 def _stage_sums(buf, rows, fwd: dict, upto: np.ndarray, H: int, K: int, dtype, keep: list) -> list:
     """The forwarder's part of a combine: each forwarded sender's per-token sums, staged in ``dtype`` (then the
     weights' fp32 sums) behind their ``[status, offset]`` pair; returns the parts of the round that carries them
     (per group rank: the pair, with the sums up to the eager limit). ``rows[r]``: the combine header of each
     rank ``r`` of this host. Raises :class:`Fail` when the heap cannot hold them."""
     w = buf.wire
-    row = H * dtype.itemsize + 4 * K
     parts: list = [None] * w.R
-    size = {s: masks.numel() * row for s, masks in fwd.items()}
+    size = {s: _sum_layout(masks.numel(), H, dtype, K)[1] for s, masks in fwd.items()}
     spans, total = {}, 0
     for s in fwd:
         spans[s] = total
@@ -98,7 +105,8 @@ def _stage_sums(buf, rows, fwd: dict, upto: np.ndarray, H: int, K: int, dtype, k
         body = at + _PAIR
         _partial(buf, s, masks, w.my_host, rows, upto,
                  staging[body:body + n * H * dtype.itemsize].view(dtype).view(n, H),
-                 staging[body + n * H * dtype.itemsize:body + n * row].view(torch.float32).view(n, K) if K else None)
+                 staging[body + _sum_layout(n, H, dtype, K)[0]:body + size[s]].view(torch.float32).view(n, K)
+                 if K else None)
         eager = _PAIR + size[s] <= w.eager
         staging[at:at + _PAIR].view(torch.int64).numpy()[:] = (0, -1 if eager else base + body)
         parts[s] = staging[at:at + (_PAIR + size[s] if eager else _PAIR)]
@@ -176,16 +184,16 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
                 raise ZbcclInvalidUsageError(f"combine: rank {r}'s x does not match its handle, expected >= "
                                              f"{int(upto[-1, r])} rows, got {rl[r][F.NRECV]}", ranks=(r,))
         per_host = host_layout(loc["in_rank"], w.hosts)
-        row = H * dtype.itemsize + 4 * K
         got = {}  # host -> its sums for this rank (all read before the second round: x may change after it)
         for h, (toks, masks) in enumerate(per_host):
             n = toks.numel()
             if h == w.my_host and n:
-                got[h] = torch.empty(n * row, dtype=torch.uint8)
+                wat, nbytes = _sum_layout(n, H, dtype, K)
+                got[h] = torch.empty(nbytes, dtype=torch.uint8)
                 _partial(buf, w.me, masks, h, rl, upto, got[h][:n * H * dtype.itemsize].view(dtype).view(n, H),
-                         got[h][n * H * dtype.itemsize:].view(torch.float32).view(n, K) if K else None)
+                         got[h][wat:].view(torch.float32).view(n, K) if K else None)
             elif alone[h] and n:  # the header round's, copied out if another round follows
-                got[h] = _sums(w, w.forwarder(w.me, h), n * row)
+                got[h] = _sums(w, w.forwarder(w.me, h), _sum_layout(n, H, dtype, K)[1])
                 if not all(alone):
                     got[h] = got[h].clone()
         if not all(alone):
@@ -215,7 +223,6 @@ def _sum_hosts(buf, loc: dict, out: torch.Tensor, per_host: list, got: dict) -> 
     without them)."""
     w, me = buf.wire, buf.wire.me
     T, H, K, dtype = loc["T"], loc["H"], loc["K"], loc["dtype"]
-    row = H * dtype.itemsize + 4 * K
     in_host = np.zeros((T, w.H), dtype=np.uint8)
     sources, keep = [], []
     for h, (toks, _) in enumerate(per_host):
@@ -224,11 +231,12 @@ def _sum_hosts(buf, loc: dict, out: torch.Tensor, per_host: list, got: dict) -> 
         if not n:
             sources.append((0, 0, 0, 0))
             continue
-        raw = got[h] if h in got else _sums(w, w.forwarder(me, h), n * row)
+        wat, nbytes = _sum_layout(n, H, dtype, K)
+        raw = got[h] if h in got else _sums(w, w.forwarder(me, h), nbytes)
         if h != w.my_host:
-            w.stats["rdma_recv_bytes"] += n * row
+            w.stats["rdma_recv_bytes"] += nbytes
         keep.append(raw)
-        sources.append((0, n, raw.data_ptr(), raw.data_ptr() + n * H * dtype.itemsize if K else 0))
+        sources.append((0, n, raw.data_ptr(), raw.data_ptr() + wat if K else 0))
     accw = torch.empty(T, K, dtype=torch.float32) if K else None
     _sum_rows(w, in_host, sources, out, accw, loc["biases"], [w.forwarder(me, h) for h in range(w.H)],
               f"rank {me}")
