@@ -57,9 +57,9 @@ class Buffer:
     transport) runs DeepEP's internode mode (``docs/ep-internode.md``): the same API on the transport
     verbs, a token bound for several ranks of one host crossing to it once, the handle DeepEP's internode
     10-tuple, and :meth:`memory_stats` reporting what crossed; there each rank holds the slots that carry the
-    small parts (``tuner.ep_hosts_eager``), within ``num_rdma_bytes`` when it is given and an eighth of the heap. ``low_latency_mode``, ``num_qps_per_rank``,
-    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` (mpi4py)
-    are accepted and ignored; ``enable_shrink`` enables the rank masks
+    small parts (``tuner.ep_hosts_eager``), within ``num_rdma_bytes`` when it is given and an eighth of the
+    heap. ``low_latency_mode``, ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``,
+    ``use_fabric`` and ``comm`` (mpi4py) are accepted and ignored; ``enable_shrink`` enables the rank masks
     (:meth:`low_latency_update_mask_buffer`). ``timeout`` (keyword-only, seconds; default the
     communicator's) bounds every wait of every op. Ops are serialised per Buffer (a lock).
     """

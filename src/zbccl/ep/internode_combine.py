@@ -1,15 +1,17 @@
 """Normal combine over a group that spans hosts (DeepEP's internode mode): the reverse of :mod:`.internode`.
 
-Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``): after the header round (each rank's ``x``
-and weights, in its heap), each forwarder sums in fp32, for every token it forwarded in the dispatch,
-the rows its host's ranks hold for that token (in rank order, read through shm views) and stages the
-sums in the input's dtype (the weights' in fp32) behind a ``[status, offset]`` word pair; a second
-round carries each sender its pair and, up to the eager limit, the sums themselves (else ``offset``
-says where the sender reads them). Each sender sums its own host's rows the same way, then, in fp32, the
-biases and every host's sums in host order (each rounded to ``x``'s dtype, as a remote host's are when
-they cross), rounded once into the output; the sums are the native ``ep_combine`` kernel's. The second round also ends this host's reads of ``x``
-(every rank read what it needed before it entered it); the staged sums live until the next op's header
-round.
+Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``): each forwarder sums in fp32, for every token
+it forwarded in the dispatch, the rows its host's ranks hold for that token (in rank order, read through
+shm views) and stages the sums in the input's dtype (the weights' in fp32) behind a ``[status, offset]``
+word pair. A forwarder alone on its host needs no other rank's ``x``: it sums before the header round and
+its pairs ride in it. The others sum after the header round (which says where each local ``x`` lies) and
+send them in a second round, which every rank takes part in when any host holds several ranks. A pair
+carries its sums up to the eager limit, else ``offset`` says where the sender reads them. Each sender
+sums its own host's rows the same way, then, in fp32, the biases and every host's sums in host order
+(each rounded to ``x``'s dtype, as a remote host's are when they cross), rounded once into the output;
+the sums are the native ``ep_combine`` kernel's. Every rank reads what it needs of this host's ``x``
+before it enters the second round, which so ends those reads; the staged sums live until the next op's
+header round.
 """
 
 from __future__ import annotations
@@ -255,7 +257,7 @@ def _sums(w, f: int, nbytes: int) -> torch.Tensor:
                                f"cause; {w.where(f)})", ranks=(f,))
     if off == -1:
         if _PAIR + nbytes > w.eager:
-            raise ZbcclRemoteError(f"combine: rank {f} sent sums in the round beyond the eager limit, expected an offset "
-                                   f"for {nbytes} bytes, got none", ranks=(f,))
+            raise ZbcclRemoteError(f"combine: rank {f} sent sums in the round beyond the eager limit, expected an "
+                                   f"offset for {nbytes} bytes, got none", ranks=(f,))
         return w.part(f, _PAIR + nbytes)[_PAIR:]
     return w.read(f, off, nbytes, "combine")

@@ -316,12 +316,6 @@ class HostWire:
             late = [self.g[r] for r in ranks if self.t.load(self.g[r], line) < target]
             liveness.check(self.comm._ctx, [self.g[r] for r in ranks], op=op, pending=late, labels=self.labels)
 
-    def _signal(self, r: int, line: int, value: int, op: str) -> None:
-        try:
-            self.t.signal(self.g[r], line, value)
-        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            self._named(exc, self._of(exc, r))
-
     def _of(self, exc: ZbcclRemoteError | ZbcclTimeoutError, r: int) -> list[int]:
         """The group ranks of a transport error (its ranks are global ranks), else ``[r]``."""
         return [self.labels[g] for g in exc.ranks if g in self.labels] or [r]
