@@ -112,11 +112,14 @@ class Watch:
         peer = getattr(self.remote, "peers", {}).get(g)
         return peer.where() if peer is not None else "this host"
 
-    def check(self, members: Sequence[int], pending: Sequence[int], op: str) -> None:
+    def check(self, members: Sequence[int], pending: Sequence[int], op: str, *, waited: float = 0.0,
+              timeout: float = float("inf")) -> None:
         """Raise if a member left an op half-way, or a pending one failed, finalized, died or is unreachable.
 
-        Members that left only because they timed out waiting too (for the same late members, at about the
-        same moment): the late members are named, as this rank's own timeout would."""
+        Members that left only because they timed out waiting too, while this wait (``waited`` seconds of its
+        ``timeout``) is past half its own timeout: they gave up at about the moment it would, so the pending
+        members that never left are named, as this rank's own timeout would name them. Earlier, the member that
+        left is named (its shorter timeout is the cause this rank sees)."""
         ctx, label = self.ctx, self.labels.get
         if ctx.finalized:
             raise ZbcclInvalidUsageError(f"{op}: {liveness.FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
@@ -147,7 +150,7 @@ class Watch:
             what = "; ".join(f"rank {label(g, g)} on {self.where(g)} {why}" for g, why in gone)
             raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=tuple(label(g, g) for g, _ in gone))
         late = [g for g in pending if g != ctx.rank and g not in {t[0] for t in timed}]
-        if timed and late and follow is None:
+        if timed and late and follow is None and waited >= timeout / 2:
             names = [label(g, g) for g in late]
             where = "; ".join(f"rank {label(g, g)} on {self.where(g)}" for g in late)
             raise ZbcclTimeoutError(f"{op}: ranks {names} never arrived ({where}; rank(s) "
@@ -389,7 +392,7 @@ class Mesh:
             now = time.monotonic()
             if now >= next_live or now >= deadline:
                 pending = list(dict.fromkeys([self.members[i] for i, _ in late] + [self.members[i] for i in flying]))
-                self.watch.check(self.members, pending, op)
+                self.watch.check(self.members, pending, op, waited=now - start, timeout=timeout)
                 next_live = now + self.watch.interval
             if now >= deadline:
                 label = self.watch.labels.get
