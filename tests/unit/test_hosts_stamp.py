@@ -176,3 +176,19 @@ def test_drain_waits_for_writes_left_in_flight_and_gives_up_in_time():
     t = time.monotonic()
     m0.drain(0.05)
     assert time.monotonic() - t < 2.0 and m0._sent == [(1, never)]
+
+
+def test_the_extent_of_a_step_is_what_its_stamp_covers():
+    """What a member wrote into a slot ends where its stamp says: bytes past it are an older step's."""
+    memory = _Memory()
+    m0, m1 = _meshes(memory)
+    old, new = _payload(0, 2000, salt=1), _payload(0, 300, salt=2)
+    for step, parts in ((1, [(0, old)]), (3, [(0, new[:100]), (100, new[100:])])):
+        m0.seal(step, parts)
+        slot = _slot(memory, 1, 1, 0)
+        slot[:STAMP].copy_(_sealed(m0))
+        for at, piece in parts:
+            slot[STAMP + at:STAMP + at + piece.numel()].copy_(piece)
+        assert m1._here(0, step)
+    assert m1.extent(1, 0) == 300  # step 3 wrote 300 bytes; the 1700 after them are step 1's
+    assert torch.equal(m1.view(1, 0, 2000)[300:], old[300:])

@@ -281,7 +281,12 @@ class HostWire:
 
     def part(self, p: int, nbytes: int) -> torch.Tensor:
         """The ``nbytes`` rank ``p`` sent this rank in the last round (uint8, a view of this rank's slot: valid until
-        every rank entered the next round)."""
+        every rank entered the next round). A rank of another host that sent fewer (its stamp says) is a
+        ``ZbcclRemoteError``: what lies past them in the slot is an older round's."""
+        end = self.mesh.extent(self.parity, p)
+        if end is not None and self._at + nbytes > end:
+            raise ZbcclRemoteError(f"round {self.round}: rank {p} sent {max(end - self._at, 0)} bytes of its part, "
+                                   f"expected {nbytes} (its header says so)", ranks=(p,))
         return self.mesh.view(self.parity, p, nbytes, at=self._at)
 
     def part_offset(self, p: int) -> int:

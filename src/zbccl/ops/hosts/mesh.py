@@ -229,6 +229,14 @@ class Mesh:
         """Offset in this member's own region of the bytes of slot ``(parity, src)`` (after its stamp)."""
         return (parity * self.n + src) * self.pitch + STAMP
 
+    def extent(self, parity: int, src: int) -> int | None:
+        """The end (bytes from the start of slot ``(parity, src)``) of what member ``src`` wrote there in its last
+        step of that parity, as its verified stamp says; None for a member of this host (no stamp)."""
+        if not self.stamped[src]:
+            return None
+        st = self._stamp(parity, src)
+        return max(int(st[1]) + int(st[2]), int(st[3]) + int(st[4]))
+
     def slot_offset(self, parity: int, src: int) -> int:
         """Heap offset (in this member's heap) of the bytes of its slot ``(parity, src)``."""
         return self.regions[self.index] + self._local(parity, src)
