@@ -175,10 +175,14 @@ def _forward(buf, layout: Rows, unions, offs, header_round: int, keep: list) -> 
     srcs = [s for s in range(w.R) if w.host_of[s] != h and w.forwarder(s, h) == me and unions[s][h] > 0]
     total = sum(unions[s][h] for s in srcs) * layout.nbytes
     staged, where, at = {}, {}, 0
-    for s in srcs:
-        nbytes = unions[s][h] * layout.nbytes
-        if nbytes <= w.eager:
-            staged[s], where[s] = w.part(s, nbytes).view(-1, layout.nbytes), w.part_offset(s)
+    try:
+        for s in srcs:
+            nbytes = unions[s][h] * layout.nbytes
+            if nbytes <= w.eager:
+                staged[s], where[s] = w.part(s, nbytes).view(-1, layout.nbytes), w.part_offset(s)
+    except ZbcclRemoteError:  # a sender that wrote less than its header says: this host's ranks raise too
+        w.post_forward(header_round, {}, FAILED)
+        raise
     late = [s for s in srcs if s not in staged]
     staging = None
     if late:
