@@ -146,7 +146,7 @@ def _pack_block(buf, layout: Rows, per_host: list, x, scales, idx, wts, keep: li
             torch.index_select(full, 0, toks, out=part)
             part.view(torch.int64)[:, 1] = masks
         out += [n, base + at]
-        if n and h != w.my_host and n * layout.nbytes <= w.eager:
+        if w.rides(w.forwarder(w.me, h), n * layout.nbytes):
             parts[w.forwarder(w.me, h)] = block[at:at + n * layout.nbytes]
         key = "nvl_bytes" if h == w.my_host else "rdma_send_bytes"
         w.stats[key] += n * layout.nbytes
@@ -178,7 +178,7 @@ def _forward(buf, layout: Rows, unions, offs, header_round: int, keep: list) -> 
     try:
         for s in srcs:
             nbytes = unions[s][h] * layout.nbytes
-            if nbytes <= w.eager:
+            if w.rides(s, nbytes):
                 staged[s], where[s] = w.part(s, nbytes).view(-1, layout.nbytes), w.part_offset(s)
     except ZbcclRemoteError:  # a sender that wrote less than its header says: this host's ranks raise too
         w.post_forward(header_round, {}, FAILED)
@@ -321,25 +321,24 @@ def dispatch(buf, a: dict):
         return recv_x, None, None, None, None
     align = a["expert_alignment"]
     lst = [] if a["num_worst_tokens"] else [-(-c // align) * align for c in out.get("per_expert", [])]
-    handle = _handle(buf, loc, counts, out["src_idx"], [r[F.T] for r in rl], a["config"].num_channels)
-    buf.register(handle[7], {"counts": counts, "fwd": fwd_masks})
+    handle = handle_fields(loc["in_rank"], w.hosts, w.host_of, w.me, counts, out["src_idx"], [r[F.T] for r in rl],
+                           a["config"].num_channels)
+    # what a combine with this handle needs of the dispatch: the counts (and their prefix over sources), the rows
+    # this rank forwarded, and its own tokens per host
+    buf.register(handle[7], {"counts": counts, "upto": counts.numpy().cumsum(0), "fwd": fwd_masks,
+                             "per_host": loc["per_host"]})
     return recv_x, out.get("i"), out.get("w"), lst, handle
-
-
-def _handle(buf, loc: dict, counts: torch.Tensor, src_idx: torch.Tensor, T_of: list[int], C: int) -> tuple:
-    """DeepEP's internode handle: ``(is_token_in_rank, rdma_channel_prefix_matrix [H, C],
-    gbl_channel_prefix_matrix [R, C], recv_rdma_channel_prefix_matrix [H, C], recv_rdma_rank_prefix_sum [H],
-    recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum [R], recv_src_idx [rows] int32,
-    send_rdma_head [T, H], send_nvl_head [T, R])`` (``docs/ep-internode.md`` defines each here)."""
-    w, me = buf.wire, buf.wire.me
-    return handle_fields(loc["in_rank"], w.hosts, w.host_of, me, counts, src_idx, T_of, C)
 
 
 def handle_fields(in_rank: torch.Tensor, hosts: list[list[int]], host_of: list[int], me: int, counts: torch.Tensor,
                   src_idx: torch.Tensor, T_of: list[int], C: int) -> tuple:
-    """:func:`_handle`'s fields from the sender's routing ``in_rank`` ``[T, R]``, the op's ``counts`` ``[R, R]``
-    (source, destination), this rank's received source tokens ``src_idx`` and every sender's token count ``T_of``
-    (numpy inside: about twenty small arrays, where torch's per-call cost dominates)."""
+    """DeepEP's internode handle: ``(is_token_in_rank, rdma_channel_prefix_matrix [H, C],
+    gbl_channel_prefix_matrix [R, C], recv_rdma_channel_prefix_matrix [H, C], recv_rdma_rank_prefix_sum [H],
+    recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum [R], recv_src_idx [rows] int32,
+    send_rdma_head [T, H], send_nvl_head [T, R])`` (``docs/ep-internode.md`` defines each here), from the sender's
+    routing ``in_rank`` ``[T, R]``, the op's ``counts`` ``[R, R]`` (source, destination), this rank's received
+    source tokens ``src_idx`` and every sender's token count ``T_of`` (numpy inside: about twenty small arrays,
+    where torch's per-call cost dominates)."""
     R, H = len(host_of), len(hosts)
     a = in_rank.numpy()
     in_host = np.stack([a[:, r].any(1) for r in hosts], 1) if a.shape[0] else np.zeros((0, H), dtype=bool)

@@ -24,7 +24,6 @@ from ..native.abi import EP_OP_COMBINE as OP_COMBINE
 from ..ops.dtypes import CODES
 from .exchange import F, Fail
 from .fast import _COMBINE, _COMBINE_ROW, _call
-from .internode import host_layout
 from .normal import _tensor
 from .wire import FAILED, NO_ROOM
 
@@ -109,7 +108,7 @@ def _stage_sums(buf, rows, fwd: dict, upto: np.ndarray, H: int, K: int, dtype, k
                  staging[body:body + n * H * dtype.itemsize].view(dtype).view(n, H),
                  staging[body + _sum_layout(n, H, dtype, K)[0]:body + size[s]].view(torch.float32).view(n, K)
                  if K else None)
-        eager = _PAIR + size[s] <= w.eager
+        eager = w.rides(s, _PAIR + size[s])
         staging[at:at + _PAIR].view(torch.int64).numpy()[:] = (0, -1 if eager else base + body)
         parts[s] = staging[at:at + (_PAIR + size[s] if eager else _PAIR)]
     w.stats["rdma_send_bytes"] += sum(size.values())
@@ -149,8 +148,8 @@ def _prepare_combine(buf, x, handle, topk_weights, bias, error, fields: dict, ke
         fields[F.W] = w.place(wt, keep, "topk_weights")
     fields.update({F.H: H, F.K: K, F.DTYPE: CODES[x.dtype], F.NRECV: x.size(0), F.X: w.place(x, keep, "x"),
                    F.XROW: H * x.element_size()})
-    return {"T": T, "H": H, "K": K, "dtype": x.dtype, "biases": biases, "extra": extra, "in_rank": handle[0],
-            "upto": extra["counts"].numpy().cumsum(0)}
+    return {"T": T, "H": H, "K": K, "dtype": x.dtype, "biases": biases, "extra": extra,
+            "upto": extra["upto"], "per_host": extra["per_host"]}
 
 
 def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,7 +184,7 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
             if rl[r][F.NRECV] < int(upto[-1, r]):
                 raise ZbcclInvalidUsageError(f"combine: rank {r}'s x does not match its handle, expected >= "
                                              f"{int(upto[-1, r])} rows, got {rl[r][F.NRECV]}", ranks=(r,))
-        per_host = host_layout(loc["in_rank"], w.hosts)
+        per_host = loc["per_host"]
         got = {}  # host -> its sums for this rank (all read before the second round: x may change after it)
         for h, (toks, masks) in enumerate(per_host):
             n = toks.numel()
@@ -256,7 +255,7 @@ def _sums(w, f: int, nbytes: int) -> torch.Tensor:
         raise ZbcclRemoteError(f"combine: rank {f} failed while staging the sums it forwards (its own error names the "
                                f"cause; {w.where(f)})", ranks=(f,))
     if off == -1:
-        if _PAIR + nbytes > w.eager:
+        if not w.rides(f, _PAIR + nbytes):
             raise ZbcclRemoteError(f"combine: rank {f} sent sums in the round beyond the eager limit, expected an "
                                    f"offset for {nbytes} bytes, got none", ranks=(f,))
         return w.part(f, _PAIR + nbytes)[_PAIR:]

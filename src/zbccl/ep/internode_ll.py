@@ -101,18 +101,12 @@ def _publish_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, fl
         if hi > lo:
             torch.index_select(full, 0, tokens[lo:hi], out=part)
         vector += [base + at, hi - lo]
-        if _eager(w, o, hi - lo, L * 8 + (hi - lo) * row):
+        if hi > lo and w.rides(o, L * 8 + (hi - lo) * row):
             parts[o] = block[at:at + L * 8 + (hi - lo) * row]
         key = "nvl_bytes" if w.host_of[o] == w.my_host else "rdma_send_bytes"
         w.stats[key] += (hi - lo) * row
         at += L * 8 + (hi - lo) * row
     return plan, vector
-
-
-def _eager(w, r: int, rows: int, nbytes: int) -> bool:
-    """Whether a part of ``rows`` rows (``nbytes``) between this rank and group rank ``r`` rides in the header round:
-    ``r`` on another host (one of this host is viewed in place) and the part within the eager limit."""
-    return rows > 0 and w.host_of[r] != w.my_host and nbytes <= w.eager
 
 
 def _arrived(w, sizes: dict, flags: int) -> dict:
@@ -142,8 +136,9 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
         (F.OP, "the op"), (F.E, "num_experts"), (F.H, "the hidden size"),
         (F.TMAX, "num_max_dispatch_tokens_per_rank"), (F.FLAGS, "use_fp8/round_scale/use_ue8m0/hook")))
     L, N, H = E // R, R * tmax, int(rows[me, F.H])
-    sizes = {s: L * 8 + _part(rows, s, me)[1] * int(rows[s, F.XROW]) for s in range(R)}
-    early = _arrived(w, {s: n for s, n in sizes.items() if _eager(w, s, _part(rows, s, me)[1], n)}, flags)
+    got = {s: _part(rows, s, me)[1] for s in range(R)}  # rows each source sent this rank
+    early = _arrived(w, {s: L * 8 + n * int(rows[s, F.XROW]) for s, n in got.items()
+                         if n > 0 and w.rides(s, L * 8 + n * int(rows[s, F.XROW]))}, flags)
     out = {"x": heap_empty(buf.comm, (L, N, H), torch.float8_e4m3fn if flags & FLAG_FP8 else torch.bfloat16),
            "count": torch.zeros(L, dtype=torch.int32), "src_info": torch.zeros(L, N, dtype=torch.int32),
            "layout": torch.zeros(L, R, dtype=torch.int64)}
@@ -246,7 +241,7 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
         (F.TMAX, "the handle's num_max_dispatch_tokens_per_rank"), (F.E, "the handle's num_experts"),
         (F.FLAGS, "zero_copy/hook/use_logfmt")))
     counts = {o: _part(rows, o, w.me)[1] for o in range(w.R)}
-    early = _arrived(w, {o: n * H * 2 for o, n in counts.items() if _eager(w, o, n, n * H * 2)}, flags)
+    early = _arrived(w, {o: n * H * 2 for o, n in counts.items() if w.rides(o, n * H * 2)}, flags)
 
     def recv() -> None:
         try:
@@ -261,7 +256,7 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
 def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list, parts: list) -> list[int]:
     """One heap block holding, per source rank, its pairs' output rows (expert order, then token);
     returns ``[offset, rows]`` per source for the header, and puts in ``parts`` each source's rows that ride in the
-    header round (:func:`_eager`)."""
+    header round (:meth:`.wire.HostWire.rides`)."""
     w = buf.wire
     L, N, H = src.shape
     begin, count = (layout >> 32).tolist(), (layout & 0xFFFFFFFF).tolist()
@@ -280,7 +275,7 @@ def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list, part
             rows[at:at + c] = src[le, b:b + c]
             at += c
         vector += [base + start * H * 2, at - start]
-        if _eager(w, s, at - start, (at - start) * H * 2):
+        if w.rides(s, (at - start) * H * 2):
             parts[s] = block[start * H * 2:at * H * 2]
         key = "nvl_bytes" if w.host_of[s] == w.my_host else "rdma_send_bytes"
         w.stats[key] += (at - start) * H * 2

@@ -279,6 +279,12 @@ class HostWire:
             rows[p] = vec if p == me else self.mesh.view(self.parity, p, self.W8).view(torch.int64)
         return rows
 
+    def rides(self, r: int, nbytes: int) -> bool:
+        """Whether a part of ``nbytes`` between this rank and group rank ``r`` rides in its round: ``r`` on another
+        host (a part for a rank of this host is read in place) and the part within the eager limit. Sender and
+        receiver both ask this, so they agree without a round trip."""
+        return 0 < nbytes <= self.eager and self.host_of[r] != self.my_host
+
     def part(self, p: int, nbytes: int) -> torch.Tensor:
         """The ``nbytes`` rank ``p`` sent this rank in the last round (uint8, a view of this rank's slot: valid until
         every rank entered the next round). A rank of another host that sent fewer (its stamp says) is a
