@@ -40,14 +40,13 @@ Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same or
    starts step ``s + 1``.
 
 Waits poll this member's own memory (remote writes wake no futex), yielding for ``HOT`` seconds and then
-sleeping with back-off to 0.5 ms, and apply the liveness rule every ``liveness`` seconds: a member that left an op half-way (its ABORT line, read
+napping in short steps (:func:`~zbccl.heap.transports.base.pause`), and apply the liveness rule every ``liveness`` seconds: a member that left an op half-way (its ABORT line, read
 through the verbs on another host), a member that failed, finalized or died, a host that stopped
 answering; the timeout names the members never heard from and their hosts.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 
@@ -58,6 +57,7 @@ from ... import native
 from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ...heap import layout
 from ...heap.transports.base import Pending
+from ...heap.transports.base import pause as backoff
 from ...native.abi import ABORT_PEER, ABORT_TIMEOUT
 from ...runtime import liveness
 
@@ -81,20 +81,10 @@ def region_bytes(members: int, slot: int) -> int:
     return 2 * members * (STAMP + slot)
 
 
-#: Seconds a wait yields the core between polls before it sleeps: short, because the words it waits for are
-#: written by this process's own Mooncake engine threads (a remote put lands through them), which a polling
-#: thread must not starve on oversubscribed cores.
+#: Seconds a wait yields the core between polls before it naps (:func:`~zbccl.heap.transports.base.pause`):
+#: short, because the words it waits for are written by this process's own Mooncake engine threads (a remote
+#: put lands through them), which a polling thread must not starve on oversubscribed cores.
 HOT = 200e-6
-
-
-def _pause(waited: float, pause: float, left: float) -> float:
-    """One pause of a wait: yield while hot, then sleep doubling from 20 us to 0.5 ms (never past the deadline)."""
-    if waited < HOT:
-        os.sched_yield()
-        return pause
-    pause = min(2 * pause or 20e-6, 5e-4)
-    time.sleep(min(pause, max(0.0, left)))
-    return pause
 
 
 class Watch:
@@ -415,4 +405,4 @@ class Mesh:
                 raise ZbcclTimeoutError(
                     f"{op}: timed out after {timeout:.1f}s waiting for ranks {names} ({where}), expected their "
                     f"step {need[0][1]} of this op, got none", ranks=tuple(names))
-            pause = _pause(now - start, pause, deadline - now)
+            pause = backoff(now - start, pause, hot=HOT, left=deadline - now)

@@ -14,12 +14,12 @@ not blamed. Waiters ask :meth:`Monitor.verdict`; it never blocks.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
 
 from ....errors import ZbcclError, ZbcclRemoteError, ZbcclTimeoutError
+from ..base import pause as base_pause
 from .engine import MooncakeEngine, probe
 from .memory import CTRL_TABLE
 
@@ -28,23 +28,16 @@ __all__ = ["Peer", "Monitor", "STALL", "backoff"]
 #: Seconds without an answer after which a peer's host is reported unreachable.
 STALL = 5.0
 
-#: Seconds a wait polls before it starts sleeping (a remote poll is a network round trip: paced already).
-HOT_SECONDS = 2e-3
+#: Seconds a wait polls before it starts napping: remote polls back to back (each is a network round trip:
+#: paced already); local ones yield the core meanwhile, briefly (the words they wait for are landed by this
+#: process's engine threads, which a yielding poller keeps off a busy core).
+HOT_REMOTE, HOT_LOCAL = 2e-3, 200e-6
 
 
 def backoff(waited: float, pause: float, *, remote: bool, cap: float, left: float) -> float:
-    """One pause of a polling wait that has waited ``waited`` seconds; returns the next ``pause``.
-
-    Hot for ``HOT_SECONDS`` (remote polls back to back, local ones yielding the core), then sleeps doubling
-    from 20 us to ``cap``, never past the deadline (``left`` seconds away).
-    """
-    if waited < HOT_SECONDS:
-        if not remote:
-            os.sched_yield()
-        return pause
-    pause = min(2 * pause or 20e-6, cap)
-    time.sleep(min(pause, max(0.0, left)))
-    return pause
+    """One pause of a polling wait (:func:`zbccl.heap.transports.base.pause`) that polls remote words (``remote``)
+    or local ones; returns the next ``pause``."""
+    return base_pause(waited, pause, hot=HOT_REMOTE if remote else HOT_LOCAL, left=left, cap=cap, spin=not remote)
 
 
 @dataclass(frozen=True)
