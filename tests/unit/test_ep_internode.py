@@ -31,7 +31,7 @@ def test_rows_pack_places_every_field_at_its_offset():
     w = torch.rand(T, K)
     rows = Rows(H, 8, K)
     assert rows.nbytes % 8 == 0 and rows.nbytes >= 16 + 12 * K + 8 + H
-    packed = rows.pack(x, scales, idx, w)
+    packed = torch.from_numpy(rows.pack(x, scales, idx, w))
     assert packed.shape == (T, rows.nbytes)
     as64 = packed[:, :16].contiguous().view(torch.int64)
     assert as64[:, 0].tolist() == list(range(T)) and as64[:, 1].tolist() == [0] * T

@@ -47,22 +47,18 @@ class Rows:
         self.nbytes = -(-(self.x + xrow) // 8) * 8
 
     def pack(self, x: torch.Tensor, scales: torch.Tensor | None, idx: torch.Tensor | None,
-             w: torch.Tensor | None) -> torch.Tensor:
-        """``[T, nbytes]`` uint8: every token's row (the mask word zero)."""
+             w: torch.Tensor | None) -> np.ndarray:
+        """``[T, nbytes]`` uint8: every token's row (the mask word zero). Filled by numpy on this thread: torch's
+        copies of a few hundred KiB fan out to its intra-op threads, whose spinning afterwards holds off the
+        peers and the transport's threads on busy cores (``docs/benchmarks.md`` A.15)."""
         T = x.size(0)
-        cols = [torch.arange(T, dtype=torch.int64).view(T, 1).view(torch.uint8), torch.zeros(T, 8, dtype=torch.uint8)]
-        for t in (idx, w, scales, x):
+        out = np.zeros((T, self.nbytes), dtype=np.uint8)
+        out[:, :8].view(np.int64)[:, 0] = np.arange(T, dtype=np.int64)
+        for t, at in ((idx, self.idx), (w, self.w), (scales, self.s), (x, self.x)):
             if t is not None and t.numel():
-                cols.append(t.contiguous().view(T, -1).view(torch.uint8))
-            elif t is not None:
-                cols.append(torch.zeros(T, 0, dtype=torch.uint8))
-        pad = self.nbytes - self.x - self.xrow
-        if pad:
-            cols.append(torch.zeros(T, pad, dtype=torch.uint8))
-        return torch.cat(cols, 1) if T else torch.zeros(0, self.nbytes, dtype=torch.uint8)
-
-    def column(self, rows: torch.Tensor, at: int, nbytes: int) -> torch.Tensor:
-        return rows[:, at:at + nbytes]
+                cols = t.contiguous().view(T, -1).view(torch.uint8).numpy()
+                out[:, at:at + cols.shape[1]] = cols
+        return out
 
 
 def host_layout(in_rank: torch.Tensor, hosts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,8 +139,9 @@ def _pack_block(buf, layout: Rows, per_host: list, x, scales, idx, wts, keep: li
         n = toks.numel()
         part = block[at:at + n * layout.nbytes].view(n, layout.nbytes)
         if n:
-            torch.index_select(full, 0, toks, out=part)
-            part.view(torch.int64)[:, 1] = masks
+            rows = part.numpy()
+            np.take(full, toks.numpy(), axis=0, out=rows, mode="clip")  # (clip: unbuffered)
+            rows[:, 8:16].view(np.int64)[:, 0] = masks.numpy()
         out += [n, base + at]
         if w.rides(w.forwarder(w.me, h), n * layout.nbytes):
             parts[w.forwarder(w.me, h)] = block[at:at + n * layout.nbytes]
@@ -241,14 +238,14 @@ def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round
 
 def _gather(parts: list, at: int, width: int, dst: torch.Tensor) -> None:
     """Bytes ``[at, at + width)`` of every part's rows (:func:`_receive`), in order, into ``dst`` (uint8 ``[n,
-    width]``): one copy, straight out of the blocks."""
-    row = 0
+    width]``): one copy, straight out of the blocks (numpy, on this thread: see :meth:`Rows.pack`)."""
+    row, out = 0, dst.numpy()
     for blk, sel, want in parts:
-        src, piece = blk[:, at:at + width], dst[row:row + want]
+        src, piece = blk.numpy()[:, at:at + width], out[row:row + want]
         if sel is None:
-            piece.copy_(src)
+            np.copyto(piece, src)
         else:
-            torch.index_select(src, 0, sel, out=piece)
+            np.take(src, sel.numpy(), axis=0, out=piece, mode="clip")  # (clip: unbuffered)
         row += want
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
@@ -83,11 +84,13 @@ def _publish_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, fl
     else:
         cols = [x.contiguous().view(torch.uint8)]
     row = 8 + sum(c.size(1) for c in cols)
-    cols = [torch.arange(T, dtype=torch.int64).view(T, 1).view(torch.uint8), *cols]
-    if row % 8:
-        cols.append(torch.zeros(T, 8 - row % 8, dtype=torch.uint8))
-        row += 8 - row % 8
-    full = torch.cat(cols, 1)
+    row += -row % 8
+    full = np.zeros((T, row), dtype=np.uint8)  # numpy, on this thread (see ``internode.Rows.pack``)
+    full[:, :8].view(np.int64)[:, 0] = np.arange(T, dtype=np.int64)
+    at = 8
+    for c in cols:
+        full[:, at:at + c.size(1)] = c.numpy()
+        at += c.size(1)
     fields.update({F.H: H, F.T: T, F.K: idx.size(1), F.XROW: row, F.NROWS: tokens.numel()})
     block = w.heap_block(R * L * 8 + tokens.numel() * row, "send block")
     keep.append(block)
@@ -99,7 +102,7 @@ def _publish_dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, fl
         block[at:at + L * 8].view(torch.int64).copy_(counts[o * L:(o + 1) * L])
         part = block[at + L * 8:at + L * 8 + (hi - lo) * row].view(hi - lo, row)
         if hi > lo:
-            torch.index_select(full, 0, tokens[lo:hi], out=part)
+            np.take(full, tokens[lo:hi].numpy(), axis=0, out=part.numpy(), mode="clip")  # (clip: unbuffered)
         vector += [base + at, hi - lo]
         if hi > lo and w.rides(o, L * 8 + (hi - lo) * row):
             parts[o] = block[at:at + L * 8 + (hi - lo) * row]

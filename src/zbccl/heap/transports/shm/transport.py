@@ -66,7 +66,7 @@ from ....bootstrap.topology import Topology
 from ....errors import ZbcclError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclSystemError
 from ... import flags, layout
 from ...releases import drain
-from ..base import NativeHandle, Segment, SignalPad, Transport, ViewRelease
+from ..base import NativeHandle, Segment, SignalPad, Transport, ViewRelease, _as_bytes
 from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive_fd
 from ..liveness import Pidfds
 from .mapping import create_memfd, load_i64, map_fd, prefault, store_i64, tensor_at, unmap_addr
@@ -103,6 +103,7 @@ class ShmTransport(Transport):
         self._live = Pidfds()
         self._gone_early: set[int] = set()  # local peers whose announced pid was gone before watch_peers
         self._prims = flags.primitives()
+        self._memcpy = getattr(self._prims, "memcpy", None)  # None: the pure-Python fallback's torch copy
         self._native = _ShmNative(self)
         self.views = 0  # views of peers' data alive (finalize keeps the mappings while any is)
         self._own_flat: torch.Tensor | None = None  # this rank's live data as one uint8 view (_own_bytes)
@@ -293,6 +294,32 @@ class ShmTransport(Transport):
         if flat is None or flat.numel() < end:
             flat = self._own_flat = tensor_at(self._base[self.rank] + _PAD, self.size(self.rank))
         return flat
+
+    # ------------------------------------------------------------ put / get
+    def put(self, rank: int, offset: int, src, *, op: str = "put") -> None:
+        """:meth:`Transport.put` as one copy on the calling thread: torch's copy of a large tensor fans out to
+        its intra-op threads, which then spin for a while, and on busy cores that spinning holds off the
+        other ranks and the transports' threads (a 2 x 2 all_to_all of 1 MiB between namespace hosts took
+        11.5 ms with torch's 2 threads per rank against 2.9 ms with one, ``docs/benchmarks.md`` A.15)."""
+        data = _as_bytes(src)
+        n = data.numel()
+        if data.device.type != "cpu" or self._memcpy is None:
+            super().put(rank, offset, data, op=op)
+            return
+        self.check_data(rank, offset, n, op=op)
+        if n:
+            self._memcpy(self._base[rank] + _PAD + offset, data.data_ptr(), n)
+
+    def get_into(self, rank: int, offset: int, dst: torch.Tensor, *, op: str = "get") -> None:
+        """:meth:`Transport.get_into` as one copy on the calling thread (see :meth:`put`) when ``dst`` is a
+        contiguous CPU tensor."""
+        n = dst.numel() * dst.element_size()
+        if dst.device.type != "cpu" or not dst.is_contiguous() or self._memcpy is None:
+            super().get_into(rank, offset, dst, op=op)
+            return
+        self.check_data(rank, offset, n, op=op)
+        if n:
+            self._memcpy(dst.data_ptr(), self._base[rank] + _PAD + offset, n)
 
     def pad_view(self, rank: int, line: int, nbytes: int, *, op: str = "signal pad") -> torch.Tensor:
         self.check_pad(rank, line, nbytes, op=op)
