@@ -20,11 +20,12 @@ from zbccl.ops.tuner import EP_HOSTS_EAGER, HOSTS_CHUNK, ep_hosts_eager, hosts_c
                                    torch.bfloat16, torch.float16, torch.bool])
 @pytest.mark.parametrize("red", [SUM, PROD, MAX, MIN, AVG])
 @pytest.mark.parametrize("alias", [None, 0, 1, 2])
-def test_reduce_into_is_bit_equal_to_the_reference(dtype, red, alias):
+@pytest.mark.parametrize("n", [257, 40_003])  # (the native kernel's vector loop and its tail)
+def test_reduce_into_is_bit_equal_to_the_reference(dtype, red, alias, n):
     if red == AVG and not dtype.is_floating_point:
         return
     g = torch.Generator().manual_seed(7)
-    parts = [(torch.randn(257, generator=g) * 50).to(dtype) for _ in range(3)]
+    parts = [(torch.randn(n, generator=g) * 50).to(dtype) for _ in range(3)]
     if dtype.is_floating_point:
         parts[1][3] = float("nan")  # NaN propagates as in the reference
     want = reduce_ref([p.clone() for p in parts], red)
