@@ -175,7 +175,9 @@ def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: 
     srow = int(rows[me, F.SROW])
     xrow = H if out["x"].dtype == torch.float8_e4m3fn else 2 * H
     begin = [0] * L
-    xb = out["x"].view(torch.uint8).view(L, N, xrow)
+    # numpy, on this thread (see ``internode.Rows.pack``)
+    xb, info = out["x"].view(torch.uint8).view(L, N, xrow).numpy(), out["src_info"].numpy()
+    scales = out["scales"].numpy() if srow else None
     for s in range(R):
         off, n = _part(rows, s, me)
         dropped = bool((drops >> s) & 1)
@@ -189,7 +191,7 @@ def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: 
                                    f"all, got {cnt}", ranks=(s,))
         if dropped:
             cnt = [0] * L
-        part = raw[L * 8:].view(n, row[s]) if raw is not None and n else None
+        part = raw[L * 8:].view(n, row[s]).numpy() if raw is not None and n else None
         at = 0
         for le in range(L):
             c, b = cnt[le], begin[le]
@@ -201,10 +203,9 @@ def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: 
                                              f"at most {N}, got {b + c}", ranks=tuple(range(R)))
             rs = part[at:at + c]
             xb[le, b:b + c] = rs[:, 8 + srow:8 + srow + xrow]
-            out["src_info"][le, b:b + c] = rs[:, :8].contiguous().view(torch.int64).flatten().to(torch.int32)
+            info[le, b:b + c] = rs[:, :8].copy().view(np.int64)[:, 0]
             if srow:
-                sc = rs[:, 8:8 + srow].contiguous().view(out["scales"].dtype)
-                out["scales"][le, b:b + c] = sc
+                scales[le, b:b + c] = rs[:, 8:8 + srow].copy().view(scales.dtype)
             begin[le], at = b + c, at + c
         w.moved += n * row[s]
         if w.host_of[s] != w.my_host:
@@ -251,7 +252,10 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
             acc = _reduce(buf, rows, plan, wt, E, H, early, logfmt=bool(flags & FLAG_LOGFMT))
         finally:
             _close(w, keep, flags, "low_latency_combine")
-        combined.copy_(acc)
+        if combined.is_contiguous() and acc.is_contiguous() and combined.dtype == acc.dtype:
+            np.copyto(combined.view(torch.int16).numpy(), acc.view(torch.int16).numpy())  # (on this thread)
+        else:
+            combined.copy_(acc)
 
     return combined, recv
 

@@ -54,9 +54,15 @@ def np_of(t: torch.Tensor) -> np.ndarray:
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[:] = src`` on this thread (same dtype and shape)."""
-    if dst.numel() and dst.data_ptr() != src.data_ptr():
-        np.copyto(np_of(dst), np_of(src))
+    """``dst[:] = src`` (same dtype and number of elements): one copy on this thread when both are contiguous
+    (torch's copy fans out to its intra-op threads, whose spinning afterwards holds off the peers and the
+    transport's threads on busy cores), else torch's; nothing when they are the same memory."""
+    if not dst.numel() or dst.data_ptr() == src.data_ptr():
+        return
+    if dst.is_contiguous() and src.is_contiguous():
+        np.copyto(np_of(_bytes(dst)), np_of(_bytes(src)))
+    else:
+        dst.copy_(src.view(dst.shape) if src.is_contiguous() else src.reshape(dst.shape))
 
 
 def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
@@ -137,7 +143,7 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, err
     if not data:
         return work
     if work is not tensor:
-        tensor.copy_(work)
+        copy(tensor, work)
     return None
 
 
@@ -166,7 +172,7 @@ def _split_all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: i
     reduce_scatter(h, op, mine, flat, dt, red, counts, counts, 0, None, secs, whole=True)
     gather(h, op, flat, mine, dt, counts, 0, [], None, secs)
     if work is not tensor:
-        tensor.copy_(work)
+        copy(tensor, work)
 
 
 def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int], d: int,
@@ -202,7 +208,7 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
         parts = [flat[offs[i] // isz:offs[i] // isz + counts[i]].view(shapes[i]) for i in range(n)]
         output.copy_(torch.cat(parts, d))
     elif buf.data_ptr() != output.data_ptr():
-        output.copy_(buf.view(output.shape))
+        copy(output, buf)
     return heads
 
 
@@ -250,7 +256,7 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
         parts = [sends[me] if i == me else slots[i * piece:(i + 1) * piece] for i in range(n)]
         reduce_into(out, [p.view(input.dtype) for p in parts], red)
     if ok and out.data_ptr() != output.data_ptr():
-        output.copy_(out.view(output.shape))
+        copy(output, out)
 
 
 def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, ins: list[int],
@@ -278,7 +284,7 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     h.exchange(op, OP_ALL_TO_ALL, {F.DTYPE: dt}, ins + outs if ok else [], error, sends, consume, timeout=secs,
                same=(F.DTYPE,), pairwise=ok, dests=dests)
     if ok and buf.data_ptr() != output.data_ptr():
-        output.copy_(buf.view(output.shape))
+        copy(output, buf)
 
 
 def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, error: str | None, secs: float) -> None:
@@ -304,7 +310,7 @@ def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, erro
     h.exchange(op, OP_BROADCAST, fields, [], error, sends, consume, timeout=secs, same=(F.DTYPE, F.ROOT, F.NUMEL),
                dests=dests)
     if outb is not None and work.data_ptr() != tensor.data_ptr():
-        tensor.copy_(work.view(tensor.shape))
+        copy(tensor, work)
 
 
 def barrier(h: HostOps, op: str, tag: int, error: str | None, secs: float) -> list[int] | None:

@@ -92,7 +92,7 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, sec
     if red == AVG:
         flat.div_(h.n)
     if work is not tensor:
-        tensor.copy_(work)
+        flat_ops.copy(tensor, work)
 
 
 def _scratch(h: HostOps, shape: tuple) -> torch.Tensor:
@@ -128,7 +128,7 @@ def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
             for li, i in enumerate(members):
                 flat_ops.copy(outb[i, lo:lo + m], blocks[li, hi])
     if out is not output:
-        output.copy_(out)
+        flat_ops.copy(output, out)
 
 
 def _direct_gather(h: HostOps, op: str, output: torch.Tensor, src: torch.Tensor, heads: list, secs: float) -> None:
