@@ -40,8 +40,10 @@ class _Memory:
             self.put(rank, offset, src, op=op)
 
     def put_async(self, rank, offset, src, *, op="put"):
-        """A write that lands only when polled (an engine that moves nothing until asked), from a copy of the
-        source taken at the end: the mesh must keep its staging buffer unchanged until then."""
+        """A write that lands late, when first polled (the mesh polls its writes while it waits), from a copy of
+        the source taken then: the mesh must keep its staging buffer unchanged until it landed, across the
+        step's return (a step returns once the peer's bytes are here, its own last write maybe still in
+        flight)."""
         memory = self
 
         class _Late(Pending):

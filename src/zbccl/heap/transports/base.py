@@ -256,8 +256,10 @@ class Transport(ABC):
 
     def put_async(self, rank: int, offset: int, src: torch.Tensor, *, op: str = "put") -> Pending:
         """Start :meth:`put` of ``src`` (a contiguous tensor) and return: the bytes have landed once the returned
-        :class:`Pending` says :meth:`~Pending.done`, and ``src`` must stay alive and unchanged until then (the
-        caller polls it: a transport may move nothing until asked). Bounds are checked before anything moves.
+        :class:`Pending` says :meth:`~Pending.done`, and ``src`` must stay alive and unchanged until then. The
+        write moves on its own (an engine's threads, a copy engine, or at once); polling reports it and retries
+        a failed one (or raises), so a caller that waits for a peer's answer to it polls it meanwhile (the
+        mesh's waits do). Bounds are checked before anything moves.
         A transport whose put is a copy (one host) completes it here."""
         self.put(rank, offset, src, op=op)
         return DONE

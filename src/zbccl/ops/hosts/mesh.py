@@ -35,9 +35,13 @@ Synchronisation protocol (step ``s`` = 1, 2, ... on every member, in the same or
    peer's start: a one-write step's from a staging buffer of ``p``'s; an ordered step's bytes uncopied, and
    its stamp (from that staging buffer) once every peer's bytes landed (Mooncake over TCP v2 completes a
    write only once it landed).
-3. Wait until every peer's step ``s`` arrived here and this member's writes of step ``s`` landed (so every
-   staging buffer is free again); the caller consumes the slots (views of this member's own heap) before it
-   starts step ``s + 1``.
+3. Wait until every peer's step ``s`` arrived here; the caller consumes the slots (views of this member's own
+   heap) before it starts step ``s + 1``. This member's last writes of step ``s`` (a one-write step's, or an
+   ordered step's stamps) may still be in flight: they read only its staging buffers (an ordered step's bytes,
+   read from the caller's memory, landed before its stamps left), so step ``s + 1`` waits for them before it
+   refills those buffers, as :meth:`Mesh.drain` does before the buffers are freed. Waiting for them here
+   instead (for the acknowledgement of a write the peer already checked) cost a 2 x 1 all_reduce of 4-64 KiB
+   10-20 % (``docs/benchmarks.md`` A.15). A write that failed is retried (or raises, naming its peer) there.
 
 Waits poll this member's own memory (remote writes wake no futex), yielding for ``HOT`` seconds and then
 napping in short steps (:func:`~zbccl.heap.transports.base.pause`), and apply the liveness rule every ``liveness`` seconds: a member that left an op half-way (its ABORT line, read
@@ -251,10 +255,13 @@ class Mesh:
              before: Sequence[torch.Tensor | None] | None = None, before_at: int = 0) -> int:
         """One step: ``pieces[i]`` (flat uint8, at most ``slot - at`` bytes, or None: nothing) to member ``i``, at
         byte ``at`` of its slot (and ``before[i]`` at ``before_at``); returns the step's parity (read what
-        arrived with :meth:`view`) once every peer's bytes are here."""
+        arrived with :meth:`view`) once every peer's bytes are here (this member's own last writes may still be in
+        flight from its staging buffers: protocol step 3)."""
         self.step_no += 1
         s, parity = self.step_no, self.step_no % 2
         idx = [i for i in range(self.n) if i != self.index]
+        if self._sent:  # the last step's writes (3.): their staging buffers are refilled below
+            self.wait([], op=op, timeout=timeout, sent=True)
         if s > 1 and not all(self.got[i] >= s - 1 for i in idx):  # 1. (holds already in lockstep)
             self.wait([(i, s - 1) for i in idx], op=op, timeout=timeout)
         me_line = self._arrived(self.index)
@@ -275,7 +282,7 @@ class Mesh:
                 continue
             end = max((where + p.numel() for where, p in parts), default=0)
             ordered = self.seal(s, parts)
-            stage = self._staging(i)  # (free: every step ends with its writes landed)
+            stage = self._staging(i)  # (free: the last step's writes landed, waited for above)
             self._copy(stage.data_ptr(), self._out_addr, STAMP)
             if ordered:  # the bytes, uncopied, then (once every peer's landed) the stamp: no hash of the bytes
                 for where, piece in parts:
@@ -289,7 +296,7 @@ class Mesh:
             self.wait([], op=op, timeout=timeout, sent=True)
             for i, g, slot, stage in stamps:
                 self._sent.append((i, self.t.put_async(g, slot, stage[:STAMP], op=op)))
-        self.wait([(i, s) for i in idx], op=op, timeout=timeout, sent=True)  # 3.
+        self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
 
     def seal(self, s: int, parts: Sequence[tuple[int, torch.Tensor]]) -> bool:
@@ -309,15 +316,16 @@ class Mesh:
         return ordered
 
     def _staging(self, i: int) -> torch.Tensor:
-        """Member ``i``'s staging buffer (its last write landed: every step ends with its writes landed)."""
+        """Member ``i``'s staging buffer (its last write landed: a step starts by waiting for the last one's)."""
         stage = self._stage[i]
         if stage is None:
             stage = self._stage[i] = torch.empty(STAMP + min(ORDERED, self.slot), dtype=torch.uint8)
         return stage
 
     def track(self, i: int, write: Pending) -> None:
-        """Make ``write`` (to member ``i``, started by the caller) one that ``wait(sent=True)`` waits for. Only
-        between steps: a step's own writes are tracked the same way and waited for before it returns."""
+        """Make ``write`` (to member ``i``, started by the caller) one that ``wait(sent=True)`` waits for (the
+        caller waits for it before its source changes). Only between steps: a step's own writes are tracked the
+        same way and waited for when the next step starts."""
         self._sent.append((i, write))
 
     def drain(self, seconds: float) -> None:
@@ -376,17 +384,18 @@ class Mesh:
 
     def wait(self, need: Sequence[tuple[int, int]], *, op: str, timeout: float, sent: bool = False) -> None:
         """Until member ``i``'s step ``target`` arrived here for each ``(i, target)`` (and, with ``sent``, this
-        member's writes of the step landed); the liveness rule meanwhile."""
+        member's writes landed); the liveness rule meanwhile. This member's writes are polled on every pass
+        either way (a failed one is retried, or raises naming its peer, while this op still runs)."""
         start = time.monotonic()
         deadline, next_live, pause = start + timeout, start + self.watch.interval, 0.0
         writes = self._sent
         while True:
             late = [(i, target) for i, target in need if not self._here(i, target)]
-            flying = sorted({i for i, w in writes if not w.done()}) if sent else []
-            if not late and not flying:
-                if sent:
-                    writes.clear()
+            flying = sorted({i for i, w in writes if not w.done()}) if writes else []
+            if not late and not (sent and flying):
+                writes[:] = [(i, w) for i, w in writes if i in flying]
                 return
+            flying = flying if sent else []  # (only what this wait waits for is late)
             now = time.monotonic()
             if now >= next_live or now >= deadline:
                 pending = list(dict.fromkeys([self.members[i] for i, _ in late] + [self.members[i] for i in flying]))
