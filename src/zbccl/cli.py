@@ -185,7 +185,7 @@ def _bench_hosts(args, split) -> int:
                               ops=split(args.ops) if args.ops else HOST_OPS,
                               dtypes=split(args.dtypes) if args.dtypes else ("fp32",), min_size=args.min_size,
                               max_size=args.max_size, smoke=args.smoke, quick=args.quick, idle_wait=args.idle_wait,
-                              ep=not args.no_ep, json_path=args.json)
+                              ep=not args.no_ep, json_path=args.json, threads=args.threads)
     except (ValueError, HostsUnavailable) as exc:
         print(f"zbccl bench --hosts: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Usage: zbccl bench [-n N] [--ops OPS] [--dtypes fp32,bf16] [--min-size 4K] [--max-size 64M]
                    [--baselines gloo,memcpy[,vllm|,mpi]] [--json PATH] [--plot PATH] [--quick] [--threads T]
                    [--idle-wait S] [--no-zbccl] [--gap-ms MS]
-       zbccl bench --hosts N [--ranks-per-host M] [--smoke] [--no-ep] [--ops OPS] [--json PATH] (root)
+       zbccl bench --hosts N [--ranks-per-host M] [--smoke] [--no-ep] [--ops OPS] [--dtypes D] [--threads T]
+                   [--json PATH] (root)
 
 The zbccl benchmark: nccl-tests-style rows (``size count dtype time_us algbw
 busbw #wrong``) for all_reduce, all_gather, reduce_scatter, all_to_all and

@@ -65,7 +65,7 @@ def must_bytes(op: str, size: int, world: int, per_host: int) -> int:
 
 
 def _options(hosts: int, per_host: int, ops, dtypes, min_size, max_size, smoke: bool, quick: bool,
-             idle_wait: float | None, ep: bool) -> dict:
+             idle_wait: float | None, ep: bool, threads: int | None = None) -> dict:
     from ..env import parse_size
     from ..tools.launch import rank_threads
     from .runner import size_ladder
@@ -94,7 +94,7 @@ def _options(hosts: int, per_host: int, ops, dtypes, min_size, max_size, smoke: 
     return {"ops": ops, "dtypes": dtypes, "sizes": sizes, "hosts": hosts, "ranks_per_host": per_host,
             "timing": {k: getattr(tcfg, k) for k in ("target_s", "reps", "warmup", "cap_s", "max_iters", "gap_ms")},
             "idle_wait": (0.0 if smoke or quick else 5.0) if idle_wait is None else float(idle_wait),
-            "threads": rank_threads(world), "ep": ep_shape if ep else None, "progress": False,
+            "threads": threads or rank_threads(world), "ep": ep_shape if ep else None, "progress": False,
             "heap_size": (world + 2) * max(sizes) + (32 << 20), "zbccl_timeout": 120.0, "store_timeout": 600.0,
             "raw_timeout": 600.0}
 
@@ -103,9 +103,10 @@ def run_hosts_bench(*, hosts: int = 2, ranks_per_host: int = 1, ops=HOST_OPS, dt
                     min_size: int | str = "4K", max_size: int | str = "64M", smoke: bool = False,
                     quick: bool = False, idle_wait: float | None = None, ep: bool = True,
                     json_path: str | None = None, timeout: float | None = None, progress: bool = True,
-                    out: IO[str] | None = None) -> dict:
+                    out: IO[str] | None = None, threads: int | None = None) -> dict:
     """Run the benchmark between ``hosts`` namespace hosts of ``ranks_per_host`` ranks; print the report to
-    ``out`` (None: stdout), write ``json_path``; return the results document.
+    ``out`` (None: stdout), write ``json_path``; return the results document. ``threads``: torch's intra-op
+    threads per rank (None: this machine's cores over the ranks, as a launcher sets them).
 
     Raises :class:`~zbccl.tools.netns.HostsUnavailable` (saying why) where namespace hosts cannot be made
     (not root, no iproute2/util-linux), or Mooncake is not installed; ``ValueError`` for bad options.
@@ -116,7 +117,7 @@ def run_hosts_bench(*, hosts: int = 2, ranks_per_host: int = 1, ops=HOST_OPS, dt
     from .hosts_rank import rank_main
 
     out = out or sys.stdout
-    opts = _options(hosts, ranks_per_host, ops, dtypes, min_size, max_size, smoke, quick, idle_wait, ep)
+    opts = _options(hosts, ranks_per_host, ops, dtypes, min_size, max_size, smoke, quick, idle_wait, ep, threads)
     reason = hosts_skip_reason() or missing_reason()
     if reason:
         raise HostsUnavailable(f"bench --hosts: cannot run between namespace hosts here: {reason}")

@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..ops.hosts import settle
 from .baselines import GlooImpl, op_buffers, op_numel, silence_deprecations
 from .runner import Harness, ZbcclImpl, _sweep, zbccl_ops_available
 from .timing import DTYPES, GlooControl, LocalControl, TimingConfig, leader_then_all, time_calls
@@ -90,8 +91,10 @@ def _bytes_per_op(impls: list, cells: list[dict], h: Harness) -> None:
         out, inp = op_buffers(zb, cell["op"], numel, DTYPES[cell["dtype"]], h.world_size, h.rank)
         fn = zb.bind(cell["op"], out, inp)
         zb.sync()
+        settle(zb.comm)  # (the last cell's writes: not this one's)
         before = _traffic(zb.comm)
         fn()
+        settle(zb.comm)  # its last writes, still in flight when it returned, counted once they landed
         moved = _traffic(zb.comm) - before
         z["xhost_bytes"] = int(h.ctl.sum([float(moved)])[0])
         del out, inp

@@ -31,7 +31,7 @@ from . import flat, hier
 from .state import HostOps, host_ops
 
 __all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "HostOps",
-           "reduction_order"]
+           "reduction_order", "settle"]
 
 
 def reduction_order(comm, nbytes: int) -> list[list[int]] | None:
@@ -47,6 +47,14 @@ def reduction_order(comm, nbytes: int) -> list[list[int]] | None:
     hosts = list(by_host.values())
     regular = len(hosts) >= 2 and len(hosts[0]) >= 2 and all(len(h) == len(hosts[0]) for h in hosts)
     return hosts if hosts_hierarchical("all_reduce", nbytes, len(hosts), len(hosts[0]), regular) else None
+
+
+def settle(comm, timeout: float = 30.0) -> None:
+    """Wait until this rank's writes of ``comm``'s last op across hosts landed (:meth:`HostOps.settle`; nothing
+    before the first such op). Not collective."""
+    h = comm.device_state.get("hosts")
+    if h is not None and h.broken is None:
+        h.settle(timeout)
 
 
 def _run(comm, op: str, timeout, body):

@@ -183,6 +183,14 @@ class HostOps:
                                    f"{{chunk, world, column}}, got {raw[:80]!r}", ranks=(i,))
         return rec
 
+    def settle(self, timeout: float) -> None:
+        """Wait until this rank's writes still in flight from its last steps landed (a step returns once its
+        peers' bytes arrived: ``mesh.py``'s protocol, step 3); what a reader of the transport's counters of
+        completed transfers needs first. Not collective."""
+        for mesh in (getattr(self, "world", None), getattr(self, "col", None)):
+            if mesh is not None:
+                mesh.wait([], op="settle", timeout=timeout, sent=True)
+
     def close(self) -> None:
         """Free the regions and end the host group (collectively at destroy; locally once finalized)."""
         local, self.local = self.local, None
