@@ -195,8 +195,8 @@ def combine(buf, x, handle, topk_weights, bias, error: str | None) -> tuple[torc
                          got[h][wat:].view(torch.float32).view(n, K) if K else None)
             elif alone[h] and n:  # the header round's, copied out if another round follows
                 got[h] = _sums(w, w.forwarder(w.me, h), _sum_layout(n, H, dtype, K)[1])
-                if not all(alone):
-                    got[h] = got[h].clone()
+                if not all(alone):  # (numpy: on this thread, see ``internode.Rows.pack``)
+                    got[h] = torch.from_numpy(got[h].numpy().copy())
         if not all(alone):
             parts = [None] * w.R
             if not alone[w.my_host]:
