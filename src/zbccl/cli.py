@@ -146,7 +146,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--world-size", "-n", type=_WORLD, default=2, help="local ranks (default 2; 3, 4 oversubscribe)")
     b.add_argument("--ops", default=None,
                    help="comma-separated (default: all five; with --hosts all but broadcast)")
-    b.add_argument("--dtypes", default=None, help="fp32, bf16, fp16 (default fp32,bf16; with --hosts fp32)")
+    b.add_argument("--dtypes", default=None, help="fp32, bf16, fp16 (default fp32,bf16)")
     b.add_argument("--min-size", type=_size, default="4K", help="smallest bytes per rank input (default 4K; x4 steps)")
     b.add_argument("--max-size", type=_size, default="64M", help="largest bytes per rank input (default 64M)")
     b.add_argument("--baselines", default="gloo,memcpy",
@@ -183,7 +183,7 @@ def _bench_hosts(args, split) -> int:
     try:
         doc = run_hosts_bench(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                               ops=split(args.ops) if args.ops else HOST_OPS,
-                              dtypes=split(args.dtypes) if args.dtypes else ("fp32",), min_size=args.min_size,
+                              dtypes=split(args.dtypes) if args.dtypes else ("fp32", "bf16"), min_size=args.min_size,
                               max_size=args.max_size, smoke=args.smoke, quick=args.quick, idle_wait=args.idle_wait,
                               ep=not args.no_ep, json_path=args.json, threads=args.threads)
     except (ValueError, HostsUnavailable) as exc:

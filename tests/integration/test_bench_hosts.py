@@ -53,7 +53,7 @@ def test_smoke_between_two_namespace_hosts():
     # torch's intra-op threads on (2 per rank on 2 cores): the copies between hosts must not depend on them
     doc = run_hosts_bench(hosts=2, ranks_per_host=1, smoke=True, progress=False, out=out, timeout=300, threads=2)
     text = out.getvalue()
-    assert len(doc["cells"]) == 4 * 2 and "# all_to_all fp32   2x1" in text and "load average" in text
+    assert len(doc["cells"]) == 4 * 2 * 2 and "# all_reduce bf16   2x1" in text and "# all_to_all fp32   2x1" in text and "load average" in text
     assert "2 thread(s)/rank" in text
     for cell in doc["cells"]:
         assert cell["gloo"]["wrong"] == 0, cell  # gloo through the veths, checked like zbccl

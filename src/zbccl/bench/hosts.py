@@ -99,7 +99,7 @@ def _options(hosts: int, per_host: int, ops, dtypes, min_size, max_size, smoke: 
             "raw_timeout": 600.0}
 
 
-def run_hosts_bench(*, hosts: int = 2, ranks_per_host: int = 1, ops=HOST_OPS, dtypes=("fp32",),
+def run_hosts_bench(*, hosts: int = 2, ranks_per_host: int = 1, ops=HOST_OPS, dtypes=("fp32", "bf16"),
                     min_size: int | str = "4K", max_size: int | str = "64M", smoke: bool = False,
                     quick: bool = False, idle_wait: float | None = None, ep: bool = True,
                     json_path: str | None = None, timeout: float | None = None, progress: bool = True,
