@@ -73,10 +73,11 @@ def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
     or ``parts[1]`` (element-wise: an element is read before it is written)."""
     fn = _UFUNC.get(red)
     aliased = any(p.data_ptr() == dst.data_ptr() for p in parts[2:] if p.numel())
-    if fn is not None and len(parts) >= 2 and not aliased and dst.dtype in _HALF and dst.numel():
+    if (fn is not None and len(parts) >= 2 and not aliased and dst.dtype in _HALF and dst.numel()
+            and dst.is_contiguous() and all(p.is_contiguous() and p.numel() == dst.numel() for p in parts)):
         ptrs = np.array([p.data_ptr() for p in parts], dtype=np.uint64)
-        native.core().reduce_n(dst.data_ptr(), int(ptrs.ctypes.data), len(parts), dst.numel(), _HALF[dst.dtype], red,
-                         1.0, 1)
+        native.core().reduce_n(dst.data_ptr(), int(ptrs.ctypes.data), len(parts), dst.numel(), _HALF[dst.dtype],
+                               red, 1.0, 1)
         return
     if fn is None or dst.dtype not in _EXACT or len(parts) < 2 or aliased:
         res = reduce_ref(parts, red)
