@@ -175,6 +175,10 @@ class Exchange:
             return -1
         return self.comm.heap.offset_of(t)
 
+    def _stage_copy(self, block: torch.Tensor, t: torch.Tensor) -> None:
+        """:meth:`place`'s copy into its heap block."""
+        block.copy_(t)
+
     def place(self, t: torch.Tensor, keep: list, role: str, *, copy: bool = False) -> int:
         """Heap offset peers read ``t`` at: in place for a contiguous heap tensor (unless ``copy``:
         the caller may change ``t`` before peers read it), else a staged copy."""
@@ -186,7 +190,7 @@ class Exchange:
         except ZbcclOutOfMemoryError as exc:
             raise Fail(f"cannot stage the {role} ({t.numel() * t.element_size()} bytes) through the heap: {exc}",
                        STATUS_NOMEM) from None
-        block.copy_(t)
+        self._stage_copy(block, t)
         if t.numel():
             self.comm.sma.record_staged(t.numel() * t.element_size())
         keep.append(block)

@@ -270,7 +270,9 @@ def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list, part
     total = int((layout & 0xFFFFFFFF).sum())
     block = w.heap_block(total * H * 2, "combine send block")
     keep.append(block)
-    rows = block[:total * H * 2].view(torch.bfloat16).view(total, H)
+    # numpy, on this thread (see ``internode.Rows.pack``); int16: the bf16 rows' bits (any strides of ``src``)
+    rows = block[:total * H * 2].view(torch.int16).view(total, H).numpy()
+    srcn = src.view(torch.int16).numpy()
     base, at, vector = w.offset_of(block), 0, []
     for s in range(w.R):
         start = at
@@ -279,7 +281,7 @@ def _pack_outputs(buf, src: torch.Tensor, layout: torch.Tensor, keep: list, part
             if b < 0 or c < 0 or b + c > N:
                 raise Fail(f"the handle's layout_range is out of range, expected rows within [0, {N}), got begin {b} "
                            f"count {c}")
-            rows[at:at + c] = src[le, b:b + c]
+            rows[at:at + c] = srcn[le, b:b + c]
             at += c
         vector += [base + start * H * 2, at - start]
         if w.rides(s, (at - start) * H * 2):
@@ -301,7 +303,9 @@ def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: in
     off = torch.zeros(E + 1, dtype=torch.int64)
     off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
     skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
-    got = torch.zeros(tokens.numel(), H, dtype=torch.bfloat16)
+    # the rows of every pair (numpy, on this thread: see ``internode.Rows.pack``; zeros where an owner is skipped)
+    gotn = np.zeros((tokens.numel(), H), dtype=np.int16)
+    got = torch.from_numpy(gotn).view(torch.bfloat16)
     valid = torch.ones(tokens.numel(), dtype=torch.bool)
     for o in range(R):
         lo, hi = int(off[o * L]), int(off[(o + 1) * L])
@@ -314,7 +318,7 @@ def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: in
                                    f"got {n}", ranks=(o,))
         if n:
             raw = early[o] if o in early else w.read(o, at, n * H * 2, "low_latency_combine")
-            got[lo:hi] = raw.view(torch.bfloat16).view(n, H)
+            gotn[lo:hi] = raw.view(torch.int16).view(n, H).numpy()
             w.moved += n * H * 2
             if w.host_of[o] != w.my_host:
                 w.stats["rdma_recv_bytes"] += n * H * 2

@@ -48,6 +48,7 @@ import torch
 from ..errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError, ZbcclTimeoutError
 from ..heap import layout
 from ..native.abi import WHERE_EP
+from ..ops.hosts.flat import copy
 from ..ops.hosts.mesh import Mesh, Watch, region_bytes
 from ..ops.tuner import ep_hosts_eager
 from ..runtime import liveness
@@ -398,6 +399,11 @@ class HostWire:
 
     agree = Exchange.agree
     place = Exchange.place
+
+    def _stage_copy(self, block: torch.Tensor, t: torch.Tensor) -> None:
+        """:meth:`place`'s copy on this thread (``ops/hosts/flat.copy``: torch's would fan out to its intra-op
+        threads, whose spinning afterwards holds off the peers and Mooncake's engine threads)."""
+        copy(block, t)
 
     def sync(self, op: str, code: int, seq: int, phase: int) -> None:
         """``Exchange.sync``'s signature: a header round carrying the op's tag (``clean_low_latency_buffer``)."""
