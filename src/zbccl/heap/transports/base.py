@@ -70,6 +70,7 @@ out addresses. Python above this seam never does address arithmetic itself.
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -397,6 +398,10 @@ NAP_FIRST, NAP_SHORT = 10e-6, 100e-6
 _nap = None
 
 
+def _sleep_ns(ns: int) -> None:
+    time.sleep(ns / 1e9)
+
+
 def pause(waited: float, pause: float, *, hot: float, left: float, cap: float = 1e-3, spin: bool = True) -> float:
     """One pause of a polling wait that has waited ``waited`` seconds; returns the next ``pause``.
 
@@ -407,7 +412,7 @@ def pause(waited: float, pause: float, *, hot: float, left: float, cap: float = 
     waited for (Mooncake's): a waiter that only yields keeps them off a busy core (a 64 KiB write's round trip
     between two namespace hosts took 1.4-1.8 ms against yielding polls, 0.37 ms against polls that nap after
     50 us), and a waiter that sleeps in long steps overshoots (time.sleep's 0.5 ms naps cost the mesh's
-    256 KiB-4 MiB steps 5-15 %, ``docs/benchmarks.md`` A.15).
+    256 KiB-4 MiB steps 1-16 %, ``docs/benchmarks.md`` A.15).
     """
     if waited < hot:
         if spin:
@@ -415,8 +420,11 @@ def pause(waited: float, pause: float, *, hot: float, left: float, cap: float = 
         return pause
     global _nap
     if _nap is None:
-        from ... import native
-        _nap = native.core().nap
+        try:
+            from ... import native
+            _nap = native.core().nap
+        except Exception:  # noqa: BLE001 - no native core here: time.sleep's coarser naps
+            _nap = _sleep_ns
     pause = min(2 * pause or NAP_FIRST, max(NAP_SHORT, waited / 8), cap)
     _nap(int(min(pause, max(0.0, left)) * 1e9))
     return pause
