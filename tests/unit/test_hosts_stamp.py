@@ -54,6 +54,29 @@ class _Memory:
         return _Late()
 
 
+class _SlowMemory(_Memory):
+    """Writes that land on their own a few milliseconds after they start, from the source as it is then (an
+    engine's threads): a step returns before its own last write landed, and the mesh must leave that write's
+    staging buffer alone until it did; a write that lands from a buffer refilled early delivers wrong bytes."""
+
+    def put_async(self, rank, offset, src, *, op="put"):
+        import threading
+
+        landed = threading.Event()
+
+        def land():
+            self.put(rank, offset, src.clone())
+            landed.set()
+
+        threading.Timer(0.003, land).start()
+
+        class _Flying(Pending):
+            def done(self):
+                return landed.is_set()
+
+        return _Flying()
+
+
 def _meshes(memory):
     out = []
     for r in (0, 1):
@@ -120,12 +143,13 @@ def test_an_ordered_step_checks_its_stamp_only():
     assert int(m0._out[5]) == 1
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["polled", "late"])
 @pytest.mark.parametrize("ordered", [False, True], ids=["one-write", "ordered"])
 @pytest.mark.parametrize("nbytes", [0, 8, 3000, SLOT - 256])
-def test_steps_between_two_meshes_deliver_every_byte(nbytes, ordered, monkeypatch):
+def test_steps_between_two_meshes_deliver_every_byte(nbytes, ordered, slow, monkeypatch):
     if ordered:  # every step with bytes writes them, then (once they landed) its stamp
         monkeypatch.setattr(mesh_mod, "ORDERED", 0)
-    memory = _Memory()
+    memory = _SlowMemory() if slow else _Memory()
     meshes = _meshes(memory)
     got = {}
 
