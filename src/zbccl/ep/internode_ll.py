@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from ..ops.hosts.flat import copy
 from .exchange import HDR_LEN, F, Fail, heap_empty
 from .fast import _call
 from .layout import fp8_quantize, logfmt_roundtrip
@@ -252,8 +253,8 @@ def combine(buf, x, topk_idx, topk_weights, handle, zero_copy: bool, out, flags:
             acc = _reduce(buf, rows, plan, wt, E, H, early, logfmt=bool(flags & FLAG_LOGFMT))
         finally:
             _close(w, keep, flags, "low_latency_combine")
-        if combined.is_contiguous() and acc.is_contiguous() and combined.dtype == acc.dtype:
-            np.copyto(combined.view(torch.int16).numpy(), acc.view(torch.int16).numpy())  # (on this thread)
+        if combined.dtype == acc.dtype:  # (``use_logfmt`` sums in fp32)
+            copy(combined, acc)  # on this thread
         else:
             combined.copy_(acc)
 
