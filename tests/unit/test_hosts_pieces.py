@@ -36,12 +36,29 @@ def test_reduce_into_is_bit_equal_to_the_reference(dtype, red, alias, n):
         and torch.equal(dst[~dst.isnan()], want[~want.isnan()]))
 
 
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_native_fp32_sums_add_in_member_order(n):
+    """fp32 sums go through the native kernel: (((p0 + p1) + p2) + ...) as the reference, for any member count,
+    at magnitudes where another order would round differently."""
+    g = torch.Generator().manual_seed(n)
+    for count in (1, 15, 16, 17, 1000, 4099):
+        parts = [torch.randn(count, generator=g) * 10.0 ** (3 * (k % 3) - 3) for k in range(n)]
+        dst = torch.empty(count)
+        reduce_into(dst, parts, SUM)
+        assert torch.equal(dst.view(torch.int32), reduce_ref(parts, SUM).view(torch.int32)), count
+
+
 def test_copy_skips_the_same_memory_and_copies_otherwise():
     a = torch.arange(10, dtype=torch.uint8)
     copy(a, a)
     b = torch.zeros(10, dtype=torch.uint8)
     copy(b, a)
     assert torch.equal(a, b)
+    src = torch.arange(24, dtype=torch.float32).view(4, 6)
+    for dst, s in ((torch.zeros(4, 6), src), (torch.zeros(6, 4).t(), src), (torch.zeros(6, 4), src.t()),
+                   (torch.zeros(0), torch.zeros(0))):
+        copy(dst, s)  # contiguous: one native copy; strided on either side: torch's
+        assert torch.equal(dst, s)
 
 
 @pytest.mark.parametrize("raw", [b"", b"not json", b"[]", json.dumps({"chunk": 4096}).encode(),

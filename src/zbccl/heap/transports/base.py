@@ -448,6 +448,8 @@ class ViewRelease:
 def _as_bytes(src) -> torch.Tensor:
     """``src`` as a flat uint8 tensor (a tensor's bytes, contiguous; or a bytes-like, copied once)."""
     if isinstance(src, torch.Tensor):
+        if src.dtype is torch.uint8 and src.dim() == 1 and src.is_contiguous():
+            return src  # (the collectives' pieces already are: no views to make)
         t = src.contiguous()
         return t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
     raw = bytearray(src)

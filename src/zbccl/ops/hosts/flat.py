@@ -2,9 +2,9 @@
 
 Each works for any topology (an unequal number of ranks per host included). The agreement step carries
 the first chunk of every payload, so a message of up to one chunk costs one step: a put and a signal per
-peer, then a local wait. Reductions sum the members' chunks in member order with the plain-torch
+peer, then a local wait. Reductions sum the members' chunks in member order, bit-equal to the plain-torch
 reference (:func:`zbccl.ops.reference.reduce_ref`: floats accumulate in fp32, fp64 for float64, and round
-once), so every rank's result is bitwise identical and equal to the reference.
+once; :func:`reduce_into`), so every rank's result is bitwise identical and equal to the reference.
 
 Bytes each rank sends to the others: all_reduce ``(n-1) N``; all_gather ``(n-1) N_in``; reduce_scatter and
 all_to_all only what each peer must get; broadcast ``(n-1) N`` from the root.
@@ -12,6 +12,7 @@ all_to_all only what each peer must get; broadcast ``(n-1) N`` from the root.
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 
 from ... import native
 from ...native.abi import (
+    MAX_WORLD,
     OP_ALL_GATHER,
     OP_ALL_REDUCE,
     OP_ALL_TO_ALL,
@@ -33,14 +35,20 @@ from .state import NOTHING_BIG, F, HostOps
 __all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "copy",
            "landing", "scratch", "split"]
 
-# numpy, not torch, for the copies and reductions of the steps: torch splits an op over its intra-op threads
-# above a grain size, and on oversubscribed cores (the ranks of several "hosts" share them) waiting for those
-# threads costs milliseconds per chunk; numpy's loops run on the calling thread, and give the same bits
-# (IEEE element-wise ops; integers wrap; maximum/minimum propagate NaN as torch does).
+# The native core and numpy, not torch, for the copies and reductions of the steps: torch splits an op over its
+# intra-op threads above a grain size, and on oversubscribed cores (the ranks of several "hosts" share them)
+# waiting for those threads costs milliseconds per chunk; these run on the calling thread, and give the same
+# bits (IEEE element-wise ops; integers wrap; maximum/minimum propagate NaN as torch does).
 _UFUNC = {SUM: np.add, PROD: np.multiply, MAX: np.maximum, MIN: np.minimum}
+#: The most parts the native kernel reduces at once (its ZB_MAXW); more go through numpy.
+_MAX_PARTS = MAX_WORLD
 _EXACT = (torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-#: The 16-bit floats the native kernel reduces (fp32 accumulator): their dtype codes.
-_HALF = {torch.bfloat16: CODES[torch.bfloat16], torch.float16: CODES[torch.float16]}
+#: The floats the native kernel reduces on this path: their dtype codes (bf16/fp16 with an fp32 accumulator, any
+#: reduce op; fp32 sums, in member order as the reference).
+_NATIVE = {torch.bfloat16: CODES[torch.bfloat16], torch.float16: CODES[torch.float16],
+           torch.float32: CODES[torch.float32]}
+_HALF = (torch.bfloat16, torch.float16)
+_PTRS = threading.local()  # per thread: the part addresses handed to the native kernel
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -54,30 +62,36 @@ def np_of(t: torch.Tensor) -> np.ndarray:
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[:] = src`` (same dtype and number of elements): one copy on this thread when both are contiguous
-    (torch's copy fans out to its intra-op threads, whose spinning afterwards holds off the peers and the
-    transport's threads on busy cores), else torch's; nothing when they are the same memory."""
+    """``dst[:] = src`` (same dtype and number of elements): one native copy on this thread when both are
+    contiguous (torch's copy fans out to its intra-op threads, whose spinning afterwards holds off the peers and
+    the transport's threads on busy cores; numpy's cost 6 us more per call in views), else torch's; nothing when
+    they are the same memory."""
     if not dst.numel() or dst.data_ptr() == src.data_ptr():
         return
     if dst.is_contiguous() and src.is_contiguous():
-        np.copyto(np_of(_bytes(dst)), np_of(_bytes(src)))
+        native.core().memcpy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
     else:
         dst.copy_(src.view(dst.shape) if src.is_contiguous() else src.reshape(dst.shape))
 
 
 def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
-    """``dst`` = the reduction of ``parts`` in list order, bit-equal to :func:`reduce_ref`, on this thread: one
-    numpy pass per part where the dtype needs no wider accumulator (float32/64 and integers); the native kernel
-    for bf16/fp16 (fp32 accumulator, one rounding at the store, as the reference; torch's reference took 3-6x
-    longer and fanned out to its intra-op threads); else the reference itself. ``dst`` may alias ``parts[0]``
-    or ``parts[1]`` (element-wise: an element is read before it is written)."""
+    """``dst`` = the reduction of ``parts`` in list order, bit-equal to :func:`reduce_ref`, on this thread: the
+    native kernel for bf16/fp16 (fp32 accumulator, one rounding at the store, as the reference; torch's
+    reference took 3-6x longer and fanned out to its intra-op threads) and for fp32 sums (summed in list order,
+    as the reference; a 4 KiB one in 1 us against numpy's 4); one numpy pass per part for the other ops and
+    dtypes that need no wider accumulator (float32/64 and integers); else the reference itself. ``dst`` may
+    alias ``parts[0]`` or ``parts[1]`` (element-wise: an element is read before it is written)."""
     fn = _UFUNC.get(red)
     aliased = any(p.data_ptr() == dst.data_ptr() for p in parts[2:] if p.numel())
-    if (fn is not None and len(parts) >= 2 and not aliased and dst.dtype in _HALF and dst.numel()
+    code = _NATIVE.get(dst.dtype) if red == SUM or dst.dtype in _HALF else None
+    if (code is not None and fn is not None and 2 <= len(parts) <= _MAX_PARTS and not aliased and dst.numel()
             and dst.is_contiguous() and all(p.is_contiguous() and p.numel() == dst.numel() for p in parts)):
-        ptrs = np.array([p.data_ptr() for p in parts], dtype=np.uint64)
-        native.core().reduce_n(dst.data_ptr(), int(ptrs.ctypes.data), len(parts), dst.numel(), _HALF[dst.dtype],
-                               red, 1.0, 1)
+        ptrs = getattr(_PTRS, "a", None)
+        if ptrs is None:
+            ptrs = _PTRS.a = np.zeros(_MAX_PARTS, dtype=np.uint64)
+            _PTRS.addr = ptrs.ctypes.data
+        ptrs[:len(parts)] = [p.data_ptr() for p in parts]
+        native.core().reduce_n(dst.data_ptr(), _PTRS.addr, len(parts), dst.numel(), code, red, 1.0, 1)
         return
     if fn is None or dst.dtype not in _EXACT or len(parts) < 2 or aliased:
         res = reduce_ref(parts, red)
@@ -223,9 +237,9 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
     sends: list = [None] * n
     if ok:
         if d == 0:
-            flat = input.contiguous().view(-1)
-            at = [sum(counts[:i]) for i in range(n)]
-            sends = [_bytes(flat[at[i]:at[i] + counts[i]]) for i in range(n)]
+            raw, isz = _bytes(input.contiguous()), input.element_size()
+            at = [sum(counts[:i]) * isz for i in range(n)]
+            sends = [raw[at[i]:at[i] + counts[i] * isz] for i in range(n)]
         else:
             at = [sum(rows[:i]) for i in range(n)]
             sends = [_bytes(input.narrow(d, at[i], rows[i]).contiguous()) for i in range(n)]
@@ -266,9 +280,9 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     n, ok = h.n, error is None
     sends: list = [None] * n
     if ok:
-        flat = input.contiguous().view(-1)
-        at = [sum(ins[:i]) for i in range(n)]
-        sends = [_bytes(flat[at[i]:at[i] + ins[i]]) for i in range(n)]
+        raw, isz = _bytes(input.contiguous()), input.element_size()
+        at = [sum(ins[:i]) * isz for i in range(n)]
+        sends = [raw[at[i]:at[i] + ins[i] * isz] for i in range(n)]
     isz = input.element_size() if ok else 1
     offs = [sum(outs[:i]) * isz for i in range(n)]
     buf, dests = None, None

@@ -262,15 +262,17 @@ class HostOps:
                 self.together = True  # every rank raises it: the communicator stays in step
                 raise
             plan.agreed = heads.copy()
-        to_me = heads[:, F.TO_YOU].tolist()
-        late_out = [int(i != me and lens[i] > big) for i in range(n)]  # 1: not in the agreement step
-        late_in = [int(i != me and to_me[i] > big) for i in range(n)]
-        self.direct_done = (any(late_out) or any(late_in)) and all(heads[:, F.READY].tolist())
+            to_me = heads[:, F.TO_YOU].tolist()
+            late_out = [int(i != me and lens[i] > big) for i in range(n)]  # 1: not in the agreement step
+            late_in = [int(i != me and to_me[i] > big) for i in range(n)]
+            direct = (any(late_out) or any(late_in)) and all(heads[:, F.READY].tolist())
+            most = max(heads[:, F.MAXSEND].tolist())
+            plan.derived = (to_me, late_out, late_in, direct, max(1, math.ceil(most / chunk) + int(most > big)))
+        # (a function of the headers, ``big`` and ``chunk``, all fixed by the plan's key and agreed headers)
+        to_me, late_out, late_in, self.direct_done, steps = plan.derived
         if self.direct_done:
             self._direct(op, sends, late_out, heads, timeout, consume, parity, to_me, big)
             return list(heads.copy())
-        most = max(heads[:, F.MAXSEND].tolist())
-        steps = max(1, math.ceil(most / chunk) + int(most > big))
         for k in range(steps):
             if k:
                 part: list[torch.Tensor | None] = [None] * n
@@ -363,9 +365,10 @@ class _Plan:
     the header for the ``j``-th peer, ``pieces`` the same memory as uint8 tensors for the mesh (``None`` for this
     rank), ``own`` this rank's own header; only ``F.SEQ`` changes from op to op. ``agreed``: every member's
     headers (``F.SEQ`` aside) the last time they passed the agreement: headers equal to them pass again,
-    unchecked (:meth:`HostOps._agree` is a function of the headers alone)."""
+    unchecked (:meth:`HostOps._agree` is a function of the headers alone), and what the exchange derives from them
+    (``derived``) holds again."""
 
-    __slots__ = ("words", "pieces", "own", "agreed")
+    __slots__ = ("words", "pieces", "own", "agreed", "derived")
 
     def __init__(self, H: int, n: int, me: int, opcode: int, fields: dict[int, int], vec: Sequence[int],
                  lens: list[int], error: str | None, error_kind: int, places: list[int], ready: int) -> None:
@@ -387,6 +390,8 @@ class _Plan:
             self.pieces.append(None if i == me else torch.from_numpy(w.view(np.uint8)))
         self.own = self.words[me]
         self.agreed: np.ndarray | None = None
+        #: What :meth:`HostOps.exchange` derives from ``agreed``: (to_me, late_out, late_in, direct_done, steps).
+        self.derived: tuple = ()
 
 
 def _int(x) -> bool:
