@@ -89,6 +89,9 @@ def region_bytes(members: int, slot: int) -> int:
 #: short, because the words it waits for are written by this process's own Mooncake engine threads (a remote
 #: put lands through them), which a polling thread must not starve on oversubscribed cores.
 HOT = 200e-6
+#: A wait that waits for peers' steps only polls this member's own writes in flight on every this-many-th pass
+#: (a 4 KiB step polls about 10 times; each write's poll is a call into the engine).
+WRITES_EVERY = 8
 
 
 class Watch:
@@ -211,6 +214,9 @@ class Mesh:
                                 op="hosts")
         self._own_np = self._own.numpy()
         self._own_addr = self._own.data_ptr()
+        # the stamps of this member's slots, viewed once: [parity][member] (uint64 words)
+        self._stamps = [[self._own_np[at:at + STAMP].view(np.uint64)
+                         for at in (self._local(parity, i) - STAMP for i in range(self.n))] for parity in (0, 1)]
 
     def _arrived(self, i: int) -> int:
         return self.line_base + layout.LINE * i
@@ -345,8 +351,7 @@ class Mesh:
             time.sleep(1e-3)
 
     def _stamp(self, parity: int, i: int) -> np.ndarray:
-        at = self._local(parity, i) - STAMP
-        return self._own_np[at:at + STAMP].view(np.uint64)
+        return self._stamps[parity][i]
 
     def _landed(self, i: int, s: int) -> bool:
         """Whether member ``i``'s step ``s`` arrived here: its stamp says ``s`` and checks out (module docstring)."""
@@ -384,16 +389,20 @@ class Mesh:
 
     def wait(self, need: Sequence[tuple[int, int]], *, op: str, timeout: float, sent: bool = False) -> None:
         """Until member ``i``'s step ``target`` arrived here for each ``(i, target)`` (and, with ``sent``, this
-        member's writes landed); the liveness rule meanwhile. This member's writes are polled on every pass
-        either way (a failed one is retried, or raises naming its peer, while this op still runs)."""
+        member's writes landed); the liveness rule meanwhile. This member's writes are polled either way, on
+        every pass with ``sent``, else on every ``WRITES_EVERY``-th (a failed one is retried, or raises naming
+        its peer, while this op still runs; each poll is a call into the engine)."""
         start = time.monotonic()
         deadline, next_live, pause = start + timeout, start + self.watch.interval, 0.0
-        writes = self._sent
+        writes, polls = self._sent, 0
         while True:
             late = [(i, target) for i, target in need if not self._here(i, target)]
-            flying = sorted({i for i, w in writes if not w.done()}) if writes else []
+            asked = bool(writes) and (sent or polls % WRITES_EVERY == 0)
+            flying = sorted({i for i, w in writes if not w.done()}) if asked else []
+            polls += 1
             if not late and not (sent and flying):
-                writes[:] = [(i, w) for i, w in writes if i in flying]
+                if asked:
+                    writes[:] = [(i, w) for i, w in writes if i in flying]
                 return
             flying = flying if sent else []  # (only what this wait waits for is late)
             now = time.monotonic()

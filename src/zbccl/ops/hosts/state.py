@@ -157,6 +157,8 @@ class HostOps:
         slot_line = layout.slot_line
         self.world = Mesh(ctx, comm.ranks, [r["world"][0] for r in recs], self.hdr + self.chunk,
                           slot_line(comm.slot, LINE0), self.watch)
+        # where each member's header lands in this rank's slots, per parity (int64 words; views, made once)
+        self._came = [[self.world.view_np(parity, i, self.hdr).view(np.int64) for i in range(n)] for parity in (0, 1)]
         self.col = None
         if self.regular:
             members = [comm.ranks[i] for i in self.column]
@@ -249,9 +251,9 @@ class HostOps:
             if i != me and 0 < lens[i] <= big:
                 first[i] = sends[i] if lens[i] <= chunk else sends[i][:chunk]
         parity = mesh.step(plan.pieces, op=op, timeout=timeout, before=first, before_at=H)
-        heads = self._heads
+        heads, came = self._heads, self._came[parity]
         for i in range(n):
-            np.copyto(heads[i], plan.own if i == me else mesh.view_np(parity, i, H).view(np.int64))
+            np.copyto(heads[i], plan.own if i == me else came[i])
         seen = plan.agreed
         if seen is not None:
             seen[:, F.SEQ] = self.op_no
