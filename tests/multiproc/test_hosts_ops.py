@@ -191,6 +191,47 @@ def test_large_multi_chunk_and_hierarchical(hosts):
     assert all(int(g.split()[0].split("=")[1]) < 300_000 * 4 for g in got), got  # really chunked
 
 
+def _two_phases(ctx) -> str:
+    """2 x 2, sizes the hierarchical all_reduce runs as the host's all_reduce and one column step of the whole
+    tensor (``hier.COLUMN_MAX``): bit for bit the hierarchical reference, for each reduce op, in the heap or not,
+    contiguous or not; and the segments just above it."""
+    import zbccl
+    from zbccl.ops.hosts import hier
+
+    comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
+    W, me = comm.world_size, comm.rank
+    runs = []
+    two_phases = hier._host_then_column
+    hier._host_then_column = lambda *a: (runs.append(1), two_phases(*a))  # (this process only)
+    try:
+        for n, dt, red, heap, strided in ((20_001, torch.float32, "sum", True, False),
+                                          (65_000, torch.bfloat16, "avg", False, False),
+                                          (16_000, torch.int64, "max", False, True),
+                                          (50_000, torch.bfloat16, "product", True, False),
+                                          (hier.COLUMN_MAX // 4 + 1, torch.float32, "sum", False, False)):
+            x = f(me, 2 * n if strided else n, dt)
+            if heap:
+                x = zbccl.empty((n,), dtype=dt).copy_(x)
+            if strided:
+                x = x.view(2, n).t()  # not contiguous
+            ins = [(f(r, 2 * n, dt).view(2, n).t() if strided else f(r, n, dt)) for r in range(W)]
+            before = len(runs)
+            zbccl.all_reduce(x, red)
+            h = comm.device_state["hosts"]
+            order = reduction_order(comm, x.numel() * x.element_size())
+            assert order == [[0, 1], [2, 3]], order
+            assert torch.equal(x, hierarchical_all_reduce_ref(ins, REDS[red], order)), (n, dt, red)
+            two = n * x.element_size() <= min(hier.COLUMN_MAX, h.chunk)
+            assert len(runs) - before == int(two), (n, runs)
+        return "ok"
+    finally:
+        zbccl.finalize()
+
+
+def test_hierarchical_all_reduce_in_two_phases():
+    assert run_world(_two_phases, 4, timeout=240) == ["ok"] * 4
+
+
 def _direct(ctx, hosts: list[int]) -> str:
     """Pieces over the direct threshold go straight into the receivers' outputs (heap outputs; a heap scratch
     for the others), mixed with small pieces through the slots; with no room for a scratch on one rank, every

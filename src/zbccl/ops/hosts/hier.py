@@ -1,6 +1,8 @@
 """The hierarchical algorithms across hosts, for a regular topology (H hosts of L >= 2 members each).
 
-all_reduce of N elements, after the agreement step (header only, on the world mesh):
+all_reduce of N elements, after the agreement step (header only, on the world mesh), up to ``COLUMN_MAX``
+bytes: the host's all_reduce (the shm op, in place), then one column step of the whole tensor, each rank
+reducing the H hosts' results in host order (each rank sends ``(H-1) N`` across). Above, segment by segment:
 
 1. intra-host ``reduce_scatter_v`` over the host group (the zero-buffer shm op): local index l gets the
    host's reduction of slice l (``N/L`` elements, the first ``N % L`` slices one longer);
@@ -22,7 +24,8 @@ Reduction order: within a host in local order (fp32 accumulation for bf16/fp16, 
 across hosts in host order (rounded again): integers and exactly representable values are bit-equal to
 the reference, bf16/fp16 may differ from it by one rounding per phase, and every result is bit-equal to
 ``reference.hierarchical_all_reduce_ref`` (``hosts.reduction_order`` gives its groups); every rank gets the same bits
-(each slice is reduced once per column, identically, then copied). ``avg`` sums through both phases and
+(each slice is reduced once per column, identically, then copied; in two phases, every rank reduces the same
+hosts' results in the same order). ``avg`` sums through both phases and
 divides once at the end.
 """
 
@@ -39,6 +42,11 @@ from .state import F, HostOps
 __all__ = ["all_reduce", "all_gather"]
 
 _NAMES = {SUM: "sum", AVG: "sum", PROD: "product", MAX: "max", MIN: "min"}
+#: Bytes up to which the hierarchical all_reduce runs as the host's all_reduce and one column step of the whole
+#: tensor (``_host_then_column``) instead of reduce_scatter, column step, all_gather: 2 x 2 namespace hosts,
+#: interleaved, the whole op 9-13 % faster at 64-256 KiB, and 30 % slower at 512 KiB, where each rank's whole
+#: tensor crossing costs more than the third phase saves (``docs/benchmarks.md`` A.16).
+COLUMN_MAX = 256 << 10
 #: Chunks per segment of the hierarchical ops: the shm phases (which stage a tensor outside the heap) see at
 #: most this many chunks at once, so a large tensor needs no heap room of its size.
 SEGMENT_CHUNKS = 4
@@ -72,15 +80,20 @@ def _column_gather(h: HostOps, op: str, piece: torch.Tensor, out: torch.Tensor, 
 
 
 def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, secs: float) -> None:
-    """In place, segment by segment (``SEGMENT_CHUNKS`` chunks each: the shm phases stage at most that much)."""
+    """In place: up to ``COLUMN_MAX`` bytes the host's all_reduce and one column step of the whole tensor
+    (:func:`_host_then_column`), above segment by segment (``SEGMENT_CHUNKS`` chunks each: the shm phases stage
+    at most that much)."""
     from ..exchange import all_gather_v
     from ..reduce_scatter import reduce_scatter_v
 
     work = flat_ops.all_reduce(h, op, tensor, dt, red, None, secs, data=False)
     flat = work.view(-1)
     N, L = flat.numel(), h.L
-    seg = max(L, SEGMENT_CHUNKS * h.chunk // tensor.element_size() // L * L)
     inner = SUM if red == AVG else red
+    if N * tensor.element_size() <= min(COLUMN_MAX, h.chunk):
+        _host_then_column(h, op, flat, red, inner, secs)
+        N = 0  # (done: no segment left)
+    seg = max(L, SEGMENT_CHUNKS * h.chunk // tensor.element_size() // L * L)
     for lo in range(0, N, seg):
         part = flat[lo:lo + seg]
         n = part.numel()
@@ -93,6 +106,22 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, sec
         flat.div_(h.n)
     if work is not tensor:
         flat_ops.copy(tensor, work)
+
+
+def _host_then_column(h: HostOps, op: str, flat: torch.Tensor, red: int, inner: int, secs: float) -> None:
+    """``flat`` (contiguous, 1-d; agreed by the world step) all-reduced within this host (the shm op, in place),
+    then among the column in one step of the whole tensor, each rank reducing the hosts' results in host order:
+    two phases instead of three, each rank sending ``(H-1) N`` across instead of ``(H-1) N/L``."""
+    from ..allreduce import all_reduce as host_all_reduce
+
+    col = h.col
+    host_all_reduce(flat, _NAMES[red], comm=h.local, timeout=secs)  # 1.
+    raw = flat_ops._bytes(flat)
+    parity = col.step([None if i == col.index else raw for i in range(col.n)], op=op, timeout=secs)  # 2.
+    if not flat.numel():
+        return
+    parts = [flat if i == col.index else col.view(parity, i, raw.numel()).view(flat.dtype) for i in range(col.n)]
+    flat_ops.reduce_into(flat, parts, inner)  # (into this host's own part: reduce_into keeps the order)
 
 
 def _scratch(h: HostOps, shape: tuple) -> torch.Tensor:
