@@ -43,10 +43,7 @@ _UFUNC = {SUM: np.add, PROD: np.multiply, MAX: np.maximum, MIN: np.minimum}
 #: The most parts the native kernel reduces at once (its ZB_MAXW); more go through numpy.
 _MAX_PARTS = MAX_WORLD
 _EXACT = (torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-#: The floats the native kernel reduces on this path: their dtype codes (bf16/fp16 with an fp32 accumulator, any
-#: reduce op; fp32 sums, in member order as the reference).
-_NATIVE = {torch.bfloat16: CODES[torch.bfloat16], torch.float16: CODES[torch.float16],
-           torch.float32: CODES[torch.float32]}
+#: The 16-bit floats the native kernel reduces for any reduce op (fp32 accumulator); fp32 it sums (member order).
 _HALF = (torch.bfloat16, torch.float16)
 _PTRS = threading.local()  # per thread: the part addresses handed to the native kernel
 
@@ -83,15 +80,15 @@ def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
     alias ``parts[0]`` or ``parts[1]`` (element-wise: an element is read before it is written)."""
     fn = _UFUNC.get(red)
     aliased = any(p.data_ptr() == dst.data_ptr() for p in parts[2:] if p.numel())
-    code = _NATIVE.get(dst.dtype) if red == SUM or dst.dtype in _HALF else None
-    if (code is not None and fn is not None and 2 <= len(parts) <= _MAX_PARTS and not aliased and dst.numel()
+    native_ok = dst.dtype in _HALF or (dst.dtype == torch.float32 and red == SUM)
+    if (native_ok and fn is not None and 2 <= len(parts) <= _MAX_PARTS and not aliased and dst.numel()
             and dst.is_contiguous() and all(p.is_contiguous() and p.numel() == dst.numel() for p in parts)):
         ptrs = getattr(_PTRS, "a", None)
         if ptrs is None:
             ptrs = _PTRS.a = np.zeros(_MAX_PARTS, dtype=np.uint64)
             _PTRS.addr = ptrs.ctypes.data
         ptrs[:len(parts)] = [p.data_ptr() for p in parts]
-        native.core().reduce_n(dst.data_ptr(), _PTRS.addr, len(parts), dst.numel(), code, red, 1.0, 1)
+        native.core().reduce_n(dst.data_ptr(), _PTRS.addr, len(parts), dst.numel(), CODES[dst.dtype], red, 1.0, 1)
         return
     if fn is None or dst.dtype not in _EXACT or len(parts) < 2 or aliased:
         res = reduce_ref(parts, red)
@@ -234,10 +231,11 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
     Pieces over the direct threshold land in a heap scratch (one slot per member) and are reduced from there.
     ``whole``: the first half of :func:`all_reduce` (its header: the agreement of an all_reduce of ``input``)."""
     n, me, ok = h.n, h.me, error is None
+    isz = input.element_size() if ok else 1
     sends: list = [None] * n
     if ok:
         if d == 0:
-            raw, isz = _bytes(input.contiguous()), input.element_size()
+            raw = _bytes(input.contiguous())
             at = [sum(counts[:i]) * isz for i in range(n)]
             sends = [raw[at[i]:at[i] + counts[i] * isz] for i in range(n)]
         else:
@@ -245,7 +243,6 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
             sends = [_bytes(input.narrow(d, at[i], rows[i]).contiguous()) for i in range(n)]
     out = output.view(-1) if ok and output.is_contiguous() else (torch.empty(counts[me], dtype=output.dtype)
                                                                   if ok else None)
-    isz = input.element_size() if ok else 1
     piece = counts[me] * isz if ok else 0  # what every member sends this rank
     slots, dests = None, [NOTHING_BIG] * n
     if ok and piece > min(h.direct_min, h.chunk) and n > 1:
@@ -278,12 +275,12 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
                outs: list[int], error: str | None, secs: float) -> None:
     """all_to_all_single: ``ins[i]`` elements of this rank's input to member ``i``, ``outs[i]`` from it."""
     n, ok = h.n, error is None
+    isz = input.element_size() if ok else 1
     sends: list = [None] * n
     if ok:
-        raw, isz = _bytes(input.contiguous()), input.element_size()
+        raw = _bytes(input.contiguous())
         at = [sum(ins[:i]) * isz for i in range(n)]
         sends = [raw[at[i]:at[i] + ins[i] * isz] for i in range(n)]
-    isz = input.element_size() if ok else 1
     offs = [sum(outs[:i]) * isz for i in range(n)]
     buf, dests = None, None
     if ok:

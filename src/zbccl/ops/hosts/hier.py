@@ -81,31 +81,35 @@ def _column_gather(h: HostOps, op: str, piece: torch.Tensor, out: torch.Tensor, 
 
 def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, secs: float) -> None:
     """In place: up to ``COLUMN_MAX`` bytes the host's all_reduce and one column step of the whole tensor
-    (:func:`_host_then_column`), above segment by segment (``SEGMENT_CHUNKS`` chunks each: the shm phases stage
-    at most that much)."""
-    from ..exchange import all_gather_v
-    from ..reduce_scatter import reduce_scatter_v
-
+    (:func:`_host_then_column`), above segment by segment (:func:`_segments`)."""
     work = flat_ops.all_reduce(h, op, tensor, dt, red, None, secs, data=False)
     flat = work.view(-1)
-    N, L = flat.numel(), h.L
     inner = SUM if red == AVG else red
-    if N * tensor.element_size() <= min(COLUMN_MAX, h.chunk):
-        _host_then_column(h, op, flat, red, inner, secs)
-        N = 0  # (done: no segment left)
-    seg = max(L, SEGMENT_CHUNKS * h.chunk // tensor.element_size() // L * L)
-    for lo in range(0, N, seg):
-        part = flat[lo:lo + seg]
-        n = part.numel()
-        counts = [n // L + (1 if i < n % L else 0) for i in range(L)]
-        mine = torch.empty(counts[h.local_index], dtype=tensor.dtype)
-        reduce_scatter_v(mine, part, counts, _NAMES[red], comm=h.local, timeout=secs)  # 1.
-        _column_all_reduce(h, op, mine, inner, secs)  # 2.
-        all_gather_v(part, mine, counts, comm=h.local, timeout=secs)  # 3.
+    two = flat.numel() * tensor.element_size() <= min(COLUMN_MAX, h.chunk)
+    (_host_then_column if two else _segments)(h, op, flat, red, inner, secs)
     if red == AVG:
         flat.div_(h.n)
     if work is not tensor:
         flat_ops.copy(tensor, work)
+
+
+def _segments(h: HostOps, op: str, flat: torch.Tensor, red: int, inner: int, secs: float) -> None:
+    """``flat`` (contiguous, 1-d; agreed) segment by segment (``SEGMENT_CHUNKS`` chunks each: the shm phases stage
+    at most that much): reduce_scatter_v within the host, the column's all_reduce of this rank's slice,
+    all_gather_v within the host."""
+    from ..exchange import all_gather_v
+    from ..reduce_scatter import reduce_scatter_v
+
+    N, L = flat.numel(), h.L
+    seg = max(L, SEGMENT_CHUNKS * h.chunk // flat.element_size() // L * L)
+    for lo in range(0, N, seg):
+        part = flat[lo:lo + seg]
+        n = part.numel()
+        counts = [n // L + (1 if i < n % L else 0) for i in range(L)]
+        mine = torch.empty(counts[h.local_index], dtype=flat.dtype)
+        reduce_scatter_v(mine, part, counts, _NAMES[red], comm=h.local, timeout=secs)  # 1.
+        _column_all_reduce(h, op, mine, inner, secs)  # 2.
+        all_gather_v(part, mine, counts, comm=h.local, timeout=secs)  # 3.
 
 
 def _host_then_column(h: HostOps, op: str, flat: torch.Tensor, red: int, inner: int, secs: float) -> None:
@@ -118,8 +122,6 @@ def _host_then_column(h: HostOps, op: str, flat: torch.Tensor, red: int, inner: 
     host_all_reduce(flat, _NAMES[red], comm=h.local, timeout=secs)  # 1.
     raw = flat_ops._bytes(flat)
     parity = col.step([None if i == col.index else raw for i in range(col.n)], op=op, timeout=secs)  # 2.
-    if not flat.numel():
-        return
     parts = [flat if i == col.index else col.view(parity, i, raw.numel()).view(flat.dtype) for i in range(col.n)]
     flat_ops.reduce_into(flat, parts, inner)  # (into this host's own part: reduce_into keeps the order)
 
