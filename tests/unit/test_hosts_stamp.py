@@ -218,3 +218,92 @@ def test_the_extent_of_a_step_is_what_its_stamp_covers():
         assert m1._here(0, step)
     assert m1.extent(1, 0) == 300  # step 3 wrote 300 bytes; the 1700 after them are step 1's
     assert torch.equal(m1.view(1, 0, 2000)[300:], old[300:])
+
+
+class _FourRanks:
+    """Four ranks' heaps and pads in this process, two per "host": a rank views (puts into and signals) the ranks
+    of its host and reaches the others only by writes that land when polled. Counts every write per pair."""
+
+    HOST = {0: 0, 1: 0, 2: 1, 3: 1}
+
+    def __init__(self, region: int) -> None:
+        self.heaps = {r: torch.zeros(2 * region, dtype=torch.uint8) for r in range(4)}
+        self.pads = {r: np.zeros(4096, dtype=np.int64) for r in range(4)}
+        self.writes: dict[tuple[int, int], int] = {}
+
+    def transport(self, me: int):
+        shared = self
+
+        class _T(_Memory):
+            def __init__(self):
+                self.heaps = shared.heaps
+
+            def viewable(self, rank):
+                return shared.HOST[rank] == shared.HOST[me]
+
+            def put_async(self, rank, offset, src, *, op="put"):
+                assert not self.viewable(rank)
+                shared.writes[(me, rank)] = shared.writes.get((me, rank), 0) + 1
+                return super().put_async(rank, offset, src, op=op)
+
+            def signal(self, rank, line, value):
+                shared.pads[rank][line // 8] = value
+
+            def load(self, rank, line):
+                return int(shared.pads[rank][line // 8])
+
+        return _T()
+
+
+def _four_meshes(four, region):
+    topo = SimpleNamespace(host_of=lambda g: _FourRanks.HOST[g])
+    return [Mesh(SimpleNamespace(rank=r, heap=SimpleNamespace(transport=four.transport(r)), topology=topo),
+                 [0, 1, 2, 3], [region] * 4, SLOT, 0, SimpleNamespace(interval=1.0)) for r in range(4)]
+
+
+@pytest.mark.parametrize("nbytes", [0, 100, 1500, 3000])
+def test_relayed_steps_deliver_every_byte_and_cross_once_per_host(nbytes):
+    """Two hosts of two: a member's small step for both members of another host goes in one write to the one with
+    its own index there, which passes the other's on (checked by the receiver as a direct write); steps too
+    big to ride together go directly. Every byte arrives either way (payload = f(source, receiver, step))."""
+    region = region_bytes(4, SLOT)
+    four = _FourRanks(region)
+    meshes = _four_meshes(four, region)
+    assert [m.relays for m in meshes] == [[None, None, None, 2], [None, None, 3, None],
+                                         [None, 0, None, None], [1, None, None, None]]
+    got = {}
+
+    def run(r):
+        m = meshes[r]
+        for s in range(1, 7):
+            pieces = [None if j == r else _payload(4 * r + j, nbytes, s) for j in range(4)]
+            parity = m.step(pieces, op="test", timeout=30, at=64)
+            for j in range(4):
+                if j != r:
+                    got[(j, r, s)] = m.view(parity, j, 64 + nbytes)[64:].clone()
+
+    errors = run_threads([lambda r=r: run(r) for r in range(4)], timeout=60)
+    assert not errors, errors
+    for (j, r, s), bytes_ in got.items():
+        assert torch.equal(bytes_, _payload(4 * j + r, nbytes, s)), (j, r, s)
+    end = (64 + nbytes + 63) // 64 * 64  # each step's bytes, 64-byte aligned in the relay's write
+    rides = end + STAMP + end <= min(ORDERED, SLOT)
+    for a, b in ((0, 3), (1, 2), (2, 1), (3, 0)):  # the pairs whose steps ride when they fit
+        assert four.writes.get((a, b), 0) == (0 if rides else 6), (a, b, four.writes)
+    for a, b in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        assert four.writes[(a, b)] == 6
+
+
+def test_a_bad_relayed_step_is_refused():
+    """A verified relayed step whose rider is for a member of another host is an error, never a write there."""
+    region = region_bytes(4, SLOT)
+    four = _FourRanks(region)
+    m0, _, m2, _ = _four_meshes(four, region)
+    body = torch.zeros(STAMP, dtype=torch.uint8)
+    body.view(torch.int64)[0], body.view(torch.int64)[7] = 1, 1  # step 1, for member 1 (on m2's other host)
+    m0.seal(1, [], relay=(body.data_ptr(), STAMP))
+    slot = four.heaps[2][region + (1 * 4 + 0) * (STAMP + SLOT):]
+    slot[:STAMP].copy_(_sealed(m0))
+    slot[STAMP:2 * STAMP].copy_(body)
+    with pytest.raises(AssertionError, match="bad relayed step"):
+        m2._here(0, 1)
