@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="comma list of world sizes to tune, e.g. 2,4")
     tune.add_argument("--max-size", type=_size, default="64M", help="largest message (bytes per rank input)")
     tune.add_argument("--out", default=None, help="table path (default: ZBCCL_TUNE_FILE or the host's cache entry)")
+    tune.add_argument("--hosts", type=int, default=0, metavar="N",
+                      help="tune the choices between hosts instead, on N namespace hosts of this machine (root; "
+                           "writes the table's \"hosts\" section, keeping its rules)")
+    tune.add_argument("--ranks-per-host", type=int, default=2, help="with --hosts: ranks per host (default 2)")
+    tune.add_argument("--quick", action="store_true", help="with --hosts: one size per choice (checks the tool)")
     _add_bench(sub)
     _add_bench_tp(sub)
     _add_soak(sub)
@@ -291,6 +296,17 @@ def _run(args) -> int:
         from .env import parse_size
         from .tools.tune import run_tune
 
+        if args.hosts:
+            from .tools.netns import HostsUnavailable
+            from .tools.tune_hosts import run_tune_hosts
+
+            try:
+                run_tune_hosts(hosts=args.hosts, ranks_per_host=args.ranks_per_host, quick=args.quick,
+                               out=Path(args.out) if args.out else None)
+            except HostsUnavailable as exc:
+                print(f"zbccl: {exc}", file=sys.stderr)
+                return 2
+            return 0
         run_tune(world_sizes=args.world_size, max_size=parse_size(args.max_size),
                  out=Path(args.out) if args.out else None)
         return 0

@@ -104,7 +104,9 @@ def _exact_and_bytes(buffer, comm, hosts: list[list[int]], seed: int) -> dict:
     in_parts = [int(in_ranks[s][:, mine].any(1).sum()) * row for s in range(R)
                 if host_of[s] != host_of[me] and mine[hosts[host_of[s]].index(s) % len(mine)] == me]
     control = (R - len(mine)) * (STAMP + wire.W8)
-    assert mc.bytes_put - put0 - control == sum(p for p in out_parts if p <= wire.eager), (me, out_parts)
+    # (a step for several ranks of a host rides in one write to its relay, each rank's bytes 64-byte aligned)
+    extra = mc.bytes_put - put0 - control - sum(p for p in out_parts if p <= wire.eager)
+    assert 0 <= extra < 64 * (R - len(mine)), (me, out_parts, extra)
     assert mc.bytes_got - got0 == sum(p for p in in_parts if p > wire.eager), (me, in_parts)
     crossed = sum(in_parts)
     assert crossed == _crossing_bytes(in_ranks, hosts, me, row), (crossed, me)

@@ -18,7 +18,7 @@ from tests.spawn import run_world
 from zbccl.ops.dtypes import AVG, MAX, MIN, PROD, SUM
 from zbccl.ops.hosts import reduction_order
 from zbccl.ops.reference import all_reduce_ref, hierarchical_all_reduce_ref, reduce_ref
-from zbccl.ops.tuner import hosts_hierarchical
+from zbccl.ops.tuner import HOSTS_COLUMN_MAX, hosts_hierarchical, hosts_settings
 
 REDS = {"sum": SUM, "max": MAX, "min": MIN, "product": PROD, "avg": AVG}
 
@@ -193,7 +193,7 @@ def test_large_multi_chunk_and_hierarchical(hosts):
 
 def _two_phases(ctx) -> str:
     """2 x 2, sizes the hierarchical all_reduce runs as the host's all_reduce and one column step of the whole
-    tensor (``hier.COLUMN_MAX``): bit for bit the hierarchical reference, for each reduce op, in the heap or not,
+    tensor (``HostOps.tune["column_max"]``, the default ``tuner.HOSTS_COLUMN_MAX``): bit for bit the hierarchical reference, for each reduce op, in the heap or not,
     contiguous or not; and the segments just above it."""
     import zbccl
     from zbccl.ops.hosts import hier
@@ -208,7 +208,7 @@ def _two_phases(ctx) -> str:
                                           (65_000, torch.bfloat16, "avg", False, False),
                                           (16_000, torch.int64, "max", False, True),
                                           (50_000, torch.bfloat16, "product", True, False),
-                                          (hier.COLUMN_MAX // 4 + 1, torch.float32, "sum", False, False)):
+                                          (HOSTS_COLUMN_MAX // 4 + 1, torch.float32, "sum", False, False)):
             x = f(me, 2 * n if strided else n, dt)
             if heap:
                 x = zbccl.empty((n,), dtype=dt).copy_(x)
@@ -221,7 +221,7 @@ def _two_phases(ctx) -> str:
             order = reduction_order(comm, x.numel() * x.element_size())
             assert order == [[0, 1], [2, 3]], order
             assert torch.equal(x, hierarchical_all_reduce_ref(ins, REDS[red], order)), (n, dt, red)
-            two = n * x.element_size() <= min(hier.COLUMN_MAX, h.chunk)
+            two = n * x.element_size() <= min(h.tune["column_max"], h.chunk)
             assert len(runs) - before == int(two), (n, runs)
         return "ok"
     finally:
@@ -230,6 +230,60 @@ def _two_phases(ctx) -> str:
 
 def test_hierarchical_all_reduce_in_two_phases():
     assert run_world(_two_phases, 4, timeout=240) == ["ok"] * 4
+
+
+def _tuned(ctx, tables: str) -> str:
+    """2 x 2: rank 0's tuning file sets the inter-host choices of every rank (the others have none); a bad file
+    on rank 0 fails the first op across hosts on every rank with the file named."""
+    import json
+
+    import zbccl
+    from zbccl.errors import ZbcclInvalidUsageError
+
+    os.environ["ZBCCL_CACHE_DIR"] = os.path.join(tables, f"cache{ctx.rank}")  # no table of this host
+    tune = {"chunk": 65536, "direct_min": 8192, "hier_min": {"all_reduce": 0, "all_gather": None}, "column_max": 0,
+            "relay": False}
+    if ctx.rank == 0:
+        path = os.path.join(tables, "good.json")
+        with open(path, "w") as fh:
+            json.dump({"rules": {}, "hosts": tune}, fh)
+        os.environ["ZBCCL_TUNE_FILE"] = path
+    comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
+    W, me = comm.world_size, comm.rank
+    try:
+        x = f(me, 1000, torch.float32)
+        zbccl.all_reduce(x)  # 4000 bytes: hierarchical only because rank 0's table says so
+        h = comm.device_state["hosts"]
+        assert h.tune == hosts_settings(tune) and h.chunk == 65536 and h.direct_min == 8192, (h.tune, h.chunk)
+        assert h.world.relays == [None] * W
+        order = reduction_order(comm, 4000)
+        assert order == [[0, 1], [2, 3]], order
+        assert torch.equal(x, hierarchical_all_reduce_ref([f(r, 1000, torch.float32) for r in range(W)], SUM, order))
+        big = f(me, 300_000, torch.float32)  # over the tuned chunk and column_max: segments of 64 KiB chunks
+        zbccl.all_reduce(big)
+        assert torch.equal(big, hierarchical_all_reduce_ref([f(r, 300_000, torch.float32) for r in range(W)], SUM,
+                                                            order))
+        out = torch.empty(W * 300_000)
+        zbccl.all_gather_into_tensor(out, f(me, 300_000, torch.float32))  # never hierarchical: flat, chunked
+        assert torch.equal(out, torch.cat([f(r, 300_000, torch.float32) for r in range(W)]))
+    finally:
+        zbccl.finalize()
+    if ctx.rank == 0:
+        path = os.path.join(tables, "bad.json")
+        with open(path, "w") as fh:
+            json.dump({"rules": {}, "hosts": {"chunk": 100}}, fh)
+        os.environ["ZBCCL_TUNE_FILE"] = path
+    comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
+    try:
+        with pytest.raises(ZbcclInvalidUsageError, match=r"on rank 0: .*bad hosts.chunk in .*bad.json"):
+            zbccl.all_reduce(torch.ones(10))
+    finally:
+        zbccl.finalize()
+    return "ok"
+
+
+def test_rank_zeros_tuning_file_sets_the_inter_host_choices(tmp_path):
+    assert run_world(_tuned, 4, timeout=240, tables=str(tmp_path)) == ["ok"] * 4
 
 
 def _direct(ctx, hosts: list[int]) -> str:

@@ -13,7 +13,14 @@ from zbccl.ops.dtypes import AVG, MAX, MIN, PROD, SUM
 from zbccl.ops.hosts.flat import copy, reduce_into
 from zbccl.ops.hosts.state import HostOps
 from zbccl.ops.reference import reduce_ref
-from zbccl.ops.tuner import EP_HOSTS_EAGER, HOSTS_CHUNK, ep_hosts_eager, hosts_chunk, hosts_hierarchical
+from zbccl.ops.tuner import (
+    EP_HOSTS_EAGER,
+    HOSTS_CHUNK,
+    ep_hosts_eager,
+    hosts_chunk,
+    hosts_hierarchical,
+    hosts_settings,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
@@ -61,10 +68,20 @@ def test_copy_skips_the_same_memory_and_copies_otherwise():
         assert torch.equal(dst, s)
 
 
+_TUNE = hosts_settings()
+
+
 @pytest.mark.parametrize("raw", [b"", b"not json", b"[]", json.dumps({"chunk": 4096}).encode(),
-                                 json.dumps({"chunk": 100, "world": [0, 1], "column": [-1, 0]}).encode(),
-                                 json.dumps({"chunk": 4096, "world": [0, "1"], "column": [-1, 0]}).encode(),
-                                 json.dumps({"chunk": 4096, "world": [0, 1], "column": [-1, 0], "x": 1}).encode(),
+                                 json.dumps({"chunk": 100, "world": [0, 1], "column": [-1, 0], "tune": _TUNE}).encode(),
+                                 json.dumps({"chunk": 4096, "world": [0, "1"], "column": [-1, 0],
+                                             "tune": _TUNE}).encode(),
+                                 json.dumps({"chunk": 4096, "world": [0, 1], "column": [-1, 0], "tune": _TUNE,
+                                             "x": 1}).encode(),
+                                 json.dumps({"chunk": 4096, "world": [0, 1], "column": [-1, 0]}).encode(),
+                                 json.dumps({"chunk": 4096, "world": [0, 1], "column": [-1, 0],
+                                             "tune": {**_TUNE, "relay": 1}}).encode(),
+                                 json.dumps({"chunk": 4096, "world": [0, 1], "column": [-1, 0],
+                                             "tune": {"relay": True}}).encode(),
                                  json.dumps({"error": 3}).encode()])
 def test_setup_records_are_parsed_strictly(raw):
     with pytest.raises(ZbcclRemoteError, match="rank 2's inter-host setup record is malformed"):
@@ -72,7 +89,7 @@ def test_setup_records_are_parsed_strictly(raw):
 
 
 def test_setup_record_accepted():
-    rec = {"chunk": 8192, "world": [4096, 100000], "column": [-1, 0]}
+    rec = {"chunk": 8192, "world": [4096, 100000], "column": [-1, 0], "tune": _TUNE}
     assert HostOps._parse(None, 0, json.dumps(rec).encode()) == rec
     assert HostOps._parse(None, 0, b'{"error": "no room"}') == {"error": "no room"}
 
@@ -87,6 +104,9 @@ def test_tuner_inter_host_choices():
     assert not hosts_hierarchical("reduce_scatter", 1 << 20, 2, 2, True)
     assert not hosts_hierarchical("all_gather", 1 << 20, 2, 2, True)  # three rounds: flat wins below 2 MiB
     assert hosts_hierarchical("all_gather", 4 << 20, 2, 2, True)
+    assert hosts_chunk(1 << 30, 8, 1 << 20) == 1 << 20  # the tuned chunk caps the proposal
+    assert hosts_hierarchical("all_gather", 4096, 2, 2, True, {"all_gather": 0})  # tuned thresholds
+    assert not hosts_hierarchical("all_reduce", 1 << 30, 2, 2, True, {"all_reduce": None})
 
 
 def test_tuner_ep_eager_limit():

@@ -271,6 +271,8 @@ def test_relayed_steps_deliver_every_byte_and_cross_once_per_host(nbytes):
     meshes = _four_meshes(four, region)
     assert [m.relays for m in meshes] == [[None, None, None, 2], [None, None, 3, None],
                                          [None, 0, None, None], [1, None, None, None]]
+    assert [m.relayed_by for m in meshes] == [[None, None, None, 1], [None, None, 0, None],
+                                             [None, 3, None, None], [2, None, None, None]]
     got = {}
 
     def run(r):
@@ -307,3 +309,29 @@ def test_a_bad_relayed_step_is_refused():
     slot[STAMP:2 * STAMP].copy_(body)
     with pytest.raises(AssertionError, match="bad relayed step"):
         m2._here(0, 1)
+
+
+def test_a_missing_relay_is_named_not_the_members_it_relays():
+    """Two hosts of two, rank 3 never steps: rank 1's step for rank 2 rides with rank 3, which never passes it on;
+    rank 2's timeout names rank 3 alone (the cause), as ranks 0 and 1 do."""
+    from zbccl.errors import ZbcclTimeoutError
+
+    region = region_bytes(4, SLOT)
+    four = _FourRanks(region)
+    meshes = _four_meshes(four, region)
+    checked = []
+    for m in meshes:
+        m.watch = SimpleNamespace(interval=0.05, labels={g: g for g in range(4)}, where=lambda g: f"host {g // 2}",
+                                  check=lambda members, pending, op, **kw: checked.append(sorted(pending)))
+    named = {}
+
+    def run(r):
+        with pytest.raises(ZbcclTimeoutError) as info:
+            meshes[r].step([None if j == r else _payload(4 * r + j, 100, 1) for j in range(4)], op="test",
+                           timeout=0.3)
+        named[r] = info.value.ranks
+
+    errors = run_threads([lambda r=r: run(r) for r in range(3)], timeout=60)
+    assert not errors, errors
+    assert named == {0: (3,), 1: (3,), 2: (3,)}, named
+    assert [1, 3] in checked  # rank 2's liveness checks cover the relay (3) of the late member (1)

@@ -122,3 +122,47 @@ def test_write_table_is_atomic_and_validated(tmp_path, monkeypatch):
         write_table({"rules": {"all_gather": {"*": [[-1, "push"]]}}}, path)
     assert json.loads(path.read_text())["rules"] == GOOD  # the old table, whole
     assert sorted(p.name for p in path.parent.iterdir()) == ["host.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("hosts, field", [
+    ([], "hosts section"),
+    ({"chunk": 100}, "hosts.chunk"),
+    ({"chunk": True}, "hosts.chunk"),
+    ({"chunk": 4096 + 32}, "hosts.chunk"),
+    ({"direct_min": -1}, "hosts.direct_min"),
+    ({"column_max": 1.5}, "hosts.column_max"),
+    ({"hier_min": {"all_to_all": 1}}, "hosts.hier_min"),
+    ({"hier_min": {"all_reduce": "64K"}}, "hosts.hier_min"),
+    ({"relay": 1}, "hosts.relay"),
+    ({"lanes": 4}, "hosts choice"),
+])
+def test_the_hosts_section_is_validated(hosts, field):
+    from zbccl.ops.tuner import validate_hosts
+
+    with pytest.raises(ZbcclInvalidUsageError, match=f"^tuning: bad {field} in here"):
+        validate_hosts(hosts, source="here")
+
+
+def test_the_hosts_section_overlays_the_defaults_and_travels_with_the_table(tmp_path, monkeypatch):
+    from zbccl.ops.tuner import HOSTS_DEFAULTS, hosts_settings, validate_hosts
+
+    full = hosts_settings()
+    assert full == HOSTS_DEFAULTS and full["hier_min"] is not HOSTS_DEFAULTS["hier_min"]  # a copy
+    assert validate_hosts(full, source="x", whole=True) is full
+    with pytest.raises(ZbcclInvalidUsageError, match="every choice"):
+        validate_hosts({"relay": True}, source="x", whole=True)
+    section = {"hier_min": {"all_gather": None}, "relay": False, "chunk": 1 << 20}
+    got = hosts_settings(section)
+    assert got["hier_min"] == {"all_reduce": HOSTS_DEFAULTS["hier_min"]["all_reduce"], "all_gather": None}
+    assert (got["relay"], got["chunk"], got["direct_min"]) == (False, 1 << 20, HOSTS_DEFAULTS["direct_min"])
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"rules": GOOD, "hosts": section}))
+    monkeypatch.setenv("ZBCCL_TUNE_FILE", str(path))
+    monkeypatch.delenv("ZBCCL_ALGO", raising=False)
+    table = TuningTable.load()
+    assert table.hosts == section and TuningTable.from_json(table.to_json()).hosts == section
+    path.write_text(json.dumps({"rules": GOOD, "hosts": {"relay": "no"}}))
+    with pytest.raises(ZbcclInvalidUsageError, match=r"bad hosts.relay in .*t.json"):
+        TuningTable.load()
+    with pytest.raises(ZbcclInvalidUsageError, match="hosts.relay"):
+        write_table({"rules": GOOD, "hosts": {"relay": "no"}}, tmp_path / "w.json")

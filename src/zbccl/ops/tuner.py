@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "OP_ALGOS", "ALGO_CODES",
            "table_for", "host_key", "table_path", "force_algorithm", "validate_rules", "load_file", "choose",
-           "store_kind_mode", "HOSTS_CHUNK", "HOSTS_HIER_MIN", "HOSTS_DIRECT_MIN",
-           "hosts_chunk", "hosts_hierarchical", "EP_HOSTS_EAGER", "ep_hosts_eager"]
+           "store_kind_mode", "HOSTS_CHUNK", "HOSTS_HIER_MIN", "HOSTS_DIRECT_MIN", "HOSTS_COLUMN_MAX",
+           "HOSTS_DEFAULTS", "validate_hosts", "hosts_settings", "read_file", "hosts_chunk", "hosts_hierarchical", "EP_HOSTS_EAGER", "ep_hosts_eager"]
 
 #: Algorithm name -> code (``native/abi.py``).
 ALGO_CODES = {v: k for k, v in ALGO_NAMES.items()}
@@ -138,6 +138,12 @@ def validate_rules(rules: object, *, source: str) -> dict[str, dict[str, list[li
 
 def load_file(path: Path) -> dict[str, dict[str, list[list]]]:
     """The validated ``rules`` of a tuning file written by ``zbccl tune``."""
+    return validate_rules(read_file(path)["rules"], source=str(path))
+
+
+def read_file(path: Path) -> dict:
+    """A tuning file's JSON object (it has ``"rules"``; ``"hosts"``, when present, is validated); raises
+    :class:`ZbcclInvalidUsageError` on an unreadable or malformed one."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -146,7 +152,9 @@ def load_file(path: Path) -> dict[str, dict[str, list[list]]]:
     if not isinstance(data, dict) or "rules" not in data:
         raise _bad("table", str(path), 'an object with "rules"', type(data).__name__ if not isinstance(data, dict)
                    else sorted(data))
-    return validate_rules(data["rules"], source=str(path))
+    if "hosts" in data:
+        validate_hosts(data["hosts"], source=str(path))
+    return data
 
 
 @dataclass
@@ -156,6 +164,8 @@ class TuningTable:
     rules: dict[str, dict[str, list[list]]] = field(default_factory=dict)
     forced: dict[str, str] = field(default_factory=dict)
     source: str = "defaults"
+    #: The file's ``"hosts"`` section (the inter-host choices it sets: :func:`hosts_settings`).
+    hosts: dict = field(default_factory=dict)
 
     @classmethod
     def defaults(cls) -> TuningTable:
@@ -167,19 +177,21 @@ class TuningTable:
         table = cls.defaults()
         path = table_path()
         if path.is_file() or env.TUNE_FILE.get():  # a named file must exist
-            for op, per_world in load_file(path).items():
+            data = read_file(path)
+            for op, per_world in validate_rules(data["rules"], source=str(path)).items():
                 table.rules.setdefault(op, {}).update(per_world)
+            table.hosts = data.get("hosts", {})
             table.source = str(path)
         table.forced = parse_forced(env.ALGO.get())
         return table
 
     def to_json(self) -> str:
-        return json.dumps({"rules": self.rules, "forced": self.forced, "source": self.source})
+        return json.dumps({"rules": self.rules, "forced": self.forced, "source": self.source, "hosts": self.hosts})
 
     @classmethod
     def from_json(cls, text: str) -> TuningTable:
         d = json.loads(text)
-        return cls(d["rules"], d.get("forced", {}), d.get("source", "?"))
+        return cls(d["rules"], d.get("forced", {}), d.get("source", "?"), d.get("hosts", {}))
 
     def choose(self, op: str, dtype: torch.dtype, nbytes: int, world_size: int) -> tuple[int, int]:
         """``(algorithm code, chunk bytes)`` for this op, size and world size."""
@@ -287,6 +299,56 @@ HOSTS_HIER_MIN = {"all_reduce": 64 << 10, "all_gather": 2 << 20}
 #: header, a step publishes it), no staging copy, no copy out, no chunk-by-chunk lockstep. A large flat
 #: all_reduce runs as such a reduce_scatter, then such an all_gather (``hosts.flat.split``).
 HOSTS_DIRECT_MIN = 1 << 20
+#: Bytes up to which the hierarchical all_reduce runs as the host's all_reduce and one column step of the whole
+#: tensor instead of reduce_scatter, column step, all_gather: 2 x 2 namespace hosts, interleaved, the whole op
+#: 9-13 % faster at 64-256 KiB, and 30 % slower at 512 KiB, where each rank's whole tensor crossing costs more
+#: than the third phase saves (``docs/benchmarks.md`` A.16).
+HOSTS_COLUMN_MAX = 256 << 10
+#: The inter-host choices and their defaults, which a tuning table's ``"hosts"`` section overrides (``zbccl tune
+#: --hosts`` measures them): ``chunk`` (the pipelining unit, one slot), ``direct_min`` (``HOSTS_DIRECT_MIN``),
+#: ``hier_min`` (``HOSTS_HIER_MIN`` per op; None: never hierarchical), ``column_max`` (``HOSTS_COLUMN_MAX``) and
+#: ``relay`` (a small step for several ranks of another host goes in one write, relayed there: ``hosts/mesh.py``).
+#: A communicator across hosts uses rank 0's, agreed when it sets up (``hosts/state.py``).
+HOSTS_DEFAULTS: dict = {"chunk": HOSTS_CHUNK, "direct_min": HOSTS_DIRECT_MIN, "hier_min": dict(HOSTS_HIER_MIN),
+                        "column_max": HOSTS_COLUMN_MAX, "relay": True}
+
+
+def validate_hosts(hosts: object, *, source: str, whole: bool = False) -> dict:
+    """``hosts`` (a table's ``"hosts"`` section: some of ``HOSTS_DEFAULTS``' choices; ``whole``: all of them) if
+    every field is valid, else :class:`ZbcclInvalidUsageError` naming the field."""
+    if not isinstance(hosts, dict):
+        raise _bad("hosts section", source, "an object {choice: value}", type(hosts).__name__)
+    for key, value in hosts.items():
+        if key == "chunk":
+            ok, want = _is_int(value) and 4096 <= value <= MAX_CHUNK and value % 64 == 0, \
+                f"a multiple of 64 in 4096..{MAX_CHUNK}"
+        elif key in ("direct_min", "column_max"):
+            ok, want = _is_int(value) and 0 <= value <= 1 << 62, "an int of bytes >= 0"
+        elif key == "relay":
+            ok, want = isinstance(value, bool), "true or false"
+        elif key == "hier_min":
+            ok = isinstance(value, dict) and all(k in HOSTS_HIER_MIN and (v is None or _is_int(v) and 0 <= v <= 1 << 62)
+                                                 for k, v in value.items())
+            ok, want = ok and (not whole or set(value) == set(HOSTS_HIER_MIN)), \
+                f"an object {{op: bytes or null}} with ops among {tuple(HOSTS_HIER_MIN)}"
+        else:
+            raise _bad("hosts choice", source, f"one of {tuple(HOSTS_DEFAULTS)}", key)
+        if not ok:
+            raise _bad(f"hosts.{key}", source, want, value)
+    if whole and set(hosts) != set(HOSTS_DEFAULTS):
+        raise _bad("hosts section", source, f"every choice of {tuple(HOSTS_DEFAULTS)}", sorted(hosts))
+    return hosts
+
+
+def hosts_settings(section: dict | None = None) -> dict:
+    """Every inter-host choice: ``HOSTS_DEFAULTS`` overlaid with a (validated) ``"hosts"`` section."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in HOSTS_DEFAULTS.items()}
+    for key, value in (section or {}).items():
+        if key == "hier_min":
+            out[key].update(value)
+        else:
+            out[key] = value
+    return out
 
 
 #: EP across hosts (``ep/wire.py``): a part of a dispatch or combine up to this many bytes rides in its op's round
@@ -306,15 +368,17 @@ def ep_hosts_eager(heap_bytes: int, ranks: int, budget: int = 0) -> int:
     return max(4096, min(EP_HOSTS_EAGER, fit))
 
 
-def hosts_chunk(heap_bytes: int, slots: int) -> int:
+def hosts_chunk(heap_bytes: int, slots: int, most: int = HOSTS_CHUNK) -> int:
     """This rank's proposal of the inter-host chunk (the group takes the smallest, so every rank agrees):
-    ``HOSTS_CHUNK``, or less where ``slots`` slots of it would take more than a quarter of the heap."""
+    ``most`` (the tuned chunk), or less where ``slots`` slots of it would take more than a quarter of the heap."""
     fit = heap_bytes // 4 // max(1, slots) // 4096 * 4096
-    return max(4096, min(HOSTS_CHUNK, fit))
+    return max(4096, min(most, fit))
 
 
-def hosts_hierarchical(op: str, nbytes: int, hosts: int, local: int, regular: bool) -> bool:
-    """Whether ``op`` of ``nbytes`` takes the hierarchical algorithm (identical on every rank: it reads
-    only the topology and the size, which the ranks agree on or fail together)."""
-    least = HOSTS_HIER_MIN.get(op)
+def hosts_hierarchical(op: str, nbytes: int, hosts: int, local: int, regular: bool,
+                       hier_min: dict | None = None) -> bool:
+    """Whether ``op`` of ``nbytes`` takes the hierarchical algorithm (identical on every rank: it reads only the
+    topology, the size, which the ranks agree on or fail together, and ``hier_min``, the agreed thresholds;
+    None: ``HOSTS_HIER_MIN``)."""
+    least = (HOSTS_HIER_MIN if hier_min is None else hier_min).get(op)
     return regular and hosts >= 2 and local >= 2 and least is not None and nbytes >= least

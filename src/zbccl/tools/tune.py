@@ -9,7 +9,9 @@ fastest wins if it beats the default by 5% (less is noise), and for large
 twoshot all_reduce the pipelining chunk is tuned too. Neighbouring sizes with
 the same choice are merged into ``[max_bytes, algorithm(, chunk)]`` rules. The table goes to
 ``ZBCCL_CACHE_DIR/tuning/<host>.json`` (or ``--out`` / ``ZBCCL_TUNE_FILE``),
-keyed by world size; a communicator uses rank 0's copy, so all ranks agree.
+keyed by world size, keeping the ``"hosts"`` section ``zbccl tune --hosts``
+(``tools/tune_hosts.py``) wrote there; a communicator uses rank 0's copy, so
+all ranks agree.
 """
 
 from __future__ import annotations
@@ -134,9 +136,14 @@ def run_tune(*, world_sizes: list[int], max_size: int, out: Path | None = None) 
                 cells = "  ".join(f"{a}={t:9.1f}us" for a, t in times.items())
                 chunk = f" chunk {row[3] >> 10} KiB" if len(row) > 3 else ""
                 print(f"  {op:<11} {nbytes:>10}  {cells}  -> {best}{chunk}")
-    path = out or table_path()
+    path = Path(out or table_path())
     table["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    write_table(table, Path(path))
+    if path.is_file():  # the choices between hosts ``zbccl tune --hosts`` saved there stay
+        from zbccl.ops.tuner import read_file
+
+        old = read_file(path)
+        table.update({k: old[k] for k in ("hosts", "hosts_measured") if k in old})
+    write_table(table, path)
     print(f"saved {path}")
     return path
 
@@ -148,9 +155,11 @@ def write_table(table: dict, path: Path) -> None:
     is flushed to disk, and replaces ``path`` in one ``os.replace``; a failure
     leaves ``path`` as it was and removes the temporary file.
     """
-    from zbccl.ops.tuner import validate_rules
+    from zbccl.ops.tuner import validate_hosts, validate_rules
 
     validate_rules(table["rules"], source="the table zbccl tune measured")
+    if "hosts" in table:
+        validate_hosts(table["hosts"], source="the table zbccl tune measured")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -26,7 +26,7 @@ from ...native.abi import ABORT_EXCEPTION, WHERE_COLLECTIVE
 from ...runtime import liveness
 from ..args import timeout_error
 from ..dtypes import dtype_code
-from ..tuner import hosts_hierarchical
+from ..tuner import TuningTable, hosts_hierarchical, hosts_settings
 from . import flat, hier
 from .state import HostOps, host_ops
 
@@ -38,15 +38,19 @@ def reduction_order(comm, nbytes: int) -> list[list[int]] | None:
     """The order an all_reduce of ``nbytes`` over ``comm`` reduces in: None for member order (one host, or the
     flat algorithm, bit-equal to ``reference.all_reduce_ref``), else the group ranks per host, hosts in order
     of their first member, for the hierarchical one (``reference.hierarchical_all_reduce_ref``). Local: it
-    reads the topology and the tuner's rule, the same inputs every member's choice reads."""
+    reads the topology and the tuner's rule, the same inputs every member's choice reads: the communicator's
+    agreed thresholds once it ran an op across hosts, before that this rank's tuning table's (the same where
+    every host's table sets the same, or none)."""
     if comm._single_host:
         return None
+    h = comm.device_state.get("hosts")
+    hier_min = (h.tune if h is not None else hosts_settings(TuningTable.load().hosts))["hier_min"]
     by_host: dict[int, list[int]] = {}
     for i, g in enumerate(comm.ranks):
         by_host.setdefault(comm.topology.host_of(g), []).append(i)
     hosts = list(by_host.values())
     regular = len(hosts) >= 2 and len(hosts[0]) >= 2 and all(len(h) == len(hosts[0]) for h in hosts)
-    return hosts if hosts_hierarchical("all_reduce", nbytes, len(hosts), len(hosts[0]), regular) else None
+    return hosts if hosts_hierarchical("all_reduce", nbytes, len(hosts), len(hosts[0]), regular, hier_min) else None
 
 
 def settle(comm, timeout: float = 30.0) -> None:
@@ -88,7 +92,7 @@ def all_reduce(comm, tensor: torch.Tensor, dt: int, red: int, error: str | None,
     def body(h: HostOps, secs: float, terr: str | None) -> None:
         err = error or terr
         nbytes = 0 if err else tensor.numel() * tensor.element_size()
-        if err is None and hosts_hierarchical(op, nbytes, h.H, h.L, h.regular):
+        if err is None and hosts_hierarchical(op, nbytes, h.H, h.L, h.regular, h.tune["hier_min"]):
             hier.all_reduce(h, op, tensor, dt, red, secs)
         else:
             flat.all_reduce(h, op, tensor, dt, red, err, secs)
@@ -111,7 +115,7 @@ def gather(comm, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, co
             shapes = [tuple(input.shape[:d]) + (c // unit if unit else 0,) + tuple(input.shape[d + 1:]) for c in cs]
         nbytes = 0 if err else sum(cs) * input.element_size()
         if (err is None and d == 0 and len(set(cs)) == 1
-                and hosts_hierarchical("all_gather", nbytes, h.H, h.L, h.regular)):
+                and hosts_hierarchical("all_gather", nbytes, h.H, h.L, h.regular, h.tune["hier_min"])):
             hier.all_gather(h, op, output, input, dt, cs, secs)
         else:
             flat.gather(h, op, output, input, dt, cs, d, shapes, err, secs)

@@ -1,8 +1,9 @@
 """The hierarchical algorithms across hosts, for a regular topology (H hosts of L >= 2 members each).
 
-all_reduce of N elements, after the agreement step (header only, on the world mesh), up to ``COLUMN_MAX``
-bytes: the host's all_reduce (the shm op, in place), then one column step of the whole tensor, each rank
-reducing the H hosts' results in host order (each rank sends ``(H-1) N`` across). Above, segment by segment:
+all_reduce of N elements, after the agreement step (header only, on the world mesh), up to ``column_max``
+bytes (``HostOps.tune``; ``tuner.HOSTS_COLUMN_MAX``): the host's all_reduce (the shm op, in place), then
+one column step of the whole tensor, each rank reducing the H hosts' results in host order (each rank
+sends ``(H-1) N`` across). Above, segment by segment:
 
 1. intra-host ``reduce_scatter_v`` over the host group (the zero-buffer shm op): local index l gets the
    host's reduction of slice l (``N/L`` elements, the first ``N % L`` slices one longer);
@@ -42,11 +43,6 @@ from .state import F, HostOps
 __all__ = ["all_reduce", "all_gather"]
 
 _NAMES = {SUM: "sum", AVG: "sum", PROD: "product", MAX: "max", MIN: "min"}
-#: Bytes up to which the hierarchical all_reduce runs as the host's all_reduce and one column step of the whole
-#: tensor (``_host_then_column``) instead of reduce_scatter, column step, all_gather: 2 x 2 namespace hosts,
-#: interleaved, the whole op 9-13 % faster at 64-256 KiB, and 30 % slower at 512 KiB, where each rank's whole
-#: tensor crossing costs more than the third phase saves (``docs/benchmarks.md`` A.16).
-COLUMN_MAX = 256 << 10
 #: Chunks per segment of the hierarchical ops: the shm phases (which stage a tensor outside the heap) see at
 #: most this many chunks at once, so a large tensor needs no heap room of its size.
 SEGMENT_CHUNKS = 4
@@ -80,12 +76,12 @@ def _column_gather(h: HostOps, op: str, piece: torch.Tensor, out: torch.Tensor, 
 
 
 def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, secs: float) -> None:
-    """In place: up to ``COLUMN_MAX`` bytes the host's all_reduce and one column step of the whole tensor
+    """In place: up to ``column_max`` bytes (``HostOps.tune``) the host's all_reduce and one column step of the whole tensor
     (:func:`_host_then_column`), above segment by segment (:func:`_segments`)."""
     work = flat_ops.all_reduce(h, op, tensor, dt, red, None, secs, data=False)
     flat = work.view(-1)
     inner = SUM if red == AVG else red
-    two = flat.numel() * tensor.element_size() <= min(COLUMN_MAX, h.chunk)
+    two = flat.numel() * tensor.element_size() <= min(h.tune["column_max"], h.chunk)
     (_host_then_column if two else _segments)(h, op, flat, red, inner, secs)
     if red == AVG:
         flat.div_(h.n)

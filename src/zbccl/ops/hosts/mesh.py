@@ -219,8 +219,11 @@ class Mesh:
         #: Members on another host (this rank cannot view their memory): their steps arrive stamped.
         self.stamped = [i != self.index and not self.t.viewable(g) for i, g in enumerate(self.members)]
         #: Per member: the member of its host that relays this member's small steps to it (``relays[i]``; None:
-        #: written directly), the one with this member's index among its host's members (module docstring).
-        self.relays: list[int | None] = self._relays()
+        #: written directly), the one with this member's index among its host's members (module docstring); and
+        #: the member of this host that may relay member ``i``'s steps here (``relayed_by[i]``).
+        self.relays: list[int | None] = [None] * self.n
+        self.relayed_by: list[int | None] = [None] * self.n
+        self.set_relays(True)
         self.got = [0] * self.n  # the last step verified from each stamped member
         self._hash, self._copy = native.core().hash64, native.core().memcpy
         self._out = np.zeros(STAMP // 8, dtype=np.uint64)  # the stamp being sent (one peer at a time)
@@ -240,21 +243,28 @@ class Mesh:
         self._stamps = [[self._own_np[at:at + STAMP].view(np.uint64)
                          for at in (self._local(parity, i) - STAMP for i in range(self.n))] for parity in (0, 1)]
 
-    def _relays(self) -> list[int | None]:
+    def set_relays(self, on: bool) -> None:
+        """Relay small steps (``relays``, ``relayed_by``: the module docstring), or write every step directly. Every
+        member must make the same choice (a step's receiver names a late member's relay, not the member)."""
+        self.relays, self.relayed_by = [None] * self.n, [None] * self.n
         topology = getattr(self.ctx, "topology", None)
-        if topology is None or not any(self.stamped):
-            return [None] * self.n
+        if not on or topology is None or not any(self.stamped):
+            return
         host_of = topology.host_of
         by_host: dict[int, list[int]] = {}
         for i, g in enumerate(self.members):
             by_host.setdefault(host_of(g), []).append(i)
-        mine = by_host[host_of(self.me)].index(self.index)
-        relays: list[int | None] = [None] * self.n
+        here = by_host[host_of(self.me)]
+        mine = here.index(self.index)
         for i, g in enumerate(self.members):
+            if not self.stamped[i]:
+                continue
             there = by_host[host_of(g)]
-            if self.stamped[i] and len(there) > mine and there[mine] != i and self.stamped[there[mine]]:
-                relays[i] = there[mine]
-        return relays
+            if len(there) > mine and there[mine] != i and self.stamped[there[mine]]:
+                self.relays[i] = there[mine]
+            theirs = there.index(i)
+            if len(here) > theirs and here[theirs] != self.index:
+                self.relayed_by[i] = here[theirs]
 
     def _arrived(self, i: int) -> int:
         return self.line_base + layout.LINE * i
@@ -523,7 +533,10 @@ class Mesh:
             flying = flying if sent else []  # (only what this wait waits for is late)
             now = time.monotonic()
             if now >= next_live or now >= deadline:
-                pending = list(dict.fromkeys([self.members[i] for i, _ in late] + [self.members[i] for i in flying]))
+                # (a late member's relay here, when it may be the one that never passed the step on)
+                relayers = [self.relayed_by[i] for i, _ in late if self.relayed_by[i] is not None]
+                pending = list(dict.fromkeys([self.members[i] for i, _ in late] + [self.members[i] for i in flying]
+                                             + [self.members[i] for i in relayers]))
                 self.watch.check(self.members, pending, op, waited=now - start, timeout=timeout)
                 next_live = now + self.watch.interval
             if now >= deadline:
@@ -533,6 +546,8 @@ class Mesh:
                     raise ZbcclTimeoutError(
                         f"{op}: timed out after {timeout:.1f}s waiting for this rank's write to ranks {names} to "
                         f"land, expected the transport to complete it, got no completion", ranks=tuple(names))
+                waiting = {i for i, _ in late}  # a member whose relay here is late too: the relay is the cause
+                late = [(i, t) for i, t in late if self.relayed_by[i] not in waiting] or late
                 names = [label(self.members[i], self.members[i]) for i, _ in late]
                 where = "; ".join(f"rank {label(self.members[i], self.members[i])} on "
                                   f"{self.watch.where(self.members[i])}" for i, _ in late)

@@ -4,10 +4,13 @@ Made lazily and collectively on the communicator's first op (:func:`host_ops`), 
 ``device_state["hosts"]`` and closed with it (destroy, finalize).
 
 Setup (collective over the members, through the communicator's bootstrap store, sealed by the job
-cookie when there is one): each rank proposes a chunk (``tuner.hosts_chunk``), reserves its mesh
-regions in its heap, and all-gathers ``{"chunk", "world", "column"}`` (or the error it hit, so that every
-rank fails together). Each record is parsed strictly; the chunk is the smallest proposed; every region
-a peer announces is checked against that peer's heap size. On a regular topology (every host holds the
+cookie when there is one): each rank reads its tuning table's inter-host choices (``tuner.hosts_settings``:
+the defaults, or what its file's ``"hosts"`` section sets), proposes a chunk (``tuner.hosts_chunk``, at
+most its tuned one), reserves its mesh regions in its heap, and all-gathers ``{"chunk", "world",
+"column", "tune"}`` (or the error it hit, a bad tuning file included, so that every rank fails together).
+Each record is parsed strictly; rank 0's choices are the communicator's (``HostOps.tune``), as rank 0's
+table is on one host; the chunk is the smallest proposed, at most rank 0's; every region a peer announces
+is checked against that peer's heap size. On a regular topology (every host holds the
 same number L >= 2 of the members) the ranks of each host make a sub-communicator (``new_group``) for
 the zero-buffer shm phases, and the ranks of one local index across the hosts form a column mesh.
 
@@ -32,7 +35,7 @@ import torch
 from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclRemoteError
 from ...heap import layout
 from ...native.abi import OP_NAMES
-from ..tuner import HOSTS_DIRECT_MIN, hosts_chunk
+from ..tuner import TuningTable, hosts_chunk, hosts_settings, validate_hosts
 from .mesh import Mesh, Watch, region_bytes
 
 __all__ = ["HostOps", "host_ops", "F", "NOTHING_BIG"]
@@ -101,7 +104,9 @@ class HostOps:
         self.local = None
         self._blocks: list[int] = []
         self._plans: dict[tuple, _Plan] = {}
-        self.direct_min = HOSTS_DIRECT_MIN
+        #: The inter-host choices (``tuner.HOSTS_DEFAULTS``), rank 0's: set up in :meth:`_setup`.
+        self.tune: dict = hosts_settings()
+        self.direct_min = self.tune["direct_min"]
         #: Bytes this rank put straight into receivers' places (:meth:`exchange`'s ``dests``).
         self.direct_bytes = 0
         #: Whether the last :meth:`exchange` put pieces straight into places (they are there on return).
@@ -119,8 +124,9 @@ class HostOps:
         ncol = len(self.column)
         record: dict = {}
         try:
-            chunk = hosts_chunk(comm.heap_bytes, 2 * (n + ncol))
-            record["chunk"] = chunk
+            tune = hosts_settings(TuningTable.load().hosts)
+            chunk = hosts_chunk(comm.heap_bytes, 2 * (n + ncol), tune["chunk"])
+            record["chunk"], record["tune"] = chunk, tune
             for name, count, hdr in (("world", n, self.hdr), ("column", ncol, 0)):
                 if not count:
                     record[name] = [-1, 0]
@@ -142,9 +148,13 @@ class HostOps:
         recs = [self._parse(i, raw) for i, raw in enumerate(got)]
         bad = [(i, r["error"]) for i, r in enumerate(recs) if "error" in r]
         if bad:
-            raise ZbcclOutOfMemoryError(f"collective: setting up the inter-host regions failed on rank {bad[0][0]}: "
-                                        f"{bad[0][1]}", ranks=tuple(i for i, _ in bad))
-        self.chunk = min(r["chunk"] for r in recs)
+            cls = ZbcclInvalidUsageError if bad[0][1].startswith(ZbcclInvalidUsageError.__name__) else \
+                ZbcclOutOfMemoryError
+            raise cls(f"collective: setting up the inter-host regions failed on rank {bad[0][0]}: {bad[0][1]}",
+                      ranks=tuple(i for i, _ in bad))
+        self.tune = recs[0]["tune"]
+        self.direct_min = self.tune["direct_min"]
+        self.chunk = min(min(r["chunk"] for r in recs), self.tune["chunk"])
         for i, r in enumerate(recs):  # every announced region must lie in that rank's heap and hold the slots
             for name, count, hdr in (("world", n, self.hdr), ("column", ncol, 0)):
                 off, nbytes = r[name]
@@ -157,6 +167,7 @@ class HostOps:
         slot_line = layout.slot_line
         self.world = Mesh(ctx, comm.ranks, [r["world"][0] for r in recs], self.hdr + self.chunk,
                           slot_line(comm.slot, LINE0), self.watch)
+        self.world.set_relays(self.tune["relay"])
         # where each member's header lands in this rank's slots, per parity (int64 words; views, made once)
         self._came = [[self.world.view_np(parity, i, self.hdr).view(np.int64) for i in range(n)] for parity in (0, 1)]
         self.col = None
@@ -176,13 +187,17 @@ class HostOps:
         if ok and "error" in rec:
             ok = set(rec) == {"error"} and isinstance(rec["error"], str)
         elif ok:
-            ok = (set(rec) == {"chunk", "world", "column"} and _int(rec["chunk"]) and 4096 <= rec["chunk"] <= 1 << 30
-                  and rec["chunk"] % 64 == 0
+            ok = (set(rec) == {"chunk", "world", "column", "tune"} and _int(rec["chunk"])
+                  and 4096 <= rec["chunk"] <= 1 << 30 and rec["chunk"] % 64 == 0
                   and all(isinstance(rec[k], list) and len(rec[k]) == 2 and all(map(_int, rec[k]))
                           for k in ("world", "column")))
+            try:
+                ok = ok and bool(validate_hosts(rec["tune"], source=f"rank {i}'s setup record", whole=True))
+            except ZbcclInvalidUsageError:
+                ok = False
         if not ok:
             raise ZbcclRemoteError(f"collective: rank {i}'s inter-host setup record is malformed, expected "
-                                   f"{{chunk, world, column}}, got {raw[:80]!r}", ranks=(i,))
+                                   f"{{chunk, world, column, tune}}, got {raw[:80]!r}", ranks=(i,))
         return rec
 
     def settle(self, timeout: float) -> None:
