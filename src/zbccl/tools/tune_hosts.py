@@ -66,31 +66,75 @@ def _gather_times(comm, mine: list[list[float]]) -> list[list[float]]:
     return out.amax(0).tolist()
 
 
-def _compare(comm, calls: list, setters: list, reps: int, target_s: float) -> list[float]:
-    """Median seconds per call of each candidate (``setters[k]()`` selects it on this rank; ``calls[k]`` runs
-    the op), interleaved rep by rep, the slowest rank's."""
+def _compare(comm, cell, setters: list, reps: int, target_s: float) -> list[float]:
+    """Median seconds per call of each candidate (``setters[k]()`` selects it on this rank) of ``cell`` (a
+    :class:`_Cell`), interleaved rep by rep, the slowest rank's. Each candidate's first call is checked against
+    the reference first: a candidate that computes a wrong result on any rank raises on every rank."""
     iters = []
-    for set_, call in zip(setters, calls):  # a warm-up call each, and how many calls fill target_s
+    for k, set_ in enumerate(setters):  # a checked call each, and how many calls fill target_s
         set_()
         comm.barrier()
-        call()
+        wrong = cell.checked()
+        if _agree_max(comm, float(wrong)):
+            raise AssertionError(f"tune --hosts: {cell.name}: candidate {k} computed a wrong result")
         t0 = time.perf_counter()
-        call()
+        cell.call()
         once = time.perf_counter() - t0
         iters.append(int(_agree_max(comm, max(1, min(200, round(target_s / max(once, 1e-6)))))))
     mine = []
     for _ in range(reps):
         row = []
-        for set_, call, n in zip(setters, calls, iters):
+        for set_, n in zip(setters, iters):
             set_()
             comm.barrier()
             t0 = time.perf_counter()
             for _ in range(n):
-                call()
+                cell.call()
             row.append((time.perf_counter() - t0) / n)
         mine.append(row)
     slow = _gather_times(comm, mine)
-    return [statistics.median(r[k] for r in slow) for k in range(len(calls))]
+    return [statistics.median(r[k] for r in slow) for k in range(len(setters))]
+
+
+def _payload(rank: int, n: int) -> torch.Tensor:
+    """Small integers named by their source (exact in fp32 through any sum order)."""
+    return ((torch.arange(n, dtype=torch.int64) * 7 + 13 * rank) % 251).to(torch.float32)
+
+
+class _Cell:
+    """One op at one size on heap tensors: ``call()`` runs it; ``checked()`` runs it from fresh inputs and says
+    whether this rank's result is wrong (against the result computed here from every rank's payload)."""
+
+    def __init__(self, comm, op: str, nbytes: int) -> None:
+        import zbccl
+
+        W, me = comm.world_size, comm.rank
+        self.name = f"{op} of {nbytes} bytes"
+        n = max(W, nbytes // 4 // W * W)
+        if op == "all_gather":
+            n = max(1, nbytes // 4 // W)
+        self.x = zbccl.empty((n,), dtype=torch.float32, comm=comm)
+        self.x0 = _payload(me, n)
+        ins = [_payload(r, n) for r in range(W)]
+        if op == "all_reduce":
+            self.out, self.want = self.x, torch.stack(ins).sum(0)
+            self.call = lambda: zbccl.all_reduce(self.x, comm=comm)
+        elif op == "all_gather":
+            self.out = zbccl.empty((W * n,), dtype=torch.float32, comm=comm)
+            self.want = torch.cat(ins)
+            self.call = lambda: zbccl.all_gather_into_tensor(self.out, self.x, comm=comm)
+        else:
+            self.out = zbccl.empty((n,), dtype=torch.float32, comm=comm)
+            self.want = torch.cat([i.view(W, -1)[me] for i in ins])
+            self.call = lambda: zbccl.all_to_all_single(self.out, self.x, comm=comm)
+        self.x.copy_(self.x0)
+
+    def checked(self) -> bool:
+        self.x.copy_(self.x0)
+        if self.out is not self.x:
+            self.out.fill_(-1)
+        self.call()
+        return not torch.equal(self.out, self.want)
 
 
 def _agree_max(comm, value: float) -> float:
@@ -102,39 +146,40 @@ def _agree_max(comm, value: float) -> float:
 
 
 def decide(measured: dict, defaults: dict) -> dict:
-    """The ``"hosts"`` section from ``measured`` (:func:`_rank`'s: per choice, ``[[size, base_s, alt_s], ...]``
-    rows, ascending sizes); choices not measured keep ``defaults``. Pure: the tests check its rules."""
-    win = lambda base, alt: alt < base * (1 - MARGIN)  # noqa: E731
+    """The ``"hosts"`` section from ``measured`` (:func:`_rank`'s: per choice, ``[[size, base_s, alt_s, op],
+    ...]`` rows, ascending sizes per op); choices not measured keep ``defaults``. Pure: the tests check its
+    rules."""
+    win = lambda row: row[2] < row[1] * (1 - MARGIN)  # noqa: E731 - the alternative beats the base
     out = {"hier_min": dict(defaults["hier_min"])}
     rows = measured.get("relay")  # base: relayed, alt: direct writes
     if rows:
-        out["relay"] = not sum(win(b, a) for _, b, a in rows) * 2 > len(rows)
+        out["relay"] = not sum(map(win, rows)) * 2 > len(rows)
     for op in ("all_reduce", "all_gather"):
         rows = measured.get(f"hier_{op}")  # base: flat, alt: hierarchical
         if rows:
             start = None
-            for size, b, a in reversed(rows):
-                if not win(b, a):
+            for row in reversed(rows):
+                if not win(row):
                     break
-                start = size
+                start = row[0]
             out["hier_min"][op] = start
     rows = measured.get("column")  # base: three phases, alt: two
     if rows:
         most = 0
-        for size, b, a in rows:
-            if not win(b, a):
+        for row in rows:
+            if not win(row):
                 break
-            most = size
+            most = row[0]
         out["column_max"] = most
     rows = measured.get("direct")  # base: the slots, alt: straight into the outputs (sizes: piece bytes)
     if rows:
-        lost = [size for size, b, a in rows if not win(b, a)]
+        lost = [row[0] for row in rows if not win(row)]
         out["direct_min"] = max(lost) if lost else rows[0][0] // 2
     chunks = measured.get("chunk")  # [[chunk, seconds], ...]
     if chunks:
         base = next((s for c, s in chunks if c == defaults["chunk"]), None)
         best_c, best_s = min(chunks, key=lambda cs: cs[1])
-        out["chunk"] = best_c if base is None or win(base, best_s) else defaults["chunk"]
+        out["chunk"] = best_c if base is None or win([best_c, base, best_s]) else defaults["chunk"]
     return out
 
 
@@ -145,16 +190,15 @@ def _rank(ctx, *, plan: dict, heap_size: int, op_timeout: float, tables: str) ->
 
     torch.set_num_threads(1)
     rank, world = ctx.rank, ctx.world_size
-    os.environ["ZBCCL_TUNE_FILE"] = os.path.join(tables, f"rank{rank}-defaults.json")  # the defaults, measured
-    Path(os.environ["ZBCCL_TUNE_FILE"]).write_text(json.dumps({"rules": {}}))
+    os.environ["ZBCCL_TUNE_FILE"] = _table(tables, rank, "defaults", {})  # the defaults, measured
     comm = zbccl.init(store=ctx.store(timeout=op_timeout), rank=rank, world_size=world, heap_size=heap_size,
                       timeout=op_timeout)
     measured: dict = {}
     reps, target = plan["reps"], plan["target_s"]
+    never, always = 1 << 62, 0
     try:
         zbccl.all_reduce(torch.zeros(4), comm=comm)  # sets up the inter-host state
         h = comm.device_state["hosts"]
-        relayed = any(r is not None for r in h.world.relays)
 
         def setter(**kw):
             def set_():
@@ -169,54 +213,23 @@ def _rank(ctx, *, plan: dict, heap_size: int, op_timeout: float, tables: str) ->
                         h.tune[key] = value
             return set_
 
-        def buffers(nbytes: int, gathered: bool = False):
-            x = zbccl.empty((max(world, nbytes // 4 // world * world),), dtype=torch.float32, comm=comm)
-            x.fill_(rank)
-            out = zbccl.empty((x.numel() * (world if gathered else 1),), dtype=torch.float32, comm=comm)
-            return x, out
+        def rows(key, ops, sizes, base, alt, scale=1):
+            measured[key] = [[size, *_compare(comm, _Cell(comm, op, size * scale), [base, alt], reps, target), op]
+                             for op in ops for size in sizes]
 
-        never, always = 1 << 62, 0
-        if relayed:
-            rows = []
-            for nbytes in plan["relay"]:
-                x, out = buffers(nbytes)
-                for call in (lambda: zbccl.all_to_all_single(out, x, comm=comm),
-                             lambda: zbccl.all_reduce(x, comm=comm)):
-                    t = _compare(comm, [call, call], [setter(relay=True), setter(relay=False)], reps, target)
-                    rows.append([nbytes, *t])
-            measured["relay"] = rows
+        if any(r is not None for r in h.world.relays):
+            rows("relay", ("all_to_all", "all_reduce"), plan["relay"], setter(relay=True), setter(relay=False))
             setter(relay=HOSTS_DEFAULTS["relay"])()
         if h.regular:
-            x_rows = []
-            for nbytes in plan["hier_ar"]:
-                x, _ = buffers(nbytes)
-                call = lambda: zbccl.all_reduce(x, comm=comm)  # noqa: E731
-                x_rows.append([nbytes, *_compare(comm, [call, call], [setter(all_reduce=None),
-                                                                      setter(all_reduce=always)], reps, target)])
-            measured["hier_all_reduce"] = x_rows
-            g_rows = []
-            for nbytes in plan["hier_ag"]:  # gathered bytes
-                x, out = buffers(nbytes // world, gathered=True)
-                call = lambda: zbccl.all_gather_into_tensor(out, x, comm=comm)  # noqa: E731
-                g_rows.append([nbytes, *_compare(comm, [call, call], [setter(all_gather=None),
-                                                                      setter(all_gather=always)], reps, target)])
-            measured["hier_all_gather"] = g_rows
-            c_rows = []
-            for nbytes in plan["column"]:
-                x, _ = buffers(nbytes)
-                call = lambda: zbccl.all_reduce(x, comm=comm)  # noqa: E731
-                c_rows.append([nbytes, *_compare(comm, [call, call], [setter(all_reduce=always, column_max=0),
-                                                                      setter(all_reduce=always, column_max=never)],
-                                                 reps, target)])
-            measured["column"] = c_rows
+            rows("hier_all_reduce", ("all_reduce",), plan["hier_ar"], setter(all_reduce=None),
+                 setter(all_reduce=always))
+            rows("hier_all_gather", ("all_gather",), plan["hier_ag"], setter(all_gather=None),
+                 setter(all_gather=always))
+            rows("column", ("all_reduce",), plan["column"], setter(all_reduce=always, column_max=0),
+                 setter(all_reduce=always, column_max=never))
             setter(**HOSTS_DEFAULTS["hier_min"], column_max=HOSTS_DEFAULTS["column_max"])()
-        d_rows = []
-        for piece in plan["direct"]:
-            x, out = buffers(piece * world)
-            call = lambda: zbccl.all_to_all_single(out, x, comm=comm)  # noqa: E731
-            d_rows.append([piece, *_compare(comm, [call, call], [setter(direct_min=never),
-                                                                 setter(direct_min=always)], reps, target)])
-        measured["direct"] = d_rows
+        rows("direct", ("all_to_all",), plan["direct"], setter(direct_min=never), setter(direct_min=always),
+             scale=world)  # sizes: the pieces one rank sends one peer
         setter(direct_min=HOSTS_DEFAULTS["direct_min"])()
         measured["chunk"] = _chunks(comm, plan, tables, rank, reps, target)
     finally:
@@ -226,32 +239,52 @@ def _rank(ctx, *, plan: dict, heap_size: int, op_timeout: float, tables: str) ->
     return {"measured": measured, "hosts": decide(measured, HOSTS_DEFAULTS)}
 
 
-def _chunks(comm, plan: dict, tables: str, rank: int, reps: int, target: float) -> list[list[float]]:
-    """``[[chunk, seconds of a plan["chunk_size"] all_reduce and all_to_all], ...]``, each chunk on a new
-    communicator whose ranks' tables set it (rank 0's is the one used)."""
-    import zbccl
+def _table(tables: str, rank: int, name: str, hosts: dict) -> str:
+    """A tuning file of this rank setting ``hosts``; its path."""
+    path = os.path.join(tables, f"rank{rank}-{name}.json")
+    Path(path).write_text(json.dumps({"rules": {}, "hosts": hosts}))
+    return path
 
-    rows = []
-    for chunk in plan["chunks"]:
-        path = os.path.join(tables, f"rank{rank}-chunk{chunk}.json")
-        Path(path).write_text(json.dumps({"rules": {}, "hosts": {"chunk": chunk}}))
-        os.environ["ZBCCL_TUNE_FILE"] = path
-        group = comm.new_group(list(range(comm.world_size)))
-        x = out = None
-        try:
-            n = plan["chunk_size"] // 4 // comm.world_size * comm.world_size
-            x = zbccl.empty((n,), dtype=torch.float32, comm=group)
-            out = zbccl.empty((n,), dtype=torch.float32, comm=group)
-            x.fill_(rank)
-            zbccl.all_reduce(x, comm=group)  # (sets up this group's state with the chunk)
-            got = group.device_state["hosts"].chunk
-            both = lambda: (zbccl.all_reduce(x, comm=group), zbccl.all_to_all_single(out, x, comm=group))  # noqa
-            t = _compare(group, [both], [lambda: None], reps, target)[0]
-            rows.append([got, t])
-        finally:
-            del x, out
+
+def _chunks(comm, plan: dict, tables: str, rank: int, reps: int, target: float) -> list[list[float]]:
+    """``[[chunk, seconds of a plan["chunk_size"] all_reduce and all_to_all], ...]``: one communicator per
+    chunk, made with that chunk in its ranks' tables (rank 0's is the one used), all alive at once so that
+    their cells are interleaved rep by rep."""
+    groups, cells = [], []
+    try:
+        for chunk in plan["chunks"]:
+            os.environ["ZBCCL_TUNE_FILE"] = _table(tables, rank, f"chunk{chunk}", {"chunk": chunk})
+            group = comm.new_group(list(range(comm.world_size)))
+            groups.append(group)
+            cells.append((_Cell(group, "all_reduce", plan["chunk_size"]), _Cell(group, "all_to_all",
+                                                                                 plan["chunk_size"])))
+            cells[-1][0].checked()  # (sets up the group's state with its chunk)
+        both = _Both(cells)
+        times = _compare(comm, both, [both.select(k) for k in range(len(cells))], reps, target)
+        return [[g.device_state["hosts"].chunk, t] for g, t in zip(groups, times)]
+    finally:
+        cells.clear()
+        for group in groups:
             group.destroy()
-    return rows
+
+
+class _Both:
+    """The chunk cells as one :class:`_Cell`: an all_reduce and an all_to_all on the selected communicator."""
+
+    def __init__(self, cells: list) -> None:
+        self.cells, self.k, self.name = cells, 0, "the chunk's all_reduce and all_to_all"
+
+    def select(self, k: int):
+        def set_():
+            self.k = k
+        return set_
+
+    def call(self) -> None:
+        for cell in self.cells[self.k]:
+            cell.call()
+
+    def checked(self) -> bool:
+        return any([cell.checked() for cell in self.cells[self.k]])
 
 
 def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = False, out: Path | None = None,
@@ -303,9 +336,9 @@ def _report(result: dict) -> list[str]:
              "direct": ("slots", "straight")}
     lines = []
     for key, (base, alt) in names.items():
-        for size, b, a in result["measured"].get(key, []):
-            lines.append(f"  {key:<16} {size:>10} B  {base} {b * 1e6:9.1f} us  {alt} {a * 1e6:9.1f} us")
+        for size, b, a, op in result["measured"].get(key, []):
+            lines.append(f"  {key:<16} {op:<11} {size:>10} B  {base} {b * 1e6:9.1f} us  {alt} {a * 1e6:9.1f} us")
     for chunk, s in result["measured"].get("chunk", []):
-        lines.append(f"  {'chunk':<16} {chunk:>10} B  {s * 1e6:9.1f} us")
+        lines.append(f"  {'chunk':<16} {'ar+a2a':<11} {chunk:>10} B  {s * 1e6:9.1f} us")
     lines.append(f"hosts: {json.dumps(result['hosts'])}")
     return lines

@@ -251,7 +251,7 @@ class HostOps:
         big = min(self.direct_min, chunk) if dests is not None else 1 << 62  # pieces over it: never eager
         places = [-1] * n if dests is None or error is not None else list(dests)
         ready = int(all(places[i] != -1 for i in range(n) if i != me))
-        key = (opcode, tuple(fields.items()), tuple(vec), tuple(lens), tuple(places))
+        key = (opcode, tuple(fields.items()), tuple(vec), tuple(lens), tuple(places), big)
         plan = self._plans.get(key) if error is None else None
         if plan is None:
             plan = _Plan(H, n, me, opcode, fields, vec, lens, error, error_kind, places, ready)
