@@ -146,7 +146,7 @@ def _large(ctx, hosts: list[int]) -> str:
     W, me = comm.world_size, comm.rank
     try:
         h = comm.device_state.get("hosts")
-        for n in (70_001, 300_000):
+        for n in (140_001, 300_000):  # (hierarchical at 2 x 2 from tuner.HOSTS_HIER_MIN, 256 KiB, in every dtype)
             for dt, red in ((torch.float32, "sum"), (torch.int64, "max"), (torch.bfloat16, "avg"),
                             (torch.bfloat16, "product")):
                 x = f(me, n, dt)
@@ -191,13 +191,21 @@ def test_large_multi_chunk_and_hierarchical(hosts):
     assert all(int(g.split()[0].split("=")[1]) < 300_000 * 4 for g in got), got  # really chunked
 
 
-def _two_phases(ctx) -> str:
+def _two_phases(ctx, tables: str) -> str:
     """2 x 2, sizes the hierarchical all_reduce runs as the host's all_reduce and one column step of the whole
-    tensor (``HostOps.tune["column_max"]``, the default ``tuner.HOSTS_COLUMN_MAX``): bit for bit the hierarchical reference, for each reduce op, in the heap or not,
-    contiguous or not; and the segments just above it."""
+    tensor (``HostOps.tune["column_max"]``, the default ``tuner.HOSTS_COLUMN_MAX``): bit for bit the hierarchical
+    reference, for each reduce op, in the heap or not, contiguous or not; and the segments just above it. Rank 0's
+    table makes every all_reduce hierarchical (by default the smaller ones are flat)."""
+    import json
+
     import zbccl
     from zbccl.ops.hosts import hier
 
+    os.environ["ZBCCL_CACHE_DIR"] = os.path.join(tables, f"cache{ctx.rank}")  # no table of this host
+    if ctx.rank == 0:
+        os.environ["ZBCCL_TUNE_FILE"] = os.path.join(tables, "hier.json")
+        with open(os.environ["ZBCCL_TUNE_FILE"], "w") as fh:
+            json.dump({"rules": {}, "hosts": {"hier_min": {"all_reduce": 0}}}, fh)
     comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
     W, me = comm.world_size, comm.rank
     runs = []
@@ -228,8 +236,8 @@ def _two_phases(ctx) -> str:
         zbccl.finalize()
 
 
-def test_hierarchical_all_reduce_in_two_phases():
-    assert run_world(_two_phases, 4, timeout=240) == ["ok"] * 4
+def test_hierarchical_all_reduce_in_two_phases(tmp_path):
+    assert run_world(_two_phases, 4, timeout=240, tables=str(tmp_path)) == ["ok"] * 4
 
 
 def _tuned(ctx, tables: str) -> str:
