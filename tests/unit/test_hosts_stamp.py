@@ -4,6 +4,7 @@ its stamp and every byte it covers have landed, in whatever order the engine del
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import numpy as np
@@ -220,15 +221,15 @@ def test_the_extent_of_a_step_is_what_its_stamp_covers():
     assert torch.equal(m1.view(1, 0, 2000)[300:], old[300:])
 
 
-class _FourRanks:
-    """Four ranks' heaps and pads in this process, two per "host": a rank views (puts into and signals) the ranks
-    of its host and reaches the others only by writes that land when polled. Counts every write per pair."""
+class _Ranks:
+    """Ranks' heaps and pads in this process, ``host[r]`` the host of rank ``r`` (two per host by default): a rank
+    views (puts into and signals) the ranks of its host and reaches the others only by writes that land when
+    polled. Counts every write per pair."""
 
-    HOST = {0: 0, 1: 0, 2: 1, 3: 1}
-
-    def __init__(self, region: int) -> None:
-        self.heaps = {r: torch.zeros(2 * region, dtype=torch.uint8) for r in range(4)}
-        self.pads = {r: np.zeros(4096, dtype=np.int64) for r in range(4)}
+    def __init__(self, region: int, host: Sequence[int] = (0, 0, 1, 1)) -> None:
+        self.host = list(host)
+        self.heaps = {r: torch.zeros(2 * region, dtype=torch.uint8) for r in range(len(host))}
+        self.pads = {r: torch.zeros(4096, dtype=torch.uint8) for r in range(len(host))}
         self.writes: dict[tuple[int, int], int] = {}
 
     def transport(self, me: int):
@@ -236,10 +237,10 @@ class _FourRanks:
 
         class _T(_Memory):
             def __init__(self):
-                self.heaps = shared.heaps
+                self.heaps, self.pads = shared.heaps, shared.pads
 
             def viewable(self, rank):
-                return shared.HOST[rank] == shared.HOST[me]
+                return shared.host[rank] == shared.host[me]
 
             def put_async(self, rank, offset, src, *, op="put"):
                 assert not self.viewable(rank)
@@ -247,18 +248,18 @@ class _FourRanks:
                 return super().put_async(rank, offset, src, op=op)
 
             def signal(self, rank, line, value):
-                shared.pads[rank][line // 8] = value
+                shared.pads[rank].view(torch.int64)[line // 8] = value
 
             def load(self, rank, line):
-                return int(shared.pads[rank][line // 8])
+                return int(shared.pads[rank].view(torch.int64)[line // 8])
 
         return _T()
 
-
-def _four_meshes(four, region):
-    topo = SimpleNamespace(host_of=lambda g: _FourRanks.HOST[g])
-    return [Mesh(SimpleNamespace(rank=r, heap=SimpleNamespace(transport=four.transport(r)), topology=topo),
-                 [0, 1, 2, 3], [region] * 4, SLOT, 0, SimpleNamespace(interval=1.0)) for r in range(4)]
+    def meshes(self, region: int) -> list:
+        n = len(self.host)
+        topo = SimpleNamespace(host_of=lambda g: self.host[g])
+        return [Mesh(SimpleNamespace(rank=r, heap=SimpleNamespace(transport=self.transport(r)), topology=topo),
+                     list(range(n)), [region] * n, SLOT, 0, SimpleNamespace(interval=1.0)) for r in range(n)]
 
 
 @pytest.mark.parametrize("nbytes", [0, 100, 1500, 3000])
@@ -267,8 +268,8 @@ def test_relayed_steps_deliver_every_byte_and_cross_once_per_host(nbytes):
     its own index there, which passes the other's on (checked by the receiver as a direct write); steps too
     big to ride together go directly. Every byte arrives either way (payload = f(source, receiver, step))."""
     region = region_bytes(4, SLOT)
-    four = _FourRanks(region)
-    meshes = _four_meshes(four, region)
+    four = _Ranks(region)
+    meshes = four.meshes(region)
     assert [m.relays for m in meshes] == [[None, None, None, 2], [None, None, 3, None],
                                          [None, 0, None, None], [1, None, None, None]]
     assert [m.relayed_by for m in meshes] == [[None, None, None, 1], [None, None, 0, None],
@@ -299,8 +300,8 @@ def test_relayed_steps_deliver_every_byte_and_cross_once_per_host(nbytes):
 def test_a_bad_relayed_step_is_refused():
     """A verified relayed step whose rider is for a member of another host is an error, never a write there."""
     region = region_bytes(4, SLOT)
-    four = _FourRanks(region)
-    m0, _, m2, _ = _four_meshes(four, region)
+    four = _Ranks(region)
+    m0, _, m2, _ = four.meshes(region)
     body = torch.zeros(STAMP, dtype=torch.uint8)
     body.view(torch.int64)[0], body.view(torch.int64)[7] = 1, 1  # step 1, for member 1 (on m2's other host)
     m0.seal(1, [], relay=(body.data_ptr(), STAMP))
@@ -317,8 +318,8 @@ def test_a_missing_relay_is_named_not_the_members_it_relays():
     from zbccl.errors import ZbcclTimeoutError
 
     region = region_bytes(4, SLOT)
-    four = _FourRanks(region)
-    meshes = _four_meshes(four, region)
+    four = _Ranks(region)
+    meshes = four.meshes(region)
     checked = []
     for m in meshes:
         m.watch = SimpleNamespace(interval=0.05, labels={g: g for g in range(4)}, where=lambda g: f"host {g // 2}",
@@ -335,3 +336,36 @@ def test_a_missing_relay_is_named_not_the_members_it_relays():
     assert not errors, errors
     assert named == {0: (3,), 1: (3,), 2: (3,)}, named
     assert [1, 3] in checked  # rank 2's liveness checks cover the relay (3) of the late member (1)
+
+
+@pytest.mark.parametrize("host, relays", [
+    ((0, 0, 1, 1, 2, 2), [[None, None, None, 2, None, 4], [None, None, 3, None, 5, None]]),  # 3 x 2
+    ((0, 0, 1), [[None, None, None], [None, None, None], [None, 0, None]]),  # 2 + 1: rank 1 has no peer at index 1
+])
+def test_relays_on_other_layouts_deliver_every_byte(host, relays):
+    """Three hosts of two (a step rides to each other host's relay), and a host of one beside a host of two (its
+    rank relays to rank 0 what rank 1 gets; rank 1, index 1, has no counterpart there and writes directly)."""
+    n = len(host)
+    region = region_bytes(n, SLOT)
+    ranks = _Ranks(region, host)
+    meshes = ranks.meshes(region)
+    assert [m.relays for m in meshes][:len(relays)] == relays
+    got = {}
+
+    def run(r):
+        m = meshes[r]
+        for s in range(1, 5):
+            pieces = [None if j == r else _payload(n * r + j, 300 + 7 * j, s) for j in range(n)]
+            parity = m.step(pieces, op="test", timeout=30)
+            for j in range(n):
+                if j != r:
+                    got[(j, r, s)] = m.view(parity, j, 300 + 7 * r).clone()
+
+    errors = run_threads([lambda r=r: run(r) for r in range(n)], timeout=60)
+    assert not errors, errors
+    for (j, r, s), bytes_ in got.items():
+        assert torch.equal(bytes_, _payload(n * j + r, 300 + 7 * r, s)), (j, r, s)
+    for a, m in enumerate(meshes):  # a member with a relay there is never written to directly
+        for b, relay in enumerate(m.relays):
+            if relay is not None:
+                assert (a, b) not in ranks.writes and ranks.writes[(a, relay)] == 4, (a, b, ranks.writes)
