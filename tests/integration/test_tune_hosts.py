@@ -26,7 +26,7 @@ def test_decide_turns_measurements_into_choices():
     }
     got = decide(measured, HOSTS_DEFAULTS)
     assert got == {"relay": True,  # direct writes won one cell of three
-                   "hier_min": {"all_reduce": 3, "all_gather": None},  # from 3 up it wins at every size
+                   "hier_min": {**HOSTS_DEFAULTS["hier_min"], "all_reduce": 3, "all_gather": None},  # from 3 up: wins
                    "column_max": 20,  # two phases won up to 20, not at 30
                    "direct_min": 200,  # pieces over the largest size where the slots won
                    "chunk": HOSTS_DEFAULTS["chunk"]}  # the fastest is the default (4 MiB)
@@ -63,6 +63,6 @@ def test_a_quick_run_between_namespace_hosts_saves_the_section_and_keeps_the_rul
     validate_hosts(table["hosts"], source=str(path), whole=True)
     got = table["hosts_measured"]
     assert (got["hosts"], got["ranks_per_host"]) == (2, 2)
-    for key in ("relay", "hier_all_reduce", "hier_all_gather", "column", "direct"):
+    for key in ("relay", "hier_all_reduce", "hier_all_gather", "hier_broadcast", "column", "direct"):
         assert got[key] and all(r[1] > 0 and r[2] > 0 for r in got[key]), key
     assert [c for c, _ in got["chunk"]] == [1 << 20]

@@ -175,6 +175,11 @@ def _large(ctx, hosts: list[int]) -> str:
             b = f(me, n, torch.float32)
             zbccl.broadcast(b, 0)
             assert torch.equal(b, f(0, n, torch.float32))
+            # (hierarchical at 2 x 2 from 1 MiB: the root's column, then each host; a root of local index 1, a
+            # strided tensor, the heap's staging segment by segment)
+            b = f(me, 2 * n, torch.int32).view(n, 2).t()
+            zbccl.broadcast(b, W - 1)
+            assert torch.equal(b, f(W - 1, 2 * n, torch.int32).view(n, 2).t())
         x = f(me, 1 << 20, torch.float32)  # 4 MiB outside a 2 MiB heap: the hierarchy stages segment by segment
         zbccl.all_reduce(x)
         assert torch.equal(x, sum(f(r, 1 << 20, torch.float32) for r in range(W)))

@@ -153,7 +153,7 @@ def test_the_hosts_section_overlays_the_defaults_and_travels_with_the_table(tmp_
         validate_hosts({"relay": True}, source="x", whole=True)
     section = {"hier_min": {"all_gather": None}, "relay": False, "chunk": 1 << 20}
     got = hosts_settings(section)
-    assert got["hier_min"] == {"all_reduce": HOSTS_DEFAULTS["hier_min"]["all_reduce"], "all_gather": None}
+    assert got["hier_min"] == {**HOSTS_DEFAULTS["hier_min"], "all_gather": None}
     assert (got["relay"], got["chunk"], got["direct_min"]) == (False, 1 << 20, HOSTS_DEFAULTS["direct_min"])
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"rules": GOOD, "hosts": section}))

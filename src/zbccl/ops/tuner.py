@@ -294,7 +294,7 @@ def store_kind_mode() -> int:
 #: since small steps are relayed: ``zbccl tune --hosts``, three runs at 2 x 2, flat 1.2 against hierarchical
 #: 1.6-2.0 ms at 16 KiB, 1.5-1.7 against 1.9-2.3 at 64 KiB, even at 256 KiB, 8 against 5 at 1 MiB.
 HOSTS_CHUNK = 4 << 20
-HOSTS_HIER_MIN = {"all_reduce": 256 << 10, "all_gather": 2 << 20}
+HOSTS_HIER_MIN = {"all_reduce": 256 << 10, "all_gather": 2 << 20, "broadcast": 1 << 20}
 #: Bytes over which a member's piece of an all_gather, all_to_all or broadcast across hosts is put straight into
 #: its receiver's output (its heap offset comes in the agreement step's header), and a reduce_scatter's into a
 #: heap scratch of its receiver, instead of through the slots: two round trips more (the piece waits for the

@@ -10,6 +10,7 @@ slowest rank's time of each repetition; the median over repetitions), fp32 paylo
   smallest size from which the hierarchical one wins (by the margin) at that size and every larger one
   measured, null when it never does;
 * ``hier_min.all_gather`` (``M >= 2``): the same at 256 KiB - 16 MiB gathered;
+* ``hier_min.broadcast`` (``M >= 2``): the same at 256 KiB - 4 MiB, from the last rank;
 * ``column_max`` (``M >= 2``): the hierarchical all_reduce as the host's all_reduce and one column step,
   against reduce_scatter, column step, all_gather, at 64 KiB - 1 MiB: the largest size up to which the two
   phases win at every smaller size (0: never);
@@ -48,12 +49,13 @@ _KI, _MI = 1 << 10, 1 << 20
 def _plan(quick: bool) -> dict:
     if quick:  # a check that the tool runs end to end, not a measurement
         return {"reps": 3, "target_s": 0.004, "relay": [4 * _KI], "hier_ar": [16 * _KI, 256 * _KI],
-                "hier_ag": [256 * _KI, 1 * _MI], "column": [64 * _KI], "direct": [256 * _KI], "chunks": [1 * _MI],
-                "chunk_size": 2 * _MI}
+                "hier_ag": [256 * _KI, 1 * _MI], "hier_bc": [1 * _MI], "column": [64 * _KI],
+                "direct": [256 * _KI], "chunks": [1 * _MI], "chunk_size": 2 * _MI}
     return {"reps": 5, "target_s": 0.04, "relay": [4 * _KI, 16 * _KI, 64 * _KI],
             "hier_ar": [16 * _KI, 64 * _KI, 256 * _KI, 1 * _MI, 4 * _MI],
-            "hier_ag": [256 * _KI, 1 * _MI, 4 * _MI, 16 * _MI], "column": [64 * _KI, 256 * _KI, 512 * _KI, 1 * _MI],
-            "direct": [256 * _KI, 1 * _MI, 4 * _MI], "chunks": [1 * _MI, 4 * _MI, 8 * _MI], "chunk_size": 16 * _MI}
+            "hier_ag": [256 * _KI, 1 * _MI, 4 * _MI, 16 * _MI], "hier_bc": [256 * _KI, 1 * _MI, 4 * _MI],
+            "column": [64 * _KI, 256 * _KI, 512 * _KI, 1 * _MI], "direct": [256 * _KI, 1 * _MI, 4 * _MI],
+            "chunks": [1 * _MI, 4 * _MI, 8 * _MI], "chunk_size": 16 * _MI}
 
 
 def _gather_times(comm, mine: list[list[float]]) -> list[list[float]]:
@@ -119,6 +121,9 @@ class _Cell:
         if op == "all_reduce":
             self.out, self.want = self.x, torch.stack(ins).sum(0)
             self.call = lambda: zbccl.all_reduce(self.x, comm=comm)
+        elif op == "broadcast":  # from the last rank (another host than rank 0's, another local index)
+            self.out, self.want = self.x, ins[W - 1]
+            self.call = lambda: zbccl.broadcast(self.x, W - 1, comm=comm)
         elif op == "all_gather":
             self.out = zbccl.empty((W * n,), dtype=torch.float32, comm=comm)
             self.want = torch.cat(ins)
@@ -154,7 +159,7 @@ def decide(measured: dict, defaults: dict) -> dict:
     rows = measured.get("relay")  # base: relayed, alt: direct writes
     if rows:
         out["relay"] = not sum(map(win, rows)) * 2 > len(rows)
-    for op in ("all_reduce", "all_gather"):
+    for op in defaults["hier_min"]:
         rows = measured.get(f"hier_{op}")  # base: flat, alt: hierarchical
         if rows:
             start = None
@@ -207,7 +212,7 @@ def _rank(ctx, *, plan: dict, heap_size: int, op_timeout: float, tables: str) ->
                         h.world.set_relays(value)
                     elif key == "direct_min":
                         h.direct_min = value
-                    elif key in ("all_reduce", "all_gather"):
+                    elif key in HOSTS_DEFAULTS["hier_min"]:
                         h.tune["hier_min"][key] = value
                     else:
                         h.tune[key] = value
@@ -225,6 +230,7 @@ def _rank(ctx, *, plan: dict, heap_size: int, op_timeout: float, tables: str) ->
                  setter(all_reduce=always))
             rows("hier_all_gather", ("all_gather",), plan["hier_ag"], setter(all_gather=None),
                  setter(all_gather=always))
+            rows("hier_broadcast", ("broadcast",), plan["hier_bc"], setter(broadcast=None), setter(broadcast=always))
             rows("column", ("all_reduce",), plan["column"], setter(all_reduce=always, column_max=0),
                  setter(all_reduce=always, column_max=never))
             setter(**HOSTS_DEFAULTS["hier_min"], column_max=HOSTS_DEFAULTS["column_max"])()
@@ -332,7 +338,8 @@ def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = Fal
 
 def _report(result: dict) -> list[str]:
     names = {"relay": ("relayed", "direct"), "hier_all_reduce": ("flat", "hierarchical"),
-             "hier_all_gather": ("flat", "hierarchical"), "column": ("three phases", "two phases"),
+             "hier_all_gather": ("flat", "hierarchical"), "hier_broadcast": ("flat", "hierarchical"),
+             "column": ("three phases", "two phases"),
              "direct": ("slots", "straight")}
     lines = []
     for key, (base, alt) in names.items():

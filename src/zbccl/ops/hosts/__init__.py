@@ -159,7 +159,11 @@ def broadcast(comm, tensor: torch.Tensor, src: int, error: str | None, timeout) 
                 dt = dtype_code(tensor.dtype, op=op)
             except ZbcclInvalidUsageError as exc:
                 err = str(exc)
-        flat.broadcast(h, op, tensor, dt, src, err, secs)
+        nbytes = 0 if err else tensor.numel() * tensor.element_size()
+        if err is None and hosts_hierarchical(op, nbytes, h.H, h.L, h.regular, h.tune["hier_min"]):
+            hier.broadcast(h, op, tensor, dt, src, secs)
+        else:
+            flat.broadcast(h, op, tensor, dt, src, err, secs)
 
     _run(comm, op, timeout, body)
     return tensor

@@ -299,10 +299,16 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
         copy(output, buf)
 
 
-def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, error: str | None, secs: float) -> None:
-    """The root puts its tensor into every peer's slots; the others copy it out."""
+def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, error: str | None, secs: float, *,
+              data: bool = True) -> None:
+    """The root puts its tensor into every peer's slots; the others copy it out. ``data`` False: the agreement
+    step only (the hierarchical algorithm's)."""
     n, ok, root = h.n, error is None, h.me == src
     sends: list = [None] * n
+    if not data:
+        fields = {F.DTYPE: dt, F.ROOT: src, F.NUMEL: tensor.numel() if ok else -1}
+        h.exchange(op, OP_BROADCAST, fields, [], error, sends, None, timeout=secs, same=(F.DTYPE, F.ROOT, F.NUMEL))
+        return
     if ok and root:
         data = _bytes(tensor.contiguous())
         sends = [None if i == h.me else data for i in range(n)]

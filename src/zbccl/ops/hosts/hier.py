@@ -40,7 +40,7 @@ from ..dtypes import AVG, MAX, MIN, PROD, SUM
 from . import flat as flat_ops
 from .state import F, HostOps
 
-__all__ = ["all_reduce", "all_gather"]
+__all__ = ["all_reduce", "all_gather", "broadcast"]
 
 _NAMES = {SUM: "sum", AVG: "sum", PROD: "product", MAX: "max", MIN: "min"}
 #: Chunks per segment of the hierarchical ops: the shm phases (which stage a tensor outside the heap) see at
@@ -180,3 +180,32 @@ def _direct_gather(h: HostOps, op: str, output: torch.Tensor, src: torch.Tensor,
         for i in h.column:
             h.t.put(h.comm.ranks[peer], base + i * m, outb[i * m:(i + 1) * m], op=op)
     h.local.barrier(timeout=secs)  # every rank of this host put its column's pieces here
+
+
+def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, secs: float) -> None:
+    """In place, after the agreement step: the root's column (the rank of each host with the root's local index)
+    gets the tensor from the root through the column mesh, chunk by chunk, then each host broadcasts it from
+    that rank (the shm op), segment by segment (``SEGMENT_CHUNKS`` chunks: the shm phase stages at most that
+    much of a tensor outside the heap). The root sends ``(H-1) N`` across instead of the flat ``(n-L) N``."""
+    from ..broadcast import broadcast as host_broadcast
+
+    flat_ops.broadcast(h, op, tensor, dt, src, None, secs, data=False)
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    raw = flat_ops._bytes(work)
+    li = h.hosts[h.host_of[src]].index(src)  # the root's local index: its column carries the tensor across
+    col, chunk = h.col, h.chunk
+    seg = SEGMENT_CHUNKS * chunk
+    for lo in range(0, raw.numel(), seg):
+        part = raw[lo:lo + seg]
+        if h.local_index == li:
+            ci = h.column.index(src)
+            for k in range(0, part.numel(), chunk):
+                piece = part[k:k + chunk]
+                parity = col.step([piece if col.index == ci and i != ci else None for i in range(col.n)], op=op,
+                                  timeout=secs)
+                if col.index != ci:
+                    flat_ops.copy(piece, col.view(parity, ci, piece.numel()))
+        host_broadcast(part, li, comm=h.local, timeout=secs)
+    if work is not tensor:
+        flat_ops.copy(tensor, work)
+
