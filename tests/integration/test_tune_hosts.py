@@ -63,6 +63,7 @@ def test_a_quick_run_between_namespace_hosts_saves_the_section_and_keeps_the_rul
     validate_hosts(table["hosts"], source=str(path), whole=True)
     got = table["hosts_measured"]
     assert (got["hosts"], got["ranks_per_host"]) == (2, 2)
-    for key in ("relay", "hier_all_reduce", "hier_all_gather", "hier_broadcast", "column", "direct"):
+    for key in ("relay", "hier_all_reduce", "hier_all_gather", "hier_broadcast", "hier_reduce_scatter", "column",
+                "direct"):
         assert got[key] and all(r[1] > 0 and r[2] > 0 for r in got[key]), key
     assert [c for c, _ in got["chunk"]] == [1 << 20]

@@ -299,6 +299,55 @@ def test_rank_zeros_tuning_file_sets_the_inter_host_choices(tmp_path):
     assert run_world(_tuned, 4, timeout=240, tables=str(tmp_path)) == ["ok"] * 4
 
 
+def _hier_reduce_scatter(ctx, tables: str) -> str:
+    """2 x 2, rank 0's table making every even reduce_scatter hierarchical (by default from 16 MiB): the host's
+    partials, then the column's, bit for bit the hierarchical reference's slice for each reduce op; tiny, odd and
+    multi-segment slices; in place (output = this rank's slice of the input), a strided output, operands in the
+    heap or not; inter-host bytes: this rank's column peers' slices only."""
+    import json
+
+    import zbccl
+
+    os.environ["ZBCCL_CACHE_DIR"] = os.path.join(tables, f"cache{ctx.rank}")
+    if ctx.rank == 0:
+        os.environ["ZBCCL_TUNE_FILE"] = os.path.join(tables, "rs.json")
+        with open(os.environ["ZBCCL_TUNE_FILE"], "w") as fh:
+            json.dump({"rules": {}, "hosts": {"hier_min": {"reduce_scatter": 0}}}, fh)
+    comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
+    W, me = comm.world_size, comm.rank
+    order = [[0, 1], [2, 3]]
+    try:
+        cases = ((1, torch.float32, "sum", "plain"), (7, torch.bfloat16, "avg", "plain"),
+                 (300, torch.int64, "max", "heap"), (301, torch.int32, "product", "inplace"),
+                 (200_000, torch.float32, "sum", "heap"), (200_001, torch.bfloat16, "sum", "strided"))
+        for c, dt, red, how in cases:
+            ins = [f(r, W * c, dt) for r in range(W)]
+            x = ins[me].clone()
+            if how == "heap":
+                x = zbccl.empty((W * c,), dtype=dt).copy_(x)
+            out = torch.empty(c, dtype=dt)
+            if how == "inplace":
+                out = x[me * c:(me + 1) * c]
+            elif how == "strided":
+                out = torch.empty(2 * c, dtype=dt)[::2]
+            mc = comm._ctx.heap.transport.remote
+            before = mc.bytes_put
+            zbccl.reduce_scatter_tensor(out, x, red)
+            want = hierarchical_all_reduce_ref(ins, REDS[red], order)[me * c:(me + 1) * c]
+            assert torch.equal(out, want), (c, dt, red, how)
+            h = comm.device_state["hosts"]
+            sent = mc.bytes_put - before  # one stamp per step and this rank's column peer's slice, no more
+            assert c * x.element_size() <= sent <= c * x.element_size() + 4096 * (1 + c * x.element_size()
+                                                                                     // h.chunk), (sent, c)
+        return "ok"
+    finally:
+        zbccl.finalize()
+
+
+def test_hierarchical_reduce_scatter(tmp_path):
+    assert run_world(_hier_reduce_scatter, 4, timeout=240, tables=str(tmp_path)) == ["ok"] * 4
+
+
 def _direct(ctx, hosts: list[int]) -> str:
     """Pieces over the direct threshold go straight into the receivers' outputs (heap outputs; a heap scratch
     for the others), mixed with small pieces through the slots; with no room for a scratch on one rank, every

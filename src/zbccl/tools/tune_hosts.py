@@ -11,6 +11,7 @@ slowest rank's time of each repetition; the median over repetitions), fp32 paylo
   measured, null when it never does;
 * ``hier_min.all_gather`` (``M >= 2``): the same at 256 KiB - 16 MiB gathered;
 * ``hier_min.broadcast`` (``M >= 2``): the same at 256 KiB - 4 MiB, from the last rank;
+* ``hier_min.reduce_scatter`` (``M >= 2``): the same at 1 - 16 MiB of input;
 * ``column_max`` (``M >= 2``): the hierarchical all_reduce as the host's all_reduce and one column step,
   against reduce_scatter, column step, all_gather, at 64 KiB - 1 MiB: the largest size up to which the two
   phases win at every smaller size (0: never);
@@ -49,11 +50,12 @@ _KI, _MI = 1 << 10, 1 << 20
 def _plan(quick: bool) -> dict:
     if quick:  # a check that the tool runs end to end, not a measurement
         return {"reps": 3, "target_s": 0.004, "relay": [4 * _KI], "hier_ar": [16 * _KI, 256 * _KI],
-                "hier_ag": [256 * _KI, 1 * _MI], "hier_bc": [1 * _MI], "column": [64 * _KI],
+                "hier_ag": [256 * _KI, 1 * _MI], "hier_bc": [1 * _MI], "hier_rs": [1 * _MI], "column": [64 * _KI],
                 "direct": [256 * _KI], "chunks": [1 * _MI], "chunk_size": 2 * _MI}
     return {"reps": 5, "target_s": 0.04, "relay": [4 * _KI, 16 * _KI, 64 * _KI],
             "hier_ar": [16 * _KI, 64 * _KI, 256 * _KI, 1 * _MI, 4 * _MI],
             "hier_ag": [256 * _KI, 1 * _MI, 4 * _MI, 16 * _MI], "hier_bc": [256 * _KI, 1 * _MI, 4 * _MI],
+            "hier_rs": [1 * _MI, 4 * _MI, 16 * _MI],
             "column": [64 * _KI, 256 * _KI, 512 * _KI, 1 * _MI], "direct": [256 * _KI, 1 * _MI, 4 * _MI],
             "chunks": [1 * _MI, 4 * _MI, 8 * _MI], "chunk_size": 16 * _MI}
 
@@ -121,6 +123,10 @@ class _Cell:
         if op == "all_reduce":
             self.out, self.want = self.x, torch.stack(ins).sum(0)
             self.call = lambda: zbccl.all_reduce(self.x, comm=comm)
+        elif op == "reduce_scatter":
+            self.out = zbccl.empty((n // W,), dtype=torch.float32, comm=comm)
+            self.want = torch.stack(ins).sum(0).view(W, -1)[me]
+            self.call = lambda: zbccl.reduce_scatter_tensor(self.out, self.x, comm=comm)
         elif op == "broadcast":  # from the last rank (another host than rank 0's, another local index)
             self.out, self.want = self.x, ins[W - 1]
             self.call = lambda: zbccl.broadcast(self.x, W - 1, comm=comm)
@@ -231,6 +237,8 @@ def _rank(ctx, *, plan: dict, heap_size: int, op_timeout: float, tables: str) ->
             rows("hier_all_gather", ("all_gather",), plan["hier_ag"], setter(all_gather=None),
                  setter(all_gather=always))
             rows("hier_broadcast", ("broadcast",), plan["hier_bc"], setter(broadcast=None), setter(broadcast=always))
+            rows("hier_reduce_scatter", ("reduce_scatter",), plan["hier_rs"], setter(reduce_scatter=None),
+                 setter(reduce_scatter=always))
             rows("column", ("all_reduce",), plan["column"], setter(all_reduce=always, column_max=0),
                  setter(all_reduce=always, column_max=never))
             setter(**HOSTS_DEFAULTS["hier_min"], column_max=HOSTS_DEFAULTS["column_max"])()
@@ -313,8 +321,8 @@ def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = Fal
     world = hosts * ranks_per_host
     # the mesh regions of a chunk (two meshes: 2 (world + hosts) slots, a quarter of the heap at most:
     # tuner.hosts_chunk), and the buffers of the largest cells
-    heap = 4 * 2 * (world + hosts) * max(plan["chunks"]) + 4 * max(plan["chunk_size"], max(plan["hier_ag"]),
-                                                                    max(plan["direct"]) * world) + (64 << 20)
+    largest = max(plan["chunk_size"], max(plan["hier_ag"]), max(plan["hier_rs"]), max(plan["direct"]) * world)
+    heap = 4 * 2 * (world + hosts) * max(plan["chunks"]) + 4 * largest + (64 << 20)
     print(f"zbccl tune --hosts: {hosts} namespace hosts x {ranks_per_host} rank(s){' (quick)' if quick else ''}",
           file=sys.stderr, flush=True)
     env = {"ZBCCL_JOB_COOKIE": os.environ.get("ZBCCL_JOB_COOKIE") or secrets.token_hex(16)}
@@ -339,6 +347,7 @@ def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = Fal
 def _report(result: dict) -> list[str]:
     names = {"relay": ("relayed", "direct"), "hier_all_reduce": ("flat", "hierarchical"),
              "hier_all_gather": ("flat", "hierarchical"), "hier_broadcast": ("flat", "hierarchical"),
+             "hier_reduce_scatter": ("flat", "hierarchical"),
              "column": ("three phases", "two phases"),
              "direct": ("slots", "straight")}
     lines = []

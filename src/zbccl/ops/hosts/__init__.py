@@ -135,7 +135,12 @@ def reduce_scatter(comm, op: str, output: torch.Tensor, input: torch.Tensor, dt:
             d = dim % input.dim()
             unit = math.prod(s for j, s in enumerate(input.shape) if j != d)
             rows = [c // unit if unit else 0 for c in counts]
-        flat.reduce_scatter(h, op, output, input, dt, red, list(counts), rows, d, err, secs)
+        nbytes = 0 if err else input.numel() * input.element_size()
+        if (err is None and d == 0 and len(set(counts)) == 1
+                and hosts_hierarchical("reduce_scatter", nbytes, h.H, h.L, h.regular, h.tune["hier_min"])):
+            hier.reduce_scatter(h, op, output, input, dt, red, list(counts), secs)
+        else:
+            flat.reduce_scatter(h, op, output, input, dt, red, list(counts), rows, d, err, secs)
 
     _run(comm, op, timeout, body)
     return output

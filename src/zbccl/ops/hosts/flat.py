@@ -226,11 +226,17 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
 
 def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, red: int,
                    counts: list[int], rows: list[int], d: int, error: str | None, secs: float, *,
-                   whole: bool = False) -> None:
+                   whole: bool = False, data: bool = True) -> None:
     """reduce_scatter(_v) along dim ``d``: member ``i`` gets ``counts[i]`` elements (``rows[i]`` along ``d``).
     Pieces over the direct threshold land in a heap scratch (one slot per member) and are reduced from there.
-    ``whole``: the first half of :func:`all_reduce` (its header: the agreement of an all_reduce of ``input``)."""
+    ``whole``: the first half of :func:`all_reduce` (its header: the agreement of an all_reduce of ``input``).
+    ``data`` False: the agreement step only (the hierarchical algorithm's)."""
     n, me, ok = h.n, h.me, error is None
+    if not data:
+        fields = {F.DTYPE: dt, F.REDOP: red, F.AUX: d, F.NUMEL: input.numel() if ok else -1}
+        h.exchange(op, OP_REDUCE_SCATTER, fields, counts if ok else [], error, [None] * n, None, timeout=secs,
+                   same=tuple(fields), same_vec=True)
+        return
     isz = input.element_size() if ok else 1
     sends: list = [None] * n
     if ok:

@@ -21,6 +21,12 @@ the host's ranks meet in a barrier (:func:`_direct_gather`); otherwise the piece
 mesh's slots into a heap block, an intra-host all_gather of the L blocks of H pieces follows, reordered
 into member order.
 
+broadcast (:func:`broadcast`): the root's column gets the tensor through the column mesh, then each host
+broadcasts it (shm): the root sends ``(H-1) N`` across instead of ``(n-L) N``. The even reduce_scatter
+(:func:`reduce_scatter`): each host reduces its ranks' inputs for every column's slices (shm), then each
+rank gets its slice's host partials from its column peers: ``(H-1) N/n`` per rank instead of ``(n-L) N/n``;
+its result is the hierarchical all_reduce's slice, bit for bit.
+
 Reduction order: within a host in local order (fp32 accumulation for bf16/fp16, rounded once), then
 across hosts in host order (rounded again): integers and exactly representable values are bit-equal to
 the reference, bf16/fp16 may differ from it by one rounding per phase, and every result is bit-equal to
@@ -40,7 +46,7 @@ from ..dtypes import AVG, MAX, MIN, PROD, SUM
 from . import flat as flat_ops
 from .state import F, HostOps
 
-__all__ = ["all_reduce", "all_gather", "broadcast"]
+__all__ = ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
 
 _NAMES = {SUM: "sum", AVG: "sum", PROD: "product", MAX: "max", MIN: "min"}
 #: Chunks per segment of the hierarchical ops: the shm phases (which stage a tensor outside the heap) see at
@@ -208,4 +214,53 @@ def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, secs
         host_broadcast(part, li, comm=h.local, timeout=secs)
     if work is not tensor:
         flat_ops.copy(tensor, work)
+
+
+def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, red: int,
+                   counts: list[int], secs: float) -> None:
+    """Even reduce_scatter along dim 0 (``counts`` all equal, ``c`` elements each), after the agreement step,
+    segment by segment of the slices (``SEGMENT_CHUNKS`` chunks of the input at once):
+
+    1. the input's slices regrouped into a heap scratch, block ``l`` holding the slices of the ranks of local
+       index ``l`` in host order, and an intra-host ``reduce_scatter_v`` of the blocks (the shm op): this rank
+       gets its host's partial of the slice of every rank of its column;
+    2. the column exchange: each host's partial of a rank's slice goes to that rank (one piece per column
+       peer), which reduces the hosts' partials in host order.
+
+    Each rank sends ``(H-1) c`` across instead of the flat ``(n-L) c``; the reduction order is the
+    hierarchical all_reduce's (within each host, then across hosts in host order)."""
+    from ..reduce_scatter import reduce_scatter_v
+
+    n, H, L = h.n, h.H, h.L
+    flat_ops.reduce_scatter(h, op, output, input, dt, red, counts, counts, 0, None, secs, data=False)
+    c, isz = counts[0], input.element_size()
+    if not c:
+        return
+    src = input.contiguous().view(-1)
+    out = output.view(-1) if output.is_contiguous() else torch.empty(c, dtype=output.dtype)
+    inner = SUM if red == AVG else red
+    col, chunk = h.col, h.chunk
+    k_me = h.host_of[h.me]
+    seg = max(1, SEGMENT_CHUNKS * chunk // isz // n)  # elements of each slice per segment
+    for lo in range(0, c, seg):
+        m = min(seg, c - lo)
+        arr = _scratch(h, (L, H, m * isz)).view(L, H, m * isz)  # block l: the slices of local index l
+        for k, members in enumerate(h.hosts):
+            for j, r in enumerate(members):
+                flat_ops.copy(arr[j, k], flat_ops._bytes(src[r * c + lo:r * c + lo + m]))
+        mine = _scratch(h, (H * m * isz,)).view(input.dtype)  # (in the heap too: the shm op runs zero-copy)
+        reduce_scatter_v(mine, arr.view(-1).view(input.dtype), [H * m] * L, _NAMES[red], comm=h.local,
+                         timeout=secs)  # 1.
+        raw = flat_ops._bytes(mine).view(H, m * isz)
+        step = max(1, chunk // isz) * isz
+        for b in range(0, m * isz, step):  # 2.
+            e = min(b + step, m * isz)
+            parity = col.step([None if k == k_me else raw[k, b:e] for k in range(H)], op=op, timeout=secs)
+            parts = [raw[k_me, b:e] if k == k_me else col.view(parity, k, e - b) for k in range(H)]
+            flat_ops.reduce_into(out[lo + b // isz:lo + e // isz], [p.view(input.dtype) for p in parts], inner)
+        del arr, mine, raw
+    if red == AVG:
+        out.div_(n)
+    if out.data_ptr() != output.data_ptr():
+        flat_ops.copy(output, out)
 
