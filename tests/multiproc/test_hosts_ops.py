@@ -175,9 +175,7 @@ def _large(ctx, hosts: list[int]) -> str:
             b = f(me, n, torch.float32)
             zbccl.broadcast(b, 0)
             assert torch.equal(b, f(0, n, torch.float32))
-            # (hierarchical at 2 x 2 from 1 MiB: the root's column, then each host; a root of local index 1, a
-            # strided tensor, the heap's staging segment by segment)
-            b = f(me, 2 * n, torch.int32).view(n, 2).t()
+            b = f(me, 2 * n, torch.int32).view(n, 2).t()  # a root of local index 1, a strided tensor
             zbccl.broadcast(b, W - 1)
             assert torch.equal(b, f(W - 1, 2 * n, torch.int32).view(n, 2).t())
         x = f(me, 1 << 20, torch.float32)  # 4 MiB outside a 2 MiB heap: the hierarchy stages segment by segment
@@ -300,10 +298,11 @@ def test_rank_zeros_tuning_file_sets_the_inter_host_choices(tmp_path):
 
 
 def _hier_reduce_scatter(ctx, tables: str) -> str:
-    """2 x 2, rank 0's table making every even reduce_scatter hierarchical (by default from 16 MiB): the host's
-    partials, then the column's, bit for bit the hierarchical reference's slice for each reduce op; tiny, odd and
-    multi-segment slices; in place (output = this rank's slice of the input), a strided output, operands in the
-    heap or not; inter-host bytes: this rank's column peers' slices only."""
+    """2 x 2, rank 0's table making every even reduce_scatter and every broadcast hierarchical (by default from 16
+    and 4 MiB). reduce_scatter: the host's partials, then the column's, bit for bit the hierarchical reference's
+    slice for each reduce op; tiny, odd and multi-segment slices; in place (output = this rank's slice of the
+    input), a strided output, operands in the heap or not; inter-host bytes: this rank's column peers' slices
+    only. broadcast: the root's column, then each host, from either local index, empty to multi-segment."""
     import json
 
     import zbccl
@@ -312,7 +311,7 @@ def _hier_reduce_scatter(ctx, tables: str) -> str:
     if ctx.rank == 0:
         os.environ["ZBCCL_TUNE_FILE"] = os.path.join(tables, "rs.json")
         with open(os.environ["ZBCCL_TUNE_FILE"], "w") as fh:
-            json.dump({"rules": {}, "hosts": {"hier_min": {"reduce_scatter": 0}}}, fh)
+            json.dump({"rules": {}, "hosts": {"hier_min": {"reduce_scatter": 0, "broadcast": 0}}}, fh)
     comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
     W, me = comm.world_size, comm.rank
     order = [[0, 1], [2, 3]]
@@ -339,12 +338,20 @@ def _hier_reduce_scatter(ctx, tables: str) -> str:
             sent = mc.bytes_put - before  # one stamp per step and this rank's column peer's slice, no more
             assert c * x.element_size() <= sent <= c * x.element_size() + 4096 * (1 + c * x.element_size()
                                                                                      // h.chunk), (sent, c)
+        for n, dt, root, how in ((0, torch.float32, 0, "plain"), (5, torch.int64, 3, "heap"),
+                                 (300_001, torch.bfloat16, 1, "strided"), (800_000, torch.float32, 2, "heap")):
+            b = f(me, 2 * n, dt)[::2] if how == "strided" else f(me, n, dt)
+            if how == "heap":
+                b = zbccl.empty((n,), dtype=dt).copy_(b)
+            zbccl.broadcast(b, root)
+            want = f(root, 2 * n, dt)[::2] if how == "strided" else f(root, n, dt)
+            assert torch.equal(b, want), (n, dt, root, how)
         return "ok"
     finally:
         zbccl.finalize()
 
 
-def test_hierarchical_reduce_scatter(tmp_path):
+def test_hierarchical_reduce_scatter_and_broadcast(tmp_path):
     assert run_world(_hier_reduce_scatter, 4, timeout=240, tables=str(tmp_path)) == ["ok"] * 4
 
 
