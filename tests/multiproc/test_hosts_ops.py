@@ -298,8 +298,8 @@ def test_rank_zeros_tuning_file_sets_the_inter_host_choices(tmp_path):
 
 
 def _hier_reduce_scatter(ctx, tables: str) -> str:
-    """2 x 2, rank 0's table making every even reduce_scatter and every broadcast hierarchical (by default from 16
-    and 4 MiB). reduce_scatter: the host's partials, then the column's, bit for bit the hierarchical reference's
+    """2 x 2, rank 0's table making every even reduce_scatter and every broadcast hierarchical (by default never
+    and from 4 MiB). reduce_scatter: the host's partials, then the column's, bit for bit the hierarchical reference's
     slice for each reduce op; tiny, odd and multi-segment slices; in place (output = this rank's slice of the
     input), a strided output, operands in the heap or not; inter-host bytes: this rank's column peers' slices
     only. broadcast: the root's column, then each host, from either local index, empty to multi-segment."""

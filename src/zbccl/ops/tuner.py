@@ -293,10 +293,12 @@ def store_kind_mode() -> int:
 #: gathered flat in 2.8 ms and hierarchically in 3.3 ms, 4 MiB in 7.5 and 6.2 ms). all_reduce from 256 KiB
 #: since small steps are relayed: ``zbccl tune --hosts``, three runs at 2 x 2, flat 1.2 against hierarchical
 #: 1.6-2.0 ms at 16 KiB, 1.5-1.7 against 1.9-2.3 at 64 KiB, even at 256 KiB, 8 against 5 at 1 MiB. broadcast
-#: from 4 MiB (1 MiB: flat 3.3 ms, hierarchical 2.9-3.7; 4 MiB 8.7-9.7 against 6.6), reduce_scatter from 16 MiB
-#: of input (4 MiB: 7.9-8.5 against 8.5-9.8 ms; 16 MiB: 26.7-27.5 against 25.1-27.3): interleaved, 2 x 2.
+#: from 4 MiB (1 MiB: flat 3.3 ms, hierarchical 2.9-3.7; 4 MiB 8.7-9.7 against 6.6). reduce_scatter never by
+#: default: it halves what crosses at 2 x 2 but never won here (4 MiB of input: 7.9-8.5 against 8.5-9.8 ms; 16
+#: MiB: 26.7-30.2 against 25.1-28.8; 64 MiB 96.7-96.9 against 105.5-106.1), where the namespace links are not
+#: the bound: ``zbccl tune --hosts`` turns it on where it wins. Interleaved, 2 x 2.
 HOSTS_CHUNK = 4 << 20
-HOSTS_HIER_MIN = {"all_reduce": 256 << 10, "all_gather": 2 << 20, "broadcast": 4 << 20, "reduce_scatter": 16 << 20}
+HOSTS_HIER_MIN = {"all_reduce": 256 << 10, "all_gather": 2 << 20, "broadcast": 4 << 20, "reduce_scatter": None}
 #: Bytes over which a member's piece of an all_gather, all_to_all or broadcast across hosts is put straight into
 #: its receiver's output (its heap offset comes in the agreement step's header), and a reduce_scatter's into a
 #: heap scratch of its receiver, instead of through the slots: two round trips more (the piece waits for the
