@@ -313,7 +313,8 @@ HOSTS_COLUMN_MAX = 256 << 10
 #: The inter-host choices and their defaults, which a tuning table's ``"hosts"`` section overrides (``zbccl tune
 #: --hosts`` measures them): ``chunk`` (the pipelining unit, one slot), ``direct_min`` (``HOSTS_DIRECT_MIN``),
 #: ``hier_min`` (``HOSTS_HIER_MIN`` per op; None: never hierarchical), ``column_max`` (``HOSTS_COLUMN_MAX``) and
-#: ``relay`` (a small step for several ranks of another host goes in one write, relayed there: ``hosts/mesh.py``).
+#: ``relay`` (a small step of the collectives for several ranks of another host goes in one write, relayed there:
+#: ``hosts/mesh.py``; EP's rounds always are).
 #: A communicator across hosts uses rank 0's, agreed when it sets up (``hosts/state.py``).
 HOSTS_DEFAULTS: dict = {"chunk": HOSTS_CHUNK, "direct_min": HOSTS_DIRECT_MIN, "hier_min": dict(HOSTS_HIER_MIN),
                         "column_max": HOSTS_COLUMN_MAX, "relay": True}
