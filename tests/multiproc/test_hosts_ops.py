@@ -199,16 +199,11 @@ def _two_phases(ctx, tables: str) -> str:
     tensor (``HostOps.tune["column_max"]``, the default ``tuner.HOSTS_COLUMN_MAX``): bit for bit the hierarchical
     reference, for each reduce op, in the heap or not, contiguous or not; and the segments just above it. Rank 0's
     table makes every all_reduce hierarchical (by default the smaller ones are flat)."""
-    import json
 
     import zbccl
     from zbccl.ops.hosts import hier
 
-    os.environ["ZBCCL_CACHE_DIR"] = os.path.join(tables, f"cache{ctx.rank}")  # no table of this host
-    if ctx.rank == 0:
-        os.environ["ZBCCL_TUNE_FILE"] = os.path.join(tables, "hier.json")
-        with open(os.environ["ZBCCL_TUNE_FILE"], "w") as fh:
-            json.dump({"rules": {}, "hosts": {"hier_min": {"all_reduce": 0}}}, fh)
+    _table(ctx, tables, {"hier_min": {"all_reduce": 0}})
     comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
     W, me = comm.world_size, comm.rank
     runs = []
@@ -243,6 +238,17 @@ def test_hierarchical_all_reduce_in_two_phases(tmp_path):
     assert run_world(_two_phases, 4, timeout=240, tables=str(tmp_path)) == ["ok"] * 4
 
 
+def _table(ctx, tables: str, hosts: dict) -> None:
+    """Rank 0's tuning table sets ``hosts`` (its ``"hosts"`` section); the others' tables set nothing (an empty
+    table each, in place of this machine's: the native build cache stays where it is)."""
+    import json
+
+    path = os.path.join(tables, f"rank{ctx.rank}.json")
+    with open(path, "w") as fh:
+        json.dump({"rules": {}, "hosts": hosts if ctx.rank == 0 else {}}, fh)
+    os.environ["ZBCCL_TUNE_FILE"] = path
+
+
 def _tuned(ctx, tables: str) -> str:
     """2 x 2: rank 0's tuning file sets the inter-host choices of every rank (the others have none); a bad file
     on rank 0 fails the first op across hosts on every rank with the file named."""
@@ -251,14 +257,9 @@ def _tuned(ctx, tables: str) -> str:
     import zbccl
     from zbccl.errors import ZbcclInvalidUsageError
 
-    os.environ["ZBCCL_CACHE_DIR"] = os.path.join(tables, f"cache{ctx.rank}")  # no table of this host
     tune = {"chunk": 65536, "direct_min": 8192, "hier_min": {"all_reduce": 0, "all_gather": None}, "column_max": 0,
             "relay": False}
-    if ctx.rank == 0:
-        path = os.path.join(tables, "good.json")
-        with open(path, "w") as fh:
-            json.dump({"rules": {}, "hosts": tune}, fh)
-        os.environ["ZBCCL_TUNE_FILE"] = path
+    _table(ctx, tables, tune)
     comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
     W, me = comm.world_size, comm.rank
     try:
@@ -303,15 +304,10 @@ def _hier_reduce_scatter(ctx, tables: str) -> str:
     slice for each reduce op; tiny, odd and multi-segment slices; in place (output = this rank's slice of the
     input), a strided output, operands in the heap or not; inter-host bytes: this rank's column peers' slices
     only. broadcast: the root's column, then each host, from either local index, empty to multi-segment."""
-    import json
 
     import zbccl
 
-    os.environ["ZBCCL_CACHE_DIR"] = os.path.join(tables, f"cache{ctx.rank}")
-    if ctx.rank == 0:
-        os.environ["ZBCCL_TUNE_FILE"] = os.path.join(tables, "rs.json")
-        with open(os.environ["ZBCCL_TUNE_FILE"], "w") as fh:
-            json.dump({"rules": {}, "hosts": {"hier_min": {"reduce_scatter": 0, "broadcast": 0}}}, fh)
+    _table(ctx, tables, {"hier_min": {"reduce_scatter": 0, "broadcast": 0}})
     comm = _init(ctx, [0, 0, 1, 1], heap_size=32 << 20)
     W, me = comm.world_size, comm.rank
     order = [[0, 1], [2, 3]]
