@@ -166,3 +166,18 @@ def test_the_hosts_section_overlays_the_defaults_and_travels_with_the_table(tmp_
         TuningTable.load()
     with pytest.raises(ZbcclInvalidUsageError, match="hosts.relay"):
         write_table({"rules": GOOD, "hosts": {"relay": "no"}}, tmp_path / "w.json")
+
+
+def test_info_shows_the_tables_choices_between_hosts(tmp_path, monkeypatch):
+    """``zbccl info``'s tuning line: the table's source and every inter-host choice in effect; a bad table's error."""
+    from zbccl.tools.info import _tuning, tuning_line
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"rules": {}, "hosts": {"relay": False, "hier_min": {"all_gather": None}}}))
+    monkeypatch.setenv("ZBCCL_TUNE_FILE", str(path))
+    monkeypatch.delenv("ZBCCL_ALGO", raising=False)
+    line = tuning_line(_tuning())
+    assert line.startswith(f"tuning     {path}; between hosts (hier_min, relay from the table): chunk 4.0 MiB"), line
+    assert "all_reduce from 256.0 KiB, all_gather never" in line and "relayed small steps off" in line, line
+    path.write_text(json.dumps({"rules": {}, "hosts": {"relay": 3}}))
+    assert tuning_line(_tuning()).startswith("tuning     error: tuning: bad hosts.relay in "), tuning_line(_tuning())

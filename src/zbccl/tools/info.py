@@ -78,8 +78,36 @@ def collect_info() -> dict:
         "shared_memory": shm_capacity(),
         "native": native_status,
         "transports": _transports(),
+        "tuning": _tuning(),
         "config": {v.name: {"value": _value(v), "set": v.is_set(), "doc": v.doc} for v in env.VARIABLES},
     }
+
+
+def _tuning() -> dict:
+    """This host's tuning table: where it comes from, and the inter-host choices it gives (those of rank 0's
+    table are a communicator's); ``{"error"}`` for a table that would fail the first op."""
+    from ..errors import ZbcclInvalidUsageError
+    from ..ops.tuner import TuningTable, hosts_settings
+
+    try:
+        table = TuningTable.load()
+    except ZbcclInvalidUsageError as exc:
+        return {"error": str(exc)}
+    return {"source": table.source, "hosts": hosts_settings(table.hosts), "hosts_set": sorted(table.hosts)}
+
+
+def tuning_line(tuning: dict) -> str:
+    """``zbccl info``'s tuning line: the table's source and the inter-host choices."""
+    if "error" in tuning:
+        return f"tuning     error: {tuning['error']}"
+    h = tuning["hosts"]
+    size = lambda v: "never" if v is None else env.format_size(v)  # noqa: E731
+    hier = ", ".join(f"{op} {'never' if v is None else 'from ' + env.format_size(v)}"
+                     for op, v in h["hier_min"].items())
+    given = ", ".join(tuning["hosts_set"])
+    return (f"tuning     {tuning['source']}; between hosts ({given + ' from the table' if given else 'the defaults'}): "
+            f"chunk {size(h['chunk'])}, direct pieces over {size(h['direct_min'])}, hierarchical {hier}, "
+            f"two phases up to {size(h['column_max'])}, relayed small steps {'on' if h['relay'] else 'off'}")
 
 
 def _transports() -> dict:
@@ -183,6 +211,7 @@ def print_info(*, as_json: bool = False) -> None:
         state = f"unavailable: {mc['reason']}"
     print(f"transports {', '.join(tr['registered'])}")
     print(f"  mooncake {state}")
+    print(tuning_line(info["tuning"]))
     print("config")
     for name, c in info["config"].items():
         print(f"  {name:<24} {c['value']:<28} {'(set)' if c['set'] else '(default)'}")
