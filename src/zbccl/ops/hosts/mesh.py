@@ -129,8 +129,10 @@ class Watch:
         return peer.where() if peer is not None else "this host"
 
     def check(self, members: Sequence[int], pending: Sequence[int], op: str, *, waited: float = 0.0,
-              timeout: float = float("inf")) -> None:
-        """Raise if a member left an op half-way, or a pending one failed, finalized, died or is unreachable.
+              timeout: float = float("inf"), watched: Sequence[int] = ()) -> None:
+        """Raise if a member left an op half-way, or a pending one failed, finalized, died or is unreachable, or a
+        ``watched`` one (a pending one's relay, or a member late only behind its relay: never named as late) failed,
+        died or is unreachable (a relay that finalized had passed on all it got).
 
         Members that left only because they timed out waiting too, while this wait (``waited`` seconds of its
         ``timeout``) is past half its own timeout: they gave up at about the moment it would, so the pending
@@ -139,7 +141,8 @@ class Watch:
         ctx, label = self.ctx, self.labels.get
         if ctx.finalized:
             raise ZbcclInvalidUsageError(f"{op}: {liveness.FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
-        self._hosts_lost(pending, op)  # never blocks: the monitor's verdict
+        suspects = list(dict.fromkeys([*pending, *watched]))
+        self._hosts_lost(suspects, op)  # never blocks: the monitor's verdict
         follow, timed = None, []
         for g in members:
             if g == ctx.rank:
@@ -152,13 +155,13 @@ class Watch:
             elif why and follow is None:
                 follow = (g, why, where)
         dead, gone = set(self.t.dead_peers()), []
-        for g in pending:
+        for g in suspects:
             if g == ctx.rank:
                 continue
             state = self._read(lambda g=g: self.t.load(g, layout.H_STATE), op)
             if state == layout.STATE_FAILED:
                 gone.append((g, "failed"))
-            elif state == layout.STATE_FINALIZED:
+            elif state == layout.STATE_FINALIZED and g in pending:
                 gone.append((g, "called finalize"))
             elif g in dead:
                 gone.append((g, "died (its process exited or was killed)"))
@@ -533,11 +536,14 @@ class Mesh:
             flying = flying if sent else []  # (only what this wait waits for is late)
             now = time.monotonic()
             if now >= next_live or now >= deadline:
-                # (a late member's relay here, when it may be the one that never passed the step on)
-                relayers = [self.relayed_by[i] for i, _ in late if self.relayed_by[i] is not None]
-                pending = list(dict.fromkeys([self.members[i] for i, _ in late] + [self.members[i] for i in flying]
-                                             + [self.members[i] for i in relayers]))
-                self.watch.check(self.members, pending, op, waited=now - start, timeout=timeout)
+                # a late member whose relay here is late too is not named (the relay is the cause), only watched,
+                # as the relay of every late member is (it may be the one that never passed the step on)
+                waiting = {i for i, _ in late}
+                named = [(i, t) for i, t in late if self.relayed_by[i] not in waiting] or late
+                watched = [self.members[i] for i, t in late if (i, t) not in named] + \
+                    [self.members[self.relayed_by[i]] for i, _ in late if self.relayed_by[i] is not None]
+                pending = list(dict.fromkeys([self.members[i] for i, _ in named] + [self.members[i] for i in flying]))
+                self.watch.check(self.members, pending, op, waited=now - start, timeout=timeout, watched=watched)
                 next_live = now + self.watch.interval
             if now >= deadline:
                 label = self.watch.labels.get
@@ -546,8 +552,7 @@ class Mesh:
                     raise ZbcclTimeoutError(
                         f"{op}: timed out after {timeout:.1f}s waiting for this rank's write to ranks {names} to "
                         f"land, expected the transport to complete it, got no completion", ranks=tuple(names))
-                waiting = {i for i, _ in late}  # a member whose relay here is late too: the relay is the cause
-                late = [(i, t) for i, t in late if self.relayed_by[i] not in waiting] or late
+                late = named
                 names = [label(self.members[i], self.members[i]) for i, _ in late]
                 where = "; ".join(f"rank {label(self.members[i], self.members[i])} on "
                                   f"{self.watch.where(self.members[i])}" for i, _ in late)
