@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["TuningTable", "DEFAULT_RULES", "DEFAULT_CHUNK", "MIN_CHUNK", "MAX_CHUNK", "OP_ALGOS", "ALGO_CODES",
            "table_for", "host_key", "table_path", "force_algorithm", "validate_rules", "load_file", "choose",
            "store_kind_mode", "HOSTS_CHUNK", "HOSTS_HIER_MIN", "HOSTS_DIRECT_MIN", "HOSTS_COLUMN_MAX",
-           "HOSTS_DEFAULTS", "validate_hosts", "hosts_settings", "read_file", "hosts_chunk", "hosts_hierarchical", "EP_HOSTS_EAGER", "ep_hosts_eager"]
+           "HOSTS_DEFAULTS", "validate_hosts", "hosts_settings", "read_file", "hosts_chunk", "hosts_hierarchical",
+           "EP_HOSTS_EAGER", "ep_hosts_eager"]
 
 #: Algorithm name -> code (``native/abi.py``).
 ALGO_CODES = {v: k for k, v in ALGO_NAMES.items()}

@@ -208,10 +208,11 @@ class Mesh:
     """Steps of all-to-all puts among ``members`` (global ranks) over ``ctx``'s transport (module docstring).
 
     ``regions[i]``: member ``i``'s region offset in its heap (zeroed by its owner before it announced it);
-    ``slot``: bytes of one slot. Not thread-safe (the communicator's op lock serialises its ops)."""
+    ``slot``: bytes of one slot; ``relay``: relay small steps (:meth:`set_relays`). Not thread-safe (the
+    communicator's op lock serialises its ops)."""
 
     def __init__(self, ctx, members: Sequence[int], regions: Sequence[int], slot: int, line_base: int,
-                 watch: Watch) -> None:
+                 watch: Watch, *, relay: bool = True) -> None:
         self.ctx, self.t, self.members = ctx, ctx.heap.transport, list(members)
         self.me = ctx.rank
         self.index = self.members.index(self.me)
@@ -226,7 +227,7 @@ class Mesh:
         #: the member of this host that may relay member ``i``'s steps here (``relayed_by[i]``).
         self.relays: list[int | None] = [None] * self.n
         self.relayed_by: list[int | None] = [None] * self.n
-        self.set_relays(True)
+        self.set_relays(relay)
         self.got = [0] * self.n  # the last step verified from each stamped member
         self._hash, self._copy = native.core().hash64, native.core().memcpy
         self._out = np.zeros(STAMP // 8, dtype=np.uint64)  # the stamp being sent (one peer at a time)
@@ -250,6 +251,7 @@ class Mesh:
         """Relay small steps (``relays``, ``relayed_by``: the module docstring), or write every step directly. Every
         member must make the same choice (a step's receiver names a late member's relay, not the member)."""
         self.relays, self.relayed_by = [None] * self.n, [None] * self.n
+        self._relaying = False
         topology = getattr(self.ctx, "topology", None)
         if not on or topology is None or not any(self.stamped):
             return
@@ -268,6 +270,7 @@ class Mesh:
             theirs = there.index(i)
             if len(here) > theirs and here[theirs] != self.index:
                 self.relayed_by[i] = here[theirs]
+        self._relaying = any(r is not None for r in self.relays)
 
     def _arrived(self, i: int) -> int:
         return self.line_base + layout.LINE * i
@@ -339,8 +342,8 @@ class Mesh:
             for where, piece in parts:
                 self.t.put(g, slot + STAMP + where, piece, op=op)
             self.t.signal(g, me_line, s)
-        riders = self._riders(remote)
-        riding = {d for ds in riders.values() for d, _ in ds}
+        riders = self._riders(remote) if self._relaying else {}  # (nothing to relay: no per-step work)
+        riding = {d for ds in riders.values() for d, _ in ds} if riders else ()
         for i, parts in remote.items():
             if i not in riding:
                 self._send(s, i, parts, riders.get(i, ()), stamps, op)

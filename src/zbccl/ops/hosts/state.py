@@ -166,8 +166,7 @@ class HostOps:
                         f"aligned offset within its heap of {size}, got offset {off} and {nbytes} bytes", ranks=(i,))
         slot_line = layout.slot_line
         self.world = Mesh(ctx, comm.ranks, [r["world"][0] for r in recs], self.hdr + self.chunk,
-                          slot_line(comm.slot, LINE0), self.watch)
-        self.world.set_relays(self.tune["relay"])
+                          slot_line(comm.slot, LINE0), self.watch, relay=self.tune["relay"])
         # where each member's header lands in this rank's slots, per parity (int64 words; views, made once)
         self._came = [[self.world.view_np(parity, i, self.hdr).view(np.int64) for i in range(n)] for parity in (0, 1)]
         self.col = None
