@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from zbccl.bench.hosts import ep_rows, must_bytes, ring_bytes, run_hosts_bench
+from zbccl.bench.hosts import ep_rows, must_bytes, raw_share, ring_bytes, run_hosts_bench
 from zbccl.cli import main
 from zbccl.tools import netns
 
@@ -30,6 +30,17 @@ def test_ring_and_must_bytes_2x2():
     assert ring_bytes("all_reduce", S, 2, 2) == 0  # one host: nothing crosses
     with pytest.raises(ValueError, match="unknown op"):
         must_bytes("gather", S, W, M)
+
+
+@pytest.mark.parametrize("hosts,per_host", [(2, 1), (2, 2), (3, 2)])
+def test_raw_exchange_moves_only_what_must_cross(hosts, per_host):
+    S, W = 3 * 4 << 20, hosts * per_host  # divisible by every W here
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        # one write per pair of same-index ranks on two hosts, in each direction: W (H-1) writes
+        assert raw_share(op, S, W, per_host) * W * (hosts - 1) == must_bytes(op, S, W, per_host), op
+    assert raw_share("all_to_all", S, 4, 2) == S // 2  # each rank's pieces for both ranks of the other host
+    assert raw_share("all_reduce", S, 4, 2) == S // 2 and raw_share("all_gather", S, 4, 2) == S
+    assert raw_share("all_reduce", S, 2, 2) == 0  # one host: nothing crosses
 
 
 def test_without_namespaces_the_error_says_why(monkeypatch, capsys):
@@ -63,6 +74,8 @@ def test_smoke_between_two_namespace_hosts():
             continue
         assert z["wrong"] == 0, cell
         assert z["xhost_bytes"] >= must_bytes(cell["op"], cell["size"], 2, 1), cell  # the counters saw the data
+        mc = cell["mc_raw"]  # the transfer limit, timed in the same cell, never checked
+        assert "error" not in mc and mc["wrong"] is None and mc["timing"]["stats"]["median"] > 0, cell
     raw = doc["raw"]["sizes"]
     assert sorted(map(int, raw)) == [4096, 65536] and all(t["stats"]["median"] > 0 for t in raw.values())
     assert doc["raw"]["word"]["stats"]["median"] > 0
@@ -71,4 +84,5 @@ def test_smoke_between_two_namespace_hosts():
         (row,) = ep_rows(ep, "2x1")
         assert row["wrong"] == 0 and row["ll_wrong"] == 0 and row["gloo_us"] > 0 and row["step_us"] > 0, row
     assert "# EP dispatch+combine 2x1" in text
+    assert "mc/g" in text and "mc_us: raw Mooncake writes of only must_B" in text
     assert doc["hosts"]["transport"]["remote"]["transport"] == "tcp"

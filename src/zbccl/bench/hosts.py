@@ -19,6 +19,11 @@ ranks on ``H`` hosts of ``M`` ranks (ranks numbered host by host):
   ``H(W-M) S/W`` (reduce_scatter), ``(W-M) S`` (all_to_all), ``(H-1) S`` (broadcast).
   ``xGB/s`` = must / H / time: the rate at which each host's link carried what had to cross, to
   compare with the raw Mooncake bandwidth (one writer, one link).
+
+``mc_raw`` (``hosts_rank.RawExchange``), timed in every cell after zbccl and gloo: raw Mooncake writes of
+only ``must`` bytes, every rank to the rank with its local index on each other host, all in flight at once:
+the transfer limit of the cell's traffic on these links (every writer and both directions at once, unlike
+the one-writer raw rate above).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import IO
 
 from .baselines import OPS
 
-__all__ = ["HOST_OPS", "run_hosts_bench", "ring_bytes", "must_bytes", "format_hosts_report"]
+__all__ = ["HOST_OPS", "run_hosts_bench", "ring_bytes", "must_bytes", "raw_share", "format_hosts_report"]
 
 #: The ops the issue asks for between hosts (broadcast can be added with ``--ops``).
 HOST_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -62,6 +67,13 @@ def must_bytes(op: str, size: int, world: int, per_host: int) -> int:
     if op not in table:
         raise ValueError(f"must_bytes: unknown op, expected one of {list(OPS)}, got {op!r}")
     return table[op]
+
+
+def raw_share(op: str, size: int, world: int, per_host: int) -> int:
+    """Bytes of ``mc_raw``'s one write from each rank to each rank with its local index on another host: its
+    share of :func:`must_bytes` (``W (H-1)`` such writes in all)."""
+    hosts = world // per_host
+    return must_bytes(op, size, world, per_host) // (world * (hosts - 1)) if hosts > 1 else 0
 
 
 def _options(hosts: int, per_host: int, ops, dtypes, min_size, max_size, smoke: bool, quick: bool,
@@ -95,7 +107,7 @@ def _options(hosts: int, per_host: int, ops, dtypes, min_size, max_size, smoke: 
             "timing": {k: getattr(tcfg, k) for k in ("target_s", "reps", "warmup", "cap_s", "max_iters", "gap_ms")},
             "idle_wait": (0.0 if smoke or quick else 5.0) if idle_wait is None else float(idle_wait),
             "threads": threads or rank_threads(world), "ep": ep_shape if ep else None, "progress": False,
-            "heap_size": (world + 2) * max(sizes) + (32 << 20), "zbccl_timeout": 120.0, "store_timeout": 600.0,
+            "heap_size": (world + 3) * max(sizes) + (32 << 20), "zbccl_timeout": 120.0, "store_timeout": 600.0,
             "raw_timeout": 600.0}
 
 
@@ -175,10 +187,14 @@ def _hosts_row(cell: dict, doc: dict) -> str:
     gw = "ERR" if g.get("error") else str(g.get("wrong", "-"))
     spread = f"{z['timing']['stats']['min']:.0f}..{z['timing']['stats']['max']:.0f}" if zt else "-"
     gspread = f"{g['timing']['stats']['min']:.0f}..{g['timing']['stats']['max']:.0f}" if gt else "-"
+    m = cell.get("mc_raw") or {}
+    mt = _us(m.get("timing"))
+    mc = f"{'ERR':>9} {'-':>5} {'-':>5}" if m.get("error") else \
+        f"{_num(mt, 9, 1)} {_num(mt / zt if mt and zt else None, 5)} {_num(mt / gt if mt and gt else None, 5)}"
     return (f"{size:>10} {cell['dtype']:>5} {_num(zt, 9, 1)} {spread:>15} {zw:>6} | {_num(gt, 9, 1)} {gspread:>15} "
             f"{gw:>6} {_times(gt / zt if gt and zt else None, 7)} | {x if x is not None else '-':>10} "
             f"{ring:>10} {_num(x / ring if x is not None and ring else None, 6)} {must:>10} | {_num(xgbps, 6)} "
-            f"{_num(raw, 6)} {_num(xgbps / raw if xgbps and raw else None, 6)}")
+            f"{_num(raw, 6)} {_num(xgbps / raw if xgbps and raw else None, 6)} | {mc}")
 
 
 def ep_rows(ep: dict | None, label: str) -> list[dict]:
@@ -229,7 +245,7 @@ def format_hosts_report(doc: dict) -> list[str]:
         lines.append(f"one 8-byte write (a signal): {w['median']:.1f} µs (min {w['min']:.1f}, max {w['max']:.1f})")
     head = (f"{'size':>10} {'dtype':>5} {'zbccl_us':>9} {'spread':>15} {'#wrong':>6} | {'gloo_us':>9} {'spread':>15} "
             f"{'#wrong':>6} {'speedup':>7} | {'xhost_B':>10} {'ring_B':>10} {'x/ring':>6} {'must_B':>10} | "
-            f"{'xGB/s':>6} {'rawGB/s':>6} {'x/raw':>6}")
+            f"{'xGB/s':>6} {'rawGB/s':>6} {'x/raw':>6} | {'mc_us':>9} {'mc/z':>5} {'mc/g':>5}")
     for op in o["ops"]:
         for dtype in o["dtypes"]:
             lines += ["", f"# {op} {dtype}   {hs['hosts']}x{hs['ranks_per_host']}", head]
@@ -240,5 +256,8 @@ def format_hosts_report(doc: dict) -> list[str]:
               "speedup = gloo_us / zbccl_us",
               "xhost_B: bytes every rank's Mooncake engine moved for one call, summed; ring_B: a flat ring's "
               "(pairwise for all_to_all); must_B: the least that must cross; xGB/s = must_B / hosts / time",
+              "mc_us: raw Mooncake writes of only must_B, one per pair of ranks with the same local index on two "
+              "hosts, all at once (no protocol; timed in the same cell); mc/z, mc/g: mc_us over zbccl's and gloo's "
+              "time (mc/g > 1: gloo beats the raw engine at the same traffic)",
               f"run took {doc['wall_s']:.0f} s"]
     return lines

@@ -78,6 +78,90 @@ def _raw(comm, h: Harness, opts: dict) -> dict:
     return leader_then_all(h.store, "bench/hosts/raw", h.rank, solo, timeout_s=opts["raw_timeout"])
 
 
+class RawExchange:
+    """The transfer limit of a cell (``mc_raw``): raw Mooncake writes of exactly the bytes that must cross, in
+    one round, with nothing above the engine (no headers, signals, local phase or checks).
+
+    Every rank writes ``must_bytes(op) / (W (H-1))`` bytes of its heap input to the rank with its own local index
+    on each other host (one write per such pair, all in flight at once: the fewest writes that move only what
+    must cross), and a call ends once all of them landed (Mooncake TCP v2: a completed write is in the target's
+    memory); the cell's time is the slowest rank's, as for the ops. Any algorithm moves at least these bytes
+    between hosts, and one that also waits for its peers' bytes pays at least a one-way latency more, so the
+    ops' times over this one (``z/mc``) say how close each gets to the link, and gloo's (``g/mc``) whether
+    gloo's sockets beat Mooncake's writes at the same traffic. The written bytes land in a region of each
+    rank's heap that nothing reads; nothing is checked (``checked`` False: the ``#wrong`` column says ``-``).
+    """
+
+    name = "mc_raw"
+    checked = False
+
+    def __init__(self, comm, h: Harness, opts: dict) -> None:
+        import zbccl
+
+        from .hosts import raw_share
+
+        self.comm, self._share = comm, raw_share
+        self.world, self.per_host = h.world_size, opts["ranks_per_host"]
+        t = comm._ctx.heap.transport
+        self._remote = getattr(t, "remote", t)
+        self._region = zbccl.empty(max(opts["sizes"]), dtype=torch.uint8, comm=comm)
+        mine = [0.0] * self.world
+        mine[h.rank] = float(t.offset_of(h.rank, self._region))
+        offs = [int(x) for x in h.ctl.max(mine)]
+        me = h.rank % self.per_host
+        self._targets = [(self._remote.peers[g], offs[g]) for g in range(me, self.world, self.per_host)
+                         if g // self.per_host != h.rank // self.per_host]
+        self._nap = native_nap()
+
+    def supports(self, op: str) -> bool:
+        return op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        import zbccl
+
+        return zbccl.empty(numel, dtype=dtype, comm=self.comm)  # registered memory, as RDMA needs
+
+    def bind(self, op: str, out: torch.Tensor, inp: torch.Tensor):
+        size = inp.numel() * inp.element_size()
+        nbytes = self._share(op, size, self.world, self.per_host)
+        engine, src = self._remote.engine, inp.data_ptr()
+
+        def call() -> None:
+            pending = []
+            for peer, off in self._targets:
+                batch = engine.submit_write(peer.sid, src, peer.data + off, nbytes)
+                if batch is None:
+                    raise RuntimeError(f"bench --hosts: a raw Mooncake write of {nbytes} bytes was not submitted")
+                pending.append(batch)
+            polls = 0
+            while pending:
+                st = engine.status(pending[0], nbytes)
+                if st == 1:
+                    pending.pop(0)
+                elif st != 0:
+                    raise RuntimeError(f"bench --hosts: a raw Mooncake write of {nbytes} bytes failed")
+                else:  # yield, then nap (the ranks share the cores with the engines' threads)
+                    polls += 1
+                    if polls < 16:
+                        os.sched_yield()
+                    else:
+                        self._nap(min(5_000 << min(polls - 16, 6), 200_000))
+        return call
+
+    def sync(self) -> None:
+        dist.barrier()
+
+    def staged_bytes(self) -> int:
+        return 0
+
+
+def native_nap():
+    """The native core's nap (nanoseconds, off the GIL)."""
+    from .. import native
+
+    return native.core().nap
+
+
 def _bytes_per_op(impls: list, cells: list[dict], h: Harness) -> None:
     """Collective: ``xhost_bytes`` (summed over ranks) of one more call of every zbccl cell that ran."""
     zb = next((i for i in impls if i.name == "zbccl"), None)
@@ -146,7 +230,7 @@ def rank_main(ctx, *, opts: dict, ifnames: list[str]) -> dict | None:
         h = Harness(rank, world, store, GlooControl(), TimingConfig(**opts["timing"]), None, opts["idle_wait"])
         raw = _raw(comm, h, opts)
         zops = [op for op in zbccl_ops_available() if op in opts["ops"]]
-        impls = [ZbcclImpl(comm, zops), GlooImpl()]
+        impls = [ZbcclImpl(comm, zops), GlooImpl(), RawExchange(comm, h, opts)]
         result = _sweep(impls, opts, h)
         _bytes_per_op(impls, result["cells"], h)
         ep = _ep(comm, h, opts) if opts["ep"] else None

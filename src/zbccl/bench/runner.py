@@ -181,6 +181,8 @@ def _check(impl: Impl, op: str, dtype: torch.dtype, numel: int, h: Harness):
     fn = impl.bind(op, out, inp)
     impl.sync()
     fn()
+    if not getattr(impl, "checked", True):  # a transfer limit, not an op: its output means nothing
+        return fn, inp, None
     return fn, inp, count_wrong(out, expected(op, h.rank, h.world_size, numel, dtype))
 
 
@@ -197,10 +199,11 @@ def _measure(impl: Impl, op: str, dname: str, numel: int, h: Harness) -> dict:
     except Exception as exc:  # noqa: BLE001 - recorded; the ranks agree below and go on
         error = f"rank {h.rank}: {type(exc).__name__}: {exc}"
     failed, staged = h.ctl.max([error is not None, impl.staged_bytes() - staged0])
-    wrong = h.ctl.sum([local_wrong])[0]
+    wrong = h.ctl.sum([local_wrong or 0])[0]
     if failed:
         return {"error": error or "failed on another rank", "wrong": None}
-    return {"wrong": int(wrong), "staged_bytes": int(staged), "timing": timed}
+    checked = getattr(impl, "checked", True)
+    return {"wrong": int(wrong) if checked else None, "staged_bytes": int(staged), "timing": timed}
 
 
 def _memcpy_block(sizes: list[int], h: Harness) -> dict:
