@@ -175,6 +175,9 @@ def _add_bench(sub) -> None:
     h.add_argument("--ranks-per-host", type=_count(1, 4), default=1, help="ranks per host (default 1)")
     h.add_argument("--smoke", action="store_true", help="with --hosts: 2 small sizes, short timing (seconds, for CI)")
     h.add_argument("--no-ep", action="store_true", help="with --hosts: leave out EP dispatch+combine")
+    h.add_argument("--own-cores", action="store_true",
+                   help="with --hosts: give each host its own cores (this machine's split into disjoint sets, where "
+                        "there are at least as many as hosts), as separate machines have")
 
 
 def _bench_hosts(args, split) -> int:
@@ -190,7 +193,8 @@ def _bench_hosts(args, split) -> int:
                               ops=split(args.ops) if args.ops else HOST_OPS,
                               dtypes=split(args.dtypes) if args.dtypes else ("fp32", "bf16"), min_size=args.min_size,
                               max_size=args.max_size, smoke=args.smoke, quick=args.quick, idle_wait=args.idle_wait,
-                              ep=not args.no_ep, json_path=args.json, threads=args.threads)
+                              ep=not args.no_ep, json_path=args.json, threads=args.threads,
+                              own_cores=args.own_cores)
     except (ValueError, HostsUnavailable) as exc:
         print(f"zbccl bench --hosts: {exc}", file=sys.stderr)
         return 2
@@ -213,8 +217,8 @@ def _bench(args) -> int:
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     if args.hosts is not None:
         return _bench_hosts(args, split)
-    if args.ranks_per_host != 1 or args.smoke or args.no_ep:
-        print("zbccl bench: --ranks-per-host, --smoke and --no-ep need --hosts", file=sys.stderr)
+    if args.ranks_per_host != 1 or args.smoke or args.no_ep or args.own_cores:
+        print("zbccl bench: --ranks-per-host, --smoke, --no-ep and --own-cores need --hosts", file=sys.stderr)
         return 2
     args.ops = args.ops or "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast"
     args.dtypes = args.dtypes or "fp32,bf16"

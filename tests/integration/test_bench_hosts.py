@@ -4,6 +4,7 @@ elsewhere), the inter-host byte references, and the clear error where namespaces
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 
@@ -62,8 +63,15 @@ def test_smoke_between_two_namespace_hosts():
         pytest.skip(reason)
     out = io.StringIO()
     # torch's intra-op threads on (2 per rank on 2 cores): the copies between hosts must not depend on them
-    doc = run_hosts_bench(hosts=2, ranks_per_host=1, smoke=True, progress=False, out=out, timeout=300, threads=2)
+    doc = run_hosts_bench(hosts=2, ranks_per_host=1, smoke=True, progress=False, out=out, timeout=300, threads=2,
+                          own_cores=True)
     text = out.getvalue()
+    cores = doc["hosts"]["cores"]  # each host on its own cores where there are two or more
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert cores[0] and cores[1] and not set(cores[0]) & set(cores[1]), cores
+        assert doc["hosts"]["rank0_affinity"] == cores[0] and f"host 1 on {cores[1]}" in text
+    else:
+        assert cores == [None, None] and "every host on all of this machine's" in text
     assert len(doc["cells"]) == 4 * 2 * 2 and "# all_reduce bf16   2x1" in text and "# all_to_all fp32   2x1" in text and "load average" in text
     assert "2 thread(s)/rank" in text
     for cell in doc["cells"]:

@@ -115,10 +115,11 @@ def run_hosts_bench(*, hosts: int = 2, ranks_per_host: int = 1, ops=HOST_OPS, dt
                     min_size: int | str = "4K", max_size: int | str = "64M", smoke: bool = False,
                     quick: bool = False, idle_wait: float | None = None, ep: bool = True,
                     json_path: str | None = None, timeout: float | None = None, progress: bool = True,
-                    out: IO[str] | None = None, threads: int | None = None) -> dict:
+                    out: IO[str] | None = None, threads: int | None = None, own_cores: bool = False) -> dict:
     """Run the benchmark between ``hosts`` namespace hosts of ``ranks_per_host`` ranks; print the report to
     ``out`` (None: stdout), write ``json_path``; return the results document. ``threads``: torch's intra-op
-    threads per rank (None: this machine's cores over the ranks, as a launcher sets them).
+    threads per rank (None: this machine's cores over the ranks, as a launcher sets them). ``own_cores``: each
+    host gets its own cores (``NetnsHosts(own_cores=True)``; the report says which, or that they were shared).
 
     Raises :class:`~zbccl.tools.netns.HostsUnavailable` (saying why) where namespace hosts cannot be made
     (not root, no iproute2/util-linux), or Mooncake is not installed; ``ValueError`` for bad options.
@@ -142,13 +143,15 @@ def run_hosts_bench(*, hosts: int = 2, ranks_per_host: int = 1, ops=HOST_OPS, dt
     env = {"ZBCCL_JOB_COOKIE": os.environ.get("ZBCCL_JOB_COOKIE") or secrets.token_hex(16)}
     t0 = time.perf_counter()
     load0 = os.getloadavg()
-    with NetnsHosts(hosts) as made:
+    with NetnsHosts(hosts, own_cores=own_cores) as made:
         ifnames = [made.ifname(i) for i in range(hosts)]
+        cores = [None if c is None else sorted(c) for c in made.cores]
         results = run_hosts(rank_main, made, ranks_per_host, timeout=budget, env=env, opts=opts, ifnames=ifnames)[0]
     world = hosts * ranks_per_host
     doc = {"machine": report.machine_info(world_size=world, threads=results["threads"]),
            "options": opts, "hosts": {"hosts": hosts, "ranks_per_host": ranks_per_host,
-                                      "transport": results["transport"]},
+                                      "transport": results["transport"], "cores": cores,
+                                      "rank0_affinity": results["affinity"]},
            "loadavg": {"start": list(load0), "ranks_end": results["loadavg"], "end": list(os.getloadavg())},
            **{k: results[k] for k in ("cells", "gates", "host_state", "regate_s", "zbccl_ops", "raw", "ep")},
            "memcpy": None, "overheads": None, "vllm": None, "mpi": None}
@@ -229,6 +232,8 @@ def format_hosts_report(doc: dict) -> list[str]:
     lines = [f"zbccl bench --hosts: {hs['hosts']} namespace hosts x {hs['ranks_per_host']} rank(s); {m['cpu_model']}, "
              f"{m['cores']} cores; torch {m['torch']}, zbccl {m['zbccl']}; {m['threads']} thread(s)/rank",
              f"transport: {hs['transport']}",
+             "cores: " + ("every host on all of this machine's" if not any(hs.get("cores") or ()) else
+                          "; ".join(f"host {i} on {c}" for i, c in enumerate(hs["cores"]))),
              f"load average (1/5/15 min): start {la['start'][0]:.2f}/{la['start'][1]:.2f}/{la['start'][2]:.2f}, "
              f"end {la['end'][0]:.2f}/{la['end'][1]:.2f}/{la['end'][2]:.2f}", ""]
     raw = doc.get("raw") or {}

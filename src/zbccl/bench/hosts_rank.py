@@ -243,4 +243,5 @@ def rank_main(ctx, *, opts: dict, ifnames: list[str]) -> dict | None:
     if rank != 0:
         return None
     return {**result, "raw": raw, "ep": ep, "zbccl_ops": zops, "transport": described,
-            "threads": torch.get_num_threads(), "loadavg": os.getloadavg()}
+            "threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
+            "affinity": sorted(os.sched_getaffinity(0))}

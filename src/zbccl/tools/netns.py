@@ -12,7 +12,10 @@ Each host's ranks run under ``ip netns exec zbh<tag><i> unshare --pid --ipc
 --uts --mount --fork --mount-proc``, all the host's ranks in one such shell,
 so that only the network connects two hosts: abstract sockets, pidfds,
 ``/proc`` and hostnames stay per host. ``tag`` and ``net`` are random, so two
-sessions never collide on names or addresses.
+sessions never collide on names or addresses. ``NetnsHosts(n, own_cores=True)``
+also gives each host its own cores (the usable ones split into ``n`` disjoint
+affinity sets, inherited by every process of the host), so that the hosts do not
+compete for a core either, as separate machines would not.
 
 :meth:`NetnsHosts.kill_host` SIGKILLs every process of a host (a host that
 died); :meth:`NetnsHosts.cut` takes its link down (a partition). Leaving the
@@ -88,10 +91,18 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 class NetnsHosts:
     """``n`` namespace hosts on a bridge (see the module docstring). A context manager."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, own_cores: bool = False) -> None:
         if n < 1:
             raise ValueError(f"hosts: expected at least 1 host, got {n}")
         self.n = n
+        #: Per host, the cores its processes may run on (None: all of this process's). ``own_cores``: the usable
+        #: cores split into ``n`` disjoint sets, as separate machines would have them (only where there are at
+        #: least as many cores as hosts; otherwise the hosts share them, and :attr:`cores` says so).
+        self.cores: list[frozenset[int] | None] = [None] * n
+        usable = sorted(os.sched_getaffinity(0))
+        if own_cores and len(usable) >= n and shutil.which("taskset"):
+            per = len(usable) // n
+            self.cores = [frozenset(usable[i * per:(i + 1) * per]) for i in range(n)]
         self.tag = secrets.token_hex(2)
         self.net = f"10.{secrets.randbelow(128) + 64}.{secrets.randbelow(256)}"
         self.bridge = f"zbb{self.tag}"
@@ -158,8 +169,10 @@ class NetnsHosts:
         quoted = " & ".join(" ".join(_sh_quote(a) for a in argv) for argv in argvs)
         # sh stays pid 1 of the host (a rank as pid 1 would be immune to its own host's signals).
         script = f"hostname {self.ns(i)}; {quoted} & wait"
+        cores = self.cores[i]  # (taskset: util-linux, as unshare; every process of the host inherits the mask)
+        pin = [] if cores is None else ["taskset", "-c", ",".join(map(str, sorted(cores)))]
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns(i), "unshare", "--pid", "--ipc", "--uts", "--mount", "--fork",
+            [*pin, "ip", "netns", "exec", self.ns(i), "unshare", "--pid", "--ipc", "--uts", "--mount", "--fork",
              "--mount-proc", "sh", "-c", script], env=env, cwd=cwd, stdout=stdout, stderr=stderr,
             start_new_session=True)
         self.procs.append(proc)
