@@ -18,12 +18,14 @@ from zbccl.tools import netns
 ])
 def test_own_cores_split_the_usable_cores(monkeypatch, usable, n, want):
     monkeypatch.setattr(netns.os, "sched_getaffinity", lambda pid: set(usable))
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/usr/bin/{tool}")
     assert netns.NetnsHosts(n, own_cores=True).cores == [None if w is None else frozenset(w) for w in want]
     assert netns.NetnsHosts(n).cores == [None] * n  # off by default: every host on all cores
 
 
 def test_a_host_with_own_cores_starts_under_taskset(monkeypatch):
     monkeypatch.setattr(netns.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/usr/bin/{tool}")
     started = []
 
     class _Popen:
@@ -38,3 +40,9 @@ def test_a_host_with_own_cores_starts_under_taskset(monkeypatch):
     shared = netns.NetnsHosts(2)
     shared.popen(0, [["python", "-c", "pass"]], env={}, stdout=None, stderr=None)
     assert started[1][:3] == ["ip", "netns", "exec"]
+
+
+def test_without_taskset_the_hosts_share_the_cores(monkeypatch):
+    monkeypatch.setattr(netns.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
+    assert netns.NetnsHosts(2, own_cores=True).cores == [None, None]

@@ -85,11 +85,12 @@ class RawExchange:
     Every rank writes ``must_bytes(op) / (W (H-1))`` bytes of its heap input to the rank with its own local index
     on each other host (one write per such pair, all in flight at once: the fewest writes that move only what
     must cross), and a call ends once all of them landed (Mooncake TCP v2: a completed write is in the target's
-    memory); the cell's time is the slowest rank's, as for the ops. Any algorithm moves at least these bytes
-    between hosts, and one that also waits for its peers' bytes pays at least a one-way latency more, so the
-    ops' times over this one (``z/mc``) say how close each gets to the link, and gloo's (``g/mc``) whether
-    gloo's sockets beat Mooncake's writes at the same traffic. The written bytes land in a region of each
-    rank's heap that nothing reads; nothing is checked (``checked`` False: the ``#wrong`` column says ``-``).
+    memory; the writes are awaited as the transport awaits its own); the cell's time is the slowest rank's, as
+    for the ops. Any algorithm moves at least these bytes between hosts, and one that also waits for its peers'
+    bytes pays at least a one-way latency more; the op's local part (its own piece's copy, the reductions) is
+    left out. So this time over the op's (``mc/z``) says how close it gets to the link, and over gloo's
+    (``mc/g``) whether gloo's sockets beat Mooncake's writes at the same traffic. The written bytes land in a
+    region of each rank's heap that nothing reads; nothing is checked (``checked`` False: ``wrong`` is None).
     """
 
     name = "mc_raw"
@@ -111,7 +112,6 @@ class RawExchange:
         me = h.rank % self.per_host
         self._targets = [(self._remote.peers[g], offs[g]) for g in range(me, self.world, self.per_host)
                          if g // self.per_host != h.rank // self.per_host]
-        self._nap = native_nap()
 
     def supports(self, op: str) -> bool:
         return op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -127,25 +127,10 @@ class RawExchange:
         engine, src = self._remote.engine, inp.data_ptr()
 
         def call() -> None:
-            pending = []
-            for peer, off in self._targets:
-                batch = engine.submit_write(peer.sid, src, peer.data + off, nbytes)
-                if batch is None:
-                    raise RuntimeError(f"bench --hosts: a raw Mooncake write of {nbytes} bytes was not submitted")
-                pending.append(batch)
-            polls = 0
-            while pending:
-                st = engine.status(pending[0], nbytes)
-                if st == 1:
-                    pending.pop(0)
-                elif st != 0:
-                    raise RuntimeError(f"bench --hosts: a raw Mooncake write of {nbytes} bytes failed")
-                else:  # yield, then nap (the ranks share the cores with the engines' threads)
-                    polls += 1
-                    if polls < 16:
-                        os.sched_yield()
-                    else:
-                        self._nap(min(5_000 << min(polls - 16, 6), 200_000))
+            batches = [engine.submit_write(peer.sid, src, peer.data + off, nbytes) for peer, off in self._targets]
+            rc = -1 if None in batches else engine._await(batches, nbytes * len(batches), None)
+            if rc:
+                raise RuntimeError(f"bench --hosts: raw Mooncake writes of {nbytes} bytes failed (rc {rc})")
         return call
 
     def sync(self) -> None:
@@ -153,13 +138,6 @@ class RawExchange:
 
     def staged_bytes(self) -> int:
         return 0
-
-
-def native_nap():
-    """The native core's nap (nanoseconds, off the GIL)."""
-    from .. import native
-
-    return native.core().nap
 
 
 def _bytes_per_op(impls: list, cells: list[dict], h: Harness) -> None:
