@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                            "writes the table's \"hosts\" section, keeping its rules)")
     tune.add_argument("--ranks-per-host", type=int, default=2, help="with --hosts: ranks per host (default 2)")
     tune.add_argument("--quick", action="store_true", help="with --hosts: one size per choice (checks the tool)")
+    tune.add_argument("--own-cores", action="store_true",
+                      help="with --hosts: each host on its own cores, as separate machines (see bench --own-cores)")
     _add_bench(sub)
     _add_bench_tp(sub)
     _add_soak(sub)
@@ -306,7 +308,7 @@ def _run(args) -> int:
 
             try:
                 run_tune_hosts(hosts=args.hosts, ranks_per_host=args.ranks_per_host, quick=args.quick,
-                               out=Path(args.out) if args.out else None)
+                               out=Path(args.out) if args.out else None, own_cores=args.own_cores)
             except HostsUnavailable as exc:
                 print(f"zbccl: {exc}", file=sys.stderr)
                 return 2

@@ -57,12 +57,13 @@ def test_a_quick_run_between_namespace_hosts_saves_the_section_and_keeps_the_rul
     path = tmp_path / "table.json"
     rules = {"all_reduce": {"*": [[-1, "twoshot"]]}}
     path.write_text(json.dumps({"rules": rules, "measured": {"kept": 1}}))
-    run_tune_hosts(hosts=2, ranks_per_host=2, quick=True, out=path, timeout=300)
+    run_tune_hosts(hosts=2, ranks_per_host=2, quick=True, out=path, timeout=300, own_cores=True)
     table = json.loads(path.read_text())
     assert table["rules"] == rules and table["measured"] == {"kept": 1}
     validate_hosts(table["hosts"], source=str(path), whole=True)
     got = table["hosts_measured"]
     assert (got["hosts"], got["ranks_per_host"]) == (2, 2)
+    assert got["cores"] == [None, None] or not set(got["cores"][0]) & set(got["cores"][1])  # own cores where 2+
     for key in ("relay", "hier_all_reduce", "hier_all_gather", "hier_broadcast", "hier_reduce_scatter", "column",
                 "direct"):
         assert got[key] and all(r[1] > 0 and r[2] > 0 for r in got[key]), key

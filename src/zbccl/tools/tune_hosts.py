@@ -302,9 +302,10 @@ class _Both:
 
 
 def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = False, out: Path | None = None,
-                   timeout: float = 1800.0) -> Path:
-    """Measure between ``hosts`` namespace hosts of ``ranks_per_host`` ranks, print the figures and the
-    choices, save the ``"hosts"`` section into ``out`` (None: this host's table); returns its path. Raises
+                   timeout: float = 1800.0, own_cores: bool = False) -> Path:
+    """Measure between ``hosts`` namespace hosts of ``ranks_per_host`` ranks (``own_cores``: each on its own
+    cores, ``NetnsHosts(own_cores=True)``), print the figures and the choices, save the ``"hosts"`` section
+    into ``out`` (None: this host's table); returns its path. Raises
     :class:`~zbccl.tools.netns.HostsUnavailable` (saying why) where namespace hosts cannot be made."""
     from zbccl.heap.transports.mooncake import missing_reason
     from zbccl.ops.tuner import read_file, table_path
@@ -328,7 +329,8 @@ def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = Fal
     env = {"ZBCCL_JOB_COOKIE": os.environ.get("ZBCCL_JOB_COOKIE") or secrets.token_hex(16)}
     with tempfile.TemporaryDirectory(prefix="zbccl-tune-hosts-") as tables:
         os.chmod(tables, 0o755)  # the ranks run as this user in other namespaces: they write their tables here
-        with NetnsHosts(hosts) as made:
+        with NetnsHosts(hosts, own_cores=own_cores) as made:
+            cores = [None if c is None else sorted(c) for c in made.cores]
             res = run_hosts(_rank, made, ranks_per_host, timeout=timeout, env=env, plan=plan, heap_size=heap,
                             op_timeout=120.0, tables=tables)
     result = res[0]
@@ -337,7 +339,7 @@ def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = Fal
     path = Path(out) if out else table_path()
     table = read_file(path) if path.is_file() else {"rules": {}}
     table["hosts"] = result["hosts"]
-    table["hosts_measured"] = {"hosts": hosts, "ranks_per_host": ranks_per_host, **result["measured"],
+    table["hosts_measured"] = {"hosts": hosts, "ranks_per_host": ranks_per_host, "cores": cores, **result["measured"],
                                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_table(table, path)
     print(f"saved {path}")
