@@ -19,7 +19,7 @@ from zbccl.tools import netns
 def test_own_cores_split_the_usable_cores(monkeypatch, usable, n, want):
     monkeypatch.setattr(netns.os, "sched_getaffinity", lambda pid: set(usable))
     monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/usr/bin/{tool}")
-    assert netns.NetnsHosts(n, own_cores=True).cores == [None if w is None else frozenset(w) for w in want]
+    assert netns.NetnsHosts(n, own_cores=True).cores == [None if w is None else sorted(w) for w in want]
     assert netns.NetnsHosts(n).cores == [None] * n  # off by default: every host on all cores
 
 

@@ -145,12 +145,11 @@ def run_hosts_bench(*, hosts: int = 2, ranks_per_host: int = 1, ops=HOST_OPS, dt
     load0 = os.getloadavg()
     with NetnsHosts(hosts, own_cores=own_cores) as made:
         ifnames = [made.ifname(i) for i in range(hosts)]
-        cores = [None if c is None else sorted(c) for c in made.cores]
         results = run_hosts(rank_main, made, ranks_per_host, timeout=budget, env=env, opts=opts, ifnames=ifnames)[0]
     world = hosts * ranks_per_host
     doc = {"machine": report.machine_info(world_size=world, threads=results["threads"]),
            "options": opts, "hosts": {"hosts": hosts, "ranks_per_host": ranks_per_host,
-                                      "transport": results["transport"], "cores": cores,
+                                      "transport": results["transport"], "cores": made.cores,
                                       "rank0_affinity": results["affinity"]},
            "loadavg": {"start": list(load0), "ranks_end": results["loadavg"], "end": list(os.getloadavg())},
            **{k: results[k] for k in ("cells", "gates", "host_state", "regate_s", "zbccl_ops", "raw", "ep")},

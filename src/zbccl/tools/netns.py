@@ -95,14 +95,14 @@ class NetnsHosts:
         if n < 1:
             raise ValueError(f"hosts: expected at least 1 host, got {n}")
         self.n = n
-        #: Per host, the cores its processes may run on (None: all of this process's). ``own_cores``: the usable
+        #: Per host, the cores its processes may run on, ascending (None: all of this process's). ``own_cores``: the usable
         #: cores split into ``n`` disjoint sets, as separate machines would have them (only where there are at
         #: least as many cores as hosts; otherwise the hosts share them, and :attr:`cores` says so).
-        self.cores: list[frozenset[int] | None] = [None] * n
+        self.cores: list[list[int] | None] = [None] * n
         usable = sorted(os.sched_getaffinity(0))
         if own_cores and len(usable) >= n and shutil.which("taskset"):
             per = len(usable) // n
-            self.cores = [frozenset(usable[i * per:(i + 1) * per]) for i in range(n)]
+            self.cores = [usable[i * per:(i + 1) * per] for i in range(n)]
         self.tag = secrets.token_hex(2)
         self.net = f"10.{secrets.randbelow(128) + 64}.{secrets.randbelow(256)}"
         self.bridge = f"zbb{self.tag}"
@@ -170,7 +170,7 @@ class NetnsHosts:
         # sh stays pid 1 of the host (a rank as pid 1 would be immune to its own host's signals).
         script = f"hostname {self.ns(i)}; {quoted} & wait"
         cores = self.cores[i]  # (taskset: util-linux, as unshare; every process of the host inherits the mask)
-        pin = [] if cores is None else ["taskset", "-c", ",".join(map(str, sorted(cores)))]
+        pin = [] if cores is None else ["taskset", "-c", ",".join(map(str, cores))]
         proc = subprocess.Popen(
             [*pin, "ip", "netns", "exec", self.ns(i), "unshare", "--pid", "--ipc", "--uts", "--mount", "--fork",
              "--mount-proc", "sh", "-c", script], env=env, cwd=cwd, stdout=stdout, stderr=stderr,

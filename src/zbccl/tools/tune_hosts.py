@@ -330,7 +330,7 @@ def run_tune_hosts(*, hosts: int = 2, ranks_per_host: int = 2, quick: bool = Fal
     with tempfile.TemporaryDirectory(prefix="zbccl-tune-hosts-") as tables:
         os.chmod(tables, 0o755)  # the ranks run as this user in other namespaces: they write their tables here
         with NetnsHosts(hosts, own_cores=own_cores) as made:
-            cores = [None if c is None else sorted(c) for c in made.cores]
+            cores = made.cores
             res = run_hosts(_rank, made, ranks_per_host, timeout=timeout, env=env, plan=plan, heap_size=heap,
                             op_timeout=120.0, tables=tables)
     result = res[0]
