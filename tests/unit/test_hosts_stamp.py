@@ -14,7 +14,7 @@ import torch
 from tests.threads import run_threads
 from zbccl.heap.transports.base import Pending
 from zbccl.ops.hosts import mesh as mesh_mod
-from zbccl.ops.hosts.mesh import ORDERED, STAMP, Mesh, region_bytes
+from zbccl.ops.hosts.mesh import ORDERED, STAMP, Mesh, part, region_bytes
 
 SLOT = 4096
 REGION = region_bytes(2, SLOT)
@@ -104,7 +104,7 @@ def test_a_step_is_seen_only_once_every_byte_it_covers_landed():
     memory = _Memory()
     m0, m1 = _meshes(memory)
     data = _payload(0, 3000)
-    assert not m0.seal(1, [(0, data[:1000]), (1000, data[1000:])])  # mode 0: the check covers the bytes
+    assert not m0.seal(1, [part(0, data[:1000]), part(1000, data[1000:])])  # mode 0: the check covers the bytes
     slot = _slot(memory, 1, 1, 0)
     slot[:STAMP].copy_(_sealed(m0))  # the stamp landed first, no byte yet
     assert not m1._here(0, 1)
@@ -122,14 +122,14 @@ def test_a_torn_or_stale_stamp_never_passes():
     m0, m1 = _meshes(memory)
     data = _payload(0, 2048)
     slot = _slot(memory, 1, 1, 0)
-    m0.seal(1, [(0, data)])
+    m0.seal(1, [part(0, data)])
     good = _sealed(m0).clone()
     slot[STAMP:STAMP + 2048].copy_(data)
     torn = good.clone()
     torn[16:24] = 0  # the step word landed, the first length word not yet
     slot[:STAMP].copy_(torn)
     assert not m1._here(0, 1)
-    m0.seal(3, [(0, data)])  # a stamp of another step over the same bytes
+    m0.seal(3, [part(0, data)])  # a stamp of another step over the same bytes
     slot[:STAMP].copy_(_sealed(m0))
     assert not m1._here(0, 1)
     slot[:STAMP].copy_(good)
@@ -140,7 +140,7 @@ def test_an_ordered_step_checks_its_stamp_only():
     big = ORDERED + 64
     memory = _Memory()
     m0, _ = _meshes(memory)
-    assert m0.seal(5, [(0, torch.zeros(big, dtype=torch.uint8))])
+    assert m0.seal(5, [part(0, torch.zeros(big, dtype=torch.uint8))])
     assert int(m0._out[5]) == 1
 
 
@@ -211,7 +211,7 @@ def test_the_extent_of_a_step_is_what_its_stamp_covers():
     m0, m1 = _meshes(memory)
     old, new = _payload(0, 2000, salt=1), _payload(0, 300, salt=2)
     for step, parts in ((1, [(0, old)]), (3, [(0, new[:100]), (100, new[100:])])):
-        m0.seal(step, parts)
+        m0.seal(step, [part(at, piece) for at, piece in parts])
         slot = _slot(memory, 1, 1, 0)
         slot[:STAMP].copy_(_sealed(m0))
         for at, piece in parts:

@@ -30,10 +30,10 @@ from ...native.abi import (
 )
 from ..dtypes import CODES, MAX, MIN, PROD, SUM
 from ..reference import reduce_ref
-from .state import NOTHING_BIG, F, HostOps
+from .state import NOTHING_BIG, F, Got, HostOps, view_of
 
-__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "copy",
-           "landing", "scratch", "split"]
+__all__ = ["all_reduce", "gather", "reduce_scatter", "all_to_all", "broadcast", "barrier", "reduce_into", "reduce_at",
+           "copy", "copy_got", "reduce_got", "landing", "scratch", "split"]
 
 # The native core and numpy, not torch, for the copies and reductions of the steps: torch splits an op over its
 # intra-op threads above a grain size, and on oversubscribed cores (the ranks of several "hosts" share them)
@@ -63,12 +63,36 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     contiguous (torch's copy fans out to its intra-op threads, whose spinning afterwards holds off the peers and
     the transport's threads on busy cores; numpy's cost 6 us more per call in views), else torch's; nothing when
     they are the same memory."""
-    if not dst.numel() or dst.data_ptr() == src.data_ptr():
+    n = dst.numel()
+    if not n:
+        return
+    d = dst.data_ptr()
+    if d == src.data_ptr():
         return
     if dst.is_contiguous() and src.is_contiguous():
-        native.core().memcpy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+        native.core().memcpy(d, src.data_ptr(), n * dst.element_size())
     else:
         dst.copy_(src.view(dst.shape) if src.is_contiguous() else src.reshape(dst.shape))
+
+
+def copy_got(addr: int, g: Got | None) -> None:
+    """The bytes of ``g`` (what :meth:`HostOps.exchange` handed a consumer for one member) to address ``addr`` of
+    this rank's memory, by the native copy; nothing when there are none or they are already there."""
+    if g is not None and g[1] and g[0] != addr:
+        native.core().memcpy(addr, g[0], g[1])
+
+
+def reduce_got(out: torch.Tensor, out_at: int, isz: int, lo: int, got: list[Got], count: int, red: int) -> None:
+    """``out[lo:lo + count]`` (flat, contiguous, at address ``out_at``; ``isz`` bytes per element) = the reduction
+    of the ``count``-element pieces ``got`` in member order, as :func:`reduce_into` (its native kernel straight
+    over the pieces' addresses where it serves; the destination may be the first or second piece)."""
+    if not count:
+        return
+    addrs = [g[0] for g in got]
+    dst = out_at + lo * isz
+    if dst not in addrs[2:] and reduce_at(dst, addrs, count, out.dtype, red):
+        return
+    reduce_into(out[lo:lo + count], [view_of(g).view(out.dtype) for g in got], red)
 
 
 def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
@@ -80,15 +104,9 @@ def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
     alias ``parts[0]`` or ``parts[1]`` (element-wise: an element is read before it is written)."""
     fn = _UFUNC.get(red)
     aliased = any(p.data_ptr() == dst.data_ptr() for p in parts[2:] if p.numel())
-    native_ok = dst.dtype in _HALF or (dst.dtype == torch.float32 and red == SUM)
-    if (native_ok and fn is not None and 2 <= len(parts) <= _MAX_PARTS and not aliased and dst.numel()
-            and dst.is_contiguous() and all(p.is_contiguous() and p.numel() == dst.numel() for p in parts)):
-        ptrs = getattr(_PTRS, "a", None)
-        if ptrs is None:
-            ptrs = _PTRS.a = np.zeros(_MAX_PARTS, dtype=np.uint64)
-            _PTRS.addr = ptrs.ctypes.data
-        ptrs[:len(parts)] = [p.data_ptr() for p in parts]
-        native.core().reduce_n(dst.data_ptr(), _PTRS.addr, len(parts), dst.numel(), CODES[dst.dtype], red, 1.0, 1)
+    if (not aliased and dst.numel() and dst.is_contiguous()
+            and all(p.is_contiguous() and p.numel() == dst.numel() for p in parts)
+            and reduce_at(dst.data_ptr(), [p.data_ptr() for p in parts], dst.numel(), dst.dtype, red)):
         return
     if fn is None or dst.dtype not in _EXACT or len(parts) < 2 or aliased:
         res = reduce_ref(parts, red)
@@ -99,6 +117,22 @@ def reduce_into(dst: torch.Tensor, parts: list[torch.Tensor], red: int) -> None:
     fn(np_of(parts[0]), np_of(parts[1]), out=out)
     for p in parts[2:]:
         fn(out, np_of(p), out=out)
+
+
+def reduce_at(dst: int, parts: list[int], count: int, dtype: torch.dtype, red: int) -> bool:
+    """:func:`reduce_into`'s native kernel over addresses: ``count`` elements at ``dst`` = the reduction of the
+    ones at ``parts`` (contiguous, in list order; ``dst`` may be ``parts[0]`` or ``parts[1]``, no other); False,
+    doing nothing, where the kernel does not serve ``dtype`` and ``red`` (then :func:`reduce_into` decides)."""
+    if not (dtype in _HALF or (dtype == torch.float32 and red == SUM)) or red not in _UFUNC \
+            or not 2 <= len(parts) <= _MAX_PARTS:
+        return False
+    ptrs = getattr(_PTRS, "a", None)
+    if ptrs is None:
+        ptrs = _PTRS.a = np.zeros(_MAX_PARTS, dtype=np.uint64)
+        _PTRS.addr = ptrs.ctypes.data
+    ptrs[:len(parts)] = parts
+    native.core().reduce_n(dst, _PTRS.addr, len(parts), count, CODES[dtype], red, 1.0, 1)
+    return True
 
 
 def landing(h: HostOps, out: torch.Tensor | None, numel: int, dtype: torch.dtype, incoming: list[int],
@@ -142,12 +176,10 @@ def all_reduce(h: HostOps, op: str, tensor: torch.Tensor, dt: int, red: int, err
     flat = work.view(-1) if ok else None
     isz = tensor.element_size() if ok else 1
 
-    def consume(got: list, at: list[int]) -> None:
-        if not flat.numel():
-            return
-        parts = [g.view(tensor.dtype) for g in got]
-        lo = at[h.me] // isz
-        reduce_into(flat[lo:lo + parts[0].numel()], parts, red)
+    me, base = h.me, work.data_ptr() if ok and data else 0
+
+    def consume(got: list, at: list[int]) -> None:  # (got[me]: this rank's own bytes, where the result goes)
+        reduce_got(flat, base, isz, at[me] // isz, got, got[me][1] // isz, red)
 
     fields = {F.DTYPE: dt, F.REDOP: red, F.NUMEL: tensor.numel() if ok else -1}
     h.exchange(op, OP_ALL_REDUCE, fields, [], error, [src] * n, consume if data else None, timeout=secs,
@@ -203,16 +235,15 @@ def gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: i
     elif ok:
         base = h.ctx.heap.offset_of(output) if output.is_contiguous() else -1
         dests = [base + offs[i] if base >= 0 else -1 for i in range(n)]
-    outb = _bytes(buf) if buf is not None else None
+    out_at = buf.data_ptr() if buf is not None and buf.numel() else 0
 
     def consume(got: list, at: list[int]) -> None:
         for i, g in enumerate(got):
-            if g is not None and g.numel():
-                # (in place, this rank's slice is its input already: copy skips it)
-                copy(outb[offs[i] + at[i]:offs[i] + at[i] + g.numel()], g)
+            copy_got(out_at + offs[i] + at[i], g)  # (in place, this rank's slice is its input already: skipped)
 
     heads = h.exchange(op, OP_ALL_GATHER, {F.DTYPE: dt, F.AUX: d}, counts if ok else [], error, [src] * n,
-                       consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True, dests=dests)
+                       consume if data else None, timeout=secs, same=(F.DTYPE, F.AUX), same_vec=True, dests=dests,
+                       heads=not data)
     if not data or output.numel() == 0:  # nothing arrived (along ``d`` too: the other dims may be empty)
         return heads
     if d:
@@ -256,12 +287,12 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
         base = -1 if slots is None else h.ctx.heap.offset_of(slots)
         dests = [base + i * piece if base >= 0 else -1 for i in range(n)]
 
+    out_at = out.data_ptr() if ok else 0
+
     def consume(got: list, at: list[int]) -> None:
-        if not out.numel() or any(g is None for g in got):  # (None: a piece that lands in the scratch)
+        if any(g is None for g in got):  # (None: a piece that lands in the scratch)
             return
-        parts = [g.view(input.dtype) for g in got]
-        lo = at[me] // isz
-        reduce_into(out[lo:lo + parts[0].numel()], parts, red)
+        reduce_got(out, out_at, isz, at[me] // isz, got, got[0][1] // isz, red)
 
     if whole:
         fields, opcode, vec, same = {F.DTYPE: dt, F.REDOP: red, F.NUMEL: input.numel()}, OP_ALL_REDUCE, [], False
@@ -292,12 +323,11 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     if ok:
         buf, dests = landing(h, output if output.is_contiguous() else None, sum(outs), output.dtype,
                              [c * isz for c in outs], offs)
-    outb = _bytes(buf) if ok else None
+    out_at = buf.data_ptr() if ok and buf.numel() else 0
 
     def consume(got: list, at: list[int]) -> None:
         for i, g in enumerate(got):
-            if g is not None and g.numel():
-                copy(outb[offs[i] + at[i]:offs[i] + at[i] + g.numel()], g)
+            copy_got(out_at + offs[i] + at[i], g)
 
     h.exchange(op, OP_ALL_TO_ALL, {F.DTYPE: dt}, ins + outs if ok else [], error, sends, consume, timeout=secs,
                same=(F.DTYPE,), pairwise=ok, dests=dests)
@@ -323,22 +353,21 @@ def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, erro
         nbytes = tensor.numel() * tensor.element_size()
         work, dests = landing(h, tensor if tensor.is_contiguous() else None, tensor.numel(), tensor.dtype,
                               [nbytes if i == src else 0 for i in range(n)], [0] * n)
-    outb = _bytes(work) if ok and not root else None
+    work_at = work.data_ptr() if ok and not root else None
 
     def consume(got: list, at: list[int]) -> None:
-        g = got[src]
-        if outb is not None and g is not None and g.numel():
-            copy(outb[at[src]:at[src] + g.numel()], g)
+        if work_at is not None:
+            copy_got(work_at + at[src], got[src])
 
     fields = {F.DTYPE: dt, F.ROOT: src, F.NUMEL: tensor.numel() if ok else -1}
     h.exchange(op, OP_BROADCAST, fields, [], error, sends, consume, timeout=secs, same=(F.DTYPE, F.ROOT, F.NUMEL),
                dests=dests)
-    if outb is not None and work.data_ptr() != tensor.data_ptr():
+    if work_at is not None and work_at != tensor.data_ptr():
         copy(tensor, work)
 
 
 def barrier(h: HostOps, op: str, tag: int, error: str | None, secs: float) -> list[int] | None:
     """One header-only step; returns every member's tag when they differ (every rank gets the same list)."""
-    heads = h.exchange(op, OP_BARRIER, {F.AUX: tag}, [], error, [None] * h.n, None, timeout=secs)
+    heads = h.exchange(op, OP_BARRIER, {F.AUX: tag}, [], error, [None] * h.n, None, timeout=secs, heads=True)
     tags = [int(x[F.AUX]) for x in heads]
     return tags if len(set(tags)) > 1 else None

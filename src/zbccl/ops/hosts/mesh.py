@@ -74,7 +74,7 @@ from ...heap.transports.base import pause as backoff
 from ...native.abi import ABORT_PEER, ABORT_TIMEOUT
 from ...runtime import liveness
 
-__all__ = ["Mesh", "Watch", "STAMP", "ORDERED", "region_bytes"]
+__all__ = ["Mesh", "Watch", "STAMP", "ORDERED", "region_bytes", "part"]
 
 #: Bytes of the stamp in front of every slot (module docstring).
 STAMP = 64
@@ -94,9 +94,19 @@ def _align(nbytes: int) -> int:
     return (nbytes + 63) // 64 * 64
 
 
-def _end(parts: Sequence[tuple[int, torch.Tensor]]) -> int:
-    """Where the last of a step's ``(byte in the slot, bytes)`` parts ends in its slot."""
-    return max((where + p.numel() for where, p in parts), default=0)
+#: One part of a step to a member: ``(byte in its slot, the bytes (flat uint8, contiguous), their address, their
+#: length)``, each tensor attribute read once (:func:`part`).
+Part = tuple[int, torch.Tensor, int, int]
+
+
+def part(where: int, piece: torch.Tensor) -> Part:
+    """``piece`` (flat uint8, contiguous) at byte ``where`` of a slot, as :meth:`Mesh.seal` takes it."""
+    return where, piece, piece.data_ptr(), piece.numel()
+
+
+def _end(parts: Sequence[Part]) -> int:
+    """Where the last of a step's parts ends in its slot."""
+    return max((p[0] + p[3] for p in parts), default=0)
 
 
 def region_bytes(members: int, slot: int) -> int:
@@ -229,23 +239,29 @@ class Mesh:
         self.relayed_by: list[int | None] = [None] * self.n
         self.set_relays(relay)
         self.got = [0] * self.n  # the last step verified from each stamped member
-        self._hash, self._copy = native.core().hash64, native.core().memcpy
+        self._peers = [i for i in range(self.n) if i != self.index]
+        core = native.core()
+        self._hash, self._copy, self._load = core.hash64, core.memcpy, core.load_acquire
         self._out = np.zeros(STAMP // 8, dtype=np.uint64)  # the stamp being sent (one peer at a time)
         self._out_addr = self._out.ctypes.data
         self._snap = np.zeros(STAMP // 8, dtype=np.uint64)  # a stamp as it was when checked
         self._snap_addr = self._snap.ctypes.data
         # per member: its staging buffer (a step's stamp, and its bytes when they go in one write); the writes in
         # flight, (member, write), until they say done
-        self._stage: list[torch.Tensor | None] = [None] * self.n
+        self._stage: list[tuple[torch.Tensor, int, torch.Tensor] | None] = [None] * self.n
+        self._stage_cut: list[tuple[int, torch.Tensor | None]] = [(-1, None)] * self.n  # its last cut (see _send)
         self._sent: list[tuple[int, Pending]] = []
         # this member's own region, viewed once (it lives as long as the mesh: freed at close)
         self._own = self.t.view(self.me, self.regions[self.index], (region_bytes(self.n, slot),), torch.uint8,
                                 op="hosts")
         self._own_np = self._own.numpy()
         self._own_addr = self._own.data_ptr()
+        #: This member's region (flat uint8) and its address: what :meth:`offset` counts from.
+        self.own, self.own_addr = self._own, self._own_addr
         # the stamps of this member's slots, viewed once: [parity][member] (uint64 words)
         self._stamps = [[self._own_np[at:at + STAMP].view(np.uint64)
                          for at in (self._local(parity, i) - STAMP for i in range(self.n))] for parity in (0, 1)]
+        self._stamp_addr = [[self._own_addr + self._local(parity, i) - STAMP for i in range(self.n)] for parity in (0, 1)]
 
     def set_relays(self, on: bool) -> None:
         """Relay small steps (``relays``, ``relayed_by``: the module docstring), or write every step directly. Every
@@ -300,6 +316,10 @@ class Mesh:
             raise AssertionError(f"hosts: a view of {nbytes} bytes of a slot of {self.slot}")
         return self._local(parity, src)
 
+    def offset(self, parity: int, src: int, nbytes: int, *, at: int = 0) -> int:
+        """Where (bytes into :attr:`own`) :meth:`view`'s bytes start."""
+        return at + self._bytes_at(parity, src, at + nbytes)
+
     def view(self, parity: int, src: int, nbytes: int, *, at: int = 0) -> torch.Tensor:
         """Member ``src``'s bytes of a step of ``parity`` in this member's own region, from byte ``at`` of its
         slot (uint8, a view)."""
@@ -319,29 +339,34 @@ class Mesh:
         flight from its staging buffers: protocol step 3)."""
         self.step_no += 1
         s, parity = self.step_no, self.step_no % 2
-        idx = [i for i in range(self.n) if i != self.index]
+        idx, got = self._peers, self.got
         if self._sent:  # the last step's writes (3.): their staging buffers are refilled below
-            self.wait([], op=op, timeout=timeout, sent=True)
-        if s > 1 and not all(self.got[i] >= s - 1 for i in idx):  # 1. (holds already in lockstep)
+            self._sent = [(i, w) for i, w in self._sent if not w.done()]  # (mostly landed: no wait to set up)
+            if self._sent:
+                self.wait([], op=op, timeout=timeout, sent=True)
+        if s > 1 and not all(got[i] >= s - 1 for i in idx):  # 1. (holds already in lockstep)
             self.wait([(i, s - 1) for i in idx], op=op, timeout=timeout)
-        me_line = self._arrived(self.index)
         stamps: list[tuple[int, int, int, torch.Tensor]] = []  # ordered steps: their stamps, sent last
-        remote: dict[int, list[tuple[int, torch.Tensor]]] = {}  # members on other hosts: their parts
+        remote: dict[int, list[Part]] = {}  # members on other hosts: their parts
+        room = self.slot
         for i in idx:  # 2.
-            g = self.members[i]
             parts = []
             for piece, where in ((None if before is None else before[i], before_at), (pieces[i], at)):
-                if piece is not None and piece.numel():
-                    if where + piece.numel() > self.slot or not piece.is_contiguous():
-                        raise AssertionError(f"hosts: {piece.numel()} bytes at {where} in a slot of {self.slot}")
-                    parts.append((where, piece))
+                if piece is not None:
+                    nbytes = piece.numel()
+                    if not nbytes:
+                        continue
+                    if where + nbytes > room or not piece.is_contiguous():
+                        raise AssertionError(f"hosts: {nbytes} bytes at {where} in a slot of {room}")
+                    parts.append((where, piece, piece.data_ptr(), nbytes))
             if self.stamped[i]:
                 remote[i] = parts
                 continue
+            g = self.members[i]
             slot = self._slot_at(i, parity, self.index)  # on this host: the bytes, then the signal publishing them
-            for where, piece in parts:
+            for where, piece, _, _ in parts:
                 self.t.put(g, slot + STAMP + where, piece, op=op)
-            self.t.signal(g, me_line, s)
+            self.t.signal(g, self._arrived(self.index), s)
         riders = self._riders(remote) if self._relaying else {}  # (nothing to relay: no per-step work)
         riding = {d for ds in riders.values() for d, _ in ds} if riders else ()
         for i, parts in remote.items():
@@ -349,15 +374,15 @@ class Mesh:
                 self._send(s, i, parts, riders.get(i, ()), stamps, op)
         if stamps:  # every write of this step is in flight at once: one round trip for all peers, not one each
             self.wait([], op=op, timeout=timeout, sent=True)
-            for i, g, slot, stage in stamps:
-                self._sent.append((i, self.t.put_async(g, slot, stage[:STAMP], op=op)))
+            for i, g, slot, head in stamps:
+                self._sent.append((i, self.t.put_async(g, slot, head, op=op)))
         self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
         return parity
 
-    def _riders(self, remote: dict[int, list]) -> dict[int, list[tuple[int, list]]]:
+    def _riders(self, remote: dict[int, list[Part]]) -> dict[int, list[tuple[int, list[Part]]]]:
         """Per relay: the members of its host whose step rides in the relay's write (all of them, or none when
         the relay's bytes and theirs, each behind a stamp, would not fit one unordered write)."""
-        out: dict[int, list[tuple[int, list]]] = {}
+        out: dict[int, list[tuple[int, list[Part]]]] = {}
         room = min(ORDERED, self.slot)
         for d, parts in remote.items():
             r = self.relays[d]
@@ -369,12 +394,12 @@ class Mesh:
                 del out[r]
         return out
 
-    def _send(self, s: int, i: int, parts: list[tuple[int, torch.Tensor]], riders, stamps: list, op: str) -> None:
+    def _send(self, s: int, i: int, parts: list[Part], riders, stamps: list, op: str) -> None:
         """Publish step ``s``'s ``parts`` to member ``i`` on another host (module docstring), with the steps of
         ``riders`` (``(member of i's host, its parts)``) riding behind them for ``i`` to relay."""
         g, slot = self.members[i], self._slot_at(i, s % 2, self.index)
-        stage = self._staging(i)  # (free: the last step's writes landed, waited for above)
-        body = stage.data_ptr() + STAMP
+        stage, base, head = self._staging(i)  # (free: the last step's writes landed, waited for above)
+        body = base + STAMP
         end = _end(parts)
         relay = None
         if riders:  # each rider's step as its own write would carry it, 64-byte aligned after i's bytes
@@ -382,49 +407,55 @@ class Mesh:
             for d, dparts in riders:
                 self.seal(s, dparts, target=d)
                 self._copy(body + at, self._out_addr, STAMP)
-                for where, piece in dparts:
-                    self._copy(body + at + STAMP + where, piece.data_ptr(), piece.numel())
+                for where, _, addr, nbytes in dparts:
+                    self._copy(body + at + STAMP + where, addr, nbytes)
                 at += STAMP + _align(_end(dparts))
             relay, end = (body + start, at - start), at
         ordered = self.seal(s, parts, relay=relay)
-        self._copy(stage.data_ptr(), self._out_addr, STAMP)
+        self._copy(base, self._out_addr, STAMP)
         if ordered:  # the bytes, uncopied, then (once every peer's landed) the stamp: no hash of the bytes
-            for where, piece in parts:
+            for where, piece, _, _ in parts:
                 self._sent.append((i, self.t.put_async(g, slot + STAMP + where, piece, op=op)))
-            stamps.append((i, g, slot, stage))
+            stamps.append((i, g, slot, head))
             return
-        for where, piece in parts:  # stamp and bytes in one contiguous write (the native copy: torch's fans out)
-            self._copy(body + where, piece.data_ptr(), piece.numel())
-        self._sent.append((i, self.t.put_async(g, slot, stage[:STAMP + end], op=op)))
+        for where, _, addr, nbytes in parts:  # stamp and bytes in one contiguous write (the native copy)
+            self._copy(body + where, addr, nbytes)
+        cut_end, cut = self._stage_cut[i]  # the write's bytes: the last step's cut again when it ends there too
+        if cut_end != end:
+            cut = stage[:STAMP + end]
+            self._stage_cut[i] = (end, cut)
+        self._sent.append((i, self.t.put_async(g, slot, cut, op=op)))
 
-    def seal(self, s: int, parts: Sequence[tuple[int, torch.Tensor]], *, target: int = 0,
-             relay: tuple[int, int] | None = None) -> bool:
-        """Fill the outgoing stamp of step ``s`` for ``parts`` (``(byte in the slot, contiguous uint8 bytes)``,
-        at most two); True when the step is ordered (mode 1: its check covers the stamp only). ``target``: the
-        member a relayed stamp is for (word 7); ``relay``: ``(address, bytes)`` of the riders' stamped steps
-        behind the bytes (mode 2: word 7 says their length, and the check covers it and them)."""
+    def seal(self, s: int, parts: Sequence[Part], *, target: int = 0, relay: tuple[int, int] | None = None) -> bool:
+        """Fill the outgoing stamp of step ``s`` for ``parts`` (:data:`Part`, at most two); True when the step is
+        ordered (mode 1: its check covers the stamp only). ``target``: the member a relayed stamp is for (word 7);
+        ``relay``: ``(address, bytes)`` of the riders' stamped steps behind the bytes (mode 2: word 7 says their
+        length, and the check covers it and them)."""
         out = self._out
-        words = [s, 0, 0, 0, 0, 0, 0, target]
-        for k, (where, piece) in enumerate(parts):
-            words[1 + 2 * k], words[2 + 2 * k] = where, piece.numel()
-        ordered = relay is None and _end(parts) > ORDERED
+        words = [s, 0, 0, 0, 0, 0, 0, target if relay is None else relay[1]]
+        end = 0
+        for k, (where, _, _, nbytes) in enumerate(parts):
+            words[1 + 2 * k], words[2 + 2 * k] = where, nbytes
+            end = max(end, where + nbytes)
+        ordered = relay is None and end > ORDERED
         words[5] = _MODE_ORDERED if ordered else _MODE_RELAY if relay is not None else 0
         out[:] = words  # one assignment: numpy's per-element stores cost a microsecond each
         check = self._hash(self._out_addr, 48, _SEED)
-        for _, piece in parts if not ordered else ():
-            check = self._hash(piece.data_ptr(), piece.numel(), check)
+        for _, _, addr, nbytes in parts if not ordered else ():
+            check = self._hash(addr, nbytes, check)
         if relay is not None:
-            out[7] = relay[1]
             check = self._hash(self._out_addr + 56, 8, check)
             check = self._hash(relay[0], relay[1], check)
         out[6] = check
         return ordered
 
-    def _staging(self, i: int) -> torch.Tensor:
-        """Member ``i``'s staging buffer (its last write landed: a step starts by waiting for the last one's)."""
+    def _staging(self, i: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Member ``i``'s staging buffer (its last write landed: a step starts by waiting for the last one's), its
+        address and its stamp's bytes."""
         stage = self._stage[i]
         if stage is None:
-            stage = self._stage[i] = torch.empty(STAMP + min(ORDERED, self.slot), dtype=torch.uint8)
+            buf = torch.empty(STAMP + min(ORDERED, self.slot), dtype=torch.uint8)
+            stage = self._stage[i] = (buf, buf.data_ptr(), buf[:STAMP])
         return stage
 
     def track(self, i: int, write: Pending) -> None:
@@ -455,32 +486,32 @@ class Mesh:
     def _landed(self, i: int, s: int) -> bool:
         """Whether member ``i``'s step ``s`` arrived here: its stamp says ``s`` and checks out (module docstring);
         the steps riding behind a relayed one are passed on first."""
-        live = self._stamp(s % 2, i)
-        if live[0] != s:
+        parity = s % 2
+        if self._load(self._stamp_addr[parity][i]) != s:  # (one native load: the stamp's step word)
             return False
         st = self._snap  # what the check covers: a snapshot (more may still be landing)
-        np.copyto(st, live)
-        mode = int(st[5])
-        if st[0] != s or mode > _MODE_RELAY:
+        np.copyto(st, self._stamps[parity][i])
+        w = st.tolist()  # its words as ints, read once
+        mode = w[5]
+        if w[0] != s or mode > _MODE_RELAY:
             return False
         check = self._hash(self._snap_addr, 48, _SEED)
-        base = self._own_addr + self._local(s % 2, i)
+        base = self._own_addr + self._local(parity, i)
         end = 0
-        for k in (0, 1) if mode != _MODE_ORDERED else ():
-            where, n = int(st[1 + 2 * k]), int(st[2 + 2 * k])
+        for where, n in ((w[1], w[2]), (w[3], w[4])) if mode != _MODE_ORDERED else ():
             if where + n > self.slot:
                 return False  # a torn stamp: its check fails too, once the rest lands
             if n:
                 check = self._hash(base + where, n, check)
                 end = max(end, where + n)
         if mode == _MODE_RELAY:
-            at, rlen = _align(end), int(st[7])
+            at, rlen = _align(end), w[7]
             if at + rlen > self.slot:
                 return False
             check = self._hash(self._snap_addr + 56, 8, check)
             if rlen:
                 check = self._hash(base + at, rlen, check)
-        if check != int(st[6]):
+        if check != w[6]:
             return False
         if mode == _MODE_RELAY:
             self._relay(i, s, at, rlen)

@@ -38,7 +38,7 @@ from ...native.abi import OP_NAMES
 from ..tuner import TuningTable, hosts_chunk, hosts_settings, validate_hosts
 from .mesh import Mesh, Watch, region_bytes
 
-__all__ = ["HostOps", "host_ops", "F", "NOTHING_BIG"]
+__all__ = ["HostOps", "host_ops", "F", "NOTHING_BIG", "Got", "view_of"]
 
 #: First line of the communicator's comm slot the meshes use (0-15: the op channel's lines, never used here).
 LINE0 = 16
@@ -59,6 +59,17 @@ class F:
     VEC = 16
     NAMES = {OP: "the op", DTYPE: "the dtype", REDOP: "the reduce op", ROOT: "the root (src)", AUX: "dim",
              NUMEL: "the size (elements)", NUMEL_OUT: "the output size (elements)"}
+
+
+#: What :meth:`HostOps.exchange` hands ``consume`` per member: ``(address, bytes, base, offset)`` of bytes that
+#: arrived from that member in a step, or of this rank's own; ``base`` (flat uint8) holds them from ``offset``
+#: (:func:`view_of`). Addresses, so that a consumer copies or reduces them without making tensors.
+Got = tuple[int, int, torch.Tensor, int]
+
+
+def view_of(g: Got) -> torch.Tensor:
+    """The bytes of ``g`` as a flat uint8 tensor (a view)."""
+    return g[2][g[3]:g[3] + g[1]]
 
 
 def _header_bytes(n: int) -> int:
@@ -169,6 +180,7 @@ class HostOps:
                           slot_line(comm.slot, LINE0), self.watch, relay=self.tune["relay"])
         # where each member's header lands in this rank's slots, per parity (int64 words; views, made once)
         self._came = [[self.world.view_np(parity, i, self.hdr).view(np.int64) for i in range(n)] for parity in (0, 1)]
+        self._came_mv = [[memoryview(self.world.view_np(parity, i, self.hdr)) for i in range(n)] for parity in (0, 1)]
         self.col = None
         if self.regular:
             members = [comm.ranks[i] for i in self.column]
@@ -227,12 +239,12 @@ class HostOps:
     def exchange(self, op: str, opcode: int, fields: dict[int, int], vec: Sequence[int], error: str | None,
                  sends: list[torch.Tensor | None], consume: Callable | None, *, timeout: float,
                  same: Sequence[int] = (), same_vec: bool = False, pairwise: bool = False,
-                 error_kind: int = 1, dests: Sequence[int] | None = None) -> list[np.ndarray]:
+                 error_kind: int = 1, dests: Sequence[int] | None = None, heads: bool = False) -> list[np.ndarray]:
         """The flat exchange among all members with the agreement in its first step: ``sends[i]`` (flat uint8, or
         None) to member ``i`` (``sends[me]``: this rank's own part, handed to ``consume``), through the slots in
-        chunks; ``consume(got, at)`` gets per member the bytes that arrived in a step (views valid until the next
-        step) and their byte offset in that member's bytes. Returns every member's header. Raises together on a
-        disagreement or a rank's ``error``.
+        chunks; ``consume(got, at)`` gets per member the bytes that arrived in a step (:data:`Got`, valid until the next
+        step) and their byte offset in that member's bytes. Returns every member's header with ``heads`` (else
+        nothing). Raises together on a disagreement or a rank's ``error``.
 
         ``dests``: given by the ops whose bytes land in place (all_gather, all_to_all, broadcast; None for the
         reductions), on every rank: per member, the offset in this rank's heap where that member's bytes for it
@@ -265,30 +277,30 @@ class HostOps:
             if i != me and 0 < lens[i] <= big:
                 first[i] = sends[i] if lens[i] <= chunk else sends[i][:chunk]
         parity = mesh.step(plan.pieces, op=op, timeout=timeout, before=first, before_at=H)
-        heads, came = self._heads, self._came[parity]
-        for i in range(n):
-            np.copyto(heads[i], plan.own if i == me else came[i])
-        seen = plan.agreed
-        if seen is not None:
-            seen[:, F.SEQ] = self.op_no
-        if seen is None or heads.tobytes() != seen.tobytes():  # headers not seen and agreed on before
+        if not plan.matches(self._came_mv[parity], self.op_no):  # headers not seen and agreed on before
+            got_heads, came = self._heads, self._came[parity]
+            for i in range(n):
+                np.copyto(got_heads[i], plan.own if i == me else came[i])
             try:
-                self._agree(op, heads, same, same_vec, pairwise, parity)
+                self._agree(op, got_heads, same, same_vec, pairwise, parity)
             except (ZbcclInvalidUsageError, ZbcclOutOfMemoryError):
                 self.together = True  # every rank raises it: the communicator stays in step
                 raise
-            plan.agreed = heads.copy()
-            to_me = heads[:, F.TO_YOU].tolist()
+            to_me = got_heads[:, F.TO_YOU].tolist()
             late_out = [int(i != me and lens[i] > big) for i in range(n)]  # 1: not in the agreement step
             late_in = [int(i != me and to_me[i] > big) for i in range(n)]
-            direct = (any(late_out) or any(late_in)) and all(heads[:, F.READY].tolist())
-            most = max(heads[:, F.MAXSEND].tolist())
-            plan.derived = (to_me, late_out, late_in, direct, max(1, math.ceil(most / chunk) + int(most > big)))
+            direct = (any(late_out) or any(late_in)) and all(got_heads[:, F.READY].tolist())
+            most = max(got_heads[:, F.MAXSEND].tolist())
+            plan.agree(got_heads, me, (to_me, late_out, late_in, direct,
+                                       max(1, math.ceil(most / chunk) + int(most > big))))
         # (a function of the headers, ``big`` and ``chunk``, all fixed by the plan's key and agreed headers)
         to_me, late_out, late_in, self.direct_done, steps = plan.derived
         if self.direct_done:
-            self._direct(op, sends, late_out, heads, timeout, consume, parity, to_me, big)
-            return list(heads.copy())
+            self._direct(op, sends, late_out, plan.agreed, timeout, consume, parity, to_me, big)
+            return plan.heads(self.op_no) if heads else []
+        own = sends[me]
+        own_at = own.data_ptr() if own is not None else 0
+        region, region_at = mesh.own, mesh.own_addr
         for k in range(steps):
             if k:
                 part: list[torch.Tensor | None] = [None] * n
@@ -299,17 +311,17 @@ class HostOps:
                 parity = mesh.step(part, op=op, timeout=timeout, at=H)
             if consume is None:
                 continue
-            got: list[torch.Tensor | None] = []
+            got: list[Got | None] = []
             at = [(k - late_in[i]) * chunk for i in range(n)]
             for i in range(n):
                 m = max(0, min(chunk, to_me[i] - at[i])) if at[i] >= 0 else 0
                 if i == me:
-                    got.append(None if sends[me] is None else sends[me][at[i]:at[i] + m] if k or m < lens[me]
-                               else sends[me])
+                    got.append(None if own is None else (own_at + at[i], m, own, at[i]))
                 else:
-                    got.append(mesh.view(parity, i, m, at=H))
+                    off = mesh.offset(parity, i, m, at=H)
+                    got.append((region_at + off, m, region, off))
             consume(got, at)
-        return list(heads.copy())
+        return plan.heads(self.op_no) if heads else []
 
     def _direct(self, op: str, sends: list[torch.Tensor | None], late_out: list[int], heads: np.ndarray,
                 timeout: float, consume: Callable | None, parity: int, to_me: list[int], big: int) -> None:
@@ -318,9 +330,17 @@ class HostOps:
         then a step without bytes tells every peer that this rank's pieces landed."""
         mesh, n, me = self.world, self.n, self.me
         if consume is not None:
-            consume([sends[me] if i == me else
-                     (mesh.view(parity, i, to_me[i], at=self.hdr) if 0 < to_me[i] <= big else None)
-                     for i in range(n)], [0] * n)
+            got: list[Got | None] = []
+            for i in range(n):
+                if i == me:
+                    own = sends[me]
+                    got.append(None if own is None else (own.data_ptr(), own.numel(), own, 0))
+                elif 0 < to_me[i] <= big:
+                    off = mesh.offset(parity, i, to_me[i], at=self.hdr)
+                    got.append((mesh.own_addr + off, to_me[i], mesh.own, off))
+                else:
+                    got.append(None)
+            consume(got, [0] * n)
         for i in range(n):  # every piece in flight at once, then all landed
             if late_out[i]:
                 mesh.track(i, self.t.put_async(self.comm.ranks[i], int(heads[i, F.DEST]), sends[i], op=op))
@@ -382,9 +402,10 @@ class _Plan:
     rank), ``own`` this rank's own header; only ``F.SEQ`` changes from op to op. ``agreed``: every member's
     headers (``F.SEQ`` aside) the last time they passed the agreement: headers equal to them pass again,
     unchecked (:meth:`HostOps._agree` is a function of the headers alone), and what the exchange derives from them
-    (``derived``) holds again."""
+    (``derived``) holds again; ``expect``: per peer, its agreed header's bytes before and after ``F.SEQ`` (what
+    :meth:`matches` compares an arrived header with, without copying it)."""
 
-    __slots__ = ("words", "pieces", "own", "agreed", "derived")
+    __slots__ = ("words", "pieces", "own", "agreed", "derived", "expect")
 
     def __init__(self, H: int, n: int, me: int, opcode: int, fields: dict[int, int], vec: Sequence[int],
                  lens: list[int], error: str | None, error_kind: int, places: list[int], ready: int) -> None:
@@ -408,6 +429,31 @@ class _Plan:
         self.agreed: np.ndarray | None = None
         #: What :meth:`HostOps.exchange` derives from ``agreed``: (to_me, late_out, late_in, direct_done, steps).
         self.derived: tuple = ()
+        self.expect: list[tuple[int, bytes, bytes]] = []
+
+    def agree(self, heads: np.ndarray, me: int, derived: tuple) -> None:
+        """Every member's headers (``heads``) passed the agreement: keep them, and what was derived from them."""
+        self.agreed, self.derived = heads.copy(), derived
+        k = F.SEQ * 8
+        rows = [row.tobytes() for row in self.agreed]
+        self.expect = [(i, row[:k], row[k + 8:]) for i, row in enumerate(rows) if i != me]
+
+    def matches(self, came: list[memoryview], op_no: int) -> bool:
+        """Whether the headers that arrived (``came[i]``: member ``i``'s, in this rank's slot) are the agreed ones of
+        op ``op_no`` (this rank's own always is: it is this plan's)."""
+        if self.agreed is None:
+            return False
+        seq = op_no.to_bytes(8, "little", signed=True)
+        for i, pre, post in self.expect:
+            if came[i].tobytes() != pre + seq + post:
+                return False
+        return True
+
+    def heads(self, op_no: int) -> list[np.ndarray]:
+        """Every member's header of op ``op_no`` (the agreed ones: the op passed :meth:`matches` or the agreement)."""
+        out = self.agreed.copy()
+        out[:, F.SEQ] = op_no
+        return list(out)
 
 
 def _int(x) -> bool:
