@@ -50,6 +50,8 @@ _PTRS = threading.local()  # per thread: the part addresses handed to the native
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes, flat (uint8; a view)."""
+    if t.dim() == 1:  # (one view instead of two: on every op's path)
+        return t.view(torch.uint8)
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
@@ -315,9 +317,7 @@ def all_to_all(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
     isz = input.element_size() if ok else 1
     sends: list = [None] * n
     if ok:
-        raw = _bytes(input.contiguous())
-        at = [sum(ins[:i]) * isz for i in range(n)]
-        sends = [raw[at[i]:at[i] + ins[i] * isz] for i in range(n)]
+        sends = list(torch.split_with_sizes(_bytes(input.contiguous()), [c * isz for c in ins]))  # (one call)
     offs = [sum(outs[:i]) * isz for i in range(n)]
     buf, dests = None, None
     if ok:
