@@ -180,6 +180,9 @@ def _add_bench(sub) -> None:
     h.add_argument("--own-cores", action="store_true",
                    help="with --hosts: give each host its own cores (this machine's split into disjoint sets, where "
                         "there are at least as many as hosts), as separate machines have")
+    h.add_argument("--cpu", action="store_true",
+                   help="with --hosts 2: instead, each small op's CPU per call without the network (each write "
+                        "looped back into the rank's own slots) against its time with it, interleaved")
 
 
 def _bench_hosts(args, split) -> int:
@@ -191,6 +194,18 @@ def _bench_hosts(args, split) -> int:
     # SIGTERM (a `timeout`, a job scheduler) unwinds like Ctrl-C: the namespaces, veths and ranks are torn down
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
+        if args.cpu:
+            from .bench.hosts_cpu import run_cpu_bench
+
+            if args.hosts != 2 or args.ranks_per_host != 1:
+                raise ValueError(f"--cpu runs between 2 hosts of 1 rank, got --hosts {args.hosts} and "
+                                 f"--ranks-per-host {args.ranks_per_host}")
+            doc = run_cpu_bench(calls=20 if args.smoke else 200, rounds=2 if args.smoke else 5, own_cores=args.own_cores)
+            if args.json:
+                from .bench import report
+
+                report.write_json(doc, args.json)
+            return 0
         doc = run_hosts_bench(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                               ops=split(args.ops) if args.ops else HOST_OPS,
                               dtypes=split(args.dtypes) if args.dtypes else ("fp32", "bf16"), min_size=args.min_size,
@@ -219,8 +234,8 @@ def _bench(args) -> int:
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     if args.hosts is not None:
         return _bench_hosts(args, split)
-    if args.ranks_per_host != 1 or args.smoke or args.no_ep or args.own_cores:
-        print("zbccl bench: --ranks-per-host, --smoke, --no-ep and --own-cores need --hosts", file=sys.stderr)
+    if args.ranks_per_host != 1 or args.smoke or args.no_ep or args.own_cores or args.cpu:
+        print("zbccl bench: --ranks-per-host, --smoke, --no-ep, --own-cores and --cpu need --hosts", file=sys.stderr)
         return 2
     args.ops = args.ops or "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast"
     args.dtypes = args.dtypes or "fp32,bf16"

@@ -94,3 +94,29 @@ def test_smoke_between_two_namespace_hosts():
     assert "# EP dispatch+combine 2x1" in text
     assert "mc/g" in text and "mc_us: raw Mooncake writes of only must_B" in text
     assert doc["hosts"]["transport"]["remote"]["transport"] == "tcp"
+
+
+def test_cpu_per_op_without_the_network():
+    """``zbccl bench --hosts 2 --cpu``: every op's CPU per call with the writes looped back, against its time with
+    the network, in the same processes; a real op runs after the looped-back ones (the ranks stayed in step)."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from zbccl.bench.hosts_cpu import CPU_OPS, run_cpu_bench
+
+    out = io.StringIO()
+    doc = run_cpu_bench(sizes=(4096,), calls=10, rounds=2, own_cores=True, out=out, timeout=300)
+    assert [c["op"] for c in doc["cells"]] == list(CPU_OPS)
+    for c in doc["cells"]:
+        assert c["op_us"] > 0 and 0 < c["cpu_us"] and 0 < c["thread_us"], c
+    assert "cpu/op" in out.getvalue() and "all_to_all" in out.getvalue()
+    with pytest.raises(ValueError, match="through the slots"):
+        run_cpu_bench(sizes=(64 << 20,))
+
+
+def test_cpu_option_needs_two_hosts_of_one_rank(capsys):
+    assert main(["bench", "--cpu"]) == 2
+    assert "need --hosts" in capsys.readouterr().err
+    if _skip_reason() is None:
+        assert main(["bench", "--hosts", "3", "--cpu"]) == 2
+        assert "2 hosts of 1 rank" in capsys.readouterr().err

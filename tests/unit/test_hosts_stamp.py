@@ -371,3 +371,34 @@ def test_relays_on_other_layouts_deliver_every_byte(host, relays):
         for b, relay in enumerate(m.relays):
             if relay is not None:
                 assert (a, b) not in ranks.writes and ranks.writes[(a, relay)] == 4, (a, b, ranks.writes)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["one-write", "ordered"])
+def test_loopback_runs_steps_alone_and_reaches_no_peer(ordered, monkeypatch):
+    """``Mesh.loopback`` (``zbccl bench --hosts 2 --cpu``): a member's steps complete with no peer, each write
+    landing in its own slot of the other member as that member's would; nothing reaches the other's memory, and
+    the transport is back afterwards. A write outside the slots (an op's direct put) raises."""
+    if ordered:
+        monkeypatch.setattr(mesh_mod, "ORDERED", 0)
+    memory = _Memory()
+    m0, _ = _meshes(memory)
+    before = memory.heaps[1].clone()
+    with m0.loopback():
+        for s in range(1, 5):
+            piece = _payload(0, 1000, s)
+            parity = m0.step([None, piece], op="test", timeout=5, at=64)
+            assert torch.equal(m0.view(parity, 1, 64 + 1000)[64:], piece)
+        with pytest.raises(AssertionError, match="outside the other member's region"):
+            m0.t.put_async(1, 0, torch.zeros(8, dtype=torch.uint8))  # (the region is at REGION)
+    assert torch.equal(memory.heaps[1], before)
+    assert m0.t is memory
+
+
+def test_loopback_needs_two_members_on_two_hosts():
+    from zbccl.errors import ZbcclInvalidUsageError
+
+    ctx = SimpleNamespace(rank=0, heap=SimpleNamespace(transport=_Memory()))
+    three = Mesh(ctx, [0, 1, 2], [0, REGION, REGION], SLOT // 2, 0, SimpleNamespace(interval=1.0))
+    with pytest.raises(ZbcclInvalidUsageError, match="two members"):
+        with three.loopback():
+            pass

@@ -60,8 +60,9 @@ answering; the timeout names the members never heard from and their hosts.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ import torch
 from ... import native
 from ...errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError, ZbcclTimeoutError
 from ...heap import layout
-from ...heap.transports.base import Pending
+from ...heap.transports.base import DONE, Pending
 from ...heap.transports.base import pause as backoff
 from ...native.abi import ABORT_PEER, ABORT_TIMEOUT
 from ...runtime import liveness
@@ -463,6 +464,39 @@ class Mesh:
         caller waits for it before its source changes). Only between steps: a step's own writes are tracked the
         same way and waited for when the next step starts."""
         self._sent.append((i, write))
+
+    @contextlib.contextmanager
+    def loopback(self) -> Iterator[None]:
+        """For measurement only (``zbccl bench --hosts 2 --cpu``): within, each write of a step to the other member
+        (on another host) lands in this member's own slot of that member instead, as if it had sent the same
+        bytes: steps then run with no network and no peer, at this process's own CPU cost. Only for a mesh of two
+        members whose steps are alike (each sends the other the same lengths), and for writes into the slots
+        (an op's direct puts raise). What the op computes meanwhile is meaningless. Both members must run the same
+        number of steps within, and meet outside the mesh (through the bootstrap store) after it, before either
+        takes a real step: a member in loopback serves its own waits, so its peer's lockstep no longer holds it
+        back, and a real write that came early would land in a slot the loopback still fills."""
+        other = 1 - self.index
+        if self.n != 2 or not self.stamped[other]:
+            raise ZbcclInvalidUsageError("loopback: expected a mesh of two members on two hosts")
+        real, lo, hi = self.t, self.regions[other], self.regions[other] + region_bytes(2, self.slot)
+        mesh = self
+
+        class _Loop:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def put_async(self, rank: int, offset: int, src, *, op: str = "put") -> Pending:
+                if not lo <= offset < hi:
+                    raise AssertionError(f"loopback: a write at {offset}, outside the other member's region")
+                k, x = divmod(offset - lo, mesh.pitch)  # its slot (parity, this member) there: ours of the other
+                mesh._copy(mesh._own_addr + ((k // 2) * 2 + other) * mesh.pitch + x, src.data_ptr(), src.numel())
+                return DONE
+
+        self.t = _Loop()
+        try:
+            yield
+        finally:
+            self.t = real
 
     def drain(self, seconds: float) -> None:
         """Wait up to ``seconds`` for writes left in flight by a step that raised, so that their buffers are not

@@ -122,7 +122,7 @@ class HostOps:
         self.direct_bytes = 0
         #: Whether the last :meth:`exchange` put pieces straight into places (they are there on return).
         self.direct_done = False
-        self._heads = np.zeros((n, self.hdr // 8), dtype=np.int64)  # every member's header of the current op
+        self._heads = np.zeros((n, self.hdr // 8), dtype=np.int64)  # headers being agreed (exchange)
         try:
             self._setup(timeout)
         except BaseException:
