@@ -12,11 +12,11 @@ batch, interleaved in the same processes:
 
 So ``cpu_us`` is everything zbccl's Python and native code above the transport spend on one op (argument
 checks, the agreement, the stamp, the copies and reductions, the waits' polls), with no engine thread and no
-peer competing for the core, and ``cpu/op`` its share of the op's time with the network. Far less noisy than
-``op_us`` on a VM whose cross-core cost changes over minutes: the figure to compare before and after a change
-of the hot path. Sizes stay at or below the direct threshold (every piece through the slots, which is what
-loopback serves); the results computed in loopback are meaningless and not checked (the ops' own checks run
-in ``zbccl bench --hosts``).
+peer competing for the core, and ``cpu/op`` its share of the op's time with the network: zbccl's own cost,
+apart from the engine's and the link's, to compare before and after a change of the hot path (alternate the
+runs: on this VM it moves with the machine's state too). Sizes stay at or below the direct threshold (every
+piece through the slots, which is what loopback serves); the results computed in loopback are meaningless and
+not checked (the ops' own checks run in ``zbccl bench --hosts``).
 """
 
 from __future__ import annotations
