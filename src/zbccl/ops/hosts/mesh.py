@@ -252,17 +252,16 @@ class Mesh:
         self._stage: list[tuple[torch.Tensor, int, torch.Tensor] | None] = [None] * self.n
         self._stage_cut: list[tuple[int, torch.Tensor | None]] = [(-1, None)] * self.n  # its last cut (see _send)
         self._sent: list[tuple[int, Pending]] = []
-        # this member's own region, viewed once (it lives as long as the mesh: freed at close)
-        self._own = self.t.view(self.me, self.regions[self.index], (region_bytes(self.n, slot),), torch.uint8,
-                                op="hosts")
-        self._own_np = self._own.numpy()
-        self._own_addr = self._own.data_ptr()
-        #: This member's region (flat uint8) and its address: what :meth:`offset` counts from.
-        self.own, self.own_addr = self._own, self._own_addr
+        #: This member's region (flat uint8; it lives as long as the mesh) and its address: what :meth:`offset`
+        #: counts from.
+        self.own = self.t.view(self.me, self.regions[self.index], (region_bytes(self.n, slot),), torch.uint8,
+                               op="hosts")
+        self._own_np = self.own.numpy()
+        self.own_addr = self.own.data_ptr()
         # the stamps of this member's slots, viewed once: [parity][member] (uint64 words)
         self._stamps = [[self._own_np[at:at + STAMP].view(np.uint64)
                          for at in (self._local(parity, i) - STAMP for i in range(self.n))] for parity in (0, 1)]
-        self._stamp_addr = [[self._own_addr + self._local(parity, i) - STAMP for i in range(self.n)] for parity in (0, 1)]
+        self._stamp_addr = [[self.own_addr + self._local(parity, i) - STAMP for i in range(self.n)] for parity in (0, 1)]
 
     def set_relays(self, on: bool) -> None:
         """Relay small steps (``relays``, ``relayed_by``: the module docstring), or write every step directly. Every
@@ -325,7 +324,7 @@ class Mesh:
         """Member ``src``'s bytes of a step of ``parity`` in this member's own region, from byte ``at`` of its
         slot (uint8, a view)."""
         at += self._bytes_at(parity, src, at + nbytes)
-        return self._own[at:at + nbytes]
+        return self.own[at:at + nbytes]
 
     def view_np(self, parity: int, src: int, nbytes: int) -> np.ndarray:
         """:meth:`view` as a numpy array."""
@@ -489,7 +488,7 @@ class Mesh:
                 if not lo <= offset < hi:
                     raise AssertionError(f"loopback: a write at {offset}, outside the other member's region")
                 k, x = divmod(offset - lo, mesh.pitch)  # its slot (parity, this member) there: ours of the other
-                mesh._copy(mesh._own_addr + ((k // 2) * 2 + other) * mesh.pitch + x, src.data_ptr(), src.numel())
+                mesh._copy(mesh.own_addr + ((k // 2) * 2 + other) * mesh.pitch + x, src.data_ptr(), src.numel())
                 return DONE
 
         self.t = _Loop()
@@ -530,7 +529,7 @@ class Mesh:
         if w[0] != s or mode > _MODE_RELAY:
             return False
         check = self._hash(self._snap_addr, 48, _SEED)
-        base = self._own_addr + self._local(parity, i)
+        base = self.own_addr + self._local(parity, i)
         end = 0
         for where, n in ((w[1], w[2]), (w[3], w[4])) if mode != _MODE_ORDERED else ():
             if where + n > self.slot:
@@ -568,8 +567,8 @@ class Mesh:
                                      f"{rlen} (for member {d}, {end} bytes)")
             g, dst, src = self.members[d], self._slot_at(d, s % 2, i), local + off
             if end:
-                self.t.put(g, dst + STAMP, self._own[src + STAMP:src + STAMP + end], op="hosts")
-            self.t.put(g, dst, self._own[src:src + STAMP], op="hosts")
+                self.t.put(g, dst + STAMP, self.own[src + STAMP:src + STAMP + end], op="hosts")
+            self.t.put(g, dst, self.own[src:src + STAMP], op="hosts")
             off += STAMP + _align(end)
 
     def _here(self, i: int, s: int) -> bool:
