@@ -169,6 +169,45 @@ def _random_case(buffer, comm, case: dict) -> None:
     assert torch.allclose(combined.float(), expect.float(), rtol=2e-2, atol=2e-2), f"combine differs: {where}"
 
 
+def _repeated(buffer, comm) -> None:
+    """The same shapes step after step: the wire reuses a role's block (outputs, send block, staging) once nothing
+    holds it, never while the caller keeps an output or a peer may still read it."""
+    from zbccl.ep import reference
+
+    R, me, E, K, H = comm.world_size, comm.rank, 4 * comm.world_size, 3, 64
+    ins = [_integer_inputs(3, r, 24, H, E, K) for r in range(R)]
+    x, idx, w = ins[me]
+    in_ranks = [reference.dispatch_layout(i, E, R)[2] for _, i, _ in ins]
+    want = reference.dispatch([i[0] for i in ins], in_ranks, me, E, topk_idx=[i[1] for i in ins],
+                              topk_weights=[i[2] for i in ins])
+    ys = [reference.dispatch([i[0] for i in ins], in_ranks, r, E)["x"] for r in range(R)]
+    expect, _ = reference.combine(ys, in_ranks, me)
+    ntpr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+
+    def step():
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
+            topk_weights=w)
+        assert torch.equal(recv_x, want["x"]) and torch.equal(recv_idx, want["topk_idx"])
+        combined, _, _ = buffer.combine(recv_x, handle)
+        assert torch.equal(combined, expect)
+        return recv_x, combined
+
+    kept = step()  # held by the caller: never handed out again
+    snapshot = [t.clone() for t in kept]
+    a = [t.data_ptr() for t in step()]  # dropped at once: the next step reuses its blocks
+    assert a != [t.data_ptr() for t in kept]
+    b = [t.data_ptr() for t in step()]
+    assert b == a and all(torch.equal(t, s) for t, s in zip(kept, snapshot))
+    blocks = []
+    for _ in range(2):  # two dispatches in a row: the first one's send block is still held, so not reused
+        buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                        topk_idx=idx, topk_weights=w)
+        blocks.append(buffer.wire._reuse["send block"][0].data_ptr())
+    assert blocks[0] != blocks[1]
+    step()
+
+
 def _normal(ctx, hosts: list[list[int]], seeds, eager: int | None = None):
     import zbccl
     from zbccl.ops import tuner
@@ -179,6 +218,7 @@ def _normal(ctx, hosts: list[list[int]], seeds, eager: int | None = None):
     if eager is not None:
         assert buffer.wire.eager == eager
     out = [_exact_and_bytes(buffer, comm, hosts, s) for s in range(3)]
+    _repeated(buffer, comm)
     for seed in seeds:
         _random_case(buffer, comm, _case(seed, comm.world_size))
     buffer.destroy()

@@ -211,18 +211,19 @@ class Exchange:
             self._plan = heap_empty(self.comm, (max(n, 1024),), torch.int64, fallback=False)
         return self._plan[:n]
 
-    def reuse(self, role: str, specs: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
+    def reuse(self, role: str, specs: list[tuple[tuple, torch.Tensor]], *, fallback: bool = True) -> list[torch.Tensor]:
         """:func:`heap_empty_many` of ``specs``, in the block this role got last time when its size is the same
         and nothing but this cache holds a view of it any more (the caller dropped the previous outputs, so
         no peer reads them either); saves the allocation and the view set-up of a repeated step. The cache
-        keeps one block per role (at most one step's outputs) until the Buffer is destroyed."""
+        keeps one block per role (at most one step's outputs) until the Buffer is destroyed. ``fallback``:
+        as :func:`heap_empty`'s."""
         offs, total = _parts(specs)
         hit = self._reuse.get(role)
         if hit is not None and hit[0].numel() == total and hit[1] is not None and _holders(hit[0]) == hit[1]:
             raw = hit[0]
         else:
             self._reuse.pop(role, None)  # an idle block of another size goes back to the heap first
-            raw = heap_empty(self.comm, (total,), torch.uint8)
+            raw = heap_empty(self.comm, (total,), torch.uint8, fallback=fallback)
             self._reuse[role] = (raw, _holders(raw))
         return _views(raw, offs, specs)
 

@@ -64,7 +64,6 @@ from .exchange import (
     F,
     Fail,
     heap_empty,
-    heap_empty_many,
 )
 
 __all__ = ["HostWire", "spans_hosts", "AUX_ROUND", "AUX_STATUS", "AUX_OFFS", "NO_ROOM", "FAILED"]
@@ -140,6 +139,8 @@ class HostWire:
         #: The blocks peers may still read from this rank's last normal-mode op (send blocks, staging): dropped at
         #: the end of the next header round, which every peer enters only after it finished that op.
         self._held: list = []
+        #: The last block of each role (outputs, send blocks, staging), reused by :meth:`reuse` when idle.
+        self._reuse: dict[str, tuple[torch.Tensor, tuple[int, int] | None]] = {}
         #: Set once the ranks were found out of step: every later op raises it.
         self.broken: str | None = None
         #: Payload bytes this rank read from or wrote to peers in its last op (DeepEP-style rows, not the handshake).
@@ -209,16 +210,14 @@ class HostWire:
     def heap_block(self, nbytes: int, role: str) -> torch.Tensor:
         """A uint8 heap block peers read (never ordinary memory: a peer must reach it)."""
         try:
-            return heap_empty(self.comm, (max(int(nbytes), 1),), torch.uint8, fallback=False)
+            return self.reuse(role, [((max(int(nbytes), 1),), torch.uint8)], fallback=False)[0]
         except ZbcclOutOfMemoryError as exc:
             raise Fail(f"cannot hold the {role} ({nbytes} bytes) in the heap: {exc}", STATUS_NOMEM) from None
 
-    def reuse(self, role: str, specs: list) -> list[torch.Tensor]:
-        """Exact-size outputs in one heap block (``Exchange.reuse``'s signature; no cache across hosts)."""
-        return heap_empty_many(self.comm, specs)
-
-    def drop_reused(self) -> None:
-        """Nothing cached (see :meth:`reuse`)."""
+    #: Exact-size blocks by role, the last one reused while nothing else holds it: a send block or staging is
+    #: idle once ``_held`` let it go (at the next header round, when every peer finished reading it).
+    reuse = Exchange.reuse
+    drop_reused = Exchange.drop_reused
 
     def view(self, r: int, offset: int, nbytes: int, op: str) -> torch.Tensor:
         """uint8 view of group rank ``r``'s heap (a rank of this host), bounds-checked by the transport."""

@@ -21,6 +21,7 @@ caller, before a release was taken from the queue or after all of them ran.
 
 from __future__ import annotations
 
+import _signal  # signal's C functions: ``signal``'s wrappers convert to and from enums (most of a drain's cost)
 import logging
 import signal
 import threading
@@ -70,6 +71,7 @@ def note_interrupt() -> None:
 
 
 _local = threading.local()
+_SIGINT = int(signal.SIGINT)
 
 
 class in_callback:
@@ -107,18 +109,18 @@ def drain() -> None:
     if threading.current_thread() is not threading.main_thread():
         _run()  # the noted interrupts wait for the main thread: only there does SIGINT raise
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = _signal.getsignal(_SIGINT)
     if not callable(previous):  # SIG_DFL, SIG_IGN, or set outside Python: no Python handler runs
         _run()
         return
     noted: list[tuple[int, Any]] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: noted.append((signum, frame)))
+    _signal.signal(_SIGINT, lambda signum, frame: noted.append((signum, frame)))
     try:
         _run()
         while _noted:
             noted.append((_noted.pop(), None))
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(_SIGINT, previous)
         if noted and getattr(_local, "depth", 0):
             _noted.extend(signum for signum, _ in noted)
         elif noted:
