@@ -3,11 +3,13 @@ internode handle (numpy inside) against its definitions in torch."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from zbccl.ep.internode import Rows, handle_fields, host_layout
 from zbccl.ep.reference import channel_prefix, send_head
+from zbccl.ops.dtypes import CODES
 
 
 def test_host_layout_is_the_union_per_host_with_local_rank_bits():
@@ -78,3 +80,106 @@ def test_handle_fields_match_their_definitions(T, C):
     want = _torch_handle(in_rank, counts, src_idx, T_of, C, me)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (i, a, b)
+
+
+class _Wire:
+    """What the receive reads of a HostWire: outputs in plain memory, each followed by a canary row."""
+
+    def __init__(self, me: int, R: int, local_index: list[int]):
+        from zbccl import native
+        from zbccl.ep.caps import Capabilities
+
+        self.me, self.R, self.local_index = me, R, local_index
+        self.caps = Capabilities.of(native.core())
+        self.blocks = []
+
+    def reuse(self, role, specs):
+        out = []
+        for shape, dtype in specs:
+            block = torch.full((shape[0] + 1, *shape[1:]), 7, dtype=dtype)  # the last row: a canary
+            self.blocks.append(block)
+            out.append(block[:shape[0]])
+        return out
+
+
+def _word(b: torch.Tensor, at: int) -> torch.Tensor:
+    """Column ``[at, at + 8)`` of packed rows ``b`` as int64, a writable view."""
+    return torch.from_numpy(b.numpy()[:, at:at + 8].view(np.int64)[:, 0])
+
+
+def _sources(seed: int, K: int, H: int, srow: int, bits: int = 2):
+    """Three senders' packed blocks: rows of tokens f(source, token), each with a random routing mask."""
+    g = torch.Generator().manual_seed(seed)
+    rows = Rows(H * 2, srow, K)
+    blocks = []
+    for s, T in enumerate((9, 0, 14)):
+        x = (torch.arange(T * H).view(T, H) + 1000 * s).to(torch.bfloat16)
+        scales = torch.rand(T, srow // 4, generator=g) if srow else None
+        idx = torch.randint(-1, 16, (T, K), generator=g) if K else None
+        w = torch.rand(T, K, generator=g) if K else None
+        packed = torch.from_numpy(rows.pack(x, scales, idx, w))
+        _word(packed, 0)[:] = torch.arange(T) * 3 + s  # the source token
+        _word(packed, 8)[:] = torch.randint(0, 1 << bits, (T,), generator=g)
+        blocks.append(packed)
+    return rows, blocks
+
+
+@pytest.mark.parametrize("K,srow,worst", [(3, 0, 0), (0, 8, 0), (4, 16, 40)])
+def test_native_receive_takes_the_rows_whose_mask_names_this_rank(K, srow, worst):
+    """``ep_hosts_recv`` against torch: each source's rows for this rank's bit, in order, with the top-k ids as local
+    experts (-1 elsewhere) and their weights (0 elsewhere), counted per local expert; rows past n padded."""
+    from zbccl.ep import internode
+    from zbccl.ep.exchange import F
+
+    me, R, E, H = 1, 4, 16, 8
+    L, bit = E // R, 1
+    rows, blocks = _sources(K * 10 + srow, K, H, srow)
+    want = [int(((_word(b, 8) >> bit) & 1).sum()) for b in blocks]
+    n = sum(want)
+    sources = [(s, b.data_ptr(), b.size(0), want[s]) for s, b in enumerate(blocks) if want[s]]
+    head = [0] * 64
+    head[F.K], head[F.E], head[F.WORST], head[F.SROW] = K, E if K else 0, worst, srow
+    head[F.DTYPE], head[F.SDTYPE] = CODES[torch.bfloat16], CODES[torch.float32]
+    buf = type("Buf", (), {})()
+    buf.wire = _Wire(me, R, [0, bit, 0, 1])
+    out = internode._outputs(buf, [None, head], rows, sources, {"H": H})
+    sel = torch.cat([b[((_word(b, 8) >> bit) & 1).bool()] for b in blocks])
+    total = worst or n
+    assert out["x"].shape == (total, H) and torch.equal(out["x"][:n].view(torch.uint8),
+                                                          sel[:, rows.x:rows.x + 2 * H])
+    assert out["src_idx"].tolist() == _word(sel, 0).tolist() + [-1] * (total - n)
+    if srow:
+        assert torch.equal(out["s"][:n].view(torch.uint8), sel[:, rows.s:rows.s + srow])
+    if K:
+        ids = sel[:, rows.idx:rows.idx + 8 * K].contiguous().view(torch.int64)
+        ws = sel[:, rows.w:rows.w + 4 * K].contiguous().view(torch.float32)
+        local = (ids >= me * L) & (ids < (me + 1) * L)
+        assert torch.equal(out["i"][:n], torch.where(local, ids - me * L, -1))
+        assert torch.equal(out["w"][:n], torch.where(local, ws, 0.0))
+        assert bool((out["i"][n:] == -1).all()) and bool((out["w"][n:] == 0).all())
+        assert out["per_expert"] == torch.bincount(out["i"][:n][out["i"][:n] >= 0], minlength=L).tolist()
+    assert all(bool((b[-1] == 7).all()) for b in buf.wire.blocks)  # nothing written past an output
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_native_receive_refuses_a_block_that_disagrees_with_its_header(delta):
+    """A sender whose block holds more (or fewer) rows for this rank than its header says: an error naming it, and
+    never a write past the outputs sized from the headers."""
+    from zbccl.ep import internode
+    from zbccl.ep.exchange import F
+    from zbccl.errors import ZbcclRemoteError
+
+    K, H, bit = 2, 8, 0
+    rows, blocks = _sources(5, K, H, 0, bits=1)
+    _word(blocks[2], 8)[:] = 1  # every row of source 2 is for this rank
+    want = [int(((_word(b, 8) >> bit) & 1).sum()) for b in blocks]
+    want[2] -= delta  # its header says one row fewer (delta 1) or more (delta -1)
+    sources = [(s, b.data_ptr(), b.size(0), want[s]) for s, b in enumerate(blocks) if want[s]]
+    head = [0] * 64
+    head[F.K], head[F.E], head[F.DTYPE] = K, 8, CODES[torch.bfloat16]
+    buf = type("Buf", (), {})()
+    buf.wire = _Wire(0, 2, [0, 0])
+    with pytest.raises(ZbcclRemoteError, match="rank 2's rows disagree with its header") as exc:
+        internode._outputs(buf, [head, None], rows, sources, {"H": H})
+    assert exc.value.ranks == (2,)
+    assert all(bool((b[-1] == 7).all()) for b in buf.wire.blocks)

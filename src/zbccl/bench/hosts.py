@@ -102,7 +102,7 @@ def _options(hosts: int, per_host: int, ops, dtypes, min_size, max_size, smoke: 
         sizes = size_ladder(parse_size(min_size), parse_size(max_size), factor=4)
         tcfg = TimingConfig(target_s=0.1, reps=5, warmup=1, cap_s=6.0)
     ep_shape = {"tokens": [32], "hidden": 256, "experts": 4 * world, "topk": 2, "iters": 3} if smoke else \
-        {"tokens": [32, 128, 512], "hidden": 2048, "experts": 8 * world, "topk": 4, "iters": 10}
+        {"tokens": [32, 128, 512], "hidden": 2048, "experts": 8 * world, "topk": 4, "iters": 30}
     return {"ops": ops, "dtypes": dtypes, "sizes": sizes, "hosts": hosts, "ranks_per_host": per_host,
             "timing": {k: getattr(tcfg, k) for k in ("target_s", "reps", "warmup", "cap_s", "max_iters", "gap_ms")},
             "idle_wait": (0.0 if smoke or quick else 5.0) if idle_wait is None else float(idle_wait),

@@ -24,6 +24,7 @@ class Capabilities:
     ll_pull: Callable[[int], int]
     ll_addrs: Callable[[int], int]
     ll_combine: Callable[[int], int]
+    hosts_recv: Callable[[int], int]
     copy_many: Callable[[int, int, int], None]
 
     @classmethod

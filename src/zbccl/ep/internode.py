@@ -30,12 +30,17 @@ import torch
 
 from ..errors import ZbcclRemoteError
 from ..native.abi import EP_OP_DISPATCH as OP_DISPATCH
+from ..native.abi import ep_args
 from ..ops.dtypes import CODE_DTYPES, CODES
 from .exchange import HDR_LEN, STATUS_NOMEM, F, Fail
+from .fast import _call
 from .normal import FLAG_CACHED, FLAG_FP8, FLAG_TOPK, _check_counts, _layout, _split_x, _tensor
 from .wire import AUX_OFFS, FAILED
 
 __all__ = ["dispatch", "Rows", "host_layout"]
+
+#: The native receive's argument block (abi.EP_ARGS): head, then one row per source.
+_RECV, _RECV_ROW = ep_args("zb_ep_hosts_recv")
 
 
 class Rows:
@@ -206,17 +211,16 @@ def _forward(buf, layout: Rows, unions, offs, header_round: int, keep: list) -> 
     return staged
 
 
-def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round: int) -> list:
-    """This rank's received rows, by source rank then token: per source with rows for it, ``(block [n, nbytes]
-    (a view of the sender's send block, or of the forwarder's slot or staging), the indices of the rows whose mask
-    names this rank (None: all of them), their count)``."""
+def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round: int) -> list[tuple[int, int, int, int]]:
+    """Where this rank's rows lie, by source rank: per source with rows for it, ``(source, address of its packed
+    block (the sender's send block, or the forwarder's slot or staging, on this host), the block's rows, the rows
+    of it for this rank)``, each block bounds-checked."""
     w, me, h = buf.wire, buf.wire.me, buf.wire.my_host
-    bit = w.local_index[me]
-    need = sorted({w.forwarder(s, h) for s in range(w.R) if w.host_of[s] != h and int(counts[s, me]) > 0})
+    mine = counts[:, me].tolist()
+    need = sorted({w.forwarder(s, h) for s in range(w.R) if w.host_of[s] != h and mine[s] > 0})
     aux = w.wait_forward(need, header_round, "dispatch")
-    parts = []
-    for s in range(w.R):
-        want = int(counts[s, me])
+    out = []
+    for s, want in enumerate(mine):
         if not want:
             continue
         n = unions[s][h]
@@ -225,63 +229,43 @@ def _receive(buf, layout: Rows, counts: torch.Tensor, unions, offs, header_round
         else:
             owner = w.forwarder(s, h)
             off = aux[owner][AUX_OFFS + s]
-        blk = w.view(owner, off, n * layout.nbytes, "dispatch").view(n, layout.nbytes)
-        sel = (blk.view(torch.int64)[:, 1] >> bit) & 1
-        got = int(sel.sum())
-        if got != want:
-            raise ZbcclRemoteError(f"dispatch: rank {s}'s rows disagree with its header, expected {want} rows for rank "
-                                   f"{me}, got {got}", ranks=(s,))
-        parts.append((blk, None if got == n else sel.nonzero().flatten(), want))
+        out.append((s, w.addr(owner, off, n * layout.nbytes, "dispatch"), n, want))
         w.moved += want * layout.nbytes
-    return parts
+    return out
 
 
-def _gather(parts: list, at: int, width: int, dst: torch.Tensor) -> None:
-    """Bytes ``[at, at + width)`` of every part's rows (:func:`_receive`), in order, into ``dst`` (uint8 ``[n,
-    width]``): one copy, straight out of the blocks (numpy, on this thread: see :meth:`Rows.pack`)."""
-    row, out = 0, dst.numpy()
-    for blk, sel, want in parts:
-        src, piece = blk.numpy()[:, at:at + width], out[row:row + want]
-        if sel is None:
-            np.copyto(piece, src)
-        else:
-            np.take(src, sel.numpy(), axis=0, out=piece, mode="clip")  # (clip: unbuffered)
-        row += want
-
-
-def _outputs(buf, rl: list, layout: Rows, parts: list, loc: dict) -> dict:
-    """The received rows into exact-size outputs (``num_worst_tokens`` rows when asked)."""
+def _outputs(buf, rl: list, layout: Rows, sources: list, loc: dict) -> dict:
+    """The received rows into exact-size outputs (``num_worst_tokens`` rows when asked): one native pass
+    (``ep_hosts_recv``) over the sources' blocks (:func:`_receive`)."""
     w, me = buf.wire, buf.wire.me
     h = rl[me]
-    n, K, H = sum(p[2] for p in parts), h[F.K], loc["H"]
+    n, K, H = sum(src[3] for src in sources), h[F.K], loc["H"]
     total = h[F.WORST] or n
-    x_dtype = CODE_DTYPES[h[F.DTYPE]]
-    out = {"x": w.reuse("recv_x", [((total, H), x_dtype)])[0]}
-    _gather(parts, layout.x, layout.xrow, out["x"][:n].view(torch.uint8).view(n, layout.xrow))
+    out = {"x": w.reuse("recv_x", [((total, H), CODE_DTYPES[h[F.DTYPE]])])[0]}
+    s = None
     if h[F.SROW]:
-        s = torch.empty(total, h[F.SROW] // 4, dtype=CODE_DTYPES[h[F.SDTYPE]])
-        _gather(parts, layout.s, h[F.SROW], s[:n].view(torch.uint8).view(n, h[F.SROW]))
-        out["s"] = s
+        s = out["s"] = torch.empty(total, h[F.SROW] // 4, dtype=CODE_DTYPES[h[F.SDTYPE]])
+    L = h[F.E] // w.R if K else 0
+    i = wt = None
     if K:
-        L = h[F.E] // w.R
-        i, wt = w.reuse("recv_topk", [((total, K), torch.int64), ((total, K), torch.float32)])
-        raw = torch.empty(n, K, dtype=torch.int64)
-        _gather(parts, layout.idx, 8 * K, raw.view(torch.uint8).view(n, 8 * K))
-        ws = torch.empty(n, K, dtype=torch.float32)
-        _gather(parts, layout.w, 4 * K, ws.view(torch.uint8).view(n, 4 * K))
-        ri, iv, wv = raw.numpy(), i.numpy(), wt.numpy()  # a few small arrays: numpy's calls cost less than torch's
-        local = (ri >= me * L) & (ri < (me + 1) * L)
-        iv[:n] = np.where(local, ri - me * L, -1)
-        wv[:n] = np.where(local, ws.numpy(), np.float32(0))
-        iv[n:], wv[n:] = -1, 0.0
-        out["i"], out["w"] = i, wt
-        mine = iv[:n]
-        out["per_expert"] = np.bincount(mine[mine >= 0], minlength=L).tolist()
-    raw_src = torch.empty(n, dtype=torch.int64)
-    _gather(parts, 0, 8, raw_src.view(torch.uint8).view(n, 8))
-    src = np.full(total, -1, dtype=np.int32)
-    src[:n] = raw_src.numpy()
-    out["src_idx"] = torch.from_numpy(src)
+        i, wt = out["i"], out["w"] = w.reuse("recv_topk", [((total, K), torch.int64), ((total, K), torch.float32)])
+    src_idx = out["src_idx"] = torch.empty(total, dtype=torch.int32)
+    per_expert = torch.empty(L, dtype=torch.int64)
+    err = torch.zeros(1, dtype=torch.int64)
+    a = _RECV(nsrc=len(sources), nbytes=layout.nbytes, bit=w.local_index[me], K=K, lo=me * L, L=L, idx_at=layout.idx,
+              w_at=layout.w, s_at=layout.s, srow=h[F.SROW], x_at=layout.x, xrow=layout.xrow, n=n, total=total,
+              x_dst=out["x"].data_ptr(), s_dst=s.data_ptr() if s is not None else 0,
+              i_dst=i.data_ptr() if K else 0, w_dst=wt.data_ptr() if K else 0, src_dst=src_idx.data_ptr(),
+              per_expert_out=per_expert.data_ptr(), err_out=err.data_ptr())
+    for _, blk, rows, want in sources:
+        a += _RECV_ROW(blk=blk, nrows=rows, want=want)
+    got = _call(w.caps.hosts_recv, a)
+    if got < 0:
+        s_bad, want = sources[-got - 1][0], sources[-got - 1][3]
+        raise ZbcclRemoteError(f"dispatch: rank {s_bad}'s rows disagree with its header, expected {want} rows for "
+                               f"rank {me}, got {int(err[0]) if int(err[0]) <= want else 'more'}", ranks=(s_bad,))
+    if K:
+        out["per_expert"] = per_expert.tolist()
     return out
 
 

@@ -70,8 +70,8 @@ def _partial(buf, s: int, masks: torch.Tensor, host: int, rows, upto: np.ndarray
     sources = []
     for r in ranks:
         base, nrows = int(upto[s - 1, r]) if s else 0, min(rows[r][F.NRECV], int(upto[s, r]))  # never past s's rows
-        xr = w.view(r, rows[r][F.X], nrows * dst.size(1) * dst.element_size(), "combine").data_ptr() if nrows else 0
-        wr = w.view(r, rows[r][F.W], nrows * K * 4, "combine").data_ptr() if nrows and K else 0
+        xr = w.addr(r, rows[r][F.X], nrows * dst.size(1) * dst.element_size(), "combine") if nrows else 0
+        wr = w.addr(r, rows[r][F.W], nrows * K * 4, "combine") if nrows and K else 0
         sources.append((base, nrows, xr, wr))
     _sum_rows(w, bits, sources, dst, wdst, [], ranks, f"rank {s}")
 

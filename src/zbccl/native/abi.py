@@ -87,6 +87,9 @@ EP_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "zb_ep_ll_addrs": (("T", "K", "E", "L", "R", "row_bytes", "idx", "w", "begin", "addr_out", "w_out", "err_out"),
                        ("meta", "x", "nrows")),
     "zb_ep_ll_combine": (("T", "K", "H", "dst", "src", "w", "acc"), ()),
+    "zb_ep_hosts_recv": (("nsrc", "nbytes", "bit", "K", "lo", "L", "idx_at", "w_at", "s_at", "srow", "x_at", "xrow", "n",
+                          "total", "x_dst", "s_dst", "i_dst", "w_dst", "src_dst", "per_expert_out", "err_out"),
+                         ("blk", "nrows", "want")),
 }
 #: Every struct Python passes to C by address (int64 fields, in order): C name -> fields (an EP block's row
 #: is ``<name>_row``).

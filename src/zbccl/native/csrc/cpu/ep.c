@@ -204,6 +204,72 @@ i64 zbk_ep_ll_combine(const void *args) {
     return rows * H * 2;
 }
 
+/* ep_hosts_recv(zb_ep_hosts_recv: nsrc (sources that follow), nbytes (bytes per packed row), bit (this rank's bit in a row's routing mask),
+ * K, lo, L (this rank's experts are [lo, lo + L)), idx_at, w_at, s_at, srow, x_at, xrow (each field's byte offset
+ * in a row, and the scales' and x's widths), n (rows this rank receives), total (output rows: n, or
+ * num_worst_tokens), x_dst ([total, xrow] bytes), s_dst ([total, srow] bytes, 0: none), i_dst (int64 [total, K]),
+ * w_dst (float [total, K]; both 0 when K is 0), src_dst (int32 [total]), per_expert_out (int64 [L]), err_out
+ * (int64 [1]); then per source, in source order, a row: blk (its packed block: [nrows, nbytes], a row being
+ * [source token int64][mask int64][idx int64 x K][w float x K][scales][x], internode.Rows), nrows, want (rows of
+ * it for this rank, from the headers)).
+ * The dispatch's receive across hosts in one pass: each row whose mask holds `bit`, in block order, into the next
+ * output row: x and scales as bytes, the top-k ids as local experts (id - lo, -1 when not this rank's), the
+ * weights (0 where the id is not this rank's), the source token; rows n..total get ids -1, weights 0, source -1.
+ * Counts the local experts' rows into per_expert_out. A block never makes it write past its `want` rows.
+ * Returns n, or -(1 + j) for the first source j whose block holds another number of rows for this rank than its
+ * `want` (err_out[0]: how many it holds, or want + 1 once it holds more). */
+i64 zbk_ep_hosts_recv(const void *args) {
+    const zb_ep_hosts_recv *a = args;
+    const zb_ep_hosts_recv_row *src = ROWS(a, zb_ep_hosts_recv_row);
+    i64 nbytes = a->nbytes, K = a->K, lo = a->lo, L = a->L, n = a->n, total = a->total, xrow = a->xrow;
+    i64 srow = a->srow, nsrc = a->nsrc, out = 0;
+    uint64_t bit = (uint64_t)1 << a->bit;
+    char *x_dst = PTR(char *, a->x_dst), *s_dst = PTR(char *, a->s_dst);
+    i64 *i_dst = PTR(i64 *, a->i_dst), *per_expert = PTR(i64 *, a->per_expert_out), *err = PTR(i64 *, a->err_out);
+    float *w_dst = PTR(float *, a->w_dst);
+    int32_t *src_dst = PTR(int32_t *, a->src_dst);
+    for (i64 l = 0; l < L; l++) per_expert[l] = 0;
+    for (i64 j = 0; j < nsrc; j++) {
+        const char *blk = PTR(const char *, src[j].blk);
+        i64 got = 0, want = src[j].want;
+        for (i64 r = 0; r < src[j].nrows; r++) {
+            const char *row = blk + r * nbytes;
+            uint64_t mask;
+            memcpy(&mask, row + 8, 8);
+            if (!(mask & bit)) continue;
+            if (++got > want || out >= n) {
+                err[0] = got;
+                return -(1 + j);
+            }
+            i64 token;
+            memcpy(&token, row, 8);
+            src_dst[out] = (int32_t)token;
+            memcpy(x_dst + out * xrow, row + a->x_at, (size_t)xrow);
+            if (srow) memcpy(s_dst + out * srow, row + a->s_at, (size_t)srow);
+            for (i64 k = 0; k < K; k++) {
+                i64 e;
+                float w;
+                memcpy(&e, row + a->idx_at + 8 * k, 8);
+                memcpy(&w, row + a->w_at + 4 * k, 4);
+                int local = e >= lo && e < lo + L;
+                i_dst[out * K + k] = local ? e - lo : -1;
+                w_dst[out * K + k] = local ? w : 0.0f;
+                if (local) per_expert[e - lo]++;
+            }
+            out++;
+        }
+        if (got != want) {
+            err[0] = got;
+            return -(1 + j);
+        }
+    }
+    for (i64 t = out; t < total; t++) {
+        src_dst[t] = -1;
+        for (i64 k = 0; k < K; k++) i_dst[t * K + k] = -1, w_dst[t * K + k] = 0.0f;
+    }
+    return out;
+}
+
 /* ep_ll_plan(zb_ep_ll_plan: T, K, E, idx (int64 [T, K]), counts_out (int64 [E]), tokens_out (int64 [T * K]),
  * slots_out (int64 [T * K]), err_out (int64 [2])). The low-latency dispatch's plan in one pass (a counting
  * sort): the valid (token, slot) pairs sorted by expert, then slot (so by token), with counts per expert;

@@ -16,5 +16,6 @@ i64 zbk_ep_ll_plan(const void *args);
 i64 zbk_ep_ll_pull(const void *args);
 i64 zbk_ep_ll_addrs(const void *args);
 i64 zbk_ep_ll_combine(const void *args);
+i64 zbk_ep_hosts_recv(const void *args);
 
 #endif

@@ -49,6 +49,7 @@ BIND(ep_ll_plan, 1)
 BIND(ep_ll_pull, 1)
 BIND(ep_ll_addrs, 1)
 BIND(ep_ll_combine, 1)
+BIND(ep_hosts_recv, 1)
 #undef BIND
 
 #define FASTCALL(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
@@ -77,6 +78,9 @@ static PyMethodDef ep_methods[] = {
              "addresses and weights in per-token expert order (cpu/ep.c)."),
     FASTCALL(ep_ll_combine,
              "ep_ll_combine(args_ptr) -> bytes read: the low-latency combine's weighted fp32 sums (cpu/ep.c)."),
+    FASTCALL(ep_hosts_recv,
+             "ep_hosts_recv(args_ptr) -> rows copied, or -(1 + source): a dispatch's receive across hosts, the rows "
+             "whose routing mask names this rank, out of each source's packed block (cpu/ep.c)."),
     {NULL, NULL, 0, NULL},
 };
 
