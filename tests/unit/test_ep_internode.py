@@ -1,5 +1,5 @@
-"""Pure logic of EP across hosts: the per-host token unions and masks, the packed dispatch row, and DeepEP's
-internode handle (numpy inside) against its definitions in torch."""
+"""Pure logic of EP across hosts: the per-host token unions and masks and the packed dispatch rows (native), the
+native receive, and DeepEP's internode handle (numpy inside), against their definitions in torch."""
 
 from __future__ import annotations
 
@@ -7,41 +7,88 @@ import numpy as np
 import pytest
 import torch
 
-from zbccl.ep.internode import Rows, handle_fields, host_layout
+from zbccl.ep.internode import Rows, handle_fields, host_parts
 from zbccl.ep.reference import channel_prefix, send_head
 from zbccl.ops.dtypes import CODES
 
 
-def test_host_layout_is_the_union_per_host_with_local_rank_bits():
+def _pack_rows(rows: Rows, x, scales, idx, w) -> torch.Tensor:
+    """Every token's packed row, by its definition (internode.Rows), the mask word zero."""
+    T = x.size(0)
+    out = torch.zeros(T, rows.nbytes, dtype=torch.uint8)
+    out[:, :8] = torch.arange(T, dtype=torch.int64).view(T, 1).view(torch.uint8)
+    for t, at in ((idx, rows.idx), (w, rows.w), (scales, rows.s), (x, rows.x)):
+        if t is not None and t.numel():
+            cols = t.contiguous().view(T, -1).view(torch.uint8)
+            out[:, at:at + cols.size(1)] = cols
+    return out
+
+
+class _Hosts:
+    """What the pack and the receive read of a HostWire (outputs in plain memory, each followed by a canary row)."""
+
+    def __init__(self, hosts: list[list[int]], me: int = 0):
+        from zbccl import native
+        from zbccl.ep.caps import Capabilities
+
+        self.hosts, self.me, self.R, self.H = hosts, me, sum(map(len, hosts)), len(hosts)
+        self.local_index = [0] * self.R
+        host_of = [0] * self.R
+        for h, ranks in enumerate(hosts):
+            for j, r in enumerate(ranks):
+                host_of[r], self.local_index[r] = h, j
+        self.host_table = torch.tensor([host_of, self.local_index], dtype=torch.int64)
+        self.caps = Capabilities.of(native.core())
+        self.blocks = []
+
+    def reuse(self, role, specs):
+        out = []
+        for shape, dtype in specs:
+            block = torch.full((shape[0] + 1, *shape[1:]), 7, dtype=dtype)  # the last row: a canary
+            self.blocks.append(block)
+            out.append(block[:shape[0]])
+        return out
+
+
+def test_host_parts_are_the_union_per_host_with_local_rank_bits():
     g = torch.Generator().manual_seed(7)
     in_rank = torch.rand(50, 5, generator=g) < 0.3
     hosts = [[0, 1], [2, 3, 4]]
-    for h, (toks, masks) in enumerate(host_layout(in_rank, hosts)):
+    wire = _Hosts(hosts)
+    total, parts = host_parts(wire, in_rank, Rows(8, 0, 0))
+    for h, (toks, masks) in enumerate(parts):
         want = [t for t in range(50) if any(in_rank[t, r] for r in hosts[h])]
         assert toks.tolist() == want
         for t, m in zip(toks.tolist(), masks.tolist()):
             assert m == sum(1 << j for j, r in enumerate(hosts[h]) if in_rank[t, r])
-    empty = host_layout(torch.zeros(0, 5, dtype=torch.bool), hosts)
-    assert all(t.numel() == 0 and m.numel() == 0 for t, m in empty)
+    assert total == sum(t.numel() for t, _ in parts)
+    total, empty = host_parts(wire, torch.zeros(0, 5, dtype=torch.bool), Rows(8, 0, 0))
+    assert total == 0 and all(t.numel() == 0 and m.numel() == 0 for t, m in empty)
 
 
-def test_rows_pack_places_every_field_at_its_offset():
-    T, H, K = 6, 10, 3  # 10 fp8 bytes: the row is padded to 8 bytes
-    x = torch.arange(T * H, dtype=torch.uint8).view(T, H).view(torch.float8_e4m3fn)
-    scales = torch.rand(T, 2)
-    idx = torch.randint(-1, 9, (T, K))
-    w = torch.rand(T, K)
-    rows = Rows(H, 8, K)
-    assert rows.nbytes % 8 == 0 and rows.nbytes >= 16 + 12 * K + 8 + H
-    packed = torch.from_numpy(rows.pack(x, scales, idx, w))
-    assert packed.shape == (T, rows.nbytes)
-    as64 = packed[:, :16].contiguous().view(torch.int64)
-    assert as64[:, 0].tolist() == list(range(T)) and as64[:, 1].tolist() == [0] * T
-    assert torch.equal(packed[:, rows.idx:rows.idx + 8 * K].contiguous().view(torch.int64), idx)
-    assert torch.equal(packed[:, rows.w:rows.w + 4 * K].contiguous().view(torch.float32), w)
-    assert torch.equal(packed[:, rows.s:rows.s + 8].contiguous().view(torch.float32), scales)
-    assert torch.equal(packed[:, rows.x:rows.x + H], x.view(torch.uint8))
-    assert rows.pack(x[:0], scales[:0], idx[:0], w[:0]).shape == (0, rows.nbytes)
+@pytest.mark.parametrize("K,srow", [(3, 8), (0, 0)])
+def test_native_pack_places_every_field_of_each_hosts_tokens(K, srow):
+    """Each host's part: its tokens' rows in order, every field at its offset, the mask word set, padding zero."""
+    T, H = 23, 10  # 10 fp8 bytes: the row is padded to 8 bytes
+    g = torch.Generator().manual_seed(K)
+    x = torch.randint(0, 255, (T, H), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scales = torch.rand(T, srow // 4, generator=g) if srow else None
+    idx = torch.randint(-1, 9, (T, K), generator=g) if K else None
+    w = torch.rand(T, K, generator=g) if K else None
+    rows = Rows(H, srow, K)
+    assert rows.nbytes % 8 == 0 and rows.nbytes >= 16 + 12 * K + srow + H
+    wire = _Hosts([[0], [1, 2]])
+    in_rank = torch.rand(T, 3, generator=g) < 0.5
+    total, parts = host_parts(wire, in_rank, rows)
+    block = torch.full((total + 1, rows.nbytes), 0xAB, dtype=torch.uint8)  # the last row: a canary
+    assert host_parts(wire, in_rank, rows, x, scales, idx, w, block.data_ptr())[0] == total
+    full, at = _pack_rows(rows, x, scales, idx, w), 0
+    for toks, masks in parts:
+        want = full[toks].clone()
+        want[:, 8:16] = masks.view(-1, 1).view(torch.uint8)
+        assert torch.equal(block[at:at + toks.numel()], want)
+        at += toks.numel()
+    assert bool((block[-1] == 0xAB).all())
 
 
 HOSTS = [[0, 1], [2, 3]]
@@ -82,26 +129,6 @@ def test_handle_fields_match_their_definitions(T, C):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (i, a, b)
 
 
-class _Wire:
-    """What the receive reads of a HostWire: outputs in plain memory, each followed by a canary row."""
-
-    def __init__(self, me: int, R: int, local_index: list[int]):
-        from zbccl import native
-        from zbccl.ep.caps import Capabilities
-
-        self.me, self.R, self.local_index = me, R, local_index
-        self.caps = Capabilities.of(native.core())
-        self.blocks = []
-
-    def reuse(self, role, specs):
-        out = []
-        for shape, dtype in specs:
-            block = torch.full((shape[0] + 1, *shape[1:]), 7, dtype=dtype)  # the last row: a canary
-            self.blocks.append(block)
-            out.append(block[:shape[0]])
-        return out
-
-
 def _word(b: torch.Tensor, at: int) -> torch.Tensor:
     """Column ``[at, at + 8)`` of packed rows ``b`` as int64, a writable view."""
     return torch.from_numpy(b.numpy()[:, at:at + 8].view(np.int64)[:, 0])
@@ -117,7 +144,7 @@ def _sources(seed: int, K: int, H: int, srow: int, bits: int = 2):
         scales = torch.rand(T, srow // 4, generator=g) if srow else None
         idx = torch.randint(-1, 16, (T, K), generator=g) if K else None
         w = torch.rand(T, K, generator=g) if K else None
-        packed = torch.from_numpy(rows.pack(x, scales, idx, w))
+        packed = _pack_rows(rows, x, scales, idx, w)
         _word(packed, 0)[:] = torch.arange(T) * 3 + s  # the source token
         _word(packed, 8)[:] = torch.randint(0, 1 << bits, (T,), generator=g)
         blocks.append(packed)
@@ -141,7 +168,7 @@ def test_native_receive_takes_the_rows_whose_mask_names_this_rank(K, srow, worst
     head[F.K], head[F.E], head[F.WORST], head[F.SROW] = K, E if K else 0, worst, srow
     head[F.DTYPE], head[F.SDTYPE] = CODES[torch.bfloat16], CODES[torch.float32]
     buf = type("Buf", (), {})()
-    buf.wire = _Wire(me, R, [0, bit, 0, 1])
+    buf.wire = _Hosts([[0, 1], [2, 3]], me)
     out = internode._outputs(buf, [None, head], rows, sources, {"H": H})
     sel = torch.cat([b[((_word(b, 8) >> bit) & 1).bool()] for b in blocks])
     total = worst or n
@@ -178,7 +205,7 @@ def test_native_receive_refuses_a_block_that_disagrees_with_its_header(delta):
     head = [0] * 64
     head[F.K], head[F.E], head[F.DTYPE] = K, 8, CODES[torch.bfloat16]
     buf = type("Buf", (), {})()
-    buf.wire = _Wire(0, 2, [0, 0])
+    buf.wire = _Hosts([[0], [1]], 0)
     with pytest.raises(ZbcclRemoteError, match="rank 2's rows disagree with its header") as exc:
         internode._outputs(buf, [head, None], rows, sources, {"H": H})
     assert exc.value.ranks == (2,)

@@ -25,6 +25,7 @@ class Capabilities:
     ll_addrs: Callable[[int], int]
     ll_combine: Callable[[int], int]
     hosts_recv: Callable[[int], int]
+    hosts_pack: Callable[[int], int]
     copy_many: Callable[[int, int, int], None]
 
     @classmethod

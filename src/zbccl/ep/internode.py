@@ -37,10 +37,11 @@ from .fast import _call
 from .normal import FLAG_CACHED, FLAG_FP8, FLAG_TOPK, _check_counts, _layout, _split_x, _tensor
 from .wire import AUX_OFFS, FAILED
 
-__all__ = ["dispatch", "Rows", "host_layout"]
+__all__ = ["dispatch", "Rows", "host_parts"]
 
 #: The native receive's argument block (abi.EP_ARGS): head, then one row per source.
 _RECV, _RECV_ROW = ep_args("zb_ep_hosts_recv")
+_PACK, _ = ep_args("zb_ep_hosts_pack")
 
 
 class Rows:
@@ -51,33 +52,34 @@ class Rows:
         self.idx, self.w, self.s, self.x = 16, 16 + 8 * K, 16 + 12 * K, 16 + 12 * K + srow
         self.nbytes = -(-(self.x + xrow) // 8) * 8
 
-    def pack(self, x: torch.Tensor, scales: torch.Tensor | None, idx: torch.Tensor | None,
-             w: torch.Tensor | None) -> np.ndarray:
-        """``[T, nbytes]`` uint8: every token's row (the mask word zero). Filled by numpy on this thread: torch's
-        copies of a few hundred KiB fan out to its intra-op threads, whose spinning afterwards holds off the
-        peers and the transport's threads on busy cores (``docs/benchmarks.md`` A.15)."""
-        T = x.size(0)
-        out = np.zeros((T, self.nbytes), dtype=np.uint8)
-        out[:, :8].view(np.int64)[:, 0] = np.arange(T, dtype=np.int64)
-        for t, at in ((idx, self.idx), (w, self.w), (scales, self.s), (x, self.x)):
-            if t is not None and t.numel():
-                cols = t.contiguous().view(T, -1).view(torch.uint8).numpy()
-                out[:, at:at + cols.shape[1]] = cols
-        return out
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
 
 
-def host_layout(in_rank: torch.Tensor, hosts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per host: ``(tokens [n] int64 ascending, masks [n] int64)``: the tokens bound for any of its ranks, and
-    for each the bits of its local ranks (bit ``j``: ``hosts[h][j]``) it goes to. (numpy: a few small arrays per
-    op, where each torch call costs several times more than its work.)"""
-    a = in_rank.numpy()
-    out = []
-    for ranks in hosts:
-        sub = a[:, ranks]
-        toks = np.flatnonzero(sub.any(1))
-        masks = (sub[toks].astype(np.int64) << np.arange(len(ranks), dtype=np.int64)).sum(1, dtype=np.int64)
-        out.append((torch.from_numpy(toks.astype(np.int64)), torch.from_numpy(masks)))
-    return out
+def host_parts(w, in_rank: torch.Tensor, layout: Rows, x: torch.Tensor | None = None, scales=None, idx=None, wts=None,
+               dst: int = 0) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per host of ``w`` (a :class:`~.wire.HostWire`): ``(tokens [n] int64 ascending, masks [n] int64)``, the tokens
+    that ``in_rank`` (bool ``[T, R]``, contiguous) sends to any of its ranks and for each the bits of its local ranks
+    (bit ``j``: ``hosts[h][j]``) it goes to, and the rows of all hosts. With ``dst`` (a block of that many ``layout``
+    rows) instead, the inputs (contiguous; ``idx`` int64, ``wts`` fp32) packed there, each host's part in host
+    order, and no per-host list. One native pass either way (``ep_hosts_pack``)."""
+    T, H = in_rank.size(0), w.H
+    counts = torch.empty(H, dtype=torch.int64)
+    toks = masks = None
+    if not dst:
+        toks, masks = torch.empty(2, H, T, dtype=torch.int64)
+    table = w.host_table.data_ptr()
+    a = _PACK(T=T, R=w.R, H=H, in_rank=in_rank.data_ptr(), host_of=table, bit_of=table + 8 * w.R, K=layout.K,
+              nbytes=layout.nbytes, idx_at=layout.idx, w_at=layout.w, s_at=layout.s, srow=layout.srow, x_at=layout.x,
+              xrow=layout.xrow, x=_ptr(x), s=_ptr(scales), idx=_ptr(idx), w=_ptr(wts), dst=dst,
+              counts_out=counts.data_ptr(), toks_out=_ptr(toks), masks_out=_ptr(masks))
+    total = _call(w.caps.hosts_pack, a)
+    if total < 0:
+        raise AssertionError(f"dispatch: a bad host table {w.host_table.tolist()}")  # internal: built by the wire
+    if dst:
+        return total, []
+    return total, [(toks[h, :n], masks[h, :n]) for h, n in enumerate(counts.tolist())]
 
 
 def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
@@ -98,7 +100,11 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
             raise Fail(f"handle must be the 10-tuple an internode dispatch returned, got {type(handle).__name__}")
         fields[F.HANDLE], extra = buf.lookup(handle[7], "dispatch")
         in_rank = handle[0]
-        if in_rank.shape != (T, R):
+        if not isinstance(in_rank, torch.Tensor) or in_rank.dtype != torch.bool or in_rank.dim() != 2 \
+                or in_rank.size(1) != R:
+            raise Fail(f"handle[0] must be the dispatch's is_token_in_rank, expected bool [tokens, {R}], got "
+                       f"{getattr(in_rank, 'dtype', type(in_rank).__name__)} {tuple(getattr(in_rank, 'shape', ()))}")
+        if in_rank.size(0) != T:
             raise Fail(f"x does not match the handle, expected {in_rank.size(0)} tokens, got {T}")
         rows, valid = handle[7].size(0), int(handle[6][-1])
         fields[F.NRECV], fields[F.WORST] = valid, rows if rows != valid else 0
@@ -111,42 +117,42 @@ def _prepare(buf, a: dict, fields: dict, keep: list) -> dict:
                        f"got {counts.tolist()}")
         E = per_expert.numel()
         fields[F.FLAGS] = FLAG_TOPK if idx is not None else 0
-    per_host = host_layout(in_rank, w.hosts)
+    K = idx.size(1) if idx is not None else 0
+    srow = scales.size(1) * scales.element_size() if scales is not None else 0
+    layout = Rows(H * x.element_size(), srow, K)
+    in_rank = in_rank.contiguous()
+    n_all, per_host = host_parts(w, in_rank, layout)
     rdma = a.get("num_tokens_per_rdma_rank")
     if rdma is not None and handle is None:
         _tensor(rdma, "num_tokens_per_rdma_rank", 1, (torch.int32, torch.int64), (w.H,))
         if rdma.tolist() != [t.numel() for t, _ in per_host]:
             raise Fail(f"num_tokens_per_rdma_rank does not match is_token_in_rank, expected "
                        f"{[t.numel() for t, _ in per_host]}, got {rdma.tolist()}")
-    K = idx.size(1) if idx is not None else 0
-    srow = scales.size(1) * scales.element_size() if scales is not None else 0
-    layout = Rows(H * x.element_size(), srow, K)
     fields.update({F.E: E, F.K: K, F.DTYPE: CODES[x.dtype], F.XROW: layout.xrow, F.SROW: srow,
                    F.SDTYPE: CODES[scales.dtype] if scales is not None else 0})
     if scales is not None and x.dtype == torch.float8_e4m3fn:
         fields[F.FLAGS] |= FLAG_FP8
     parts: list = [None] * R
-    vector = [int(c) for c in counts.tolist()] + _pack_block(buf, layout, per_host, x, scales, idx, wts, keep, parts)
+    vector = [int(c) for c in counts.tolist()] + _pack_block(buf, layout, in_rank, n_all, per_host, x, scales, idx, wts,
+                                                             keep, parts)
     return {"in_rank": in_rank, "per_host": per_host, "rows": layout, "H": H, "out_dtype": x.dtype,
             "cached": handle is not None, "extra": extra, "vector": vector, "parts": parts}
 
 
-def _pack_block(buf, layout: Rows, per_host: list, x, scales, idx, wts, keep: list, parts: list) -> list[int]:
-    """Fill one heap send block with each host's part; returns ``[rows, offset]`` per host for the header, and
-    puts each other host's part of up to the eager limit in ``parts`` (at that host's forwarder of this rank)."""
+def _pack_block(buf, layout: Rows, in_rank: torch.Tensor, n_all: int, per_host: list, x, scales, idx, wts, keep: list,
+                parts: list) -> list[int]:
+    """Fill one heap send block with each host's part (``per_host``, ``n_all`` rows in all); returns ``[rows, offset]``
+    per host for the header, and puts each other host's part of up to the eager limit in ``parts`` (at that host's
+    forwarder of this rank)."""
     w = buf.wire
-    n_all = sum(t.numel() for t, _ in per_host)
     block = w.heap_block(n_all * layout.nbytes, "send block")
     keep.append(block)
-    full = layout.pack(x, scales, idx.long() if idx is not None else None, wts)
+    host_parts(w, in_rank, layout, x.contiguous(), scales.contiguous() if scales is not None else None,
+               idx.long().contiguous() if idx is not None else None, wts.contiguous() if wts is not None else None,
+               block.data_ptr())
     base, at, out = w.offset_of(block), 0, []
-    for h, (toks, masks) in enumerate(per_host):
+    for h, (toks, _) in enumerate(per_host):
         n = toks.numel()
-        part = block[at:at + n * layout.nbytes].view(n, layout.nbytes)
-        if n:
-            rows = part.numpy()
-            np.take(full, toks.numpy(), axis=0, out=rows, mode="clip")  # (clip: unbuffered)
-            rows[:, 8:16].view(np.int64)[:, 0] = masks.numpy()
         out += [n, base + at]
         if w.rides(w.forwarder(w.me, h), n * layout.nbytes):
             parts[w.forwarder(w.me, h)] = block[at:at + n * layout.nbytes]

@@ -112,6 +112,8 @@ class HostWire:
             for j, r in enumerate(ranks):
                 self.host_of[r], self.local_index[r] = h, j
         self.my_host = self.host_of[self.me]
+        #: ``[2, R]`` int64: each rank's host, then its index on that host (the native dispatch pack reads them).
+        self.host_table = torch.tensor([self.host_of, self.local_index], dtype=torch.int64)
         self.hostnames = [topo.infos[self.g[rs[0]]].hostname for rs in self.hosts]
         #: The native kernels of this rank's own steps (layout); raises here without them.
         self.caps = Capabilities.of(comm.heap.prims)

@@ -90,6 +90,9 @@ EP_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "zb_ep_hosts_recv": (("nsrc", "nbytes", "bit", "K", "lo", "L", "idx_at", "w_at", "s_at", "srow", "x_at", "xrow", "n",
                           "total", "x_dst", "s_dst", "i_dst", "w_dst", "src_dst", "per_expert_out", "err_out"),
                          ("blk", "nrows", "want")),
+    "zb_ep_hosts_pack": (("T", "R", "H", "in_rank", "host_of", "bit_of", "K", "nbytes", "idx_at", "w_at", "s_at",
+                          "srow", "x_at", "xrow", "x", "s", "idx", "w", "dst", "counts_out", "toks_out", "masks_out"),
+                         ()),
 }
 #: Every struct Python passes to C by address (int64 fields, in order): C name -> fields (an EP block's row
 #: is ``<name>_row``).

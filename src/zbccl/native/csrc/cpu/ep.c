@@ -270,6 +270,58 @@ i64 zbk_ep_hosts_recv(const void *args) {
     return out;
 }
 
+/* ep_hosts_pack(zb_ep_hosts_pack: T, R, H (hosts), in_rank (bool [T, R]), host_of (int64 [R]: each rank's host),
+ * bit_of (int64 [R]: its index among its host's ranks, < 63), K, nbytes, idx_at, w_at, s_at, srow, x_at, xrow (as
+ * ep_hosts_recv's), x ([T, xrow] bytes), s ([T, srow] bytes, 0: none), idx (int64 [T, K]), w (float [T, K]; both 0
+ * when K is 0), dst (the send block, 0: count only), counts_out (int64 [H]), toks_out, masks_out (int64 [H, T], or
+ * 0)).
+ * The send side of a dispatch across hosts: per host h, the tokens bound for any of its ranks (ascending) and each
+ * one's routing mask (bit j: h's j-th rank gets it) into counts_out[h], toks_out[h, :], masks_out[h, :]; with dst,
+ * each host's part, [counts_out[h], nbytes] rows in host order, a row being [token][mask][idx x K][w x K][scales][x]
+ * (internode.Rows; the padding after x zeroed). Returns the rows of every part, or -1 for a host table out of range. */
+i64 zbk_ep_hosts_pack(const void *args) {
+    const zb_ep_hosts_pack *a = args;
+    i64 T = a->T, R = a->R, H = a->H, K = a->K, nbytes = a->nbytes, xrow = a->xrow, srow = a->srow, total = 0;
+    const uint8_t *in_rank = PTR(const uint8_t *, a->in_rank);
+    const i64 *host_of = PTR(const i64 *, a->host_of), *bit_of = PTR(const i64 *, a->bit_of);
+    const char *x = PTR(const char *, a->x), *s = PTR(const char *, a->s);
+    const i64 *idx = PTR(const i64 *, a->idx);
+    const float *w = PTR(const float *, a->w);
+    char *dst = PTR(char *, a->dst);
+    i64 *counts = PTR(i64 *, a->counts_out), *toks = PTR(i64 *, a->toks_out), *masks = PTR(i64 *, a->masks_out);
+    for (i64 r = 0; r < R; r++)
+        if (host_of[r] < 0 || host_of[r] >= H || bit_of[r] < 0 || bit_of[r] >= 63) return -1;
+    i64 tail = a->x_at + xrow;
+    for (i64 h = 0; h < H; h++) {
+        i64 n = 0;
+        char *part = dst ? dst + total * nbytes : NULL;
+        for (i64 t = 0; t < T; t++) {
+            i64 mask = 0;
+            for (i64 r = 0; r < R; r++)
+                if (host_of[r] == h && in_rank[t * R + r]) mask |= (i64)1 << bit_of[r];
+            if (!mask) continue;
+            if (toks) toks[h * T + n] = t;
+            if (masks) masks[h * T + n] = mask;
+            if (part) {
+                char *row = part + n * nbytes;
+                memcpy(row, &t, 8);
+                memcpy(row + 8, &mask, 8);
+                if (K) {
+                    memcpy(row + a->idx_at, idx + t * K, (size_t)(8 * K));
+                    memcpy(row + a->w_at, w + t * K, (size_t)(4 * K));
+                }
+                if (srow) memcpy(row + a->s_at, s + t * srow, (size_t)srow);
+                memcpy(row + a->x_at, x + t * xrow, (size_t)xrow);
+                if (tail < nbytes) memset(row + tail, 0, (size_t)(nbytes - tail));
+            }
+            n++;
+        }
+        counts[h] = n;
+        total += n;
+    }
+    return total;
+}
+
 /* ep_ll_plan(zb_ep_ll_plan: T, K, E, idx (int64 [T, K]), counts_out (int64 [E]), tokens_out (int64 [T * K]),
  * slots_out (int64 [T * K]), err_out (int64 [2])). The low-latency dispatch's plan in one pass (a counting
  * sort): the valid (token, slot) pairs sorted by expert, then slot (so by token), with counts per expert;

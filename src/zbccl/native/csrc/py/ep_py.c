@@ -50,6 +50,7 @@ BIND(ep_ll_pull, 1)
 BIND(ep_ll_addrs, 1)
 BIND(ep_ll_combine, 1)
 BIND(ep_hosts_recv, 1)
+BIND(ep_hosts_pack, 1)
 #undef BIND
 
 #define FASTCALL(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
@@ -81,6 +82,9 @@ static PyMethodDef ep_methods[] = {
     FASTCALL(ep_hosts_recv,
              "ep_hosts_recv(args_ptr) -> rows copied, or -(1 + source): a dispatch's receive across hosts, the rows "
              "whose routing mask names this rank, out of each source's packed block (cpu/ep.c)."),
+    FASTCALL(ep_hosts_pack,
+             "ep_hosts_pack(args_ptr) -> rows, or -1 (a bad host table): a dispatch's send side across hosts, the "
+             "tokens bound for each host with their routing masks, packed into one send block (cpu/ep.c)."),
     {NULL, NULL, 0, NULL},
 };
 
