@@ -123,10 +123,22 @@ def test_handle_fields_match_their_definitions(T, C):
     counts = torch.tensor([[int(torch.randint(0, t + 1, (1,), generator=g)) for _ in range(R)] for t in T_of])
     src_idx = torch.cat([torch.sort(torch.randperm(T_of[s], generator=g)[:int(counts[s, me])]).values
                          for s in range(R)]).to(torch.int32)
-    got = handle_fields(in_rank, HOSTS, HOST_OF, me, counts, src_idx, T_of, C)
+    got = handle_fields(_Hosts(HOSTS, me), in_rank, counts, src_idx, T_of, C)
     want = _torch_handle(in_rank, counts, src_idx, T_of, C, me)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (i, a, b)
+
+
+def test_handle_fields_refuse_a_negative_source_token():
+    """A sender's row whose source token is negative (a corrupt or hostile peer): an error naming it, never a count
+    outside the handle's channels."""
+    from zbccl.errors import ZbcclRemoteError
+
+    counts = torch.tensor([[2, 1, 0, 0], [1, 3, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    src_idx = torch.tensor([0, 5, -4, 2], dtype=torch.int32)  # rank 1 (3 rows for rank 1 after rank 0's 1): -4
+    with pytest.raises(ZbcclRemoteError, match="rank 1 sent a row with a negative source token") as exc:
+        handle_fields(_Hosts(HOSTS, 1), torch.ones(3, 4, dtype=torch.bool), counts, src_idx, [3, 6, 0, 0], 4)
+    assert exc.value.ranks == (1,)
 
 
 def _word(b: torch.Tensor, at: int) -> torch.Tensor:

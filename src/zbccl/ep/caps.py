@@ -26,6 +26,7 @@ class Capabilities:
     ll_combine: Callable[[int], int]
     hosts_recv: Callable[[int], int]
     hosts_pack: Callable[[int], int]
+    hosts_handle: Callable[[int], int]
     copy_many: Callable[[int, int, int], None]
 
     @classmethod

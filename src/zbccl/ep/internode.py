@@ -25,7 +25,6 @@ Protocol (rounds of :mod:`.wire`; ``docs/ep-internode.md``). **Dispatch**:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..errors import ZbcclRemoteError
@@ -42,6 +41,7 @@ __all__ = ["dispatch", "Rows", "host_parts"]
 #: The native receive's argument block (abi.EP_ARGS): head, then one row per source.
 _RECV, _RECV_ROW = ep_args("zb_ep_hosts_recv")
 _PACK, _ = ep_args("zb_ep_hosts_pack")
+_HANDLE, _ = ep_args("zb_ep_hosts_handle")
 
 
 class Rows:
@@ -308,8 +308,7 @@ def dispatch(buf, a: dict):
         return recv_x, None, None, None, None
     align = a["expert_alignment"]
     lst = [] if a["num_worst_tokens"] else [-(-c // align) * align for c in out.get("per_expert", [])]
-    handle = handle_fields(loc["in_rank"], w.hosts, w.host_of, w.me, counts, out["src_idx"], [r[F.T] for r in rl],
-                           a["config"].num_channels)
+    handle = handle_fields(w, loc["in_rank"], counts, out["src_idx"], [r[F.T] for r in rl], a["config"].num_channels)
     # what a combine with this handle needs of the dispatch: the counts (and their prefix over sources), the rows
     # this rank forwarded, and its own tokens per host
     buf.register(handle[7], {"counts": counts, "upto": counts.numpy().cumsum(0), "fwd": fwd_masks,
@@ -317,46 +316,32 @@ def dispatch(buf, a: dict):
     return recv_x, out.get("i"), out.get("w"), lst, handle
 
 
-def handle_fields(in_rank: torch.Tensor, hosts: list[list[int]], host_of: list[int], me: int, counts: torch.Tensor,
-                  src_idx: torch.Tensor, T_of: list[int], C: int) -> tuple:
+def handle_fields(w, in_rank: torch.Tensor, counts: torch.Tensor, src_idx: torch.Tensor, T_of: list[int],
+                  C: int) -> tuple:
     """DeepEP's internode handle: ``(is_token_in_rank, rdma_channel_prefix_matrix [H, C],
     gbl_channel_prefix_matrix [R, C], recv_rdma_channel_prefix_matrix [H, C], recv_rdma_rank_prefix_sum [H],
     recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum [R], recv_src_idx [rows] int32,
     send_rdma_head [T, H], send_nvl_head [T, R])`` (``docs/ep-internode.md`` defines each here), from the sender's
-    routing ``in_rank`` ``[T, R]``, the op's ``counts`` ``[R, R]`` (source, destination), this rank's received
-    source tokens ``src_idx`` and every sender's token count ``T_of`` (numpy inside: about twenty small arrays,
-    where torch's per-call cost dominates)."""
-    R, H = len(host_of), len(hosts)
-    a = in_rank.numpy()
-    in_host = np.stack([a[:, r].any(1) for r in hosts], 1) if a.shape[0] else np.zeros((0, H), dtype=bool)
-    mine = counts[:, me].numpy()
-    n = int(mine.sum())
-    src = src_idx[:n].numpy().astype(np.int64)
-    owner = np.repeat(np.arange(R), mine)
-    per = np.array([max(-(-t // C), 1) for t in T_of], dtype=np.int64)
-    chan = np.minimum(src // per[owner], C - 1)
-    by_chan = np.bincount(owner * C + chan, minlength=R * C).reshape(R, C).astype(np.int64)
-    recv_gbl_chan = (by_chan.cumsum(1) - by_chan).astype(np.int32)
-    onehot = (np.asarray(host_of)[None, :] == np.arange(H)[:, None]).astype(np.int64)
-    host_sum = onehot @ by_chan
-    t = torch.from_numpy
-    return (in_rank, t(_channel_prefix(in_host, C)), t(_channel_prefix(a, C)), t(host_sum.cumsum(1).astype(np.int32)),
-            t(host_sum.sum(1).cumsum(0).astype(np.int32)), t(recv_gbl_chan), t(mine.cumsum(0).astype(np.int32)),
-            src_idx, t(_send_head(in_host)), t(_send_head(a)))
-
-
-def _channel_prefix(a: np.ndarray, C: int) -> np.ndarray:
-    """:func:`.reference.channel_prefix` in numpy (channel ``c``: tokens ``[c * ceil(T / C), (c + 1) * ...)``)."""
-    T, R = a.shape
-    per = max(-(-T // C), 1)
-    counts = np.zeros((C, R), dtype=np.int64)
-    if T:
-        starts = np.arange(0, T, per)
-        counts[:starts.size] = np.add.reduceat(a.astype(np.int64), starts, axis=0)
-    return np.ascontiguousarray(counts.cumsum(0).T).astype(np.int32)
-
-
-def _send_head(a: np.ndarray) -> np.ndarray:
-    """:func:`.reference.send_head` in numpy: a token's position among those sent to each column (-1: not)."""
-    pos = a.astype(np.int32).cumsum(0, dtype=np.int32) - 1
-    return np.where(a, pos, np.int32(-1))
+    routing ``in_rank`` ``[T, R]`` (bool, contiguous), the op's ``counts`` ``[R, R]`` (source, destination), this
+    rank's received source tokens ``src_idx`` and every sender's token count ``T_of``, over the hosts of ``w`` (a
+    :class:`~.wire.HostWire`): one native pass (``ep_hosts_handle``)."""
+    R, H, T = w.R, w.H, in_rank.size(0)
+    i32 = torch.int32
+    out = [torch.empty(H, C, dtype=i32), torch.empty(R, C, dtype=i32), torch.empty(H, C, dtype=i32),
+           torch.empty(H, dtype=i32), torch.empty(R, C, dtype=i32), torch.empty(R, dtype=i32),
+           torch.empty(T, H, dtype=i32), torch.empty(T, R, dtype=i32)]
+    counts = counts.contiguous()
+    T_of_t = torch.tensor(T_of, dtype=torch.int64)
+    scratch = torch.empty(R * C, dtype=torch.int64)
+    a = _HANDLE(T=T, R=R, H=H, C=C, me=w.me, in_rank=in_rank.data_ptr(), host_of=w.host_table.data_ptr(),
+                counts=counts.data_ptr(), src_idx=src_idx.data_ptr(), T_of=T_of_t.data_ptr(), scratch=scratch.data_ptr(),
+                rdma_chan_out=out[0].data_ptr(), gbl_chan_out=out[1].data_ptr(), recv_rdma_chan_out=out[2].data_ptr(),
+                recv_rdma_rank_out=out[3].data_ptr(), recv_gbl_chan_out=out[4].data_ptr(),
+                recv_gbl_rank_out=out[5].data_ptr(), rdma_head_out=out[6].data_ptr(), nvl_head_out=out[7].data_ptr())
+    rc = _call(w.caps.hosts_handle, a)
+    if rc < -1:
+        raise ZbcclRemoteError(f"dispatch: rank {-rc - 2} sent a row with a negative source token, expected tokens >= 0",
+                               ranks=(-rc - 2,))
+    if rc != 0:
+        raise AssertionError(f"dispatch: the handle kernel refused R={R}, H={H}, C={C}")  # internal: checked before
+    return (in_rank, *out[:6], src_idx, out[6], out[7])

@@ -93,6 +93,9 @@ EP_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "zb_ep_hosts_pack": (("T", "R", "H", "in_rank", "host_of", "bit_of", "K", "nbytes", "idx_at", "w_at", "s_at",
                           "srow", "x_at", "xrow", "x", "s", "idx", "w", "dst", "counts_out", "toks_out", "masks_out"),
                          ()),
+    "zb_ep_hosts_handle": (("T", "R", "H", "C", "me", "in_rank", "host_of", "counts", "src_idx", "T_of", "scratch",
+                            "rdma_chan_out", "gbl_chan_out", "recv_rdma_chan_out", "recv_rdma_rank_out",
+                            "recv_gbl_chan_out", "recv_gbl_rank_out", "rdma_head_out", "nvl_head_out"), ()),
 }
 #: Every struct Python passes to C by address (int64 fields, in order): C name -> fields (an EP block's row
 #: is ``<name>_row``).

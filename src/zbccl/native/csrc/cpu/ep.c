@@ -322,6 +322,102 @@ i64 zbk_ep_hosts_pack(const void *args) {
     return total;
 }
 
+/* Column prefix of channels: out[j * C + c] = rows t < end of channel c (tokens [c * per, (c + 1) * per), per =
+ * ceil(T / C) at least 1) with bit j set in row t of `cols` (a [T, ncol] bool or, with `host_of`, the any-of-host
+ * reduction of a [T, R] bool into ncol hosts). */
+static void channel_prefix(int32_t *out, const uint8_t *a, i64 T, i64 R, i64 ncol, const i64 *host_of, i64 C) {
+    i64 per = T ? (T + C - 1) / C : 1, at = 0;
+    if (per < 1) per = 1;
+    memset(out, 0, (size_t)(ncol * C) * sizeof(int32_t));
+    int32_t run[ZB_MAXW];
+    for (i64 j = 0; j < ncol; j++) run[j] = 0;
+    for (i64 c = 0; c < C; c++) {
+        for (i64 end = (c + 1) * per < T ? (c + 1) * per : T; at < end; at++) {
+            if (host_of) {
+                uint8_t seen[ZB_MAXW] = {0};
+                for (i64 r = 0; r < R; r++)
+                    if (a[at * R + r] && !seen[host_of[r]]) seen[host_of[r]] = 1, run[host_of[r]]++;
+            } else {
+                for (i64 j = 0; j < ncol; j++) run[j] += a[at * R + j] != 0;
+            }
+        }
+        for (i64 j = 0; j < ncol; j++) out[j * C + c] = run[j];
+    }
+}
+
+/* ep_hosts_handle(zb_ep_hosts_handle: T, R, H, C, me, in_rank (bool [T, R]), host_of (int64 [R]), counts (int64
+ * [R, R], source x destination), src_idx (int32: this rank's received rows' source tokens, by source), T_of (int64
+ * [R]: each sender's tokens), scratch (int64 [R * C]), then the outputs, int32: rdma_chan_out [H, C], gbl_chan_out
+ * [R, C], recv_rdma_chan_out [H, C], recv_rdma_rank_out [H], recv_gbl_chan_out [R, C], recv_gbl_rank_out [R],
+ * rdma_head_out [T, H], nvl_head_out [T, R]).
+ * DeepEP's internode handle fields (docs/ep-internode.md defines each): the sender's channel prefixes over its
+ * tokens bound for each host and rank, the receiver's per-source channel counts of its rows (a row of source r is
+ * in channel min(token / ceil(T_of[r] / C), C - 1)) summed per host, and each token's position among those sent to
+ * each host and rank (-1: not sent). Returns 0; -1 for sizes out of range (R > ZB_MAXW, H > R, C < 1); or -(2 + r)
+ * for the first source r with a negative source token (nothing is then counted past the scratch). */
+i64 zbk_ep_hosts_handle(const void *args) {
+    const zb_ep_hosts_handle *a = args;
+    i64 T = a->T, R = a->R, H = a->H, C = a->C, me = a->me;
+    const uint8_t *in_rank = PTR(const uint8_t *, a->in_rank);
+    const i64 *host_of = PTR(const i64 *, a->host_of), *counts = PTR(const i64 *, a->counts);
+    const i64 *T_of = PTR(const i64 *, a->T_of);
+    const int32_t *src = PTR(const int32_t *, a->src_idx);
+    i64 *by_chan = PTR(i64 *, a->scratch);
+    if (R > ZB_MAXW || H > R || C < 1) return -1;
+    channel_prefix(PTR(int32_t *, a->rdma_chan_out), in_rank, T, R, H, host_of, C);
+    channel_prefix(PTR(int32_t *, a->gbl_chan_out), in_rank, T, R, R, NULL, C);
+    memset(by_chan, 0, (size_t)(R * C) * sizeof(i64));
+    int32_t *recv_gbl_rank = PTR(int32_t *, a->recv_gbl_rank_out);
+    i64 row = 0, sum = 0;
+    for (i64 r = 0; r < R; r++) {
+        i64 n = counts[r * R + me], per = (T_of[r] + C - 1) / C;
+        if (per < 1) per = 1;
+        for (i64 i = 0; i < n; i++, row++) {
+            if (src[row] < 0) return -(2 + r);
+            i64 c = src[row] / per;
+            by_chan[r * C + (c < C - 1 ? c : C - 1)]++;
+        }
+        sum += n;
+        recv_gbl_rank[r] = (int32_t)sum;
+    }
+    int32_t *recv_gbl_chan = PTR(int32_t *, a->recv_gbl_chan_out), *recv_rdma_chan = PTR(int32_t *, a->recv_rdma_chan_out);
+    int32_t *recv_rdma_rank = PTR(int32_t *, a->recv_rdma_rank_out);
+    memset(recv_rdma_chan, 0, (size_t)(H * C) * sizeof(int32_t));
+    for (i64 r = 0; r < R; r++) {
+        i64 run = 0;
+        for (i64 c = 0; c < C; c++) {
+            recv_gbl_chan[r * C + c] = (int32_t)run;
+            run += by_chan[r * C + c];
+        }
+    }
+    for (i64 h = 0; h < H; h++) {
+        i64 run = 0;
+        for (i64 c = 0; c < C; c++) {
+            for (i64 r = 0; r < R; r++)
+                if (host_of[r] == h) run += by_chan[r * C + c];
+            recv_rdma_chan[h * C + c] = (int32_t)run;
+        }
+    }
+    i64 total = 0;
+    for (i64 h = 0; h < H; h++) {
+        total += recv_rdma_chan[h * C + C - 1];
+        recv_rdma_rank[h] = (int32_t)total;
+    }
+    int32_t *rdma_head = PTR(int32_t *, a->rdma_head_out), *nvl_head = PTR(int32_t *, a->nvl_head_out);
+    int32_t pos_h[ZB_MAXW], pos_r[ZB_MAXW];
+    for (i64 j = 0; j < R; j++) pos_h[j] = pos_r[j] = 0;
+    for (i64 t = 0; t < T; t++) {
+        uint8_t seen[ZB_MAXW] = {0};
+        for (i64 r = 0; r < R; r++) {
+            int sent = in_rank[t * R + r] != 0;
+            nvl_head[t * R + r] = sent ? pos_r[r]++ : -1;
+            if (sent) seen[host_of[r]] = 1;
+        }
+        for (i64 h = 0; h < H; h++) rdma_head[t * H + h] = seen[h] ? pos_h[h]++ : -1;
+    }
+    return 0;
+}
+
 /* ep_ll_plan(zb_ep_ll_plan: T, K, E, idx (int64 [T, K]), counts_out (int64 [E]), tokens_out (int64 [T * K]),
  * slots_out (int64 [T * K]), err_out (int64 [2])). The low-latency dispatch's plan in one pass (a counting
  * sort): the valid (token, slot) pairs sorted by expert, then slot (so by token), with counts per expert;

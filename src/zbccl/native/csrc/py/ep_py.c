@@ -51,6 +51,7 @@ BIND(ep_ll_addrs, 1)
 BIND(ep_ll_combine, 1)
 BIND(ep_hosts_recv, 1)
 BIND(ep_hosts_pack, 1)
+BIND(ep_hosts_handle, 1)
 #undef BIND
 
 #define FASTCALL(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
@@ -85,6 +86,10 @@ static PyMethodDef ep_methods[] = {
     FASTCALL(ep_hosts_pack,
              "ep_hosts_pack(args_ptr) -> rows, or -1 (a bad host table): a dispatch's send side across hosts, the "
              "tokens bound for each host with their routing masks, packed into one send block (cpu/ep.c)."),
+    FASTCALL(ep_hosts_handle,
+             "ep_hosts_handle(args_ptr) -> 0, -1 (sizes out of range) or -(2 + source) (a received row with a negative "
+             "source token): "
+             "DeepEP's internode handle fields of a dispatch across hosts (cpu/ep.c)."),
     {NULL, NULL, 0, NULL},
 };
 
