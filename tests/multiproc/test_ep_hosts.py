@@ -543,3 +543,15 @@ def test_namespace_hosts_2x2_and_a_cut_link():
             # with their host
             assert got["error"] == "ZbcclRemoteError" and set(got["ranks"]) <= set(HOSTS_2X2[other]), got
             assert ("died" in got["text"] or "called finalize" in got["text"]) and addrs[other] in got["text"], got
+
+
+def _ll_reference_across(ctx):
+    """The one-host low-latency cases (fp8 in both scale layouts, ue8m0, a masked rank) between two hosts."""
+    from tests.multiproc.test_ep_ll_native import _dispatch_matches
+
+    os.environ["ZBCCL_HOST_ID"] = f"ep-host-{ctx.rank}"
+    return _dispatch_matches(ctx)
+
+
+def test_low_latency_2x1_scales_and_a_masked_rank_are_the_reference():
+    assert all(run_world(_ll_reference_across, 2, timeout=120))

@@ -3,6 +3,8 @@ native receive, and DeepEP's internode handle (numpy inside), against their defi
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 import torch
@@ -222,3 +224,70 @@ def test_native_receive_refuses_a_block_that_disagrees_with_its_header(delta):
         internode._outputs(buf, [head, None], rows, sources, {"H": H})
     assert exc.value.ranks == (2,)
     assert all(bool((b[-1] == 7).all()) for b in buf.wire.blocks)
+
+
+def _ll_part(counts: list[int], s: int, xrow: int, srow: int) -> torch.Tensor:
+    """A low-latency part: the per-expert counts, then one row per pair ``[token][scales][x]`` = f(source, row)."""
+    n, row = sum(counts), 8 + srow + xrow
+    rows = (torch.arange(n * row, dtype=torch.int64).view(n, row) * 7 + 100 * s).remainder(251).to(torch.uint8)
+    rows[:, :8] = (torch.arange(n, dtype=torch.int64) * 10 + s).view(n, 1).view(torch.uint8)
+    return torch.cat([torch.tensor(counts, dtype=torch.int64).view(torch.uint8), rows.flatten()])
+
+
+def _ll_recv(parts: list, L: int, N: int, xrow: int, srow: int, dropped: int = 0):
+    from zbccl import native
+    from zbccl.native import abi
+
+    head, row = abi.ep_args("zb_ep_hosts_ll_recv")
+    out = {"x": torch.zeros(L, N, xrow, dtype=torch.uint8), "info": torch.full((L, N), -1, dtype=torch.int32),
+           "s": torch.zeros(L, srow // 4, N, dtype=torch.float32).transpose(1, 2),
+           "layout": torch.zeros(L, len(parts), dtype=torch.int64), "count": torch.zeros(L, dtype=torch.int32),
+           "err": torch.zeros(2, dtype=torch.int64)}
+    st = out["s"].stride()
+    vals = head(nsrc=len(parts), L=L, N=N, xrow=xrow, srow=srow, x_dst=out["x"].data_ptr(),
+                info_dst=out["info"].data_ptr(), s_dst=out["s"].data_ptr(), s_le=st[0], s_slot=st[1], s_j=st[2],
+                layout_out=out["layout"].data_ptr(), count_out=out["count"].data_ptr(), err_out=out["err"].data_ptr())
+    for s, (p, n) in enumerate(parts):
+        vals += row(raw=p.data_ptr() if p is not None else 0, n=n, row=8 + srow + xrow, dropped=(dropped >> s) & 1)
+    arr = array("q", vals)
+    return native.core().ep_hosts_ll_recv(arr.buffer_info()[0]), out
+
+
+def test_native_low_latency_receive_places_each_sources_rows_per_expert():
+    """``ep_hosts_ll_recv``: source by source, each expert's rows after the earlier sources' (layout begin << 32 |
+    count), the token, scales (a transposed layout) and x of each; a masked source's rows skipped."""
+    L, N, xrow, srow = 3, 8, 16, 8
+    counts = [[2, 0, 1], [1, 3, 0], [0, 0, 0]]
+    parts = [(_ll_part(c, s, xrow, srow), sum(c)) for s, c in enumerate(counts)]
+    parts[2] = (None, 0)
+    for dropped in (0, 2):
+        rc, out = _ll_recv(parts, L, N, xrow, srow, dropped)
+        assert rc == 0
+        begin = [0] * L
+        for s, c in enumerate(counts):
+            rows = parts[s][0][8 * L:].view(-1, 8 + srow + xrow) if parts[s][0] is not None else None
+            at = 0
+            for e in range(L):
+                take = 0 if (dropped >> s) & 1 else c[e]
+                assert int(out["layout"][e, s]) == begin[e] << 32 | take
+                for i in range(take):
+                    r, slot = rows[at + i], begin[e] + i
+                    assert int(out["info"][e, slot]) == int(r[:8].view(torch.int64))
+                    assert torch.equal(out["x"][e, slot], r[8 + srow:])
+                    assert torch.equal(out["s"][e, slot].contiguous().view(torch.uint8), r[8:8 + srow])
+                begin[e] += take
+                at += c[e]
+        assert out["count"].tolist() == begin
+
+
+@pytest.mark.parametrize("counts,kind", [([2, -1, 1], 1), ([1, 0, 0], 1), ([9, 0, 0], 2)])
+def test_native_low_latency_receive_refuses_a_bad_part(counts, kind):
+    """Counts that are negative or do not add up to the header's rows name their source; an expert given more rows
+    than its slots is refused, naming its source."""
+    L, N, xrow = 3, 8, 16
+    good = _ll_part([1, 0, 0], 0, xrow, 0)
+    n = 2 if kind == 1 else 9  # the rows its header says
+    bad = _ll_part([n, 0, 0], 1, xrow, 0)
+    bad[:8 * L] = torch.tensor(counts, dtype=torch.int64).view(torch.uint8)
+    rc, out = _ll_recv([(good, 1), (bad, n)], L, N, xrow, 0)
+    assert rc == -2 and int(out["err"][0]) == kind

@@ -27,6 +27,7 @@ class Capabilities:
     hosts_recv: Callable[[int], int]
     hosts_pack: Callable[[int], int]
     hosts_handle: Callable[[int], int]
+    hosts_ll_recv: Callable[[int], int]
     copy_many: Callable[[int, int, int], None]
 
     @classmethod

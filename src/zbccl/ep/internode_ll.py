@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from ..native.abi import ep_args
 from ..ops.hosts.flat import copy
 from .exchange import HDR_LEN, F, Fail, heap_empty
 from .fast import _call
@@ -44,6 +45,9 @@ from .low_latency import (
 )
 
 __all__ = ["dispatch", "combine"]
+
+#: The native receive's argument block (abi.EP_ARGS): head, then one row per source rank.
+_LL_RECV, _LL_RECV_ROW = ep_args("zb_ep_hosts_ll_recv")
 
 
 def _close(w, keep: list, flags: int, op: str) -> None:
@@ -170,48 +174,39 @@ def dispatch(buf, x, topk_idx, tmax: int, E: int, stats, wait_stats, flags: int,
 
 def _receive(buf, rows: torch.Tensor, out: dict, L: int, N: int, H: int, drops: int, early: dict) -> None:
     """Read each source's part for this rank (``early``: those that rode in the header round) and place its rows
-    per local expert (by source, then token)."""
+    per local expert (by source, then token): one native pass (``ep_hosts_ll_recv``) over the parts."""
     w, R, me = buf.wire, buf.wire.R, buf.wire.me
     row = rows[:, F.XROW].tolist()
     srow = int(rows[me, F.SROW])
     xrow = H if out["x"].dtype == torch.float8_e4m3fn else 2 * H
-    begin = [0] * L
-    # numpy, on this thread (see ``internode.Rows.pack``)
-    xb, info = out["x"].view(torch.uint8).view(L, N, xrow).numpy(), out["src_info"].numpy()
-    scales = out["scales"].numpy() if srow else None
+    scales = out.get("scales")
+    held, table = [], []
     for s in range(R):
         off, n = _part(rows, s, me)
-        dropped = bool((drops >> s) & 1)
         if n < 0 or row[s] < 8 + srow + xrow:
             raise ZbcclRemoteError(f"low_latency_dispatch: rank {s}'s header is malformed, expected rows >= 0 of >= "
                                    f"{8 + srow + xrow} bytes, got {n} rows of {row[s]}", ranks=(s,))
         raw = early[s] if s in early else w.read(s, off, L * 8 + n * row[s], "low_latency_dispatch") if n else None
-        cnt = raw[:L * 8].view(torch.int64).tolist() if raw is not None else [0] * L
-        if min(cnt, default=0) < 0 or sum(cnt) != n:
-            raise ZbcclRemoteError(f"low_latency_dispatch: rank {s}'s counts disagree with its rows, expected {n} in "
-                                   f"all, got {cnt}", ranks=(s,))
-        if dropped:
-            cnt = [0] * L
-        part = raw[L * 8:].view(n, row[s]).numpy() if raw is not None and n else None
-        at = 0
-        for le in range(L):
-            c, b = cnt[le], begin[le]
-            out["layout"][le, s] = b << 32 | c
-            if not c:
-                continue
-            if b + c > N:
-                raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected "
-                                             f"at most {N}, got {b + c}", ranks=tuple(range(R)))
-            rs = part[at:at + c]
-            xb[le, b:b + c] = rs[:, 8 + srow:8 + srow + xrow]
-            info[le, b:b + c] = rs[:, :8].copy().view(np.int64)[:, 0]
-            if srow:
-                scales[le, b:b + c] = rs[:, 8:8 + srow].copy().view(scales.dtype)
-            begin[le], at = b + c, at + c
+        held.append(raw)
+        table += _LL_RECV_ROW(raw=raw.data_ptr() if raw is not None else 0, n=n, row=row[s], dropped=(drops >> s) & 1)
         w.moved += n * row[s]
         if w.host_of[s] != w.my_host:
             w.stats["rdma_recv_bytes"] += n * row[s]
-    out["count"].copy_(torch.tensor(begin, dtype=torch.int32))
+    err = torch.zeros(2, dtype=torch.int64)
+    st = scales.stride() if scales is not None else (0, 0, 0)
+    a = _LL_RECV(nsrc=R, L=L, N=N, xrow=xrow, srow=srow, x_dst=out["x"].data_ptr(), info_dst=out["src_info"].data_ptr(),
+                 s_dst=scales.data_ptr() if scales is not None else 0, s_le=st[0], s_slot=st[1], s_j=st[2],
+                 layout_out=out["layout"].data_ptr(), count_out=out["count"].data_ptr(), err_out=err.data_ptr())
+    rc = _call(w.caps.hosts_ll_recv, a + table)
+    if rc < 0:
+        s, (kind, value) = -rc - 1, err.tolist()
+        if kind == 2:
+            raise ZbcclInvalidUsageError(f"low_latency_dispatch: more rows for one expert than its slots, expected at "
+                                         f"most {N} for local expert {value}, got more from rank {s}",
+                                         ranks=tuple(range(R)))
+        got = f"a negative count ({value})" if value < 0 else f"{value} in all"
+        raise ZbcclRemoteError(f"low_latency_dispatch: rank {s}'s counts disagree with its rows, expected "
+                               f"{_part(rows, s, me)[1]} in all, got {got}", ranks=(s,))
 
 
 # ---------------------------------------------------------------------------------------------- combine

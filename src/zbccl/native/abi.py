@@ -96,6 +96,8 @@ EP_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "zb_ep_hosts_handle": (("T", "R", "H", "C", "me", "in_rank", "host_of", "counts", "src_idx", "T_of", "scratch",
                             "rdma_chan_out", "gbl_chan_out", "recv_rdma_chan_out", "recv_rdma_rank_out",
                             "recv_gbl_chan_out", "recv_gbl_rank_out", "rdma_head_out", "nvl_head_out"), ()),
+    "zb_ep_hosts_ll_recv": (("nsrc", "L", "N", "xrow", "srow", "x_dst", "info_dst", "s_dst", "s_le", "s_slot", "s_j",
+                             "layout_out", "count_out", "err_out"), ("raw", "n", "row", "dropped")),
 }
 #: Every struct Python passes to C by address (int64 fields, in order): C name -> fields (an EP block's row
 #: is ``<name>_row``).

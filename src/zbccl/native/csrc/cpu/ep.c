@@ -418,6 +418,67 @@ i64 zbk_ep_hosts_handle(const void *args) {
     return 0;
 }
 
+/* ep_hosts_ll_recv(zb_ep_hosts_ll_recv: nsrc (sources, in rank order), L (local experts), N (slots per expert), xrow,
+ * srow (bytes of x and of the scales per row), x_dst ([L, N, xrow] bytes), info_dst (int32 [L, N]), s_dst (the
+ * scales, 4-byte elements, 0: none) with its strides in elements s_le, s_slot, s_j, layout_out (int64 [L, nsrc]),
+ * count_out (int32 [L]), err_out (int64 [2]); then per source a row: raw (its part: int64 [L] counts, then n rows
+ * of `row` bytes, [source token int64][scales][x] in expert order; 0 when n is 0), n, row, dropped (its rows are
+ * not taken: a masked sender)).
+ * The low-latency dispatch's receive across hosts: each source's rows for local expert e go to slots
+ * [begin_e, begin_e + c) of e, after the earlier sources' (layout_out[e, s] = begin << 32 | c; count_out: the
+ * slots filled). Returns 0, or -(1 + s) for the first source s whose part is wrong: err_out = (1, first bad count)
+ * when its counts are negative or do not sum to n, (2, expert) when an expert gets more rows than its N slots. */
+i64 zbk_ep_hosts_ll_recv(const void *args) {
+    const zb_ep_hosts_ll_recv *a = args;
+    const zb_ep_hosts_ll_recv_row *src = ROWS(a, zb_ep_hosts_ll_recv_row);
+    i64 nsrc = a->nsrc, L = a->L, N = a->N, xrow = a->xrow, srow = a->srow;
+    char *x_dst = PTR(char *, a->x_dst);
+    int32_t *info = PTR(int32_t *, a->info_dst), *count = PTR(int32_t *, a->count_out);
+    uint32_t *s_dst = PTR(uint32_t *, a->s_dst);
+    i64 *layout_out = PTR(i64 *, a->layout_out), *err = PTR(i64 *, a->err_out);
+    for (i64 e = 0; e < L; e++) count[e] = 0;
+    for (i64 s = 0; s < nsrc; s++) {
+        const char *raw = PTR(const char *, src[s].raw);
+        i64 n = src[s].n, row = src[s].row, sum = 0;
+        for (i64 e = 0; e < L && raw; e++) {
+            i64 c;
+            memcpy(&c, raw + 8 * e, 8);
+            if (c < 0) {
+                err[0] = 1, err[1] = c;
+                return -(1 + s);
+            }
+            sum += c;
+        }
+        if (sum != n) {
+            err[0] = 1, err[1] = sum;
+            return -(1 + s);
+        }
+        const char *rows = raw ? raw + 8 * L : NULL;
+        for (i64 e = 0; e < L; e++) {
+            i64 c = 0, b = count[e];
+            if (raw) memcpy(&c, raw + 8 * e, 8);
+            i64 take = src[s].dropped ? 0 : c;  /* a masked sender's rows are skipped */
+            layout_out[e * nsrc + s] = b << 32 | take;
+            if (b + take > N) {
+                err[0] = 2, err[1] = e;
+                return -(1 + s);
+            }
+            for (i64 i = 0; i < take; i++) {
+                const char *r = rows + i * row;
+                i64 token;
+                memcpy(&token, r, 8);
+                info[e * N + b + i] = (int32_t)token;
+                memcpy(x_dst + (e * N + b + i) * xrow, r + 8 + srow, (size_t)xrow);
+                for (i64 j = 0; j < srow / 4; j++)
+                    memcpy(s_dst + e * a->s_le + (b + i) * a->s_slot + j * a->s_j, r + 8 + 4 * j, 4);
+            }
+            if (c) rows += c * row;
+            count[e] = (int32_t)(b + take);
+        }
+    }
+    return 0;
+}
+
 /* ep_ll_plan(zb_ep_ll_plan: T, K, E, idx (int64 [T, K]), counts_out (int64 [E]), tokens_out (int64 [T * K]),
  * slots_out (int64 [T * K]), err_out (int64 [2])). The low-latency dispatch's plan in one pass (a counting
  * sort): the valid (token, slot) pairs sorted by expert, then slot (so by token), with counts per expert;

@@ -19,5 +19,6 @@ i64 zbk_ep_ll_combine(const void *args);
 i64 zbk_ep_hosts_recv(const void *args);
 i64 zbk_ep_hosts_pack(const void *args);
 i64 zbk_ep_hosts_handle(const void *args);
+i64 zbk_ep_hosts_ll_recv(const void *args);
 
 #endif

@@ -52,6 +52,7 @@ BIND(ep_ll_combine, 1)
 BIND(ep_hosts_recv, 1)
 BIND(ep_hosts_pack, 1)
 BIND(ep_hosts_handle, 1)
+BIND(ep_hosts_ll_recv, 1)
 #undef BIND
 
 #define FASTCALL(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
@@ -90,6 +91,9 @@ static PyMethodDef ep_methods[] = {
              "ep_hosts_handle(args_ptr) -> 0, -1 (sizes out of range) or -(2 + source) (a received row with a negative "
              "source token): "
              "DeepEP's internode handle fields of a dispatch across hosts (cpu/ep.c)."),
+    FASTCALL(ep_hosts_ll_recv,
+             "ep_hosts_ll_recv(args_ptr) -> 0, or -(1 + source) (err_out says why): the low-latency dispatch's "
+             "receive across hosts, each source's rows placed per local expert (cpu/ep.c)."),
     {NULL, NULL, 0, NULL},
 };
 
