@@ -204,20 +204,20 @@ i64 zbk_ep_ll_combine(const void *args) {
     return rows * H * 2;
 }
 
-/* ep_hosts_recv(zb_ep_hosts_recv: nsrc (sources that follow), nbytes (bytes per packed row), bit (this rank's bit in a row's routing mask),
- * K, lo, L (this rank's experts are [lo, lo + L)), idx_at, w_at, s_at, srow, x_at, xrow (each field's byte offset
- * in a row, and the scales' and x's widths), n (rows this rank receives), total (output rows: n, or
- * num_worst_tokens), x_dst ([total, xrow] bytes), s_dst ([total, srow] bytes, 0: none), i_dst (int64 [total, K]),
- * w_dst (float [total, K]; both 0 when K is 0), src_dst (int32 [total]), per_expert_out (int64 [L]), err_out
- * (int64 [1]); then per source, in source order, a row: blk (its packed block: [nrows, nbytes], a row being
- * [source token int64][mask int64][idx int64 x K][w float x K][scales][x], internode.Rows), nrows, want (rows of
- * it for this rank, from the headers)).
+/* ep_hosts_recv(zb_ep_hosts_recv: nsrc (sources that follow), nbytes (bytes per packed row), bit (this rank's bit in
+ * a row's routing mask), K, lo, L (this rank's experts are [lo, lo + L)), idx_at, w_at, s_at, srow, x_at, xrow (each
+ * field's byte offset in a row, and the scales' and x's widths), n (rows this rank receives), total (output rows: n,
+ * or num_worst_tokens), x_dst ([total, xrow] bytes), s_dst ([total, srow] bytes, 0: none), i_dst (int64 [total, K]),
+ * w_dst (float [total, K]; both 0 when K is 0), src_dst (int32 [total]), per_expert_out (int64 [L]), err_out (int64
+ * [1]); then per source, in source order, a row: blk (its packed block: [nrows, nbytes], a row being [source token
+ * int64][mask int64][idx int64 x K][w float x K][scales][x], internode.Rows), nrows, want (rows of it for this rank,
+ * from the headers)).
  * The dispatch's receive across hosts in one pass: each row whose mask holds `bit`, in block order, into the next
- * output row: x and scales as bytes, the top-k ids as local experts (id - lo, -1 when not this rank's), the
- * weights (0 where the id is not this rank's), the source token; rows n..total get ids -1, weights 0, source -1.
- * Counts the local experts' rows into per_expert_out. A block never makes it write past its `want` rows.
- * Returns n, or -(1 + j) for the first source j whose block holds another number of rows for this rank than its
- * `want` (err_out[0]: how many it holds, or want + 1 once it holds more). */
+ * output row: x and scales as bytes, the top-k ids as local experts (id - lo, -1 when not this rank's), the weights
+ * (0 where the id is not this rank's), the source token; rows n..total get ids -1, weights 0, source -1. Counts the
+ * local experts' rows into per_expert_out. A block never makes it write past its `want` rows. Returns n, or -(1 + j)
+ * for the first source j whose block holds another number of rows for this rank than its `want` (err_out[0]: how
+ * many it holds, or want + 1 once it holds more). */
 i64 zbk_ep_hosts_recv(const void *args) {
     const zb_ep_hosts_recv *a = args;
     const zb_ep_hosts_recv_row *src = ROWS(a, zb_ep_hosts_recv_row);
@@ -380,7 +380,8 @@ i64 zbk_ep_hosts_handle(const void *args) {
         sum += n;
         recv_gbl_rank[r] = (int32_t)sum;
     }
-    int32_t *recv_gbl_chan = PTR(int32_t *, a->recv_gbl_chan_out), *recv_rdma_chan = PTR(int32_t *, a->recv_rdma_chan_out);
+    int32_t *recv_gbl_chan = PTR(int32_t *, a->recv_gbl_chan_out);
+    int32_t *recv_rdma_chan = PTR(int32_t *, a->recv_rdma_chan_out);
     int32_t *recv_rdma_rank = PTR(int32_t *, a->recv_rdma_rank_out);
     memset(recv_rdma_chan, 0, (size_t)(H * C) * sizeof(int32_t));
     for (i64 r = 0; r < R; r++) {
