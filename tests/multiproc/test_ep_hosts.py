@@ -553,5 +553,21 @@ def _ll_reference_across(ctx):
     return _dispatch_matches(ctx)
 
 
-def test_low_latency_2x1_scales_and_a_masked_rank_are_the_reference():
+def _ll_logfmt_across(ctx):
+    """The one-host LogFMT combine case between two hosts."""
+    import zbccl
+    import zbccl.ep as deep_ep
+    from tests.multiproc.test_ep_low_latency import _logfmt
+
+    comm = _init(ctx, [[0], [1]])
+    buffer = deep_ep.Buffer(comm, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
+    assert buffer.wire is not None
+    _logfmt(buffer, comm)
+    buffer.destroy()
+    zbccl.finalize()
+    return True
+
+
+def test_low_latency_2x1_scales_a_masked_rank_and_logfmt_are_the_reference():
     assert all(run_world(_ll_reference_across, 2, timeout=120))
+    assert all(run_world(_ll_logfmt_across, 2, timeout=120))

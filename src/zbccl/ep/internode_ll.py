@@ -299,10 +299,11 @@ def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: in
     off = torch.zeros(E + 1, dtype=torch.int64)
     off[1:] = torch.bincount(experts, minlength=E).cumsum(0)
     skip = plan["skip"] | buf._mask.bool()  # DeepEP drops the slots of masked owners
-    # the rows of every pair (numpy, on this thread: see ``internode.Rows.pack``; zeros where an owner is skipped)
-    gotn = np.zeros((tokens.numel(), H), dtype=np.int16)
-    got = torch.from_numpy(gotn).view(torch.bfloat16)
+    # where each owner's rows lie (read in place: a slot of the header round, a local owner's block, or one transfer);
+    # ``base[p]``: the address of pair p's owner's rows, less p's index among all pairs (so row p is base[p] + p * row)
+    base = torch.zeros(tokens.numel(), dtype=torch.int64)
     valid = torch.ones(tokens.numel(), dtype=torch.bool)
+    parts = []
     for o in range(R):
         lo, hi = int(off[o * L]), int(off[(o + 1) * L])
         if skip[o]:
@@ -314,7 +315,8 @@ def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: in
                                    f"got {n}", ranks=(o,))
         if n:
             raw = early[o] if o in early else w.read(o, at, n * H * 2, "low_latency_combine")
-            gotn[lo:hi] = raw.view(torch.int16).view(n, H).numpy()
+            parts.append((lo, hi, raw))
+            base[lo:hi] = raw.data_ptr() - lo * H * 2
             w.moved += n * H * 2
             if w.host_of[o] != w.my_host:
                 w.stats["rdma_recv_bytes"] += n * H * 2
@@ -330,13 +332,19 @@ def _reduce(buf, rows: torch.Tensor, plan: dict, wt: torch.Tensor, E: int, H: in
         sel = valid.nonzero().flatten()
         at = tokens[sel] * K + occ[sel]
         addr, wk = torch.zeros(T * K, dtype=torch.int64), torch.zeros(T * K, dtype=torch.float32)
-        addr[at] = got.data_ptr() + sel * (H * 2)
+        addr[at] = base[sel] + sel * (H * 2)
         wk[at] = wt.reshape(-1)[slots[sel]]
         out = torch.empty(T, H, dtype=torch.bfloat16)
         scratch = torch.empty(H, dtype=torch.float32)
         _call(w.caps.ll_combine, _LL_COMBINE(T=T, K=K, H=H, dst=out.data_ptr(), src=addr.data_ptr(), w=wk.data_ptr(),
-                                             acc=scratch.data_ptr()))
+                                             acc=scratch.data_ptr()))  # (``parts`` keeps every row alive)
         return out
+    # the rows of every pair in one tensor (numpy, on this thread: see ``internode.Rows.pack``; zeros where an owner
+    # is skipped)
+    gotn = np.zeros((tokens.numel(), H), dtype=np.int16)
+    for lo, hi, raw in parts:
+        gotn[lo:hi] = raw.view(torch.int16).view(hi - lo, H).numpy()
+    got = torch.from_numpy(gotn).view(torch.bfloat16)
     rows_f = logfmt_roundtrip(got).float() * wt.reshape(-1)[slots].unsqueeze(1)
     acc = torch.zeros(T, H, dtype=torch.float32)
     for j in range(int(occ.max()) + 1 if occ.numel() else 0):
