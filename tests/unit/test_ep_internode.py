@@ -1,5 +1,6 @@
-"""Pure logic of EP across hosts: the per-host token unions and masks and the packed dispatch rows (native), the
-native receive, and DeepEP's internode handle (numpy inside), against their definitions in torch."""
+"""The native local steps of EP across hosts against their definitions in torch: the per-host token unions and
+masks, the packed dispatch rows, the receive, DeepEP's internode handle and the low-latency receive, and their
+refusals of blocks that disagree with their senders' headers."""
 
 from __future__ import annotations
 
