@@ -4,8 +4,6 @@ refusals of blocks that disagree with their senders' headers."""
 
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
 import pytest
 import torch
@@ -237,6 +235,7 @@ def _ll_part(counts: list[int], s: int, xrow: int, srow: int) -> torch.Tensor:
 
 def _ll_recv(parts: list, L: int, N: int, xrow: int, srow: int, dropped: int = 0):
     from zbccl import native
+    from zbccl.ep.fast import _call
     from zbccl.native import abi
 
     head, row = abi.ep_args("zb_ep_hosts_ll_recv")
@@ -250,8 +249,7 @@ def _ll_recv(parts: list, L: int, N: int, xrow: int, srow: int, dropped: int = 0
                 layout_out=out["layout"].data_ptr(), count_out=out["count"].data_ptr(), err_out=out["err"].data_ptr())
     for s, (p, n) in enumerate(parts):
         vals += row(raw=p.data_ptr() if p is not None else 0, n=n, row=8 + srow + xrow, dropped=(dropped >> s) & 1)
-    arr = array("q", vals)
-    return native.core().ep_hosts_ll_recv(arr.buffer_info()[0]), out
+    return _call(native.core().ep_hosts_ll_recv, vals), out
 
 
 def test_native_low_latency_receive_places_each_sources_rows_per_expert():

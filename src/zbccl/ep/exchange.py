@@ -314,10 +314,10 @@ class Exchange:
         self.sync(op, int(fields[F.OP]), int(fields[F.SEQ]), PHASE_DONE)
 
     # ------------------------------------------------------------------ the peer side
-    def addr(self, r: int, offset: int, nbytes: int) -> int:
-        """Native-core address of ``offset`` in group rank ``r``'s heap (bounds-checked), for the row tables
-        that native code copies (``prims.copy_many``, the fast EP kernels)."""
-        return self.comm.heap.addr(self.comm.ranks[r], offset, nbytes, op="ep")
+    def addr(self, r: int, offset: int, nbytes: int, op: str = "ep") -> int:
+        """Native-core address of ``offset`` in group rank ``r``'s heap (bounds-checked; a rank of this host),
+        for the row tables that native code reads (``prims.copy_many``, the EP kernels); ``op`` names errors."""
+        return self.comm.heap.addr(self.comm.ranks[r], int(offset), int(nbytes), op=op)
 
     def view(self, r: int, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """Zero-copy, bounds-checked view of rank ``r``'s published bytes."""

@@ -260,8 +260,7 @@ def _outputs(buf, rl: list, layout: Rows, sources: list, loc: dict) -> dict:
     err = torch.zeros(1, dtype=torch.int64)
     a = _RECV(nsrc=len(sources), nbytes=layout.nbytes, bit=w.local_index[me], K=K, lo=me * L, L=L, idx_at=layout.idx,
               w_at=layout.w, s_at=layout.s, srow=h[F.SROW], x_at=layout.x, xrow=layout.xrow, n=n, total=total,
-              x_dst=out["x"].data_ptr(), s_dst=s.data_ptr() if s is not None else 0,
-              i_dst=i.data_ptr() if K else 0, w_dst=wt.data_ptr() if K else 0, src_dst=src_idx.data_ptr(),
+              x_dst=out["x"].data_ptr(), s_dst=_ptr(s), i_dst=_ptr(i), w_dst=_ptr(wt), src_dst=src_idx.data_ptr(),
               per_expert_out=per_expert.data_ptr(), err_out=err.data_ptr())
     for _, blk, rows, want in sources:
         a += _RECV_ROW(blk=blk, nrows=rows, want=want)

@@ -220,11 +220,7 @@ class HostWire:
     #: idle once ``_held`` let it go (at the next header round, when every peer finished reading it).
     reuse = Exchange.reuse
     drop_reused = Exchange.drop_reused
-
-    def addr(self, r: int, offset: int, nbytes: int, op: str) -> int:
-        """Native-core address of ``offset`` in group rank ``r``'s heap (a rank of this host, bounds-checked), for
-        the tables native code reads (the combine's sums): no tensor built."""
-        return self.comm.heap.addr(self.g[r], int(offset), int(nbytes), op=op)
+    addr = Exchange.addr
 
     def view(self, r: int, offset: int, nbytes: int, op: str) -> torch.Tensor:
         """uint8 view of group rank ``r``'s heap (a rank of this host), bounds-checked by the transport."""
