@@ -30,6 +30,7 @@ def test_the_table_takes_the_slowest_rank_and_the_nccl_tests_factors():
     def rank(zb_us, symm_us, wrong=0):
         return {"rows": [{"op": "all_reduce", "bytes": 64 << 20, "memcpy_us": 100.0,
                           "us": {"zbccl": zb_us, "symm_1shot": symm_us, "zb_graph": 10.0, "symm_graph": 15.0},
+                          "host_us": {"zbccl": zb_us / 100, "symm_1shot": symm_us / 100},
                           "wrong": {"zbccl": wrong}}], "errors": []}
 
     lines = gpu.format_table(2, [rank(1000.0, 1500.0), rank(2000.0, 1000.0, wrong=3)])
@@ -41,7 +42,7 @@ def test_the_table_takes_the_slowest_rank_and_the_nccl_tests_factors():
     assert cells[:5] == ["2", "all_reduce", "64 MiB", "2000.0", f"{busbw:.1f}"]
     assert cells[7] == "1500.0" and cells[9:12] == ["-", "10.0", "15.0"]
     assert cells[12] == f"{memcpy:.1f}" and cells[13] == f"{busbw / memcpy:.2f}"
-    assert cells[14:] == ["0.75", "1.50", "3"]
+    assert cells[14:] == ["0.75", "1.50", "20.0 / - / 15.0", "3"]  # host us: the slowest rank's, per column
 
 
 def test_payloads_encode_their_source_and_sum_exactly_in_every_dtype():

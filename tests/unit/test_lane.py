@@ -39,6 +39,7 @@ class Transport:
 def cuda(monkeypatch):
     state = SimpleNamespace(stream=Stream("s0"), capturing=False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state.stream)
+    monkeypatch.setattr(route, "_stream_key", lambda: (0, state.stream.name))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state.capturing)
     return state
 

@@ -133,13 +133,14 @@ def format_table(world: int, ranks: list[dict]) -> list[str]:
     """Markdown rows from every rank's bench result: the slowest rank's median per implementation. ``size``:
     each rank's input bytes; busbw as nccl-tests (all_gather's data size is its output: ``W * size``).
     The graph columns are per op of a captured graph (device time, no host launch cost); the ratios are
-    torch SymmetricMemory one-shot's time over zbccl's (above 1: zbccl faster)."""
+    torch SymmetricMemory one-shot's time over zbccl's (above 1: zbccl faster); ``host us``: the host's time
+    to issue one call (the slowest rank's median)."""
     from .report import algbw_bytes, busbw_factor
 
     head = ("| W | op | size | zbccl us | busbw GB/s | zb 1-shot us | zb 2-shot us | symm 1-shot us | "
             "symm 2-shot us | staged us | zb graph us | symm graph us | memcpy GB/s | busbw/memcpy | "
-            "1-shot/zbccl | graphs 1-shot/zbccl | #wrong |")
-    lines = [head, "|" + "---|" * 17]
+            "1-shot/zbccl | graphs 1-shot/zbccl | host us zbccl / zb 1-shot / symm 1-shot | #wrong |")
+    lines = [head, "|" + "---|" * 18]
     for i, row in enumerate(ranks[0]["rows"]):
         rows = [r["rows"][i] for r in ranks]
         us = {k: max(r["us"].get(k, float("nan")) for r in rows) for k in rows[0]["us"]}
@@ -150,12 +151,14 @@ def format_table(world: int, ranks: list[dict]) -> list[str]:
         busbw = algbw_bytes(row["op"], size, world) * busbw_factor(row["op"], world) / zb / 1e3 if zb else None
         cell = lambda k, us=us: f"{us[k]:.1f}" if k in us else "-"  # noqa: E731
         ratio = f"{us['symm_1shot'] / zb:.2f}" if zb and "symm_1shot" in us else "-"
+        hosts = {k: max(r.get("host_us", {}).get(k, float("nan")) for r in rows) for k in rows[0].get("host_us", {})}
+        host = " / ".join(f"{hosts[k]:.1f}" if k in hosts else "-" for k in ("zbccl", "zb_1shot", "symm_1shot"))
         g_ratio = f"{us['symm_graph'] / us['zb_graph']:.2f}" if "symm_graph" in us and "zb_graph" in us else "-"
         lines.append(f"| {world} | {row['op']} | {_size(size)} | {cell('zbccl')} | "
                      f"{'-' if busbw is None else f'{busbw:.1f}'} | {cell('zb_1shot')} | {cell('zb_2shot')} | "
                      f"{cell('symm_1shot')} | {cell('symm_2shot')} | {cell('staged')} | {cell('zb_graph')} | "
                      f"{cell('symm_graph')} | {memcpy_gbs:.1f} | "
-                     f"{'-' if busbw is None else f'{busbw / memcpy_gbs:.2f}'} | {ratio} | {g_ratio} | {wrong} |")
+                     f"{'-' if busbw is None else f'{busbw / memcpy_gbs:.2f}'} | {ratio} | {g_ratio} | {host} | {wrong} |")
     return lines
 
 

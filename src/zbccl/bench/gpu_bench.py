@@ -16,6 +16,7 @@ repeated in-place sums stay exact.
 from __future__ import annotations
 
 import statistics
+import time
 import traceback
 from collections.abc import Callable
 
@@ -56,15 +57,23 @@ class _Symm:
 
 def _time(rk: Rank, fn: Callable[[], object], iters: int) -> float:
     """Microseconds per call: CUDA events around ``iters`` calls, after a gloo barrier (every wait bounded)."""
+    return _timed(rk, fn, iters)[0]
+
+
+def _timed(rk: Rank, fn: Callable[[], object], iters: int) -> tuple[float, float]:
+    """``(device, host)`` microseconds per call: CUDA events around ``iters`` calls, and the host's own time
+    to issue them (the launch path; it is the op's time wherever it exceeds the kernel's)."""
     rk.finish()
     dist.barrier()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
+    t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    host = time.perf_counter() - t0
     b.record()
     rk.finish()
-    return a.elapsed_time(b) * 1e3 / iters
+    return a.elapsed_time(b) * 1e3 / iters, host * 1e6 / iters
 
 
 def _iters(rk: Rank, fn, quick: bool) -> int:
@@ -245,12 +254,16 @@ def bench(rk: Rank, *, quick: bool, sizes: list[int] | None = None) -> dict:
                 if not _any_failed(error, errors):
                     live[name] = (call, _iters(rk, call, quick))
             samples: dict[str, list[float]] = {k: [] for k in live}
+            host: dict[str, list[float]] = {k: [] for k in live}
             names = list(live)
             for i in range(rounds):
                 for name in names[i % len(names):] + names[:i % len(names)] if names else []:
                     call, iters = live[name]
-                    samples[name].append(_time(rk, call, iters) / getattr(call, "per", 1))
+                    dev_us, host_us = _timed(rk, call, iters)
+                    samples[name].append(dev_us / getattr(call, "per", 1))
+                    host[name].append(host_us / getattr(call, "per", 1))
             row["us"] = {k: statistics.median(v) for k, v in samples.items() if v}
+            row["host_us"] = {k: statistics.median(v) for k, v in host.items() if v}
             rows.append(row)
             del impls, live  # this cell's heap tensors return to the heap before the next one
     return {"rows": rows, "errors": errors}

@@ -98,10 +98,11 @@ class _Lane:
     """A communicator's device ops on one device, the stream of its last op (see "Ordering" above), and the
     peers' mappings it keeps current (see "Growth")."""
 
-    __slots__ = ("stream", "transport", "peers")
+    __slots__ = ("stream", "key", "transport", "peers")
 
     def __init__(self, comm, device: str) -> None:
         self.stream: Any = None
+        self.key: tuple[int, int] | None = None
         self.transport = comm.device_heap(device).transport
         self.peers = [r for r in comm.ranks if r != comm.global_rank]
 
@@ -121,12 +122,19 @@ def lane(comm, device: str, op: str):
     capture = torch.cuda.is_current_stream_capturing()
     if ln.transport is not None:
         _mapped(ln, op, capture)
-    cur = torch.cuda.current_stream()
-    prev = ln.stream
-    if prev is not None and prev != cur and not capture:
-        cur.wait_stream(prev)
-    ln.stream = cur
+    key = _stream_key()
+    if key != ln.key:  # the stream changed (a torch Stream object costs microseconds: made only then)
+        cur = torch.cuda.current_stream()
+        if ln.stream is not None and not capture:
+            cur.wait_stream(ln.stream)
+        ln.stream, ln.key = cur, key
     return ops
+
+
+def _stream_key() -> tuple[int, int]:
+    """The current CUDA stream, as ``(device, handle)``: two streams are the same exactly when these are."""
+    dev = torch._C._cuda_getDevice()
+    return dev, torch._C._cuda_getCurrentRawStream(dev)
 
 
 def _mapped(ln: _Lane, op: str, capture: bool) -> None:

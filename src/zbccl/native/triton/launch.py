@@ -10,42 +10,123 @@ inside the kernel area; ``me``: this rank's index in the tables; ``timeout_ns``:
 ``check``: the argument-row fields the ranks must agree on (bit i: ``geometry.A_FIELDS[i]``); ``grid``,
 ``block`` (elements per tile), ``num_warps``: the launch shape (the ops layer's plan; every rank must
 pass the same, which the kernels check).
+
+The launch itself (:class:`Kernel`): the first launch of each specialisation goes through triton's JIT,
+which compiles (or loads from its cache) the binary; the next ones call that binary's launcher directly,
+with the pointer tables as ints. triton's JIT path binds and hashes every argument, checks the kernel's
+globals and asks the driver about each pointer on every call: tens of microseconds on the host, per op.
 """
 
 from __future__ import annotations
 
 import torch
+from triton import knobs
 
 from . import geometry as g
 from . import kernels as k
 from .prims import INTERPRET
 
-__all__ = ["INTERPRET", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+__all__ = ["INTERPRET", "Kernel", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 
 _KW = g.KMAX_WORLD
 #: itemsize -> the dtype code (``native/abi.py``) of the unsigned word the copies move.
 _RAW = {1: 5, 2: 6, 4: 7, 8: 8}
 _SIZES = {0: 4, 1: 2, 2: 2, 3: 8, 4: 1, 5: 1, 6: 2, 7: 4, 8: 8, 9: 1}
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_POINTERS = ("data", "pads", "splits")
 
 
-def _dummy(pads: torch.Tensor) -> torch.Tensor:
-    return pads  # an int64 tensor on the right device, for kernels that take no splits
+def _width(v) -> int:
+    """triton's type of a non-constexpr scalar argument, as it specialises the binary on it: i32 (0), i64 (1),
+    u64 (2) by value, a bool u1 (3)."""
+    if v.__class__ is bool:
+        return 3
+    return 0 if _I32[0] <= v <= _I32[1] else 2 if v >= 1 << 63 else 1
+
+
+def _device_stream() -> tuple[int, int]:
+    """The current CUDA device and its current stream's handle (what triton's JIT launches on)."""
+    dev = torch._C._cuda_getDevice()
+    return dev, torch._C._cuda_getCurrentRawStream(dev)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler such as proton): then every launch takes triton's path."""
+    rt = knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+
+class Kernel:
+    """One ``@triton.jit`` kernel's launches, with every argument positional, in the kernel's order.
+
+    A launch's binary is fixed by the constexpr arguments, ``num_warps``, the device, each scalar's type
+    (``_width``) and each pointer table's 16-byte alignment: that tuple keys :attr:`compiled`. The first
+    launch of a key goes through triton's JIT (it compiles, or loads triton's on-disk cache) and its
+    :class:`CompiledKernel` is kept; later launches call that binary's launcher straight away. Under the
+    interpreter, with a launch hook set, or with a triton whose compiled kernels lack the launcher, every
+    launch takes triton's JIT path."""
+
+    __slots__ = ("jit", "compiled", "_ptrs", "_consts", "_scalars")
+
+    def __init__(self, jit) -> None:
+        self.jit = jit
+        #: key -> the compiled kernel (None: this triton's objects cannot be launched directly).
+        self.compiled: dict = {}
+        self._ptrs: tuple[int, ...] | None = None
+
+    def _positions(self) -> None:
+        params = self.jit.params
+        self._ptrs = tuple(i for i, p in enumerate(params) if p.name in _POINTERS)
+        self._consts = tuple(i for i, p in enumerate(params) if p.is_constexpr)
+        self._scalars = tuple(i for i, p in enumerate(params) if not p.is_constexpr and p.name not in _POINTERS)
+
+    def __call__(self, grid: int, num_warps: int, *args) -> None:
+        if INTERPRET or _hooked():
+            self.jit[(grid,)](*args, num_warps=num_warps)
+            return
+        if self._ptrs is None:
+            self._positions()
+        dev, stream = _device_stream()
+        ptrs = [args[i].data_ptr() for i in self._ptrs]
+        key = (dev, num_warps, *[args[i] for i in self._consts], *[_width(args[i]) for i in self._scalars],
+               *[p & 15 == 0 for p in ptrs])
+        ck = self.compiled.get(key, False)
+        if ck is False:
+            ck = self.jit[(grid,)](*args, num_warps=num_warps)
+            if hasattr(ck, "result"):  # triton's asynchronous compile mode
+                ck = ck.result()
+            ok = all(hasattr(ck, a) for a in ("run", "function", "packed_metadata"))
+            self.compiled[key] = ck if ok else None
+            return
+        if ck is None:
+            self.jit[(grid,)](*args, num_warps=num_warps)
+            return
+        full = list(args)
+        for i, p in zip(self._ptrs, ptrs):
+            full[i] = p
+        ck.run(grid, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *full)
+
+
+_barrier = Kernel(k.barrier_kernel)
+_all_reduce = Kernel(k.all_reduce_kernel)
+_all_gather = Kernel(k.all_gather_kernel)
+_reduce_scatter = Kernel(k.reduce_scatter_kernel)
+_all_to_all = Kernel(k.all_to_all_kernel)
+_broadcast = Kernel(k.broadcast_kernel)
 
 
 def barrier(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, timeout_ns: int,
             op: int = g.KOP["BARRIER"], check: int = 0) -> None:
     """Entry handshake of every rank (``op`` ERROR: this rank's call failed validation; it takes part in
     the handshake so that the peers hear of it)."""
-    k.barrier_kernel[(1,)](pads, _dummy(pads), slot_off, me, world, op, check, timeout_ns, KW=_KW, num_warps=1)
+    _barrier(1, 1, pads, pads, slot_off, me, world, op, check, timeout_ns, _KW)
 
 
 def all_reduce(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
                out_addr: int, out_off: int, numel: int, dtype: int, red: int, two_shot: bool, inplace: bool,
                check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> None:
-    k.all_reduce_kernel[(grid,)](data, pads, _dummy(pads), slot_off, me, world, in_off, out_addr, out_off, numel,
-                                 check, timeout_ns, DT=dtype, ESZ=_SIZES[dtype], RED=red, TWO_SHOT=bool(two_shot),
-                                 INPLACE=bool(inplace), BLOCK=block, KW=_KW, INTERP=INTERPRET,
-                                 num_warps=num_warps)
+    _all_reduce(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, out_off, numel, check,
+                timeout_ns, dtype, _SIZES[dtype], red, bool(two_shot), bool(inplace), block, _KW, INTERPRET)
 
 
 def all_gather(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
@@ -53,21 +134,18 @@ def all_gather(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | No
                total: int, skip_self: bool, check: int, timeout_ns: int, grid: int, block: int,
                num_warps: int) -> None:
     """``splits``: None (every rank gives ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
-    k.all_gather_kernel[(grid,)](data, pads, _dummy(pads) if splits is None else splits, slot_off, me, world,
-                                 in_off, out_addr, dtype, outer, inner, cnt, total, check, timeout_ns,
-                                 CDT=_RAW[itemsize], ESZ=itemsize, VAR=splits is not None, ROWS=outer > 1,
-                                 SKIP_SELF=bool(skip_self), BLOCK=block, KW=_KW, INTERP=INTERPRET,
-                                 num_warps=num_warps)
+    _all_gather(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
+                out_addr, dtype, outer, inner, cnt, total, check, timeout_ns, _RAW[itemsize], itemsize,
+                splits is not None, outer > 1, bool(skip_self), block, _KW, INTERPRET)
 
 
 def reduce_scatter(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
                    world: int, in_off: int, out_addr: int, dtype: int, red: int, outer: int, inner: int, cnt: int,
                    total: int, check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> None:
     """``splits``: None (every rank's part is ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
-    k.reduce_scatter_kernel[(grid,)](data, pads, _dummy(pads) if splits is None else splits, slot_off, me, world,
-                                     in_off, out_addr, outer, inner, cnt, total, check, timeout_ns, DT=dtype,
-                                     ESZ=_SIZES[dtype], RED=red, VAR=splits is not None, ROWS=outer > 1, BLOCK=block, KW=_KW,
-                                     INTERP=INTERPRET, num_warps=num_warps)
+    _reduce_scatter(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
+                    out_addr, outer, inner, cnt, total, check, timeout_ns, dtype, _SIZES[dtype], red,
+                    splits is not None, outer > 1, block, _KW, INTERPRET)
 
 
 def all_to_all(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
@@ -75,15 +153,13 @@ def all_to_all(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | No
                check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> None:
     """Rows of ``inner`` elements. ``splits``: None (``cnt`` rows to and from every rank) or int64
     ``[2 * KMAX_WORLD]``: this rank's in_splits, then its out_splits."""
-    k.all_to_all_kernel[(grid,)](data, pads, _dummy(pads) if splits is None else splits, slot_off, me, world, in_off,
-                                 out_addr, dtype, inner, cnt, numel, check, timeout_ns, CDT=_RAW[itemsize],
-                                 ESZ=itemsize, VAR=splits is not None, BLOCK=block, KW=_KW, INTERP=INTERPRET,
-                                 num_warps=num_warps)
+    _all_to_all(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
+                out_addr, dtype, inner, cnt, numel, check, timeout_ns, _RAW[itemsize], itemsize, splits is not None,
+                block, _KW, INTERPRET)
 
 
 def broadcast(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
               out_addr: int, dtype: int, itemsize: int, root: int, numel: int, check: int, timeout_ns: int,
               grid: int, block: int, num_warps: int) -> None:
-    k.broadcast_kernel[(grid,)](data, pads, _dummy(pads), slot_off, me, world, in_off, out_addr, dtype, root, numel,
-                                check, timeout_ns, CDT=_RAW[itemsize], ESZ=itemsize, BLOCK=block, KW=_KW,
-                                INTERP=INTERPRET, num_warps=num_warps)
+    _broadcast(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, dtype, root, numel, check,
+               timeout_ns, _RAW[itemsize], itemsize, block, _KW, INTERPRET)
