@@ -10,7 +10,8 @@
 #      step replayed 100 times, torch.distributed; then the bench rows (4 KiB .. 64 MiB, zbccl auto/
 #      one-shot/two-shot/graph vs device memcpy, torch SymmetricMemory one-shot/two-shot, staged memcpy).
 #   2. the same at world 4.
-#   3. kernels: the Triton kernels alone (scripts/triton_kernels_gpu.py: no CUDA transport, CUDA IPC
+#   3. kernels (GPU_FINAL_LAST=pytest: instead the CUDA tests, tests/gpu's heap and transport files, and the
+#      transport conformance suite on cuda): the Triton kernels alone (scripts/triton_kernels_gpu.py: no CUDA transport, CUDA IPC
 #      buffers) at worlds 2 and 4 with its bench rows, in what time is left (about 30 kernel variants per
 #      world to compile: first, it would leave the full stack no time; last, the cache has most of them).
 #   4. the tables for docs/benchmarks.md, and every failed CHECK line and every rank's first error.
@@ -87,17 +88,20 @@ for w in 2 4; do
   c=$(cap 60)
   step "w$w-cases" "$c" "$PY" -m zbccl.bench.gpu --only cases --quick --worlds "$w" --replays 100 \
     --budget $((c - 3)) --json "$LOGS/w$w-cases.json"
-  c=$(cap 45)
+  c=$(cap 60)
   step "w$w-bench" "$c" "$PY" -m zbccl.bench.gpu --only bench --quick --worlds "$w" --budget $((c - 3)) \
     --mode "$mode" --json "$LOGS/w$w-bench.json"
 done
 # 3. the kernels alone (no CUDA transport: CUDA IPC buffers), with what is left (its ~30 kernel variants per
 # world compile first: after the full stack, the triton cache has many of them)
 l=$(( $(left) - 12 ))
-if [ "$l" -ge 30 ]; then
-  step kernels "$l" "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout $(( (l - 8) / 2 ))
+if [ "$l" -lt 30 ]; then
+  echo "STEP ${GPU_FINAL_LAST:-kernels} SKIPPED (only $(left)s left)"
+elif [ "${GPU_FINAL_LAST:-kernels}" = pytest ]; then  # instead: the CUDA tests and the conformance suite on cuda
+  step pytest "$l" "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu/test_cuda_heap.py \
+    tests/gpu/test_cuda_transport_gpu.py tests/transports/test_conformance.py -k "not shm and not mooncake"
 else
-  echo "STEP kernels SKIPPED (only $(left)s left)"
+  step kernels "$l" "$PY" scripts/triton_kernels_gpu.py --worlds 2 4 --bench --timeout $(( (l - 8) / 2 ))
 fi
 mps_stop
 # 4. the table and the summary

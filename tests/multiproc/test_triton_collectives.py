@@ -125,6 +125,39 @@ def _two_shot_cases(dev, W: int, me: int) -> None:
         assert torch.equal(t, ref), f"two_shot in place {dtype} {opname} n={n}"
 
 
+def _big_tile_cases(dev, W: int, me: int) -> None:
+    """The GPU's launch shapes (``gpu_plan``) with the big tiles of large ops (``device_args.BIG_FROM``, lowered
+    here so that a few thousand elements take them): several tiles per block, a masked tail, both all_reduce
+    forms and an all_gather, out of place and in place."""
+    import zbccl
+    from zbccl.ops import device_args
+    from zbccl.ops.reference import all_reduce_ref
+
+    saved = dev.gpu_plan, device_args.BIG_FROM, device_args.BIG_TILE_BYTES
+    dev.gpu_plan, device_args.BIG_FROM, device_args.BIG_TILE_BYTES = True, 4096, 8192
+    try:
+        assert device_args.plan(5000, 4, False)[1] == 2048  # big tiles: 8 KiB of fp32 here
+        n = 3 * 2048 * W + 77
+        for algo in ("one_shot", "two_shot"):
+            t = zbccl.empty(n, dtype=torch.float32)
+            t.copy_(payload(me, n, torch.float32))
+            dev.all_reduce(t, "sum", algo=algo)
+            assert torch.equal(t, all_reduce_ref([payload(r, n, torch.float32) for r in range(W)], 0)), algo
+        m = 5 * 4096 + 3
+        out = zbccl.empty(W * m, dtype=torch.bfloat16)
+        want = torch.cat([payload(r, m, torch.bfloat16) for r in range(W)])
+        inp = zbccl.empty(m, dtype=torch.bfloat16)
+        inp.copy_(payload(me, m, torch.bfloat16))
+        dev.all_gather(out, inp)
+        assert torch.equal(out, want), "all_gather, big tiles"
+        out.zero_()
+        out[me * m:(me + 1) * m].copy_(payload(me, m, torch.bfloat16))
+        dev.all_gather(out, out[me * m:(me + 1) * m])
+        assert torch.equal(out, want), "all_gather in place, big tiles"
+    finally:
+        dev.gpu_plan, device_args.BIG_FROM, device_args.BIG_TILE_BYTES = saved
+
+
 def _scatter_cases(dev, W: int, me: int) -> None:
     import zbccl
     from zbccl.ops.dtypes import REDUCE_OPS
@@ -232,6 +265,7 @@ def _collectives(ctx):
     dtypes = DTYPES if W == 2 else FLOATS + [torch.int32, torch.int8, torch.bool]
     digests = _all_reduce_cases(dev, W, me, dtypes)
     _two_shot_cases(dev, W, me)
+    _big_tile_cases(dev, W, me)
     _gather_cases(dev, W, me)
     _scatter_cases(dev, W, me)
     _exchange_cases(dev, W, me)

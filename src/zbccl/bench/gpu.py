@@ -134,13 +134,15 @@ def format_table(world: int, ranks: list[dict]) -> list[str]:
     each rank's input bytes; busbw as nccl-tests (all_gather's data size is its output: ``W * size``).
     The graph columns are per op of a captured graph (device time, no host launch cost); the ratios are
     torch SymmetricMemory one-shot's time over zbccl's (above 1: zbccl faster); ``host us``: the host's time
-    to issue one call (the slowest rank's median)."""
+    to issue one call (the slowest rank's median); ``zb in-place``: all_gather whose input is this rank's part
+    of its output; ``zb 8K-tile``: the op with the small ops' tiles at a large size (the A/B of the big tiles)."""
     from .report import algbw_bytes, busbw_factor
 
     head = ("| W | op | size | zbccl us | busbw GB/s | zb 1-shot us | zb 2-shot us | symm 1-shot us | "
             "symm 2-shot us | staged us | zb graph us | symm graph us | memcpy GB/s | busbw/memcpy | "
-            "1-shot/zbccl | graphs 1-shot/zbccl | host us zbccl / zb 1-shot / symm 1-shot | #wrong |")
-    lines = [head, "|" + "---|" * 18]
+            "1-shot/zbccl | graphs 1-shot/zbccl | host us zbccl / zb 1-shot / symm 1-shot | zb in-place us | "
+            "in-place busbw/memcpy | zb 8K-tile us | #wrong |")
+    lines = [head, "|" + "---|" * 21]
     for i, row in enumerate(ranks[0]["rows"]):
         rows = [r["rows"][i] for r in ranks]
         us = {k: max(r["us"].get(k, float("nan")) for r in rows) for k in rows[0]["us"]}
@@ -151,6 +153,9 @@ def format_table(world: int, ranks: list[dict]) -> list[str]:
         busbw = algbw_bytes(row["op"], size, world) * busbw_factor(row["op"], world) / zb / 1e3 if zb else None
         cell = lambda k, us=us: f"{us[k]:.1f}" if k in us else "-"  # noqa: E731
         ratio = f"{us['symm_1shot'] / zb:.2f}" if zb and "symm_1shot" in us else "-"
+        ip = us.get("zb_inplace")
+        inplace = (f"{algbw_bytes(row['op'], size, world) * busbw_factor(row['op'], world) / ip / 1e3 / memcpy_gbs:.2f}"
+                   if ip else "-")
         hosts = {k: max(r.get("host_us", {}).get(k, float("nan")) for r in rows) for k in rows[0].get("host_us", {})}
         host = " / ".join(f"{hosts[k]:.1f}" if k in hosts else "-" for k in ("zbccl", "zb_1shot", "symm_1shot"))
         g_ratio = f"{us['symm_graph'] / us['zb_graph']:.2f}" if "symm_graph" in us and "zb_graph" in us else "-"
@@ -158,7 +163,8 @@ def format_table(world: int, ranks: list[dict]) -> list[str]:
                      f"{'-' if busbw is None else f'{busbw:.1f}'} | {cell('zb_1shot')} | {cell('zb_2shot')} | "
                      f"{cell('symm_1shot')} | {cell('symm_2shot')} | {cell('staged')} | {cell('zb_graph')} | "
                      f"{cell('symm_graph')} | {memcpy_gbs:.1f} | "
-                     f"{'-' if busbw is None else f'{busbw / memcpy_gbs:.2f}'} | {ratio} | {g_ratio} | {host} | {wrong} |")
+                     f"{'-' if busbw is None else f'{busbw / memcpy_gbs:.2f}'} | {ratio} | {g_ratio} | {host} | "
+                     f"{cell('zb_inplace')} | {inplace} | {cell('zb_8k')} | {wrong} |")
     return lines
 
 

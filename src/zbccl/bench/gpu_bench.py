@@ -105,6 +105,8 @@ def _impls(rk: Rank, symm: _Symm, op: str, nbytes: int) -> dict[str, tuple[Calla
             return check
 
         out["zbccl"] = (lambda: zb.all_reduce(t), zb_check())
+        if nbytes >= SMALL_TILES_FROM:
+            out["zb_8k"] = (_small_tiles(lambda: zb.all_reduce(t)), _small_tiles(zb_check()))
         if nbytes <= STAGED_MAX:  # device time alone: GRAPH_OPS all_reduces captured once, replayed
             out["zb_graph"] = _graphed(rk, lambda: zb.all_reduce(t), zb_check())
         out["zb_1shot"] = (lambda: ops.all_reduce(t, "sum", algo="one_shot"), zb_check("one_shot"))
@@ -144,7 +146,38 @@ def _impls(rk: Rank, symm: _Symm, op: str, nbytes: int) -> dict[str, tuple[Calla
             return int((o != want).sum())
 
         out["zbccl"] = (lambda: zb.all_gather_into_tensor(o, inp), ag_check)
+        if nbytes >= SMALL_TILES_FROM:
+            out["zb_8k"] = (_small_tiles(lambda: zb.all_gather_into_tensor(o, inp)), _small_tiles(ag_check))
+        mine = o[r * n:(r + 1) * n]  # in place: the input is this rank's part of the output (nothing to copy)
+
+        def inplace_check():
+            o.zero_()
+            mine.copy_(payload(r, (n,), DT))
+            zb.all_gather_into_tensor(o, mine)
+            rk.finish()
+            return int((o != want).sum())
+
+        out["zb_inplace"] = (lambda: zb.all_gather_into_tensor(o, mine), inplace_check)
     return out
+
+
+#: From this size the bench also times zbccl with the small ops' 8 KiB tiles (``zb_8k``), in the same
+#: processes: the A/B of ``device_args.BIG_TILE_BYTES``.
+SMALL_TILES_FROM = 16 << 20
+
+
+def _small_tiles(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the small ops' tiles at every size (every rank runs the same, so the shapes agree)."""
+    from ..ops import device_args
+
+    def call():
+        big = device_args.BIG_TILE_BYTES
+        device_args.BIG_TILE_BYTES = device_args.TILE_BYTES
+        try:
+            return fn()
+        finally:
+            device_args.BIG_TILE_BYTES = big
+    return call
 
 
 #: Ops per captured graph of the ``*_graph`` implementations (their time is per op).
