@@ -26,7 +26,7 @@ def _chunks(ctx):
     try:
         data, pads = t.pointer_tables(range(W))
         assert data.device == t.device and data.dtype == torch.int64 and data.shape == (W,) and pads.shape == (W,)
-        assert t.native().data_addr(me) == int(data[me]) and t.native().pad_addr(me) == int(pads[me])
+        assert t.native().data_addr(me) == int(data[me]) and t.native().pad_addr(me, t.KERNEL_LINE) == int(pads[me])
         t.view(me, 0, (1024,), torch.int64).copy_(payload(me, 1024).cuda())
         t.grow(24 * MB)  # past the 2 MiB granularity: new chunks, fetched by the peers on first touch
         t.view(me, 20 * MB, (1024,), torch.int64).copy_(payload(me, 1024, 1).cuda())
