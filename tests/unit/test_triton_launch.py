@@ -155,3 +155,31 @@ def test_hooks_and_unlaunchable_binaries_take_the_jit_every_time(launch, monkeyp
     for _ in range(2):
         launch.barrier(None, pads, slot_off=0, me=0, world=2, timeout_ns=1 << 33)
     assert [e[0] for e in jit2.log] == ["jit"] * 2
+
+
+def test_hooks_are_set_only_when_a_profiler_adds_one():
+    """triton 3.6 keeps its launch hooks as empty ``HookChain`` objects: present, but no hook until one is
+    added (a GPU run found every launch on the JIT path when presence counted as set)."""
+    from triton import knobs
+
+    from zbccl.native.triton import launch as L
+
+    assert not L._hooked()
+
+    def hook(metadata):
+        return None
+
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):  # an older triton: a plain attribute
+        knobs.runtime.launch_enter_hook = hook
+        try:
+            assert L._hooked()
+        finally:
+            knobs.runtime.launch_enter_hook = chain
+        return
+    chain.add(hook)
+    try:
+        assert L._hooked()
+    finally:
+        chain.remove(hook)
+    assert not L._hooked()

@@ -51,9 +51,17 @@ def _device_stream() -> tuple[int, int]:
 
 
 def _hooked() -> bool:
-    """Whether a launch hook is set (a profiler such as proton): then every launch takes triton's path."""
+    """Whether a launch hook is set (a profiler such as proton): then every launch takes triton's path.
+    triton 3.6's hooks are ``HookChain`` objects, never None: set means holding a call."""
     rt = knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _set(rt.launch_enter_hook) or _set(rt.launch_exit_hook)
+
+
+def _set(hook) -> bool:
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or bool(calls)
 
 
 class Kernel:
