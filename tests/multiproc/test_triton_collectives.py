@@ -126,24 +126,25 @@ def _two_shot_cases(dev, W: int, me: int) -> None:
 
 
 def _big_tile_cases(dev, W: int, me: int) -> None:
-    """The GPU's launch shapes (``gpu_plan``) with the big tiles of large ops (``device_args.BIG_FROM``, lowered
-    here so that a few thousand elements take them): several tiles per block, a masked tail, both all_reduce
-    forms and an all_gather, out of place and in place."""
+    """The GPU's launch shapes (``gpu_plan``) with the big tiles of large copies (``device_args.BIG_FROM``,
+    lowered here so that a few thousand elements take them): several tiles per block, a masked tail, an
+    all_gather out of place and in place; the all_reduces keep the small tiles, also at that size."""
     import zbccl
     from zbccl.ops import device_args
     from zbccl.ops.reference import all_reduce_ref
 
     saved = dev.gpu_plan, device_args.BIG_FROM, device_args.BIG_TILE_BYTES
-    dev.gpu_plan, device_args.BIG_FROM, device_args.BIG_TILE_BYTES = True, 4096, 8192
+    dev.gpu_plan, device_args.BIG_FROM, device_args.BIG_TILE_BYTES = True, 4096, 16384
     try:
-        assert device_args.plan(5000, 4, False)[1] == 2048  # big tiles: 8 KiB of fp32 here
+        assert device_args.plan(5000, 4, False)[1] == 4096  # big tiles: 16 KiB of fp32 here
+        assert device_args.plan(5000, 4, False, copy=False)[1] == device_args.TILE_BYTES // 4
         n = 3 * 2048 * W + 77
         for algo in ("one_shot", "two_shot"):
             t = zbccl.empty(n, dtype=torch.float32)
             t.copy_(payload(me, n, torch.float32))
             dev.all_reduce(t, "sum", algo=algo)
             assert torch.equal(t, all_reduce_ref([payload(r, n, torch.float32) for r in range(W)], 0)), algo
-        m = 5 * 4096 + 3
+        m = 5 * 8192 + 3
         out = zbccl.empty(W * m, dtype=torch.bfloat16)
         want = torch.cat([payload(r, m, torch.bfloat16) for r in range(W)])
         inp = zbccl.empty(m, dtype=torch.bfloat16)

@@ -105,8 +105,6 @@ def _impls(rk: Rank, symm: _Symm, op: str, nbytes: int) -> dict[str, tuple[Calla
             return check
 
         out["zbccl"] = (lambda: zb.all_reduce(t), zb_check())
-        if nbytes >= SMALL_TILES_FROM:
-            out["zb_8k"] = (_small_tiles(lambda: zb.all_reduce(t)), _small_tiles(zb_check()))
         if nbytes <= STAGED_MAX:  # device time alone: GRAPH_OPS all_reduces captured once, replayed
             out["zb_graph"] = _graphed(rk, lambda: zb.all_reduce(t), zb_check())
         out["zb_1shot"] = (lambda: ops.all_reduce(t, "sum", algo="one_shot"), zb_check("one_shot"))
@@ -161,8 +159,8 @@ def _impls(rk: Rank, symm: _Symm, op: str, nbytes: int) -> dict[str, tuple[Calla
     return out
 
 
-#: From this size the bench also times zbccl with the small ops' 8 KiB tiles (``zb_8k``), in the same
-#: processes: the A/B of ``device_args.BIG_TILE_BYTES``.
+#: From this size the bench also times zbccl's all_gather with the small ops' 8 KiB tiles (``zb_8k``), in the
+#: same processes: the A/B of ``device_args.BIG_TILE_BYTES``.
 SMALL_TILES_FROM = 16 << 20
 
 

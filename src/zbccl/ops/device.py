@@ -155,7 +155,7 @@ class DeviceOps:
         except ZbcclError as exc:
             self._fail(name, exc)
         n = t.numel()
-        grid, block, warps = self._plan(-(-n // self.world) if two else n, t.element_size())
+        grid, block, warps = self._plan(-(-n // self.world) if two else n, t.element_size(), copy=False)
         self._run(name, lambda: self._k.all_reduce(
             self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
             out_addr=self._addr(out), out_off=out_off, numel=n, dtype=dt, red=red, two_shot=two, inplace=inplace,
@@ -328,8 +328,8 @@ class DeviceOps:
     #: on it together: the GPU check sets about SMs / W there (``bench/gpu_cases.py``).
     max_blocks: int = g.MAX_BLOCKS
 
-    def _plan(self, n: int, itemsize: int) -> tuple[int, int, int]:
-        grid, block, warps = plan(n, itemsize, self._k.INTERPRET and not self.gpu_plan)
+    def _plan(self, n: int, itemsize: int, *, copy: bool = True) -> tuple[int, int, int]:
+        grid, block, warps = plan(n, itemsize, self._k.INTERPRET and not self.gpu_plan, copy=copy)
         return min(grid, self.max_blocks), block, warps
 
     def _addr(self, t: torch.Tensor) -> int:
@@ -386,7 +386,7 @@ class DeviceOps:
         except ZbcclError as exc:
             self._fail(name, exc)
         isz = inp.element_size()
-        grid, block, warps = self._plan(inp.numel() // self.world, isz)  # a size every rank agrees on
+        grid, block, warps = self._plan(inp.numel() // self.world, isz, copy=False)  # every rank agrees on it
         self._run(name, lambda: self._k.reduce_scatter(
             self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
             out_addr=self._addr(out), dtype=dt, red=red, outer=outer, inner=inner, cnt=cnt, total=total,

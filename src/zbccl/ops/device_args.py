@@ -21,10 +21,12 @@ __all__ = ["fail", "check_local", "sizes_table", "gather_shape", "scatter_shape"
 #: GPU launch shape: bytes one block moves per tile, and the most blocks a launch uses.
 TILE_BYTES = 8 << 10
 GPU_BLOCKS = g.MAX_BLOCKS
-#: From this many bytes per rank range, tiles of ``BIG_TILE_BYTES``: a block issues a whole tile's loads
-#: before its stores, so a bigger tile keeps more bytes in flight per block (what a copy's bandwidth needs
-#: when a launch has only about one block per multiprocessor). Small ops keep small tiles: more blocks share
-#: the work, and the latency is the handshake's.
+#: From this many bytes per rank range, the copies (all_gather, all_to_all, broadcast) take tiles of
+#: ``BIG_TILE_BYTES``: a block issues a whole tile's loads before its stores, so a bigger tile keeps more
+#: bytes in flight per block (what a copy's bandwidth needs when a launch has about one block per
+#: multiprocessor). On an H200, 2 ranks, 64 MiB: all_gather 151 us against 213 us with 8 KiB tiles; the
+#: two-shot all_reduce 146 against 139 us, so the reductions keep 8 KiB tiles (docs/benchmarks.md A.22).
+#: Small ops keep small tiles: more blocks share the work, and the latency is the handshake's.
 BIG_FROM = 8 << 20
 BIG_TILE_BYTES = 32 << 10
 
@@ -147,17 +149,17 @@ def exchange_shape(out: torch.Tensor, inp: torch.Tensor, in_vals: list[int] | No
     return rows, math.prod(inp.shape[1:])
 
 
-def plan(n: int, itemsize: int, interpret: bool) -> tuple[int, int, int]:
+def plan(n: int, itemsize: int, interpret: bool, *, copy: bool = True) -> tuple[int, int, int]:
     """``(grid, block, num_warps)`` for ``n`` elements per rank range; a function of values every rank
     agrees on (the kernels check the grid), never of this rank's addresses.
 
-    GPU: 8 KiB tiles (32 KiB from ``BIG_FROM`` bytes; 16-byte accesses, 8 warps), one block per tile up to
-    GPU_BLOCKS, then each block loops. Interpreter: few, wide programs (it pays per program and per numpy
+    GPU: 8 KiB tiles (a ``copy``'s 32 KiB from ``BIG_FROM`` bytes; 16-byte accesses, 8 warps), one block
+    per tile up to GPU_BLOCKS, then each block loops. Interpreter: few, wide programs (it pays per program and per numpy
     call)."""
     if interpret:
         block = 1024
         return max(1, min(4, -(-n // block))), block, 1
-    block = max((BIG_TILE_BYTES if n * itemsize >= BIG_FROM else TILE_BYTES) // itemsize, 128)
+    block = max((BIG_TILE_BYTES if copy and n * itemsize >= BIG_FROM else TILE_BYTES) // itemsize, 128)
     return max(1, min(GPU_BLOCKS, -(-n // block))), block, 8
 
 
