@@ -189,11 +189,14 @@ class DeviceOps:
         (dim 0 split in W equal parts). ``inp`` [W * n, ...] a heap tensor; ``out`` [W * n, ...] elsewhere."""
         self._exchange("all_to_all", out, inp, None, None)
 
-    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, *,
+                     partial: bool = False) -> None:
         """:meth:`all_to_all` with rows per rank: this rank sends ``in_splits[q]`` rows to rank q and receives
         ``out_splits[q]`` from it (lists, or int64 [W] device tensors: checked by the kernels only; rank q's
-        ``in_splits[r]`` must equal rank r's ``out_splits[q]``, or every rank reports the mismatch)."""
-        self._exchange("all_to_all_v", out, inp, out_splits, in_splits)
+        ``in_splits[r]`` must equal rank r's ``out_splits[q]``, or every rank reports the mismatch). Host
+        splits must cover ``inp`` and ``out`` exactly, or with ``partial`` a prefix of each (the rows past it
+        untouched: for a caller whose sizes are device quantities, as EP's low-latency mode on CUDA)."""
+        self._exchange("all_to_all_v", out, inp, out_splits, in_splits, partial)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Collective: every rank's ``t`` = group rank ``src``'s ``t`` (there a heap tensor; elsewhere anywhere
@@ -311,6 +314,11 @@ class DeviceOps:
         if self._sync:
             self.check()
 
+    def refuse(self, name: str, exc: ZbcclError) -> None:
+        """For a caller built on these ops (``ep/device.py``): this rank's call of collective ``name`` is wrong;
+        its peers, already in their next device op, hear of it through the ERROR handshake. Raises ``exc``."""
+        self._fail(name, exc)
+
     def _fail(self, name: str, exc: ZbcclError) -> None:
         """This rank's call is wrong: run the handshake as ERROR (the peers report it), then raise."""
         if self._broken is None:
@@ -393,7 +401,7 @@ class DeviceOps:
             check=_CHECK["scatter"] | (0 if sizes is not None else _F["NUMEL"]), timeout_ns=self.timeout_ns,
             grid=grid, block=block, num_warps=warps))
 
-    def _exchange(self, name: str, out, inp, out_splits, in_splits) -> None:
+    def _exchange(self, name: str, out, inp, out_splits, in_splits, partial: bool = False) -> None:
         try:
             dt = self._dtype(inp, name)
             self._local(out, "output", name)
@@ -402,7 +410,8 @@ class DeviceOps:
                 ins, in_vals = sizes_table(in_splits, self.world, self.device, "in_splits", name)
                 outs, out_vals = sizes_table(out_splits, self.world, self.device, "out_splits", name)
                 splits = torch.cat([ins, outs])
-            rows, inner = exchange_shape(out, inp, in_vals, out_vals, splits is not None, self.world, name)
+            rows, inner = exchange_shape(out, inp, in_vals, out_vals, splits is not None, self.world, name,
+                                         partial=partial)
             in_off = self._heap_offset(inp, "input", name)
         except ZbcclError as exc:
             self._fail(name, exc)

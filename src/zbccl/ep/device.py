@@ -1,0 +1,445 @@
+"""EP on a device heap (CUDA): DeepEP's normal and low-latency modes over the device collectives.
+
+What moves the rows is the communicator's device ``all_to_all_v`` (``ops/device.py``: one Triton kernel over
+the peers' pointer tables, enqueued on the current stream): each receiver pulls its rows straight out of the
+senders' heap blocks into its outputs. The routing around it (the layout, the packing of each sender's rows
+by destination, the placement of received rows, the sums of combine) is torch on the same stream.
+
+Normal mode (:func:`dispatch`, :func:`combine`). One header all_gather per dispatch carries every rank's
+error flag, its tokens per rank and per expert: every rank then knows the ``[R, R]`` count matrix and sizes
+its outputs exactly (one host sync here, where DeepEP's normal dispatch has its own), or raises with the rank
+that failed. Each sender packs its rows by destination rank, then token (one gather into a heap block: the
+peers read it where it is), with one metadata row per token (its top-k, weights and index, as int32). The
+receiver's rows come out ordered by source rank, then source token (DeepEP's order), and its top-k ids are
+mapped to local experts (-1 elsewhere, weight 0). Combine sends each row back by the same splits reversed and
+sums each token's rows in fp32, by source rank in order, then the biases: the same numbers on every run.
+
+Low-latency mode (:func:`ll_dispatch`, :func:`ll_combine`): no host sync at all, so it can be captured in a
+CUDA graph. The per-expert counts go through a device all_to_all, the rows through an all_to_all_v whose
+splits are device tensors, into a block sized for the worst case (``R * tmax * min(K, L)`` rows); each row
+then lands in its expert's slot, by source rank then source token. Expert ids outside ``[0, E)`` are
+dropped (treated as -1) rather than checked, as checking would sync the host. Combine returns each expert
+row to its source by the reverse splits, and the source sums ``weight * row`` per token in fp32 in
+ascending expert order. FP8 (e4m3, per-128-channel scales, ``round_scale``/``ue8m0``) as on the CPU path.
+Rank masks (``enable_shrink``) and LogFMT are not available on a device heap (the calls say so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from .layout import fp8_quantize
+
+__all__ = ["DeviceEP", "layout", "dispatch", "combine", "ll_dispatch", "ll_combine"]
+
+
+@dataclass
+class DeviceEP:
+    """A Buffer's device side: ``ops(name)`` gives the group's device ops for op ``name`` (ordered on the current
+    stream), ``empty(shape, dtype)`` a heap tensor on the device, ``in_heap(t)`` whether the peers can read ``t``
+    where it is, ``rank``/``R`` this rank and the group size,
+    ``ranks`` the group's global ranks (for error messages)."""
+
+    ops: Callable[[str], object]
+    empty: Callable[[tuple, torch.dtype], torch.Tensor]
+    in_heap: Callable[[torch.Tensor], bool]
+    rank: int
+    R: int
+    ranks: tuple
+
+    def fail(self, op: str, error: str):
+        """This rank's call is wrong where the peers cannot see it: they are told through the kernels' ERROR
+        handshake (their next device op raises :class:`ZbcclRemoteError` naming this rank), then this rank raises."""
+        ops = self.ops(op)
+        ops.refuse(op, ZbcclInvalidUsageError(f"{op}: {error}"))
+
+
+# ---------------------------------------------------------------------------------------- routing maths
+def layout(topk_idx: torch.Tensor, num_experts: int, R: int):
+    """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)`` on
+    ``topk_idx``'s device (``-1``, and on a device any id outside ``[0, E)``, selects nothing)."""
+    L = num_experts // R
+    idx = topk_idx.long()
+    ok = (idx >= 0) & (idx < num_experts)
+    T = idx.size(0)
+    ranks = torch.where(ok, idx // L, R)
+    in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=idx.device).scatter_(1, ranks, True)[:, :R].contiguous()
+    per_expert = torch.bincount(torch.where(ok, idx + 1, 0).reshape(-1), minlength=num_experts + 1)[1:]
+    return in_rank.sum(0, dtype=torch.int32), per_expert.to(torch.int32), in_rank
+
+
+def _send_order(in_rank: torch.Tensor) -> torch.Tensor:
+    """The tokens a sender packs: for each destination rank in order, its tokens ascending."""
+    return in_rank.t().nonzero()[:, 1].contiguous()
+
+
+def _channel_prefix(in_rank: torch.Tensor, C: int) -> torch.Tensor:
+    """``[R, C]`` int32, DeepEP's channel_prefix_matrix (channel ``c`` owns tokens ``[c * ceil(T/C), ...)``)."""
+    T, R = in_rank.shape
+    per = max(-(-T // C), 1)
+    chan = torch.arange(T, device=in_rank.device) // per
+    counts = torch.zeros(C, R, dtype=torch.int64, device=in_rank.device)
+    if T:
+        counts.index_add_(0, chan, in_rank.long())
+    return counts.cumsum(0).t().contiguous().to(torch.int32)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float32/int32 tensor's bits as int32 (the metadata rows carry both)."""
+    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t.to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------- normal mode
+def dispatch(d: DeviceEP, x, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, *, expert_alignment: int = 1,
+             num_worst_tokens: int = 0, num_channels: int = 10, error: str | None = None):
+    """DeepEP's normal dispatch on device tensors: ``(recv_x, recv_topk_idx, recv_topk_weights, list, handle)``
+    (a cached dispatch, ``handle`` given: ``(recv_x, None, None, None, None)``). ``x``: a tensor ``[T, H]`` or
+    ``(x_fp8, scales [T, S])``; see :meth:`zbccl.ep.Buffer.dispatch`."""
+    op, R, me = "dispatch", d.R, d.rank
+    xq, scales = x if isinstance(x, tuple) else (x, None)
+    if error is None:
+        error = _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, expert_alignment,
+                              num_worst_tokens)
+    cached = handle is not None
+    idx = topk_idx.long() if topk_idx is not None and error is None else None
+    E = 0
+    if cached:
+        if error is not None:
+            d.fail(op, error)  # no header round in a cached dispatch: the kernels' handshake tells the peers
+        in_rank = handle[4]
+        matrix = _matrix(handle[0])
+    else:
+        # The header: [flag, tokens to each rank, tokens per expert, the channels' prefix to each rank],
+        # all_gathered: one host sync, and every rank learns which ranks failed their own checks (a failed rank
+        # sends its flag and zero counts).
+        E = ntpe.numel() if isinstance(ntpe, torch.Tensor) else 0
+        C = num_channels
+        n = 1 + R + E + R * C
+        head = d.empty((n,), torch.int64)
+        head.zero_()
+        if error is not None:
+            head[0] = 1
+        else:
+            head[1:1 + R] = in_rank.sum(0)
+            head[1 + R:1 + R + E] = ntpe.to(torch.int64)
+            head[1 + R + E:] = _channel_prefix(in_rank, C).reshape(-1)
+        heads = torch.empty(R * n, dtype=torch.int64, device=head.device)
+        ops = d.ops(op)
+        ops.all_gather(heads, head)
+        ops.check(wait=True)  # a header of another length on some rank is reported here, by the kernels
+        rows = heads.view(R, n).cpu()
+        if error is not None:
+            raise ZbcclInvalidUsageError(f"{op}: {error}")
+        bad = [q for q in range(R) if rows[q, 0]]
+        if bad:
+            glob = tuple(d.ranks[q] for q in bad)
+            raise ZbcclRemoteError(f"{op}: group rank(s) {bad} (global {list(glob)}) failed their own checks of this "
+                                   "call, expected a valid call on every rank, got an error raised there", ranks=glob)
+        matrix = rows[:, 1:1 + R].tolist()
+    T, H = xq.shape
+    to = matrix[me]                                # rows this rank sends to each rank
+    frm = [matrix[q][me] for q in range(R)]        # rows it receives from each rank
+    n_recv = sum(frm)
+    order = _send_order(in_rank)
+    # the rows and their metadata, packed by destination (heap blocks: the peers read them where they are)
+    send_x = d.empty((order.numel(), H), xq.dtype)
+    torch.index_select(_raw(xq), 0, order, out=_raw(send_x))
+    K = idx.size(1) if idx is not None else 0
+    S = scales.size(1) if scales is not None else 0
+    width = 1 + 2 * K + S
+    meta = d.empty((order.numel(), width), torch.int32)
+    meta[:, 0] = order.to(torch.int32)
+    if K:
+        meta[:, 1:1 + K] = idx[order].to(torch.int32)
+        meta[:, 1 + K:1 + 2 * K] = _bits(topk_weights.float()[order])
+    if S:
+        meta[:, 1 + 2 * K:] = _bits(scales[order])
+    rows_out = max(n_recv, num_worst_tokens) if not cached else n_recv
+    recv_x = d.empty((rows_out, H), xq.dtype)
+    recv_meta = torch.empty(n_recv, width, dtype=torch.int32, device=xq.device)
+    ops = d.ops(op)
+    ops.all_to_all_v(_raw(recv_x[:n_recv]), _raw(send_x), frm, to)
+    ops.all_to_all_v(recv_meta, meta, frm, to)
+    src_idx = recv_meta[:, 0].contiguous()
+    recv_scales = None
+    if S:
+        recv_scales = torch.empty(rows_out, S, dtype=scales.dtype, device=xq.device)
+        if rows_out > n_recv:
+            recv_scales[n_recv:].zero_()
+        raw = recv_meta[:, 1 + 2 * K:].contiguous()
+        recv_scales[:n_recv] = raw.view(torch.float32) if scales.dtype == torch.float32 else raw
+    out_x = (recv_x, recv_scales) if S else recv_x
+    prefix = torch.tensor(matrix, dtype=torch.int64).cumsum(0).to(torch.int32).to(xq.device)
+    if cached:
+        return out_x, None, None, None, None
+    L = E // R
+    recv_idx = recv_w = lst = None
+    if K:
+        raw = recv_meta[:, 1:1 + K].long()
+        local = (raw >= me * L) & (raw < (me + 1) * L)
+        recv_idx = torch.full((rows_out, K), -1, dtype=torch.int64, device=xq.device)
+        recv_idx[:n_recv] = torch.where(local, raw - me * L, -1)
+        recv_w = torch.zeros(rows_out, K, dtype=torch.float32, device=xq.device)
+        recv_w[:n_recv] = torch.where(local, recv_meta[:, 1 + K:1 + 2 * K].contiguous().view(torch.float32), 0.0)
+        per = rows[:, 1 + R + me * L:1 + R + (me + 1) * L].sum(0).tolist()
+        lst = [] if num_worst_tokens else [-(-c // expert_alignment) * expert_alignment for c in per]
+    chans = rows[:, 1 + R + E:].view(R, R, C)     # [sender, destination, channel]
+    chan = chans[me].to(torch.int32).to(xq.device)
+    # recv_channel_prefix_matrix: for each source, where each of its channels' rows start among its rows here
+    recv_chan = torch.zeros(R, C, dtype=torch.int32)
+    recv_chan[:, 1:] = chans[:, me, :-1]
+    pos = in_rank.long().cumsum(0) - 1
+    send_head = torch.where(in_rank, pos, -1).to(torch.int32)
+    h = (prefix, chan, recv_chan.to(xq.device), src_idx, in_rank, send_head)
+    return out_x, recv_idx, recv_w, lst, h
+
+
+def _matrix(prefix: torch.Tensor) -> list[list[int]]:
+    """The ``[R, R]`` count matrix (rows: senders) from a handle's ``rank_prefix_matrix`` (its cumsum over senders)."""
+    counts = prefix.long().cpu()
+    counts[1:] -= counts[:-1].clone()
+    return counts.tolist()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (the copies move bytes; the device ops take no fp8 dtype)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, alignment, worst) -> str | None:
+    """This rank's local checks of a normal dispatch (shapes, dtypes, devices, the top-k range), or None."""
+    R, dev = d.R, xq.device if isinstance(xq, torch.Tensor) else None
+    if not isinstance(xq, torch.Tensor) or xq.dim() != 2:
+        return f"x must be a [num_tokens, hidden] tensor, got {type(xq).__name__}"
+    if xq.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        return f"x has the wrong dtype, expected bfloat16, float16, float32 or (float8_e4m3fn, scales), got {xq.dtype}"
+    if (xq.dtype == torch.float8_e4m3fn) != (scales is not None):
+        return "an fp8 x comes with its scales, expected (x_fp8, scales), got one without the other"
+    if scales is not None and (scales.dim() != 2 or scales.size(0) != xq.size(0)
+                               or scales.dtype not in (torch.float32, torch.int32)):
+        return f"scales must be [num_tokens, n] float32 or int32, got {scales.dtype} {list(scales.shape)}"
+    tensors = [t for t in (xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe) if t is not None]
+    if any(t.device != dev for t in tensors):
+        return f"every tensor must be on {dev}, got {[str(t.device) for t in tensors]}"
+    T = xq.size(0)
+    if handle is not None:
+        if not isinstance(handle, tuple) or len(handle) != 6 or handle[4].shape != (T, R):
+            return f"handle must be a dispatch's 6-tuple for these {T} tokens, got {type(handle).__name__}"
+        return None
+    for name, t in (("num_tokens_per_rank", ntpr), ("is_token_in_rank", in_rank), ("num_tokens_per_expert", ntpe)):
+        if t is None:
+            return f"{name} is required without a handle, expected a tensor, got None"
+    if in_rank.dtype != torch.bool or in_rank.shape != (T, R) or ntpr.shape != (R,):
+        return (f"is_token_in_rank must be [{T}, {R}] bool and num_tokens_per_rank [{R}], got "
+                f"{in_rank.dtype} {list(in_rank.shape)} and {list(ntpr.shape)}")
+    E = ntpe.numel()
+    if E == 0 or E % R:
+        return f"num_experts must be a positive multiple of the {R} ranks, got {E}"
+    if (topk_idx is None) != (topk_weights is None):
+        return "topk_idx and topk_weights go together, expected both or neither, got one"
+    if topk_idx is not None:
+        if topk_idx.dim() != 2 or topk_idx.size(0) != T or topk_weights.shape != topk_idx.shape:
+            return (f"topk_idx and topk_weights must be [{T}, num_topk], got {list(topk_idx.shape)} and "
+                    f"{list(topk_weights.shape)}")
+        lo, hi = int(topk_idx.min()) if topk_idx.numel() else -1, int(topk_idx.max()) if topk_idx.numel() else -1
+        if lo < -1 or hi >= E:
+            return f"topk_idx out of range, expected -1 or [0, {E}), got values in [{lo}, {hi}]"
+        if not torch.equal(layout(topk_idx, E, R)[1], ntpe.to(torch.int32)):
+            return "num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts"
+    elif worst:
+        return "num_worst_tokens needs topk_idx and topk_weights, got neither"
+    if alignment < 1:
+        return f"expert_alignment must be >= 1, got {alignment}"
+    if not torch.equal(ntpr.to(torch.int64), in_rank.sum(0)):
+        return (f"num_tokens_per_rank does not match is_token_in_rank, expected {in_rank.sum(0).tolist()}, got "
+                f"{ntpr.tolist()}")
+    return None
+
+
+def combine(d: DeviceEP, x: torch.Tensor, handle: tuple, topk_weights=None, bias=(), error: str | None = None):
+    """DeepEP's normal combine on device tensors: ``(combined_x [T, H], combined_topk_weights or None)``."""
+    op, R, me = "combine", d.R, d.rank
+    if error is None:
+        if not isinstance(handle, tuple) or len(handle) != 6:
+            error = f"handle must be a dispatch's 6-tuple, got {type(handle).__name__}"
+        elif not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16,
+                                                                                torch.float32):
+            error = "x must be a [num_recv, hidden] bfloat16, float16 or float32 tensor"
+    if error is not None:
+        d.fail(op, error)
+    in_rank = handle[4]
+    matrix = _matrix(handle[0])
+    to, frm = matrix[me], [matrix[q][me] for q in range(R)]
+    n_recv, H = sum(frm), x.size(1)
+    if x.size(0) < n_recv or (topk_weights is not None and topk_weights.size(0) < n_recv):
+        d.fail(op, f"x must hold the {n_recv} rows this rank received, got {x.size(0)}")
+    src = _heap(d, x[:n_recv])
+    back = torch.empty(sum(to), H, dtype=x.dtype, device=x.device)
+    ops = d.ops(op)
+    ops.all_to_all_v(back, src, to, frm)
+    wback = None
+    if topk_weights is not None:
+        wsrc = _heap(d, topk_weights[:n_recv].float())
+        wback = torch.empty(sum(to), topk_weights.size(1), dtype=torch.float32, device=x.device)
+        ops.all_to_all_v(wback, wsrc, to, frm)
+    T = in_rank.size(0)
+    order = _send_order(in_rank)
+    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    accw = torch.zeros(T, topk_weights.size(1), dtype=torch.float32, device=x.device) if wback is not None else None
+    start = 0
+    for q in range(R):  # by source rank, in order: each block's tokens are distinct, so the sums are exact
+        n = to[q]
+        if n:
+            toks = order[start:start + n]
+            acc.index_add_(0, toks, back[start:start + n].float())
+            if accw is not None:
+                accw.index_add_(0, toks, wback[start:start + n])
+        start += n
+    for b in bias or ():
+        acc += b.float()
+    return acc.to(x.dtype), accw
+
+
+def _heap(d: DeviceEP, t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the peers can read it: itself when it is a contiguous heap tensor, else a copy in a heap block."""
+    if t.is_contiguous() and d.in_heap(t):
+        return t
+    out = d.empty(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- low-latency mode
+def _pairs(topk_idx: torch.Tensor, E: int):
+    """``(counts [E] int64, tokens [n], slots [n])``: the valid (token, slot) pairs sorted by expert, then token,
+    then slot, on the device (ids outside ``[0, E)`` dropped); ``n`` stays a device quantity of the sort."""
+    T, K = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    key = torch.where(valid, flat, E) * (T * K) + torch.arange(T * K, device=flat.device)
+    order = torch.sort(key).indices  # invalid pairs sort last (expert E)
+    experts = torch.where(valid, flat, E)[order]
+    counts = torch.bincount(experts, minlength=E + 1)[:E]
+    return counts, order // K, order, experts
+
+
+def ll_dispatch(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, tmax: int, E: int, *, use_fp8: bool,
+                round_scale: bool, use_ue8m0: bool):
+    """DeepEP's low-latency dispatch on device tensors: ``(recv_x or (x_fp8, scales), count [L] int32, src_info
+    [L, N] int32, layout_range [L, R] int64)``, with no host sync."""
+    op, R = "low_latency_dispatch", d.R
+    T, H = x.shape
+    K = topk_idx.size(1)
+    L, N = E // R, R * tmax
+    M = R * tmax * min(K, L)  # most rows any rank can receive
+    dev = x.device
+    counts, tokens, _, experts = _pairs(topk_idx, E)
+    n_pairs = int(T * K)
+    # pairs past the valid ones (expert E) are never sent: every split counts valid ones only
+    per_rank = counts.view(R, L).sum(1)                                  # rows to each rank
+    ops = d.ops(op)
+    # expert counts to each owner: [R, L] -> every source's counts for this rank's experts
+    ecount = d.empty((R * L,), torch.int64)
+    ecount.copy_(counts)
+    got = torch.empty(R * L, dtype=torch.int64, device=dev)
+    ops.all_to_all(got, ecount)
+    got = got.view(R, L)                                                 # [source, local expert]
+    frm = got.sum(1)                                                     # rows from each source
+    if use_fp8:
+        xq, sc = fp8_quantize(x, round_scale=round_scale, ue8m0=use_ue8m0)
+    else:
+        xq, sc = x, None
+    S = sc.size(1) if sc is not None else 0
+    send = d.empty((max(n_pairs, 1), H), xq.dtype)
+    _raw(send)[:n_pairs] = _raw(xq)[tokens]      # sorted by expert, then token: grouped by destination rank
+    meta = d.empty((max(n_pairs, 1), 2 + S), torch.int32)
+    meta[:n_pairs, 0] = tokens.to(torch.int32)
+    meta[:n_pairs, 1] = (experts % max(L, 1)).to(torch.int32)
+    if S:
+        meta[:n_pairs, 2:] = _bits(sc[tokens])
+    recv = torch.empty(M, H, dtype=xq.dtype, device=dev)
+    rmeta = torch.empty(M, 2 + S, dtype=torch.int32, device=dev)
+    in_splits, out_splits = per_rank.contiguous(), frm.contiguous()
+    ops.all_to_all_v(_raw(recv), _raw(send), out_splits, in_splits, partial=True)
+    ops.all_to_all_v(rmeta, meta, out_splits, in_splits, partial=True)
+    # each received row's slot: expert le's rows by source rank, then source token
+    block = torch.cumsum(frm, 0) - frm                                   # where each source's rows start
+    i = torch.arange(M, device=dev)
+    total = frm.sum()
+    src = torch.searchsorted(torch.cumsum(frm, 0), i, right=True).clamp(max=R - 1)
+    le = rmeta[:, 1].long().clamp(0, max(L - 1, 0))
+    inner = torch.cumsum(got, 1) - got                                   # [source, le]: le's rows within a block
+    begin = torch.cumsum(got, 0) - got                                   # [source, le]: le's slots before source
+    pos = begin[src, le] + (i - block[src] - inner[src, le])
+    valid = i < total
+    flat = torch.where(valid, le * N + pos, L * N)                       # invalid rows go to a spare slot
+    out_x = torch.zeros(L * N + 1, H, dtype=_raw(xq).dtype, device=dev)
+    out_x[flat] = _raw(recv)
+    out_x = out_x.view(xq.dtype)
+    src_info = torch.zeros(L * N + 1, dtype=torch.int32, device=dev)
+    src_info[flat] = rmeta[:, 0]
+    count = got.sum(0).to(torch.int32)
+    layout_range = (begin.t() << 32 | got.t()).contiguous()
+    recv_x = out_x[:L * N].view(L, N, H)
+    if S:
+        scales = torch.zeros(L * N + 1, S, dtype=sc.dtype, device=dev)
+        raw = rmeta[:, 2:].contiguous()
+        scales[flat] = raw.view(torch.float32) if sc.dtype == torch.float32 else raw
+        # DeepEP's scales are column-major in the last two dims
+        cm = scales[:L * N].view(L, N, S).transpose(1, 2).contiguous().transpose(1, 2)
+        recv_x = (recv_x, cm)
+    return recv_x, count, src_info[:L * N].view(L, N), layout_range
+
+
+def ll_combine(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepEP's low-latency combine on device tensors: ``combined [T, H]`` bf16, with no host sync."""
+    op, R = "low_latency_combine", d.R
+    src_info, layout_range, tmax, H, E = handle
+    L, N = E // R, R * tmax
+    T, K = topk_idx.shape
+    dev = x.device
+    M = R * tmax * min(K, L)
+    got = (layout_range & 0xFFFFFFFF).t().contiguous()                   # [source, le]
+    begin = (layout_range >> 32).t().contiguous()
+    to_src = got.sum(1)                                                  # rows back to each source
+    # pack: rows back to each source, by expert then slot (the order that source sent them in)
+    start = torch.cumsum(to_src, 0) - to_src
+    inner = torch.cumsum(got, 1) - got
+    slot = torch.arange(N, device=dev)
+    les = torch.arange(L, device=dev)
+    # for every (le, slot): its source rank (the block of layout_range it falls in) and its send position
+    ends = (begin + got).t()                                             # [le, source]
+    src = torch.searchsorted(ends.contiguous(), slot.expand(L, N).contiguous(), right=True).clamp(max=R - 1)
+    b = begin.t().gather(1, src)                                         # [le, N]
+    valid = slot.unsqueeze(0) < got.sum(0).unsqueeze(1)
+    pos = start[src] + inner.t()[les.unsqueeze(1), src] + (slot.unsqueeze(0) - b)
+    dest = torch.where(valid, pos, M)
+    send = d.empty((M + 1, H), x.dtype)
+    send[dest.reshape(-1)] = x.reshape(L * N, H)
+    counts, tokens, slots, experts = _pairs(topk_idx, E)
+    per_rank = counts.view(R, L).sum(1)                                  # what this rank sent to each owner
+    back = torch.empty(T * K + 1, H, dtype=x.dtype, device=dev)
+    ops = d.ops(op)
+    ops.all_to_all_v(back[:T * K], send[:M], per_rank, to_src, partial=True)
+    # back[j] is the expert row of pair j (sorted by expert): sum weight * row per token, ascending expert
+    rows = torch.zeros(T * K + 1, H, dtype=torch.float32, device=dev)
+    n_valid = counts.sum()
+    j = torch.arange(T * K, device=dev)
+    where = torch.where(j < n_valid, slots, T * K)                        # pair j's (token, slot); invalid: spare
+    w = torch.cat([topk_weights.reshape(-1).float(), torch.zeros(1, device=dev)])
+    rows[where] = back[:T * K].float() * w[where].unsqueeze(1)
+    rows = rows[:T * K].view(T, K, H)
+    order = torch.sort(torch.where((topk_idx >= 0) & (topk_idx < E), topk_idx.long(), E), dim=1, stable=True).indices
+    acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
+    for k in range(K):  # ascending expert per token: the sum's order is fixed, so every run gives the same bits
+        acc += rows.gather(1, order[:, k].view(T, 1, 1).expand(T, 1, H)).squeeze(1)
+    result = acc.to(torch.bfloat16)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result

@@ -1,0 +1,178 @@
+"""EP on a device heap (``zbccl.ep.device``: DeepEP's normal and low-latency modes over the device all_to_all)
+without a GPU: the Triton kernels run under the interpreter over the real shm heap, the routing in torch.
+
+Every rank rebuilds every rank's inputs from seeds (payloads encode rank and token), and each result is
+compared bit for bit with the plain-torch oracle (``zbccl.ep.reference``): the received rows, top-k, weights,
+counts and every handle field; the combine sums; the low-latency slots, counts, source tokens and layout,
+in bf16 and in fp8 (float and UE8M0 scales).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.triton_cases import ENV, device_ops, needs_triton
+from tests.spawn import run_world
+
+pytestmark = needs_triton
+
+H, K, TMAX = 512, 3, 12  # hidden a multiple of 512 (UE8M0 packs four 128-channel scales per int32)
+
+
+def _inputs(r: int, W: int, E: int):
+    """Rank r's tokens (a count that differs per rank), top-k (distinct experts, some -1) and weights."""
+    g = torch.Generator().manual_seed(1000 + r)
+    T = 5 + 3 * r
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    w = torch.rand(T, K, generator=g)
+    t = torch.arange(T, dtype=torch.float32).unsqueeze(1)
+    x = ((t * 0.5 + r * 16 + torch.arange(H) * 0.03125) % 64 - 32).to(torch.bfloat16)
+    return x, idx, w
+
+
+def _device_ep(comm, dev):
+    import zbccl
+    from zbccl.ep.device import DeviceEP
+
+    tr = comm._ctx.heap.transport
+    return DeviceEP(ops=lambda name: dev, empty=lambda shape, dtype: zbccl.empty(*shape, dtype=dtype),
+                    in_heap=lambda t: tr.offset_of(comm.rank, t) >= 0, rank=comm.rank, R=comm.world_size,
+                    ranks=tuple(range(comm.world_size)))
+
+
+def _normal(ctx):
+    from zbccl.ep import device as D
+    from zbccl.ep import reference as ref
+
+    comm, dev = device_ops(ctx, heap_size="64M")
+    W, me = comm.world_size, comm.rank
+    E = 4 * W
+    d = _device_ep(comm, dev)
+    ins = [_inputs(r, W, E) for r in range(W)]
+    in_ranks = [ref.dispatch_layout(i, E, W)[2] for _, i, _ in ins]
+    x, idx, w = ins[me]
+    ntpr, ntpe, in_rank = D.layout(idx, E, W)
+    want_layout = ref.dispatch_layout(idx, E, W)
+    assert torch.equal(ntpr, want_layout[0]) and torch.equal(ntpe, want_layout[1]) and torch.equal(in_rank, want_layout[2])
+    C = 4
+    got = D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None, expert_alignment=4, num_channels=C)
+    want = ref.dispatch([a for a, _, _ in ins], in_ranks, me, E, topk_idx=[i for _, i, _ in ins],
+                        topk_weights=[v for _, _, v in ins], expert_alignment=4, num_channels=C)
+    recv_x, recv_idx, recv_w, lst, h = got
+    assert torch.equal(recv_x, want["x"]) and torch.equal(recv_idx, want["topk_idx"])
+    assert torch.equal(recv_w, want["topk_weights"]) and lst == want["num_recv_tokens_per_expert_list"]
+    assert torch.equal(h[0], want["rank_prefix_matrix"]) and torch.equal(h[1], want["channel_prefix_matrix"])
+    assert torch.equal(h[2], want["recv_channel_prefix_matrix"]) and torch.equal(h[3], want["src_idx"])
+    assert torch.equal(h[4], in_rank) and torch.equal(h[5], want["send_head"])
+    # the cached dispatch: same routing, new rows
+    again, *rest = D.dispatch(d, x * 2, None, None, None, None, None, h)
+    assert torch.equal(again, (want["x"].float() * 2).to(torch.bfloat16)) and rest == [None] * 4
+    # combine: every rank sends back f(its received rows); the weights come back summed too
+    ys, ws = [], []
+    for r in range(W):
+        wr = ref.dispatch([a for a, _, _ in ins], in_ranks, r, E, topk_idx=[i for _, i, _ in ins],
+                          topk_weights=[v for _, _, v in ins])
+        ys.append((wr["x"].float() * 0.5 + r).to(torch.bfloat16))
+        ws.append(wr["topk_weights"])
+    bias = torch.full((x.size(0), H), 0.25, dtype=torch.bfloat16)
+    out, outw = D.combine(d, ys[me], h, ws[me], (bias,))
+    want_out, want_w = ref.combine(ys, in_ranks, me, topk_weights=ws, bias=(bias,))
+    assert torch.equal(out, want_out) and torch.equal(outw, want_w)
+    # num_worst_tokens: fixed-size outputs, -1 / 0 below the received rows
+    worst = 64
+    wx, widx, ww, wl, _ = D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None, num_worst_tokens=worst)
+    n = want["x"].size(0)
+    assert wx.size(0) == worst and torch.equal(wx[:n], want["x"]) and wl == []
+    assert bool((widx[n:] == -1).all()) and bool((ww[n:] == 0).all()) and torch.equal(widx[:n], want["topk_idx"])
+    # fp8 rows with their scales
+    from zbccl.ep.layout import fp8_quantize
+
+    xs8 = [fp8_quantize(a) for a, _, _ in ins]
+    (r8, s8), *_ = D.dispatch(d, xs8[me], idx, w, in_rank, ntpr, ntpe, None)
+    want8 = ref.dispatch(xs8, in_ranks, me, E)
+    assert torch.equal(r8.view(torch.uint8), want8["x"][0].view(torch.uint8)) and torch.equal(s8, want8["x"][1])
+    return True
+
+
+def _bad_call(ctx):
+    """A rank whose call is wrong raises its own error; the others raise ZbcclRemoteError naming it."""
+    from zbccl import ZbcclInvalidUsageError, ZbcclRemoteError
+    from zbccl.ep import device as D
+
+    comm, dev = device_ops(ctx, heap_size="32M")
+    W, me = comm.world_size, comm.rank
+    E = 4 * W
+    d = _device_ep(comm, dev)
+    x, idx, w = _inputs(me, W, E)
+    ntpr, ntpe, in_rank = D.layout(idx, E, W)
+    if me == 1:
+        idx = idx.clone()
+        idx[0, 0] = E + 3  # out of range
+    try:
+        D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None)
+    except ZbcclInvalidUsageError as exc:
+        assert me == 1 and "topk_idx out of range" in str(exc), exc
+        return "own"
+    except ZbcclRemoteError as exc:
+        assert me != 1 and exc.ranks == (1,), exc
+        return "remote"
+    return "none"
+
+
+def _low_latency(ctx):
+    from zbccl.ep import device as D
+    from zbccl.ep import reference as ref
+
+    comm, dev = device_ops(ctx, heap_size="64M")
+    W, me = comm.world_size, comm.rank
+    E = 4 * W
+    L = E // W
+    d = _device_ep(comm, dev)
+    ins = [_inputs(r, W, E) for r in range(W)]
+    x, idx, w = ins[me]
+    for fp8, rnd, ue in ((False, False, False), (True, False, False), (True, True, True)):
+        recv_x, count, src_info, layout_range = D.ll_dispatch(d, x, idx, TMAX, E, use_fp8=fp8, round_scale=rnd,
+                                                              use_ue8m0=ue)
+        want = ref.low_latency_dispatch([a for a, _, _ in ins], [i for _, i, _ in ins], me, TMAX, E, use_fp8=fp8,
+                                        round_scale=rnd, use_ue8m0=ue)
+        assert torch.equal(count, want["count"]) and torch.equal(layout_range, want["layout_range"])
+        rx, sx = recv_x if fp8 else (recv_x, None)
+        for le in range(L):
+            n = int(count[le])
+            assert torch.equal(src_info[le, :n], want["src_info"][le, :n]), (fp8, le)
+            if fp8:
+                assert torch.equal(rx[le, :n].view(torch.uint8), want["x"][le, :n].view(torch.uint8)), (le, "x8")
+                assert torch.equal(sx[le, :n], want["scales"][le, :n]), (le, "scales")
+                assert sx.stride(1) == 1 and (sx.size(2) == 1 or sx.stride(2) == sx.size(1)), "scales column-major"
+            else:
+                assert torch.equal(rx[le, :n], want["x"][le, :n]), le
+    # combine: each owner's outputs are f(its received rows)
+    outs = []
+    for o in range(W):
+        wo = ref.low_latency_dispatch([a for a, _, _ in ins], [i for _, i, _ in ins], o, TMAX, E)
+        outs.append((wo["x"].float() * 0.75 - o).to(torch.bfloat16))
+    recv_x, count, src_info, layout_range = D.ll_dispatch(d, x, idx, TMAX, E, use_fp8=False, round_scale=False,
+                                                          use_ue8m0=False)
+    handle = (src_info, layout_range, TMAX, H, E)
+    got = D.ll_combine(d, outs[me], idx, w, handle)
+    want = ref.low_latency_combine(outs, [i for _, i, _ in ins], me, w)
+    assert torch.equal(got, want)
+    into = torch.empty(x.size(0), H, dtype=torch.bfloat16)
+    assert D.ll_combine(d, outs[me], idx, w, handle, out=into) is into and torch.equal(into, want)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_normal_dispatch_and_combine_match_the_oracle(world):
+    assert run_world(_normal, world, env=ENV, timeout=240) == [True] * world
+
+
+def test_a_wrong_call_is_reported_on_every_rank():
+    assert run_world(_bad_call, 3, env=ENV, timeout=180) == ["remote", "own", "remote"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_low_latency_dispatch_and_combine_match_the_oracle(world):
+    assert run_world(_low_latency, world, env=ENV, timeout=240) == [True] * world
