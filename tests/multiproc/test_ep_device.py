@@ -176,3 +176,59 @@ def test_a_wrong_call_is_reported_on_every_rank():
 @pytest.mark.parametrize("world", [2, 3])
 def test_low_latency_dispatch_and_combine_match_the_oracle(world):
     assert run_world(_low_latency, world, env=ENV, timeout=240) == [True] * world
+
+
+def _buffer(ctx):
+    """The Buffer's CUDA branches (``ep/buffer.py``) with the device side over the CPU heap: what DeepEP code
+    calls reaches ``ep/device.py`` with the right arguments, and its results come back in DeepEP's shapes."""
+    from unittest import mock
+
+    import zbccl.ep as deep_ep
+    from zbccl.ep import buffer as B
+    from zbccl.ep import event as ev
+    from zbccl.ep import reference as ref
+
+    comm, dev = device_ops(ctx, heap_size="64M")
+    W, me = comm.world_size, comm.rank
+    E = 4 * W
+    buf = deep_ep.Buffer(comm, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+    sub = buf.comm
+    from zbccl.ops.device import DeviceOps
+
+    sub_ops = DeviceOps(sub.rank, sub.ranks, sub._ctx.heap.transport, slot=sub.slot, timeout_s=30, barrier=sub.barrier)
+    d = _device_ep(comm, sub_ops)
+    ins = [_inputs(r, W, E) for r in range(W)]
+    x, idx, w = ins[me]
+    with mock.patch.object(B.Buffer, "_on_device", lambda self, *t: True), \
+            mock.patch.object(B.Buffer, "_device", lambda self, op, prev: d), \
+            mock.patch.object(ev, "DeviceEventHandle", ev.EventHandle):
+        ntpr, ntpr_host, ntpe, in_rank, e0 = buf.get_dispatch_layout(idx, E)
+        assert ntpr_host is None and e0.event is None and torch.equal(in_rank, ref.dispatch_layout(idx, E, W)[2])
+        recv_x, recv_idx, recv_w, lst, h, e1 = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                           num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
+                                                           async_finish=True)
+        in_ranks = [ref.dispatch_layout(i, E, W)[2] for _, i, _ in ins]
+        want = ref.dispatch([a for a, _, _ in ins], in_ranks, me, E, topk_idx=[i for _, i, _ in ins],
+                            topk_weights=[v for _, _, v in ins], num_channels=deep_ep.Buffer.num_sms // 2)
+        assert torch.equal(recv_x, want["x"]) and lst == want["num_recv_tokens_per_expert_list"]
+        assert torch.equal(h[1], want["channel_prefix_matrix"]) and e1.event is not None
+        e1.current_stream_wait()
+        out, out_w, _ = buf.combine(recv_x, h, recv_w)
+        ys = [ref.dispatch([a for a, _, _ in ins], in_ranks, r, E)["x"] for r in range(W)]
+        ws = [ref.dispatch([a for a, _, _ in ins], in_ranks, r, E, topk_idx=[i for _, i, _ in ins],
+                           topk_weights=[v for _, _, v in ins])["topk_weights"] for r in range(W)]
+        want_out, want_w = ref.combine(ys, in_ranks, me, topk_weights=ws)
+        assert torch.equal(out, want_out) and torch.equal(out_w, want_w)
+        recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, TMAX, E, use_fp8=False, return_recv_hook=True)
+        hook()
+        assert handle[2:] == (TMAX, H, E) and count.dtype == torch.int32
+        combined, _, none = buf.low_latency_combine(recv, idx, w, handle)
+        outs = [ref.low_latency_dispatch([a for a, _, _ in ins], [i for _, i, _ in ins], o, TMAX, E)["x"]
+                for o in range(W)]
+        assert none is None and torch.equal(combined, ref.low_latency_combine(outs, [i for _, i, _ in ins], me, w))
+    buf.destroy()
+    return True
+
+
+def test_the_buffer_routes_device_tensors_to_the_device_path():
+    assert run_world(_buffer, 2, env=ENV, timeout=240) == [True] * 2

@@ -22,7 +22,7 @@ from ..native.abi import EP_OP_CLEAN as OP_CLEAN  # the tag of clean_low_latency
 from ..native.abi import WHERE_EP
 from . import fast, internode, internode_combine, internode_ll, low_latency, normal
 from .config import Config, combine_config, dispatch_config, get_low_latency_rdma_size_hint
-from .event import EventHandle, EventOverlap
+from .event import DeviceEventHandle, EventHandle, EventOverlap
 from .event import completed as _event
 from .event import stream_error as _stream_error
 from .exchange import PHASE_CLEAN, Exchange, Fail, heap_empty
@@ -103,6 +103,7 @@ class Buffer:
         self._ll = low_latency.LowLatencyState()
         self._mask = torch.zeros(self.group_size, dtype=torch.int32)
         self._scratch: dict[str, torch.Tensor] = {}
+        self._device_ep = None  # ep/device.py's view of this Buffer, made at its first op on CUDA tensors
 
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A private work tensor (contents undefined), kept between ops: fresh pages cost page faults."""
@@ -192,6 +193,39 @@ class Buffer:
             raise Fail(f"handle must be the 6-tuple dispatch returned, got {type(handle).__name__}")
         return self.lookup(handle[3], op)[0]
 
+    # ------------------------------------------------------------------ device tensors (CUDA)
+    def _on_device(self, *tensors) -> bool:
+        """Whether this op's tensors are CUDA tensors: it then runs on the device heap (``ep/device.py``)."""
+        t = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        return t is not None and t.is_cuda
+
+    def _device(self, op: str, previous_event):
+        """The device side of this Buffer (made at its first CUDA op, collectively: the group's device ops), after
+        the current stream waited for ``previous_event``."""
+        if self.wire is not None:
+            raise ZbcclInvalidUsageError(f"{op}: CUDA tensors in a Buffer that spans hosts, expected CPU tensors "
+                                         "(EP across hosts runs on the host heaps)")
+        if self.enable_shrink:
+            raise ZbcclInvalidUsageError(f"{op}: rank masks (enable_shrink) on CUDA tensors, expected a Buffer "
+                                         "without enable_shrink (masks are implemented on the CPU path only)")
+        if self._device_ep is None:
+            import zbccl
+
+            from ..ops import route
+            from .device import DeviceEP
+
+            comm = self.comm
+            transport = comm.device_heap("cuda", op=op).transport
+            me = comm.global_rank
+            self._device_ep = DeviceEP(
+                ops=lambda name: route.lane(comm, "cuda", name),
+                empty=lambda shape, dtype: zbccl.empty(*shape, dtype=dtype, device="cuda"),
+                in_heap=lambda t: transport.offset_of(me, t) >= 0, rank=self.rank, R=self.group_size,
+                ranks=tuple(comm.ranks))
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.current_stream_wait()
+        return self._device_ep
+
     # ------------------------------------------------------------------ static API
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -205,8 +239,9 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event at this point of the host's work (always complete on CPU)."""
-        return EventOverlap(EventHandle())
+        """An event at this point of the current CUDA stream when CUDA is in use, else of the host's work
+        (always complete on CPU)."""
+        return EventOverlap(DeviceEventHandle() if torch.cuda.is_initialized() else EventHandle())
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -255,6 +290,15 @@ class Buffer:
         """
         R = self.group_size
         error, got = _stream_error(previous_event, async_finish, allocate_on_comm_stream), None
+        if error is None and self._on_device(topk_idx):
+            from . import device
+
+            if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
+                raise ZbcclInvalidUsageError(f"get_dispatch_layout: num_experts must be a positive multiple of the "
+                                             f"{R} ranks, got {num_experts!r}")
+            self._device("get_dispatch_layout", previous_event)
+            per_rank, per_expert, in_rank = device.layout(topk_idx, num_experts, R)
+            return per_rank, None, per_expert, in_rank, _event(async_finish, device=True)
         if error is None:
             try:
                 normal._tensor(topk_idx, "topk_idx", 2, (torch.int64, torch.int32))
@@ -318,6 +362,18 @@ class Buffer:
                  expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens), config=cfg,
                  int8=bool(int8), error=_stream_error(previous_event, async_finish, allocate_on_comm_stream),
                  num_tokens_per_rdma_rank=num_tokens_per_rdma_rank)
+        if self._on_device(x[0] if isinstance(x, tuple) else x):
+            from . import device
+
+            with self._lock, self._op("dispatch"):
+                self.seq += 1
+                d = self._device("dispatch", previous_event)
+                recv_x, idx, w, lst, h = device.dispatch(
+                    d, x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                    handle, expert_alignment=a["expert_alignment"], num_worst_tokens=a["num_worst_tokens"],
+                    num_channels=max(cfg.num_sms // 2, 1),
+                    error=a["error"] or ("int8 transfers are CPU-only, expected int8=False" if int8 else None))
+            return recv_x, idx, w, lst, h, _event(async_finish, device=True)
         with self._lock, self._op("dispatch"):
             self.seq += 1
             recv_x, idx, w, lst, h = (internode if self.wire is not None else normal).dispatch(self, a)
@@ -339,6 +395,15 @@ class Buffer:
         """
         self._live()
         error = _stream_error(previous_event, async_finish, allocate_on_comm_stream)
+        if self._on_device(x):
+            from . import device
+
+            biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+            with self._lock, self._op("combine"):
+                self.seq += 1
+                d = self._device("combine", previous_event)
+                out, w = device.combine(d, x, handle, topk_weights, biases, error)
+            return out, w, _event(async_finish, device=True)
         with self._lock, self._op("combine"):
             self.seq += 1
             out, w = (internode_combine if self.wire is not None else normal).combine(self, x, handle, topk_weights, bias, error)
@@ -355,8 +420,12 @@ class Buffer:
         """The heap tensor ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``
         torch.bfloat16 that the next ``low_latency_combine(..., zero_copy=True)`` reads in place."""
         self._live()
-        _, _, tmax, hidden, num_experts = handle
+        src_info, _, tmax, hidden, num_experts = handle
         R = self.group_size
+        if self._on_device(src_info):
+            import zbccl
+
+            return zbccl.empty(num_experts // R, R * tmax, hidden, dtype=torch.bfloat16, device="cuda")
         return self._ll.next_combine_buffer(self.comm, num_experts // R, R * tmax, hidden)
 
     def _hook(self, recv: Callable[[], None]) -> Callable[[], None]:
@@ -401,6 +470,10 @@ class Buffer:
             error = "use_ue8m0 needs round_scale, expected round_scale=True, got False"
         flags = ((low_latency.FLAG_FP8 if use_fp8 else 0) | (low_latency.FLAG_ROUND if round_scale else 0)
                  | (low_latency.FLAG_UE8M0 if use_ue8m0 else 0) | (low_latency.FLAG_HOOK if return_recv_hook else 0))
+        if self._on_device(x):
+            return self._ll_dispatch_device(x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts),
+                                            cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+                                            async_finish, return_recv_hook, error)
         with self._lock, self._op("low_latency_dispatch"):
             self.seq += 1
             out, plan, recv = (internode_ll if self.wire is not None else low_latency).dispatch(
@@ -440,6 +513,19 @@ class Buffer:
             error = "zero_copy and use_logfmt exclude each other, expected at most one, got both"
         flags = ((low_latency.FLAG_HOOK if return_recv_hook else 0) | (low_latency.FLAG_FP8 if zero_copy else 0)
                  | (low_latency.FLAG_LOGFMT if use_logfmt else 0))
+        if self._on_device(x):
+            if error is None and use_logfmt:
+                error = "use_logfmt on CUDA tensors, expected use_logfmt=False (LogFMT is implemented on the CPU path)"
+            if error is not None:
+                raise ZbcclInvalidUsageError(f"low_latency_combine: {error}")
+            from . import device
+
+            with self._lock, self._op("low_latency_combine"):
+                self.seq += 1
+                combined = device.ll_combine(self._device("low_latency_combine", None), x, topk_idx, topk_weights,
+                                             handle, out)
+            return (combined, _event(async_finish, (x, topk_idx, topk_weights, combined), device=True),
+                    (lambda: None) if return_recv_hook else None)
         with self._lock, self._op("low_latency_combine"):
             self.seq += 1
             combined, recv = (internode_ll if self.wire is not None else low_latency).combine(self, x, topk_idx, topk_weights, handle, bool(zero_copy), out, flags,
@@ -449,6 +535,36 @@ class Buffer:
             if hook is None:
                 recv()
         return combined, _event(async_finish, (x, topk_idx, topk_weights, combined)), hook
+
+    def _ll_dispatch_device(self, x, topk_idx, tmax: int, E: int, stats, use_fp8: bool, round_scale: bool,
+                            use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, error: str | None):
+        """:meth:`low_latency_dispatch` of CUDA tensors (``ep/device.py``): enqueued on the current stream, no host
+        sync; the receive happens in stream order, so the hook (with ``return_recv_hook``) has nothing left to do."""
+        from . import device
+
+        op = "low_latency_dispatch"
+        R = self.group_size
+        if error is None:
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+                error = "x must be a [num_tokens, hidden] bfloat16 tensor"
+            elif not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.size(0) != x.size(0):
+                error = f"topk_idx must be [{x.size(0)}, num_topk], got {getattr(topk_idx, 'shape', topk_idx)}"
+            elif x.size(0) > tmax or E <= 0 or E % R or x.size(1) % (512 if use_ue8m0 else 128):
+                error = (f"expected num_tokens <= num_max_dispatch_tokens_per_rank ({tmax}), num_experts a positive "
+                         f"multiple of {R} and hidden a multiple of {512 if use_ue8m0 else 128}, got "
+                         f"{x.size(0)} tokens, {E} experts, hidden {x.size(1)}")
+        with self._lock, self._op(op):
+            self.seq += 1
+            d = self._device(op, None)
+            if error is not None:
+                d.fail(op, error)
+            recv_x, count, src_info, layout_range = device.ll_dispatch(d, x, topk_idx, tmax, E, use_fp8=use_fp8,
+                                                                       round_scale=round_scale, use_ue8m0=use_ue8m0)
+            if stats is not None:
+                stats += count.to(stats.dtype)
+        handle = (src_info, layout_range, tmax, x.size(1), E)
+        return (recv_x, count, handle, _event(async_finish, (x, topk_idx), device=True),
+                (lambda: None) if return_recv_hook else None)
 
     def _shrink(self, op: str) -> None:
         if not self.enable_shrink:

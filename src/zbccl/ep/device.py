@@ -242,6 +242,8 @@ def _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, ha
     if (topk_idx is None) != (topk_weights is None):
         return "topk_idx and topk_weights go together, expected both or neither, got one"
     if topk_idx is not None:
+        if topk_idx.dtype not in (torch.int64, torch.int32) or topk_weights.dtype != torch.float32:
+            return f"topk_idx must be int64 (or int32) and topk_weights float32, got {topk_idx.dtype} and {topk_weights.dtype}"
         if topk_idx.dim() != 2 or topk_idx.size(0) != T or topk_weights.shape != topk_idx.shape:
             return (f"topk_idx and topk_weights must be [{T}, num_topk], got {list(topk_idx.shape)} and "
                     f"{list(topk_weights.shape)}")
@@ -345,7 +347,9 @@ def ll_dispatch(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, tmax: int,
     # expert counts to each owner: [R, L] -> every source's counts for this rank's experts
     ecount = d.empty((R * L,), torch.int64)
     ecount.copy_(counts)
-    got = torch.empty(R * L, dtype=torch.int64, device=dev)
+    # zeros: if a peer's call failed, the kernel moves nothing and reports it (at this rank's next check), and
+    # the splits below then move nothing either, instead of whatever the memory held
+    got = torch.zeros(R * L, dtype=torch.int64, device=dev)
     ops.all_to_all(got, ecount)
     got = got.view(R, L)                                                 # [source, local expert]
     frm = got.sum(1)                                                     # rows from each source

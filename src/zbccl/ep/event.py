@@ -1,4 +1,5 @@
-"""``EventHandle`` and ``EventOverlap``: DeepEP's overlap API, on a CPU where ops finish on return.
+"""``EventHandle`` and ``EventOverlap``: DeepEP's overlap API, on a CPU where ops finish on return (and
+``DeviceEventHandle``: a CUDA event, for ops on CUDA tensors, which are enqueued on the current stream).
 
 Every zbccl EP op completes on the calling thread before it returns (the host is the only
 "stream"), so an event is always already complete and waiting on it returns at once. The
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EventHandle", "EventOverlap", "completed", "stream_error"]
+__all__ = ["EventHandle", "DeviceEventHandle", "EventOverlap", "completed", "stream_error"]
 
 
 class EventHandle:
@@ -64,9 +65,30 @@ class EventOverlap:
         self._release_handle_by_call = False
 
 
-def completed(async_finish: bool, tensors: tuple = ()) -> EventOverlap:
-    """What an op returns: a completed event if ``async_finish``, else ``EventOverlap(None)`` (DeepEP)."""
-    return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+class DeviceEventHandle(EventHandle):
+    """A CUDA event recorded on the current stream (an op on CUDA tensors is enqueued there, not finished)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def current_stream_wait(self) -> None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def __repr__(self) -> str:
+        return f"DeviceEventHandle(complete={self.event.query()})"
+
+
+def completed(async_finish: bool, tensors: tuple = (), *, device: bool = False) -> EventOverlap:
+    """What an op returns: an event if ``async_finish`` (``device``: a CUDA event on the current stream, after the
+    op's work; else complete), or ``EventOverlap(None)`` (DeepEP)."""
+    if not async_finish:
+        return EventOverlap(None)
+    return EventOverlap(DeviceEventHandle() if device else EventHandle(), tensors)
 
 
 def stream_error(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> str | None:
