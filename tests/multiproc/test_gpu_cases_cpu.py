@@ -92,3 +92,23 @@ def test_the_gpu_cases_rehearse_on_the_device_path_under_the_interpreter(capsys,
     assert {"w2/cases", "w2/reduce_scatter", "w2/graph/decode_step", "w2/interpret"} <= set(checks), lines
     assert [ln for ln in lines if ln.startswith("FIRST-ERROR")] == [
         f"FIRST-ERROR [rank {r}] none (212 cases)" for r in range(2)], lines
+
+
+def _ep_rank(ctx):
+    from zbccl.bench.gpu_cases import Rank
+    from zbccl.bench.gpu_ep import ep_cases
+
+    rk = Rank(ctx.rank, ctx.world_size, ctx.store(), heap_bytes=16 << 20, timeout=30.0, device="cpu")
+    try:
+        return ep_cases(rk)
+    finally:
+        rk.close()
+
+
+def test_the_gpu_ep_cases_pass_on_the_cpu_path():
+    """The GPU check's EP cases (``bench/gpu_ep.py``) on CPU tensors, which take the CPU EP path: the cases'
+    own inputs, calls and comparisons are right before a GPU runs them on the device path."""
+    results = run_world(_ep_rank, 2, timeout=240)
+    assert len(results[0]) == 10
+    bad = [(r, c) for r, res in enumerate(results) for c in res if not c[1]]
+    assert not bad, bad[:3]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .gpu_cases import DEV, Rank, a2a_part, correctness, diff, payload, reduce_ref, run_case
+from .gpu_ep import ep_cases
 
 __all__ = ["graph_cases", "decode_step", "scope_step", "pg_cases", "cases_rank"]
 
@@ -261,6 +262,7 @@ def cases_rank(*, rank: int, world_size: int, store, quick: bool, replays: int, 
         res += decode_step(rk, replays=replays)
         if not rk.interpret:  # (the rehearsal's CPU tensors would take the CPU path there: nothing to rehearse)
             res += pg_cases(rk)
+            res += ep_cases(rk)  # (on the CPU dry run: the same cases on the CPU path, against the same oracle)
         res += correctness(rk, quick=quick, core=True, dtypes=(torch.bfloat16,))
         res += correctness(rk, quick=quick, core=False)
         if rk.interpret:  # the rehearsal really ran the kernels: every op above was a DeviceOps launch
