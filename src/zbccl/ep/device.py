@@ -11,12 +11,13 @@ its outputs exactly (one host sync here, where DeepEP's normal dispatch has its 
 that failed. Each sender packs its rows by destination rank, then token (one gather into a heap block: the
 peers read it where it is), with one metadata row per token (its top-k, weights and index, as int32). The
 receiver's rows come out ordered by source rank, then source token (DeepEP's order), and its top-k ids are
-mapped to local experts (-1 elsewhere, weight 0). Combine sends each row back by the same splits reversed and
+mapped to local experts (-1 elsewhere, weight 0). (The metadata rows also carry fp8 scales.) Combine sends each row back by the same splits reversed and
 sums each token's rows in fp32, by source rank in order, then the biases: the same numbers on every run.
 
-Low-latency mode (:func:`ll_dispatch`, :func:`ll_combine`): no host sync at all, so it can be captured in a
-CUDA graph. The per-expert counts go through a device all_to_all, the rows through an all_to_all_v whose
-splits are device tensors, into a block sized for the worst case (``R * tmax * min(K, L)`` rows); each row
+Low-latency mode (:func:`ll_dispatch`, :func:`ll_combine`): no host sync at all (no ``nonzero``, no
+``bincount``: nothing whose size depends on device values). Not capturable in a CUDA graph yet: each call
+allocates its work blocks. The per-expert counts go through a device all_to_all, the rows through an all_to_all_v whose
+splits are device tensors, into a block sized for the worst case (``R * tmax * K`` rows); each row
 then lands in its expert's slot, by source rank then source token. Expert ids outside ``[0, E)`` are
 dropped (treated as -1) rather than checked, as checking would sync the host. Combine returns each expert
 row to its source by the reverse splits, and the source sums ``weight * row`` per token in fp32 in
@@ -325,7 +326,9 @@ def _pairs(topk_idx: torch.Tensor, E: int):
     key = torch.where(valid, flat, E) * (T * K) + torch.arange(T * K, device=flat.device)
     order = torch.sort(key).indices  # invalid pairs sort last (expert E)
     experts = torch.where(valid, flat, E)[order]
-    counts = torch.bincount(experts, minlength=E + 1)[:E]
+    # bincount would read the largest value on the host; a scatter into E + 1 bins does not
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, experts,
+                                                                                    torch.ones_like(experts))[:E]
     return counts, order // K, order, experts
 
 
@@ -337,7 +340,7 @@ def ll_dispatch(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, tmax: int,
     T, H = x.shape
     K = topk_idx.size(1)
     L, N = E // R, R * tmax
-    M = R * tmax * min(K, L)  # most rows any rank can receive
+    M = R * tmax * K  # most rows any rank can receive (K per token even if a token repeats an expert)
     dev = x.device
     counts, tokens, _, experts = _pairs(topk_idx, E)
     n_pairs = int(T * K)
@@ -407,7 +410,7 @@ def ll_combine(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     L, N = E // R, R * tmax
     T, K = topk_idx.shape
     dev = x.device
-    M = R * tmax * min(K, L)
+    M = R * tmax * K
     got = (layout_range & 0xFFFFFFFF).t().contiguous()                   # [source, le]
     begin = (layout_range >> 32).t().contiguous()
     to_src = got.sum(1)                                                  # rows back to each source
