@@ -255,6 +255,12 @@ class DeviceOps:
                 "them; this communicator's device ops are out of step now", ranks=tuple(glob))
             return self._broken
         q = st[g.ST_BAD] - 1
+        if st[g.ST_FIELD] in (g.F_ROWS_IN, g.F_ROWS_OUT):  # device splits past a tensor: nothing moved there
+            whose = "the output" if st[g.ST_FIELD] == g.F_ROWS_OUT else (
+                f"the input of group rank {q} (global {self.ranks[q]}), by its in_splits")
+            return ZbcclInvalidUsageError(
+                f"{name}: splits reach past {whose}, expected at most {st[g.ST_THEIRS]} rows, got splits up to row "
+                f"{st[g.ST_MINE]} (the rows past the end were neither read nor written)", ranks=(self.ranks[q],))
         field = field_name(st[g.ST_FIELD])
         if st[g.ST_CODE] & g.S_PEER_ERROR:
             return ZbcclRemoteError(
@@ -421,7 +427,7 @@ class DeviceOps:
         self._run(name, lambda: self._k.all_to_all(
             self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
             out_addr=self._addr(out), dtype=dt, itemsize=isz, inner=inner, cnt=rows // self.world,
-            numel=inp.numel(), check=_CHECK["exchange"] | (0 if splits is not None else _F["NUMEL"]),
+            numel=inp.numel(), out_rows=out.shape[0], check=_CHECK["exchange"] | (0 if splits is not None else _F["NUMEL"]),
             timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
 
 

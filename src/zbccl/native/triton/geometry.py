@@ -22,6 +22,7 @@ __all__ = [
     "KMAX_WORLD", "MAX_BLOCKS", "K_EPOCH", "K_DONE", "K_STATUS", "K_ARGS", "K_STAMP", "K_SIG", "KSLOT_BYTES",
     "A_FIELDS", "A_EPOCH", "A_OP", "A_GRID", "A_SPLITS", "ARG_WORDS", "ROW_BYTES",
     "ST_CODE", "ST_MISSING", "ST_BAD", "ST_FIELD", "ST_MINE", "ST_THEIRS", "ST_EPOCH", "ST_OP", "ST_WORDS",
+    "F_ROWS_IN", "F_ROWS_OUT",
     "S_TIMEOUT", "S_MISMATCH", "S_PEER_ERROR", "PHASE", "STEP_EXIT",
     "KOP", "KOP_NAMES",
 ]
@@ -55,6 +56,10 @@ K_SIG = K_ARGS + 2 * KMAX_WORLD * ROW_BYTES
 #: the A_* index that differed (A_SPLITS + i: split i); MINE/THEIRS: the two values; EPOCH: the launch;
 #: OP: its KOP code.
 ST_CODE, ST_MISSING, ST_BAD, ST_FIELD, ST_MINE, ST_THEIRS, ST_EPOCH, ST_OP = range(8)
+#: FIELD values past the row's words: all_to_all_v's device splits ask for rows past a tensor (MINE: the row the
+#: splits reach, THEIRS: the rows there are). F_ROWS_OUT: this rank's output (BAD is this rank); F_ROWS_IN: the
+#: input of rank BAD - 1, whose in_splits reach past it. The rows past the end are neither read nor written.
+F_ROWS_IN, F_ROWS_OUT = 126, 127
 ST_WORDS = 8
 S_TIMEOUT, S_MISMATCH, S_PEER_ERROR = 1, 2, 4
 KSLOT_BYTES = K_SIG + MAX_BLOCKS * KMAX_WORLD * 8

@@ -18,7 +18,7 @@ import triton.language as tl
 from . import geometry as g
 from .elements import aligned, copy_range, pick, ptr_at, reduce_range, reduce_tile, store_acc
 from .prims import bound, helper, vsum
-from .sync import begin, finish, row_of, sync
+from .sync import begin, finish, mismatch, row_of, sync
 
 __all__ = ["barrier_kernel", "all_reduce_kernel", "all_gather_kernel", "reduce_scatter_kernel",
            "all_to_all_kernel", "broadcast_kernel"]
@@ -28,6 +28,10 @@ _KOP_ERROR = tl.constexpr(g.KOP["ERROR"])
 _A_IN_OFF = tl.constexpr(g.A_FIELDS.index("IN_OFF"))
 _A_OUT_OFF = tl.constexpr(g.A_FIELDS.index("OUT_OFF"))
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
+_A_NUMEL = tl.constexpr(g.A_FIELDS.index("NUMEL"))
+_F_ROWS_IN = tl.constexpr(g.F_ROWS_IN)
+_F_ROWS_OUT = tl.constexpr(g.F_ROWS_OUT)
+_S_MISMATCH = tl.constexpr(g.S_MISMATCH)
 
 
 def _kernel(fn):
@@ -250,12 +254,15 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
 
 @_kernel
 def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, inner, cnt, numel,
-                      check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
+                      out_rows, check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
                       BLOCK: tl.constexpr, KW: tl.constexpr, INTERP: tl.constexpr):
     """All-to-all of rows of ``inner`` elements: this rank pulls, from each rank q, the rows q addressed to
     it (``cnt``, or q's in_splits[me] at row q.in_splits[0] + ... + q.in_splits[me-1] of q's input) into its
     output at row ``out_splits[0] + ... + out_splits[q-1]``. VAR: ``splits`` holds this rank's in_splits,
-    then (from KW) its out_splits; every rank checks q's in_splits[me] against its out_splits[q]."""
+    then (from KW) its out_splits; every rank checks q's in_splits[me] against its out_splits[q]. Device
+    splits are never seen by the host, so VAR bounds each pull by the rows there are: this rank's output
+    (``out_rows``) and q's input (its NUMEL / inner); what the splits ask past them is recorded (F_ROWS_OUT,
+    F_ROWS_IN) and neither read nor written."""
     fields = _pack(5, dt, 0, 0, 0, 1, inner, numel, in_off, 0, VAR)
     kb, peers_kb, E, go, arrived = begin(pads, slot_off, me, W, fields, splits, check, timeout_ns,
                                          2 * KW if VAR else 0, 2 if VAR else 0, KW)
@@ -263,6 +270,11 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
         srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
         sl = tl.arange(0, KW)
         dpre = tl.zeros([], tl.int64)
+        if VAR:  # this rank's own in_splits against its input: the peers bound their pulls, this says why
+            mine = vsum(tl.load(splits + sl, mask=sl < W, other=0))
+            my_rows = numel // tl.maximum(inner, 1)
+            if mine > my_rows:
+                mismatch(kb, me, E, me, _F_ROWS_IN, mine, my_rows, _S_MISMATCH)
         for q in range(W):
             if VAR:
                 outs = tl.load(splits + KW + sl, mask=sl < W, other=0)
@@ -271,10 +283,21 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
                 theirs = tl.load((prow + (_A_SPLITS + sl) * 8).to(tl.pointer_type(tl.int64)), mask=sl < W, other=0,
                                  volatile=True)
                 spre = vsum(tl.where(sl < me, theirs, 0))
+                q_rows = tl.load((prow + _A_NUMEL * 8).to(tl.pointer_type(tl.int64)), volatile=True) // tl.maximum(
+                    inner, 1)
+                room_out = tl.maximum(out_rows - dpre, 0)
+                room_in = tl.maximum(q_rows - spre, 0)
+                n = tl.maximum(tl.minimum(rows, tl.minimum(room_out, room_in)), 0)
+                if n != rows:
+                    if rows > room_out:
+                        mismatch(kb, me, E, me, _F_ROWS_OUT, dpre + rows, out_rows, _S_MISMATCH)
+                    else:
+                        mismatch(kb, me, E, q, _F_ROWS_IN, spre + rows, q_rows, _S_MISMATCH)
             else:
                 rows = cnt + tl.zeros([], tl.int64)
                 spre = (me + tl.zeros([], tl.int64)) * cnt
-            lo, hi = _chunk(rows * inner, BLOCK)
+                n = rows
+            lo, hi = _chunk(n * inner, BLOCK)
             copy_range(data, pick(srcs, q, KW) + spre * inner * ESZ, out_addr + dpre * inner * ESZ, lo, hi, CDT, ESZ,
                   BLOCK, INTERP)
             dpre += rows

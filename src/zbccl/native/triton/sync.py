@@ -42,7 +42,7 @@ import triton.language as tl
 from . import geometry as g
 from .prims import helper, now, pause, vmin, vmin2, vsum, vsum2
 
-__all__ = ["row_of", "begin", "sync", "finish", "flag"]
+__all__ = ["row_of", "begin", "sync", "finish", "flag", "mismatch"]
 
 
 _K_EPOCH = tl.constexpr(g.K_EPOCH)
@@ -101,10 +101,14 @@ def _bad(kb, me, E, q, field, mine, theirs, code):
     first = tl.zeros([], tl.int64) + q + 1
     won = tl.atomic_cas(_i64(st + _ST_BAD * 8), first * 0, first, sem="acq_rel", scope="sys")
     if won == 0:
-        tl.store(_i64(st + _ST_FIELD * 8), field)
-        tl.store(_i64(st + _ST_MINE * 8), mine)
-        tl.store(_i64(st + _ST_THEIRS * 8), theirs)
+        zero = tl.zeros([], tl.int64)  # (under the interpreter a reduction's result is a host scalar)
+        tl.store(_i64(st + _ST_FIELD * 8), field + zero)
+        tl.store(_i64(st + _ST_MINE * 8), mine + zero)
+        tl.store(_i64(st + _ST_THEIRS * 8), theirs + zero)
     flag(kb, me, E, code, 0)
+
+
+mismatch = _bad  # for the kernels: a difference found after the handshake (all_to_all_v's bounds)
 
 
 @helper
