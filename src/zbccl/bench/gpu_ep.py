@@ -4,7 +4,8 @@ Every rank rebuilds every rank's inputs from seeds (rows encode rank and token),
 (the device path, ``ep/device.py``) and compares each result, on the host, bit for bit with the plain-torch
 oracle (``zbccl.ep.reference``): normal dispatch (bf16 and fp8, with top-k, a cached one, ``num_worst_tokens``)
 and combine (weights, a bias, ``async_finish`` events); low-latency dispatch (bf16, fp8, UE8M0) and combine (a
-fresh output, the zero-copy buffer). Each case is one line of the check (``ep/...``).
+fresh output, the zero-copy buffer), and on CUDA the low-latency step captured in a CUDA graph and replayed.
+Each case is one line of the check (``ep/...``).
 """
 
 from __future__ import annotations
@@ -131,6 +132,31 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
             return diff(got, ref.low_latency_combine(outs, idxs, me, ws[me]))
         return case
 
+    def ll_graph():
+        """Low-latency dispatch -> expert step -> combine captured once in a CUDA graph, replayed on new rows:
+        each replay equals the same step run eagerly."""
+        xs_static = x.clone()
+
+        def step():
+            recv, _, handle, _, _ = buf.low_latency_dispatch(xs_static, idx, TMAX, E, use_fp8=False)
+            out, _, _ = buf.low_latency_combine((recv.float() * 0.75 - me).to(torch.bfloat16), idx, w, handle)
+            return out
+
+        step()
+        rk.finish()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for it in range(3):
+            xs_static.copy_((x.float() * (it + 2) % 17).to(torch.bfloat16))
+            graph.replay()
+            got = captured.clone()
+            rk.finish()
+            bad = diff(got, step())
+            if bad:
+                return f"replay {it}: {bad}"
+        return None
+
     try:
         run_case(rk, "ep/normal_dispatch", normal, res)
         run_case(rk, "ep/cached_dispatch", cached, res)
@@ -142,6 +168,8 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
         run_case(rk, "ep/ll_dispatch_ue8m0", low_latency(True, True), res)
         run_case(rk, "ep/ll_combine", ll_combine(False), res)
         run_case(rk, "ep/ll_combine_zero_copy", ll_combine(True), res)
+        if dev.type == "cuda":
+            run_case(rk, "ep/ll_graph", ll_graph, res)
     finally:
         buf.destroy()
     return res

@@ -15,8 +15,9 @@ mapped to local experts (-1 elsewhere, weight 0). (The metadata rows also carry 
 sums each token's rows in fp32, by source rank in order, then the biases: the same numbers on every run.
 
 Low-latency mode (:func:`ll_dispatch`, :func:`ll_combine`): no host sync at all (no ``nonzero``, no
-``bincount``: nothing whose size depends on device values). Not capturable in a CUDA graph yet: each call
-allocates its work blocks. The per-expert counts go through a device all_to_all, the rows through an all_to_all_v whose
+``bincount``: nothing whose size depends on device values), and its heap blocks are the Buffer's, sized for
+the worst case and kept (:meth:`DeviceEP.block`): a call can be captured in a CUDA graph and replayed
+(the rest of its memory comes from torch's allocator, which keeps a graph's). The per-expert counts go through a device all_to_all, the rows through an all_to_all_v whose
 splits are device tensors, into a block sized for the worst case (``R * tmax * K`` rows); each row
 then lands in its expert's slot, by source rank then source token. Expert ids outside ``[0, E)`` are
 dropped (treated as -1) rather than checked, as checking would sync the host. Combine returns each expert
@@ -28,7 +29,7 @@ Rank masks (``enable_shrink``) and LogFMT are not available on a device heap (th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +52,17 @@ class DeviceEP:
     rank: int
     R: int
     ranks: tuple
+    #: The low-latency mode's heap blocks, kept by (role, shape, dtype): their sizes follow the Buffer's fixed
+    #: worst case, not the call's tokens, and their addresses never change (a captured graph keeps them).
+    blocks: dict = field(default_factory=dict)
+
+    def block(self, role: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A heap tensor of ``shape`` kept for ``role`` (contents undefined): the same one at every call."""
+        key = (role, shape, dtype)
+        t = self.blocks.get(key)
+        if t is None:
+            t = self.blocks[key] = self.empty(shape, dtype)
+        return t
 
     def fail(self, op: str, error: str):
         """This rank's call is wrong where the peers cannot see it: they are told through the kernels' ERROR
@@ -342,13 +354,15 @@ def ll_dispatch(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, tmax: int,
     L, N = E // R, R * tmax
     M = R * tmax * K  # most rows any rank can receive (K per token even if a token repeats an expert)
     dev = x.device
+    if T > tmax:  # the blocks are sized for tmax tokens (the Buffer checks this first; here the peers hear of it)
+        d.fail(op, f"{T} tokens, expected at most num_max_dispatch_tokens_per_rank ({tmax})")
     counts, tokens, _, experts = _pairs(topk_idx, E)
     n_pairs = int(T * K)
     # pairs past the valid ones (expert E) are never sent: every split counts valid ones only
     per_rank = counts.view(R, L).sum(1)                                  # rows to each rank
     ops = d.ops(op)
     # expert counts to each owner: [R, L] -> every source's counts for this rank's experts
-    ecount = d.empty((R * L,), torch.int64)
+    ecount = d.block("ll_counts", (R * L,), torch.int64)
     ecount.copy_(counts)
     # zeros: if a peer's call failed, the kernel moves nothing and reports it (at this rank's next check), and
     # the splits below then move nothing either, instead of whatever the memory held
@@ -361,9 +375,9 @@ def ll_dispatch(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, tmax: int,
     else:
         xq, sc = x, None
     S = sc.size(1) if sc is not None else 0
-    send = d.empty((max(n_pairs, 1), H), xq.dtype)
+    send = d.block("ll_send", (tmax * K, H), xq.dtype)
     _raw(send)[:n_pairs] = _raw(xq)[tokens]      # sorted by expert, then token: grouped by destination rank
-    meta = d.empty((max(n_pairs, 1), 2 + S), torch.int32)
+    meta = d.block("ll_meta", (tmax * K, 2 + S), torch.int32)
     meta[:n_pairs, 0] = tokens.to(torch.int32)
     meta[:n_pairs, 1] = (experts % max(L, 1)).to(torch.int32)
     if S:
@@ -426,7 +440,7 @@ def ll_combine(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     valid = slot.unsqueeze(0) < got.sum(0).unsqueeze(1)
     pos = start[src] + inner.t()[les.unsqueeze(1), src] + (slot.unsqueeze(0) - b)
     dest = torch.where(valid, pos, M)
-    send = d.empty((M + 1, H), x.dtype)
+    send = d.block("ll_back", (M + 1, H), x.dtype)
     send[dest.reshape(-1)] = x.reshape(L * N, H)
     counts, tokens, slots, experts = _pairs(topk_idx, E)
     per_rank = counts.view(R, L).sum(1)                                  # what this rank sent to each owner
