@@ -11,7 +11,7 @@
 #      one-shot/two-shot/graph vs device memcpy, torch SymmetricMemory one-shot/two-shot, staged memcpy).
 #   2. the same at world 4.
 #   3. kernels (GPU_FINAL_LAST=pytest: instead the CUDA tests, tests/gpu's heap and transport files, and the
-#      transport conformance suite on cuda): the Triton kernels alone (scripts/triton_kernels_gpu.py: no CUDA transport, CUDA IPC
+#      transport conformance suite on cuda; GPU_FINAL_LAST=probe: scripts/gpu_launch_probe.py): the Triton kernels alone (scripts/triton_kernels_gpu.py: no CUDA transport, CUDA IPC
 #      buffers) at worlds 2 and 4 with its bench rows, in what time is left (about 30 kernel variants per
 #      world to compile: first, it would leave the full stack no time; last, the cache has most of them).
 #   4. the tables for docs/benchmarks.md, and every failed CHECK line and every rank's first error.
@@ -85,10 +85,10 @@ kill "$native_pid" 2>/dev/null; wait "$native_pid"; echo "native build rc=$? $(t
 # 1./2. the full stack per world: cases, then bench (each world its own processes and budget)
 cap() { local l=$(( $(left) - 10 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 for w in 2 4; do
-  c=$(cap 60)
+  c=$(cap 75)
   step "w$w-cases" "$c" "$PY" -m zbccl.bench.gpu --only cases --quick --worlds "$w" --replays 100 \
     --budget $((c - 3)) --json "$LOGS/w$w-cases.json"
-  c=$(cap 60)
+  c=$(cap 55)
   step "w$w-bench" "$c" "$PY" -m zbccl.bench.gpu --only bench --quick --worlds "$w" --budget $((c - 3)) \
     --mode "$mode" --json "$LOGS/w$w-bench.json"
 done
@@ -97,6 +97,8 @@ done
 l=$(( $(left) - 12 ))
 if [ "$l" -lt 30 ]; then
   echo "STEP ${GPU_FINAL_LAST:-kernels} SKIPPED (only $(left)s left)"
+elif [ "${GPU_FINAL_LAST:-kernels}" = probe ]; then  # instead: where an eager op's host time goes
+  step probe "$l" "$PY" scripts/gpu_launch_probe.py --only launch
 elif [ "${GPU_FINAL_LAST:-kernels}" = pytest ]; then  # instead: the CUDA tests and the conformance suite on cuda
   step pytest "$l" "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu/test_cuda_heap.py \
     tests/gpu/test_cuda_transport_gpu.py tests/transports/test_conformance.py -k "not shm and not mooncake"
