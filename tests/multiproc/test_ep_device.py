@@ -231,6 +231,16 @@ def _buffer(ctx):
                 for o in range(W)]
         assert none is None and torch.equal(combined, ref.low_latency_combine(outs, [i for _, i, _ in ins], me, w))
     buf.destroy()
+    # the Buffer's device blocks come from the job's CUDA heap: without one, the error says how to get it
+    from zbccl import ZbcclInvalidUsageError
+    from zbccl.ep.exchange import device_heap_empty
+
+    try:
+        device_heap_empty(comm, "cuda", (4, 4), torch.bfloat16)
+    except ZbcclInvalidUsageError as exc:
+        assert "no cuda heap in this job" in str(exc) and "init(device='cuda')" in str(exc), exc
+    else:
+        raise AssertionError("a cuda block without a cuda heap")
     return True
 
 

@@ -25,7 +25,7 @@ from .config import Config, combine_config, dispatch_config, get_low_latency_rdm
 from .event import DeviceEventHandle, EventHandle, EventOverlap
 from .event import completed as _event
 from .event import stream_error as _stream_error
-from .exchange import PHASE_CLEAN, Exchange, Fail, heap_empty
+from .exchange import PHASE_CLEAN, Exchange, Fail, device_heap_empty, heap_empty
 from .group import communicator_of as _communicator_of
 from .wire import HostWire, spans_hosts
 
@@ -209,8 +209,6 @@ class Buffer:
             raise ZbcclInvalidUsageError(f"{op}: rank masks (enable_shrink) on CUDA tensors, expected a Buffer "
                                          "without enable_shrink (masks are implemented on the CPU path only)")
         if self._device_ep is None:
-            import zbccl
-
             from ..ops import route
             from .device import DeviceEP
 
@@ -219,7 +217,7 @@ class Buffer:
             me = comm.global_rank
             self._device_ep = DeviceEP(
                 ops=lambda name: route.lane(comm, "cuda", name),
-                empty=lambda shape, dtype: zbccl.empty(*shape, dtype=dtype, device="cuda"),
+                empty=lambda shape, dtype: device_heap_empty(comm, "cuda", shape, dtype),
                 in_heap=lambda t: transport.offset_of(me, t) >= 0, rank=self.rank, R=self.group_size,
                 ranks=tuple(comm.ranks))
         if previous_event is not None and previous_event.event is not None:
@@ -423,9 +421,7 @@ class Buffer:
         src_info, _, tmax, hidden, num_experts = handle
         R = self.group_size
         if self._on_device(src_info):
-            import zbccl
-
-            return zbccl.empty(num_experts // R, R * tmax, hidden, dtype=torch.bfloat16, device="cuda")
+            return device_heap_empty(self.comm, "cuda", (num_experts // R, R * tmax, hidden), torch.bfloat16)
         return self._ll.next_combine_buffer(self.comm, num_experts // R, R * tmax, hidden)
 
     def _hook(self, recv: Callable[[], None]) -> Callable[[], None]:

@@ -103,6 +103,22 @@ def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> tor
     return heap.view(heap.rank, offset, shape, dtype, release=partial(sma.free, offset), op="ep")
 
 
+def device_heap_empty(comm, device: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor in this rank's ``device`` heap (``"cuda"``), freed when its last view dies; a full heap
+    raises :class:`ZbcclOutOfMemoryError` (there is no ordinary device memory to fall back on: the peers read it)."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    dh = comm.device_heap(device, op="ep")
+    offset = dh.sma.try_malloc(max(nbytes, 1), kind="ep")
+    if offset is None:
+        raise ZbcclOutOfMemoryError(f"ep: out of {device} heap memory, expected room for {nbytes} bytes, got a full "
+                                    "heap (init(cuda_heap_size=...) sets its size)")
+    heap = dh.heap
+    return heap.view(heap.rank, offset, shape, dtype, release=partial(dh.sma.free, offset), op="ep")
+
+
 def heap_empty_many(comm, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
     """:func:`heap_empty` of several tensors in one heap block (64-byte aligned parts, one allocation):
     the block is freed when the last view of any part dies."""
