@@ -125,78 +125,63 @@ def test_a_peer_that_died_is_named_as_dead():
     assert run_world(_dead_peer, 2, env=ENV, expect_exit={1: -9}, timeout=120)[0] is True
 
 
-def _splits_past_the_tensors(ctx):
-    """all_to_all_v with splits the host never sees (as device tensors are on a GPU: the launcher is called
-    with them directly): the kernel bounds every pull by the rows there are, writes nothing past the output
-    and reads nothing past an input, and the ranks whose splits reach past a tensor, or who would have read
-    past one, raise saying so."""
+def _device_splits(ctx, ins, outs, rows_in: int, rows_out: int, dtype):
+    """One all_to_all_v of ``[rows, 4]`` rows with splits the host never sees (as device tensors are on a GPU:
+    the launcher is called with them directly), into an output followed by canary rows. Returns
+    ``(this rank's error or None, the output rows' first column)``; fails if a canary row was written."""
     import torch
 
     import zbccl
     from zbccl import ZbcclInvalidUsageError
     from zbccl.native.triton import geometry as g
+    from zbccl.ops.dtypes import dtype_code
 
     comm, dev = device_ops(ctx)
     me = comm.rank
-    # rank 0's in_splits [2, 5] ask for 7 rows of its 6; rank 1 pulls rows [2, 7) of it: 4 exist
-    ins, outs = ([2, 5], [2, 3]) if me == 0 else ([3, 3], [5, 3])
-    rows_in, rows_out = 6, sum(outs)
-    block = zbccl.empty(rows_in, 4, dtype=torch.int32)
-    block.copy_(torch.arange(rows_in * 4, dtype=torch.int32).view(rows_in, 4) + 1000 * me)
-    space = torch.full((rows_out + 3, 4), -7, dtype=torch.int32)  # 3 canary rows past the output
+    block = zbccl.empty(rows_in, 4, dtype=dtype)
+    block.copy_((torch.arange(rows_in * 4).view(rows_in, 4) + 1000 * me).to(dtype))
+    space = torch.full((rows_out + 3, 4), -7, dtype=dtype)
     out = space[:rows_out]
     kw = g.KMAX_WORLD
     splits = torch.tensor(ins + [0] * (kw - 2) + outs + [0] * (kw - 2), dtype=torch.int64)
-    grid, blk, warps = dev._plan(1 << 20, 4)
+    isz = block.element_size()
+    grid, blk, warps = dev._plan(1 << 20, isz)
     dev._k.all_to_all(dev.data, dev.pads, splits, slot_off=dev.slot_off, me=me, world=2,
-                      in_off=dev._heap_offset(block, "input", "all_to_all_v"), out_addr=out.data_ptr(), dtype=7,
-                      itemsize=4, inner=4, cnt=0, numel=block.numel(), out_rows=rows_out, check=0,
-                      timeout_ns=dev.timeout_ns, grid=grid, block=blk, num_warps=warps)
+                      in_off=dev._heap_offset(block, "input", "all_to_all_v"), out_addr=out.data_ptr(),
+                      dtype=dtype_code(dtype, op="test"), itemsize=isz, inner=4, cnt=0, numel=block.numel(),
+                      out_rows=rows_out, check=0, timeout_ns=dev.timeout_ns, grid=grid, block=blk, num_warps=warps)
     assert bool((space[rows_out:] == -7).all()), "a row past the output was written"
     try:
         dev.check()
     except ZbcclInvalidUsageError as exc:
-        return me, str(exc), out.tolist()
-    return me, None, out.tolist()
+        return str(exc), out[:, 0].tolist()
+    return None, out[:, 0].tolist()
+
+
+def _splits_past_the_tensors(ctx):
+    """The kernel bounds every pull by the rows there are, writes nothing past the output and reads nothing
+    past an input, and the ranks whose splits reach past a tensor, or who would have read past one, raise
+    saying so. Rank 0's in_splits [2, 5] ask for 7 rows of its 6: rank 1 pulls rows [2, 7) of it, 4 exist."""
+    import torch
+
+    me = ctx.rank
+    ins, outs = ([2, 5], [2, 3]) if me == 0 else ([3, 3], [5, 3])
+    return _device_splits(ctx, ins, outs, 6, sum(outs), torch.int32)
 
 
 def test_device_splits_past_the_tensors_move_nothing_out_of_bounds():
-    (r0, e0, out0), (r1, e1, out1) = run_world(_splits_past_the_tensors, 2, env=ENV, timeout=120)
+    (e0, out0), (e1, out1) = run_world(_splits_past_the_tensors, 2, env=ENV, timeout=120)
     assert "splits reach past the input of group rank 0" in e0 and "at most 6 rows, got splits up to row 7" in e0
     assert "splits reach past the input of group rank 0" in e1 and "got splits up to row 7" in e1
     # rank 1's output: 4 of the 5 rows it asked rank 0 for (rows 2..5 of rank 0's input), the 5th untouched
-    assert [r[0] for r in out1[:5]] == [8, 12, 16, 20, -7] and [r[0] for r in out1[5:]] == [1012, 1016, 1020]
-    assert [r[0] for r in out0] == [0, 4, 1000, 1004, 1008]
+    assert out1 == [8, 12, 16, 20, -7, 1012, 1016, 1020] and out0 == [0, 4, 1000, 1004, 1008]
 
 
 def _splits_past_the_output(ctx):
     import torch
 
-    import zbccl
-    from zbccl import ZbcclInvalidUsageError
-    from zbccl.native.triton import geometry as g
-
-    comm, dev = device_ops(ctx)
-    me = comm.rank
-    ins, outs = [3, 3], [3, 3]
-    rows_out = 6 if me == 0 else 4  # rank 1's output holds 4 of the 6 rows its out_splits ask for
-    block = zbccl.empty(6, 2, dtype=torch.int64)
-    block.copy_(torch.arange(12).view(6, 2) + 100 * me)
-    space = torch.full((rows_out + 4, 2), -7, dtype=torch.int64)
-    out = space[:rows_out]
-    kw = g.KMAX_WORLD
-    splits = torch.tensor(ins + [0] * (kw - 2) + outs + [0] * (kw - 2), dtype=torch.int64)
-    grid, blk, warps = dev._plan(1 << 20, 8)
-    dev._k.all_to_all(dev.data, dev.pads, splits, slot_off=dev.slot_off, me=me, world=2,
-                      in_off=dev._heap_offset(block, "input", "all_to_all_v"), out_addr=out.data_ptr(), dtype=8,
-                      itemsize=8, inner=2, cnt=0, numel=block.numel(), out_rows=rows_out, check=0,
-                      timeout_ns=dev.timeout_ns, grid=grid, block=blk, num_warps=warps)
-    assert bool((space[rows_out:] == -7).all()), "a row past the output was written"
-    try:
-        dev.check()
-    except ZbcclInvalidUsageError as exc:
-        return str(exc)
-    return None
+    rows_out = 6 if ctx.rank == 0 else 4  # rank 1's output holds 4 of the 6 rows its out_splits ask for
+    return _device_splits(ctx, [3, 3], [3, 3], 6, rows_out, torch.int64)[0]
 
 
 def test_device_out_splits_past_the_output_write_nothing_past_it():
