@@ -246,3 +246,39 @@ def _buffer(ctx):
 
 def test_the_buffer_routes_device_tensors_to_the_device_path():
     assert run_world(_buffer, 2, env=ENV, timeout=240) == [True] * 2
+
+
+def _empty_rank(ctx):
+    """A rank with no tokens (and one whose tokens select no expert at all): both modes still match the oracle."""
+    from zbccl.ep import device as D
+    from zbccl.ep import reference as ref
+
+    comm, dev = device_ops(ctx, heap_size="64M")
+    W, me = comm.world_size, comm.rank
+    E = 4 * W
+    d = _device_ep(comm, dev)
+    ins = [_inputs(r, W, E) for r in range(W)]
+    ins[1] = tuple(t[:0] for t in ins[1])                          # rank 1: no tokens
+    ins[0] = (ins[0][0], torch.full_like(ins[0][1], -1), ins[0][2])  # rank 0: every slot -1
+    xs, idxs, ws = [a for a, _, _ in ins], [i for _, i, _ in ins], [v for _, _, v in ins]
+    in_ranks = [ref.dispatch_layout(i, E, W)[2] for i in idxs]
+    x, idx, w = ins[me]
+    ntpr, ntpe, in_rank = D.layout(idx, E, W)
+    recv_x, recv_idx, recv_w, lst, h = D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None)
+    want = ref.dispatch(xs, in_ranks, me, E, topk_idx=idxs, topk_weights=ws)
+    assert torch.equal(recv_x, want["x"]) and torch.equal(recv_idx, want["topk_idx"])
+    assert lst == want["num_recv_tokens_per_expert_list"]
+    out, _ = D.combine(d, recv_x, h)
+    assert torch.equal(out, ref.combine([ref.dispatch(xs, in_ranks, r, E)["x"] for r in range(W)], in_ranks, me)[0])
+    rx, count, src_info, layout_range = D.ll_dispatch(d, x, idx, TMAX, E, use_fp8=False, round_scale=False,
+                                                      use_ue8m0=False)
+    wl = ref.low_latency_dispatch(xs, idxs, me, TMAX, E)
+    assert torch.equal(count, wl["count"]) and torch.equal(layout_range, wl["layout_range"])
+    got = D.ll_combine(d, rx, idx, w, (src_info, layout_range, TMAX, H, E))
+    outs = [ref.low_latency_dispatch(xs, idxs, o, TMAX, E)["x"] for o in range(W)]
+    assert torch.equal(got, ref.low_latency_combine(outs, idxs, me, w))
+    return True
+
+
+def test_a_rank_without_tokens_and_one_without_experts():
+    assert run_world(_empty_rank, 2, env=ENV, timeout=240) == [True] * 2
