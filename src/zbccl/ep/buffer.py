@@ -4,7 +4,8 @@
 on CPU processes. Every op is collective over the Buffer's group, blocks the host until its
 results are complete, and follows the protocol of :mod:`zbccl.ep.exchange` (publish a header,
 pull rows straight from peers' memory, barrier). Receive tensors are allocated in the heap at
-their exact size; no buffer is reserved up front.
+their exact size; no buffer is reserved up front. CUDA tensors take :mod:`zbccl.ep.device` instead
+(the CUDA heap and the device collectives, enqueued on the current stream: DeepEP's stream semantics).
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ class Buffer:
         return combine_config(num_ranks, Buffer.num_sms)
 
     def get_comm_stream(self):
-        """None: there is no communication stream on CPU."""
+        """None: there is no communication stream on CPU (on CUDA the ops run on the current stream)."""
         return None
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
