@@ -66,6 +66,20 @@ def _normal(ctx):
     assert torch.equal(h[0], want["rank_prefix_matrix"]) and torch.equal(h[1], want["channel_prefix_matrix"])
     assert torch.equal(h[2], want["recv_channel_prefix_matrix"]) and torch.equal(h[3], want["src_idx"])
     assert torch.equal(h[4], in_rank) and torch.equal(h[5], want["send_head"])
+    # x in the heap: the peers pull its rows where they are (a row list instead of a packed block)
+    import zbccl
+
+    xh = zbccl.empty(*x.shape, dtype=x.dtype)
+    xh.copy_(x)
+    made, empty = [], d.empty
+    d.empty = lambda shape, dtype: made.append((tuple(shape), dtype)) or empty(shape, dtype)
+    try:
+        hx, hidx, *_ = D.dispatch(d, xh, idx, w, in_rank, ntpr, ntpe, None, expert_alignment=4, num_channels=C)
+    finally:
+        d.empty = empty
+    assert torch.equal(hx, want["x"]) and torch.equal(hidx, want["topk_idx"])
+    sent = int(in_rank.sum())
+    assert ((sent,), torch.int64) in made and ((sent, H), x.dtype) not in made, made  # a list, no packed block
     # the cached dispatch: same routing, new rows
     again, *rest = D.dispatch(d, x * 2, None, None, None, None, None, h)
     assert torch.equal(again, (want["x"].float() * 2).to(torch.bfloat16)) and rest == [None] * 4

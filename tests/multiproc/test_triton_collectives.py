@@ -220,6 +220,22 @@ def _exchange_cases(dev, W: int, me: int) -> None:
     dev.all_to_all_v(out, inp, recv, send[me])
     want = all_to_all_ref([payload(q, sum(send[q]) * 5, torch.int64).view(-1, 5) for q in range(W)], send, me)
     assert torch.equal(out, want.view(out.shape))
+    # Listed rows (what EP's dispatch sends): rank q's list names, for each destination, rows of its input in any
+    # order and with repeats; each peer pulls them where they are. Input rows: 6, bf16 rows of 9 (odd bytes).
+    def listed(q):
+        return [(q * 5 + 3 * i) % 6 for i in range(sum(send[q]))]
+    inp = zbccl.empty(6, 9, dtype=torch.bfloat16)
+    inp.copy_(payload(me, 54, torch.bfloat16).view(6, 9))
+    lst = zbccl.empty(sum(send[me]), dtype=torch.int64)
+    lst.copy_(torch.tensor(listed(me), dtype=torch.int64))
+    out = torch.empty(sum(recv), 9, dtype=torch.bfloat16)
+    dev.all_to_all_v(out, inp, recv, send[me], rows=lst)
+    parts = []
+    for q in range(W):
+        src = payload(q, 54, torch.bfloat16).view(6, 9)
+        pick = listed(q)[sum(send[q][:me]):sum(send[q][:me + 1])]
+        parts.append(src[pick])
+    assert torch.equal(out, torch.cat(parts)), "listed rows"
 
 
 def _broadcast_cases(dev, W: int, me: int) -> None:

@@ -8,8 +8,10 @@ by destination, the placement of received rows, the sums of combine) is torch on
 Normal mode (:func:`dispatch`, :func:`combine`). One header all_gather per dispatch carries every rank's
 error flag, its tokens per rank and per expert: every rank then knows the ``[R, R]`` count matrix and sizes
 its outputs exactly (one host sync here, where DeepEP's normal dispatch has its own), or raises with the rank
-that failed. Each sender packs its rows by destination rank, then token (one gather into a heap block: the
-peers read it where it is), with one metadata row per token (its top-k, weights and index, as int32). The
+that failed. When ``x`` is a heap tensor (``heap_scope``), each sender publishes only the list of its rows by
+destination, and the peers pull each row from ``x`` where it is (``all_to_all_v(rows=)``); else it packs its
+rows by destination into a heap block first (one gather). One metadata row per token travels too (its top-k,
+weights and index, as int32). The
 receiver's rows come out ordered by source rank, then source token (DeepEP's order), and its top-k ids are
 mapped to local experts (-1 elsewhere, weight 0). (The metadata rows also carry fp8 scales.) Combine sends each row back by the same splits reversed and
 sums each token's rows in fp32, by source rank in order, then the biases: the same numbers on every run.
@@ -158,9 +160,15 @@ def dispatch(d: DeviceEP, x, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle
     frm = [matrix[q][me] for q in range(R)]        # rows it receives from each rank
     n_recv = sum(frm)
     order = _send_order(in_rank)
-    # the rows and their metadata, packed by destination (heap blocks: the peers read them where they are)
-    send_x = d.empty((order.numel(), H), xq.dtype)
-    torch.index_select(_raw(xq), 0, order, out=_raw(send_x))
+    if xq.is_contiguous() and d.in_heap(xq):  # the peers pull x's rows where they are: only the list is sent
+        listed = d.empty((order.numel(),), torch.int64)
+        listed.copy_(order)
+        send_x = xq
+    else:  # x's rows packed by destination into a heap block, which the peers read
+        listed = None
+        send_x = d.empty((order.numel(), H), xq.dtype)
+        torch.index_select(_raw(xq), 0, order, out=_raw(send_x))
+    # the metadata rows (top-k, weights, index, scales), packed by destination
     K = idx.size(1) if idx is not None else 0
     S = scales.size(1) if scales is not None else 0
     width = 1 + 2 * K + S
@@ -175,7 +183,7 @@ def dispatch(d: DeviceEP, x, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle
     recv_x = d.empty((rows_out, H), xq.dtype)
     recv_meta = torch.empty(n_recv, width, dtype=torch.int32, device=xq.device)
     ops = d.ops(op)
-    ops.all_to_all_v(_raw(recv_x[:n_recv]), _raw(send_x), frm, to)
+    ops.all_to_all_v(_raw(recv_x[:n_recv]), _raw(send_x), frm, to, rows=listed)
     ops.all_to_all_v(recv_meta, meta, frm, to)
     src_idx = recv_meta[:, 0].contiguous()
     recv_scales = None

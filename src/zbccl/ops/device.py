@@ -190,13 +190,17 @@ class DeviceOps:
         self._exchange("all_to_all", out, inp, None, None)
 
     def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, *,
-                     partial: bool = False) -> None:
+                     partial: bool = False, rows: torch.Tensor | None = None) -> None:
         """:meth:`all_to_all` with rows per rank: this rank sends ``in_splits[q]`` rows to rank q and receives
         ``out_splits[q]`` from it (lists, or int64 [W] device tensors: checked by the kernels only; rank q's
         ``in_splits[r]`` must equal rank r's ``out_splits[q]``, or every rank reports the mismatch). Host
         splits must cover ``inp`` and ``out`` exactly, or with ``partial`` a prefix of each (the rows past it
-        untouched: for a caller whose sizes are device quantities, as EP's low-latency mode on CUDA)."""
-        self._exchange("all_to_all_v", out, inp, out_splits, in_splits, partial)
+        untouched: for a caller whose sizes are device quantities, as EP's low-latency mode on CUDA).
+
+        ``rows``: an int64 heap tensor listing, destination by destination (as ``in_splits`` cut it), which rows
+        of ``inp`` each peer pulls: in any order, repeated or not, so nothing is packed first (EP's dispatch);
+        the in_splits then count the list's entries. Every rank of the call passes one or none."""
+        self._exchange("all_to_all_v", out, inp, out_splits, in_splits, partial, rows)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Collective: every rank's ``t`` = group rank ``src``'s ``t`` (there a heap tensor; elsewhere anywhere
@@ -407,7 +411,7 @@ class DeviceOps:
             check=_CHECK["scatter"] | (0 if sizes is not None else _F["NUMEL"]), timeout_ns=self.timeout_ns,
             grid=grid, block=block, num_warps=warps))
 
-    def _exchange(self, name: str, out, inp, out_splits, in_splits, partial: bool = False) -> None:
+    def _exchange(self, name: str, out, inp, out_splits, in_splits, partial: bool = False, listed=None) -> None:
         try:
             dt = self._dtype(inp, name)
             self._local(out, "output", name)
@@ -416,8 +420,16 @@ class DeviceOps:
                 ins, in_vals = sizes_table(in_splits, self.world, self.device, "in_splits", name)
                 outs, out_vals = sizes_table(out_splits, self.world, self.device, "out_splits", name)
                 splits = torch.cat([ins, outs])
+            idx_off, idx_len = -1, 0
+            if listed is not None:
+                self._local(listed, "row list", name)
+                if splits is None or listed.dtype != torch.int64 or listed.dim() != 1:
+                    raise ZbcclInvalidUsageError(
+                        f"{name}: rows must be an int64 [n] heap tensor with splits, got {listed.dtype} "
+                        f"{list(listed.shape)}" + ("" if splits is not None else " without splits"))
+                idx_off, idx_len = self._heap_offset(listed, "row list", name), listed.numel()
             rows, inner = exchange_shape(out, inp, in_vals, out_vals, splits is not None, self.world, name,
-                                         partial=partial)
+                                         partial=partial, in_rows=None if listed is None else idx_len)
             in_off = self._heap_offset(inp, "input", name)
         except ZbcclError as exc:
             self._fail(name, exc)
@@ -428,7 +440,7 @@ class DeviceOps:
             self.data, self.pads, splits, slot_off=self.slot_off, me=self.me, world=self.world, in_off=in_off,
             out_addr=self._addr(out), dtype=dt, itemsize=isz, inner=inner, cnt=rows // self.world,
             numel=inp.numel(), out_rows=out.shape[0], check=_CHECK["exchange"] | (0 if splits is not None else _F["NUMEL"]),
-            timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps))
+            timeout_ns=self.timeout_ns, grid=grid, block=block, num_warps=warps, idx_off=idx_off, idx_len=idx_len))
 
 
 def _bool_op(dtype: torch.dtype, red: int) -> int:

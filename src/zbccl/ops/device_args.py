@@ -130,9 +130,11 @@ def scatter_shape(out: torch.Tensor, inp: torch.Tensor, vals: list[int] | None, 
 
 
 def exchange_shape(out: torch.Tensor, inp: torch.Tensor, in_vals: list[int] | None, out_vals: list[int] | None,
-                   varied: bool, world: int, op: str, *, partial: bool = False) -> tuple[int, int]:
+                   varied: bool, world: int, op: str, *, partial: bool = False,
+                   in_rows: int | None = None) -> tuple[int, int]:
     """``(rows, inner)`` of an all_to_all over dim 0 (rows of ``inner`` elements); ``partial``: the splits may
-    cover only the first rows of each tensor."""
+    cover only the first rows of each tensor; ``in_rows``: what the in_splits count instead of ``inp``'s rows
+    (the entries of a row list)."""
     if inp.dim() == 0 or out.dim() == 0 or out.shape[1:] != inp.shape[1:] or out.dtype != inp.dtype:
         raise ZbcclInvalidUsageError(
             f"{op}: output and input must be [rows, ...] alike, expected the same trailing shape and dtype, "
@@ -142,7 +144,8 @@ def exchange_shape(out: torch.Tensor, inp: torch.Tensor, in_vals: list[int] | No
         raise ZbcclInvalidUsageError(
             f"{op}: equal splits, expected input and output rows a multiple of {world} and equal, got "
             f"{inp.shape[0]} and {out.shape[0]}")
-    for what, vals, n in (("in_splits", in_vals, rows), ("out_splits", out_vals, out.shape[0])):
+    for what, vals, n in (("in_splits", in_vals, rows if in_rows is None else in_rows), ("out_splits", out_vals,
+                                                                                        out.shape[0])):
         if vals is not None and (sum(vals) > n if partial else sum(vals) != n):
             raise ZbcclInvalidUsageError(
                 f"{op}: {what} do not cover the tensor, expected them to sum to {'at most ' if partial else ''}{n} "

@@ -29,6 +29,7 @@ _A_IN_OFF = tl.constexpr(g.A_FIELDS.index("IN_OFF"))
 _A_OUT_OFF = tl.constexpr(g.A_FIELDS.index("OUT_OFF"))
 _A_SPLITS = tl.constexpr(g.A_SPLITS)
 _A_NUMEL = tl.constexpr(g.A_FIELDS.index("NUMEL"))
+_A_ROOT = tl.constexpr(g.A_FIELDS.index("ROOT"))
 _F_ROWS_IN = tl.constexpr(g.F_ROWS_IN)
 _F_ROWS_OUT = tl.constexpr(g.F_ROWS_OUT)
 _S_MISMATCH = tl.constexpr(g.S_MISMATCH)
@@ -254,23 +255,27 @@ def reduce_scatter_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_
 
 @_kernel
 def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off, out_addr, dt, inner, cnt, numel,
-                      out_rows, check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
-                      BLOCK: tl.constexpr, KW: tl.constexpr, INTERP: tl.constexpr):
+                      out_rows, idx_off, idx_len, check, timeout_ns, CDT: tl.constexpr, ESZ: tl.constexpr, VAR: tl.constexpr,
+                      GATHER: tl.constexpr, BLOCK: tl.constexpr, KW: tl.constexpr, INTERP: tl.constexpr):
     """All-to-all of rows of ``inner`` elements: this rank pulls, from each rank q, the rows q addressed to
     it (``cnt``, or q's in_splits[me] at row q.in_splits[0] + ... + q.in_splits[me-1] of q's input) into its
     output at row ``out_splits[0] + ... + out_splits[q-1]``. VAR: ``splits`` holds this rank's in_splits,
     then (from KW) its out_splits; every rank checks q's in_splits[me] against its out_splits[q]. Device
     splits are never seen by the host, so VAR bounds each pull by the rows there are: this rank's output
     (``out_rows``) and q's input (its NUMEL / inner); what the splits ask past them is recorded (F_ROWS_OUT,
-    F_ROWS_IN) and neither read nor written."""
-    fields = _pack(5, dt, 0, 0, 0, 1, inner, numel, in_off, 0, VAR)
+    F_ROWS_IN) and neither read nor written. GATHER (with VAR): q's rows for this rank are not contiguous; q's
+    int64 row list (in its heap at ``idx_off``, ``idx_len`` entries, published as OUT_OFF and ROOT; its
+    destinations' lists one after the other, as the in_splits cut them) names them, and each row is pulled from
+    where it is (entries past the list, or rows past q's input, are recorded as F_ROWS_IN and skipped): no
+    sender packs its rows first."""
+    fields = _pack(5, dt, 0, 0, idx_len, 1, inner, numel, in_off, idx_off, VAR + 2 * GATHER)
     kb, peers_kb, E, go, arrived = begin(pads, slot_off, me, W, fields, splits, check, timeout_ns,
                                          2 * KW if VAR else 0, 2 if VAR else 0, KW)
     if go == 1:
         srcs = _bases(data, kb, E, W, _A_IN_OFF, KW)
         sl = tl.arange(0, KW)
         dpre = tl.zeros([], tl.int64)
-        if VAR:  # this rank's own in_splits against its input: the peers bound their pulls, this says why
+        if VAR and not GATHER:  # this rank's own in_splits against its input: the peers bound their pulls
             mine = vsum(tl.load(splits + sl, mask=sl < W, other=0))
             my_rows = numel // tl.maximum(inner, 1)
             if mine > my_rows:
@@ -286,7 +291,11 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
                 q_rows = tl.load((prow + _A_NUMEL * 8).to(tl.pointer_type(tl.int64)), volatile=True) // tl.maximum(
                     inner, 1)
                 room_out = tl.maximum(out_rows - dpre, 0)
-                room_in = tl.maximum(q_rows - spre, 0)
+                if GATHER:  # the list's entries from spre on (each listed row is checked where it is pulled)
+                    room_in = tl.maximum(tl.load((prow + _A_ROOT * 8).to(tl.pointer_type(tl.int64)), volatile=True)
+                                         - spre, 0)
+                else:
+                    room_in = tl.maximum(q_rows - spre, 0)
                 n = tl.maximum(tl.minimum(rows, tl.minimum(room_out, room_in)), 0)
                 if n != rows:
                     if rows > room_out:
@@ -297,9 +306,20 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
                 rows = cnt + tl.zeros([], tl.int64)
                 spre = (me + tl.zeros([], tl.int64)) * cnt
                 n = rows
-            lo, hi = _chunk(n * inner, BLOCK)
-            copy_range(data, pick(srcs, q, KW) + spre * inner * ESZ, out_addr + dpre * inner * ESZ, lo, hi, CDT, ESZ,
-                  BLOCK, INTERP)
+            if GATHER:  # row by row, each from where q's list says; block b takes every G-th row
+                lst = (pick(_bases(data, kb, E, W, _A_OUT_OFF, KW), q, KW) + spre * 8).to(tl.pointer_type(tl.int64))
+                rb = inner * ESZ
+                for i in range(bound(tl.program_id(0)), bound(n), bound(tl.num_programs(0))):
+                    tok = tl.load(lst + i, volatile=True)
+                    if (tok >= 0) & (tok < q_rows):
+                        copy_range(data, pick(srcs, q, KW) + tok * rb, out_addr + (dpre + i) * rb, 0, inner, CDT, ESZ,
+                                   BLOCK, INTERP)
+                    else:
+                        mismatch(kb, me, E, q, _F_ROWS_IN, tok, q_rows, _S_MISMATCH)
+            else:
+                lo, hi = _chunk(n * inner, BLOCK)
+                copy_range(data, pick(srcs, q, KW) + spre * inner * ESZ, out_addr + dpre * inner * ESZ, lo, hi, CDT,
+                           ESZ, BLOCK, INTERP)
             dpre += rows
         sync(kb, peers_kb, me, tl.program_id(0), E, _STEP_EXIT, arrived, timeout_ns, KW)
     _leave(kb, peers_kb, me, E, go, arrived, timeout_ns, KW)

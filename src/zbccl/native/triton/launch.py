@@ -158,13 +158,15 @@ def reduce_scatter(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor 
 
 def all_to_all(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
                world: int, in_off: int, out_addr: int, dtype: int, itemsize: int, inner: int, cnt: int, numel: int,
-               out_rows: int, check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> None:
+               out_rows: int, check: int, timeout_ns: int, grid: int, block: int, num_warps: int,
+               idx_off: int = -1, idx_len: int = 0) -> None:
     """Rows of ``inner`` elements. ``splits``: None (``cnt`` rows to and from every rank) or int64
     ``[2 * KMAX_WORLD]``: this rank's in_splits, then its out_splits; ``out_rows``: the output's rows (with
-    splits, no pull writes past them, nor reads past a peer's ``numel``)."""
+    splits, no pull writes past them, nor reads past a peer's ``numel``). ``idx_off`` (with splits): the heap
+    offset of this rank's int64 row list of ``idx_len`` entries, by destination (the peers pull the listed rows)."""
     _all_to_all(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
-                out_addr, dtype, inner, cnt, numel, out_rows, check, timeout_ns, _RAW[itemsize], itemsize,
-                splits is not None, block, _KW, INTERPRET)
+                out_addr, dtype, inner, cnt, numel, out_rows, idx_off, idx_len, check, timeout_ns, _RAW[itemsize], itemsize,
+                splits is not None, idx_off >= 0, block, _KW, INTERPRET)
 
 
 def broadcast(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
