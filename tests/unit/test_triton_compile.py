@@ -76,7 +76,9 @@ def test_every_kernel_compiles_with_any_int_argument_specialised_to_one(tmp_path
         (k.all_reduce_kernel, {"W": 2, "DT": 0, "ESZ": 4, "RED": 0, "TWO_SHOT": True, "INPLACE": False}),
         (k.all_gather_kernel, {"W": 2, "CDT": 7, "ESZ": 4, "VAR": False, "ROWS": False, "SKIP_SELF": False}),
         (k.reduce_scatter_kernel, {"W": 2, "DT": 0, "ESZ": 4, "RED": 0, "VAR": False, "ROWS": False}),
-        (k.all_to_all_kernel, {"W": 2, "CDT": 7, "ESZ": 4, "VAR": False}),
+        (k.all_to_all_kernel, {"W": 2, "CDT": 7, "ESZ": 4, "VAR": False, "GATHER": False}),
+        (k.all_to_all_kernel, {"W": 2, "CDT": 7, "ESZ": 4, "VAR": True, "GATHER": False}),
+        (k.all_to_all_kernel, {"W": 2, "CDT": 6, "ESZ": 2, "VAR": True, "GATHER": True}),
         (k.broadcast_kernel, {"W": 2, "CDT": 7, "ESZ": 4}),
     ]
     for fn, cx in variants:

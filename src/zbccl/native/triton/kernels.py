@@ -306,6 +306,7 @@ def all_to_all_kernel(data, pads, splits, slot_off, me, W: tl.constexpr, in_off,
                 rows = cnt + tl.zeros([], tl.int64)
                 spre = (me + tl.zeros([], tl.int64)) * cnt
                 n = rows
+                q_rows = numel // tl.maximum(inner, 1)  # (every rank's, checked equal; GATHER goes with VAR)
             if GATHER:  # row by row, each from where q's list says; block b takes every G-th row
                 lst = (pick(_bases(data, kb, E, W, _A_OUT_OFF, KW), q, KW) + spre * 8).to(tl.pointer_type(tl.int64))
                 rb = inner * ESZ
