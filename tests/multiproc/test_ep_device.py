@@ -128,11 +128,23 @@ def _bad_call(ctx):
         D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None)
     except ZbcclInvalidUsageError as exc:
         assert me == 1 and "topk_idx out of range" in str(exc), exc
-        return "own"
+        first = "own"
     except ZbcclRemoteError as exc:
         assert me != 1 and exc.ranks == (1,), exc
-        return "remote"
-    return "none"
+        first = "remote"
+    else:
+        return "none"
+    # a rank wrong before its header's length is known (no expert counts): it raises its own error, the others
+    # name it (its header's length differs from theirs)
+    try:
+        D.dispatch(d, x, _inputs(me, W, E)[1], w, in_rank, ntpr, None if me == 2 else ntpe, None)
+    except ZbcclInvalidUsageError as exc:
+        if me == 2:
+            assert "num_tokens_per_expert is required" in str(exc), exc
+        else:
+            assert exc.ranks == (2,) and "differ" in str(exc), exc
+        return first
+    return "no second error"
 
 
 def _low_latency(ctx):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ZbcclInvalidUsageError, ZbcclRemoteError
+from ..errors import ZbcclError, ZbcclInvalidUsageError, ZbcclRemoteError
 from .layout import fp8_quantize
 
 __all__ = ["DeviceEP", "layout", "dispatch", "combine", "ll_dispatch", "ll_combine"]
@@ -144,8 +144,13 @@ def dispatch(d: DeviceEP, x, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle
             head[1 + R + E:] = _channel_prefix(in_rank, C).reshape(-1)
         heads = torch.empty(R * n, dtype=torch.int64, device=head.device)
         ops = d.ops(op)
-        ops.all_gather(heads, head)
-        ops.check(wait=True)  # a header of another length on some rank is reported here, by the kernels
+        try:
+            ops.all_gather(heads, head)
+            ops.check(wait=True)  # a header of another length on some rank is reported here, by the kernels
+        except ZbcclError:
+            if error is not None:  # (this rank's call, wrong before its header's length was known)
+                raise ZbcclInvalidUsageError(f"{op}: {error}") from None
+            raise
         rows = heads.view(R, n).cpu()
         if error is not None:
             raise ZbcclInvalidUsageError(f"{op}: {error}")
@@ -194,9 +199,9 @@ def dispatch(d: DeviceEP, x, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle
         raw = recv_meta[:, 1 + 2 * K:].contiguous()
         recv_scales[:n_recv] = raw.view(torch.float32) if scales.dtype == torch.float32 else raw
     out_x = (recv_x, recv_scales) if S else recv_x
-    prefix = torch.tensor(matrix, dtype=torch.int64).cumsum(0).to(torch.int32).to(xq.device)
     if cached:
         return out_x, None, None, None, None
+    prefix = torch.tensor(matrix, dtype=torch.int64).cumsum(0).to(torch.int32).to(xq.device)
     L = E // R
     recv_idx = recv_w = lst = None
     if K:
