@@ -243,6 +243,19 @@ def _buffer(ctx):
         assert torch.equal(recv_x, want["x"]) and lst == want["num_recv_tokens_per_expert_list"]
         assert torch.equal(h[1], want["channel_prefix_matrix"]) and e1.event is not None
         e1.current_stream_wait()
+        # get_dispatch_layout's own tensors, unchanged: dispatch skips the checks that read them on the host (on a
+        # GPU each is a device sync); after an in-place write to topk_idx it checks again
+        from zbccl.ep import device as D
+
+        calls, real = [], D.layout
+        with mock.patch.object(D, "layout", lambda *a: calls.append(1) or real(*a)):
+            buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                         topk_idx=idx, topk_weights=w)
+            assert calls == []
+            idx.add_(0)
+            buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+                         topk_idx=idx, topk_weights=w)
+            assert calls == [1]
         out, out_w, _ = buf.combine(recv_x, h, recv_w)
         ys = [ref.dispatch([a for a, _, _ in ins], in_ranks, r, E)["x"] for r in range(W)]
         ws = [ref.dispatch([a for a, _, _ in ins], in_ranks, r, E, topk_idx=[i for _, i, _ in ins],

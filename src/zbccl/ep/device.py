@@ -110,15 +110,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- normal mode
 def dispatch(d: DeviceEP, x, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, *, expert_alignment: int = 1,
-             num_worst_tokens: int = 0, num_channels: int = 10, error: str | None = None):
+             num_worst_tokens: int = 0, num_channels: int = 10, error: str | None = None, known: bool = False):
     """DeepEP's normal dispatch on device tensors: ``(recv_x, recv_topk_idx, recv_topk_weights, list, handle)``
     (a cached dispatch, ``handle`` given: ``(recv_x, None, None, None, None)``). ``x``: a tensor ``[T, H]`` or
-    ``(x_fp8, scales [T, S])``; see :meth:`zbccl.ep.Buffer.dispatch`."""
+    ``(x_fp8, scales [T, S])``; see :meth:`zbccl.ep.Buffer.dispatch`. ``known``: the layout tensors are, unchanged,
+    what :func:`layout` made of this ``topk_idx``: the checks that read them on the host are skipped (each costs a
+    device sync; ids outside ``[0, E)`` reach no expert either way)."""
     op, R, me = "dispatch", d.R, d.rank
     xq, scales = x if isinstance(x, tuple) else (x, None)
     if error is None:
         error = _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, expert_alignment,
-                              num_worst_tokens)
+                              num_worst_tokens, known)
     cached = handle is not None
     idx = topk_idx.long() if topk_idx is not None and error is None else None
     E = 0
@@ -236,8 +238,10 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, alignment, worst) -> str | None:
-    """This rank's local checks of a normal dispatch (shapes, dtypes, devices, the top-k range), or None."""
+def _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, alignment, worst,
+                  known: bool = False) -> str | None:
+    """This rank's local checks of a normal dispatch (shapes, dtypes, devices; unless ``known``, the top-k range and
+    the layout's agreement with it), or None."""
     R, dev = d.R, xq.device if isinstance(xq, torch.Tensor) else None
     if not isinstance(xq, torch.Tensor) or xq.dim() != 2:
         return f"x must be a [num_tokens, hidden] tensor, got {type(xq).__name__}"
@@ -273,16 +277,16 @@ def _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, ha
         if topk_idx.dim() != 2 or topk_idx.size(0) != T or topk_weights.shape != topk_idx.shape:
             return (f"topk_idx and topk_weights must be [{T}, num_topk], got {list(topk_idx.shape)} and "
                     f"{list(topk_weights.shape)}")
-        lo, hi = int(topk_idx.min()) if topk_idx.numel() else -1, int(topk_idx.max()) if topk_idx.numel() else -1
+        lo, hi = (-1, -1) if known or not topk_idx.numel() else (int(topk_idx.min()), int(topk_idx.max()))
         if lo < -1 or hi >= E:
             return f"topk_idx out of range, expected -1 or [0, {E}), got values in [{lo}, {hi}]"
-        if not torch.equal(layout(topk_idx, E, R)[1], ntpe.to(torch.int32)):
+        if not known and not torch.equal(layout(topk_idx, E, R)[1], ntpe.to(torch.int32)):
             return "num_tokens_per_expert does not match topk_idx, expected get_dispatch_layout's counts"
     elif worst:
         return "num_worst_tokens needs topk_idx and topk_weights, got neither"
     if alignment < 1:
         return f"expert_alignment must be >= 1, got {alignment}"
-    if not torch.equal(ntpr.to(torch.int64), in_rank.sum(0)):
+    if not known and not torch.equal(ntpr.to(torch.int64), in_rank.sum(0)):
         return (f"num_tokens_per_rank does not match is_token_in_rank, expected {in_rank.sum(0).tolist()}, got "
                 f"{ntpr.tolist()}")
     return None
