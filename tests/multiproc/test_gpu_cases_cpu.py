@@ -109,6 +109,6 @@ def test_the_gpu_ep_cases_pass_on_the_cpu_path():
     """The GPU check's EP cases (``bench/gpu_ep.py``) on CPU tensors, which take the CPU EP path: the cases'
     own inputs, calls and comparisons are right before a GPU runs them on the device path."""
     results = run_world(_ep_rank, 2, timeout=240)
-    assert len(results[0]) == 10
+    assert len(results[0]) == 11
     bad = [(r, c) for r, res in enumerate(results) for c in res if not c[1]]
     assert not bad, bad[:3]

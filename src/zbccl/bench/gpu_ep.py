@@ -2,7 +2,8 @@
 
 Every rank rebuilds every rank's inputs from seeds (rows encode rank and token), runs the Buffer on CUDA tensors
 (the device path, ``ep/device.py``) and compares each result, on the host, bit for bit with the plain-torch
-oracle (``zbccl.ep.reference``): normal dispatch (bf16 and fp8, with top-k, a cached one, ``num_worst_tokens``)
+oracle (``zbccl.ep.reference``): normal dispatch (bf16 and fp8, with top-k, from a heap ``x``, a cached one,
+``num_worst_tokens``)
 and combine (weights, a bias, ``async_finish`` events); low-latency dispatch (bf16, fp8, UE8M0) and combine (a
 fresh output, the zero-copy buffer), and on CUDA the low-latency step captured in a CUDA graph and replayed.
 Each case is one line of the check (``ep/...``).
@@ -62,6 +63,15 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
                 or diff(h[0], want["rank_prefix_matrix"]) or diff(h[1], want["channel_prefix_matrix"])
                 or diff(h[2], want["recv_channel_prefix_matrix"]) or diff(h[3], want["src_idx"])
                 or diff(h[5], want["send_head"]))
+
+    def heap_x():
+        """x in the heap: each peer pulls its rows where they are (``all_to_all_v(rows=)`` on CUDA)."""
+        xh = rk.empty(tuple(x.shape), x.dtype)
+        xh.copy_(x)
+        recv_x, recv_idx, *_ = buf.dispatch(xh, num_tokens_per_rank=state["ntpr"], is_token_in_rank=state["in_rank"],
+                                            num_tokens_per_expert=state["ntpe"], topk_idx=idx, topk_weights=w)
+        want = ref.dispatch(xs, in_ranks, me, E, topk_idx=idxs, topk_weights=ws)
+        return diff(recv_x, want["x"]) or diff(recv_idx, want["topk_idx"])
 
     def cached():
         again, *_ = buf.dispatch(x * 2, handle=state["h"])
@@ -159,6 +169,7 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
 
     try:
         run_case(rk, "ep/normal_dispatch", normal, res)
+        run_case(rk, "ep/heap_x_dispatch", heap_x, res)
         run_case(rk, "ep/cached_dispatch", cached, res)
         run_case(rk, "ep/normal_combine", combine, res)
         run_case(rk, "ep/num_worst_tokens", worst, res)
