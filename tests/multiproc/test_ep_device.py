@@ -22,14 +22,18 @@ H, K, TMAX = 512, 3, 12  # hidden a multiple of 512 (UE8M0 packs four 128-channe
 
 def _inputs(r: int, W: int, E: int):
     """Rank r's tokens (a count that differs per rank), top-k (distinct experts, some -1) and weights."""
-    g = torch.Generator().manual_seed(1000 + r)
-    T = 5 + 3 * r
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    idx[torch.rand(T, K, generator=g) < 0.2] = -1
-    w = torch.rand(T, K, generator=g)
-    t = torch.arange(T, dtype=torch.float32).unsqueeze(1)
-    x = ((t * 0.5 + r * 16 + torch.arange(H) * 0.03125) % 64 - 32).to(torch.bfloat16)
-    return x, idx, w
+    from zbccl.bench.gpu_ep import ep_inputs
+
+    return ep_inputs(r, E, hidden=H, topk=K, tokens=(5, 3), seed=1000, drop=0.2)
+
+
+def _world(ctx, heap_size: str = "64M"):
+    """``(comm, dev, W, me, E, d, ins)``: this rank's device ops and device EP over the shm heap, ``E = 4 W``
+    experts, and every rank's inputs."""
+    comm, dev = device_ops(ctx, heap_size=heap_size)
+    W = comm.world_size
+    E = 4 * W
+    return comm, dev, W, comm.rank, E, _device_ep(comm, dev), [_inputs(r, W, E) for r in range(W)]
 
 
 def _device_ep(comm, dev):
@@ -46,11 +50,7 @@ def _normal(ctx):
     from zbccl.ep import device as D
     from zbccl.ep import reference as ref
 
-    comm, dev = device_ops(ctx, heap_size="64M")
-    W, me = comm.world_size, comm.rank
-    E = 4 * W
-    d = _device_ep(comm, dev)
-    ins = [_inputs(r, W, E) for r in range(W)]
+    comm, dev, W, me, E, d, ins = _world(ctx)
     in_ranks = [ref.dispatch_layout(i, E, W)[2] for _, i, _ in ins]
     x, idx, w = ins[me]
     ntpr, ntpe, in_rank = D.layout(idx, E, W)
@@ -115,11 +115,8 @@ def _bad_call(ctx):
     from zbccl import ZbcclInvalidUsageError, ZbcclRemoteError
     from zbccl.ep import device as D
 
-    comm, dev = device_ops(ctx, heap_size="32M")
-    W, me = comm.world_size, comm.rank
-    E = 4 * W
-    d = _device_ep(comm, dev)
-    x, idx, w = _inputs(me, W, E)
+    comm, dev, W, me, E, d, ins = _world(ctx, "32M")
+    x, idx, w = ins[me]
     ntpr, ntpe, in_rank = D.layout(idx, E, W)
     if me == 1:
         idx = idx.clone()
@@ -151,12 +148,8 @@ def _low_latency(ctx):
     from zbccl.ep import device as D
     from zbccl.ep import reference as ref
 
-    comm, dev = device_ops(ctx, heap_size="64M")
-    W, me = comm.world_size, comm.rank
-    E = 4 * W
+    comm, dev, W, me, E, d, ins = _world(ctx)
     L = E // W
-    d = _device_ep(comm, dev)
-    ins = [_inputs(r, W, E) for r in range(W)]
     x, idx, w = ins[me]
     for fp8, rnd, ue in ((False, False, False), (True, False, False), (True, True, True)):
         recv_x, count, src_info, layout_range = D.ll_dispatch(d, x, idx, TMAX, E, use_fp8=fp8, round_scale=rnd,
@@ -292,11 +285,7 @@ def _empty_rank(ctx):
     from zbccl.ep import device as D
     from zbccl.ep import reference as ref
 
-    comm, dev = device_ops(ctx, heap_size="64M")
-    W, me = comm.world_size, comm.rank
-    E = 4 * W
-    d = _device_ep(comm, dev)
-    ins = [_inputs(r, W, E) for r in range(W)]
+    comm, dev, W, me, E, d, ins = _world(ctx)
     ins[1] = tuple(t[:0] for t in ins[1])                          # rank 1: no tokens
     ins[0] = (ins[0][0], torch.full_like(ins[0][1], -1), ins[0][2])  # rank 0: every slot -1
     xs, idxs, ws = [a for a, _, _ in ins], [i for _, i, _ in ins], [v for _, _, v in ins]

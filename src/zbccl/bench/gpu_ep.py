@@ -17,20 +17,23 @@ from ..ep import reference as ref
 from ..ep.layout import fp8_quantize
 from .gpu_cases import Rank, diff, run_case
 
-__all__ = ["ep_cases"]
+__all__ = ["ep_cases", "ep_inputs"]
 
 H, K, TMAX = 512, 4, 32
 
 
-def _inputs(r: int, E: int):
-    """Rank r's tokens (a count that differs per rank), top-k (distinct experts, some -1) and weights, on the CPU."""
-    g = torch.Generator().manual_seed(7000 + r)
-    T = 9 + 5 * r
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    idx[torch.rand(T, K, generator=g) < 0.15] = -1
-    w = torch.rand(T, K, generator=g)
+def ep_inputs(r: int, E: int, *, hidden: int = H, topk: int = K, tokens: tuple[int, int] = (9, 5),
+              seed: int = 7000, drop: float = 0.15):
+    """Rank r's ``(x [T, hidden] bf16, topk_idx [T, topk], topk_weights)`` on the CPU, from seeds: ``T = tokens[0] +
+    tokens[1] * r`` (a count that differs per rank), distinct experts per token with a ``drop`` share of -1, and
+    rows that encode rank and token (the EP tests use it too)."""
+    g = torch.Generator().manual_seed(seed + r)
+    T = tokens[0] + tokens[1] * r
+    idx = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(T)])
+    idx[torch.rand(T, topk, generator=g) < drop] = -1
+    w = torch.rand(T, topk, generator=g)
     t = torch.arange(T, dtype=torch.float32).unsqueeze(1)
-    x = ((t * 0.5 + r * 16 + torch.arange(H) * 0.03125) % 64 - 32).to(torch.bfloat16)
+    x = ((t * 0.5 + r * 16 + torch.arange(hidden) * 0.03125) % 64 - 32).to(torch.bfloat16)
     return x, idx, w
 
 
@@ -41,7 +44,7 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
     W, me, res = rk.world, rk.rank, []
     E = 4 * W
     dev = rk.device
-    ins = [_inputs(r, E) for r in range(W)]
+    ins = [ep_inputs(r, E) for r in range(W)]
     xs, idxs, ws = [a for a, _, _ in ins], [i for _, i, _ in ins], [v for _, _, v in ins]
     in_ranks = [ref.dispatch_layout(i, E, W)[2] for i in idxs]
     x, idx, w = (t.to(dev) for t in ins[me])

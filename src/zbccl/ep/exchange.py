@@ -85,13 +85,19 @@ class Fail(Exception):
         self.status = status
 
 
-def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> torch.Tensor:
-    """A contiguous tensor in this rank's heap (ordinary memory, counted, if the heap is full and
-    ``fallback``; else :class:`ZbcclOutOfMemoryError`). Freed when its last view dies."""
+def _sized(shape, dtype: torch.dtype) -> tuple[tuple[int, ...], int]:
+    """``(shape as ints, its bytes in dtype)``."""
     shape = tuple(int(s) for s in shape)
     nbytes = dtype.itemsize
     for s in shape:
         nbytes *= s
+    return shape, nbytes
+
+
+def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> torch.Tensor:
+    """A contiguous tensor in this rank's heap (ordinary memory, counted, if the heap is full and
+    ``fallback``; else :class:`ZbcclOutOfMemoryError`). Freed when its last view dies."""
+    shape, nbytes = _sized(shape, dtype)
     sma = comm.sma
     offset = sma.try_malloc(max(nbytes, 1), kind="ep")
     if offset is None:
@@ -106,10 +112,7 @@ def heap_empty(comm, shape, dtype: torch.dtype, *, fallback: bool = True) -> tor
 def device_heap_empty(comm, device: str, shape, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous tensor in this rank's ``device`` heap (``"cuda"``), freed when its last view dies; a full heap
     raises :class:`ZbcclOutOfMemoryError` (there is no ordinary device memory to fall back on: the peers read it)."""
-    shape = tuple(int(s) for s in shape)
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
+    shape, nbytes = _sized(shape, dtype)
     dh = comm.device_heap(device, op="ep")
     offset = dh.sma.try_malloc(max(nbytes, 1), kind="ep")
     if offset is None:

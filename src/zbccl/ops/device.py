@@ -153,7 +153,7 @@ class DeviceOps:
                     "heap (or in place), got one outside it")
             red = _bool_op(t.dtype, red)
         except ZbcclError as exc:
-            self._fail(name, exc)
+            self.refuse(name, exc)
         n = t.numel()
         grid, block, warps = self._plan(-(-n // self.world) if two else n, t.element_size(), copy=False)
         self._run(name, lambda: self._k.all_reduce(
@@ -212,7 +212,7 @@ class DeviceOps:
                 raise ZbcclInvalidUsageError(f"{name}: src out of range, expected a rank in [0, {self.world}), got {src!r}")
             in_off = self._heap_offset(t, "tensor", name) if src == self.me else -1
         except ZbcclError as exc:
-            self._fail(name, exc)
+            self.refuse(name, exc)
         n, isz = t.numel(), t.element_size()
         grid, block, warps = self._plan(n, isz)
         self._run(name, lambda: self._k.broadcast(
@@ -325,12 +325,8 @@ class DeviceOps:
             self.check()
 
     def refuse(self, name: str, exc: ZbcclError) -> None:
-        """For a caller built on these ops (``ep/device.py``): this rank's call of collective ``name`` is wrong;
-        its peers, already in their next device op, hear of it through the ERROR handshake. Raises ``exc``."""
-        self._fail(name, exc)
-
-    def _fail(self, name: str, exc: ZbcclError) -> None:
-        """This rank's call is wrong: run the handshake as ERROR (the peers report it), then raise."""
+        """This rank's call of collective ``name`` is wrong: run the handshake as ERROR (the peers, in their own
+        call, report it), then raise ``exc``. Also for callers built on these ops (``ep/device.py``)."""
         if self._broken is None:
             self._k.barrier(self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world,
                             timeout_ns=self.timeout_ns, op=g.KOP["ERROR"], check=0)
@@ -382,7 +378,7 @@ class DeviceOps:
                                                           self.me, name)
             in_off = self._heap_offset(inp, "input", name)
         except ZbcclError as exc:
-            self._fail(name, exc)
+            self.refuse(name, exc)
         isz = inp.element_size()
         grid, block, warps = self._plan(outer * total * inner // self.world, isz)  # the same on every rank
         self._run(name, lambda: self._k.all_gather(
@@ -402,7 +398,7 @@ class DeviceOps:
             in_off = self._heap_offset(inp, "input", name)
             red = _bool_op(inp.dtype, red)
         except ZbcclError as exc:
-            self._fail(name, exc)
+            self.refuse(name, exc)
         isz = inp.element_size()
         grid, block, warps = self._plan(inp.numel() // self.world, isz, copy=False)  # every rank agrees on it
         self._run(name, lambda: self._k.reduce_scatter(
@@ -432,7 +428,7 @@ class DeviceOps:
                                          partial=partial, in_rows=None if listed is None else idx_len)
             in_off = self._heap_offset(inp, "input", name)
         except ZbcclError as exc:
-            self._fail(name, exc)
+            self.refuse(name, exc)
         isz = inp.element_size()
         # The launch shape must agree across ranks: all_to_all_v's sizes differ per rank, so it takes a fixed one.
         grid, block, warps = self._plan(inp.numel() // self.world if splits is None else _V_ELEMS // isz, isz)

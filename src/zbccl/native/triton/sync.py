@@ -95,7 +95,7 @@ def flag(kb, me, E, code, missing):
 
 
 @helper
-def _bad(kb, me, E, q, field, mine, theirs, code):
+def mismatch(kb, me, E, q, field, mine, theirs, code):
     """Record the first disagreeing rank ``q`` (the first block to get here wins), then ``code``."""
     st = kb + _K_STATUS
     first = tl.zeros([], tl.int64) + q + 1
@@ -106,9 +106,6 @@ def _bad(kb, me, E, q, field, mine, theirs, code):
         tl.store(_i64(st + _ST_MINE * 8), mine + zero)
         tl.store(_i64(st + _ST_THEIRS * 8), theirs + zero)
     flag(kb, me, E, code, 0)
-
-
-mismatch = _bad  # for the kernels: a difference found after the handshake (all_to_all_v's bounds)
 
 
 @helper
@@ -255,7 +252,7 @@ def _agree(kb, me, W: tl.constexpr, E, arrived, check, SPLITS: tl.constexpr, KW:
         code = _S_MISMATCH
         if vsum2(tl.where(rowsel & (fl[None, :] == 1), theirs, 0)) == _KOP_ERROR:
             code = _S_PEER_ERROR
-        _bad(kb, me, E, q, field, fm, ft, code)
+        mismatch(kb, me, E, q, field, fm, ft, code)
         ok = 0
     return ok
 
@@ -292,7 +289,7 @@ def begin(pads, slot_off, me, W: tl.constexpr, fields, splits_ptr, check, timeou
             q = vmin(tl.where(((gone >> lanes.to(tl.int64)) & 1) != 0, lanes, KW))
             theirs = tl.load(_i64(row_of(kb, E, q) + _A_GRID * 8), volatile=True)
             mine = vsum(tl.where(fl == _A_GRID, fields, 0))
-            _bad(kb, me, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
+            mismatch(kb, me, E, q, _A_GRID, mine, theirs, _S_MISMATCH)
             go = 0
         ok = _agree(kb, me, W, E, arrived, check, SPLITS, KW)
         if ok == 0:
