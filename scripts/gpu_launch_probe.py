@@ -6,7 +6,8 @@ Usage (on a GPU, MPS on, from the repo root): ``PYTHONPATH=src python3 scripts/g
   ``DeviceOps.all_reduce`` (one-shot), of the launcher alone (``native/triton/launch.py``), of the
   compiled binary's launcher called directly (the floor of the Python side), and of triton's JIT path;
   the device time per eager op (CUDA events) beside torch SymmetricMemory's one-shot in the same
-  processes; whether a triton launch hook is set; and rank 0's cProfile of the DeviceOps call.
+  processes; whether a triton launch hook is set; ``launch.fire`` (a repeated call's launch); and rank 0's
+  cProfile of the DeviceOps call and of the public one.
 * ``inplace`` (world 4, ``CUDA_LAUNCH_BLOCKING=1``): all_gather at 16-64 MiB out of place, in place with the
   big tiles and in place with 8 KiB tiles, each checked; the first failure ends the world (a CUDA fault is
   sticky) and says which.
@@ -61,7 +62,7 @@ def _dev_us(rk, fn, n: int = 200) -> float:
 
 
 def _launch_row(rk, ops, kib: int, profile: bool) -> tuple[dict, str | None]:
-    """One size's row (see the module docstring); ``profile``: also rank 0's cProfile of the DeviceOps call."""
+    """One size's row (see the module docstring); ``profile``: also rank 0's cProfiles."""
     import torch
     import torch.distributed as dist
 
@@ -99,6 +100,9 @@ def _launch_row(rk, ops, kib: int, profile: bool) -> tuple[dict, str | None]:
     row["host_deviceops"] = _host_us(rk, lambda: ops.all_reduce(t, "sum", algo="one_shot"))
     row["host_kernel_call"] = _host_us(rk, lambda: real(grid, nw, *args))
     row["host_direct_run"] = _host_us(rk, direct)
+    launched = real(grid, nw, *args)
+    rk.finish()
+    row["host_fire"] = _host_us(rk, lambda: L.fire(launched)) if launched is not None else None
     row["host_jit"] = _host_us(rk, lambda: k.all_reduce_kernel[(grid,)](*args, num_warps=nw), n=100)
     row["host_stream"] = _host_us(rk, L._device_stream, n=2000)
     row["dev_public"] = _dev_us(rk, lambda: zbccl.all_reduce(t))
@@ -119,21 +123,24 @@ def _launch_row(rk, ops, kib: int, profile: bool) -> tuple[dict, str | None]:
         row["dev_symm"] = _dev_us(rk, one)
     except Exception as exc:  # noqa: BLE001 - reported
         row["symm_error"] = f"{type(exc).__name__}: {exc}"
-    prof = cProfile.Profile() if profile else None
-    rk.finish()
-    dist.barrier()
-    if prof is not None:
-        prof.enable()
-    for _ in range(300):
-        ops.all_reduce(t, "sum", algo="one_shot")
-    if prof is not None:
-        prof.disable()
-    rk.finish()
-    if prof is None:
-        return row, None
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-    return row, out.getvalue()[-6000:]
+    texts = []
+    for what, fn in (("DeviceOps.all_reduce", lambda: ops.all_reduce(t, "sum", algo="one_shot")),
+                     ("zbccl.all_reduce", lambda: zbccl.all_reduce(t))):
+        prof = cProfile.Profile() if profile else None
+        rk.finish()
+        dist.barrier()
+        if prof is not None:
+            prof.enable()
+        for _ in range(300):
+            fn()
+        if prof is not None:
+            prof.disable()
+        rk.finish()
+        if prof is not None:
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+            texts.append(f"--- cProfile of {what}, 300 calls\n" + out.getvalue()[-5000:])
+    return row, "\n".join(texts) or None
 
 
 def launch_rank(*, rank: int, world_size: int, store, deadline: float = float("inf")) -> dict:

@@ -12,10 +12,13 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's test cast, as it computes on CUDA: there torch divides by the scalar 448 as a multiply by
+    the float 1/448 (as DeepEP's kernels do, ``amax * kFP8AmaxInv``); on the CPU torch divides exactly,
+    one ulp away, so the scales are written as that multiply."""
     m, n = x.shape
     v = x.view(m, n // 128, 128)
     amax = v.abs().float().amax(2).view(m, n // 128).clamp(1e-4)
-    return (v * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n), (amax / 448.0).view(m, n // 128)
+    return (v * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n), (amax * (1.0 / 448.0)).view(m, n // 128)
 
 
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

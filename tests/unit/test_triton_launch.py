@@ -63,10 +63,12 @@ def launch(monkeypatch):
     return L
 
 
+_AR = dict(slot_off=64, me=1, world=2, in_off=4096, out_addr=0x7F0000001000, out_off=4096, numel=1000, dtype=1,
+           red=0, two_shot=False, inplace=True, check=5, timeout_ns=60 * 10 ** 9, grid=4, block=4096, num_warps=8)
+
+
 def _all_reduce(L, data, pads, **kw):
-    args = dict(slot_off=64, me=1, world=2, in_off=4096, out_addr=0x7F0000001000, out_off=4096, numel=1000,
-                dtype=1, red=0, two_shot=False, inplace=True, check=5, timeout_ns=60 * 10 ** 9, grid=4, block=4096,
-                num_warps=8)
+    args = dict(_AR)
     args.update(kw)
     L.all_reduce(data, pads, **args)
 
@@ -91,6 +93,29 @@ def test_the_second_launch_goes_straight_to_the_binary_with_pointers_as_ints(lau
     assert got["data"] == data.addr and got["pads"] == pads.addr and got["splits"] == pads.addr
     assert (got["in_off"], got["N"], got["me"], got["W"], got["TWO_SHOT"]) == (8192, 2000, 1, 2, False)
     assert got["ESZ"] == 2 and got["KW"] == 16 and got["INTERP"] is False
+
+
+def test_a_direct_launch_returns_what_fire_launches_again(launch, monkeypatch):
+    """``fire`` repeats a direct launch on the current stream; it launches nothing on another device or with a
+    hook set, and a JIT launch returns nothing to repeat."""
+    from zbccl.native.triton import kernels as k
+
+    jit = Jit(k.all_reduce_kernel)
+    monkeypatch.setattr(launch, "_all_reduce", launch.Kernel(jit))
+    data, pads = Ptr(0x7F0000000000), Ptr(0x7F0000100000)
+    assert launch.all_reduce(data, pads, **_AR) is None  # the JIT's (compiling) launch
+    launched = launch.all_reduce(data, pads, **_AR)
+    assert launched is not None and launched[0] == 0 and launched[2] == 4
+    launch.state["stream"] = 78
+    assert launch.fire(launched)
+    first, again = jit.log[1][1], jit.log[2][1]
+    assert again[3] == 78 and first[:3] + first[4:] == again[:3] + again[4:]  # the same, on the current stream
+    launch.state["dev"] = 1
+    assert not launch.fire(launched)
+    launch.state["dev"] = 0
+    monkeypatch.setattr(launch, "_hooked", lambda: True)
+    assert not launch.fire(launched)
+    assert len(jit.log) == 3
 
 
 @pytest.mark.parametrize("change", [

@@ -26,11 +26,14 @@ def fp8_quantize(x: torch.Tensor, *, round_scale: bool = False, ue8m0: bool = Fa
     """
     T, H = x.shape
     amax = _group_amax(x, 128)
+    # amax times the float 1/448, as DeepEP's kernels compute it (and as CUDA torch computes amax / 448, by the
+    # reciprocal; CPU torch divides exactly, one ulp apart): the same scales on either device
+    scale_inv = amax * (1.0 / FP8_MAX)
     if round_scale or ue8m0:
-        scale_inv = torch.pow(2.0, torch.ceil(torch.log2(amax / FP8_MAX)))
+        scale_inv = torch.pow(2.0, torch.ceil(torch.log2(scale_inv)))
         scale = 1.0 / scale_inv
     else:
-        scale_inv, scale = amax / FP8_MAX, FP8_MAX / amax
+        scale = FP8_MAX / amax
     q = (x.float().view(T, H // 128, 128) * scale.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX)
     x_fp8 = q.view(T, H).to(torch.float8_e4m3fn)
     if ue8m0:

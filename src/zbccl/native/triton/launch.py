@@ -15,6 +15,8 @@ The launch itself (:class:`Kernel`): the first launch of each specialisation goe
 which compiles (or loads from its cache) the binary; the next ones call that binary's launcher directly,
 with the pointer tables as ints. triton's JIT path binds and hashes every argument, checks the kernel's
 globals and asks the driver about each pointer on every call: tens of microseconds on the host, per op.
+A direct launch returns what it launched (its binary and arguments): :func:`fire` repeats it on the
+current stream without building anything again (the ops layer's repeat of a call it checked before).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from . import geometry as g
 from . import kernels as k
 from .prims import INTERPRET
 
-__all__ = ["INTERPRET", "Kernel", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+__all__ = ["INTERPRET", "Kernel", "fire", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 
 _KW = g.KMAX_WORLD
 #: itemsize -> the dtype code (``native/abi.py``) of the unsigned word the copies move.
@@ -88,10 +90,12 @@ class Kernel:
         self._consts = tuple(i for i, p in enumerate(params) if p.is_constexpr)
         self._scalars = tuple(i for i, p in enumerate(params) if not p.is_constexpr and p.name not in _POINTERS)
 
-    def __call__(self, grid: int, num_warps: int, *args) -> None:
+    def __call__(self, grid: int, num_warps: int, *args) -> tuple | None:
+        """Launch; returns ``(device, binary, grid, args)`` when it launched the binary directly (for
+        :func:`fire`), None when it went through triton's JIT."""
         if INTERPRET or _hooked():
             self.jit[(grid,)](*args, num_warps=num_warps)
-            return
+            return None
         if self._ptrs is None:
             self._positions()
         dev, stream = _device_stream()
@@ -105,14 +109,27 @@ class Kernel:
                 ck = ck.result()
             ok = all(hasattr(ck, a) for a in ("run", "function", "packed_metadata"))
             self.compiled[key] = ck if ok else None
-            return
+            return None
         if ck is None:
             self.jit[(grid,)](*args, num_warps=num_warps)
-            return
+            return None
         full = list(args)
         for i, p in zip(self._ptrs, ptrs):
             full[i] = p
         ck.run(grid, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *full)
+        return dev, ck, grid, tuple(full)
+
+
+def fire(launched: tuple) -> bool:
+    """Launch again, on the current stream, what a direct launch returned (``Kernel.__call__``): the same
+    binary with the same arguments. False (nothing launched) when the current device is another one or a
+    launch hook is set: the caller then launches the long way."""
+    dev, ck, grid, args = launched
+    cur, stream = _device_stream()
+    if cur != dev or _hooked():
+        return False
+    ck.run(grid, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *args)
+    return True
 
 
 _barrier = Kernel(k.barrier_kernel)
@@ -124,34 +141,34 @@ _broadcast = Kernel(k.broadcast_kernel)
 
 
 def barrier(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, timeout_ns: int,
-            op: int = g.KOP["BARRIER"], check: int = 0) -> None:
+            op: int = g.KOP["BARRIER"], check: int = 0) -> tuple | None:
     """Entry handshake of every rank (``op`` ERROR: this rank's call failed validation; it takes part in
     the handshake so that the peers hear of it)."""
-    _barrier(1, 1, pads, pads, slot_off, me, world, op, check, timeout_ns, _KW)
+    return _barrier(1, 1, pads, pads, slot_off, me, world, op, check, timeout_ns, _KW)
 
 
 def all_reduce(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
                out_addr: int, out_off: int, numel: int, dtype: int, red: int, two_shot: bool, inplace: bool,
-               check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> None:
-    _all_reduce(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, out_off, numel, check,
+               check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> tuple | None:
+    return _all_reduce(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, out_off, numel, check,
                 timeout_ns, dtype, _SIZES[dtype], red, bool(two_shot), bool(inplace), block, _KW, INTERPRET)
 
 
 def all_gather(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
                world: int, in_off: int, out_addr: int, dtype: int, itemsize: int, outer: int, inner: int, cnt: int,
                total: int, skip_self: bool, check: int, timeout_ns: int, grid: int, block: int,
-               num_warps: int) -> None:
+               num_warps: int) -> tuple | None:
     """``splits``: None (every rank gives ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
-    _all_gather(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
+    return _all_gather(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
                 out_addr, dtype, outer, inner, cnt, total, check, timeout_ns, _RAW[itemsize], itemsize,
                 splits is not None, outer > 1, bool(skip_self), block, _KW, INTERPRET)
 
 
 def reduce_scatter(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
                    world: int, in_off: int, out_addr: int, dtype: int, red: int, outer: int, inner: int, cnt: int,
-                   total: int, check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> None:
+                   total: int, check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> tuple | None:
     """``splits``: None (every rank's part is ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
-    _reduce_scatter(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
+    return _reduce_scatter(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
                     out_addr, outer, inner, cnt, total, check, timeout_ns, dtype, _SIZES[dtype], red,
                     splits is not None, outer > 1, block, _KW, INTERPRET)
 
@@ -159,18 +176,18 @@ def reduce_scatter(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor 
 def all_to_all(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
                world: int, in_off: int, out_addr: int, dtype: int, itemsize: int, inner: int, cnt: int, numel: int,
                out_rows: int, check: int, timeout_ns: int, grid: int, block: int, num_warps: int,
-               idx_off: int = -1, idx_len: int = 0) -> None:
+               idx_off: int = -1, idx_len: int = 0) -> tuple | None:
     """Rows of ``inner`` elements. ``splits``: None (``cnt`` rows to and from every rank) or int64
     ``[2 * KMAX_WORLD]``: this rank's in_splits, then its out_splits; ``out_rows``: the output's rows (with
     splits, no pull writes past them, nor reads past a peer's ``numel``). ``idx_off`` (with splits): the heap
     offset of this rank's int64 row list of ``idx_len`` entries, by destination (the peers pull the listed rows)."""
-    _all_to_all(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
+    return _all_to_all(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
                 out_addr, dtype, inner, cnt, numel, out_rows, idx_off, idx_len, check, timeout_ns, _RAW[itemsize], itemsize,
                 splits is not None, idx_off >= 0, block, _KW, INTERPRET)
 
 
 def broadcast(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
               out_addr: int, dtype: int, itemsize: int, root: int, numel: int, check: int, timeout_ns: int,
-              grid: int, block: int, num_warps: int) -> None:
-    _broadcast(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, dtype, root, numel, check,
+              grid: int, block: int, num_warps: int) -> tuple | None:
+    return _broadcast(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, dtype, root, numel, check,
                timeout_ns, _RAW[itemsize], itemsize, block, _KW, INTERPRET)
