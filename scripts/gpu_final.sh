@@ -84,14 +84,17 @@ for _ in $(seq 60); do kill -0 "$native_pid" 2>/dev/null || break; sleep 1; done
 kill "$native_pid" 2>/dev/null; wait "$native_pid"; echo "native build rc=$? $(tail -c 300 "$LOGS/native.log" | tr '\n' ' ')"
 # 1./2. the full stack per world: cases, then bench (each world its own processes and budget)
 cap() { local l=$(( $(left) - 10 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-# GPU_FINAL_CASE_WORLDS: the worlds whose cases run (default "2 4"); GPU_FINAL_BENCH_S: each bench's cap (55)
+# GPU_FINAL_CASE_WORLDS: the worlds whose cases run (default "2 4"); GPU_FINAL_BENCH_S: each bench's cap (55),
+# GPU_FINAL_BENCH4_S: world 4's (default: the same)
 for w in 2 4; do
   if [[ " ${GPU_FINAL_CASE_WORLDS:-2 4} " == *" $w "* ]]; then
     c=$(cap 75)
     step "w$w-cases" "$c" "$PY" -m zbccl.bench.gpu --only cases --quick --worlds "$w" --replays 100 \
       --budget $((c - 3)) --json "$LOGS/w$w-cases.json"
   fi
-  c=$(cap "${GPU_FINAL_BENCH_S:-55}")
+  b=${GPU_FINAL_BENCH_S:-55}
+  [ "$w" = 4 ] && b=${GPU_FINAL_BENCH4_S:-$b}
+  c=$(cap "$b")
   step "w$w-bench" "$c" "$PY" -m zbccl.bench.gpu --only bench --quick --worlds "$w" --budget $((c - 3)) \
     --mode "$mode" --json "$LOGS/w$w-bench.json"
 done

@@ -247,10 +247,11 @@ class CudaTransport(Transport):
         mem = self._peers.get(rank)
         if mem is None:
             return 0
-        size = mem.published(self._prims)
-        if size > mem.mapped:
+        size, mapped = mem.published(self._prims), mem.mapped
+        if size > mapped:
             self._refresh(rank, mem)
-        return min(size, mem.mapped)
+            mapped = mem.mapped
+        return min(size, mapped)
 
     def _refresh(self, rank: int, mem: PeerMemory) -> None:
         def fetch():

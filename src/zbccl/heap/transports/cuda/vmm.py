@@ -278,7 +278,8 @@ class Mapping:
 
     @property
     def mapped(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
+        last = self.chunks[-1] if self.chunks else None  # the chunks tile [0, mapped) in order
+        return last.offset + last.nbytes if last is not None else 0
 
     def add(self, handle: int, nbytes: int) -> int:
         """Map ``handle`` (``nbytes``, granularity-aligned) at the end; returns its offset. Takes ownership
