@@ -141,6 +141,11 @@ def _chunks(ctx):
             t.view(me, size - 8 * 512, (512,), torch.int64).copy_(payload(me, 512, step))
             t.signal(me, line(step), 1)
             t.wait_until([(p, line(step)) for p in range(W)], 1, timeout=60, op="grown")
+            others = [p for p in range(W) if p != me]
+            # published, not yet mapped here (but the third step's size fits the chunks mapped already)
+            assert t.stale_peers(others) == (others if step != 3 else []), (step, t.stale_peers(others))
+            t.map_grown(others)
+            assert t.stale_peers(others) == [] and all(t._peers[p].mapped >= size for p in others)
             for p in range(W):
                 assert t.size(p) == size, (p, t.size(p), size)
                 got = torch.frombuffer(bytearray(t.get(p, size - 8 * 512, 8 * 512)), dtype=torch.int64)

@@ -85,3 +85,17 @@ def test_device_ops_are_not_made_inside_a_capture(cuda, monkeypatch):
     with pytest.raises(ZbcclInvalidUsageError, match="all_reduce: first cuda collective of this communicator "
                                                      "inside a CUDA graph capture"):
         route.make_device_ops(SimpleNamespace(), "cuda", "all_reduce")
+
+
+def test_a_transport_with_map_grown_maps_every_peer_in_one_call(cuda):
+    """The cuda transport's ``map_grown`` (one load per peer, a map only for those that grew) replaces the
+    per-peer ``size`` reads; a capture still only asks ``stale_peers``."""
+    comm, _, transport = _comm()
+    calls = []
+    transport.map_grown = lambda ranks: calls.append(list(ranks))
+    route.lane(comm, "cuda", "all_reduce")
+    route.lane(comm, "cuda", "all_gather")
+    assert calls == [[0, 2], [0, 2]] and transport.read == []
+    cuda.capturing = True
+    route.lane(comm, "cuda", "all_reduce")
+    assert len(calls) == 2

@@ -253,6 +253,18 @@ class CudaTransport(Transport):
             mapped = mem.mapped
         return min(size, mapped)
 
+    def stale_peers(self, ranks) -> list[int]:
+        """The ranks among ``ranks`` whose published heap size exceeds what is mapped here: what a kernel
+        launched now could not read all of (a CUDA graph capture, which cannot map, refuses them)."""
+        peers, prims = self._peers, self._prims
+        return [r for r in ranks if (m := peers.get(r)) is not None and m.published(prims) > m.mapped]
+
+    def map_grown(self, ranks) -> None:
+        """Map what the peers in ``ranks`` grew by since the last call (one load of each one's published
+        size; a fetch and a map only for a peer that grew): the check before each eager device op."""
+        for r in self.stale_peers(ranks):
+            self.size(r)
+
     def _refresh(self, rank: int, mem: PeerMemory) -> None:
         def fetch():
             payload, fds, _ = receive(self._job, self._members[rank], timeout=self._timeout, pidfd=False)
