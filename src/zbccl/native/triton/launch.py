@@ -28,7 +28,8 @@ from . import geometry as g
 from . import kernels as k
 from .prims import INTERPRET
 
-__all__ = ["INTERPRET", "Kernel", "fire", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+__all__ = ["INTERPRET", "Kernel", "fire", "barrier", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+           "broadcast"]
 
 _KW = g.KMAX_WORLD
 #: itemsize -> the dtype code (``native/abi.py``) of the unsigned word the copies move.
@@ -150,8 +151,9 @@ def barrier(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, w
 def all_reduce(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
                out_addr: int, out_off: int, numel: int, dtype: int, red: int, two_shot: bool, inplace: bool,
                check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> tuple | None:
-    return _all_reduce(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, out_off, numel, check,
-                timeout_ns, dtype, _SIZES[dtype], red, bool(two_shot), bool(inplace), block, _KW, INTERPRET)
+    return _all_reduce(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, out_off, numel,
+                       check, timeout_ns, dtype, _SIZES[dtype], red, bool(two_shot), bool(inplace), block, _KW,
+                       INTERPRET)
 
 
 def all_gather(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
@@ -160,17 +162,17 @@ def all_gather(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | No
                num_warps: int) -> tuple | None:
     """``splits``: None (every rank gives ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
     return _all_gather(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
-                out_addr, dtype, outer, inner, cnt, total, check, timeout_ns, _RAW[itemsize], itemsize,
-                splits is not None, outer > 1, bool(skip_self), block, _KW, INTERPRET)
+                       out_addr, dtype, outer, inner, cnt, total, check, timeout_ns, _RAW[itemsize], itemsize,
+                       splits is not None, outer > 1, bool(skip_self), block, _KW, INTERPRET)
 
 
 def reduce_scatter(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
                    world: int, in_off: int, out_addr: int, dtype: int, red: int, outer: int, inner: int, cnt: int,
                    total: int, check: int, timeout_ns: int, grid: int, block: int, num_warps: int) -> tuple | None:
     """``splits``: None (every rank's part is ``cnt``) or int64 ``[KMAX_WORLD]`` every rank's size along dim."""
-    return _reduce_scatter(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
-                    out_addr, outer, inner, cnt, total, check, timeout_ns, dtype, _SIZES[dtype], red,
-                    splits is not None, outer > 1, block, _KW, INTERPRET)
+    return _reduce_scatter(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world,
+                           in_off, out_addr, outer, inner, cnt, total, check, timeout_ns, dtype, _SIZES[dtype], red,
+                           splits is not None, outer > 1, block, _KW, INTERPRET)
 
 
 def all_to_all(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | None, *, slot_off: int, me: int,
@@ -182,12 +184,12 @@ def all_to_all(data: torch.Tensor, pads: torch.Tensor, splits: torch.Tensor | No
     splits, no pull writes past them, nor reads past a peer's ``numel``). ``idx_off`` (with splits): the heap
     offset of this rank's int64 row list of ``idx_len`` entries, by destination (the peers pull the listed rows)."""
     return _all_to_all(grid, num_warps, data, pads, pads if splits is None else splits, slot_off, me, world, in_off,
-                out_addr, dtype, inner, cnt, numel, out_rows, idx_off, idx_len, check, timeout_ns, _RAW[itemsize], itemsize,
-                splits is not None, idx_off >= 0, block, _KW, INTERPRET)
+                       out_addr, dtype, inner, cnt, numel, out_rows, idx_off, idx_len, check, timeout_ns,
+                       _RAW[itemsize], itemsize, splits is not None, idx_off >= 0, block, _KW, INTERPRET)
 
 
 def broadcast(data: torch.Tensor, pads: torch.Tensor, *, slot_off: int, me: int, world: int, in_off: int,
               out_addr: int, dtype: int, itemsize: int, root: int, numel: int, check: int, timeout_ns: int,
               grid: int, block: int, num_warps: int) -> tuple | None:
-    return _broadcast(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, dtype, root, numel, check,
-               timeout_ns, _RAW[itemsize], itemsize, block, _KW, INTERPRET)
+    return _broadcast(grid, num_warps, data, pads, pads, slot_off, me, world, in_off, out_addr, dtype, root, numel,
+                      check, timeout_ns, _RAW[itemsize], itemsize, block, _KW, INTERPRET)
