@@ -135,17 +135,23 @@ def _chunks(ctx):
     try:
         data, pads = t.pointer_tables(range(W))
         assert data.dtype == torch.int64 and data.shape == (W,) and int(data[me]) == t.native().data_addr(me)
+        assert t.stale_peers(range(W)) == []  # what every peer published at set-up is mapped here
+        boot.barrier(timeout=60)  # every rank mapped its peers (above) before any grows
         t.view(me, 0, (512,), torch.int64).copy_(payload(me, 512))
         for step, size in enumerate((3 * GRAN, 10 * GRAN - 4096, 10 * GRAN, 40 * GRAN), 1):
             t.grow(size)  # one more chunk each time, but the third (within the last chunk)
             t.view(me, size - 8 * 512, (512,), torch.int64).copy_(payload(me, 512, step))
-            t.signal(me, line(step), 1)
-            t.wait_until([(p, line(step)) for p in range(W)], 1, timeout=60, op="grown")
+            # every peer grew and published; the barrier is the store's, so nothing here mapped it yet (a bounds
+            # check of a peer's address, as wait_until's, maps what it grew by)
+            boot.barrier(timeout=60)
             others = [p for p in range(W) if p != me]
             # published, not yet mapped here (but the third step's size fits the chunks mapped already)
-            assert t.stale_peers(others) == (others if step != 3 else []), (step, t.stale_peers(others))
+            views = {p: (m.published(t._prims), m.mapped) for p, m in t._peers.items()}
+            assert t.stale_peers(others) == (others if step != 3 else []), (step, views)
             t.map_grown(others)
             assert t.stale_peers(others) == [] and all(t._peers[p].mapped >= size for p in others)
+            t.signal(me, line(step), 1)
+            t.wait_until([(p, line(step)) for p in range(W)], 1, timeout=60, op="grown")
             for p in range(W):
                 assert t.size(p) == size, (p, t.size(p), size)
                 got = torch.frombuffer(bytearray(t.get(p, size - 8 * 512, 8 * 512)), dtype=torch.int64)
