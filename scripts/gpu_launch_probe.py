@@ -3,9 +3,9 @@
 Usage (on a GPU, MPS on, from the repo root): ``PYTHONPATH=src python3 scripts/gpu_launch_probe.py [--only launch,inplace]``
 
 * ``launch`` (world 2): the host microseconds per call of the public ``zbccl.all_reduce``, of
-  ``DeviceOps.all_reduce`` (one-shot; repeated, and with every check: ``_checked``), of the launcher alone (``native/triton/launch.py``), of the
-  compiled binary's launcher called directly (the floor of the Python side), and of triton's JIT path;
-  the device time per eager op (CUDA events) beside torch SymmetricMemory's one-shot in the same
+  ``DeviceOps.all_reduce`` (one-shot; repeated, and with every check: ``_checked``), of the launcher alone
+  (``native/triton/launch.py``), of the compiled binary's launcher called directly (the floor of the Python
+  side), and of triton's JIT path; the device time per eager op (CUDA events) beside torch SymmetricMemory's one-shot in the same
   processes; whether a triton launch hook is set; ``launch.fire`` (a repeated call's launch); and rank 0's
   cProfile of the DeviceOps call and of the public one.
 * ``inplace`` (world 4, ``CUDA_LAUNCH_BLOCKING=1``): all_gather at 16-64 MiB out of place, in place with the
@@ -99,7 +99,8 @@ def _launch_row(rk, ops, kib: int, profile: bool) -> tuple[dict, str | None]:
 
     row["host_public"] = _host_us(rk, lambda: zbccl.all_reduce(t))
     row["host_deviceops"] = _host_us(rk, lambda: ops.all_reduce(t, "sum", algo="one_shot"))  # a repeat
-    row["host_deviceops_checked"] = _host_us(rk, lambda: (ops._launched.clear(), ops.all_reduce(t, "sum", algo="one_shot")))
+    row["host_deviceops_checked"] = _host_us(
+        rk, lambda: (ops._launched.clear(), ops.all_reduce(t, "sum", algo="one_shot")))
     row["host_kernel_call"] = _host_us(rk, lambda: real(grid, nw, *args))
     row["host_direct_run"] = _host_us(rk, direct)
     launched = real(grid, nw, *args)
