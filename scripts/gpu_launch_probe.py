@@ -5,9 +5,9 @@ Usage (on a GPU, MPS on, from the repo root): ``PYTHONPATH=src python3 scripts/g
 * ``launch`` (world 2): the host microseconds per call of the public ``zbccl.all_reduce``, of
   ``DeviceOps.all_reduce`` (one-shot; repeated, and with every check: ``_checked``), of the launcher alone
   (``native/triton/launch.py``), of the compiled binary's launcher called directly (the floor of the Python
-  side), and of triton's JIT path; the device time per eager op (CUDA events) beside torch SymmetricMemory's one-shot in the same
-  processes; whether a triton launch hook is set; ``launch.fire`` (a repeated call's launch); and rank 0's
-  cProfile of the DeviceOps call and of the public one.
+  side), and of triton's JIT path; the device time per eager op (CUDA events) beside torch SymmetricMemory's
+  one-shot in the same processes; whether a triton launch hook is set; ``launch.fire`` (a repeated call's
+  launch); and rank 0's cProfile of the DeviceOps call and of the public one.
 * ``inplace`` (world 4, ``CUDA_LAUNCH_BLOCKING=1``): all_gather at 16-64 MiB out of place, in place with the
   big tiles and in place with 8 KiB tiles, each checked; the first failure ends the world (a CUDA fault is
   sticky) and says which.
