@@ -22,6 +22,9 @@ __all__ = ["tensor_error", "written_error", "index_list", "rank_error", "timeout
            "check_exchange", "even_gather_code", "dim_index", "gather_dim_error"]
 
 
+_CUDA = "a CUDA tensor: the device ops run this op (ops/route.py)"
+
+
 def tensor_error(t, role: str, *, op: str, written: bool = False) -> str | None:
     """Why ``t`` cannot be an operand (not a tensor, not strided, not on the CPU, or, when the op
     writes it, elements sharing memory as in an expanded view), or None."""
@@ -30,7 +33,10 @@ def tensor_error(t, role: str, *, op: str, written: bool = False) -> str | None:
     if t.layout != torch.strided:
         return f"{op}: {role} must be a dense (strided) tensor, got layout {t.layout}"
     if not t.is_cpu:
-        # CUDA tensors leave here for the device ops (ops/route.py); any other device has no backend.
+        # CUDA tensors leave here for the device ops (ops/route.py: every caller routes an op with a CUDA operand
+        # there, whose checks report the rest); any other device has no backend.
+        if t.is_cuda:
+            return _CUDA  # unformatted: the message is never shown, and formatting it costs a microsecond per op
         return f"{op}: {role} must be a CPU tensor or a CUDA heap tensor, got device {t.device}"
     return written_error(t, role, op=op) if written else None
 
