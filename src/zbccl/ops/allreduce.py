@@ -127,8 +127,6 @@ def _all_reduce(tensor: torch.Tensor, op="sum", *, comm: Communicator | None = N
             if ch.hot is not None:  # the hot entry did not serve it: its table lost the tensor
                 ch.hot_register(tensor, plan)
             return tensor
-    if type(tensor) is torch.Tensor and tensor.is_cuda:  # the device ops (what the two lines below find, sooner)
-        return route.all_reduce(comm, "cuda", tensor, op, timeout)
     error = tensor_error(tensor, "tensor", op=_OP, written=True)
     if error is not None and (device := device_of(_OP, tensor)) is not None:  # a CUDA tensor: the device ops
         return route.all_reduce(comm, device, tensor, op, timeout)

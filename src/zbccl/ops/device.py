@@ -330,7 +330,10 @@ class DeviceOps:
         if key is not None and launched is not None:
             if len(self._launched) >= 256:
                 self._launched.clear()
-            self._launched[key] = launched
+            try:
+                self._launched[key] = launched
+            except TypeError:  # an unhashable argument: no repeats of this call
+                pass
         if self._sync:
             self.check()
 
@@ -342,13 +345,12 @@ class DeviceOps:
 
     def _key(self, name: str, t, out, *extra) -> tuple | None:
         """The repeat key of a call on ``t`` (and ``out``): each operand's address, shape, dtype and
-        contiguity, the other arguments, and the launch-shape settings. None when an argument is not
-        hashable or not a tensor (the call's checks say what is wrong)."""
+        contiguity, the other arguments, and the launch-shape settings. None when an operand is not a tensor
+        (the call's checks say what is wrong); an unhashable argument is found where the key is looked up."""
         try:
             key = (name, t.data_ptr(), t.shape, t.dtype, t.is_contiguous(), *extra, self.max_blocks, self.gpu_plan)
             if out is not None:
                 key += (out.data_ptr(), out.shape, out.dtype, out.is_contiguous())
-            hash(key)
         except (AttributeError, TypeError, RuntimeError):
             return None
         return key
@@ -358,7 +360,10 @@ class DeviceOps:
         operand at the same address with the same shape, dtype and contiguity passed them then (heap tensors
         never move and the heap never shrinks while this object lives, and under UVA an address names one
         device), and the launch's arguments are functions of the key. False: take the long way."""
-        launched = self._launched.get(key)
+        try:
+            launched = self._launched.get(key)
+        except TypeError:  # an unhashable argument: the long way, whose checks say what is wrong
+            return False
         if launched is None or self._broken is not None or not self._k.fire(launched):
             return False
         self._count(name)

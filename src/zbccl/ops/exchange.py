@@ -92,8 +92,6 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, dim: in
             if ch.hot_gather is not None:  # the hot entry did not serve it: its table lost the pair
                 ch.hot_register(input, plan, output)
             return output
-    if type(output) is torch.Tensor and output.is_cuda:  # the device ops (what the checks below find, sooner)
-        return route.all_gather(comm, "cuda", output, input, 0, timeout)
     W = comm.world_size
     dt = even_gather_code(output, input, W, comm.rank)
     if dt is not None:  # the common case, already checked
@@ -112,8 +110,6 @@ def _gather_along(comm, ch: OpChannel | None, output, input, dim: int, timeout) 
     if (timeout is None and ch is not None and ch.plain and ch.hot_gather is not None and type(input) is torch.Tensor
             and type(output) is torch.Tensor and ch.run_hot(ch.hot_gather, output, input, dim, op=op)):
         return output  # the native hot entry (it checked the shapes)
-    if type(output) is torch.Tensor and output.is_cuda:  # the device ops (what the checks below find, sooner)
-        return route.all_gather(comm, "cuda", output, input, dim, timeout)
     W = comm.world_size
     error = tensor_error(output, "output", op=op, written=True) or tensor_error(input, "input", op=op)
     if error is not None and (device := device_of(op, output, input)) is not None:  # CUDA: the device ops

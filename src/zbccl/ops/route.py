@@ -19,8 +19,8 @@ capturing stream without a cross-stream wait (a capture may not wait on uncaptur
 
 Growth: peers' heaps grow in place (their ranges are reserved at the maximum), and a kernel may read a
 peer's new chunk as soon as the peer publishes it. So before each eager op the lane reads every peer's
-published size, which maps what grew (once per growth; the cuda transport's ``map_grown``: one load per
-peer). A capture cannot map: a peer grown since the last eager op raises there, naming it (through the
+published size, which maps what grew (once per growth: the transport's ``map_grown``, one load per peer
+on cuda). A capture cannot map: a peer grown since the last eager op raises there, naming it (through the
 transport's ``stale_peers``).
 
 Graph capture: nothing here reads device memory or allocates. The device ops (and their pointer
@@ -153,12 +153,7 @@ def _mapped(ln: _Lane, op: str, capture: bool) -> None:
                 "peer's heap mapped before a CUDA graph capture (run one eager collective on this communicator "
                 "after the growth, then capture), got a capture in progress", ranks=tuple(grown))
         return
-    grown = getattr(t, "map_grown", None)
-    if grown is not None:
-        grown(ln.peers)
-        return
-    for r in ln.peers:
-        t.size(r)
+    t.map_grown(ln.peers)
 
 
 def _timeout(op: str, timeout) -> None:

@@ -260,8 +260,7 @@ class CudaTransport(Transport):
         return [r for r in ranks if (m := peers.get(r)) is not None and m.published(prims) > m.mapped]
 
     def map_grown(self, ranks) -> None:
-        """Map what the peers in ``ranks`` grew by since the last call (one load of each one's published
-        size; a fetch and a map only for a peer that grew): the check before each eager device op."""
+        """One load of each peer's published size; a fetch and a map only for a peer that grew."""
         for r in self.stale_peers(ranks):
             self.size(r)
 
