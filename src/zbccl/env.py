@@ -243,10 +243,9 @@ CUDA_HEAP_SIZE: EnvVar[int] = EnvVar(
     "Default CUDA heap bytes per rank when init() builds one and gets no cuda_heap_size (e.g. 1G).",
 )
 CUDA_HEAP_MAX: EnvVar[int | None] = EnvVar(
-    "ZBCCL_CUDA_HEAP_MAX", _parse_heap_max, 0,
-    "Most bytes a rank's CUDA heap may grow to: 0 (no growth, the default: see docs/cuda-ops.md, "
-    "'Growth', for the race growth still has), auto (the device's memory: only address space is "
-    "reserved, memory is taken as it grows), or a size (e.g. 8G).",
+    "ZBCCL_CUDA_HEAP_MAX", _parse_heap_max, None,
+    "Most bytes a rank's CUDA heap may grow to: auto (the default: the device's memory; only address space "
+    "is reserved, memory is taken as it grows), a size (e.g. 8G), or 0 (no growth).",
 )
 TIMEOUT: EnvVar[float] = EnvVar(
     "ZBCCL_TIMEOUT", parse_seconds, 300.0,

@@ -129,27 +129,24 @@ def _chunks(ctx):
     _simulate()
     from tests.transports.world import line, open_transport, payload
     from zbccl.heap.transports.cuda import kernels
+    from zbccl.heap.transports.cuda.segments import ACKS
 
     t, boot = open_transport(ctx, "cuda", data=GRAN, reserve=64 * GRAN)
     me, W = ctx.rank, ctx.world_size
     try:
         data, pads = t.pointer_tables(range(W))
         assert data.dtype == torch.int64 and data.shape == (W,) and int(data[me]) == t.native().data_addr(me)
-        assert t.stale_peers(range(W)) == []  # what every peer published at set-up is mapped here
-        boot.barrier(timeout=60)  # every rank mapped its peers (above) before any grows
+        boot.barrier(timeout=60)
         t.view(me, 0, (512,), torch.int64).copy_(payload(me, 512))
         for step, size in enumerate((3 * GRAN, 10 * GRAN - 4096, 10 * GRAN, 40 * GRAN), 1):
             t.grow(size)  # one more chunk each time, but the third (within the last chunk)
+            # grow returned: every peer has mapped it (their mapper threads: this rank's main thread did nothing)
+            assert all(t._prims.load_acquire(t._peers[p].ctrl_addr + ACKS + 64 * me) >= size for p in t._peers)
             t.view(me, size - 8 * 512, (512,), torch.int64).copy_(payload(me, 512, step))
-            # every peer grew and published; the barrier is the store's, so nothing here mapped it yet (a bounds
-            # check of a peer's address, as wait_until's, maps what it grew by)
+            # the store's barrier: nothing in this thread mapped the peers' growth, and all of it is mapped here
             boot.barrier(timeout=60)
-            others = [p for p in range(W) if p != me]
-            # published, not yet mapped here (but the third step's size fits the chunks mapped already)
             views = {p: (m.published(t._prims), m.mapped) for p, m in t._peers.items()}
-            assert t.stale_peers(others) == (others if step != 3 else []), (step, views)
-            t.map_grown(others)
-            assert t.stale_peers(others) == [] and all(t._peers[p].mapped >= size for p in others)
+            assert all(pub == size and mapped >= size for pub, mapped in views.values()), (step, views)
             t.signal(me, line(step), 1)
             t.wait_until([(p, line(step)) for p in range(W)], 1, timeout=60, op="grown")
             for p in range(W):
@@ -207,6 +204,83 @@ def _device_ops(ctx):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_device_collectives_over_the_simulated_cuda_transport():
     assert run_world(_device_ops, 2, env=ENV, timeout=300) == ["ok"] * 2
+
+
+def _grow_mid_op(ctx):
+    """A peer grows while this rank's kernel already waits in an op, then hands that kernel an offset in the new
+    chunk: the kernel (launched before the growth, on a rank whose main thread maps nothing: no lane here) reads
+    it, because the peer's ``grow`` returned only once this rank's mapper thread had mapped it. Without the
+    handshake the read lands in the unmapped (PROT_NONE) part of the simulated reservation and the rank dies."""
+    _simulate()
+    from tests.transports.world import open_transport, payload
+    from zbccl.ops.device import DeviceOps
+
+    t, boot = open_transport(ctx, "cuda", data=GRAN, reserve=64 * GRAN)
+    me, W, n = ctx.rank, ctx.world_size, 4096
+    try:
+        dev = DeviceOps(me, range(W), t, slot=0, timeout_s=60, barrier=lambda: boot.barrier(timeout=60))
+        vals = [payload(r, n).to(torch.float64) for r in range(W)]
+        if me == 0:
+            x = t.view(me, 0, (n,), torch.float64)
+            x.copy_(vals[0])
+            ctx.store().set("entering", b"1")  # the peer grows once this rank is (about to be) in the kernel
+            dev.all_reduce(x, "sum", algo="one_shot")
+        else:
+            ctx.store().wait(["entering"])
+            size, off = 16 * GRAN, 12 * GRAN  # far past what rank 0 mapped at set-up
+            t.grow(size)
+            x = t.view(me, off, (n,), torch.float64)
+            x.copy_(vals[me])
+            dev.all_reduce(x, "sum", algo="one_shot")
+        assert torch.equal(x, sum(vals[1:], vals[0])), x[:4]
+        dev.check()
+        boot.barrier(timeout=60)
+        return "ok"
+    finally:
+        t.close(unmap=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_a_growth_during_a_peers_op_is_mapped_before_its_kernel_reads_it():
+    assert run_world(_grow_mid_op, 2, env=ENV, timeout=300) == ["ok"] * 2
+
+
+def _grow_beside_dead_and_closed(ctx):
+    """``grow`` waits for every peer's acknowledgement: a closed peer acknowledged everything as it closed (no
+    wait for it); a dead one that never mapped makes it raise within a liveness slice, naming it."""
+    _simulate()
+    import time
+
+    from tests.transports.world import open_transport
+    from zbccl.errors import ZbcclRemoteError
+    from zbccl.heap.transports.cuda import segments
+
+    t, boot = open_transport(ctx, "cuda", data=GRAN, reserve=64 * GRAN, timeout=60)
+    me = ctx.rank
+    try:
+        if me == 2:
+            t.close(unmap=True)  # finalized early: growth elsewhere must not wait for it
+        if me == 1:
+            t._stopping = True  # a mapper that no longer maps, then the process dies without closing
+            t._prims.fetch_add_signal(t._own.ctrl_addr + segments.BELL, 1)
+            t._mapper.join(10)
+        boot.barrier(timeout=60)
+        if me == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if me == 2:
+            return "closed"
+        t0 = time.monotonic()
+        with pytest.raises(ZbcclRemoteError, match=r"heap: grow: ranks \[1\] died before mapping") as info:
+            t.grow(8 * GRAN)
+        assert info.value.ranks == (1,) and time.monotonic() - t0 < 30
+        return "ok"
+    finally:
+        t.close(unmap=True)
+
+
+def test_growth_waits_for_no_closed_peer_and_names_a_dead_one():
+    out = run_world(_grow_beside_dead_and_closed, 3, env=ENV, timeout=120, expect_exit={1: -signal.SIGKILL})
+    assert out[0] == "ok" and out[2] == "closed"
 
 
 def _runtime(ctx):

@@ -24,8 +24,8 @@ def test_request_reads_arguments_then_environment(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert device_heap.request(None, None, None) is None  # default: no CUDA heap
     assert device_heap.request("cpu", None, None) is None
-    # no growth by default (docs/cuda-ops.md, "Growth")
-    assert device_heap.request("cuda", None, None) == device_heap.Request("cuda", 256 << 20, 256 << 20)
+    # growth by default, up to the device's memory (auto: resolved at init), as the CPU heap's
+    assert device_heap.request("cuda", None, None) == device_heap.Request("cuda", 256 << 20, None)
     assert device_heap.request("cuda:0", "1G", "4G") == device_heap.Request("cuda", 1 << 30, 4 << 30)
     assert device_heap.request(None, "64M", 0) == device_heap.Request("cuda", 64 << 20, 64 << 20)  # size implies cuda
     assert device_heap.request("cuda", "64M", "auto").max is None

@@ -1,7 +1,8 @@
-"""The lane of CUDA collectives (ops/route.py) without a GPU: stream ordering and peers' growth.
+"""The lane of CUDA collectives (ops/route.py) without a GPU: stream ordering.
 
-The lane's inputs are the current stream, whether it captures, and the transport's view of peers'
-sizes; here they are stand-ins, and the test checks what the lane does with them.
+The lane's inputs are the current stream and whether it captures; here they are stand-ins, and the
+test checks what the lane does with them. (Peers' growth needs nothing of the lane: the cuda transport's
+``grow`` returns once every peer mapped it, tests/multiproc/test_cuda_sim.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from zbccl import ZbcclInvalidUsageError
-from zbccl.heap.transports.base import Transport as Transport_
 from zbccl.ops import route
 
 
@@ -22,20 +22,6 @@ class Stream:
 
     def wait_stream(self, other) -> None:
         self.waited.append(other.name)
-
-
-class Transport:
-    def __init__(self) -> None:
-        self.read, self.stale = [], []
-
-    def size(self, rank: int) -> int:
-        self.read.append(rank)
-        return 4096
-
-    def stale_peers(self, ranks):
-        return [r for r in ranks if r in self.stale]
-
-    map_grown = Transport_.map_grown  # the seam's default: each peer's size
 
 
 @pytest.fixture
@@ -48,15 +34,12 @@ def cuda(monkeypatch):
 
 
 def _comm():
-    transport, ops = Transport(), object()
-    heap = SimpleNamespace(transport=transport)
-    comm = SimpleNamespace(device_state={"cuda": ops}, ranks=(0, 1, 2), global_rank=1,
-                           device_heap=lambda device, op="device_heap": heap)
-    return comm, ops, transport
+    ops = object()
+    return SimpleNamespace(device_state={"cuda": ops}), ops
 
 
 def test_a_stream_change_waits_for_the_previous_op_and_nothing_else_does(cuda):
-    comm, ops, _ = _comm()
+    comm, ops = _comm()
     s0 = cuda.stream
     assert route.lane(comm, "cuda", "all_reduce") is ops
     route.lane(comm, "cuda", "all_reduce")
@@ -68,18 +51,16 @@ def test_a_stream_change_waits_for_the_previous_op_and_nothing_else_does(cuda):
     assert s1.waited == ["s0"]
 
 
-def test_eager_ops_map_peers_growth_and_captures_do_not(cuda):
-    comm, _, transport = _comm()
+def test_a_capture_takes_the_lane_without_waiting_on_uncaptured_work(cuda):
+    comm, _ = _comm()
     route.lane(comm, "cuda", "all_reduce")
-    assert transport.read == [0, 2]  # every peer's size, which maps what it grew by
     cuda.capturing, cuda.stream = True, Stream("capture")
     route.lane(comm, "cuda", "all_reduce")
-    assert transport.read == [0, 2] and cuda.stream.waited == []  # nothing mapped, no wait on uncaptured work
-    transport.stale = [2]
-    with pytest.raises(ZbcclInvalidUsageError, match=r"all_reduce: the heaps of ranks \[2\] grew since this rank "
-                                                     r"last mapped them") as info:
-        route.lane(comm, "cuda", "all_reduce")
-    assert info.value.ranks == (2,)
+    assert cuda.stream.waited == []  # a capture may not wait on uncaptured work
+    cuda.capturing, after = False, Stream("after")
+    cuda.stream = after
+    route.lane(comm, "cuda", "all_reduce")
+    assert after.waited == ["capture"]  # the lane moved to the capturing stream
 
 
 def test_device_ops_are_not_made_inside_a_capture(cuda, monkeypatch):
@@ -88,17 +69,3 @@ def test_device_ops_are_not_made_inside_a_capture(cuda, monkeypatch):
     with pytest.raises(ZbcclInvalidUsageError, match="all_reduce: first cuda collective of this communicator "
                                                      "inside a CUDA graph capture"):
         route.make_device_ops(SimpleNamespace(), "cuda", "all_reduce")
-
-
-def test_a_transport_with_map_grown_maps_every_peer_in_one_call(cuda):
-    """The cuda transport's ``map_grown`` (one load per peer, a map only for those that grew) replaces the
-    per-peer ``size`` reads; a capture still only asks ``stale_peers``."""
-    comm, _, transport = _comm()
-    calls = []
-    transport.map_grown = lambda ranks: calls.append(list(ranks))
-    route.lane(comm, "cuda", "all_reduce")
-    route.lane(comm, "cuda", "all_gather")
-    assert calls == [[0, 2], [0, 2]] and transport.read == []
-    cuda.capturing = True
-    route.lane(comm, "cuda", "all_reduce")
-    assert len(calls) == 2

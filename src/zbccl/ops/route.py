@@ -17,11 +17,9 @@ the stream changes: nothing on the common path). Inside a CUDA graph capture the
 capturing stream without a cross-stream wait (a capture may not wait on uncaptured work; torch's
 ``cuda.graph`` synchronises the device before it captures).
 
-Growth: peers' heaps grow in place (their ranges are reserved at the maximum), and a kernel may read a
-peer's new chunk as soon as the peer publishes it. So before each eager op the lane reads every peer's
-published size, which maps what grew (once per growth: the transport's ``map_grown``, one load per peer
-on cuda). A capture cannot map: a peer grown since the last eager op raises there, naming it (through the
-transport's ``stale_peers``).
+Growth needs nothing here: a peer's heap grows in place (its range is reserved at the maximum), and its
+``grow`` returns only once every local rank has mapped the new chunks (the cuda transport's handshake), so
+no offset a kernel receives lies in memory this rank has not mapped, eager or captured.
 
 Graph capture: nothing here reads device memory or allocates. The device ops (and their pointer
 tables) must exist before a capture: making them inside one raises, naming the op and how to warm up.
@@ -96,37 +94,32 @@ registry.set_device_ops_factory(make_device_ops)
 
 
 class _Lane:
-    """A communicator's device ops on one device, the stream of its last op (see "Ordering" above), and the
-    peers' mappings it keeps current (see "Growth")."""
+    """The stream of a communicator's last op on one device (see "Ordering" above)."""
 
-    __slots__ = ("stream", "key", "transport", "peers")
+    __slots__ = ("stream", "key")
 
-    def __init__(self, comm, device: str) -> None:
+    def __init__(self) -> None:
         self.stream: Any = None
         self.key: tuple[int, int] | None = None
-        self.transport = comm.device_heap(device).transport
-        self.peers = [r for r in comm.ranks if r != comm.global_rank]
+
+
+_LANE = "cuda/lane"  # its key in comm.device_state
 
 
 def lane(comm, device: str, op: str):
-    """The communicator's device ops, after ordering the current stream behind its previous device op and
-    mapping what peers' heaps grew by."""
+    """The communicator's device ops, after ordering the current stream behind its previous device op."""
     ops = comm.device_state.get(device)
     if ops is None:
         ops = comm.device_ops(device, op=op)
     if device != "cuda":
         return ops
-    key = device + "/lane"
-    ln = comm.device_state.get(key)
+    ln = comm.device_state.get(_LANE)
     if ln is None:
-        ln = comm.device_state[key] = _Lane(comm, device)
-    capture = torch.cuda.is_current_stream_capturing()
-    if ln.transport is not None:
-        _mapped(ln, op, capture)
+        ln = comm.device_state[_LANE] = _Lane()
     key = _stream_key()
     if key != ln.key:  # the stream changed (a torch Stream object costs microseconds: made only then)
         cur = torch.cuda.current_stream()
-        if ln.stream is not None and not capture:
+        if ln.stream is not None and not torch.cuda.is_current_stream_capturing():
             cur.wait_stream(ln.stream)
         ln.stream, ln.key = cur, key
     return ops
@@ -136,24 +129,6 @@ def _stream_key() -> tuple[int, int]:
     """The current CUDA stream, as ``(device, handle)``: two streams are the same exactly when these are."""
     dev = torch._C._cuda_getDevice()
     return dev, torch._C._cuda_getCurrentRawStream(dev)
-
-
-def _mapped(ln: _Lane, op: str, capture: bool) -> None:
-    """Growth: a peer's kernel-visible heap is what this process mapped of it. A peer that grew publishes its
-    new size; reading it (``transport.size``) maps the new chunks here (a socket round trip and a
-    ``cuMemMap``, once per growth). Inside a capture that cannot happen: raise instead, naming the peers
-    (``transport.stale_peers``: the ranks whose published size exceeds what is mapped here)."""
-    t = ln.transport
-    if capture:
-        stale = getattr(t, "stale_peers", None)
-        grown = stale(ln.peers) if stale is not None else []
-        if grown:
-            raise ZbcclInvalidUsageError(
-                f"{op}: the heaps of ranks {list(grown)} grew since this rank last mapped them, expected every "
-                "peer's heap mapped before a CUDA graph capture (run one eager collective on this communicator "
-                "after the growth, then capture), got a capture in progress", ranks=tuple(grown))
-        return
-    t.map_grown(ln.peers)
 
 
 def _timeout(op: str, timeout) -> None:

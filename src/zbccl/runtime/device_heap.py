@@ -2,9 +2,10 @@
 
 Asked for with ``init(device="cuda")`` (or ``ZBCCL_DEVICE=cuda``), sized by
 ``cuda_heap_size`` (``ZBCCL_CUDA_HEAP_SIZE``), bounded by ``cuda_heap_max``
-(``ZBCCL_CUDA_HEAP_MAX``; default 0: no growth, as growth can race with a
-peer's launch, see docs/cuda-ops.md; ``auto``: the device's memory, as address
-space only). Every rank must ask, or none (checked at init, refused on every rank).
+(``ZBCCL_CUDA_HEAP_MAX``; default ``auto``: the device's memory, as address
+space only; 0: no growth). Every rank must ask, or none (checked at init, refused
+on every rank). A growth returns once every local peer mapped it (the transport's
+handshake), as the CPU heap's growth is visible to every peer when it returns.
 The CPU heap stays: barriers, the op channel and the store-based ops use it.
 
 The heap lives on each rank's current CUDA device at init (``torch.cuda.set_device``

@@ -196,12 +196,6 @@ class Transport(ABC):
     def size(self, rank: int) -> int:
         """``rank``'s live data size (acquire: covers every offset its owner signalled before)."""
 
-    def map_grown(self, ranks: Sequence[int]) -> None:
-        """Make what the ``ranks`` grew by since the last call readable here (the check before each eager device
-        op). Default: read each one's :meth:`size`, which maps growth where a transport maps on demand."""
-        for r in ranks:
-            self.size(r)
-
     @abstractmethod
     def signal_pad(self, rank: int) -> SignalPad:
         """``rank``'s signal pad region."""

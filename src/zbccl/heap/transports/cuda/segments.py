@@ -2,11 +2,12 @@
 
 A rank has three regions:
 
-* a **control block**: one host page in a memfd (``zbccl-<job>-r<rank>-cuda``,
+* a **control block**: host pages in a memfd (``zbccl-<job>-r<rank>-cuda``,
   0600), shared like the shm transport's segment. It holds the cookie (checked
-  by every peer after mapping), this rank's share of the job secret, and the
+  by every peer after mapping), this rank's share of the job secret, the
   **published data size** (a release store by the owner, an acquire load by a
-  peer's bounds check: host atomics, so a bounds check never reads device memory);
+  peer's bounds check: host atomics, so a bounds check never reads device memory),
+  and the growth handshake's words (``BELL``, ``ACKS``: see the transport's "Growth");
 * a **signal pad**: one VMM chunk of device memory, zeroed at creation;
 * a **data segment**: a VMM address range reserved over the rank's maximum
   size, with chunks mapped from its start; growth maps one more chunk.
@@ -35,10 +36,20 @@ from ..shm.mapping import create_memfd, load_i64, map_fd, store_i64, tensor_at, 
 from . import vmm
 from .tensors import device_tensor
 
-__all__ = ["CTRL_BYTES", "OwnMemory", "PeerMemory", "MAX_CHUNKS"]
+__all__ = ["BELL", "ACKS", "ACK_FAILED", "ctrl_bytes", "OwnMemory", "PeerMemory", "MAX_CHUNKS"]
 
-#: The control block: one host page (cookie, secret share, published size at their layout offsets).
-CTRL_BYTES = 4096
+#: The growth bell (a flag line of the control block): a peer that grew adds 1 and wakes the owner's mapper.
+BELL = 12 * layout.LINE
+#: The acknowledgements, one flag line per local rank (its index in the local ranks): word 0 is how many bytes of
+#: that rank's data the owner of this block has mapped; word ``ACK_FAILED`` is set when its mapping failed.
+ACKS = 16 * layout.LINE
+ACK_FAILED = 16
+
+
+def ctrl_bytes(local_ranks: int) -> int:
+    """Bytes of a control block in a job of ``local_ranks`` ranks on this host (whole pages)."""
+    return -(-(ACKS + layout.LINE * max(local_ranks, 1)) // layout.PAGE) * layout.PAGE
+
 #: Data chunks a rank may have (the handout's descriptors: the control block, the pad and these).
 MAX_CHUNKS = MAX_FDS - 2
 
@@ -61,8 +72,10 @@ def _check_sizes(rank: int, got: object, gran: int) -> tuple[int, list[int]]:
 class OwnMemory:
     """This rank's control block, pad and data, and the descriptors it offers (see the module docstring)."""
 
-    def __init__(self, rank: int, device: int, job_id: str, *, data: int, reserve: int, pad: int) -> None:
+    def __init__(self, rank: int, device: int, job_id: str, *, data: int, reserve: int, pad: int,
+                 local_ranks: int) -> None:
         self.rank, self.device = rank, device
+        self.ctrl_bytes = ctrl_bytes(local_ranks)
         self.cookie = secrets.randbits(63) | 1
         self.gran = vmm.granularity(device)
         self.lock = threading.Lock()  # guards the offer against growth
@@ -72,9 +85,9 @@ class OwnMemory:
         self.pad: vmm.Mapping | None = None
         self.data: vmm.Mapping | None = None
         try:
-            fd = create_memfd(f"zbccl-{job_id}-r{rank}-cuda", CTRL_BYTES)
+            fd = create_memfd(f"zbccl-{job_id}-r{rank}-cuda", self.ctrl_bytes)
             self.fds.append(fd)
-            self.ctrl_addr = map_fd(fd, CTRL_BYTES, populate=True)
+            self.ctrl_addr = map_fd(fd, self.ctrl_bytes, populate=True)
             store_i64(self.ctrl_addr + layout.H_COOKIE, self.cookie)
             tensor_at(self.ctrl_addr + layout.H_SECRET, layout.SECRET_BYTES).copy_(
                 torch.frombuffer(bytearray(secrets.token_bytes(layout.SECRET_BYTES)), dtype=torch.uint8))
@@ -147,15 +160,16 @@ class OwnMemory:
                     m.close()
             self.data = self.pad = None
             if self.ctrl_addr:
-                unmap_addr(self.ctrl_addr, CTRL_BYTES)
+                unmap_addr(self.ctrl_addr, self.ctrl_bytes)
                 self.ctrl_addr = 0
 
 
 class PeerMemory:
     """A peer's control block, pad and data as mapped here (import, map, refresh after its growth)."""
 
-    def __init__(self, rank: int, device: int, *, reserve: int) -> None:
+    def __init__(self, rank: int, device: int, *, reserve: int, local_ranks: int) -> None:
         self.rank, self.device = rank, device
+        self.ctrl_bytes = ctrl_bytes(local_ranks)
         self.gran = vmm.granularity(device)
         self.reserve = reserve
         self.lock = threading.Lock()  # one refresh at a time
@@ -168,11 +182,12 @@ class PeerMemory:
         try:
             pad, chunks = self._parse(payload, fds)
             st = os.fstat(fds[0])
-            if not stat.S_ISREG(st.st_mode) or st.st_size != CTRL_BYTES:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.ctrl_bytes:
                 raise ZbcclRemoteError(
-                    f"heap: rank {self.rank}'s control block is wrong, expected a memfd of {CTRL_BYTES} bytes, "
-                    f"got {st.st_size} bytes (mode {stat.filemode(st.st_mode)}); not mapping it", ranks=(self.rank,))
-            self.ctrl_addr = map_fd(fds[0], CTRL_BYTES, populate=True)
+                    f"heap: rank {self.rank}'s control block is wrong, expected a memfd of {self.ctrl_bytes} "
+                    f"bytes, got {st.st_size} bytes (mode {stat.filemode(st.st_mode)}); not mapping it",
+                    ranks=(self.rank,))
+            self.ctrl_addr = map_fd(fds[0], self.ctrl_bytes, populate=True)
             if load_i64(self.ctrl_addr + layout.H_COOKIE) != cookie:
                 raise ZbcclRemoteError(
                     f"heap: rank {self.rank}'s segment carries the wrong cookie, expected the one it published "
@@ -243,5 +258,5 @@ class PeerMemory:
                 m.close()
         self.data = self.pad = None
         if self.ctrl_addr:
-            unmap_addr(self.ctrl_addr, CTRL_BYTES)
+            unmap_addr(self.ctrl_addr, self.ctrl_bytes)
             self.ctrl_addr = 0

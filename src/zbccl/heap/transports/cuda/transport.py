@@ -18,6 +18,19 @@ size beyond what it mapped fetches the offer again and maps the new chunks
 (one socket round trip and a ``cuMemMap`` per growth, never per access).
 Addresses never move: a rank's range is reserved at its maximum from the start.
 
+Growth is acknowledged: ``grow`` returns only once every local peer has mapped
+the new chunks, so no offset this rank hands out (to its SMA, hence to a kernel
+argument a peer's kernel reads) lies in memory a peer has not mapped. A peer's
+kernel may already be running, launched before the growth, when it reads that
+offset: nothing on its host can map in time then, so the mapping must exist
+before the offset does. The handshake lives in the host control blocks: the
+grower publishes its size, adds 1 to each peer's ``BELL`` (waking it), and
+waits (bounded, with liveness) until each peer's ``ACKS`` line for it reaches
+its new mapped size. Each rank runs a *mapper* thread that sleeps on its own
+bell (a futex: no polling), maps what peers grew by, and writes its
+acknowledgements; a closing rank acknowledges everything, so that nobody waits
+for it. A peer that dies, or cannot map, makes ``grow`` raise naming it.
+
 Verbs and their cost (host verbs, for control paths and tests; the
 collectives' kernels touch the same memory from the device and never call
 these):
@@ -46,8 +59,11 @@ import logging
 import math
 import os
 import secrets
+import threading
+import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .... import errors
@@ -61,7 +77,7 @@ from ..base import NativeHandle, Segment, SignalPad, Transport, ViewRelease
 from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive
 from ..liveness import Pidfds
 from . import vmm
-from .segments import OwnMemory, PeerMemory
+from .segments import ACK_FAILED, ACKS, BELL, OwnMemory, PeerMemory
 from .tensors import device_tensor
 from .words import DeviceWords
 
@@ -108,6 +124,10 @@ class CudaTransport(Transport):
         self._timeout = 60.0
         self._pid = os.getpid()
         self.views = 0
+        self._slots: dict[int, int] = {}  # local rank -> its index among the local ranks (its ACKS line)
+        self._mapper: threading.Thread | None = None
+        self._stopping = False
+        self._acked = 0  # the data size every local peer has acknowledged mapping
 
     # ------------------------------------------------------------ lifecycle
     def establish(self, bootstrap: Bootstrap, topology: Topology, *, data_bytes: list[int], job_id: str,
@@ -115,6 +135,7 @@ class CudaTransport(Transport):
         rank = self.rank = bootstrap.rank
         reserve = list(data_bytes) if reserve_bytes is None else list(reserve_bytes)
         peers = [r for r in topology.local_ranks if r != rank]
+        self._slots = {r: i for i, r in enumerate(topology.local_ranks)}
         self._job, self._timeout, self._pid = job_id, timeout, os.getpid()
         me = Member(rank, os.getpid(), os.geteuid(), secrets.token_hex(16), 1)
         error: ZbcclError | None = None
@@ -123,7 +144,8 @@ class CudaTransport(Transport):
                 self._open_device()
                 with self._on_device():
                     own = self._own = OwnMemory(rank, self.index, job_id, data=data_bytes[rank],
-                                                reserve=reserve[rank], pad=signal_pad_bytes(bootstrap.world_size))
+                                                reserve=reserve[rank], pad=signal_pad_bytes(bootstrap.world_size),
+                                                local_ranks=len(self._slots))
                 me = Member(rank, me.pid, me.uid, me.token, own.cookie)
                 self._server = FdServer(job_id, rank, me.token, offer=own.offer, persistent=True)
             except ZbcclError as exc:
@@ -150,6 +172,9 @@ class CudaTransport(Transport):
                     error = ZbcclSystemError(f"heap: cannot map the peers' cuda segments: {type(exc).__name__}: "
                                              f"{exc}", ranks=(rank,))
             agree(bootstrap, {}, error, timeout=timeout, tag="cuda-mapped")
+            if peers:
+                self._mapper = threading.Thread(target=self._map_loop, name=f"zbccl-cuda-mapper-{rank}", daemon=True)
+                self._mapper.start()
         except BaseException:
             try:
                 self.close(unmap=True)
@@ -157,6 +182,7 @@ class CudaTransport(Transport):
                 _log.warning("zbccl: cleaning up a failed cuda transport set-up failed too: %s", exc)
             raise
         self.segments[rank] = Segment(rank, data_bytes[rank], "cuda", owner=True, reserved=reserve[rank])
+        self._acked = self._own.data.mapped
         return dict(self.segments)
 
     def _open_device(self) -> None:
@@ -174,7 +200,7 @@ class CudaTransport(Transport):
 
     def _attach(self, peer: int, reserve: int, nbytes: int, timeout: float) -> None:
         payload, fds, pidfd = receive(self._job, self._members[peer], timeout=timeout)
-        mem = PeerMemory(peer, self.index, reserve=reserve)
+        mem = PeerMemory(peer, self.index, reserve=reserve, local_ranks=len(self._slots))
         try:
             with self._on_device():
                 mem.attach(payload, fds, self._members[peer].cookie)
@@ -186,27 +212,101 @@ class CudaTransport(Transport):
         self._live.add(peer, pidfd)
 
     def grow(self, nbytes: int) -> None:
-        """Owner only: back ``nbytes`` of data (a new chunk when needed), then publish the size (release)."""
+        """Owner only: back ``nbytes`` of data (a new chunk when needed), publish the size (release), then wait
+        until every local peer has mapped it (see "Growth" in the module docstring)."""
         seg = self.segments.get(self.rank)
         if seg is None or self._own is None:
             raise ZbcclSystemError("heap: grow: this process holds no cuda segment of its own to grow")
-        if nbytes <= seg.nbytes:
-            return
         if nbytes > seg.reserved:
             raise errors.ZbcclOutOfMemoryError(
                 f"heap: grow: heap of {nbytes} bytes requested, expected at most the {seg.reserved} reserved")
-        with self._on_device():
-            self._own.grow(nbytes)  # nothing changed if it raises
-        seg.nbytes = nbytes
-        self._own_flat = None
-        self._own.publish(nbytes, self._prims)
+        if nbytes > seg.nbytes:
+            with self._on_device():
+                self._own.grow(nbytes)  # nothing changed if it raises
+            seg.nbytes = nbytes
+            self._own_flat = None
+            self._own.publish(nbytes, self._prims)
+        if self._acked < self._own.data.mapped:  # also after an earlier grow that raised while waiting
+            self._await_maps(self._own.data.mapped)
+
+    def _await_maps(self, target: int) -> None:
+        """Ring every local peer's bell, then wait until each acknowledged ``target`` bytes of this rank's data
+        mapped: bounded by the transport's timeout; a peer that died, or failed to map, raises naming it."""
+        prims, me = self._prims, self._slots[self.rank]
+        peers = sorted(self._peers)
+        for p in peers:
+            prims.fetch_add_signal(self._peers[p].ctrl_addr + BELL, 1)
+        acks = {p: self._peers[p].ctrl_addr + ACKS + layout.LINE * me for p in peers}
+        deadline = time.monotonic() + self._timeout
+        while True:
+            late = [p for p in peers if prims.load_acquire(acks[p]) < target]
+            if not late:
+                self._acked = target
+                return
+            failed = [p for p in late if prims.load_acquire(acks[p] + ACK_FAILED)]
+            if failed:
+                raise ZbcclRemoteError(
+                    f"heap: grow: ranks {failed} could not map this rank's grown cuda heap (their log says why), "
+                    f"expected every local rank to map it, got a failure", ranks=tuple(failed))
+            dead = sorted(set(late) & set(self._live.dead()))
+            if dead:
+                raise ZbcclRemoteError(
+                    f"heap: grow: ranks {dead} died before mapping this rank's grown cuda heap", ranks=tuple(dead))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.ZbcclTimeoutError(
+                    f"heap: grow: timed out after {self._timeout:.1f}s waiting for ranks {late} to map this "
+                    f"rank's grown cuda heap, expected {target} bytes acknowledged, got "
+                    f"{[prims.load_acquire(acks[p]) for p in late]}", ranks=tuple(late))
+            addrs = np.asarray([acks[p] for p in late], dtype=np.uint64)
+            prims.wait_ge(int(addrs.ctypes.data), len(late), target, 0, int(min(left, 0.1) * 1e9))
+
+    def _map_loop(self) -> None:
+        """The mapper thread: sleep on this rank's bell; when it moved, map what every peer grew by and
+        acknowledge each peer's mapped size (a peer's failure is logged and flagged in its line)."""
+        prims, own = self._prims, self._own
+        bell = np.asarray([own.ctrl_addr + BELL], dtype=np.uint64)
+        seen = 0
+        while not self._stopping:
+            rung = prims.load_acquire(int(bell[0]))
+            if rung == seen:
+                prims.wait_ge(int(bell.ctypes.data), 1, seen + 1, 0, 1_000_000_000)
+                continue
+            seen = rung
+            for p, mem in list(self._peers.items()):
+                line = own.ctrl_addr + ACKS + layout.LINE * self._slots[p]
+                try:
+                    if mem.published(prims) > mem.mapped:
+                        self._refresh(p, mem)
+                except Exception as exc:  # noqa: BLE001 - the grower raises naming this rank; say why here
+                    if not self._stopping:
+                        _log.warning("zbccl: rank %d cannot map rank %d's grown cuda heap: %s", self.rank, p, exc)
+                        prims.signal(line + ACK_FAILED, 1)
+                    continue
+                prims.signal(line, mem.mapped)
+
+    def _stop_mapper(self) -> None:
+        """Stop the mapper thread, then acknowledge every peer's growth for good: a peer that grows while this
+        rank closes must not wait for it."""
+        mapper, self._mapper = self._mapper, None
+        if mapper is None or self._own is None:
+            return
+        self._stopping = True
+        self._prims.fetch_add_signal(self._own.ctrl_addr + BELL, 1)
+        mapper.join(self._timeout + 5.0)
+        if mapper.is_alive():
+            _log.warning("zbccl: rank %d's cuda mapper thread is still mapping a peer's growth at close", self.rank)
+        for p in self._slots:
+            self._prims.signal(self._own.ctrl_addr + ACKS + layout.LINE * self._slots[p], (1 << 63) - 1)
 
     def close(self, *, unmap: bool) -> None:
+        forked = self._pid != os.getpid()  # a forked child: CUDA is unusable here, and the memory is the parent's
+        if not forked:
+            self._stop_mapper()  # before the server stops: a refresh in flight fetches from peers' servers only
         if self._server is not None:
             self._server.stop()  # before the offered descriptors close
             self._server = None
         self._live.close()
-        forked = self._pid != os.getpid()  # a forked child: CUDA is unusable here, and the memory is the parent's
         if self._own is not None:
             self._own.close(unmap=False)
         self._own_flat = None
@@ -252,17 +352,6 @@ class CudaTransport(Transport):
             self._refresh(rank, mem)
             mapped = mem.mapped
         return min(size, mapped)
-
-    def stale_peers(self, ranks) -> list[int]:
-        """The ranks among ``ranks`` whose published heap size exceeds what is mapped here: what a kernel
-        launched now could not read all of (a CUDA graph capture, which cannot map, refuses them)."""
-        peers, prims = self._peers, self._prims
-        return [r for r in ranks if (m := peers.get(r)) is not None and m.published(prims) > m.mapped]
-
-    def map_grown(self, ranks) -> None:
-        """One load of each peer's published size; a fetch and a map only for a peer that grew."""
-        for r in self.stale_peers(ranks):
-            self.size(r)
 
     def _refresh(self, rank: int, mem: PeerMemory) -> None:
         def fetch():

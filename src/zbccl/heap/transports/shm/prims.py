@@ -35,18 +35,27 @@ class PyPrimitives:
         cell.value = old + delta
         return old
 
+    #: Not atomic across processes either: for counters whose readers only need to see them move.
+    fetch_add_signal = fetch_add
+
     @staticmethod
     def wait_ge(addrs_ptr: int, n: int, target: int, spin: int, budget_ns: int) -> int:
+        """Polls: ``spin`` times, then yielding for up to 1 ms, then sleeping 1 ms between polls (no futex here)."""
         addrs = (ctypes.c_uint64 * n).from_address(addrs_ptr)
-        deadline = time.monotonic_ns() + budget_ns
+        start = time.monotonic_ns()
+        deadline = start + budget_ns
         polls = 0
         while True:
             first = next((i for i in range(n) if ctypes.c_int64.from_address(addrs[i]).value < target), -1)
-            if first < 0 or time.monotonic_ns() >= deadline:
+            now = time.monotonic_ns()
+            if first < 0 or now >= deadline:
                 return first
             polls += 1
             if polls > spin:
-                os.sched_yield()
+                if now - start < 1_000_000:
+                    os.sched_yield()
+                else:
+                    time.sleep(min(0.001, (deadline - now) / 1e9))
 
     @staticmethod
     def copy(dst: int, src: int, nbytes: int, nthreads: int = 1) -> None:
