@@ -69,7 +69,7 @@ def _simulate() -> None:
         "unmap": lambda va, n: _mmap(va, n, _PROT_NONE, mmap.MAP_PRIVATE | _MAP_ANON | _MAP_FIXED, -1),
         "write_value64": lambda stream, addr, value: prims.signal(addr, value),
         "copy_dtoh": lambda dst, src, n, stream: ctypes.memmove(dst, src, n),
-        "stream_sync": lambda stream: None,
+        "stream_sync": lambda stream: None, "relax_capture_mode": lambda: None,
     }
     for name, fn in sim.items():
         setattr(vmm, name, fn)

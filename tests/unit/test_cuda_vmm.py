@@ -83,6 +83,33 @@ def test_errors_name_the_call_and_the_cuda_error(monkeypatch):
     assert vmm.check((drv.CUresult.CUDA_SUCCESS,), "x") is None
 
 
+def test_the_mapper_threads_capture_mode_is_relaxed_through_the_driver(monkeypatch):
+    """``relax_capture_mode`` asks the driver for the relaxed mode (a mapper's maps never invalidate a capture of
+    another thread) and raises, naming the call, when the driver refuses."""
+    drv = pytest.importorskip("cuda.bindings.driver")
+    asked = []
+
+    class Fake:
+        CUresult, CUstreamCaptureMode = drv.CUresult, drv.CUstreamCaptureMode
+        result = drv.CUresult.CUDA_SUCCESS
+
+        @classmethod
+        def cuThreadExchangeStreamCaptureMode(cls, mode):
+            asked.append(mode)
+            return cls.result, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+
+        @staticmethod
+        def cuGetErrorString(err):
+            return drv.CUresult.CUDA_SUCCESS, b"refused"
+
+    monkeypatch.setattr(vmm, "_driver", Fake)
+    vmm.relax_capture_mode()
+    assert asked == [drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED]
+    Fake.result = drv.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(ZbcclSystemError, match="cuda: cuThreadExchangeStreamCaptureMode failed"):
+        vmm.relax_capture_mode()
+
+
 def test_chunk_sizes_are_checked_before_the_driver(monkeypatch):
     monkeypatch.setattr(vmm, "_gran", {(0, False): 2 << 20})
     with pytest.raises(ZbcclInvalidUsageError, match="multiple of 2097152, got 4096"):

@@ -267,6 +267,11 @@ class CudaTransport(Transport):
         prims, own = self._prims, self._own
         bell = np.asarray([own.ctrl_addr + BELL], dtype=np.uint64)
         seen = 0
+        try:
+            with self._on_device():
+                vmm.relax_capture_mode()  # its maps never invalidate a capture of another thread
+        except Exception as exc:  # noqa: BLE001 - mapping still works; a peer's growth mid-capture may not
+            _log.warning("zbccl: rank %d's cuda mapper keeps the default capture mode: %s", self.rank, exc)
         while not self._stopping:
             rung = prims.load_acquire(int(bell[0]))
             if rung == seen:

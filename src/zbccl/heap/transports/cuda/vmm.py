@@ -40,7 +40,7 @@ from ....errors import ZbcclInvalidUsageError, ZbcclOutOfMemoryError, ZbcclSyste
 __all__ = [
     "INSTALL_HINT", "driver", "check", "ensure_context", "granularity", "round_up", "create",
     "export_fd", "import_fd", "release", "reserve", "free_va", "map_chunk", "unmap", "Chunk", "Mapping",
-    "write_value64", "copy_dtoh", "stream_sync", "mem_alloc", "mem_free",
+    "write_value64", "copy_dtoh", "stream_sync", "mem_alloc", "mem_free", "relax_capture_mode",
 ]
 
 #: How to get the bindings, for every "missing" message.
@@ -131,6 +131,15 @@ def ensure_context(device: int) -> None:
                 ctx = _ctx[device] = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain",
                                            op="cuda")
     check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", op="cuda")
+
+
+def relax_capture_mode() -> None:
+    """Put this thread in the relaxed stream-capture mode: its driver calls (a mapper thread's ``cuMemMap`` and
+    ``cuMemSetAccess``) are then never checked against another thread's capture in torch's default ``global``
+    mode, which would invalidate that capture. These calls enqueue no stream work, so relaxing them is safe."""
+    drv = driver()
+    check(drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+          "cuThreadExchangeStreamCaptureMode", op="cuda")
 
 
 def _prop(device: int) -> Any:
