@@ -245,6 +245,76 @@ def test_a_growth_during_a_peers_op_is_mapped_before_its_kernel_reads_it():
     assert run_world(_grow_mid_op, 2, env=ENV, timeout=300) == ["ok"] * 2
 
 
+def _grow_together(ctx):
+    """Every rank grows several times at once, with no barrier between the steps: each ``grow`` waits for the
+    others' mappers while its own mapper serves their growth, so nobody deadlocks and, when all are done, every
+    rank has mapped (and reads) every peer's last chunk."""
+    _simulate()
+    from tests.transports.world import open_transport, payload
+
+    t, boot = open_transport(ctx, "cuda", data=GRAN, reserve=64 * GRAN)
+    me = ctx.rank
+    sizes = [(2 + 3 * step + me) * GRAN for step in range(5)]  # different steps on every rank
+    try:
+        boot.barrier(timeout=60)
+        for step, size in enumerate(sizes):
+            t.grow(size)
+            t.view(me, size - 4096, (512,), torch.int64).copy_(payload(me, 512, step))
+        boot.barrier(timeout=60)
+        for p, mem in t._peers.items():
+            last = (2 + 3 * 4 + p) * GRAN
+            assert mem.mapped >= last, (p, mem.mapped, last)  # mapped by this rank's mapper, before p's grow returned
+            got = torch.frombuffer(bytearray(t.get(p, last - 4096, 4096)), dtype=torch.int64)
+            assert torch.equal(got, payload(p, 512, 4)), (p, got[:4])
+        boot.barrier(timeout=60)
+        return "ok"
+    finally:
+        t.close(unmap=True)
+
+
+def test_ranks_growing_at_once_map_each_other():
+    assert run_world(_grow_together, 3, env=ENV, timeout=240) == ["ok"] * 3
+
+
+def _grow_after_a_failed_map(ctx):
+    """A peer whose mapping fails makes ``grow`` raise, naming it (not after the timeout); that failure does not
+    fail the next attempt, which the peer maps."""
+    _simulate()
+    from tests.transports.world import open_transport
+    from zbccl.errors import ZbcclRemoteError, ZbcclSystemError
+
+    t, boot = open_transport(ctx, "cuda", data=GRAN, reserve=64 * GRAN, timeout=60)
+    me = ctx.rank
+    try:
+        if me == 1:
+            real, fails = t._refresh, [1]
+
+            def refresh(rank, mem):
+                if fails:
+                    fails.pop()
+                    raise ZbcclSystemError("heap: cuMemMap failed (simulated)")
+                real(rank, mem)
+
+            t._refresh = refresh
+        boot.barrier(timeout=60)
+        if me == 0:
+            with pytest.raises(ZbcclRemoteError, match=r"heap: grow: ranks \[1\] could not map") as info:
+                t.grow(4 * GRAN)
+            assert info.value.ranks == (1,)
+            t.grow(4 * GRAN)  # the same size again: the earlier attempt's failure does not count
+            t.grow(6 * GRAN)
+        boot.barrier(timeout=60)
+        if me == 1:
+            assert t._peers[0].mapped >= 6 * GRAN
+        return "ok"
+    finally:
+        t.close(unmap=True)
+
+
+def test_a_failed_map_names_the_peer_and_the_next_growth_goes_through():
+    assert run_world(_grow_after_a_failed_map, 2, env=ENV, timeout=120) == ["ok"] * 2
+
+
 def _grow_beside_dead_and_closed(ctx):
     """``grow`` waits for every peer's acknowledgement: a closed peer acknowledged everything as it closed (no
     wait for it); a dead one that never mapped makes it raise within a liveness slice, naming it."""

@@ -15,7 +15,6 @@ the kernels run on the calling thread, and every op checks the status before it 
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -104,7 +103,9 @@ class DeviceOps:
                                           op="device ops").view(torch.int64)
         self._sync = self.device.type == "cpu"  # the interpreter runs each kernel to completion at launch
         self._epoch = 0  # launches so far: the kernels' epoch, counted on the host too (for error messages)
-        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()
+        #: The last 256 launches' names, ``(epoch, name)`` at ``epoch % 256`` (a ring: a dict's inserts and evictions
+        #: cost more per op).
+        self._names: list[tuple[int, str] | None] = [None] * 256
         self._broken: ZbcclError | None = None
         self._snap: torch.Tensor | None = None
         self._snap_event = None
@@ -249,7 +250,8 @@ class DeviceOps:
     def _error(self, st: list[int]) -> ZbcclError:
         # The host's name for that launch (it says which variant), unless graph replays moved the device's
         # epochs past the host's count: then the kernel's own op code.
-        name = self._names.get(st[g.ST_EPOCH], "")
+        ent = self._names[st[g.ST_EPOCH] & 255]
+        name = ent[1] if ent is not None and ent[0] == st[g.ST_EPOCH] else ""
         kop = g.KOP_NAMES.get(st[g.ST_OP], "device op")
         if kop != "error" and not name.startswith(kop):
             name = kop
@@ -338,10 +340,8 @@ class DeviceOps:
             self.check()
 
     def _count(self, name: str) -> None:
-        self._epoch += 1
-        self._names[self._epoch] = name
-        if len(self._names) > 256:
-            self._names.popitem(last=False)
+        e = self._epoch = self._epoch + 1
+        self._names[e & 255] = (e, name)
 
     def _key(self, name: str, t, out, *extra) -> tuple | None:
         """The repeat key of a call on ``t`` (and ``out``): each operand's address, shape, dtype and
@@ -377,8 +377,7 @@ class DeviceOps:
         if self._broken is None:
             self._k.barrier(self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world,
                             timeout_ns=self.timeout_ns, op=g.KOP["ERROR"], check=0)
-            self._epoch += 1
-            self._names[self._epoch] = name
+            self._count(name)
         raise exc
 
     #: Under the interpreter, plan launches as on a GPU (many 8 KiB tiles) instead of a few wide programs:

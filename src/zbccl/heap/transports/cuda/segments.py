@@ -36,12 +36,15 @@ from ..shm.mapping import create_memfd, load_i64, map_fd, store_i64, tensor_at, 
 from . import vmm
 from .tensors import device_tensor
 
-__all__ = ["BELL", "ACKS", "ACK_FAILED", "ctrl_bytes", "OwnMemory", "PeerMemory", "MAX_CHUNKS"]
+__all__ = ["BELL", "GROWS", "ACKS", "ACK_FAILED", "ctrl_bytes", "OwnMemory", "PeerMemory", "MAX_CHUNKS"]
 
 #: The growth bell (a flag line of the control block): a peer that grew adds 1 and wakes the owner's mapper.
 BELL = 12 * layout.LINE
+#: The owner's growth attempts so far (it counts one before ringing its peers' bells).
+GROWS = 13 * layout.LINE
 #: The acknowledgements, one flag line per local rank (its index in the local ranks): word 0 is how many bytes of
-#: that rank's data the owner of this block has mapped; word ``ACK_FAILED`` is set when its mapping failed.
+#: that rank's data the owner of this block has mapped; the word at byte ``ACK_FAILED`` is that rank's growth
+#: attempt (``GROWS``) whose mapping failed here (0: none), so an old failure never fails a later attempt.
 ACKS = 16 * layout.LINE
 ACK_FAILED = 16
 

@@ -77,7 +77,7 @@ from ..base import NativeHandle, Segment, SignalPad, Transport, ViewRelease
 from ..handout import FdServer, Member, agree, check_uids, member_of, os_error, receive
 from ..liveness import Pidfds
 from . import vmm
-from .segments import ACK_FAILED, ACKS, BELL, OwnMemory, PeerMemory
+from .segments import ACK_FAILED, ACKS, BELL, GROWS, OwnMemory, PeerMemory
 from .tensors import device_tensor
 from .words import DeviceWords
 
@@ -234,6 +234,7 @@ class CudaTransport(Transport):
         mapped: bounded by the transport's timeout; a peer that died, or failed to map, raises naming it."""
         prims, me = self._prims, self._slots[self.rank]
         peers = sorted(self._peers)
+        attempt = prims.fetch_add(self._own.ctrl_addr + GROWS, 1) + 1  # only this thread writes it
         for p in peers:
             prims.fetch_add_signal(self._peers[p].ctrl_addr + BELL, 1)
         acks = {p: self._peers[p].ctrl_addr + ACKS + layout.LINE * me for p in peers}
@@ -243,7 +244,7 @@ class CudaTransport(Transport):
             if not late:
                 self._acked = target
                 return
-            failed = [p for p in late if prims.load_acquire(acks[p] + ACK_FAILED)]
+            failed = [p for p in late if prims.load_acquire(acks[p] + ACK_FAILED) == attempt]
             if failed:
                 raise ZbcclRemoteError(
                     f"heap: grow: ranks {failed} could not map this rank's grown cuda heap (their log says why), "
@@ -286,7 +287,7 @@ class CudaTransport(Transport):
                 except Exception as exc:  # noqa: BLE001 - the grower raises naming this rank; say why here
                     if not self._stopping:
                         _log.warning("zbccl: rank %d cannot map rank %d's grown cuda heap: %s", self.rank, p, exc)
-                        prims.signal(line + ACK_FAILED, 1)
+                        prims.signal(line + ACK_FAILED, prims.load_acquire(mem.ctrl_addr + GROWS))
                     continue
                 prims.signal(line, mem.mapped)
 
