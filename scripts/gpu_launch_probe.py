@@ -4,10 +4,12 @@ Usage (on a GPU, MPS on, from the repo root): ``PYTHONPATH=src python3 scripts/g
 
 * ``launch`` (world 2): the host microseconds per call of the public ``zbccl.all_reduce``, of
   ``DeviceOps.all_reduce`` (one-shot; repeated, and with every check: ``_checked``), of the launcher alone
-  (``native/triton/launch.py``), of the compiled binary's launcher called directly (the floor of the Python
-  side), and of triton's JIT path; the device time per eager op (CUDA events) beside torch SymmetricMemory's
-  one-shot in the same processes; whether a triton launch hook is set; ``launch.fire`` (a repeated call's
-  launch); and rank 0's cProfile of the DeviceOps call and of the public one.
+  (``native/triton/launch.py``), of the compiled binary's launcher called directly, of its C launch
+  function called directly (``launch._entry``: the floor of the Python side), and of triton's JIT path; the
+  device time per eager op (CUDA events) beside torch SymmetricMemory's one-shot in the same processes;
+  whether a triton launch hook is set; ``launch.fire`` (a repeated call's launch); the replay of a one-kernel CUDA graph holding the same call (``graph1``: what a repeated eager call
+  would cost if it replayed instead of launching); and rank 0's cProfile of the DeviceOps call and of the
+  public one.
 * ``inplace`` (world 4, ``CUDA_LAUNCH_BLOCKING=1``): all_gather at 16-64 MiB out of place, in place with the
   big tiles and in place with 8 KiB tiles, each checked; the first failure ends the world (a CUDA fault is
   sticky) and says which.
@@ -103,6 +105,9 @@ def _launch_row(rk, ops, kib: int, profile: bool) -> tuple[dict, str | None]:
         rk, lambda: (ops._launched.clear(), ops.all_reduce(t, "sum", algo="one_shot")))
     row["host_kernel_call"] = _host_us(rk, lambda: real(grid, nw, *args))
     row["host_direct_run"] = _host_us(rk, direct)
+    fn, head = L._entry(ck)  # triton 3.6: the C launch function itself (what fire calls)
+    row["entry_is_c_launch"] = fn is not ck.run
+    row["host_entry"] = _host_us(rk, lambda: fn(grid, 1, 1, stream, *head, *full))
     launched = real(grid, nw, *args)
     rk.finish()
     row["host_fire"] = _host_us(rk, lambda: L.fire(launched)) if launched is not None else None
@@ -110,6 +115,16 @@ def _launch_row(rk, ops, kib: int, profile: bool) -> tuple[dict, str | None]:
     row["host_stream"] = _host_us(rk, L._device_stream, n=2000)
     row["dev_public"] = _dev_us(rk, lambda: zbccl.all_reduce(t))
     row["dev_direct_run"] = _dev_us(rk, direct)
+    try:  # an experiment: a repeated eager call replaying a one-kernel CUDA graph instead of launching (host cost)
+        g = torch.cuda.CUDAGraph()
+        rk.finish()
+        with torch.cuda.graph(g):
+            ops.all_reduce(t, "sum", algo="one_shot")
+        rk.finish()
+        row["host_graph1"] = _host_us(rk, g.replay)
+        row["dev_graph1"] = _dev_us(rk, g.replay)
+    except Exception as exc:  # noqa: BLE001 - reported
+        row["graph1_error"] = f"{type(exc).__name__}: {exc}"
     try:
         import torch.distributed._symmetric_memory as symm_mem
 

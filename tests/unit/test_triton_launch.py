@@ -208,3 +208,36 @@ def test_hooks_are_set_only_when_a_profiler_adds_one():
     finally:
         chain.remove(hook)
     assert not L._hooked()
+
+
+def test_the_c_entry_passes_what_triton_36s_launcher_call_passes():
+    """``_entry``: with triton 3.6 a launch calls the binary's C ``launch`` itself, with exactly the arguments
+    triton's own ``CudaLauncher.__call__`` passes it (checked against that class here, scratch-free), and falls
+    back to ``ck.run`` when the kernel asks for scratch or the launcher is another class or triton version."""
+    import triton
+
+    from zbccl.native.triton import launch as L
+
+    if not triton.__version__.startswith(L._ENTRY_TRITON):
+        pytest.skip(f"triton {triton.__version__}: _entry falls back to ck.run")
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    calls = []
+    run = object.__new__(CudaLauncher)  # triton's class, without compiling its C module
+    run.num_ctas, run.launch = 1, lambda *args: calls.append(args)
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid, run.launch_pdl = False, True
+    ck = type("CK", (), {})()
+    ck.run, ck.function, ck.packed_metadata = run, 1234, ("meta",)
+    args = (0x7F0000000000, 7, 8)
+    run(3, 1, 1, 55, ck.function, ck.packed_metadata, None, None, None, *args)  # what triton's JIT path does
+    fn, head = L._entry(ck)
+    assert fn is run.launch
+    fn(3, 1, 1, 55, *head, *args)
+    assert calls[0] == calls[1] == (3, 1, 1, 55, 1234, False, True, None, None, ("meta",), None, None, None, *args)
+    run.global_scratch_size = 64  # a kernel with scratch: triton's __call__ allocates it
+    assert L._entry(ck) == (run, (1234, ("meta",), None, None, None))
+    run.global_scratch_size = 0
+    ck.run = Compiled([])  # another launcher class
+    assert L._entry(ck)[0] is ck.run

@@ -17,11 +17,14 @@ with the pointer tables as ints. triton's JIT path binds and hashes every argume
 globals and asks the driver about each pointer on every call: tens of microseconds on the host, per op.
 A direct launch returns what it launched (its binary and arguments): :func:`fire` repeats it on the
 current stream without building anything again (the ops layer's repeat of a call it checked before).
+With triton 3.6 a direct launch calls the binary's C launch function itself (:func:`_entry`): the Python
+``CudaLauncher.__call__`` around it only adds scratch buffers, which these kernels never ask for.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 from triton import knobs
 
 from . import geometry as g
@@ -67,6 +70,30 @@ def _set(hook) -> bool:
     return calls is None or bool(calls)
 
 
+#: The triton whose ``CudaLauncher.__call__`` :func:`_entry` knows (any other: the launcher's own ``__call__``).
+_ENTRY_TRITON = "3.6."
+
+
+def _entry(ck) -> tuple:
+    """``(fn, head)`` such that ``fn(grid, 1, 1, stream, *head, *kernel_args)`` launches the compiled kernel ``ck``.
+
+    Normally ``ck.run`` (triton's ``CudaLauncher``) with the arguments triton's JIT passes it. For triton 3.6,
+    whose ``CudaLauncher.__call__`` only allocates the global and profile scratch buffers (when the kernel
+    asks for them) and calls its C ``launch`` with the cooperative-grid and PDL flags: that C function, with
+    those flags and no scratch, when the kernel asks for none (a Python frame, a closure and two calls less
+    per launch; the equivalence with ``__call__`` is tested against triton's own class)."""
+    run = ck.run
+    head = (ck.function, ck.packed_metadata, None, None, None)
+    if not triton.__version__.startswith(_ENTRY_TRITON) or type(run).__name__ != "CudaLauncher":
+        return run, head
+    try:
+        if run.global_scratch_size or run.profile_scratch_size or not callable(run.launch):
+            return run, head
+        return run.launch, (ck.function, run.launch_cooperative_grid, run.launch_pdl, None, None, *head[1:])
+    except AttributeError:
+        return run, head
+
+
 class Kernel:
     """One ``@triton.jit`` kernel's launches, with every argument positional, in the kernel's order.
 
@@ -77,12 +104,13 @@ class Kernel:
     interpreter, with a launch hook set, or with a triton whose compiled kernels lack the launcher, every
     launch takes triton's JIT path."""
 
-    __slots__ = ("jit", "compiled", "_ptrs", "_consts", "_scalars")
+    __slots__ = ("jit", "compiled", "_entries", "_ptrs", "_consts", "_scalars")
 
     def __init__(self, jit) -> None:
         self.jit = jit
         #: key -> the compiled kernel (None: this triton's objects cannot be launched directly).
         self.compiled: dict = {}
+        self._entries: dict = {}  # key -> _entry(its compiled kernel)
         self._ptrs: tuple[int, ...] | None = None
 
     def _positions(self) -> None:
@@ -92,8 +120,9 @@ class Kernel:
         self._scalars = tuple(i for i, p in enumerate(params) if not p.is_constexpr and p.name not in _POINTERS)
 
     def __call__(self, grid: int, num_warps: int, *args) -> tuple | None:
-        """Launch; returns ``(device, binary, grid, args)`` when it launched the binary directly (for
-        :func:`fire`), None when it went through triton's JIT."""
+        """Launch; returns ``(device, fn, grid, tail)`` when it launched the binary directly
+        (``fn(grid, 1, 1, stream, *tail)``: see :func:`_entry`; for :func:`fire`), None when it went through
+        triton's JIT."""
         if INTERPRET or _hooked():
             self.jit[(grid,)](*args, num_warps=num_warps)
             return None
@@ -110,26 +139,30 @@ class Kernel:
                 ck = ck.result()
             ok = all(hasattr(ck, a) for a in ("run", "function", "packed_metadata"))
             self.compiled[key] = ck if ok else None
+            if ok:
+                self._entries[key] = _entry(ck)
             return None
         if ck is None:
             self.jit[(grid,)](*args, num_warps=num_warps)
             return None
+        fn, head = self._entries[key]
         full = list(args)
         for i, p in zip(self._ptrs, ptrs):
             full[i] = p
-        ck.run(grid, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *full)
-        return dev, ck, grid, tuple(full)
+        tail = (*head, *full)
+        fn(grid, 1, 1, stream, *tail)
+        return dev, fn, grid, tail
 
 
 def fire(launched: tuple) -> bool:
     """Launch again, on the current stream, what a direct launch returned (``Kernel.__call__``): the same
     binary with the same arguments. False (nothing launched) when the current device is another one or a
     launch hook is set: the caller then launches the long way."""
-    dev, ck, grid, args = launched
+    dev, fn, grid, tail = launched
     cur, stream = _device_stream()
     if cur != dev or _hooked():
         return False
-    ck.run(grid, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *args)
+    fn(grid, 1, 1, stream, *tail)
     return True
 
 
