@@ -55,8 +55,11 @@ def device_of(op: str, *tensors: Any) -> str | None:
     otherwise: the CPU path's checks stand, and their error fails the op on every rank through the op
     channel (an operand on another device, not a tensor, ...)."""
     for t in tensors:
-        if isinstance(t, torch.Tensor) and (t.is_cuda or (_FAKE_DEVICES and t.device.type in _FAKE_DEVICES)):
-            return t.device.type
+        if isinstance(t, torch.Tensor):
+            if t.is_cuda:
+                return "cuda"
+            if _FAKE_DEVICES and t.device.type in _FAKE_DEVICES:
+                return t.device.type
     return None
 
 
@@ -132,6 +135,7 @@ def _stream_key() -> tuple[int, int]:
 
 
 def _timeout(op: str, timeout) -> None:
+    """Refuse a per-op timeout (callers on the hot path test ``timeout is not None`` first)."""
     if timeout is not None:
         raise ZbcclInvalidUsageError(
             f"{op}: a per-op timeout is not supported for device tensors (the kernels' bounded waits use the "
@@ -139,7 +143,8 @@ def _timeout(op: str, timeout) -> None:
 
 
 def all_reduce(comm, device: str, tensor: torch.Tensor, op, timeout) -> torch.Tensor:
-    _timeout("all_reduce", timeout)
+    if timeout is not None:
+        _timeout("all_reduce", timeout)
     if comm.world_size > 1:
         lane(comm, device, "all_reduce").all_reduce(tensor, op)
     return tensor
@@ -148,7 +153,8 @@ def all_reduce(comm, device: str, tensor: torch.Tensor, op, timeout) -> torch.Te
 def _gather_like(comm, device: str, op: str, output, input, timeout, *args, **kwargs) -> torch.Tensor:
     """The ops whose one-rank form is a copy of ``input`` into ``output``: that copy at world size 1, else
     the device ops' ``op(output, input, *args, **kwargs)``."""
-    _timeout(op, timeout)
+    if timeout is not None:
+        _timeout(op, timeout)
     if comm.world_size == 1:
         null.copy_into(output, input)
     else:
