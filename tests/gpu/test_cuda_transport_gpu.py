@@ -9,7 +9,7 @@ import torch
 
 from tests.spawn import run_world
 from tests.transports.conftest import unavailable
-from tests.transports.world import line, open_transport, payload
+from tests.transports.world import grow_during_op, line, open_transport, payload
 
 _WHY = unavailable("cuda")
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"cuda unavailable here: {_WHY}")
@@ -52,35 +52,11 @@ def test_growth_past_the_granularity_and_pointer_tables():
 
 
 def _grow_mid_op(ctx):
-    """A peer grows while this rank's kernel is already enqueued (and spinning) in an all_reduce, then hands that
-    kernel an offset in the new chunk. This rank's main thread maps nothing (DeviceOps directly, no lane): the
-    kernel reads the chunk because the peer's ``grow`` returned only once this rank's mapper thread mapped it."""
-    from zbccl.ops.device import DeviceOps
-
+    """``world.grow_during_op`` on the GPU: rank 0's kernel is enqueued (spinning on the device for rank 1) when
+    rank 1 grows past the granularity and hands it an offset in the new chunks; a few blocks, so that both
+    ranks' launches fit on one GPU together."""
     torch.cuda.set_device(0)
-    t, boot = open_transport(ctx, "cuda", data=2 * MB, reserve=64 * MB)
-    me, W, n = ctx.rank, ctx.world_size, 4096  # a few blocks: both ranks' launches fit on one GPU together
-    try:
-        dev = DeviceOps(me, range(W), t, slot=0, timeout_s=60, barrier=lambda: boot.barrier(timeout=60))
-        vals = [payload(r, n).to(torch.float64) for r in range(W)]
-        if me == 0:
-            x = t.view(me, 0, (n,), torch.float64)
-            x.copy_(vals[0].cuda())
-            dev.all_reduce(x, "sum", algo="one_shot")  # enqueued: it waits on the device for the peer
-            ctx.store().set("launched", b"1")
-        else:
-            ctx.store().wait(["launched"])
-            t.grow(24 * MB)  # new chunks: returns once rank 0's mapper mapped them
-            x = t.view(me, 20 * MB, (n,), torch.float64)
-            x.copy_(vals[me].cuda())
-            dev.all_reduce(x, "sum", algo="one_shot")
-        torch.cuda.synchronize()
-        dev.check()
-        assert torch.equal(x.cpu(), sum(vals[1:], vals[0])), x[:4]
-        boot.barrier(timeout=60)
-        return "ok"
-    finally:
-        t.close(unmap=False)
+    return grow_during_op(ctx, "cuda", data=2 * MB, grow_to=24 * MB, offset=20 * MB, unmap=False)
 
 
 def test_a_growth_during_a_peers_op_is_mapped_before_its_kernel_reads_it():

@@ -207,37 +207,12 @@ def test_device_collectives_over_the_simulated_cuda_transport():
 
 
 def _grow_mid_op(ctx):
-    """A peer grows while this rank's kernel already waits in an op, then hands that kernel an offset in the new
-    chunk: the kernel (launched before the growth, on a rank whose main thread maps nothing: no lane here) reads
-    it, because the peer's ``grow`` returned only once this rank's mapper thread had mapped it. Without the
-    handshake the read lands in the unmapped (PROT_NONE) part of the simulated reservation and the rank dies."""
+    """``world.grow_during_op`` over simulated device memory: without the growth handshake rank 0's kernel reads
+    the unmapped (PROT_NONE) part of the simulated reservation and the rank dies of SIGSEGV."""
     _simulate()
-    from tests.transports.world import open_transport, payload
-    from zbccl.ops.device import DeviceOps
+    from tests.transports.world import grow_during_op
 
-    t, boot = open_transport(ctx, "cuda", data=GRAN, reserve=64 * GRAN)
-    me, W, n = ctx.rank, ctx.world_size, 4096
-    try:
-        dev = DeviceOps(me, range(W), t, slot=0, timeout_s=60, barrier=lambda: boot.barrier(timeout=60))
-        vals = [payload(r, n).to(torch.float64) for r in range(W)]
-        if me == 0:
-            x = t.view(me, 0, (n,), torch.float64)
-            x.copy_(vals[0])
-            ctx.store().set("entering", b"1")  # the peer grows once this rank is (about to be) in the kernel
-            dev.all_reduce(x, "sum", algo="one_shot")
-        else:
-            ctx.store().wait(["entering"])
-            size, off = 16 * GRAN, 12 * GRAN  # far past what rank 0 mapped at set-up
-            t.grow(size)
-            x = t.view(me, off, (n,), torch.float64)
-            x.copy_(vals[me])
-            dev.all_reduce(x, "sum", algo="one_shot")
-        assert torch.equal(x, sum(vals[1:], vals[0])), x[:4]
-        dev.check()
-        boot.barrier(timeout=60)
-        return "ok"
-    finally:
-        t.close(unmap=True)
+    return grow_during_op(ctx, "cuda", data=GRAN, grow_to=16 * GRAN, offset=12 * GRAN)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -11,7 +11,7 @@ from zbccl.bootstrap.store import StoreBootstrap
 from zbccl.bootstrap.topology import HostInfo, Topology, local_host_info
 from zbccl.heap import layout, transports
 
-__all__ = ["open_transport", "line", "payload", "DATA"]
+__all__ = ["open_transport", "line", "payload", "grow_during_op", "DATA"]
 
 #: Each rank's initial data segment in the suite.
 DATA = 64 << 10
@@ -39,3 +39,37 @@ def open_transport(ctx, name: str, *, data: int = DATA, reserve: int | None = No
     t.establish(boot, topo, data_bytes=[data] * W, reserve_bytes=[reserve or data] * W, job_id=got[0]["job"],
                 timeout=timeout)
     return t, boot
+
+
+def grow_during_op(ctx, name: str, *, data: int, grow_to: int, offset: int, n: int = 4096, unmap: bool = True) -> str:
+    """Rank 0 enters a one-shot all_reduce (``DeviceOps`` directly: no lane, so its main thread maps nothing) over
+    ``name``'s heap; meanwhile rank 1 grows its heap to ``grow_to`` bytes and passes the kernel a tensor at
+    ``offset``, in the new chunks. The result is exact only if rank 0 had mapped them before rank 1's ``grow``
+    returned (the cuda transport's growth handshake). Each rank's payload names it (float64, exact). ``unmap``:
+    ``close``'s (the GPU tests keep their mappings to the process's end)."""
+    from zbccl.ops.device import DeviceOps
+
+    t, boot = open_transport(ctx, name, data=data, reserve=max(4 * grow_to, data))
+    me, W = ctx.rank, ctx.world_size
+    try:
+        dev = DeviceOps(me, range(W), t, slot=0, timeout_s=60, barrier=lambda: boot.barrier(timeout=60))
+        vals = [payload(r, n).to(torch.float64) for r in range(W)]
+        if me == 0:
+            x = t.view(me, 0, (n,), torch.float64)
+            x.copy_(vals[0].to(x.device))
+            ctx.store().set("entering", b"1")  # (the interpreter runs the kernel to its end inside the call)
+            dev.all_reduce(x, "sum", algo="one_shot")
+        else:
+            ctx.store().wait(["entering"])
+            t.grow(grow_to)
+            x = t.view(me, offset, (n,), torch.float64)
+            x.copy_(vals[me].to(x.device))
+            dev.all_reduce(x, "sum", algo="one_shot")
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        dev.check()
+        assert torch.equal(x.cpu(), sum(vals[1:], vals[0])), x[:4]
+        boot.barrier(timeout=60)
+        return "ok"
+    finally:
+        t.close(unmap=unmap)
