@@ -7,9 +7,9 @@ Usage (on a GPU, MPS on, from the repo root): ``PYTHONPATH=src python3 scripts/g
   (``native/triton/launch.py``), of the compiled binary's launcher called directly, of its C launch
   function called directly (``launch._entry``: the floor of the Python side), and of triton's JIT path; the
   device time per eager op (CUDA events) beside torch SymmetricMemory's one-shot in the same processes;
-  whether a triton launch hook is set; ``launch.fire`` (a repeated call's launch); the replay of a one-kernel CUDA graph holding the same call (``graph1``: what a repeated eager call
-  would cost if it replayed instead of launching); and rank 0's cProfile of the DeviceOps call and of the
-  public one.
+  whether a triton launch hook is set; ``launch.fire`` (a repeated call's launch); the replay of a
+  one-kernel CUDA graph holding the same call (``graph1``: what a repeated eager call would cost if it
+  replayed instead of launching); and rank 0's cProfile of the DeviceOps call and of the public one.
 * ``inplace`` (world 4, ``CUDA_LAUNCH_BLOCKING=1``): all_gather at 16-64 MiB out of place, in place with the
   big tiles and in place with 8 KiB tiles, each checked; the first failure ends the world (a CUDA fault is
   sticky) and says which.

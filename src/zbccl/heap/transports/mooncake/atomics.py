@@ -35,7 +35,7 @@ class AtomicServer(threading.Thread):
 
     def run(self) -> None:
         pause, fast, idle = 0.0, 50e-6, 2e-3
-        fetch_add = getattr(self.prims, "fetch_add_signal", None) or self.prims.fetch_add
+        fetch_add = self.prims.fetch_add_signal
         try:
             while not self._stop_ev.wait(pause):
                 served = False

@@ -522,8 +522,7 @@ class MooncakeTransport(Transport):
     def fetch_add(self, rank: int, line: int, delta: int) -> int:
         self._line_ok(rank, line, "fetch_add")
         if rank == self.rank:
-            fn = getattr(self._prims, "fetch_add_signal", None) or self._prims.fetch_add
-            return fn(self._pad + line, delta)
+            return self._prims.fetch_add_signal(self._pad + line, delta)
         peer, mail = self.peers[rank], self.peers[rank].ctrl + CTRL_MAIL + 64 * self.rank
         with self._amo_lock:
             self._amo_seq += 1

@@ -351,9 +351,7 @@ class ShmTransport(Transport):
         return self._prims.load_acquire(self._word(rank, line, "load"))
 
     def fetch_add(self, rank: int, line: int, delta: int) -> int:
-        prims = self._prims
-        fn = getattr(prims, "fetch_add_signal", None) or prims.fetch_add
-        return fn(self._word(rank, line, "fetch_add"), delta)
+        return self._prims.fetch_add_signal(self._word(rank, line, "fetch_add"), delta)
 
     def wait_until(self, lines: Sequence[tuple[int, int]], target: int, *, timeout: float, op: str = "wait",
                    liveness: float = 1.0, labels: dict[int, int] | None = None) -> None:
