@@ -9,6 +9,10 @@ in bf16 and in fp8 (float and UE8M0 scales).
 
 from __future__ import annotations
 
+import os
+import sys
+from unittest import mock
+
 import pytest
 import torch
 
@@ -110,6 +114,146 @@ def _normal(ctx):
     return True
 
 
+class _NoHostReads:
+    """Within it, a host read of a tensor's values made by ``zbccl/ep/device.py`` itself (``tolist``, ``item``,
+    ``cpu``, ``numpy``, and the aten ops that read values on the host: ``nonzero``, ``bincount``, ``equal``, ...)
+    raises: what the sync-free mode must not do on a GPU, where each would sync the host (and fail under graph
+    capture). The device ops underneath may (over the CPU heap their splits are host values; on CUDA they stay on
+    the device), so only reads whose innermost zbccl frame is ``ep/device.py`` count."""
+
+    SYNCS = ("_local_scalar_dense", "nonzero", "bincount", "equal", "unique", "masked_select", "repeat_interleave",
+             "_unique2", "is_nonzero", "any", "all")
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        import zbccl
+
+        pkg = os.path.dirname(zbccl.__file__) + os.sep
+        target = os.path.join(pkg, "ep", "device.py")
+
+        def guilty(what: str) -> None:
+            f = sys._getframe(1)
+            while f is not None:
+                name = f.f_code.co_filename
+                if name.startswith(pkg):
+                    if name == target:
+                        raise AssertionError(f"ep/device.py read device values on the host ({what}) at line "
+                                             f"{f.f_lineno}")
+                    return
+                f = f.f_back
+
+        syncs = self.SYNCS
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ in syncs:
+                    guilty(str(func))
+                return func(*args, **(kwargs or {}))
+
+        def wrap(name):
+            orig = getattr(torch.Tensor, name)
+
+            def read(t, *a, **k):
+                guilty(name)
+                return orig(t, *a, **k)
+            return read
+
+        self._patches = [mock.patch.object(torch.Tensor, n, wrap(n)) for n in ("tolist", "cpu", "numpy", "item")]
+        for p in self._patches:
+            p.start()
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for p in self._patches:
+            p.stop()
+        return False
+
+
+def _free(ctx):
+    """The sync-free normal mode (``num_worst_tokens``, a cached dispatch, a combine without the host counts) and
+    the same under (simulated) CUDA graph capture: the oracle's results, no host read of a device value by
+    ep/device.py, and under capture the same heap blocks at every call. Also: ranks that pass x in the heap and
+    ranks that do not, in one dispatch."""
+    import zbccl
+    from zbccl.ep import device as D
+    from zbccl.ep import reference as ref
+
+    comm, dev, W, me, E, d, ins = _world(ctx)
+    in_ranks = [ref.dispatch_layout(i, E, W)[2] for _, i, _ in ins]
+    x, idx, w = ins[me]
+    want = ref.dispatch([a for a, _, _ in ins], in_ranks, me, E, topk_idx=[i for _, i, _ in ins],
+                        topk_weights=[v for _, _, v in ins], num_channels=4)
+    n = want["x"].size(0)
+    worst = 3 + sum(int(r.sum()) for r in in_ranks)  # more than any rank receives
+    ys, ws = [], []
+    for r in range(W):  # each rank's combine input: f(its received rows), padded to worst rows with junk
+        wr = ref.dispatch([a for a, _, _ in ins], in_ranks, r, E, topk_idx=[i for _, i, _ in ins],
+                          topk_weights=[v for _, _, v in ins])
+        ys.append((wr["x"].float() * 0.5 + r).to(torch.bfloat16))
+        ws.append(wr["topk_weights"])
+    bias = torch.full((x.size(0), H), 0.25, dtype=torch.bfloat16)
+    want_out, want_w = ref.combine(ys, in_ranks, me, topk_weights=ws, bias=(bias,))
+    junk_y = torch.cat([ys[me], torch.full((worst - n, H), 1e4, dtype=torch.bfloat16)])
+    junk_w = torch.cat([ws[me], torch.full((worst - n, K), 1e4)])
+
+    def step():
+        ntpr, ntpe, in_rank = D.layout(idx, E, W)
+        rx, ridx, rw, lst, h = D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None, num_worst_tokens=worst,
+                                          num_channels=4)
+        again, *rest = D.dispatch(d, x * 2, None, None, None, None, None, h)
+        out, outw = D.combine(d, junk_y, h, junk_w, (bias,), free=True)
+        return rx, ridx, rw, lst, h, again, rest, out, outw
+
+    def check(got) -> None:
+        rx, ridx, rw, lst, h, again, rest, out, outw = got
+        assert rx.shape == (worst, H) and torch.equal(rx[:n], want["x"]) and lst == []
+        assert torch.equal(ridx[:n], want["topk_idx"]) and bool((ridx[n:] == -1).all())
+        assert torch.equal(rw[:n], want["topk_weights"]) and bool((rw[n:] == 0).all())
+        assert torch.equal(h[0], want["rank_prefix_matrix"]) and torch.equal(h[1], want["channel_prefix_matrix"])
+        assert torch.equal(h[2], want["recv_channel_prefix_matrix"]) and torch.equal(h[5], want["send_head"])
+        assert torch.equal(h[3][:n], want["src_idx"]) and bool((h[3][n:] == -1).all())
+        assert again.shape == (worst, H) and rest == [None] * 4
+        assert torch.equal(again[:n], (want["x"].float() * 2).to(torch.bfloat16))
+        assert torch.equal(out, want_out) and torch.equal(outw, want_w)
+
+    with _NoHostReads():
+        got = step()
+    check(got)
+    # as under capture: the heap tensors are kept blocks, the same ones at the next call (a replay reuses them)
+    with mock.patch.object(D, "_capturing", lambda t: True), _NoHostReads():
+        check(step())
+        kept = {k: t.data_ptr() for k, t in d.blocks.items()}
+        made, empty = [], d.empty
+        d.empty = lambda shape, dtype: made.append((tuple(shape), dtype)) or empty(shape, dtype)
+        try:
+            check(step())
+        finally:
+            d.empty = empty
+    assert kept and {k: t.data_ptr() for k, t in d.blocks.items()} == kept, (kept, d.blocks.keys())
+    assert made == [], made  # no heap tensor but the kept blocks (a fresh one would be freed after the capture)
+    # capture without num_worst_tokens: the outputs' sizes would not be fixed, so it is refused on every rank
+    ntpr, ntpe, in_rank = D.layout(idx, E, W)
+    with mock.patch.object(D, "_capturing", lambda t: True):
+        try:
+            D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None)
+        except zbccl.ZbcclInvalidUsageError as exc:
+            assert "num_worst_tokens" in str(exc), exc
+        else:
+            raise AssertionError("a captured dispatch without num_worst_tokens ran")
+    # x in the heap on rank 0 only: every rank still pulls the same way (rank 0's rows where they are)
+    mine = x
+    if me == 0:
+        mine = zbccl.empty(*x.shape, dtype=x.dtype)
+        mine.copy_(x)
+    rx, *_ = D.dispatch(d, mine, idx, w, in_rank, ntpr, ntpe, None)
+    assert torch.equal(rx, want["x"])
+    return True
+
+
 def _bad_call(ctx):
     """A rank whose call is wrong raises its own error; the others raise ZbcclRemoteError naming it."""
     from zbccl import ZbcclInvalidUsageError, ZbcclRemoteError
@@ -190,6 +334,11 @@ def _low_latency(ctx):
 @pytest.mark.parametrize("world", [2, 3])
 def test_normal_dispatch_and_combine_match_the_oracle(world):
     assert run_world(_normal, world, env=ENV, timeout=240) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_sync_free_normal_mode_matches_the_oracle_without_reading_the_device(world):
+    assert run_world(_free, world, env=ENV, timeout=240) == [True] * world
 
 
 def test_a_wrong_call_is_reported_on_every_rank():

@@ -5,7 +5,8 @@ Every rank rebuilds every rank's inputs from seeds (rows encode rank and token),
 oracle (``zbccl.ep.reference``): normal dispatch (bf16 and fp8, with top-k, from a heap ``x``, a cached one,
 ``num_worst_tokens``)
 and combine (weights, a bias, ``async_finish`` events); low-latency dispatch (bf16, fp8, UE8M0) and combine (a
-fresh output, the zero-copy buffer), and on CUDA the low-latency step captured in a CUDA graph and replayed.
+fresh output, the zero-copy buffer), and on CUDA the low-latency step and a normal-mode step (``num_worst_tokens``)
+captured in a CUDA graph and replayed.
 Each case is one line of the check (``ep/...``).
 """
 
@@ -170,6 +171,35 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
                 return f"replay {it}: {bad}"
         return None
 
+    def normal_graph():
+        """Normal mode with ``num_worst_tokens`` (no host sync): layout -> dispatch -> expert step -> combine
+        captured once in a CUDA graph, replayed on new rows: each replay equals the same step run eagerly."""
+        xs_static = x.clone()
+
+        def step():
+            ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            recv_x, _, recv_w, _, h, _ = buf.dispatch(xs_static, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
+                                                      num_worst_tokens=W * 32)
+            out, out_w, _ = buf.combine((recv_x.float() * 0.75 - me).to(torch.bfloat16), h, recv_w)
+            return out, out_w
+
+        step()
+        rk.finish()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for it in range(3):
+            xs_static.copy_((x.float() * (it + 2) % 17).to(torch.bfloat16))
+            graph.replay()
+            got = [t.clone() for t in captured]
+            rk.finish()
+            eager = step()
+            bad = diff(got[0], eager[0]) or diff(got[1], eager[1])
+            if bad:
+                return f"replay {it}: {bad}"
+        return None
+
     try:
         run_case(rk, "ep/normal_dispatch", normal, res)
         run_case(rk, "ep/heap_x_dispatch", heap_x, res)
@@ -184,6 +214,7 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
         run_case(rk, "ep/ll_combine_zero_copy", ll_combine(True), res)
         if dev.type == "cuda":
             run_case(rk, "ep/ll_graph", ll_graph, res)
+            run_case(rk, "ep/normal_graph", normal_graph, res)
     finally:
         buf.destroy()
     return res

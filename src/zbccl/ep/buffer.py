@@ -560,7 +560,7 @@ class Buffer:
             self.seq += 1
             d = self._device(op, None)
             if error is not None:
-                d.fail(op, error)
+                d.fail(op, error, device.LL_LAUNCHES)
             recv_x, count, src_info, layout_range = device.ll_dispatch(d, x, topk_idx, tmax, E, use_fp8=use_fp8,
                                                                        round_scale=round_scale, use_ue8m0=use_ue8m0)
             if stats is not None:

@@ -8,13 +8,14 @@ by destination, the placement of received rows, the sums of combine) is torch on
 Normal mode (:func:`dispatch`, :func:`combine`). One header all_gather per dispatch carries every rank's
 error flag, its tokens per rank and per expert: every rank then knows the ``[R, R]`` count matrix and sizes
 its outputs exactly (one host sync here, where DeepEP's normal dispatch has its own), or raises with the rank
-that failed. When ``x`` is a heap tensor (``heap_scope``), each sender publishes only the list of its rows by
-destination, and the peers pull each row from ``x`` where it is (``all_to_all_v(rows=)``); else it packs its
-rows by destination into a heap block first (one gather). One metadata row per token travels too (its top-k,
-weights and index, as int32). The
+that failed. Each sender publishes the list of its rows by destination, and the peers pull each row from ``x``
+where it is (``all_to_all_v(rows=)``): ``x`` itself when it is a heap tensor (``heap_scope``), else one heap copy
+of it. One metadata row per token travels too (its top-k, weights, index and fp8 scales, as int32). The
 receiver's rows come out ordered by source rank, then source token (DeepEP's order), and its top-k ids are
-mapped to local experts (-1 elsewhere, weight 0). (The metadata rows also carry fp8 scales.) Combine sends each row back by the same splits reversed and
+mapped to local experts (-1 elsewhere, weight 0). Combine sends each row back by the same splits reversed and
 sums each token's rows in fp32, by source rank in order, then the biases: the same numbers on every run.
+With ``num_worst_tokens`` (and for a cached dispatch, and while a CUDA graph is captured) the normal mode runs
+with no host sync at all (:func:`_dispatch_free`), and so can be captured.
 
 Low-latency mode (:func:`ll_dispatch`, :func:`ll_combine`): no host sync at all (no ``nonzero``, no
 ``bincount``: nothing whose size depends on device values), and its heap blocks are the Buffer's, sized for
@@ -66,11 +67,12 @@ class DeviceEP:
             t = self.blocks[key] = self.empty(shape, dtype)
         return t
 
-    def fail(self, op: str, error: str):
+    def fail(self, op: str, error: str, launches: int = 1):
         """This rank's call is wrong where the peers cannot see it: they are told through the kernels' ERROR
-        handshake (their next device op raises :class:`ZbcclRemoteError` naming this rank), then this rank raises."""
+        handshake (their next check raises :class:`ZbcclRemoteError` naming this rank), then this rank raises.
+        ``launches``: the device ops the peers' calls enqueue (each is paired, so later calls stay in step)."""
         ops = self.ops(op)
-        ops.refuse(op, ZbcclInvalidUsageError(f"{op}: {error}"))
+        ops.refuse(op, ZbcclInvalidUsageError(f"{op}: {error}"), launches)
 
 
 # ---------------------------------------------------------------------------------------- routing maths
@@ -83,13 +85,32 @@ def layout(topk_idx: torch.Tensor, num_experts: int, R: int):
     T = idx.size(0)
     ranks = torch.where(ok, idx // L, R)
     in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=idx.device).scatter_(1, ranks, True)[:, :R].contiguous()
-    per_expert = torch.bincount(torch.where(ok, idx + 1, 0).reshape(-1), minlength=num_experts + 1)[1:]
+    # a scatter into E + 1 bins, not bincount (which reads the largest id on the host): no sync, capturable
+    bins = torch.where(ok, idx + 1, 0).reshape(-1)
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device).scatter_add_(
+        0, bins, torch.ones_like(bins))[1:]
     return in_rank.sum(0, dtype=torch.int32), per_expert.to(torch.int32), in_rank
 
 
 def _send_order(in_rank: torch.Tensor) -> torch.Tensor:
     """The tokens a sender packs: for each destination rank in order, its tokens ascending."""
     return in_rank.t().nonzero()[:, 1].contiguous()
+
+
+def _send_list(in_rank: torch.Tensor) -> torch.Tensor:
+    """:func:`_send_order` without a host sync: int64 ``[R * T]``, its valid entries first (their count stays a
+    device quantity), ``-1`` after them."""
+    T, R = in_rank.shape
+    m = in_rank.t().reshape(-1)
+    pos = torch.where(m, torch.cumsum(m, 0) - 1, R * T)               # the entries past the valid ones: a spare
+    out = torch.full((R * T + 1,), -1, dtype=torch.int64, device=in_rank.device)
+    out.scatter_(0, pos, torch.arange(R * T, device=in_rank.device) % max(T, 1))
+    return out[:R * T]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s stream is being captured into a CUDA graph (nothing may read device values then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _channel_prefix(in_rank: torch.Tensor, C: int) -> torch.Tensor:
@@ -110,127 +131,223 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- normal mode
 def dispatch(d: DeviceEP, x, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, *, expert_alignment: int = 1,
-             num_worst_tokens: int = 0, num_channels: int = 10, error: str | None = None, known: bool = False):
+             num_worst_tokens: int = 0, num_channels: int = 10, error: str | None = None, known: bool = False,
+             free: bool | None = None):
     """DeepEP's normal dispatch on device tensors: ``(recv_x, recv_topk_idx, recv_topk_weights, list, handle)``
     (a cached dispatch, ``handle`` given: ``(recv_x, None, None, None, None)``). ``x``: a tensor ``[T, H]`` or
     ``(x_fp8, scales [T, S])``; see :meth:`zbccl.ep.Buffer.dispatch`. ``known``: the layout tensors are, unchanged,
     what :func:`layout` made of this ``topk_idx``: the checks that read them on the host are skipped (each costs a
-    device sync; ids outside ``[0, E)`` reach no expert either way)."""
+    device sync; ids outside ``[0, E)`` reach no expert either way). ``free``: no host sync at all
+    (:func:`_dispatch_free`); by default with ``num_worst_tokens``, with a handle, and while capturing a CUDA
+    graph (which needs ``num_worst_tokens``, as DeepEP's does)."""
     op, R, me = "dispatch", d.R, d.rank
     xq, scales = x if isinstance(x, tuple) else (x, None)
+    cached = handle is not None
+    if free is None:
+        free = cached or num_worst_tokens > 0 or (isinstance(xq, torch.Tensor) and _capturing(xq))
     if error is None:
         error = _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, handle, expert_alignment,
-                              num_worst_tokens, known)
-    cached = handle is not None
+                              num_worst_tokens, known or free)
+        if error is None and free and not cached and num_worst_tokens <= 0:
+            error = ("a dispatch captured in a CUDA graph needs num_worst_tokens > 0 (its outputs' sizes are fixed "
+                     "at capture), got 0")
+    if free:
+        if error is not None:
+            d.fail(op, error, launches=2 if cached else 3)  # the peers' header all_gather and two all_to_all_v
+        return _dispatch_free(d, xq, scales, topk_idx, topk_weights, in_rank, ntpe, handle, num_worst_tokens,
+                              num_channels)
     idx = topk_idx.long() if topk_idx is not None and error is None else None
-    E = 0
-    if cached:
-        if error is not None:
-            d.fail(op, error)  # no header round in a cached dispatch: the kernels' handshake tells the peers
-        in_rank = handle[4]
-        matrix = _matrix(handle[0])
-    else:
-        # The header: [flag, tokens to each rank, tokens per expert, the channels' prefix to each rank],
-        # all_gathered: one host sync, and every rank learns which ranks failed their own checks (a failed rank
-        # sends its flag and zero counts).
-        E = ntpe.numel() if isinstance(ntpe, torch.Tensor) else 0
-        C = num_channels
-        n = 1 + R + E + R * C
-        head = d.empty((n,), torch.int64)
-        head.zero_()
-        if error is not None:
-            head[0] = 1
-        else:
-            head[1:1 + R] = in_rank.sum(0)
-            head[1 + R:1 + R + E] = ntpe.to(torch.int64)
-            head[1 + R + E:] = _channel_prefix(in_rank, C).reshape(-1)
-        heads = torch.empty(R * n, dtype=torch.int64, device=head.device)
-        ops = d.ops(op)
-        try:
-            ops.all_gather(heads, head)
-            ops.check(wait=True)  # a header of another length on some rank is reported here, by the kernels
-        except ZbcclError:
-            if error is not None:  # (this rank's call, wrong before its header's length was known)
-                raise ZbcclInvalidUsageError(f"{op}: {error}") from None
-            raise
-        rows = heads.view(R, n).cpu()
-        if error is not None:
-            raise ZbcclInvalidUsageError(f"{op}: {error}")
-        bad = [q for q in range(R) if rows[q, 0]]
-        if bad:
-            glob = tuple(d.ranks[q] for q in bad)
-            raise ZbcclRemoteError(f"{op}: group rank(s) {bad} (global {list(glob)}) failed their own checks of this "
-                                   "call, expected a valid call on every rank, got an error raised there", ranks=glob)
-        matrix = rows[:, 1:1 + R].tolist()
+    # The header: [flag, tokens to each rank, tokens per expert, the channels' prefix to each rank],
+    # all_gathered: one host sync, and every rank learns which ranks failed their own checks (a failed rank
+    # sends its flag and zero counts).
+    E = ntpe.numel() if isinstance(ntpe, torch.Tensor) else 0
+    C = num_channels
+    n = 1 + R + E + R * C
+    head = d.empty((n,), torch.int64)
+    _header(head, R, E, C, in_rank, ntpe, error)
+    heads = torch.empty(R * n, dtype=torch.int64, device=head.device)
+    ops = d.ops(op)
+    try:
+        ops.all_gather(heads, head)
+        ops.check(wait=True)  # a header of another length on some rank is reported here, by the kernels
+    except ZbcclError:
+        if error is not None:  # (this rank's call, wrong before its header's length was known)
+            raise ZbcclInvalidUsageError(f"{op}: {error}") from None
+        raise
+    rows = heads.view(R, n).cpu()
+    if error is not None:
+        raise ZbcclInvalidUsageError(f"{op}: {error}")
+    bad = [q for q in range(R) if rows[q, 0]]
+    if bad:
+        glob = tuple(d.ranks[q] for q in bad)
+        raise ZbcclRemoteError(f"{op}: group rank(s) {bad} (global {list(glob)}) failed their own checks of this "
+                               "call, expected a valid call on every rank, got an error raised there", ranks=glob)
+    matrix = rows[:, 1:1 + R].tolist()
     T, H = xq.shape
     to = matrix[me]                                # rows this rank sends to each rank
     frm = [matrix[q][me] for q in range(R)]        # rows it receives from each rank
     n_recv = sum(frm)
     order = _send_order(in_rank)
-    if xq.is_contiguous() and d.in_heap(xq):  # the peers pull x's rows where they are: only the list is sent
-        listed = d.empty((order.numel(),), torch.int64)
-        listed.copy_(order)
-        send_x = xq
-    else:  # x's rows packed by destination into a heap block, which the peers read
-        listed = None
-        send_x = d.empty((order.numel(), H), xq.dtype)
-        torch.index_select(_raw(xq), 0, order, out=_raw(send_x))
-    # the metadata rows (top-k, weights, index, scales), packed by destination
+    send_x, listed = _sendable(d, xq, order, None)
     K = idx.size(1) if idx is not None else 0
     S = scales.size(1) if scales is not None else 0
-    width = 1 + 2 * K + S
-    meta = d.empty((order.numel(), width), torch.int32)
+    meta = _meta(d.empty((order.numel(), 1 + 2 * K + S), torch.int32), order, idx, topk_weights, scales)
+    recv_x = d.empty((n_recv, H), xq.dtype)
+    recv_meta = torch.empty(n_recv, meta.size(1), dtype=torch.int32, device=xq.device)
+    ops = d.ops(op)
+    ops.all_to_all_v(_raw(recv_x), _raw(send_x), frm, to, rows=listed)
+    ops.all_to_all_v(recv_meta, meta, frm, to)
+    L = E // R
+    recv_idx, recv_w, recv_scales = _received(recv_meta, None, me, L, K, scales)
+    lst = None
+    if K:
+        per = rows[:, 1 + R + me * L:1 + R + (me + 1) * L].sum(0).tolist()
+        lst = [-(-c // expert_alignment) * expert_alignment for c in per]
+    h = _handle(rows.to(xq.device), R, E, num_channels, me, in_rank, recv_meta[:, 0].contiguous())
+    return (recv_x, recv_scales) if S else recv_x, recv_idx, recv_w, lst, h
+
+
+def _header(head: torch.Tensor, R: int, E: int, C: int, in_rank, ntpe, error: str | None) -> None:
+    """A dispatch's header ``[flag, tokens to each rank, tokens per expert, the channels' prefix to each rank]``
+    (a failed rank: its flag and zeros), written on the device."""
+    head.zero_()
+    if error is not None:
+        head[0] = 1
+    else:
+        head[1:1 + R] = in_rank.sum(0)
+        head[1 + R:1 + R + E] = ntpe.to(torch.int64)
+        head[1 + R + E:] = _channel_prefix(in_rank, C).reshape(-1)
+
+
+def _sendable(d: DeviceEP, xq: torch.Tensor, order: torch.Tensor, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x where the peers read it, the row list by destination)``: ``x`` itself when it is a contiguous heap
+    tensor, else a heap copy (every rank then passes a list, so every rank's pull is the same kind). ``keep``:
+    a kept-block maker (:meth:`DeviceEP.block`) for a captured call, else None (fresh heap tensors)."""
+    def new(shape: tuple, dtype: torch.dtype, role: str) -> torch.Tensor:
+        return d.empty(shape, dtype) if keep is None else keep(role, shape, dtype)
+
+    listed = new((order.numel(),), torch.int64, "normal_rows")
+    listed.copy_(order)
+    if xq.is_contiguous() and d.in_heap(xq) and keep is None:
+        return xq, listed
+    send_x = new(tuple(xq.shape), xq.dtype, "normal_x")
+    _raw(send_x).copy_(_raw(xq))
+    return send_x, listed
+
+
+def _meta(meta: torch.Tensor, order: torch.Tensor, idx, topk_weights, scales) -> torch.Tensor:
+    """The metadata rows ``[token, top-k ids, top-k weights' bits, scales' bits]`` int32, by destination (``order``;
+    its entries ``-1`` give rows that are never sent)."""
+    K = idx.size(1) if idx is not None else 0
+    tok = order.clamp(min=0)
     meta[:, 0] = order.to(torch.int32)
     if K:
-        meta[:, 1:1 + K] = idx[order].to(torch.int32)
-        meta[:, 1 + K:1 + 2 * K] = _bits(topk_weights.float()[order])
-    if S:
-        meta[:, 1 + 2 * K:] = _bits(scales[order])
-    rows_out = max(n_recv, num_worst_tokens) if not cached else n_recv
-    recv_x = d.empty((rows_out, H), xq.dtype)
-    recv_meta = torch.empty(n_recv, width, dtype=torch.int32, device=xq.device)
-    ops = d.ops(op)
-    ops.all_to_all_v(_raw(recv_x[:n_recv]), _raw(send_x), frm, to, rows=listed)
-    ops.all_to_all_v(recv_meta, meta, frm, to)
-    src_idx = recv_meta[:, 0].contiguous()
-    recv_scales = None
-    if S:
-        recv_scales = torch.empty(rows_out, S, dtype=scales.dtype, device=xq.device)
-        if rows_out > n_recv:
-            recv_scales[n_recv:].zero_()
-        raw = recv_meta[:, 1 + 2 * K:].contiguous()
-        recv_scales[:n_recv] = raw.view(torch.float32) if scales.dtype == torch.float32 else raw
-    out_x = (recv_x, recv_scales) if S else recv_x
-    if cached:
-        return out_x, None, None, None, None
-    prefix = torch.tensor(matrix, dtype=torch.int64).cumsum(0).to(torch.int32).to(xq.device)
-    L = E // R
-    recv_idx = recv_w = lst = None
+        meta[:, 1:1 + K] = idx.long()[tok].to(torch.int32)
+        meta[:, 1 + K:1 + 2 * K] = _bits(topk_weights.float()[tok])
+    if scales is not None:
+        meta[:, 1 + 2 * K:] = _bits(scales[tok])
+    return meta
+
+
+def _received(recv_meta: torch.Tensor, valid, me: int, L: int, K: int, scales):
+    """``(recv_topk_idx, recv_topk_weights, recv_scales)`` from the received metadata rows: ids of this rank's
+    experts made local, the others -1 with weight 0; ``valid`` (bool [rows] or None: all) marks the rows that
+    arrived, the others get -1, 0 and zero scales."""
+    recv_idx = recv_w = recv_scales = None
     if K:
         raw = recv_meta[:, 1:1 + K].long()
         local = (raw >= me * L) & (raw < (me + 1) * L)
-        recv_idx = torch.full((rows_out, K), -1, dtype=torch.int64, device=xq.device)
-        recv_idx[:n_recv] = torch.where(local, raw - me * L, -1)
-        recv_w = torch.zeros(rows_out, K, dtype=torch.float32, device=xq.device)
-        recv_w[:n_recv] = torch.where(local, recv_meta[:, 1 + K:1 + 2 * K].contiguous().view(torch.float32), 0.0)
-        per = rows[:, 1 + R + me * L:1 + R + (me + 1) * L].sum(0).tolist()
-        lst = [] if num_worst_tokens else [-(-c // expert_alignment) * expert_alignment for c in per]
-    chans = rows[:, 1 + R + E:].view(R, R, C)     # [sender, destination, channel]
-    chan = chans[me].to(torch.int32).to(xq.device)
+        if valid is not None:
+            local &= valid.unsqueeze(1)
+        recv_idx = torch.where(local, raw - me * L, -1)
+        recv_w = torch.where(local, recv_meta[:, 1 + K:1 + 2 * K].contiguous().view(torch.float32), 0.0)
+    if scales is not None:
+        raw = recv_meta[:, 1 + 2 * K:].contiguous()
+        recv_scales = raw.view(torch.float32) if scales.dtype == torch.float32 else raw
+        if valid is not None:
+            recv_scales = torch.where(valid.unsqueeze(1), recv_scales, 0)
+    return recv_idx, recv_w, recv_scales
+
+
+def _handle(rows: torch.Tensor, R: int, E: int, C: int, me: int, in_rank: torch.Tensor, src_idx: torch.Tensor):
+    """DeepEP's handle ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+    is_token_in_rank, send_head)`` from the gathered headers ``rows`` ``[R, n]`` int64 (on the device)."""
+    prefix = rows[:, 1:1 + R].cumsum(0).to(torch.int32)
+    chans = rows[:, 1 + R + E:].reshape(R, R, C)      # [sender, destination, channel]
+    chan = chans[me].to(torch.int32)
     # recv_channel_prefix_matrix: for each source, where each of its channels' rows start among its rows here
-    recv_chan = torch.zeros(R, C, dtype=torch.int32)
+    recv_chan = torch.zeros(R, C, dtype=torch.int32, device=rows.device)
     recv_chan[:, 1:] = chans[:, me, :-1]
     pos = in_rank.long().cumsum(0) - 1
     send_head = torch.where(in_rank, pos, -1).to(torch.int32)
-    h = (prefix, chan, recv_chan.to(xq.device), src_idx, in_rank, send_head)
-    return out_x, recv_idx, recv_w, lst, h
+    return prefix, chan, recv_chan, src_idx, in_rank, send_head
+
+
+def _dispatch_free(d: DeviceEP, xq, scales, topk_idx, topk_weights, in_rank, ntpe, handle, worst: int, C: int):
+    """The normal dispatch with no host sync (capturable in a CUDA graph), DeepEP's ``num_worst_tokens`` mode:
+    the outputs have ``worst`` rows (a cached dispatch: the handle's ``recv_src_idx`` rows), those past the
+    received ones ``-1`` / 0 (their ``x`` undefined). The counts stay on the device: the header all_gather's rows
+    give the splits of two ``all_to_all_v`` (``partial``: each pull bounded by the output, what does not fit
+    reported by the kernels at the next check, never written). The layout's agreement with ``topk_idx`` is not
+    checked (each check would read the device): ids outside this rank's experts arrive as -1."""
+    op, R, me = "dispatch", d.R, d.rank
+    dev = xq.device
+    T, H = xq.shape
+    keep = d.block if _capturing(xq) else None   # a replay reuses every heap address of the capture
+    ops = d.ops(op)
+    E = 0
+    if handle is not None:
+        counts, in_rank = _counts(handle[0]), handle[4]
+        rows_out = handle[3].size(0)
+    else:
+        E = ntpe.numel()
+        n = 1 + R + E + R * C
+        head = d.empty((n,), torch.int64) if keep is None else keep("normal_head", (n,), torch.int64)
+        _header(head, R, E, C, in_rank, ntpe, None)
+        heads = torch.empty(R * n, dtype=torch.int64, device=dev)
+        ops.all_gather(heads, head)
+        rows = heads.view(R, n)
+        counts = rows[:, 1:1 + R]
+        rows_out = worst
+    to = in_rank.sum(0)                                              # int64 [R]: rows to each rank
+    frm = counts[:, me].contiguous()                                 # rows from each rank
+    order = _send_list(in_rank)
+    send_x, listed = _sendable(d, xq, order, keep)
+    idx = topk_idx if handle is None else None
+    K = idx.size(1) if idx is not None else 0
+    S = scales.size(1) if scales is not None else 0
+    shape = (order.numel(), 1 + 2 * K + S)
+    meta = _meta(d.empty(shape, torch.int32) if keep is None else keep("normal_meta", shape, torch.int32), order,
+                 idx, topk_weights, scales)
+    recv_x = (d.empty if keep is None else _device_empty(dev))((rows_out, H), xq.dtype)
+    recv_meta = torch.empty(rows_out, shape[1], dtype=torch.int32, device=dev)
+    ops.all_to_all_v(_raw(recv_x), _raw(send_x), frm, to, partial=True, rows=listed)
+    ops.all_to_all_v(recv_meta, meta, frm, to, partial=True)
+    valid = torch.arange(rows_out, device=dev) < frm.sum()
+    L = E // R
+    recv_idx, recv_w, recv_scales = _received(recv_meta, valid, me, L, K, scales)
+    out_x = (recv_x, recv_scales) if S else recv_x
+    if handle is not None:
+        return out_x, None, None, None, None
+    src_idx = torch.where(valid, recv_meta[:, 0], -1).contiguous()
+    return out_x, recv_idx, recv_w, [] if K else None, _handle(rows, R, E, C, me, in_rank, src_idx)
+
+
+def _device_empty(dev: torch.device):
+    """Fresh tensors from torch's allocator on ``dev`` (under capture: the graph's pool, which keeps them)."""
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev)
+
+
+def _counts(prefix: torch.Tensor) -> torch.Tensor:
+    """The ``[R, R]`` int64 count matrix (rows: senders) from a handle's ``rank_prefix_matrix`` (its cumsum over
+    senders), where the handle is."""
+    counts = prefix.long()
+    return torch.cat([counts[:1], counts[1:] - counts[:-1]])
 
 
 def _matrix(prefix: torch.Tensor) -> list[list[int]]:
-    """The ``[R, R]`` count matrix (rows: senders) from a handle's ``rank_prefix_matrix`` (its cumsum over senders)."""
-    counts = prefix.long().cpu()
-    counts[1:] -= counts[:-1].clone()
-    return counts.tolist()
+    """:func:`_counts` on the host (one sync)."""
+    return _counts(prefix).cpu().tolist()
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -292,8 +409,12 @@ def _normal_error(d, xq, scales, topk_idx, topk_weights, in_rank, ntpr, ntpe, ha
     return None
 
 
-def combine(d: DeviceEP, x: torch.Tensor, handle: tuple, topk_weights=None, bias=(), error: str | None = None):
-    """DeepEP's normal combine on device tensors: ``(combined_x [T, H], combined_topk_weights or None)``."""
+def combine(d: DeviceEP, x: torch.Tensor, handle: tuple, topk_weights=None, bias=(), error: str | None = None,
+            free: bool | None = None):
+    """DeepEP's normal combine on device tensors: ``(combined_x [T, H], combined_topk_weights or None)``. ``free``:
+    no host sync (by default while capturing a CUDA graph): the counts stay on the device, the rows coming back
+    land in a block of one row per (token, rank) pair that could exist (``T * R``), and each token's rows are
+    summed by source rank in order, as here."""
     op, R, me = "combine", d.R, d.rank
     if error is None:
         if not isinstance(handle, tuple) or len(handle) != 6:
@@ -301,46 +422,67 @@ def combine(d: DeviceEP, x: torch.Tensor, handle: tuple, topk_weights=None, bias
         elif not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16,
                                                                                 torch.float32):
             error = "x must be a [num_recv, hidden] bfloat16, float16 or float32 tensor"
+    launches = 1 + (topk_weights is not None)  # the peers' all_to_all_v of the rows (and of the weights)
     if error is not None:
-        d.fail(op, error)
+        d.fail(op, error, launches)
+    if free is None:
+        free = _capturing(x)
     in_rank = handle[4]
-    matrix = _matrix(handle[0])
-    to, frm = matrix[me], [matrix[q][me] for q in range(R)]
-    n_recv, H = sum(frm), x.size(1)
-    if x.size(0) < n_recv or (topk_weights is not None and topk_weights.size(0) < n_recv):
-        d.fail(op, f"x must hold the {n_recv} rows this rank received, got {x.size(0)}")
-    src = _heap(d, x[:n_recv])
-    back = torch.empty(sum(to), H, dtype=x.dtype, device=x.device)
-    ops = d.ops(op)
-    ops.all_to_all_v(back, src, to, frm)
-    wback = None
-    if topk_weights is not None:
-        wsrc = _heap(d, topk_weights[:n_recv].float())
-        wback = torch.empty(sum(to), topk_weights.size(1), dtype=torch.float32, device=x.device)
-        ops.all_to_all_v(wback, wsrc, to, frm)
     T = in_rank.size(0)
-    order = _send_order(in_rank)
-    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    accw = torch.zeros(T, topk_weights.size(1), dtype=torch.float32, device=x.device) if wback is not None else None
-    start = 0
-    for q in range(R):  # by source rank, in order: each block's tokens are distinct, so the sums are exact
-        n = to[q]
-        if n:
-            toks = order[start:start + n]
-            acc.index_add_(0, toks, back[start:start + n].float())
-            if accw is not None:
-                accw.index_add_(0, toks, wback[start:start + n])
-        start += n
+    if free:
+        keep = d.block if _capturing(x) else None
+        counts = _counts(handle[0])
+        to, frm = counts[me].contiguous(), counts[:, me].contiguous()
+        n = T * R  # the most rows that can come back; row n is a zero row for the pairs that do not exist
+        start = torch.cumsum(to, 0) - to
+        slot = torch.where(in_rank, start.unsqueeze(0) + handle[5].long(), n)   # [T, R]: where (t, q)'s row lands
+        rows = None
+    else:
+        matrix = _matrix(handle[0])
+        to, frm = matrix[me], [matrix[q][me] for q in range(R)]
+        n_recv = sum(frm)
+        if x.size(0) < n_recv or (topk_weights is not None and topk_weights.size(0) < n_recv):
+            d.fail(op, f"x must hold the {n_recv} rows this rank received, got {x.size(0)}", launches)
+        x, topk_weights = x[:n_recv], topk_weights[:n_recv] if topk_weights is not None else None
+        n, keep, rows = sum(to), None, (_send_order(in_rank), to)
+    ops = d.ops(op)
+    acc = _sum_back(ops, _heap(d, x, keep, "combine_x"), n, T, frm, to, slot if free else None, rows)
+    accw = None
+    if topk_weights is not None:
+        wsrc = _heap(d, topk_weights.float(), keep, "combine_w")
+        accw = _sum_back(ops, wsrc, n, T, frm, to, slot if free else None, rows)
     for b in bias or ():
         acc += b.float()
     return acc.to(x.dtype), accw
 
 
-def _heap(d: DeviceEP, t: torch.Tensor) -> torch.Tensor:
-    """``t`` where the peers can read it: itself when it is a contiguous heap tensor, else a copy in a heap block."""
+def _sum_back(ops, src: torch.Tensor, n: int, T: int, frm, to, slot, rows) -> torch.Tensor:
+    """Each token's rows sent back (``src``'s, ``frm`` of them from each source) summed in fp32 by source rank in
+    order (each source's block holds distinct tokens, so every run gives the same bits). Where they land: ``slot``
+    ``[T, R]`` (row ``n`` of ``n + 1``: zeros), or, with host counts, ``rows`` ``(the send order, to)``."""
+    back = torch.empty(n + (slot is not None), src.size(1), dtype=src.dtype, device=src.device)
+    ops.all_to_all_v(back[:n], src, to, frm, partial=slot is not None)
+    acc = torch.zeros(T, src.size(1), dtype=torch.float32, device=src.device)
+    if slot is not None:
+        back[n:].zero_()
+        for q in range(slot.size(1)):
+            acc += back[slot[:, q]].float()
+        return acc
+    order, counts = rows
+    start = 0
+    for c in counts:
+        if c:
+            acc.index_add_(0, order[start:start + c], back[start:start + c].float())
+        start += c
+    return acc
+
+
+def _heap(d: DeviceEP, t: torch.Tensor, keep=None, role: str = "") -> torch.Tensor:
+    """``t`` where the peers can read it: itself when it is a contiguous heap tensor, else a copy in a heap block
+    (``keep``: :meth:`DeviceEP.block`'s for ``role``, under capture)."""
     if t.is_contiguous() and d.in_heap(t):
         return t
-    out = d.empty(tuple(t.shape), t.dtype)
+    out = d.empty(tuple(t.shape), t.dtype) if keep is None else keep(role, tuple(t.shape), t.dtype)
     out.copy_(t)
     return out
 
@@ -361,6 +503,10 @@ def _pairs(topk_idx: torch.Tensor, E: int):
     return counts, order // K, order, experts
 
 
+#: The device ops a low-latency dispatch enqueues: the counts' all_to_all and the rows' and metadata's all_to_all_v.
+LL_LAUNCHES = 3
+
+
 def ll_dispatch(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, tmax: int, E: int, *, use_fp8: bool,
                 round_scale: bool, use_ue8m0: bool):
     """DeepEP's low-latency dispatch on device tensors: ``(recv_x or (x_fp8, scales), count [L] int32, src_info
@@ -372,7 +518,7 @@ def ll_dispatch(d: DeviceEP, x: torch.Tensor, topk_idx: torch.Tensor, tmax: int,
     M = R * tmax * K  # most rows any rank can receive (K per token even if a token repeats an expert)
     dev = x.device
     if T > tmax:  # the blocks are sized for tmax tokens (the Buffer checks this first; here the peers hear of it)
-        d.fail(op, f"{T} tokens, expected at most num_max_dispatch_tokens_per_rank ({tmax})")
+        d.fail(op, f"{T} tokens, expected at most num_max_dispatch_tokens_per_rank ({tmax})", LL_LAUNCHES)
     counts, tokens, _, experts = _pairs(topk_idx, E)
     n_pairs = int(T * K)
     # pairs past the valid ones (expert E) are never sent: every split counts valid ones only

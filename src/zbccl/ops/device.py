@@ -371,13 +371,17 @@ class DeviceOps:
             self.check()
         return True
 
-    def refuse(self, name: str, exc: ZbcclError) -> None:
+    def refuse(self, name: str, exc: ZbcclError, launches: int = 1) -> None:
         """This rank's call of collective ``name`` is wrong: run the handshake as ERROR (the peers, in their own
-        call, report it), then raise ``exc``. Also for callers built on these ops (``ep/device.py``)."""
+        call, report it), then raise ``exc``. Also for callers built on these ops (``ep/device.py``), whose call
+        is ``launches`` kernels on the peers: on CUDA the peers enqueue all of them before any check, so this
+        rank pairs each with an ERROR handshake and the epochs stay in step; under the interpreter a peer raises
+        at its first (it checks after every launch), so one is run."""
         if self._broken is None:
-            self._k.barrier(self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world,
-                            timeout_ns=self.timeout_ns, op=g.KOP["ERROR"], check=0)
-            self._count(name)
+            for _ in range(1 if self._sync else max(launches, 1)):
+                self._k.barrier(self.data, self.pads, slot_off=self.slot_off, me=self.me, world=self.world,
+                                timeout_ns=self.timeout_ns, op=g.KOP["ERROR"], check=0)
+                self._count(name)
         raise exc
 
     #: Under the interpreter, plan launches as on a GPU (many 8 KiB tiles) instead of a few wide programs:
