@@ -251,6 +251,17 @@ def _free(ctx):
         mine.copy_(x)
     rx, *_ = D.dispatch(d, mine, idx, w, in_rank, ntpr, ntpe, None)
     assert torch.equal(rx, want["x"])
+    # a wrong call in the sync-free mode: that rank raises its error, the others name it (here at once: the
+    # interpreter checks after each kernel; on CUDA at their next check)
+    bad_w = w[:, :1] if me == 1 else w
+    try:
+        D.dispatch(d, x, idx, bad_w, in_rank, ntpr, ntpe, None, num_worst_tokens=worst)
+    except zbccl.ZbcclInvalidUsageError as exc:
+        assert me == 1 and "topk_weights" in str(exc), exc
+    except zbccl.ZbcclRemoteError as exc:
+        assert me != 1 and 1 in exc.ranks, exc
+    else:
+        raise AssertionError("a wrong call went unreported")
     return True
 
 
