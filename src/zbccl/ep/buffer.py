@@ -224,6 +224,9 @@ class Buffer:
                 ranks=tuple(comm.ranks))
         if previous_event is not None and previous_event.event is not None:
             previous_event.current_stream_wait()
+        # what the kernels reported since the last check (a peer's refused call, a rank that never arrived, rows
+        # past num_worst_tokens) raises here, at the next EP op: no host sync (a snapshot read, none in a capture)
+        self._device_ep.ops(op).check()
         return self._device_ep
 
     # ------------------------------------------------------------------ static API
@@ -346,7 +349,10 @@ class Buffer:
                 ``[num_tokens, num_topk]`` torch.float: optional, both or neither.
             expert_alignment: the per-expert counts in the returned list are rounded up to it.
             num_worst_tokens: if > 0, every output has exactly this many rows (only the first
-                ``num_recv`` valid; ``recv_topk_idx`` is -1 below them) and the list is ``[]``.
+                ``num_recv`` valid; ``recv_topk_idx`` is -1 below them) and the list is ``[]``. On CUDA
+                tensors the dispatch then never syncs the host and can be captured in a CUDA graph (as
+                DeepEP's): the layout tensors are not checked against ``topk_idx``, and a rank's wrong call
+                is reported to its peers at their next check (``docs/cuda-ops.md``).
             config: only ``num_sms`` matters (channels of ``channel_prefix_matrix``).
             int8 (keyword-only, zbccl extension): send a bf16/fp16/fp32 ``x`` as per-128-channel int8
                 plus float scales (about half the bytes of bf16); ``recv_x`` comes back dequantised.
