@@ -422,6 +422,26 @@ def _buffer(ctx):
         outs = [ref.low_latency_dispatch([a for a, _, _ in ins], [i for _, i, _ in ins], o, TMAX, E)["x"]
                 for o in range(W)]
         assert none is None and torch.equal(combined, ref.low_latency_combine(outs, [i for _, i, _ in ins], me, w))
+    # every op on CUDA tensors starts with the device ops' check: on a GPU the kernels' reports (a peer's refused
+    # call, a rank that never came) are read there, at the next EP op, without a sync
+    from zbccl import ZbcclRemoteError
+
+    class Reported:
+        def check(self, wait: bool = False):
+            raise ZbcclRemoteError("dispatch: group rank(s) [1] failed their own checks", ranks=(1,))
+
+    buf._device_ep = D.DeviceEP(ops=lambda name: Reported(), empty=d.empty, in_heap=d.in_heap, rank=me, R=W,
+                                ranks=d.ranks)
+    with mock.patch.object(B.Buffer, "_on_device", lambda self, *t: True):
+        for call in (lambda: buf.get_dispatch_layout(idx, E), lambda: buf.combine(recv_x, h, recv_w),
+                     lambda: buf.low_latency_dispatch(x, idx, TMAX, E, use_fp8=False)):
+            try:
+                call()
+            except ZbcclRemoteError as exc:
+                assert exc.ranks == (1,), exc
+            else:
+                raise AssertionError("a reported error went unraised")
+    buf._device_ep = None
     buf.destroy()
     # the Buffer's device blocks come from the job's CUDA heap: without one, the error says how to get it
     from zbccl import ZbcclInvalidUsageError
