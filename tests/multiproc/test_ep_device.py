@@ -251,6 +251,15 @@ def _free(ctx):
         mine.copy_(x)
     rx, *_ = D.dispatch(d, mine, idx, w, in_rank, ntpr, ntpe, None)
     assert torch.equal(rx, want["x"])
+    # more rows than num_worst_tokens: the error names it (every rank here receives more than one row, so every
+    # rank raises; over the CPU heap the splits are host values, checked before the launch; on CUDA the kernel
+    # stops the pull at the output's end and says so at the next check)
+    try:
+        D.dispatch(d, x, idx, w, in_rank, ntpr, ntpe, None, num_worst_tokens=1)
+    except zbccl.ZbcclInvalidUsageError as exc:
+        assert "num_worst_tokens" in str(exc) and "at most 1 rows" in str(exc), exc
+    else:
+        raise AssertionError("rows past num_worst_tokens went unreported")
     # a wrong call in the sync-free mode: that rank raises its error, the others name it (here at once: the
     # interpreter checks after each kernel; on CUDA at their next check)
     bad_w = w[:, :1] if me == 1 else w

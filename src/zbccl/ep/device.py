@@ -321,8 +321,10 @@ def _dispatch_free(d: DeviceEP, xq, scales, topk_idx, topk_weights, in_rank, ntp
                  idx, topk_weights, scales)
     recv_x = (d.empty if keep is None else _device_empty(dev))((rows_out, H), xq.dtype)
     recv_meta = torch.empty(rows_out, shape[1], dtype=torch.int32, device=dev)
-    ops.all_to_all_v(_raw(recv_x), _raw(send_x), frm, to, partial=True, rows=listed)
-    ops.all_to_all_v(recv_meta, meta, frm, to, partial=True)
+    what = (f"all_to_all_v of dispatch into recv_x ({rows_out} rows: "
+            + ("the handle's recv_src_idx" if handle is not None else "num_worst_tokens") + ")")
+    ops.all_to_all_v(_raw(recv_x), _raw(send_x), frm, to, partial=True, rows=listed, name=what)
+    ops.all_to_all_v(recv_meta, meta, frm, to, partial=True, name=what)
     valid = torch.arange(rows_out, device=dev) < frm.sum()
     L = E // R
     recv_idx, recv_w, recv_scales = _received(recv_meta, valid, me, L, K, scales)

@@ -197,7 +197,7 @@ class DeviceOps:
         self._exchange("all_to_all", out, inp, None, None)
 
     def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, *,
-                     partial: bool = False, rows: torch.Tensor | None = None) -> None:
+                     partial: bool = False, rows: torch.Tensor | None = None, name: str = "all_to_all_v") -> None:
         """:meth:`all_to_all` with rows per rank: this rank sends ``in_splits[q]`` rows to rank q and receives
         ``out_splits[q]`` from it (lists, or int64 [W] device tensors: checked by the kernels only; rank q's
         ``in_splits[r]`` must equal rank r's ``out_splits[q]``, or every rank reports the mismatch). Host
@@ -206,8 +206,11 @@ class DeviceOps:
 
         ``rows``: an int64 heap tensor listing, destination by destination (as ``in_splits`` cut it), which rows
         of ``inp`` each peer pulls: in any order, repeated or not, so nothing is packed first (EP's dispatch);
-        the in_splits then count the list's entries. Every rank of the call passes one or none."""
-        self._exchange("all_to_all_v", out, inp, out_splits, in_splits, partial, rows)
+        the in_splits then count the list's entries. Every rank of the call passes one or none.
+
+        ``name``: what this call's errors begin with, ``all_to_all_v`` and the caller's words for it (EP's
+        dispatch says which output its splits may overrun)."""
+        self._exchange(name, out, inp, out_splits, in_splits, partial, rows)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Collective: every rank's ``t`` = group rank ``src``'s ``t`` (there a heap tensor; elsewhere anywhere
