@@ -119,6 +119,11 @@ def region_bytes(members: int, slot: int) -> int:
 #: short, because the words it waits for are written by this process's own Mooncake engine threads (a remote
 #: put lands through them), which a polling thread must not starve on oversubscribed cores.
 HOT = 200e-6
+#: ... except while it waits for the arrival of a step whose pieces are all small (at most ``SMALL_STEP`` bytes to
+#: each member): such a step's bytes land within one write's round trip (100-300 µs here), so a nap would mostly
+#: overshoot it, and no multi-segment write needs the core meanwhile. Measured by alternating both in the same
+#: processes (``docs/benchmarks.md`` A.25).
+HOT_SMALL, SMALL_STEP = 1e-3, 64 << 10
 #: A wait that waits for peers' steps only polls this member's own writes in flight on every this-many-th pass
 #: (a 4 KiB step polls about 10 times; each write's poll is a call into the engine).
 WRITES_EVERY = 8
@@ -348,7 +353,7 @@ class Mesh:
             self.wait([(i, s - 1) for i in idx], op=op, timeout=timeout)
         stamps: list[tuple[int, int, int, torch.Tensor]] = []  # ordered steps: their stamps, sent last
         remote: dict[int, list[Part]] = {}  # members on other hosts: their parts
-        room = self.slot
+        room, biggest = self.slot, 0
         for i in idx:  # 2.
             parts = []
             for piece, where in ((None if before is None else before[i], before_at), (pieces[i], at)):
@@ -359,6 +364,7 @@ class Mesh:
                     if where + nbytes > room or not piece.is_contiguous():
                         raise AssertionError(f"hosts: {nbytes} bytes at {where} in a slot of {room}")
                     parts.append((where, piece, piece.data_ptr(), nbytes))
+                    biggest = max(biggest, nbytes)
             if self.stamped[i]:
                 remote[i] = parts
                 continue
@@ -376,7 +382,8 @@ class Mesh:
             self.wait([], op=op, timeout=timeout, sent=True)
             for i, g, slot, head in stamps:
                 self._sent.append((i, self.t.put_async(g, slot, head, op=op)))
-        self.wait([(i, s) for i in idx], op=op, timeout=timeout)  # 3.
+        self.wait([(i, s) for i in idx], op=op, timeout=timeout,  # 3.
+                  hot=HOT_SMALL if biggest <= SMALL_STEP else HOT)
         return parity
 
     def _riders(self, remote: dict[int, list[Part]]) -> dict[int, list[tuple[int, list[Part]]]]:
@@ -583,11 +590,13 @@ class Mesh:
             return True
         return False
 
-    def wait(self, need: Sequence[tuple[int, int]], *, op: str, timeout: float, sent: bool = False) -> None:
+    def wait(self, need: Sequence[tuple[int, int]], *, op: str, timeout: float, sent: bool = False,
+             hot: float = HOT) -> None:
         """Until member ``i``'s step ``target`` arrived here for each ``(i, target)`` (and, with ``sent``, this
         member's writes landed); the liveness rule meanwhile. This member's writes are polled either way, on
         every pass with ``sent``, else on every ``WRITES_EVERY``-th (a failed one is retried, or raises naming
-        its peer, while this op still runs; each poll is a call into the engine)."""
+        its peer, while this op still runs; each poll is a call into the engine). ``hot``: how long it yields
+        before it naps (:data:`HOT`, :data:`HOT_SMALL`)."""
         start = time.monotonic()
         deadline, next_live, pause = start + timeout, start + self.watch.interval, 0.0
         writes, polls = self._sent, 0
@@ -626,4 +635,4 @@ class Mesh:
                 raise ZbcclTimeoutError(
                     f"{op}: timed out after {timeout:.1f}s waiting for ranks {names} ({where}), expected their "
                     f"step {need[0][1]} of this op, got none", ranks=tuple(names))
-            pause = backoff(now - start, pause, hot=HOT, left=deadline - now)
+            pause = backoff(now - start, pause, hot=hot, left=deadline - now)
