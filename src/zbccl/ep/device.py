@@ -228,7 +228,7 @@ def _sendable(d: DeviceEP, xq: torch.Tensor, order: torch.Tensor, keep) -> tuple
 
     listed = new((order.numel(),), torch.int64, "normal_rows")
     listed.copy_(order)
-    if xq.is_contiguous() and d.in_heap(xq) and keep is None:
+    if xq.is_contiguous() and d.in_heap(xq):
         return xq, listed
     send_x = new(tuple(xq.shape), xq.dtype, "normal_x")
     _raw(send_x).copy_(_raw(xq))
