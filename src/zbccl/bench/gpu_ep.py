@@ -154,22 +154,9 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
         def step():
             recv, _, handle, _, _ = buf.low_latency_dispatch(xs_static, idx, TMAX, E, use_fp8=False)
             out, _, _ = buf.low_latency_combine((recv.float() * 0.75 - me).to(torch.bfloat16), idx, w, handle)
-            return out
+            return (out,)
 
-        step()
-        rk.finish()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
-        for it in range(3):
-            xs_static.copy_((x.float() * (it + 2) % 17).to(torch.bfloat16))
-            graph.replay()
-            got = captured.clone()
-            rk.finish()
-            bad = diff(got, step())
-            if bad:
-                return f"replay {it}: {bad}"
-        return None
+        return _replays(rk, step, xs_static, x)
 
     def normal_graph():
         """Normal mode with ``num_worst_tokens`` (no host sync): layout -> dispatch -> expert step -> combine
@@ -184,21 +171,7 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
             out, out_w, _ = buf.combine((recv_x.float() * 0.75 - me).to(torch.bfloat16), h, recv_w)
             return out, out_w
 
-        step()
-        rk.finish()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
-        for it in range(3):
-            xs_static.copy_((x.float() * (it + 2) % 17).to(torch.bfloat16))
-            graph.replay()
-            got = [t.clone() for t in captured]
-            rk.finish()
-            eager = step()
-            bad = diff(got[0], eager[0]) or diff(got[1], eager[1])
-            if bad:
-                return f"replay {it}: {bad}"
-        return None
+        return _replays(rk, step, xs_static, x)
 
     try:
         run_case(rk, "ep/normal_dispatch", normal, res)
@@ -218,3 +191,23 @@ def ep_cases(rk: Rank) -> list[tuple[str, bool, str]]:
     finally:
         buf.destroy()
     return res
+
+
+def _replays(rk: Rank, step, xs_static: torch.Tensor, x: torch.Tensor) -> str | None:
+    """``step`` (returning a tuple of tensors) run once eagerly, captured once in a CUDA graph, then replayed on
+    three new contents of ``xs_static`` (made from ``x``): each replay's outputs against the same step run
+    eagerly; None, or what differed."""
+    step()
+    rk.finish()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for it in range(3):
+        xs_static.copy_((x.float() * (it + 2) % 17).to(torch.bfloat16))
+        graph.replay()
+        got = [t.clone() for t in captured]
+        rk.finish()
+        bad = next((b for b in map(diff, got, step()) if b), None)
+        if bad:
+            return f"replay {it}: {bad}"
+    return None
