@@ -121,8 +121,9 @@ class _NoHostReads:
     capture). The device ops underneath may (over the CPU heap their splits are host values; on CUDA they stay on
     the device), so only reads whose innermost zbccl frame is ``ep/device.py`` count."""
 
-    SYNCS = ("_local_scalar_dense", "nonzero", "bincount", "equal", "unique", "masked_select", "repeat_interleave",
-             "_unique2", "is_nonzero", "any", "all")
+    #: aten ops whose result is a host value, or whose output's size depends on the device's values
+    SYNCS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "bincount", "unique", "_unique2",
+             "masked_select", "repeat_interleave")
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
