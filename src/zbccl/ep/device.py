@@ -223,14 +223,11 @@ def _sendable(d: DeviceEP, xq: torch.Tensor, order: torch.Tensor, keep) -> tuple
     """``(x where the peers read it, the row list by destination)``: ``x`` itself when it is a contiguous heap
     tensor, else a heap copy (every rank then passes a list, so every rank's pull is the same kind). ``keep``:
     a kept-block maker (:meth:`DeviceEP.block`) for a captured call, else None (fresh heap tensors)."""
-    def new(shape: tuple, dtype: torch.dtype, role: str) -> torch.Tensor:
-        return d.empty(shape, dtype) if keep is None else keep(role, shape, dtype)
-
-    listed = new((order.numel(),), torch.int64, "normal_rows")
+    listed = _scratch(d, keep, "normal_rows", (order.numel(),), torch.int64)
     listed.copy_(order)
     if xq.is_contiguous() and d.in_heap(xq):
         return xq, listed
-    send_x = new(tuple(xq.shape), xq.dtype, "normal_x")
+    send_x = _scratch(d, keep, "normal_x", tuple(xq.shape), xq.dtype)
     _raw(send_x).copy_(_raw(xq))
     return send_x, listed
 
@@ -302,7 +299,7 @@ def _dispatch_free(d: DeviceEP, xq, scales, topk_idx, topk_weights, in_rank, ntp
     else:
         E = ntpe.numel()
         n = 1 + R + E + R * C
-        head = d.empty((n,), torch.int64) if keep is None else keep("normal_head", (n,), torch.int64)
+        head = _scratch(d, keep, "normal_head", (n,), torch.int64)
         _header(head, R, E, C, in_rank, ntpe, None)
         heads = torch.empty(R * n, dtype=torch.int64, device=dev)
         ops.all_gather(heads, head)
@@ -317,9 +314,9 @@ def _dispatch_free(d: DeviceEP, xq, scales, topk_idx, topk_weights, in_rank, ntp
     K = idx.size(1) if idx is not None else 0
     S = scales.size(1) if scales is not None else 0
     shape = (order.numel(), 1 + 2 * K + S)
-    meta = _meta(d.empty(shape, torch.int32) if keep is None else keep("normal_meta", shape, torch.int32), order,
-                 idx, topk_weights, scales)
-    recv_x = (d.empty if keep is None else _device_empty(dev))((rows_out, H), xq.dtype)
+    meta = _meta(_scratch(d, keep, "normal_meta", shape, torch.int32), order, idx, topk_weights, scales)
+    # the outputs: heap tensors eagerly; under capture torch's (the graph's pool keeps them for the replays)
+    recv_x = d.empty((rows_out, H), xq.dtype) if keep is None else torch.empty(rows_out, H, dtype=xq.dtype, device=dev)
     recv_meta = torch.empty(rows_out, shape[1], dtype=torch.int32, device=dev)
     what = (f"all_to_all_v of dispatch into recv_x ({rows_out} rows: "
             + ("the handle's recv_src_idx" if handle is not None else "num_worst_tokens") + ")")
@@ -335,9 +332,10 @@ def _dispatch_free(d: DeviceEP, xq, scales, topk_idx, topk_weights, in_rank, ntp
     return out_x, recv_idx, recv_w, [] if K else None, _handle(rows, R, E, C, me, in_rank, src_idx)
 
 
-def _device_empty(dev: torch.device):
-    """Fresh tensors from torch's allocator on ``dev`` (under capture: the graph's pool, which keeps them)."""
-    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev)
+def _scratch(d: DeviceEP, keep, role: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A heap tensor the peers read: fresh, or under capture (``keep``: :meth:`DeviceEP.block`) the block kept for
+    ``role`` and this shape, the same at every call."""
+    return d.empty(shape, dtype) if keep is None else keep(role, shape, dtype)
 
 
 def _counts(prefix: torch.Tensor) -> torch.Tensor:
@@ -484,7 +482,7 @@ def _heap(d: DeviceEP, t: torch.Tensor, keep=None, role: str = "") -> torch.Tens
     (``keep``: :meth:`DeviceEP.block`'s for ``role``, under capture)."""
     if t.is_contiguous() and d.in_heap(t):
         return t
-    out = d.empty(tuple(t.shape), t.dtype) if keep is None else keep(role, tuple(t.shape), t.dtype)
+    out = _scratch(d, keep, role, tuple(t.shape), t.dtype)
     out.copy_(t)
     return out
 
