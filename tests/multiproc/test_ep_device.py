@@ -433,12 +433,15 @@ def _buffer(ctx):
                 for o in range(W)]
         assert none is None and torch.equal(combined, ref.low_latency_combine(outs, [i for _, i, _ in ins], me, w))
     # every op on CUDA tensors starts with the device ops' check: on a GPU the kernels' reports (a peer's refused
-    # call, a rank that never came) are read there, at the next EP op, without a sync
-    from zbccl import ZbcclRemoteError
+    # call, a rank that never came, mismatched arguments) are read there, at the next EP op, without a sync. (The
+    # report here is mismatched arguments, an error every rank raises together: a peer's failure would mark this
+    # rank's ABORT line, and the Buffer's destroy below would then name it.)
+    from zbccl import ZbcclInvalidUsageError
 
     class Reported:
         def check(self, wait: bool = False):
-            raise ZbcclRemoteError("dispatch: group rank(s) [1] failed their own checks", ranks=(1,))
+            raise ZbcclInvalidUsageError("all_to_all_v: arguments differ across ranks, expected dtype 1, got 2 on "
+                                         "group rank 1", ranks=(1,))
 
     buf._device_ep = D.DeviceEP(ops=lambda name: Reported(), empty=d.empty, in_heap=d.in_heap, rank=me, R=W,
                                 ranks=d.ranks)
@@ -447,14 +450,13 @@ def _buffer(ctx):
                      lambda: buf.low_latency_dispatch(x, idx, TMAX, E, use_fp8=False)):
             try:
                 call()
-            except ZbcclRemoteError as exc:
+            except ZbcclInvalidUsageError as exc:
                 assert exc.ranks == (1,), exc
             else:
                 raise AssertionError("a reported error went unraised")
     buf._device_ep = None
     buf.destroy()
     # the Buffer's device blocks come from the job's CUDA heap: without one, the error says how to get it
-    from zbccl import ZbcclInvalidUsageError
     from zbccl.ep.exchange import device_heap_empty
 
     try:
