@@ -275,6 +275,60 @@ def test_cut_link_is_a_timeout_naming_the_host(hosts2):
     assert hosts2.addr(0) in out[1]["text"]
 
 
+
+def _store_host_exits(ctx, *, addr0: str, call: str):
+    """Rank 0 hosts the job's store on its host (as under torchrun) and exits; rank 1, on the other host, must be
+    told at once that rank 0 is gone, by its next store wait (``call`` "object") or its next collective ("op")."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import zbccl
+
+    spawn = ctx.store()
+    if ctx.rank == 0:
+        own = dist.TCPStore(addr0, 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        spawn.set("hosts/store-port", str(own.port))
+    else:
+        own = dist.TCPStore(addr0, int(spawn.get("hosts/store-port")), 2, is_master=False,
+                            timeout=timedelta(seconds=60))
+    comm = zbccl.init(store=own, rank=ctx.rank, world_size=2, heap_size=8 << 20, timeout=60)
+    x = torch.full((256,), float(ctx.rank + 1))
+    zbccl.all_reduce(x)
+    assert comm.all_gather_object(ctx.rank * 10) == [0, 10] and bool((x == 3).all())
+    if ctx.rank == 0:
+        spawn.get("hosts/store-ready")
+        os._exit(0)  # the store goes with it
+    spawn.set("hosts/store-ready", b"1")
+    t0 = time.monotonic()
+    try:
+        for i in range(100_000):  # rank 0 may still answer the first ones
+            if call == "object":
+                comm.all_gather_object(i)
+            else:
+                zbccl.all_reduce(x)
+    except ZbcclRemoteError as exc:
+        got = {"ranks": list(exc.ranks), "text": str(exc), "elapsed": time.monotonic() - t0}
+    else:
+        got = {"ranks": None}
+    zbccl.finalize()
+    return got
+
+
+@pytest.mark.parametrize("call", ["object", "op"])
+def test_a_store_host_that_exits_is_named_as_on_one_host(hosts2, call):
+    """As on one host (``tests/multiproc/test_failures.py``): a remote error naming rank 0 (and, for a store wait,
+    the store; for a collective, its host) within seconds, however the survivor next meets it."""
+    out = run_hosts(_store_host_exits, hosts2, timeout=120, expect_exit={0: True}, addr0=hosts2.addr(0), call=call,
+                    env={"ZBCCL_JOB_COOKIE": "store-host-exits-" + "x" * 16})
+    got = out[1]
+    assert got["ranks"] == [0], got
+    assert ("store" in got["text"]) if call == "object" else (hosts2.addr(0) in got["text"]), got["text"]
+    assert "\n" not in got["text"] and "frame #" not in got["text"], got["text"]
+    assert got["elapsed"] < 10, got
+
+
 # ----------------------------------------------------------------- the collectives across namespace hosts
 def _ops_2x2(ctx, *, fault: str):
     """2 x 2 over real namespace hosts: the collectives work (flat and hierarchical); then host 1 is killed or cut
