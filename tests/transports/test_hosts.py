@@ -329,6 +329,25 @@ def test_a_store_host_that_exits_is_named_as_on_one_host(hosts2, call):
     assert got["elapsed"] < 10, got
 
 
+
+def test_fork_after_init_across_hosts_disowns_the_child_and_keeps_the_parent_intact(hosts2):
+    """``tests/multiproc/test_fork.py``'s case at 2 x 2 namespace hosts (shm within a host, Mooncake between): the
+    child's ops refuse, its exit calls nothing of the inherited engine (whose threads are not there: the call
+    crashed the child), and the parents go on bit-exact."""
+    from tests.multiproc.test_fork import _fork_after_init
+
+    assert run_hosts(_fork_after_init, hosts2, ranks_per_host=2, timeout=180) == [True] * 4
+
+
+def test_a_forked_child_does_not_hide_its_parents_death_across_hosts(hosts2):
+    """Rank 1 forks a child that outlives it (holding every inherited descriptor, the engine's sockets too), then is
+    killed: rank 0, on the other host, still names it as dead at its next op."""
+    from tests.multiproc.test_fork import _parent_killed_with_a_forked_child
+
+    out = run_hosts(_parent_killed_with_a_forked_child, hosts2, timeout=120, expect_exit={1: True})
+    assert out[0] < 20, f"the death was noticed after {out[0]:.1f}s (timeout 60 s)"
+
+
 # ----------------------------------------------------------------- the collectives across namespace hosts
 def _ops_2x2(ctx, *, fault: str):
     """2 x 2 over real namespace hosts: the collectives work (flat and hierarchical); then host 1 is killed or cut

@@ -55,6 +55,8 @@ _YIELDS, _NAP_NS, _MAX_NAP_NS = 16, 5_000, 200_000
 _GIVE_UP_EVERY = 0.1
 _FAILED, _GAVE_UP, _UNSUBMITTED = -1, -2, -3
 TRANSFER_TIMEOUT_S = 30.0
+#: Engines inherited by a forked child (:meth:`MooncakeEngine.close`): kept, never called, never destroyed.
+_INHERITED: list = []
 _NO_BATCH = (0, -1, (1 << 64) - 1)  # what a failed submission returns (batch_transfer_async: 0; submit: -1)
 
 
@@ -153,6 +155,7 @@ class MooncakeEngine:
         module = load()
         ports = env.MOONCAKE_PORTS.get()
         self._e = module.TransferEngine()
+        self._pid = os.getpid()  # a forked child's copy must not call into it (:meth:`close`)
         self._spans: list[tuple[int, int]] = []  # registrations: (addr, bytes)
         self._bounce: torch.Tensor | None = None  # RDMA staging for buffers outside the registrations
         self._bounce_lock = threading.Lock()
@@ -228,7 +231,17 @@ class MooncakeEngine:
         return 0
 
     def close(self) -> None:
-        """Unregister everything (no peer write lands in this process from now on) and drop the engine."""
+        """Unregister everything (no peer write lands in this process from now on) and drop the engine.
+
+        In a process forked from the engine's, nothing is called: the engine's threads are not there (a call that
+        needs them crashes the child), and its sockets are shared with the parent. The child's copy is kept alive
+        to the end, so that its destructor never runs there either."""
+        if os.getpid() != self._pid:
+            _INHERITED.append(self._e)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._e))  # never freed, even at interpreter exit
+            self._spans.clear()
+            self._e = None
+            return
         for addr, _ in self._spans:
             self._e.unregister_memory(addr)
         self._spans.clear()
