@@ -348,6 +348,70 @@ def test_a_forked_child_does_not_hide_its_parents_death_across_hosts(hosts2):
     assert out[0] < 20, f"the death was noticed after {out[0]:.1f}s (timeout 60 s)"
 
 
+
+_COOKIE = {"ZBCCL_JOB_COOKIE": "lifecycle-across-hosts-" + "x" * 16}  # (the store's values are sealed across hosts)
+
+
+def test_threads_issuing_different_ops_across_hosts_fail_together_or_succeed(hosts2):
+    """``tests/multiproc/test_lifecycle.py``'s case across hosts: a pairing of different ops is refused on both
+    ranks with the same words as on one host ("disagree"), like ops are exact, and the group stays in step."""
+    from tests.multiproc.test_lifecycle import N_ITERS, _different_ops_two_threads
+
+    out = run_hosts(_different_ops_two_threads, hosts2, timeout=240, env=_COOKIE)
+    for o in out:
+        assert o["all_reduce"][0] + o["all_reduce"][1] == N_ITERS and o["all_gather"][0] + o["all_gather"][1] == N_ITERS
+    assert out[0]["all_reduce"][1] + out[0]["all_gather"][1] == out[1]["all_reduce"][1] + out[1]["all_gather"][1]
+
+
+@pytest.mark.parametrize("op", ["barrier", "all_reduce"])
+def test_finalize_while_another_thread_waits_across_hosts(hosts2, op):
+    """``tests/multiproc/test_lifecycle.py``'s case across hosts: the waiting thread leaves, the heap is unmapped
+    (the host ops' regions are freed once the ops left: they kept it mapped), and rank 1, waiting in a store op
+    on the other host, is told at once that rank 0 is gone (it waited for its timeout)."""
+    from tests.multiproc.test_lifecycle import _finalize_while_waiting
+
+    out = run_hosts(_finalize_while_waiting, hosts2, timeout=180, env=_COOKIE, op=op)
+    assert out[0] < 15, out
+
+
+def _store_wait_cut(ctx):
+    """Rank 1 waits in a store op for rank 0, whose host the test then cuts off: a timeout naming the host, at the
+    transport's stall bound, not at the op's own timeout (rank 0, in an op, names rank 1's host the same way).
+    Then finalize: it does not wait for the liveness monitor, stuck in a probe of the other host."""
+    import zbccl
+
+    comm = ctx.init(heap_size=8 << 20, timeout=40)
+    zbccl.all_reduce(torch.ones(16))  # the mooncake monitor knows rank 0's host answers
+    store = ctx.store()
+    t0 = time.monotonic()
+    try:
+        if ctx.rank == 0:  # cut off: its own op (never met by rank 1) names the other host the same way
+            store.set("hosts/cut", b"1")
+            zbccl.all_reduce(torch.ones(16))
+        else:
+            comm.all_gather_object(1)
+        got = {"error": None}
+    except ZbcclTimeoutError as exc:
+        got = {"ranks": list(exc.ranks), "text": str(exc), "elapsed": time.monotonic() - t0}
+    t1 = time.monotonic()
+    zbccl.finalize()
+    got["fin"] = time.monotonic() - t1
+    return got
+
+
+def test_a_store_wait_names_a_cut_off_host_at_the_stall_bound(hosts2):
+    def director(hosts, store):
+        store.wait(["hosts/cut"])
+        hosts.cut(0)
+
+    out = run_hosts(_store_wait_cut, hosts2, timeout=120, env=_COOKIE, director=director)
+    for me, got in enumerate(out):
+        other = 1 - me
+        assert got.get("ranks") == [other] and "unreachable" in got["text"] and hosts2.addr(other) in got["text"], got
+        assert got["elapsed"] < 20, got
+        assert got["fin"] < 10, got  # finalize does not wait for the monitor's probe of the cut-off host (15 s)
+
+
 # ----------------------------------------------------------------- the collectives across namespace hosts
 def _ops_2x2(ctx, *, fault: str):
     """2 x 2 over real namespace hosts: the collectives work (flat and hierarchical); then host 1 is killed or cut

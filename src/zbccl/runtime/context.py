@@ -48,6 +48,9 @@ class Context:
     #: Device heaps beside the CPU heap, by device type (``"cuda"``): :class:`~.device_heap.DeviceHeap`
     #: ``(device, transport, heap, sma)``; empty unless init asked for one (see :mod:`.device_heap`).
     device_heaps: dict = field(default_factory=dict)
+    #: What :func:`~.state.finalize` runs once every op left, before the heap closes: frees of heap blocks that
+    #: another thread's op might still have used when their owner closed (the host ops' regions).
+    after_ops: list = field(default_factory=list)
 
     @property
     def rank(self) -> int:

@@ -27,6 +27,13 @@ leaves": a timed-out ``recv``/``wait`` is cancelled cleanly, so the group stays 
    transport's dead peers: pidfds): ``ZbcclRemoteError`` naming it;
 4. any member left an op because a peer did (``ABORT_PEER``): ``ZbcclRemoteError`` naming it.
 
+**Members on other hosts** (reached through the transport's verbs, never mapped here) follow the same rule: their
+ABORT lines and state words are read through the verbs, and before anything is read the transport's own verdict
+(``dead_peers``, ``unreachable_peers``; never blocks) names a pending one that is gone (its host answers, its
+engine does not: it exited, was killed or called finalize: ``ZbcclRemoteError``) or whose host stopped answering
+(``ZbcclTimeoutError``), with its host (``Transport.where``). A read that fails names the member the same way if
+this wait still waits for it, and is skipped otherwise.
+
 **Init** has no heap to hold ABORT lines until its end, so its store waits watch the same rule
 through the store (:func:`init_watch`): a rank that leaves init half-way announces it there
 (:func:`left_init`, a per-rank counter holding its ``ABORT_*`` reason), and from the moment the
@@ -103,14 +110,19 @@ def abort_error(r: int, why: int, *, op: str, where: int = 0, ctx: Context | Non
     return err
 
 
-def who_left(ctx: Context, ranks: Iterable[int]) -> tuple[int, int, int] | None:
+def who_left(ctx: Context, ranks: Iterable[int], far: Iterable[int] = ()) -> tuple[int, int, int] | None:
     """``(rank, why, where)`` of a rank among ``ranks`` (global) whose ABORT line is set, preferring one that
-    left by its own cause over one that followed a peer; None if none did."""
-    heap, found = ctx.heap, None
+    left by its own cause over one that followed a peer; None if none did. Read: the ranks mapped here, and
+    those of ``far`` (on other hosts, through the verbs; one whose read fails is skipped: :func:`check` names it
+    if it still waits for it)."""
+    heap, found, far = ctx.heap, None, set(far)
     for r in ranks:
-        if r == ctx.rank or not heap.reachable(r):
+        if r == ctx.rank or not (heap.reachable(r) or r in far):
             continue
-        why, where = aborted(heap.transport, r, ABORT_LINE)
+        try:
+            why, where = aborted(heap.transport, r, ABORT_LINE)
+        except (ZbcclRemoteError, ZbcclTimeoutError):  # (only across hosts) gone: judged if still awaited
+            continue
         if why and why != ABORT_PEER:
             return r, why, where
         if why and found is None:
@@ -126,12 +138,56 @@ def check(ctx: Context, ranks: Sequence[int], *, op: str, pending: Iterable[int]
     if ctx.finalized:  # another thread of this rank called finalize(): leave before the heap goes
         raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
     labels = labels or {}
-    left = who_left(ctx, ranks)
+    far, lost = _far(ctx, ranks, ranks if pending is None else pending)
+    left = who_left(ctx, ranks, far)
     if left is not None and left[1] != ABORT_PEER:
         raise _left_error(ctx, left, op=op, labels=labels)
-    _check_pending(ctx, ranks if pending is None else pending, op=op, labels=labels)
+    if lost is not None:
+        raise _lost_error(ctx, *lost, op=op, labels=labels)
+    _check_pending(ctx, ranks if pending is None else pending, op=op, labels=labels, far=far)
     if left is not None:
         raise _left_error(ctx, left, op=op, labels=labels)
+
+
+def _far(ctx: Context, ranks: Sequence[int], pending: Iterable[int]) -> tuple[set[int], tuple | None]:
+    """The members of ``ranks`` on other hosts (reached through the transport's verbs, not mapped here): those
+    whose words can be read now, and the pending ones the transport knows lost, as ``(kind, ranks)`` (None:
+    none): "dead" (their host answers, their transport engine does not: they exited, were killed or called
+    finalize) before "unreachable" (their host stopped answering; a read would block until the transport gave
+    up). Never blocks."""
+    heap = ctx.heap
+    t = heap.transport
+    far = [r for r in ranks if r != ctx.rank and not heap.reachable(r) and t.reachable(r)]
+    if not far:
+        return set(), None
+    dead, cut = set(t.dead_peers()), set(t.unreachable_peers())
+    pending = set(pending)
+    for kind, group in (("dead", dead), ("unreachable", cut)):
+        lost = [r for r in far if r in group and r in pending]
+        if lost:
+            return set(), (kind, lost)
+    return {r for r in far if r not in dead and r not in cut}, None
+
+
+def _read_far(ctx: Context, read, op: str, labels: dict[int, int]):
+    """``read()``; a read of a member on another host that failed (the transport names it: gone, or its host
+    unreachable) is raised as this wait's error, in its numbering and in the words of :func:`_lost_error`
+    (the monitor had not judged it yet)."""
+    try:
+        return read()
+    except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+        kind = "dead" if isinstance(exc, ZbcclRemoteError) else "unreachable"
+        raise _lost_error(ctx, kind, [r for r in exc.ranks if isinstance(r, int)], op=op, labels=labels) from None
+
+
+def _lost_error(ctx: Context, kind: str, lost: list[int], *, op: str, labels: dict[int, int]) -> ZbcclError:
+    where = "; ".join(f"rank {labels.get(r, r)} on {ctx.heap.transport.where(r)}" for r in lost)
+    ranks = tuple(labels.get(r, r) for r in lost)
+    if kind == "dead":
+        return ZbcclRemoteError(f"{op}: peer lost while waiting: {where} is gone (it exited, was killed or called "
+                                "finalize: its host answers, its transfer engine does not)", ranks=ranks)
+    return ZbcclTimeoutError(f"{op}: peer lost while waiting: {where} is unreachable (no answer: a network "
+                             "partition or a host down)", ranks=ranks)
 
 
 def _left_error(ctx: Context, left: tuple[int, int, int], *, op: str, labels: dict[int, int]) -> ZbcclRemoteError:
@@ -141,17 +197,19 @@ def _left_error(ctx: Context, left: tuple[int, int, int], *, op: str, labels: di
     return abort_error(labels.get(left[0], left[0]), left[1], op=op, where=left[2], ctx=ctx, g=left[0], label=label)
 
 
-def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dict[int, int]) -> None:
-    """Step 3 of the rule: the late members' state and death."""
-    pending = list(pending)
+def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dict[int, int],
+                   far: Iterable[int] = ()) -> None:
+    """Step 3 of the rule: the late members' state and death (those of ``far``, on other hosts, through the
+    verbs: :func:`_far` judged their death)."""
+    pending, far = list(pending), set(far)
     if not pending:
         return
     dead = set(ctx.heap.transport.dead_peers())
     gone, first = [], None
     for r in pending:
-        if r == ctx.rank or not ctx.heap.reachable(r):
+        if r == ctx.rank or not (ctx.heap.reachable(r) or r in far):
             continue
-        state = ctx.heap.header(r, layout.H_STATE)
+        state = _read_far(ctx, lambda r=r: ctx.heap.header(r, layout.H_STATE), op, labels)
         if state == layout.STATE_FAILED:
             gone.append((r, "failed"))
         elif state == layout.STATE_FINALIZED:

@@ -307,6 +307,12 @@ def finalize() -> None:
         if ctx.forked:
             return
         left = _wait_ops_left(ctx)
+        for release in ctx.after_ops if left else ():  # (else an op may still use them: they stay)
+            try:
+                release()
+            except Exception as exc:  # noqa: BLE001 - teardown goes on
+                _log.warning("zbccl: finalize: %s failed: %s", release, exc)
+        ctx.after_ops.clear()
         for hook in list(_finalize_hooks):
             try:
                 hook(heap)

@@ -321,6 +321,17 @@ class Transport(ABC):
     def dead_peers(self) -> list[int]:
         """Reachable ranks whose process is gone (exited or killed). Cheap; never blocks."""
 
+    def unreachable_peers(self) -> list[int]:
+        """Ranks on other hosts whose host has not answered for the transport's stall bound (a network partition,
+        a host down): reading their words would block until the transport gives up. Cheap; never blocks. None
+        here: a transport within one host always gets an answer."""
+        return []
+
+    def where(self, rank: int) -> str:
+        """Where ``rank`` runs, in words, for errors: ``"this host"``, or the host a transport between hosts
+        reaches it on."""
+        return "this host"
+
     # ------------------------------------------------------------ trust
     def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
         """After :meth:`establish`: the job's secret, shared by every rank through this transport and never

@@ -192,6 +192,12 @@ class RoutedTransport(Transport):
     def dead_peers(self) -> list[int]:
         return sorted(set(self.local.dead_peers()) | set(self.remote.dead_peers()))
 
+    def unreachable_peers(self) -> list[int]:
+        return self.remote.unreachable_peers()
+
+    def where(self, rank: int) -> str:
+        return self.local.where(rank) if rank in self._local else self.remote.where(rank)
+
     def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
         """The job cookie's key (Mooncake authenticates nothing; the shm shares cannot cross hosts)."""
         if len(self._local) + len(self.remote.peers) != world_size:

@@ -220,7 +220,8 @@ class HostOps:
                 mesh.wait([], op="settle", timeout=timeout, sent=True)
 
     def close(self) -> None:
-        """Free the regions and end the host group (collectively at destroy; locally once finalized)."""
+        """Free the regions and end the host group (collectively at destroy; locally once finalized, where the
+        regions are freed once every op of this rank left: another thread may still be inside one)."""
         local, self.local = self.local, None
         if self.ctx.forked:
             return
@@ -228,12 +229,16 @@ class HostOps:
             if mesh is not None:  # writes a failed step left in flight read its staging buffers
                 mesh.drain(DRAIN_S)
         if self.ctx.finalized:
+            self.ctx.after_ops.append(self._free_regions)
             return
-        for off in self._blocks:
-            self.ctx.sma.free(off)
-        self._blocks = []
+        self._free_regions()
         if local is not None and not local.destroyed:
             local.destroy()
+
+    def _free_regions(self) -> None:
+        blocks, self._blocks = self._blocks, []
+        for off in blocks:
+            self.ctx.sma.free(off)
 
     # ------------------------------------------------------------ the agreement step
     def exchange(self, op: str, opcode: int, fields: dict[int, int], vec: Sequence[int], error: str | None,
@@ -369,8 +374,8 @@ class HostOps:
         ops = [int(h[F.OP]) for h in heads]
         if len(set(ops)) > 1:
             raise ZbcclInvalidUsageError(
-                f"{op}: the ranks run different ops, expected the same collective on every rank, got "
-                f"{ {i: OP_NAMES.get(o, o) for i, o in enumerate(ops)} }", ranks=tuple(range(n)))
+                f"{op}: the ranks disagree on the op (they run different ops), expected the same collective on every "
+                f"rank, got { {i: OP_NAMES.get(o, o) for i, o in enumerate(ops)} }", ranks=tuple(range(n)))
         for f in same:
             vals = [int(h[f]) for h in heads]
             if len(set(vals)) > 1:

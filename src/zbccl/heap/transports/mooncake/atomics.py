@@ -62,7 +62,10 @@ class AtomicServer(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - reported by the requester's timeout and at close
             self.error = exc
 
-    def stop(self) -> None:
+    def stop(self, wait: float) -> bool:
+        """Ask the thread to end; whether it ended within ``wait`` seconds (a reply to a requester behind a cut
+        link may block in Mooncake for much longer)."""
         self._stop_ev.set()
         if self.ident is not None:
-            self.join(timeout=30)
+            self.join(timeout=wait)
+        return not self.is_alive()

@@ -242,11 +242,17 @@ class MooncakeEngine:
             self._spans.clear()
             self._e = None
             return
-        for addr, _ in self._spans:
-            self._e.unregister_memory(addr)
-        self._spans.clear()
+        self.unregister()
         self._bounce = None
         self._e = None
+
+    def unregister(self) -> None:
+        """Unregister everything: no peer write lands in this process from now on (transfers this process
+        started may still complete). Nothing in a forked child (see :meth:`close`)."""
+        if os.getpid() == self._pid:
+            for addr, _ in self._spans:
+                self._e.unregister_memory(addr)
+        self._spans.clear()
 
     def counters(self) -> dict[str, int]:
         """What this engine's completed transfers moved since it started (all threads, the liveness

@@ -182,7 +182,10 @@ class Monitor(threading.Thread):
                 ranks=tuple(names))
         return None
 
-    def stop(self) -> None:
+    def stop(self, wait: float) -> bool:
+        """Ask the thread to end; whether it ended within ``wait`` seconds (a probe of a host behind a cut link
+        may block in Mooncake for much longer: :meth:`MooncakeTransport.close` then retires the engine)."""
         self._stop_ev.set()
         if self.ident is not None:
-            self.join(timeout=2 * self.stall + 5)  # a probe over a cut link ends within Mooncake's stall timeout
+            self.join(timeout=wait)
+        return not self.is_alive()

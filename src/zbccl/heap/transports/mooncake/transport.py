@@ -85,6 +85,9 @@ _WORDS = (_S_TABLE - _S_WORDS) // 8
 _ZERO_CHUNK = 1 << 20
 #: Retries of a transfer that failed while its peer still answers (a reset connection).
 _RETRIES = 2
+#: Seconds :meth:`MooncakeTransport.close` waits for its monitor and atomics server to end (each ends at once,
+#: unless inside a transfer to a host behind a cut link: then the engine is retired after it, see ``close``).
+STOP_WAIT_S = 1.0
 
 
 class MooncakeTransport(Transport):
@@ -246,17 +249,31 @@ class MooncakeTransport(Transport):
         self.segments[self.rank].nbytes = nbytes
 
     def close(self, *, unmap: bool) -> None:
-        for thread in (self._monitor, self._server):
-            if thread is not None:
-                thread.stop()
+        """Local. The liveness monitor and the atomics server are stopped, and the engine unregisters everything
+        (no peer write lands here from now on). The engine and the control region (where those threads' transfers
+        land) go once the threads ended; a thread still inside a transfer to a host behind a cut link after
+        ``STOP_WAIT_S`` (Mooncake may hold it for minutes) is left to end on its own, and a daemon thread ends the
+        engine after it: closing never waits for an unreachable host."""
+        threads = [t for t in (self._monitor, self._server) if t is not None]
         self._monitor = self._server = None
-        if self.engine is not None:
-            self.engine.close()  # unregisters first: no peer write lands here from now on
-            self.engine = None
-        self._own_flat = None
-        if self._ctrl_map is not None:  # nobody views the control region: it goes with the engine
-            release(*self._ctrl_map)
-            self._ctrl_map = None
+        stuck = [t for t in threads if not t.stop(STOP_WAIT_S)]
+        engine, ctrl = self.engine, self._ctrl_map
+        self.engine, self._ctrl_map, self._own_flat = None, None, None
+        if engine is not None:
+            engine.unregister()
+
+        def finish() -> None:
+            for t in stuck:
+                t.join()
+            if engine is not None:
+                engine.close()
+            if ctrl is not None:  # nobody views the control region: it goes with the engine
+                release(*ctrl)
+
+        if stuck:
+            threading.Thread(target=finish, name="zbccl-mooncake-retire", daemon=True).start()
+        else:
+            finish()
         if unmap:
             if self._own_map is not None:
                 release(*self._own_map)
@@ -615,6 +632,10 @@ class MooncakeTransport(Transport):
     def unreachable_peers(self) -> list[int]:
         """Remote ranks whose host has not answered for ``STALL`` seconds (a partition, or a host down)."""
         return self._monitor.verdict(list(self.peers))[1] if self._monitor is not None else []
+
+    def where(self, rank: int) -> str:
+        peer = self.peers.get(rank)
+        return peer.where() if peer is not None else "this host"
 
     def job_secret(self, job_id: str, world_size: int) -> JobSecret | None:
         """The key derived from ``ZBCCL_JOB_COOKIE`` (Mooncake itself authenticates nothing); None without it."""
