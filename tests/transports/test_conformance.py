@@ -185,7 +185,8 @@ def _peer_death(ctx, name):
             t.wait_until([(0, line(8))], 1, timeout=60, op="go")
             os.kill(os.getpid(), signal.SIGKILL)
         t.wait_until([(1, line(8))], 1, timeout=60, op="ready")
-        assert t.dead_peers() == []  # alive (it waits for our go)
+        assert t.dead_peers() == [] and t.unreachable_peers() == []  # alive (it waits for our go)
+        assert all(isinstance(t.where(r), str) and t.where(r) for r in range(2))  # (for errors: a host, in words)
         t.signal(0, line(8), 1)
         t0 = time.monotonic()
         with pytest.raises(ZbcclRemoteError) as info:
@@ -193,7 +194,7 @@ def _peer_death(ctx, name):
         elapsed = time.monotonic() - t0
         assert info.value.ranks == (1,) and "rank" in str(info.value), str(info.value)
         assert elapsed < 15, f"the death of rank 1 took {elapsed:.1f}s to notice"
-        assert t.dead_peers() == [1]
+        assert t.dead_peers() == [1] and t.unreachable_peers() == []  # dead, not cut off
         return "ok"
     finally:
         t.close(unmap=False)
