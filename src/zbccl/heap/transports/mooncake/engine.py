@@ -55,8 +55,6 @@ _YIELDS, _NAP_NS, _MAX_NAP_NS = 16, 5_000, 200_000
 _GIVE_UP_EVERY = 0.1
 _FAILED, _GAVE_UP, _UNSUBMITTED = -1, -2, -3
 TRANSFER_TIMEOUT_S = 30.0
-#: Engines inherited by a forked child (:meth:`MooncakeEngine.close`): kept, never called, never destroyed.
-_INHERITED: list = []
 _NO_BATCH = (0, -1, (1 << 64) - 1)  # what a failed submission returns (batch_transfer_async: 0; submit: -1)
 
 
@@ -237,7 +235,6 @@ class MooncakeEngine:
         needs them crashes the child), and its sockets are shared with the parent. The child's copy is kept alive
         to the end, so that its destructor never runs there either."""
         if os.getpid() != self._pid:
-            _INHERITED.append(self._e)
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._e))  # never freed, even at interpreter exit
             self._spans.clear()
             self._e = None
