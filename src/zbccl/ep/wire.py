@@ -348,12 +348,10 @@ class HostWire:
         return err
 
     def where(self, r: int) -> str:
-        """Group rank ``r`` and its host, in words (with the address Mooncake reaches it at, for a remote one)."""
-        h = self.host_of[r]
-        peers = getattr(getattr(self.t, "remote", self.t), "peers", {})
-        peer = peers.get(self.g[r]) if isinstance(peers, dict) else None
-        addr = f" at {peer.ip}" if peer is not None and getattr(peer, "ip", None) else ""
-        return f"rank {r} on host {h} ({self.hostnames[h]}{addr})"
+        """Group rank ``r`` and its host, in words (for a rank on another host, the transport's: with the address
+        it reaches it at)."""
+        h, g = self.host_of[r], self.g[r]
+        return f"rank {r} on host {h} ({self.hostnames[h] if self.t.viewable(g) else self.t.where(g)})"
 
     def hold(self, blocks: list) -> None:
         """Keep ``blocks`` alive until the next header round (see ``_held``)."""

@@ -134,15 +134,13 @@ class Watch:
 
     def __init__(self, ctx, labels: dict[int, int]) -> None:
         self.ctx, self.t, self.labels = ctx, ctx.heap.transport, labels
-        self.remote = getattr(self.t, "remote", None)
         # Its reads of remote words are round trips through the peers' engines: no more often than the
         # mooncake monitor probes them (every max(ZBCCL_LIVENESS_INTERVAL, 0.25) s).
         self.interval = max(ctx.liveness_ns / 1e9, 0.25)
 
     def where(self, g: int) -> str:
         """The host of global rank ``g``, in words."""
-        peer = getattr(self.remote, "peers", {}).get(g)
-        return peer.where() if peer is not None else "this host"
+        return self.t.where(g)
 
     def check(self, members: Sequence[int], pending: Sequence[int], op: str, *, waited: float = 0.0,
               timeout: float = float("inf"), watched: Sequence[int] = ()) -> None:
@@ -196,13 +194,14 @@ class Watch:
             raise liveness.abort_error(label(g, g), why, op=op, where=where)
 
     def _hosts_lost(self, pending: Sequence[int], op: str) -> None:
-        """The mooncake monitor's verdict on the pending members of other hosts: dead (the host answers, the
-        engine is gone) or unreachable (no answer for its stall bound: a cut link, a host down)."""
-        monitor = getattr(self.remote, "_monitor", None)
-        far = [g for g in pending if g in getattr(self.remote, "peers", {})]
-        if monitor is None or not far:
+        """The transport's verdict on the pending members of other hosts: dead (the host answers, the engine is
+        gone) or unreachable (no answer for its stall bound: a cut link, a host down)."""
+        far = [g for g in pending if g != self.ctx.rank and not self.t.viewable(g)]
+        if not far:
             return
-        dead, gone = monitor.verdict(far)
+        dead = set(self.t.dead_peers())
+        cut = set(self.t.unreachable_peers()) - dead
+        dead, gone = [g for g in far if g in dead], [g for g in far if g in cut]
         label = self.labels.get
         for ranks, cls, what in ((dead, ZbcclRemoteError, "died (its host answers, its transfer engine is gone)"),
                                  (gone, ZbcclTimeoutError, "is unreachable (no answer: a network partition or a "
