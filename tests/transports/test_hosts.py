@@ -412,6 +412,20 @@ def test_a_store_wait_names_a_cut_off_host_at_the_stall_bound(hosts2):
         assert got["fin"] < 10, got  # finalize does not wait for the monitor's probe of the cut-off host (15 s)
 
 
+
+def _sigint_handler(ctx) -> str:
+    import signal
+
+    return "default" if signal.getsignal(signal.SIGINT) is signal.default_int_handler else str(signal.getsignal(
+        signal.SIGINT))
+
+
+def test_the_ranks_of_namespace_hosts_get_ctrl_c_as_a_launchers_ranks_do(hosts2):
+    """A host's ranks are background jobs of its shell, which start with SIGINT ignored: run_hosts gives them
+    Python's handler back, so that a Ctrl-C case (KeyboardInterrupt mid-op) can run across namespace hosts."""
+    assert run_hosts(_sigint_handler, hosts2, timeout=60) == ["default", "default"]
+
+
 # ----------------------------------------------------------------- the collectives across namespace hosts
 def _ops_2x2(ctx, *, fault: str):
     """2 x 2 over real namespace hosts: the collectives work (flat and hierarchical); then host 1 is killed or cut

@@ -365,6 +365,8 @@ def rank_main(spec_path: str, rank: int) -> int:
     (``{"ok": result}`` or ``{"error": traceback}``) into the spec's folder; the exit status."""
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"]) / f"out-{rank}.json"
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # (a background job of the host's sh): Ctrl-C as a
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # launcher's rank gets it, KeyboardInterrupt
     try:
         ctx = _load(spec.get("context", "zbccl.tools.netns:HostRank"))(rank, spec["world_size"], spec["host"],
                                                                         spec["port"])
