@@ -426,6 +426,15 @@ def test_the_ranks_of_namespace_hosts_get_ctrl_c_as_a_launchers_ranks_do(hosts2)
     assert run_hosts(_sigint_handler, hosts2, timeout=60) == ["default", "default"]
 
 
+
+def test_a_subgroups_errors_across_hosts_name_group_ranks(hosts3):
+    """``tests/multiproc/test_failures.py``'s case over 3 namespace hosts: the death of global rank 2, seen by a
+    failed write or read of the sub-communicator [1, 2], names rank 1 of that communicator (it named rank 2)."""
+    from tests.multiproc.test_failures import _subgroup_peer_killed
+
+    assert run_hosts(_subgroup_peer_killed, hosts3, timeout=120, expect_exit={2: True})[1] is True
+
+
 # ----------------------------------------------------------------- the collectives across namespace hosts
 def _ops_2x2(ctx, *, fault: str):
     """2 x 2 over real namespace hosts: the collectives work (flat and hierarchical); then host 1 is killed or cut

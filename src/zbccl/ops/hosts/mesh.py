@@ -215,8 +215,13 @@ class Watch:
         try:
             return read()
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            mine = [self.labels[g] for g in exc.ranks if g in self.labels]
-            raise type(exc)(f"{op}: {exc}; in this communicator: rank(s) {mine}", ranks=tuple(mine)) from None
+            raise self.relabel(exc, op) from None
+
+    def relabel(self, exc: ZbcclRemoteError | ZbcclTimeoutError, op: str) -> ZbcclError:
+        """A verb's error (its ranks are global ranks) in this communicator's numbering."""
+        mine = [self.labels[g] for g in exc.ranks if g in self.labels]
+        text = str(exc) if str(exc).startswith(f"{op}: ") else f"{op}: {exc}"
+        return type(exc)(f"{text}; in this communicator: rank(s) {mine}", ranks=tuple(mine))
 
 
 class Mesh:
@@ -345,7 +350,7 @@ class Mesh:
         s, parity = self.step_no, self.step_no % 2
         idx, got = self._peers, self.got
         if self._sent:  # the last step's writes (3.): their staging buffers are refilled below
-            self._sent = [(i, w) for i, w in self._sent if not w.done()]  # (mostly landed: no wait to set up)
+            self._sent = [(i, w) for i, w in self._sent if not self._done(w, op)]  # (mostly landed: no wait)
             if self._sent:
                 self.wait([], op=op, timeout=timeout, sent=True)
         if s > 1 and not all(got[i] >= s - 1 for i in idx):  # 1. (holds already in lockstep)
@@ -380,10 +385,25 @@ class Mesh:
         if stamps:  # every write of this step is in flight at once: one round trip for all peers, not one each
             self.wait([], op=op, timeout=timeout, sent=True)
             for i, g, slot, head in stamps:
-                self._sent.append((i, self.t.put_async(g, slot, head, op=op)))
+                self._sent.append((i, self._start(g, slot, head, op)))
         self.wait([(i, s) for i in idx], op=op, timeout=timeout,  # 3.
                   hot=HOT_SMALL if biggest <= SMALL_STEP else HOT)
         return parity
+
+    def _start(self, g: int, offset: int, src: torch.Tensor, op: str) -> Pending:
+        """``put_async`` to global rank ``g``; a failure reported in this communicator's numbering."""
+        try:
+            return self.t.put_async(g, offset, src, op=op)
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            raise self.watch.relabel(exc, op) from None
+
+    def _done(self, w: Pending, op: str) -> bool:
+        """Whether write ``w`` landed; a failure (retried, then raised by the transport) in this communicator's
+        numbering."""
+        try:
+            return w.done()
+        except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
+            raise self.watch.relabel(exc, op) from None
 
     def _riders(self, remote: dict[int, list[Part]]) -> dict[int, list[tuple[int, list[Part]]]]:
         """Per relay: the members of its host whose step rides in the relay's write (all of them, or none when
@@ -421,7 +441,7 @@ class Mesh:
         self._copy(base, self._out_addr, STAMP)
         if ordered:  # the bytes, uncopied, then (once every peer's landed) the stamp: no hash of the bytes
             for where, piece, _, _ in parts:
-                self._sent.append((i, self.t.put_async(g, slot + STAMP + where, piece, op=op)))
+                self._sent.append((i, self._start(g, slot + STAMP + where, piece, op)))
             stamps.append((i, g, slot, head))
             return
         for where, _, addr, nbytes in parts:  # stamp and bytes in one contiguous write (the native copy)
@@ -430,7 +450,7 @@ class Mesh:
         if cut_end != end:
             cut = stage[:STAMP + end]
             self._stage_cut[i] = (end, cut)
-        self._sent.append((i, self.t.put_async(g, slot, cut, op=op)))
+        self._sent.append((i, self._start(g, slot, cut, op)))
 
     def seal(self, s: int, parts: Sequence[Part], *, target: int = 0, relay: tuple[int, int] | None = None) -> bool:
         """Fill the outgoing stamp of step ``s`` for ``parts`` (:data:`Part`, at most two); True when the step is
@@ -602,7 +622,7 @@ class Mesh:
         while True:
             late = [(i, target) for i, target in need if not self._here(i, target)]
             asked = bool(writes) and (sent or polls % WRITES_EVERY == 0)
-            flying = sorted({i for i, w in writes if not w.done()}) if asked else []
+            flying = sorted({i for i, w in writes if not self._done(w, op)}) if asked else []
             polls += 1
             if not late and not (sent and flying):
                 if asked:
