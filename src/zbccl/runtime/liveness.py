@@ -29,8 +29,8 @@ leaves": a timed-out ``recv``/``wait`` is cancelled cleanly, so the group stays 
 
 **Members on other hosts** (reached through the transport's verbs, never mapped here) follow the same rule: their
 ABORT lines and state words are read through the verbs, and before anything is read the transport's own verdict
-(``dead_peers``, ``unreachable_peers``; never blocks) names a pending one that is gone (its host answers, its
-engine does not: it exited, was killed or called finalize: ``ZbcclRemoteError``) or whose host stopped answering
+(``dead_peers``, ``unreachable_peers``; never blocks) names a pending one that died or called finalize (its host
+answers, its engine does not: ``ZbcclRemoteError``) or whose host stopped answering
 (``ZbcclTimeoutError``), with its host (``Transport.where``). A read that fails names the member the same way if
 this wait still waits for it, and is skipped otherwise.
 
@@ -184,8 +184,8 @@ def _lost_error(ctx: Context, kind: str, lost: list[int], *, op: str, labels: di
     where = "; ".join(f"rank {labels.get(r, r)} on {ctx.heap.transport.where(r)}" for r in lost)
     ranks = tuple(labels.get(r, r) for r in lost)
     if kind == "dead":
-        return ZbcclRemoteError(f"{op}: peer lost while waiting: {where} is gone (it exited, was killed or called "
-                                "finalize: its host answers, its transfer engine does not)", ranks=ranks)
+        return ZbcclRemoteError(f"{op}: peer lost while waiting: {where} died or called finalize (its host answers, "
+                                "its transfer engine is gone)", ranks=ranks)
     return ZbcclTimeoutError(f"{op}: peer lost while waiting: {where} is unreachable (no answer: a network "
                              "partition or a host down)", ranks=ranks)
 

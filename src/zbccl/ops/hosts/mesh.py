@@ -203,7 +203,8 @@ class Watch:
         cut = set(self.t.unreachable_peers()) - dead
         dead, gone = [g for g in far if g in dead], [g for g in far if g in cut]
         label = self.labels.get
-        for ranks, cls, what in ((dead, ZbcclRemoteError, "died (its host answers, its transfer engine is gone)"),
+        for ranks, cls, what in ((dead, ZbcclRemoteError, "died or called finalize (its host answers, its transfer "
+                                                          "engine is gone)"),
                                  (gone, ZbcclTimeoutError, "is unreachable (no answer: a network partition or a "
                                                            "host down)")):
             if ranks:

@@ -153,8 +153,9 @@ class Monitor(threading.Thread):
         peer = self.peers[rank]
         if verdict == "dead":
             ranks = self.host_mates(rank, "dead")
-            return ZbcclRemoteError(f"{op}: rank(s) {list(ranks)} died ({peer.where()} refuses connections to their "
-                                    f"transfer engines), expected {what} to complete, got rc -1", ranks=ranks)
+            return ZbcclRemoteError(f"{op}: rank(s) {list(ranks)} died or called finalize ({peer.where()} refuses "
+                                    f"connections to their transfer engines), expected {what} to complete, got rc -1",
+                                    ranks=ranks)
         if verdict == "unreachable":
             ranks = self.host_mates(rank, "unreachable")
             return ZbcclTimeoutError(f"{op}: {peer.where()} of rank(s) {list(ranks)} is unreachable, expected {what} "
@@ -170,8 +171,8 @@ class Monitor(threading.Thread):
             dead = sorted({m for r in dead for m in self.host_mates(r, "dead")})
             names = [label(r, r) for r in dead]
             where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in dead)
-            return ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died ({where}: its host "
-                                    "answers, its transfer engine is gone)", ranks=tuple(names))
+            return ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died or called finalize ({where}: "
+                                    "its host answers, its transfer engine is gone)", ranks=tuple(names))
         if gone:
             gone = sorted({m for r in gone for m in self.host_mates(r, "unreachable")})
             names = [label(r, r) for r in gone]
