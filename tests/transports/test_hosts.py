@@ -275,7 +275,8 @@ def test_cut_link_is_a_timeout_naming_the_host(hosts2):
     assert hosts2.addr(0) in out[1]["text"]
 
 
-
+# ----------------------------------------------------------------- hostile and careless cases across namespace hosts
+# (the single-host suite's cases, run where a peer is reached only through Mooncake: each found a bug)
 def _store_host_exits(ctx, *, addr0: str, call: str):
     """Rank 0 hosts the job's store on its host (as under torchrun) and exits; rank 1, on the other host, must be
     told at once that rank 0 is gone, by its next store wait (``call`` "object") or its next collective ("op")."""
@@ -329,7 +330,6 @@ def test_a_store_host_that_exits_is_named_as_on_one_host(hosts2, call):
     assert got["elapsed"] < 10, got
 
 
-
 def test_fork_after_init_across_hosts_disowns_the_child_and_keeps_the_parent_intact(hosts2):
     """``tests/multiproc/test_fork.py``'s case at 2 x 2 namespace hosts (shm within a host, Mooncake between): the
     child's ops refuse, its exit calls nothing of the inherited engine (whose threads are not there: the call
@@ -346,7 +346,6 @@ def test_a_forked_child_does_not_hide_its_parents_death_across_hosts(hosts2):
 
     out = run_hosts(_parent_killed_with_a_forked_child, hosts2, timeout=120, expect_exit={1: True})
     assert out[0] < 20, f"the death was noticed after {out[0]:.1f}s (timeout 60 s)"
-
 
 
 _COOKIE = {"ZBCCL_JOB_COOKIE": "lifecycle-across-hosts-" + "x" * 16}  # (the store's values are sealed across hosts)
@@ -412,7 +411,6 @@ def test_a_store_wait_names_a_cut_off_host_at_the_stall_bound(hosts2):
         assert got["fin"] < 10, got  # finalize does not wait for the monitor's probe of the cut-off host (15 s)
 
 
-
 def _sigint_handler(ctx) -> str:
     import signal
 
@@ -424,7 +422,6 @@ def test_the_ranks_of_namespace_hosts_get_ctrl_c_as_a_launchers_ranks_do(hosts2)
     """A host's ranks are background jobs of its shell, which start with SIGINT ignored: run_hosts gives them
     Python's handler back, so that a Ctrl-C case (KeyboardInterrupt mid-op) can run across namespace hosts."""
     assert run_hosts(_sigint_handler, hosts2, timeout=60) == ["default", "default"]
-
 
 
 def test_a_subgroups_errors_across_hosts_name_group_ranks(hosts3):
