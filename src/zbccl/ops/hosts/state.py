@@ -221,21 +221,23 @@ class HostOps:
 
     def close(self) -> None:
         """Free the regions and end the host group (collectively at destroy; locally once finalized, where the
-        regions are freed once every op of this rank left: another thread may still be inside one)."""
+        meshes are drained and the regions freed once every op of this rank left: another thread may still be
+        inside one, stepping the same meshes)."""
         local, self.local = self.local, None
         if self.ctx.forked:
             return
-        for mesh in (getattr(self, "world", None), getattr(self, "col", None)):
-            if mesh is not None:  # writes a failed step left in flight read its staging buffers
-                mesh.drain(DRAIN_S)
         if self.ctx.finalized:
-            self.ctx.after_ops.append(self._free_regions)
+            self.ctx.after_ops.append(self._release)
             return
-        self._free_regions()
+        self._release()
         if local is not None and not local.destroyed:
             local.destroy()
 
-    def _free_regions(self) -> None:
+    def _release(self) -> None:
+        """Drain the meshes (writes a failed step left in flight read their staging buffers), free the regions."""
+        for mesh in (getattr(self, "world", None), getattr(self, "col", None)):
+            if mesh is not None:
+                mesh.drain(DRAIN_S)
         blocks, self._blocks = self._blocks, []
         for off in blocks:
             self.ctx.sma.free(off)
