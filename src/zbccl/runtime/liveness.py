@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from .context import Context
 
 __all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "WAIT_LINE", "waiting", "waits_on", "abort_addr", "aborted", "abort_error", "chain", "first_cause", "who_left", "check",
-           "mark_line", "mark_left", "reason", "leave", "store_watch", "init_watch", "left_init"]
+           "mark_line", "mark_left", "reason", "leave", "far_members", "lost_error", "store_watch", "init_watch", "left_init"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
 FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
@@ -138,18 +138,18 @@ def check(ctx: Context, ranks: Sequence[int], *, op: str, pending: Iterable[int]
     if ctx.finalized:  # another thread of this rank called finalize(): leave before the heap goes
         raise ZbcclInvalidUsageError(f"{op}: {FINALIZED_WHILE_WAITING}", ranks=(ctx.rank,))
     labels = labels or {}
-    far, lost = _far(ctx, ranks, ranks if pending is None else pending)
+    far, lost = far_members(ctx, ranks, ranks if pending is None else pending)
     left = who_left(ctx, ranks, far)
     if left is not None and left[1] != ABORT_PEER:
         raise _left_error(ctx, left, op=op, labels=labels)
     if lost is not None:
-        raise _lost_error(ctx, *lost, op=op, labels=labels)
+        raise lost_error(ctx, *lost, op=op, labels=labels)
     _check_pending(ctx, ranks if pending is None else pending, op=op, labels=labels, far=far)
     if left is not None:
         raise _left_error(ctx, left, op=op, labels=labels)
 
 
-def _far(ctx: Context, ranks: Sequence[int], pending: Iterable[int]) -> tuple[set[int], tuple | None]:
+def far_members(ctx: Context, ranks: Sequence[int], pending: Iterable[int]) -> tuple[set[int], tuple | None]:
     """The members of ``ranks`` on other hosts (reached through the transport's verbs, not mapped here): those
     whose words can be read now, and the pending ones the transport knows lost, as ``(kind, ranks)`` (None:
     none): "dead" (their host answers, their transport engine does not: they exited, were killed or called
@@ -171,16 +171,16 @@ def _far(ctx: Context, ranks: Sequence[int], pending: Iterable[int]) -> tuple[se
 
 def _read_far(ctx: Context, read, op: str, labels: dict[int, int]):
     """``read()``; a read of a member on another host that failed (the transport names it: gone, or its host
-    unreachable) is raised as this wait's error, in its numbering and in the words of :func:`_lost_error`
+    unreachable) is raised as this wait's error, in its numbering and in the words of :func:`lost_error`
     (the monitor had not judged it yet)."""
     try:
         return read()
     except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
         kind = "dead" if isinstance(exc, ZbcclRemoteError) else "unreachable"
-        raise _lost_error(ctx, kind, [r for r in exc.ranks if isinstance(r, int)], op=op, labels=labels) from None
+        raise lost_error(ctx, kind, [r for r in exc.ranks if isinstance(r, int)], op=op, labels=labels) from None
 
 
-def _lost_error(ctx: Context, kind: str, lost: list[int], *, op: str, labels: dict[int, int]) -> ZbcclError:
+def lost_error(ctx: Context, kind: str, lost: list[int], *, op: str, labels: dict[int, int]) -> ZbcclError:
     where = "; ".join(f"rank {labels.get(r, r)} on {ctx.heap.transport.where(r)}" for r in lost)
     ranks = tuple(labels.get(r, r) for r in lost)
     if kind == "dead":
@@ -200,7 +200,7 @@ def _left_error(ctx: Context, left: tuple[int, int, int], *, op: str, labels: di
 def _check_pending(ctx: Context, pending: Iterable[int], *, op: str, labels: dict[int, int],
                    far: Iterable[int] = ()) -> None:
     """Step 3 of the rule: the late members' state and death (those of ``far``, on other hosts, through the
-    verbs: :func:`_far` judged their death)."""
+    verbs: :func:`far_members` judged their death)."""
     pending, far = list(pending), set(far)
     if not pending:
         return

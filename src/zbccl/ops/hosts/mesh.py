@@ -194,22 +194,12 @@ class Watch:
             raise liveness.abort_error(label(g, g), why, op=op, where=where)
 
     def _hosts_lost(self, pending: Sequence[int], op: str) -> None:
-        """The transport's verdict on the pending members of other hosts: dead (the host answers, the engine is
-        gone) or unreachable (no answer for its stall bound: a cut link, a host down)."""
-        far = [g for g in pending if g != self.ctx.rank and not self.t.viewable(g)]
-        if not far:
-            return
-        dead = set(self.t.dead_peers())
-        cut = set(self.t.unreachable_peers()) - dead
-        dead, gone = [g for g in far if g in dead], [g for g in far if g in cut]
-        label = self.labels.get
-        for ranks, cls, what in ((dead, ZbcclRemoteError, "died or called finalize (its host answers, its transfer "
-                                                          "engine is gone)"),
-                                 (gone, ZbcclTimeoutError, "is unreachable (no answer: a network partition or a "
-                                                           "host down)")):
-            if ranks:
-                where = "; ".join(f"rank {label(g, g)} on {self.where(g)}" for g in ranks)
-                raise cls(f"{op}: peer lost while waiting: {where} {what}", ranks=tuple(label(g, g) for g in ranks))
+        """The transport's verdict on the pending members of other hosts (the liveness rule's, same words): dead
+        (the host answers, the engine is gone) or unreachable (no answer for its stall bound: a cut link, a host
+        down)."""
+        _, lost = liveness.far_members(self.ctx, pending, pending)
+        if lost is not None:
+            raise liveness.lost_error(self.ctx, *lost, op=op, labels=self.labels)
 
     def _read(self, read, op: str):
         """A read of a member's words; a failed one is reported in this communicator's numbering."""
