@@ -330,6 +330,38 @@ def test_a_store_host_that_exits_is_named_as_on_one_host(hosts2, call):
     assert got["elapsed"] < 10, got
 
 
+def _killed_in_init(ctx):
+    """Rank 1 is killed in the middle of init, after the hello exchange and before the transports meet (no pidfd
+    sees it from the other host, no Mooncake engine watches it yet); rank 0 must name it and its host by the
+    heartbeat, long before init's timeout."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    import zbccl
+    from zbccl.runtime import state
+
+    if ctx.rank == 1:
+        state._exchange_max = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        zbccl.init(store=dist.PrefixStore("z", ctx.store()), rank=ctx.rank, world_size=2, heap_size=8 << 20,
+                   timeout=120)
+    except ZbcclTimeoutError as exc:
+        return {"ranks": list(exc.ranks), "text": str(exc), "elapsed": time.monotonic() - t0}
+    zbccl.finalize()
+    return {"ranks": None}
+
+
+def test_a_rank_killed_in_init_across_hosts_is_named_by_its_heartbeat(hosts2):
+    out = run_hosts(_killed_in_init, hosts2, timeout=180, expect_exit={1: True})
+    got = out[0]
+    assert got["ranks"] == [1], got
+    assert "rank 1 on host" in got["text"] and "stopped answering" in got["text"], got["text"]
+    assert got["elapsed"] < 60, f"named after {got['elapsed']:.1f}s, init's timeout is 120 s"
+
+
 def test_fork_after_init_across_hosts_disowns_the_child_and_keeps_the_parent_intact(hosts2):
     """``tests/multiproc/test_fork.py``'s case at 2 x 2 namespace hosts (shm within a host, Mooncake between): the
     child's ops refuse, its exit calls nothing of the inherited engine (whose threads are not there: the call

@@ -61,3 +61,48 @@ def test_a_rank_that_left_publishes_it_and_refuses_its_ops(monkeypatch):
         assert err.ranks == (1,) and "rank 1 was interrupted (Ctrl-C) in the middle of an EP op" in str(err)
     finally:
         zbccl.finalize()
+
+
+def _two_hosts():
+    from zbccl.bootstrap.topology import HostInfo, Topology
+
+    infos = tuple(HostInfo(f"id{r}", f"node{r}", 100 + r, 1) for r in range(2))
+    return Topology(0, infos)
+
+
+def test_init_names_a_member_on_another_host_whose_heartbeat_stopped(monkeypatch):
+    """Init's heartbeat (InitBeat, read by init_watch for members on other hosts): a beating member is never
+    named, one whose counter stands still for BEAT_STALE_S is, with its host; members on this host are left
+    to their pidfds."""
+    import time
+
+    import torch.distributed as dist
+
+    from zbccl.bootstrap.store import StoreBootstrap
+
+    monkeypatch.setattr(liveness, "BEAT_S", 0.02)
+    monkeypatch.setattr(liveness, "BEAT_STALE_S", 0.3)
+    store = dist.HashStore()
+    me, peer = (StoreBootstrap(store, r, 2, prefix="t/1") for r in (0, 1))
+    beats = [liveness.InitBeat(b) for b in (me, peer)]
+    watch = liveness.init_watch(me, None, _two_hosts())
+    try:
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:  # rank 1 beats: a wait for it goes on
+            watch([1], "bootstrap hello")
+            time.sleep(0.02)
+        beats[1].stop()  # rank 1 stops answering
+        end = time.monotonic() + 5
+        with pytest.raises(zbccl.ZbcclTimeoutError) as info:
+            while time.monotonic() < end:
+                watch([1], "bootstrap hello")
+                time.sleep(0.02)
+        assert info.value.ranks == (1,) and info.value.via == 1
+        assert "rank 1 on host node1 (host id id1) stopped answering" in str(info.value), str(info.value)
+        watch([], "bootstrap hello")  # a member already arrived is not judged
+        same_host = liveness.init_watch(me, None, None)
+        same_host([1], "bootstrap hello")  # no topology (before hello) or a local member: no heartbeat verdict
+    finally:
+        for b in beats:
+            b.stop()
+    assert me.counters(["beat/0", "beat/1"]) == [int(store.add("t/1/beat/0", 0)), int(store.add("t/1/beat/1", 0))]

@@ -44,6 +44,10 @@ class Bootstrap(ABC):
     def add(self, key: str, delta: int) -> int:
         """Atomically add to an integer counter and return the new value."""
 
+    def counters(self, keys: Sequence[str]) -> list[int]:
+        """The values of existing counters (:meth:`add`), read together."""
+        return [self.add(k, 0) for k in keys]
+
     @abstractmethod
     def all_gather(self, value: bytes, *, timeout: float, tag: str = "ag", watch: Watch | None = None) -> list[bytes]:
         """Collective: every rank contributes ``value``; all get the list indexed by rank (``watch`` as in

@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
@@ -123,6 +123,14 @@ class StoreBootstrap(Bootstrap):
 
     def add(self, key: str, delta: int) -> int:
         return int(self._call("add", self.store.add, self._key(key), delta))
+
+    def counters(self, keys: Sequence[str]) -> list[int]:
+        """Counters read together: two round trips when they all exist (``multi_get`` would block on a missing
+        one), else one :meth:`add` each (creating the missing at 0); a value that is not a counter reads as -1."""
+        full = [self._key(k) for k in keys]
+        if not hasattr(self.store, "multi_get") or not self._call("counters", self.store.check, full):
+            return super().counters(keys)
+        return [int(v) if v.isdigit() else -1 for v in self._call("counters", self.store.multi_get, full)]
 
     def get(self, key: str, *, timeout: float, owner: int | None = None, watch: Watch | None = None) -> bytes:
         full = self._key(key)

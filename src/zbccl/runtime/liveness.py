@@ -38,7 +38,11 @@ this wait still waits for it, and is skipped otherwise.
 through the store (:func:`init_watch`): a rank that leaves init half-way announces it there
 (:func:`left_init`, a per-rank counter holding its ``ABORT_*`` reason), and from the moment the
 ranks' pids are known (after the hello exchange) the local peers' processes are watched by pidfd
-(the transport's ``watch_peers``). A rank that dies before its hello is named at the timeout.
+(the transport's ``watch_peers``). Members on other hosts, whom no pidfd sees and no transport reaches before
+``establish``, are watched by a heartbeat through the store (:class:`InitBeat`, from before each rank's hello
+record until init ends): a pending one whose beat stood still for ``BEAT_STALE_S`` seconds is named, with its
+host, as stopped answering (``ZbcclTimeoutError``: it died, or its host is down or cut off). A rank that dies
+before its hello is named at the timeout.
 
 **The chain.** A rank that leaves because of another records which (VIA) and the first rank of the chain
 (CAUSE) on its ABORT line, and errors name that first rank and the chain: :mod:`.chain`.
@@ -50,6 +54,8 @@ any op broke the group for everyone.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -83,10 +89,17 @@ if TYPE_CHECKING:
     from .context import Context
 
 __all__ = ["FINALIZED_WHILE_WAITING", "ABORT_LINE", "WAIT_LINE", "waiting", "waits_on", "abort_addr", "aborted", "abort_error", "chain", "first_cause", "who_left", "check",
-           "mark_line", "mark_left", "reason", "leave", "far_members", "lost_error", "store_watch", "init_watch", "left_init"]
+           "mark_line", "mark_left", "reason", "leave", "far_members", "lost_error", "store_watch", "init_watch", "left_init",
+           "InitBeat", "BEAT_S", "BEAT_STALE_S"]
 
 #: What an op still waiting when ``finalize()`` ran on its rank raises (after the op's name).
 FINALIZED_WHILE_WAITING = "finalize() was called on this rank while the op waited"
+#: Init's heartbeat through the store (:class:`InitBeat`): a beat every ``BEAT_S`` seconds; a member on another
+#: host that an init wait still waits for, and whose beat stood still for ``BEAT_STALE_S`` seconds, is named.
+#: Generous against what delays a live rank's beat: a store wait holding the store's client (at most four
+#: liveness intervals), the GIL, oversubscribed cores.
+BEAT_S = 1.0
+BEAT_STALE_S = 10.0
 
 def abort_addr(ctx: Context, rank: int) -> int:
     """Native-core address of global rank ``rank``'s own ABORT line (only for the native channel's table)."""
@@ -326,13 +339,73 @@ def left_init(boot, exc: BaseException) -> None:
         pass
 
 
-def init_watch(boot, transport):
+class InitBeat:
+    """This rank's heartbeat through the store while it is in init: the counter ``beat/<rank>`` of bootstrap
+    ``boot`` counts up every ``BEAT_S`` seconds, from its first beat (here, before the rank writes its hello
+    record: every member's counter exists once the hello exchange is done) until :meth:`stop`. A daemon thread;
+    a store that stopped answering ends it (the waits report that). Counters cannot be sealed: a local user who
+    bumps a dead rank's only delays its naming to the timeout."""
+
+    def __init__(self, boot) -> None:
+        self._boot, self._stop = boot, threading.Event()
+        boot.add(f"beat/{boot.rank}", 1)
+        self._thread = threading.Thread(target=self._run, name="zbccl-init-beat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                self._boot.add(f"beat/{self._boot.rank}", 1)
+            except ZbcclError:  # the store stopped answering: the waits name that
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(BEAT_S)
+
+
+class _Beats:
+    """An init wait's view of the heartbeats (:class:`InitBeat`) of the members on other hosts (bootstrap ranks
+    ``far``; ``topo``: the hello exchange's topology, for their hosts): read at most once per ``BEAT_S``, in one
+    store round trip; a pending one whose counter did not move for ``BEAT_STALE_S`` of this rank's clock raises."""
+
+    def __init__(self, boot, topo, far: Sequence[int]) -> None:
+        self._boot, self._topo, self._far = boot, topo, set(far)
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._next = 0.0
+
+    def check(self, pending: Iterable[int], op: str) -> None:
+        now = time.monotonic()
+        late = [r for r in pending if r in self._far]
+        if not late or now < self._next:
+            return
+        self._next = now + BEAT_S
+        for r, v in zip(late, self._boot.counters([f"beat/{r}" for r in late])):
+            if self._seen.get(r, (None,))[0] != v:
+                self._seen[r] = (v, now)
+        stale = [r for r in late if now - self._seen[r][1] >= BEAT_STALE_S]
+        if stale:
+            info = self._topo.infos
+            where = "; ".join(f"rank {self._boot.members[r]} on host {info[r].hostname} (host id {info[r].host_id})"
+                              for r in stale)
+            err = ZbcclTimeoutError(f"init: {op}: peer lost while waiting: {where} stopped answering: no heartbeat "
+                                    f"through the store for {BEAT_STALE_S:.0f} s (it died or was killed, or its host "
+                                    "is down or cut off)", ranks=tuple(self._boot.members[r] for r in stale))
+            err.via = self._boot.members[stale[0]]
+            raise err
+
+
+def init_watch(boot, transport, topo=None):
     """The liveness rule of init's store waits on bootstrap ``boot`` (watch(pending, op), see
     ``bootstrap/store.py``): a member that left init (:func:`left_init`; by its own cause first, then one
     that followed a peer) or a pending member whose process died (``transport.dead_peers()``, after
     ``transport.watch_peers``; None before the hello exchange, when no pid is known) raises
-    :class:`ZbcclRemoteError` naming it (the members' numbering)."""
+    :class:`ZbcclRemoteError` naming it (the members' numbering); with ``topo`` (after the hello exchange), a
+    pending member on another host whose heartbeat stopped (:class:`InitBeat`) raises
+    :class:`ZbcclTimeoutError` naming it and its host."""
     index = {m: i for i, m in enumerate(boot.members)}
+    far = [] if topo is None else [r for r in range(boot.world_size) if not topo.is_local(r)]
+    beats = _Beats(boot, topo, far) if far else None
 
     def watch(pending: Sequence[int], op: str) -> None:
         if boot.add("left", 0) > 0:  # one round trip while nobody left
@@ -354,15 +427,15 @@ def init_watch(boot, transport):
                                        f"and left it{more}", ranks=(r,) if first is None else (first, r))
                 err.via = r
                 raise err
-        if transport is None:
-            return
-        dead = set(transport.dead_peers())
+        dead = set(transport.dead_peers()) if transport is not None else set()
         gone = [m for m in pending if index.get(m, -1) in dead]
         if gone:
             what = "; ".join(f"rank {m} died (its process exited or was killed)" for m in gone)
             err = ZbcclRemoteError(f"init: {op}: peer lost while waiting: {what}", ranks=tuple(gone))
             err.via = gone[0]
             raise err
+        if beats is not None:
+            beats.check([index[m] for m in pending if m in index], op)
 
     return watch
 

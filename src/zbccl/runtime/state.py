@@ -27,7 +27,7 @@ from ..sma import CachingAllocator
 from . import device_heap, registry
 from .communicator import Communicator
 from .context import Context
-from .liveness import init_watch, left_init
+from .liveness import InitBeat, init_watch, left_init
 from .registry import get_default, in_forked_child, is_initialized, resolve_comm
 from .threads import set_threads
 
@@ -127,7 +127,11 @@ def init(*, rank: int | None = None, world_size: int | None = None, init_method:
         generation = _generation(rdv)
         boot = StoreBootstrap(rdv.store, rdv.rank, rdv.world_size, prefix=f"{rdv.namespace}/{generation}",
                               members=rdv.members, record=True)
-        ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds, dev)
+        beat = InitBeat(boot)  # before the hello record: the peers on other hosts watch this rank by it
+        try:
+            ctx = _build_context(rdv, boot, generation, nbytes, max_bytes, seconds, dev)
+        finally:
+            beat.stop()
         comm = Communicator(ctx, range(rdv.world_size), 0, boot)
         boot.default_watch = comm.store_watch  # every later store wait of the world watches the liveness rule
         registry.set_default(comm)
@@ -197,10 +201,11 @@ def _build_context(rdv, boot: StoreBootstrap, generation: int, nbytes: int, max_
         boot.default_watch = None
         left_init(boot, exc)
         raise
-    # From here the peers' pids are known: every wait of init watches their processes too.
+    # From here the peers' pids are known: every wait of init watches their processes too (and, by their
+    # heartbeats, the peers on other hosts).
     transport = transports.create(topo, "cpu", populate=env.PREFAULT.get())
     transport.watch_peers(topo)
-    boot.default_watch = init_watch(boot, transport)
+    boot.default_watch = init_watch(boot, transport, topo)
     try:
         error = None
         if not env.SKIP_SHM_CHECK.get():
