@@ -129,6 +129,9 @@ def _add_soak(sub) -> None:
     s.add_argument("--hosts", type=_count(1, 64), default=1,
                    help="split the ranks over this many hosts of this machine (ZBCCL_HOST_ID per rank, a job "
                         "cookie): ranks on one host share memory, the others go through Mooncake (default 1)")
+    s.add_argument("--netns", action="store_true",
+                   help="with --hosts: make them real hosts out of Linux namespaces (own network, PID and IPC "
+                        "namespaces joined by veth pairs, as `bench --hosts`; root); --world must be a multiple")
     s.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
 
@@ -303,10 +306,14 @@ def _run(args) -> int:
             print(f"zbccl soak: --hosts must be at most --world, expected 1 to {args.world}, got {args.hosts}",
                   file=sys.stderr)
             return 2
+        if args.netns and (args.hosts < 2 or args.world % args.hosts):
+            print(f"zbccl soak: --netns needs --hosts of at least 2 dividing --world, got --hosts {args.hosts} "
+                  f"--world {args.world}", file=sys.stderr)
+            return 2
         return run_soak(world_size=args.world, minutes=minutes, ops=args.ops, seed=args.seed,
                         check_every=args.check_every, report_every=args.report_every,
                         heap_size=parse_size(args.heap_size), ep=not args.no_ep, as_json=args.json,
-                        rss_growth=parse_size(args.max_rss_growth), hosts=args.hosts)
+                        rss_growth=parse_size(args.max_rss_growth), hosts=args.hosts, netns=args.netns)
     if args.cmd == "bench-tp":
         from .bench.tp import run_from_args
 

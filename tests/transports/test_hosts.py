@@ -534,3 +534,29 @@ def test_ops_2x2_link_cut_mid_op(hosts2):
     for got in out[2:]:  # the cut-off ranks name rank 1 of their group (global rank 1) and host 0
         assert got["error"] == "ZbcclTimeoutError" and got["ranks"] == [0], got
         assert hosts2.addr(0) in got["text"], got["text"]
+
+
+def test_the_soak_over_namespace_hosts_is_bit_exact_and_leaks_nothing():
+    """``zbccl soak --hosts 2 --netns`` at 2 x 2: the random op mix (EP included) between real namespace hosts,
+    every result checked bit for bit, no growth of memory, descriptors or heap past the soak's limits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from zbccl.heap.transports.mooncake import missing_reason
+
+    reason = missing_reason() or hosts_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in ["src", os.environ.get("PYTHONPATH", "")] if p))
+    out = subprocess.run([sys.executable, "-m", "zbccl", "soak", "--world", "4", "--hosts", "2", "--netns", "--ops",
+                          "800", "--check-every", "32", "--seed", "11", "--json"], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-4000:] + out.stdout[-4000:]
+    doc = json.loads(out.stdout)
+    assert doc["ok"] and doc["netns"] and doc["hosts"] == 2 and doc["ops"] == 800, doc
+    assert doc["wrong"] == 0 and doc["errors"] == 0, doc
+    bad = subprocess.run([sys.executable, "-m", "zbccl", "soak", "--world", "4", "--hosts", "3", "--netns", "--ops",
+                          "8"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "--netns" in bad.stderr, bad.stderr[-2000:]

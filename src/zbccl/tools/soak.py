@@ -1,6 +1,6 @@
 """The soak: random ops for minutes, every result checked bit-exactly, resources watched.
 
-Usage: ``zbccl soak [--world N] [--minutes M | --ops K] [--seed S] [--json] [--no-ep] [--hosts H]``
+Usage: ``zbccl soak [--world N] [--minutes M | --ops K] [--seed S] [--json] [--no-ep] [--hosts H [--netns]]``
 
 Starts N local ranks (OS-assigned store port); each initialises zbccl and torch.distributed on the
 ``zbccl`` backend and runs the same seeded random sequence of ops (:mod:`zbccl.tools.soak_ops`):
@@ -15,7 +15,10 @@ dtypes, heap and private tensors. Each result is compared bit for bit with the p
 ``ZBCCL_HOST_ID`` of its block and the launcher's one-off ``ZBCCL_JOB_COOKIE`` (set in the rank's own
 process before ``init``), so ranks of one block share memory over shm and the others are reached through
 the mooncake transport (the ``routed`` transport; ``pip install 'zbccl[internode]'``). Every op then runs
-its between-hosts form. ``H`` need not divide ``N``: the blocks then differ in size by one.
+its between-hosts form. ``H`` need not divide ``N``: the blocks then differ in size by one. With ``--netns``
+the hosts are real: Linux namespaces joined by veth pairs (:class:`~zbccl.tools.netns.NetnsHosts`, each host
+its own network, PID and IPC namespaces; root), ``N / H`` ranks each, their host ids their own, so nothing but
+the network joins two hosts; a rank's progress lines go to its host's log.
 
 Every ``--check-every`` ops the ranks exchange their counters and resources (RSS, open descriptors,
 heap bytes allocated): that is also where they agree to stop. Growth is measured from the first
@@ -194,6 +197,11 @@ def soak_rank(*, rank: int, world_size: int, store, seed: int, seconds: float | 
             "end": meter.tail[-1] if meter.tail else None}
 
 
+def _netns_rank(ctx, **kwargs) -> dict:
+    """:func:`soak_rank` in a rank of a namespace host (``tools/netns.run_hosts``)."""
+    return soak_rank(rank=ctx.rank, world_size=ctx.world_size, store=ctx.store(), **kwargs)
+
+
 def _shutdown(soaker, errors: list[str], rank: int) -> None:
     """Destroy the soak's groups and finalize; after an error, abort first (the peers, out of step with
     this rank, raise naming it at once) and skip the collective teardown of the EP buffer."""
@@ -233,14 +241,19 @@ def _growth(head: list[list[dict]], tail: list[list[dict]]) -> list[dict]:
 
 def run_soak(*, world_size: int = 2, minutes: float | None = None, ops: int | None = None, seed: int = 0,
              check_every: int = 32, report_every: float = 30.0, heap_size: int = 64 << 20, ep: bool = True,
-             as_json: bool = False, rss_growth: int | None = None, hosts: int = 1) -> int:
-    """Run the soak; print the summary (JSON with ``as_json``); return the exit status."""
+             as_json: bool = False, rss_growth: int | None = None, hosts: int = 1, netns: bool = False) -> int:
+    """Run the soak; print the summary (JSON with ``as_json``); return the exit status. ``netns``: the ``hosts``
+    are namespace hosts (``hosts`` must divide ``world_size``; raises
+    :class:`~zbccl.tools.netns.HostsUnavailable` where they cannot be made)."""
     from .launch import launch_local
 
     if (minutes is None) == (ops is None):
         raise ValueError("soak: give exactly one of minutes and ops")
     if not 1 <= hosts <= world_size:
         raise ValueError(f"soak: bad number of hosts, expected 1 to the world size ({world_size}), got {hosts}")
+    if netns and (hosts < 2 or world_size % hosts):
+        raise ValueError(f"soak: namespace hosts need 2 or more hosts of equal size, got {world_size} ranks on "
+                         f"{hosts} hosts")
     limits = dict(THRESHOLDS, **({"rss_anon_bytes": rss_growth} if rss_growth is not None else {}))
     if hosts > 1:  # Mooncake's lanes (``THRESHOLDS``): remote ranks of the rank with the most of them
         remote = max(sum(host_of(q, world_size, hosts) != host_of(r, world_size, hosts) for q in range(world_size))
@@ -248,15 +261,23 @@ def run_soak(*, world_size: int = 2, minutes: float | None = None, ops: int | No
         limits["sockets"] = SOCKETS_PER_REMOTE * remote
     seconds = minutes * 60 if minutes is not None else None
     stream = sys.stderr if as_json else sys.stdout
-    where = f" on {hosts} hosts ({', '.join(str(sum(host_of(r, world_size, hosts) == h for r in range(world_size))) for h in range(hosts))} ranks)" if hosts > 1 else ""
+    where = f" on {hosts} {'namespace ' if netns else ''}hosts ({', '.join(str(sum(host_of(r, world_size, hosts) == h for r in range(world_size))) for h in range(hosts))} ranks)" if hosts > 1 else ""
     print(f"zbccl soak: {world_size} local ranks{where}, {f'{minutes:g} min' if minutes else f'{ops} ops'}, "
           f"seed {seed}", file=stream, flush=True)
-    rows = launch_local(soak_rank, world_size, timeout=(seconds or 0) + 600 + (ops or 0) * 2, threads=1,
-                        seed=seed, seconds=seconds, ops=ops, check_every=check_every, report_every=report_every,
-                        heap_size=heap_size, ep=ep, to_stderr=as_json, hosts=hosts,
-                        cookie=secrets.token_hex(16) if hosts > 1 else None)
+    timeout = (seconds or 0) + 600 + (ops or 0) * 2
+    common = {"seed": seed, "seconds": seconds, "ops": ops, "check_every": check_every, "report_every": report_every,
+              "heap_size": heap_size, "ep": ep, "to_stderr": as_json}
+    cookie = secrets.token_hex(16) if hosts > 1 else None
+    if netns:
+        from .netns import NetnsHosts, run_hosts
+
+        with NetnsHosts(hosts) as made:  # (the ranks' host ids are their namespaces': no ZBCCL_HOST_ID)
+            rows = run_hosts(_netns_rank, made, world_size // hosts, timeout=timeout,
+                             env={"ZBCCL_JOB_COOKIE": cookie, "OMP_NUM_THREADS": "1"}, **common)
+    else:
+        rows = launch_local(soak_rank, world_size, timeout=timeout, threads=1, hosts=hosts, cookie=cookie, **common)
     doc = _summary(rows, world_size=world_size, seed=seed, limits=limits)
-    doc["hosts"] = hosts
+    doc["hosts"], doc["netns"] = hosts, netns
     if as_json:
         print(json.dumps(doc, indent=1))
     else:
@@ -283,7 +304,7 @@ def _summary(rows: list[dict], *, world_size: int, seed: int, limits: dict) -> d
 
 
 def _print_summary(doc: dict) -> None:
-    hosts = f" over {doc['hosts']} hosts" if doc.get("hosts", 1) > 1 else ""
+    hosts = f" over {doc['hosts']} {'namespace ' if doc.get('netns') else ''}hosts" if doc.get("hosts", 1) > 1 else ""
     print(f"\n{doc['ops']} ops in {doc['seconds']}s ({doc['ops_per_s']}/s) on {doc['world_size']} ranks{hosts}, "
           f"seed {doc['seed']}")
     print("ops by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(doc["counts"].items())))
