@@ -72,3 +72,27 @@ def test_the_advertised_address_is_never_loopback_across_hosts(monkeypatch):
     monkeypatch.setattr(engine, "_route_to", lambda host: "127.0.0.1")
     monkeypatch.setenv("ZBCCL_HOST_ID", "fake-host-1")  # hosts made of one machine: loopback reaches them
     assert engine.local_address("127.0.0.1", multi_host=True) == "127.0.0.1"
+
+
+def test_mooncakes_benign_start_line_is_dropped_and_everything_else_kept():
+    """``engine._without``: the error line Mooncake's ``initialize`` prints on every successful start (and glog's
+    header before it) never reaches the user's stderr; any other line written meanwhile does, in order. In a
+    child process: the filter redirects fd 2."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from zbccl.heap.transports.mooncake.engine import _BENIGN, _without\n"
+        "os.write(2, b'before\\n')\n"
+        "with _without(_BENIGN):\n"
+        "    os.write(2, b'WARNING: Logging before InitGoogleLogging() is written to STDERR\\n')\n"
+        "    os.write(2, b'E1128 14:51:49.591527  5509 transfer_metadata.cpp:1098] Local segment descriptor not "
+        "found\\n')\n"
+        "    os.write(2, b'E1128 a real error: remote-supplied address is not within any registered buffer\\n')\n"
+        "    os.write(2, b'no newline at the end')\n"
+        "os.write(2, b'\\nafter\\n')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stderr.decode() == ("before\nE1128 a real error: remote-supplied address is not within any registered "
+                                   "buffer\nno newline at the end\nafter\n"), out.stderr.decode()

@@ -58,6 +58,49 @@ TRANSFER_TIMEOUT_S = 30.0
 _NO_BATCH = (0, -1, (1 << 64) - 1)  # what a failed submission returns (batch_transfer_async: 0; submit: -1)
 
 
+#: What Mooncake's ``initialize`` writes to stderr on every successful start (glog, error level, before the engine
+#: has registered anything: its own lookup of a segment it is about to create), with glog's header of a first line.
+_BENIGN = (b"transfer_metadata.cpp", b"Local segment descriptor not found"), \
+    (b"WARNING: Logging before InitGoogleLogging() is written to STDERR",)
+
+
+class _without:
+    """Run a block with fd 2 into a temporary file, then write everything back to fd 2 except the lines that
+    contain every part of one of ``lines`` (tuples of bytes). Where fd 2 cannot be redirected, a plain block."""
+
+    def __init__(self, lines) -> None:
+        self.lines, self.saved, self.tmp = lines, None, None
+
+    def __enter__(self) -> None:
+        import tempfile
+
+        try:
+            sys.stderr.flush()
+            self.tmp = tempfile.TemporaryFile()
+            self.saved = os.dup(2)
+            os.dup2(self.tmp.fileno(), 2)
+        except (OSError, ValueError):
+            self._close()
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is None:
+            return
+        os.dup2(self.saved, 2)
+        self.tmp.seek(0)
+        kept = [ln for ln in self.tmp.read().splitlines(keepends=True)
+                if not any(all(part in ln for part in parts) for parts in self.lines)]
+        if kept:
+            os.write(2, b"".join(kept))
+        self._close()
+
+    def _close(self) -> None:
+        if self.saved is not None:
+            os.close(self.saved)
+        if self.tmp is not None:
+            self.tmp.close()
+        self.saved = self.tmp = None
+
+
 def load():
     """The ``mooncake.engine`` module; a :class:`ZbcclSystemError` saying how to install it when it cannot load."""
     # Mooncake reads its settings when it loads (set here, before the first import; a launcher's own MC_*
@@ -164,7 +207,8 @@ class MooncakeEngine:
         self.stage_all = False
         self.host = host
         self.protocol = protocol
-        rc = self._e.initialize(host, "P2PHANDSHAKE", protocol, device)
+        with _without(_BENIGN):
+            rc = self._e.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise ZbcclSystemError(
                 f"heap: Mooncake engine initialize failed, expected 0, got {rc} (host {host}, protocol {protocol}"
