@@ -464,6 +464,40 @@ def test_a_subgroups_errors_across_hosts_name_group_ranks(hosts3):
     assert run_hosts(_subgroup_peer_killed, hosts3, timeout=120, expect_exit={2: True})[1] is True
 
 
+def _local_phase_fails(ctx):
+    """2 x 2, a hierarchical all_reduce: rank 3 fails inside the phase among its host's ranks (its reduce_scatter
+    within host 1); rank 2, waiting there, must be told in the all_reduce's words and this communicator's numbering
+    (the phase's own op and host numbering named it "rank 1" of "reduce_scatter_v")."""
+    import zbccl
+    from zbccl.ops import reduce_scatter
+
+    comm = ctx.init(heap_size=16 << 20, timeout=60)
+    x = torch.ones(1 << 18)  # 1 MiB: the hierarchical algorithm, by segments (reduce_scatter_v within each host)
+    zbccl.all_reduce(x)
+    if comm.rank == 3:
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected in the host phase")
+        reduce_scatter.reduce_scatter_v = fail
+    try:
+        zbccl.all_reduce(x)
+    except Exception as exc:  # noqa: BLE001 - reported
+        got = {"type": type(exc).__name__, "ranks": list(getattr(exc, "ranks", ())), "text": str(exc)}
+    else:
+        got = {"type": None}
+    zbccl.finalize()
+    return got
+
+
+def test_an_error_in_a_phase_within_a_host_names_the_op_and_this_communicators_ranks(hosts2):
+    out = run_hosts(_local_phase_fails, hosts2, ranks_per_host=2, timeout=180)
+    assert out[3]["type"] == "RuntimeError", out[3]
+    got = out[2]
+    assert got["type"] == "ZbcclRemoteError" and got["ranks"] == [3], got
+    assert got["text"].startswith("all_reduce: in its phase among this host's ranks [2, 3]"), got["text"]
+    for r in (0, 1):  # host 0 learns it across hosts (the mesh), in this numbering
+        assert out[r]["type"] in ("ZbcclRemoteError", "ZbcclTimeoutError") and set(out[r]["ranks"]) & {2, 3}, out[r]
+
+
 # ----------------------------------------------------------------- the collectives across namespace hosts
 def _ops_2x2(ctx, *, fault: str):
     """2 x 2 over real namespace hosts: the collectives work (flat and hierarchical); then host 1 is killed or cut

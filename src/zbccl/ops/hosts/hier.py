@@ -42,11 +42,12 @@ import math
 
 import torch
 
+from ...errors import ZbcclError
 from ..dtypes import AVG, MAX, MIN, PROD, SUM
 from . import flat as flat_ops
 from .state import F, HostOps
 
-__all__ = ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
+__all__ = ["all_reduce", "all_gather", "broadcast", "reduce_scatter", "on_host"]
 
 _NAMES = {SUM: "sum", AVG: "sum", PROD: "product", MAX: "max", MIN: "min"}
 #: Chunks per segment of the hierarchical ops: the shm phases (which stage a tensor outside the heap) see at
@@ -109,9 +110,9 @@ def _segments(h: HostOps, op: str, flat: torch.Tensor, red: int, inner: int, sec
         n = part.numel()
         counts = [n // L + (1 if i < n % L else 0) for i in range(L)]
         mine = torch.empty(counts[h.local_index], dtype=flat.dtype)
-        reduce_scatter_v(mine, part, counts, _NAMES[red], comm=h.local, timeout=secs)  # 1.
+        on_host(h, op, reduce_scatter_v, mine, part, counts, _NAMES[red], timeout=secs)  # 1.
         _column_all_reduce(h, op, mine, inner, secs)  # 2.
-        all_gather_v(part, mine, counts, comm=h.local, timeout=secs)  # 3.
+        on_host(h, op, all_gather_v, part, mine, counts, timeout=secs)  # 3.
 
 
 def _host_then_column(h: HostOps, op: str, flat: torch.Tensor, red: int, inner: int, secs: float) -> None:
@@ -121,7 +122,7 @@ def _host_then_column(h: HostOps, op: str, flat: torch.Tensor, red: int, inner: 
     from ..allreduce import all_reduce as host_all_reduce
 
     col = h.col
-    host_all_reduce(flat, _NAMES[red], comm=h.local, timeout=secs)  # 1.
+    on_host(h, op, host_all_reduce, flat, _NAMES[red], timeout=secs)  # 1.
     raw = flat_ops._bytes(flat)
     parity = col.step([None if i == col.index else raw for i in range(col.n)], op=op, timeout=secs)  # 2.
     parts = [flat if i == col.index else col.view(parity, i, raw.numel()).view(flat.dtype) for i in range(col.n)]
@@ -133,6 +134,21 @@ def _scratch(h: HostOps, shape: tuple) -> torch.Tensor:
     it; ordinary memory when the heap is full (that phase then stages it, counted in ``staged_bytes``)."""
     t = flat_ops.scratch(h, math.prod(shape))
     return torch.empty(shape, dtype=torch.uint8) if t is None else t.view(shape)
+
+
+def on_host(h: HostOps, op: str, phase, *args, **kwargs):
+    """``phase(*args, comm=h.local, **kwargs)``: a phase of ``op`` among this host's ranks (the shm op of the host
+    group, which numbers them 0..L-1). Its error says so and names them in this communicator's numbering (its
+    class and ``via`` kept: what a leave records), so a user of ``op`` meets no other op's name or numbering."""
+    try:
+        return phase(*args, comm=h.local, **kwargs)
+    except ZbcclError as exc:
+        mine = h.hosts[h.host_of[h.me]]  # this host's members: group rank l is this communicator's mine[l]
+        err = type(exc)(f"{op}: in its phase among this host's ranks {mine} (numbered 0-{len(mine) - 1} there): "
+                        f"{exc}", ranks=tuple(mine[r] if type(r) is int and 0 <= r < len(mine) else r
+                                              for r in exc.ranks))
+        err.via = getattr(exc, "via", None)
+        raise err from None
 
 
 def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, dt: int, counts: list[int],
@@ -156,7 +172,7 @@ def all_gather(h: HostOps, op: str, output: torch.Tensor, input: torch.Tensor, d
         block = _scratch(h, (H, m))  # in the heap: the shm all_gather_v below reads and writes them in place
         _column_gather(h, op, piece, block, secs)
         blocks = _scratch(h, (L, H, m))
-        all_gather_v(blocks.view(-1), block.view(-1), [H * m] * L, comm=h.local, timeout=secs)
+        on_host(h, op, all_gather_v, blocks.view(-1), block.view(-1), [H * m] * L, timeout=secs)
         for hi, members in enumerate(h.hosts):  # block [l, hi] is member hosts[hi][l]'s piece
             for li, i in enumerate(members):
                 flat_ops.copy(outb[i, lo:lo + m], blocks[li, hi])
@@ -185,7 +201,8 @@ def _direct_gather(h: HostOps, op: str, output: torch.Tensor, src: torch.Tensor,
         base = int(heads[peer][F.DEST]) - me * m  # that rank's output
         for i in h.column:
             h.t.put(h.comm.ranks[peer], base + i * m, outb[i * m:(i + 1) * m], op=op)
-    h.local.barrier(timeout=secs)  # every rank of this host put its column's pieces here
+    on_host(h, op, lambda *, comm, timeout: comm.barrier(timeout=timeout), timeout=secs)  # every rank of this host
+    # put its column's pieces here
 
 
 def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, secs: float) -> None:
@@ -211,7 +228,7 @@ def broadcast(h: HostOps, op: str, tensor: torch.Tensor, dt: int, src: int, secs
                                   timeout=secs)
                 if col.index != ci:
                     flat_ops.copy(piece, col.view(parity, ci, piece.numel()))
-        host_broadcast(part, li, comm=h.local, timeout=secs)
+        on_host(h, op, host_broadcast, part, li, timeout=secs)
     if work is not tensor:
         flat_ops.copy(tensor, work)
 
@@ -249,8 +266,8 @@ def reduce_scatter(h: HostOps, op: str, output: torch.Tensor, input: torch.Tenso
             for j, r in enumerate(members):
                 flat_ops.copy(arr[j, k], flat_ops._bytes(src[r * c + lo:r * c + lo + m]))
         mine = _scratch(h, (H * m * isz,)).view(input.dtype)  # (in the heap too: the shm op runs zero-copy)
-        reduce_scatter_v(mine, arr.view(-1).view(input.dtype), [H * m] * L, _NAMES[red], comm=h.local,
-                         timeout=secs)  # 1.
+        on_host(h, op, reduce_scatter_v, mine, arr.view(-1).view(input.dtype), [H * m] * L, _NAMES[red],
+                timeout=secs)  # 1.
         raw = flat_ops._bytes(mine).view(H, m * isz)
         step = max(1, chunk // isz) * isz
         for b in range(0, m * isz, step):  # 2.
