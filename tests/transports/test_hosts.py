@@ -535,9 +535,18 @@ def _ops_2x2(ctx, *, fault: str):
         try:
             zbccl.all_reduce(torch.ones(64))
         except (ZbcclRemoteError, ZbcclTimeoutError) as exc:
-            return {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc),
-                    "elapsed": time.monotonic() - t0}
-        return {"error": None}
+            got = {"error": type(exc).__name__, "ranks": list(exc.ranks), "text": str(exc),
+                   "elapsed": time.monotonic() - t0}
+        else:
+            return {"error": None}
+        # What this rank's local peer recorded on leaving (its ABORT line's CAUSE and VIA): the far rank it lost,
+        # so that a rank meeting only that peer (a wait among this host's ranks) names the first cause.
+        from zbccl.runtime.chain import ABORT_LINE, words
+
+        store.set(f"hosts/left/{me}", b"1")
+        store.wait([f"hosts/left/{1 - me}"])
+        got["peer_line"] = words(comm._ctx.heap.transport, 1 - me, ABORT_LINE)
+        return got
     finally:
         zbccl.finalize()
 
@@ -553,6 +562,7 @@ def test_ops_2x2_host_killed_mid_op(hosts2):
         assert got["error"] == "ZbcclRemoteError" and got["ranks"] == [2, 3], got
         assert hosts2.addr(1) in got["text"] and "died" in got["text"], got["text"]
         assert got["elapsed"] < 10, got
+        assert got["peer_line"] is not None and set(got["peer_line"]) <= {2, 3}, got  # (cause, via): a far rank
 
 
 def test_ops_2x2_link_cut_mid_op(hosts2):
@@ -565,6 +575,7 @@ def test_ops_2x2_link_cut_mid_op(hosts2):
         assert got["error"] == "ZbcclTimeoutError" and got["ranks"] == [2, 3], got
         assert hosts2.addr(1) in got["text"] and "unreachable" in got["text"], got["text"]
         assert got["elapsed"] < 30, got
+        assert got["peer_line"] is not None and set(got["peer_line"]) <= {2, 3}, got
     for got in out[2:]:  # the cut-off ranks name rank 1 of their group (global rank 1) and host 0
         assert got["error"] == "ZbcclTimeoutError" and got["ranks"] == [0], got
         assert hosts2.addr(0) in got["text"], got["text"]

@@ -152,9 +152,14 @@ def _state_of(ctx: Context, g: int, lines: Sequence[int]) -> str:
             return "failed"
         if state == layout.STATE_FINALIZED:
             return "called finalize"
-    if g in set(heap.transport.dead_peers()):
-        return "died (its process exited or was killed)"
-    return "never arrived (stopped or too slow)"
+    t = heap.transport
+    far = not heap.reachable(g) and t.reachable(g)  # on another host: the transport's verdict, never a read
+    if g in set(t.dead_peers()):
+        return f"died or called finalize (on {t.where(g)})" if far else "died (its process exited or was killed)"
+    if far and g in set(t.unreachable_peers()):
+        return f"is unreachable (on {t.where(g)}: no answer)"
+    return f"never arrived (on {t.where(g)}: stopped, too slow or not yet judged lost)" if far else \
+        "never arrived (stopped or too slow)"
 
 
 def first_cause(ctx: Context, g: int, lines: Sequence[int] = (ABORT_LINE,), label=None) -> tuple[str, object]:

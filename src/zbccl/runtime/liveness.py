@@ -197,10 +197,13 @@ def lost_error(ctx: Context, kind: str, lost: list[int], *, op: str, labels: dic
     where = "; ".join(f"rank {labels.get(r, r)} on {ctx.heap.transport.where(r)}" for r in lost)
     ranks = tuple(labels.get(r, r) for r in lost)
     if kind == "dead":
-        return ZbcclRemoteError(f"{op}: peer lost while waiting: {where} died or called finalize (its host answers, "
-                                "its transfer engine is gone)", ranks=ranks)
-    return ZbcclTimeoutError(f"{op}: peer lost while waiting: {where} is unreachable (no answer: a network "
-                             "partition or a host down)", ranks=ranks)
+        err: ZbcclError = ZbcclRemoteError(f"{op}: peer lost while waiting: {where} died or called finalize (its "
+                                           "host answers, its transfer engine is gone)", ranks=ranks)
+    else:
+        err = ZbcclTimeoutError(f"{op}: peer lost while waiting: {where} is unreachable (no answer: a network "
+                                "partition or a host down)", ranks=ranks)
+    err.via = lost[0]  # (a world rank: a rank leaving by this error records it, and its followers name it)
+    return err
 
 
 def _left_error(ctx: Context, left: tuple[int, int, int], *, op: str, labels: dict[int, int]) -> ZbcclRemoteError:

@@ -181,14 +181,19 @@ class Watch:
                 gone.append((g, "died (its process exited or was killed)"))
         if gone:
             what = "; ".join(f"rank {label(g, g)} on {self.where(g)} {why}" for g, why in gone)
-            raise ZbcclRemoteError(f"{op}: peer lost while waiting: {what}", ranks=tuple(label(g, g) for g, _ in gone))
+            err: ZbcclError = ZbcclRemoteError(f"{op}: peer lost while waiting: {what}",
+                                               ranks=tuple(label(g, g) for g, _ in gone))
+            err.via = gone[0][0]  # (world ranks, as every error's via: what a leave records)
+            raise err
         late = [g for g in pending if g != ctx.rank and g not in {t[0] for t in timed}]
         if timed and late and follow is None and waited >= timeout / 2:
             names = [label(g, g) for g in late]
             where = "; ".join(f"rank {label(g, g)} on {self.where(g)}" for g in late)
-            raise ZbcclTimeoutError(f"{op}: ranks {names} never arrived ({where}; rank(s) "
+            err = ZbcclTimeoutError(f"{op}: ranks {names} never arrived ({where}; rank(s) "
                                     f"{[label(g, g) for g, _, _ in timed]} timed out waiting and left)",
                                     ranks=tuple(names))
+            err.via = late[0]
+            raise err
         if timed or follow is not None:
             g, why, where = timed[0] if timed else follow
             raise liveness.abort_error(label(g, g), why, op=op, where=where)
@@ -212,7 +217,9 @@ class Watch:
         """A verb's error (its ranks are global ranks) in this communicator's numbering."""
         mine = [self.labels[g] for g in exc.ranks if g in self.labels]
         text = str(exc) if str(exc).startswith(f"{op}: ") else f"{op}: {exc}"
-        return type(exc)(f"{text}; in this communicator: rank(s) {mine}", ranks=tuple(mine))
+        err = type(exc)(f"{text}; in this communicator: rank(s) {mine}", ranks=tuple(mine))
+        err.via = next((g for g in exc.ranks if g in self.labels), None)
+        return err
 
 
 class Mesh:
