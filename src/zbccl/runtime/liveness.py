@@ -369,8 +369,9 @@ class InitBeat:
 
 class _Beats:
     """An init wait's view of the heartbeats (:class:`InitBeat`) of the members on other hosts (bootstrap ranks
-    ``far``; ``topo``: the hello exchange's topology, for their hosts): read at most once per ``BEAT_S``, in one
-    store round trip; a pending one whose counter did not move for ``BEAT_STALE_S`` of this rank's clock raises."""
+    ``far``; ``topo``: the hello exchange's topology, for their hosts): read at most once per ``BEAT_S``, together
+    (:meth:`~zbccl.bootstrap.base.Bootstrap.counters`); a pending one whose counter did not move for
+    ``BEAT_STALE_S`` of this rank's clock raises."""
 
     def __init__(self, boot, topo, far: Sequence[int]) -> None:
         self._boot, self._topo, self._far = boot, topo, set(far)

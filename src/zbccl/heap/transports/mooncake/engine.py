@@ -89,8 +89,11 @@ class _without:
         self.tmp.seek(0)
         kept = [ln for ln in self.tmp.read().splitlines(keepends=True)
                 if not any(all(part in ln for part in parts) for parts in self.lines)]
-        if kept:
-            os.write(2, b"".join(kept))
+        try:
+            if kept:
+                os.write(2, b"".join(kept))
+        except OSError:  # (stderr closed meanwhile: nothing to say it on)
+            pass
         self._close()
 
     def _close(self) -> None:
