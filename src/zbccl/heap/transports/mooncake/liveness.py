@@ -86,20 +86,35 @@ class Monitor(threading.Thread):
                         self._unreachable.discard(r)
                 if ok:
                     continue
-                if self.classify(r) == "alive":  # a transient failure, or a process being killed: look again
+                if self._judge(r) == "alive":  # a transient failure, or a process being killed: look again
                     self._stop_ev.wait(0.05)
-                    self.classify(r)
+                    self._judge(r)
 
-    def classify(self, rank: int) -> str:
-        """Ask the network what a failed transfer to ``rank`` means; remember a verdict of dead or unreachable."""
+    def _judge(self, rank: int) -> str:
+        """:meth:`classify` ``rank``; a dead one is published with the ranks of its host that die with it
+        (:meth:`host_mates`), so that a wait names the host's dead ranks together, not the first one alone."""
+        verdict = self.classify(rank, publish=False)
+        if verdict == "dead":
+            self.host_mates(rank, "dead")
+        else:
+            self._publish(verdict, (rank,))
+        return verdict
+
+    def classify(self, rank: int, *, publish: bool = True) -> str:
+        """Ask the network what a failed transfer to ``rank`` means; remember (``publish``) a verdict of dead or
+        unreachable."""
         peer = self.peers[rank]
         verdict = probe(peer.ip, peer.port, timeout=min(1.0, self.stall))
+        if publish:
+            self._publish(verdict, (rank,))
+        return verdict
+
+    def _publish(self, verdict: str, ranks) -> None:
         with self._lock:
             if verdict == "dead":
-                self._dead.add(rank)
+                self._dead.update(ranks)
             elif verdict == "unreachable":
-                self._unreachable.add(rank)
-        return verdict
+                self._unreachable.update(ranks)
 
     def verdict(self, ranks) -> tuple[list[int], list[int]]:
         """``(dead, unreachable)`` among ``ranks`` (remote peers only), each sorted. Never blocks."""
@@ -122,30 +137,34 @@ class Monitor(threading.Thread):
         in CI as "unreachable" for a killed host whose other connections had been reset)."""
         until = time.monotonic() + 1.0
         while True:
-            verdict = self.classify(rank)
+            verdict = self.classify(rank, publish=False)  # (dead: published by :meth:`failure`, with its host's)
             if verdict != "alive" or time.monotonic() >= until:
                 break
             time.sleep(0.05)
-        if verdict == "unreachable" and self.classify(rank) == "dead":
-            with self._lock:
-                self._unreachable.discard(rank)
+        if verdict == "unreachable" and self.classify(rank, publish=False) == "dead":
             return "dead"
+        if verdict == "unreachable":
+            self._publish(verdict, (rank,))
         return verdict
 
     def host_mates(self, rank: int, verdict: str) -> tuple[int, ...]:
         """``rank`` and the other remote ranks of its host in the same state: every rank of an unreachable
-        host is; a rank of a host that answers is dead when its own port refuses too (a quick probe)."""
+        host is; a rank of a host that answers is dead when its own port refuses too (a quick probe). Dead
+        ones are published together (:meth:`verdict`)."""
         ip = self.peers[rank].ip
         mates = [r for r, p in self.peers.items() if p.ip == ip and r != rank]
         if verdict == "dead":
             # A host's ranks do not die at one instant: give the others half a second to follow.
-            dead, until = set(), time.monotonic() + 0.5
+            with self._lock:
+                dead = {r for r in mates if r in self._dead}
+            until = time.monotonic() + 0.5
             while True:
-                dead |= {r for r in mates if r not in dead and self.classify(r) == "dead"}
+                dead |= {r for r in mates if r not in dead and self.classify(r, publish=False) == "dead"}
                 if len(dead) == len(mates) or time.monotonic() >= until:
                     break
                 time.sleep(0.05)
             mates = sorted(dead)
+            self._publish("dead", (rank, *mates))
         return tuple(sorted([rank, *mates]))
 
     def failure(self, rank: int, op: str, what: str, verdict: str) -> ZbcclError:
