@@ -137,13 +137,15 @@ class Monitor(threading.Thread):
         in CI as "unreachable" for a killed host whose other connections had been reset)."""
         until = time.monotonic() + 1.0
         while True:
-            verdict = self.classify(rank, publish=False)  # (dead: published by :meth:`failure`, with its host's)
+            verdict = self.classify(rank, publish=False)
             if verdict != "alive" or time.monotonic() >= until:
                 break
             time.sleep(0.05)
         if verdict == "unreachable" and self.classify(rank, publish=False) == "dead":
-            return "dead"
-        if verdict == "unreachable":
+            verdict = "dead"
+        if verdict == "dead":
+            self.host_mates(rank, "dead")  # published with the ranks of its host that die with it
+        else:
             self._publish(verdict, (rank,))
         return verdict
 
