@@ -169,11 +169,18 @@ class Monitor(threading.Thread):
             self._publish("dead", (rank, *mates))
         return tuple(sorted([rank, *mates]))
 
+    def _dead_with(self, rank: int) -> tuple[int, ...]:
+        """``rank`` and the ranks of its host published dead with it (no probe: whoever published ``rank`` dead,
+        :meth:`_judge` or :meth:`settled`, gave its host's ranks their grace then)."""
+        ip = self.peers[rank].ip
+        with self._lock:
+            return tuple(sorted({rank} | {r for r in self._dead if self.peers[r].ip == ip}))
+
     def failure(self, rank: int, op: str, what: str, verdict: str) -> ZbcclError:
         """The error for a transfer to ``rank`` that failed: it died, its host is unreachable, or it refused."""
         peer = self.peers[rank]
         if verdict == "dead":
-            ranks = self.host_mates(rank, "dead")
+            ranks = self._dead_with(rank)  # (published by :meth:`settled`, with its host's)
             return ZbcclRemoteError(f"{op}: rank(s) {list(ranks)} died or called finalize ({peer.where()} refuses "
                                     f"connections to their transfer engines), expected {what} to complete, got rc -1",
                                     ranks=ranks)
@@ -189,7 +196,7 @@ class Monitor(threading.Thread):
         or its host stopped answering (timeout); None while all answer. ``label`` numbers ranks for messages."""
         dead, gone = self.verdict(ranks)
         if dead:
-            dead = sorted({m for r in dead for m in self.host_mates(r, "dead")})
+            dead = sorted({m for r in dead for m in self._dead_with(r)})
             names = [label(r, r) for r in dead]
             where = "; ".join(f"rank {label(r, r)} on {self.peers[r].where()}" for r in dead)
             return ZbcclRemoteError(f"{op}: peer lost while waiting: rank(s) {names} died or called finalize ({where}: "
